@@ -1,0 +1,685 @@
+//! Appending events: optimistic concurrency per stream, batches across
+//! streams, and group commit.
+//!
+//! ```text
+//!  append() --validate--> queue --> flusher 1 --BEGIN; bump streams; check; positions+insert; COMMIT--> Postgres
+//!  append() --validate--> queue --> flusher 2 (takes the next batch while 1 commits)
+//! ```
+//!
+//! Callers validate their own events (size, JSON shape, names) before they
+//! queue, so a bad event never reaches a transaction. A flusher takes whatever
+//! is queued (up to `max_batch_events`) and commits it as one transaction; each
+//! caller is answered after that commit returned, i.e. after its WAL flush.
+//!
+//! Progress: a stream's version is the count of its events; `strata.streams`
+//! holds it and is bumped under its row lock. Positions come from
+//! `strata.log_head`, whose row lock is taken after the stream locks and held
+//! to commit: positions are gap-free and commit in order. Lock order is always
+//! streams (sorted by name), then the log head, so flushers never deadlock.
+
+use crate::metrics;
+use crate::types::{ExpectedVersion, NewEvent, Position};
+use crate::ErrorKind;
+use serde_json::value::RawValue;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio_postgres::types::{Json, Type};
+use tokio_postgres::{Client, Config, NoTls, Statement};
+
+/// Why an append was refused or failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AppendError {
+    /// The stream was not at the expected version. Nothing was written.
+    #[error("version conflict on stream {stream:?}: expected {expected}, actual {actual}")]
+    VersionConflict {
+        stream: String,
+        expected: ExpectedVersion,
+        actual: u64,
+    },
+    /// The request is malformed. Nothing was written.
+    #[error("invalid append: {0}")]
+    Invalid(String),
+    /// A payload is larger than the limit. Nothing was written.
+    #[error(
+        "payload of {size} bytes for event type {event_type:?} exceeds the limit of {limit} bytes"
+    )]
+    TooLarge {
+        event_type: String,
+        size: usize,
+        limit: usize,
+    },
+    /// The database refused or could not be reached before commit. Nothing
+    /// was written.
+    #[error("{context}: {source}")]
+    Database {
+        context: &'static str,
+        #[source]
+        source: Arc<tokio_postgres::Error>,
+    },
+    /// The connection was lost while committing: the append may or may not
+    /// have been committed. Read the stream (or retry with the same expected
+    /// version, which conflicts if it did commit) to find out.
+    #[error("connection lost while committing; the append may or may not be durable: {0}")]
+    OutcomeUnknown(#[source] Arc<tokio_postgres::Error>),
+    /// The appender has shut down.
+    #[error("the appender has shut down")]
+    Closed,
+}
+
+impl AppendError {
+    /// Whether trying again may succeed. Exhaustive on purpose: a new variant
+    /// must be classified here.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            AppendError::VersionConflict { .. }
+            | AppendError::Invalid(_)
+            | AppendError::TooLarge { .. }
+            | AppendError::Closed => ErrorKind::Definite,
+            AppendError::Database { source, .. } => crate::classify_pg(source),
+            AppendError::OutcomeUnknown(_) => ErrorKind::Transient,
+        }
+    }
+}
+
+/// Events for one stream within an append.
+#[derive(Debug, Clone)]
+pub struct StreamAppend {
+    pub stream: String,
+    pub expected: ExpectedVersion,
+    pub events: Vec<NewEvent>,
+}
+
+/// What an append committed for one stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Appended {
+    pub stream: String,
+    /// The stream's version after the append (= version of its last event).
+    pub version: u64,
+    pub first_position: Position,
+    pub last_position: Position,
+}
+
+/// A clock for `recorded_at`; tests use it to cross a month boundary.
+pub type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
+
+/// Limits and tuning of an [`Appender`].
+#[derive(Clone)]
+pub struct AppenderConfig {
+    /// Most events in one group-commit transaction.
+    pub max_batch_events: usize,
+    /// Largest payload (and metadata) accepted, in bytes of JSON text.
+    pub max_payload_bytes: usize,
+    /// Most events in one append call.
+    pub max_events_per_append: usize,
+    /// Connections committing batches; a second one overlaps the next batch
+    /// with the commit of the previous one.
+    pub connections: usize,
+    /// Appends that may wait in the queue before callers are slowed down.
+    pub queue_capacity: usize,
+    /// Where `recorded_at` comes from; `None` uses the database's `now()`.
+    pub clock: Option<Clock>,
+}
+
+impl std::fmt::Debug for AppenderConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppenderConfig")
+            .field("max_batch_events", &self.max_batch_events)
+            .field("max_payload_bytes", &self.max_payload_bytes)
+            .field("max_events_per_append", &self.max_events_per_append)
+            .field("connections", &self.connections)
+            .field("queue_capacity", &self.queue_capacity)
+            .finish()
+    }
+}
+
+impl Default for AppenderConfig {
+    fn default() -> Self {
+        AppenderConfig {
+            max_batch_events: 4096,
+            max_payload_bytes: 1 << 20,
+            max_events_per_append: 10_000,
+            connections: 2,
+            queue_capacity: 16_384,
+            clock: None,
+        }
+    }
+}
+
+struct Request {
+    appends: Vec<StreamAppend>,
+    events: usize,
+    started: Instant,
+    reply: oneshot::Sender<Result<Vec<Appended>, AppendError>>,
+}
+
+/// Appends events with group commit. Cheap to clone; all clones share the
+/// queue and the flushers. The flushers stop when every clone is dropped.
+#[derive(Clone)]
+pub struct Appender {
+    tx: mpsc::Sender<Request>,
+    config: Arc<AppenderConfig>,
+}
+
+impl Appender {
+    /// Starts the flushers against the database at `db`. Connections are made
+    /// lazily and re-made after a failure.
+    pub fn start(db: Config, config: AppenderConfig) -> Appender {
+        let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
+        let rx = Arc::new(Mutex::new(rx));
+        let config = Arc::new(config);
+        for _ in 0..config.connections.max(1) {
+            let flusher = Flusher {
+                db: db.clone(),
+                config: config.clone(),
+                conn: None,
+            };
+            crate::task::spawn("append-flusher", flusher.run(rx.clone()));
+        }
+        Appender { tx, config }
+    }
+
+    /// Appends `events` to `stream` if it is at `expected`.
+    pub async fn append(
+        &self,
+        stream: &str,
+        expected: ExpectedVersion,
+        events: Vec<NewEvent>,
+    ) -> Result<Appended, AppendError> {
+        let mut out = self
+            .append_batch(vec![StreamAppend {
+                stream: stream.to_string(),
+                expected,
+                events,
+            }])
+            .await?;
+        out.pop().ok_or(AppendError::Closed)
+    }
+
+    /// Appends to several streams in one transaction: all or nothing.
+    pub async fn append_batch(
+        &self,
+        appends: Vec<StreamAppend>,
+    ) -> Result<Vec<Appended>, AppendError> {
+        let events = validate(&appends, &self.config)?;
+        let (reply, rx) = oneshot::channel();
+        let req = Request {
+            appends,
+            events,
+            started: Instant::now(),
+            reply,
+        };
+        self.tx.send(req).await.map_err(|_| AppendError::Closed)?;
+        rx.await.map_err(|_| AppendError::Closed)?
+    }
+}
+
+const MAX_STREAM_LEN: usize = 256;
+const MAX_TYPE_LEN: usize = 128;
+
+/// Checks an append before it is queued; returns its event count.
+pub fn validate(appends: &[StreamAppend], config: &AppenderConfig) -> Result<usize, AppendError> {
+    if appends.is_empty() {
+        return Err(AppendError::Invalid(
+            "an append needs at least one stream".into(),
+        ));
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut total = 0usize;
+    for a in appends {
+        validate_stream(&a.stream)?;
+        if !seen.insert(a.stream.as_str()) {
+            return Err(AppendError::Invalid(format!(
+                "stream {:?} appears twice in one append; put its events in one entry",
+                a.stream
+            )));
+        }
+        if a.events.is_empty() {
+            return Err(AppendError::Invalid(format!(
+                "no events for stream {:?}",
+                a.stream
+            )));
+        }
+        for e in &a.events {
+            validate_type(&e.event_type)?;
+            validate_json(
+                &e.event_type,
+                "payload",
+                &e.payload,
+                config.max_payload_bytes,
+            )?;
+            if let Some(m) = &e.metadata {
+                validate_json(&e.event_type, "metadata", m, config.max_payload_bytes)?;
+            }
+        }
+        total += a.events.len();
+    }
+    if total > config.max_events_per_append {
+        return Err(AppendError::Invalid(format!(
+            "{total} events in one append; the limit is {}",
+            config.max_events_per_append
+        )));
+    }
+    Ok(total)
+}
+
+fn validate_stream(s: &str) -> Result<(), AppendError> {
+    if s.is_empty() || s.len() > MAX_STREAM_LEN {
+        return Err(AppendError::Invalid(format!(
+            "stream name must be 1 to {MAX_STREAM_LEN} bytes, got {}",
+            s.len()
+        )));
+    }
+    if s.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err(AppendError::Invalid(format!(
+            "stream name {s:?} contains whitespace or control characters"
+        )));
+    }
+    Ok(())
+}
+
+fn validate_type(t: &str) -> Result<(), AppendError> {
+    if t.is_empty() || t.len() > MAX_TYPE_LEN {
+        return Err(AppendError::Invalid(format!(
+            "event type must be 1 to {MAX_TYPE_LEN} bytes, got {}",
+            t.len()
+        )));
+    }
+    if !t
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':' | '/'))
+    {
+        return Err(AppendError::Invalid(format!(
+            "event type {t:?} may use only ASCII letters, digits and . _ - : /"
+        )));
+    }
+    Ok(())
+}
+
+fn validate_json(
+    event_type: &str,
+    what: &str,
+    v: &RawValue,
+    limit: usize,
+) -> Result<(), AppendError> {
+    let text = v.get();
+    if text.len() > limit {
+        return Err(AppendError::TooLarge {
+            event_type: event_type.to_string(),
+            size: text.len(),
+            limit,
+        });
+    }
+    if !text.trim_start().starts_with('{') {
+        return Err(AppendError::Invalid(format!(
+            "{what} of event type {event_type:?} must be a JSON object"
+        )));
+    }
+    // jsonb cannot store the NUL character; find it before Postgres does.
+    if text.contains("\\u0000") {
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| AppendError::Invalid(format!("{what} is not valid JSON: {e}")))?;
+        if has_nul(&value) {
+            return Err(AppendError::Invalid(format!(
+                "{what} of event type {event_type:?} contains a NUL character (\\u0000), which Postgres cannot store"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn has_nul(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::String(s) => s.contains('\0'),
+        serde_json::Value::Array(a) => a.iter().any(has_nul),
+        serde_json::Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+        _ => false,
+    }
+}
+
+struct Conn {
+    client: Client,
+    bump: Statement,
+    insert: Statement,
+}
+
+struct Flusher {
+    db: Config,
+    config: Arc<AppenderConfig>,
+    conn: Option<Conn>,
+}
+
+const BUMP_SQL: &str = "
+INSERT INTO strata.streams AS s (stream, version)
+SELECT * FROM unnest($1::text[], $2::bigint[])
+ON CONFLICT (stream) DO UPDATE SET version = s.version + excluded.version, updated_at = now()
+RETURNING s.stream, s.version";
+
+const INSERT_SQL: &str = "
+WITH head AS (
+    UPDATE strata.log_head SET last_position = last_position + $1
+    RETURNING last_position - $1 AS base
+), ins AS (
+    INSERT INTO strata.events (position, stream, version, type, payload, metadata, recorded_at)
+    SELECT h.base + e.ord, e.stream, e.version, e.type, e.payload, e.metadata, coalesce($7, now())
+      FROM head h,
+           unnest($2::text[], $3::bigint[], $4::text[], $5::jsonb[], $6::jsonb[])
+             WITH ORDINALITY AS e(stream, version, type, payload, metadata, ord)
+    RETURNING 1
+)
+SELECT h.base, (SELECT count(*) FROM ins) FROM head h";
+
+/// Outcome of one attempt at committing a batch.
+enum Attempt {
+    Committed(Vec<Vec<Appended>>),
+    /// These requests (indices) conflict; retry without them.
+    Conflicts(Vec<(usize, AppendError)>),
+}
+
+impl Flusher {
+    async fn run(mut self, rx: Arc<Mutex<mpsc::Receiver<Request>>>) {
+        loop {
+            let batch = {
+                let mut rx = rx.lock().await;
+                let Some(first) = rx.recv().await else { return };
+                let mut n = first.events;
+                let mut batch = vec![first];
+                while n < self.config.max_batch_events {
+                    match rx.try_recv() {
+                        Ok(r) => {
+                            n += r.events;
+                            batch.push(r);
+                        }
+                        Err(_) => break,
+                    }
+                }
+                batch
+            };
+            self.flush(batch).await;
+        }
+    }
+
+    async fn connect(&mut self) -> Result<&Conn, AppendError> {
+        if self.conn.as_ref().is_some_and(|c| c.client.is_closed()) {
+            self.conn = None;
+        }
+        if self.conn.is_none() {
+            let db_err = |context| {
+                move |source| AppendError::Database {
+                    context,
+                    source: Arc::new(source),
+                }
+            };
+            let (client, connection) = self
+                .db
+                .connect(NoTls)
+                .await
+                .map_err(db_err("connect to postgres"))?;
+            crate::task::spawn("append-connection", async move {
+                if let Err(e) = connection.await {
+                    tracing::warn!(error = %e, "append connection closed");
+                }
+            });
+            let bump = client
+                .prepare_typed(BUMP_SQL, &[Type::TEXT_ARRAY, Type::INT8_ARRAY])
+                .await
+                .map_err(db_err("prepare the stream version statement"))?;
+            let insert = client
+                .prepare_typed(
+                    INSERT_SQL,
+                    &[
+                        Type::INT8,
+                        Type::TEXT_ARRAY,
+                        Type::INT8_ARRAY,
+                        Type::TEXT_ARRAY,
+                        Type::JSONB_ARRAY,
+                        Type::JSONB_ARRAY,
+                        Type::TIMESTAMPTZ,
+                    ],
+                )
+                .await
+                .map_err(db_err("prepare the event insert"))?;
+            self.conn = Some(Conn {
+                client,
+                bump,
+                insert,
+            });
+        }
+        Ok(self.conn.as_ref().expect("connected above"))
+    }
+
+    async fn flush(&mut self, batch: Vec<Request>) {
+        let mut live: Vec<Option<Request>> = batch.into_iter().map(Some).collect();
+        let mut partition_retry = true;
+        loop {
+            let idx: Vec<usize> = (0..live.len()).filter(|i| live[*i].is_some()).collect();
+            if idx.is_empty() {
+                return;
+            }
+            let reqs: Vec<&Request> = idx
+                .iter()
+                .map(|i| live[*i].as_ref().expect("live"))
+                .collect();
+            let recorded_at = self.config.clock.as_ref().map(|c| c());
+            let result = self.attempt(&reqs, recorded_at).await;
+            match result {
+                Ok(Attempt::Committed(outs)) => {
+                    let m = metrics::global();
+                    let n: usize = reqs.iter().map(|r| r.events).sum();
+                    m.append_events
+                        .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                    m.append_transactions
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    m.append_batch_size.observe(n as f64);
+                    for (i, out) in idx.into_iter().zip(outs) {
+                        let req = live[i].take().expect("live");
+                        m.append_duration
+                            .observe(req.started.elapsed().as_secs_f64());
+                        let _ = req.reply.send(Ok(out));
+                    }
+                    return;
+                }
+                Ok(Attempt::Conflicts(conflicts)) => {
+                    metrics::global()
+                        .append_conflicts
+                        .fetch_add(conflicts.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                    for (k, err) in conflicts {
+                        if let Some(req) = live[idx[k]].take() {
+                            let _ = req.reply.send(Err(err));
+                        }
+                    }
+                }
+                Err(AppendError::Database { source, .. })
+                    if partition_retry && is_missing_partition(&source) =>
+                {
+                    // Only reached if partition maintenance fell behind: make
+                    // the month and try once more.
+                    partition_retry = false;
+                    let at = recorded_at.unwrap_or_else(SystemTime::now);
+                    tracing::warn!("no partition for the month being written; creating it");
+                    if let Some(c) = &self.conn {
+                        if let Err(e) = schema::partitions::ensure_for(&c.client, at).await {
+                            tracing::error!(error = %e, "could not create the missing partition");
+                        }
+                    }
+                }
+                Err(err) => {
+                    if err.kind() == ErrorKind::Transient {
+                        self.conn = None;
+                    }
+                    for i in idx {
+                        if let Some(req) = live[i].take() {
+                            let _ = req.reply.send(Err(err.clone()));
+                        }
+                    }
+                    // Do not spin against a database that is down.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn attempt(
+        &mut self,
+        reqs: &[&Request],
+        recorded_at: Option<SystemTime>,
+    ) -> Result<Attempt, AppendError> {
+        // How many events each stream gets in this batch (sorted by name,
+        // which is also the order rows are locked in).
+        let mut counts: BTreeMap<&str, i64> = BTreeMap::new();
+        for r in reqs {
+            for a in &r.appends {
+                *counts.entry(a.stream.as_str()).or_default() += a.events.len() as i64;
+            }
+        }
+        let names: Vec<&str> = counts.keys().copied().collect();
+        let adds: Vec<i64> = counts.values().copied().collect();
+        let conn = self.connect().await?;
+        let db_err = |context| {
+            move |source| AppendError::Database {
+                context,
+                source: Arc::new(source),
+            }
+        };
+        conn.client
+            .batch_execute("BEGIN")
+            .await
+            .map_err(db_err("begin an append"))?;
+        let rows = match conn.client.query(&conn.bump, &[&names, &adds]).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                let _ = conn.client.batch_execute("ROLLBACK").await;
+                return Err(AppendError::Database {
+                    context: "lock and bump stream versions",
+                    source: Arc::new(e),
+                });
+            }
+        };
+        // The version each stream had before this batch.
+        let mut version: BTreeMap<String, u64> = BTreeMap::new();
+        for row in rows {
+            let stream: String = row.get(0);
+            let new: i64 = row.get(1);
+            let add = counts.get(stream.as_str()).copied().unwrap_or(0);
+            version.insert(stream, (new - add).max(0) as u64);
+        }
+        // Check each request in order against the versions it would see.
+        let mut conflicts = Vec::new();
+        let mut running = version.clone();
+        let mut planned: Vec<Vec<(String, u64, u64)>> = Vec::with_capacity(reqs.len());
+        for (k, r) in reqs.iter().enumerate() {
+            let mut plan = Vec::with_capacity(r.appends.len());
+            let mut conflict = None;
+            for a in &r.appends {
+                let actual = running.get(&a.stream).copied().unwrap_or(0);
+                if !a.expected.admits(actual) {
+                    conflict = Some(AppendError::VersionConflict {
+                        stream: a.stream.clone(),
+                        expected: a.expected,
+                        actual,
+                    });
+                    break;
+                }
+                plan.push((a.stream.clone(), actual, actual + a.events.len() as u64));
+            }
+            match conflict {
+                Some(e) => conflicts.push((k, e)),
+                None => {
+                    for (s, _, to) in &plan {
+                        running.insert(s.clone(), *to);
+                    }
+                    planned.push(plan);
+                }
+            }
+        }
+        if !conflicts.is_empty() {
+            conn.client
+                .batch_execute("ROLLBACK")
+                .await
+                .map_err(db_err("roll back a conflicting batch"))?;
+            return Ok(Attempt::Conflicts(conflicts));
+        }
+        // Every request passes: insert the events with their versions.
+        let total: usize = reqs.iter().map(|r| r.events).sum();
+        let mut streams = Vec::with_capacity(total);
+        let mut versions = Vec::with_capacity(total);
+        let mut types = Vec::with_capacity(total);
+        let mut payloads = Vec::with_capacity(total);
+        let mut metas = Vec::with_capacity(total);
+        let empty = RawValue::from_string("{}".into()).expect("{} is JSON");
+        for (r, plan) in reqs.iter().zip(&planned) {
+            for (a, (_, from, _)) in r.appends.iter().zip(plan) {
+                for (j, e) in a.events.iter().enumerate() {
+                    streams.push(a.stream.as_str());
+                    versions.push((from + 1 + j as u64) as i64);
+                    types.push(e.event_type.as_str());
+                    payloads.push(Json(&*e.payload));
+                    metas.push(Json(e.metadata.as_deref().unwrap_or(&empty)));
+                }
+            }
+        }
+        let n = total as i64;
+        let row = match conn
+            .client
+            .query_one(
+                &conn.insert,
+                &[
+                    &n,
+                    &streams,
+                    &versions,
+                    &types,
+                    &payloads,
+                    &metas,
+                    &recorded_at,
+                ],
+            )
+            .await
+        {
+            Ok(row) => row,
+            Err(e) => {
+                let _ = conn.client.batch_execute("ROLLBACK").await;
+                return Err(AppendError::Database {
+                    context: "insert events",
+                    source: Arc::new(e),
+                });
+            }
+        };
+        let base: i64 = row.get(0);
+        if let Err(e) = conn.client.batch_execute("COMMIT").await {
+            return Err(if e.is_closed() || e.code().is_none() {
+                AppendError::OutcomeUnknown(Arc::new(e))
+            } else {
+                AppendError::Database {
+                    context: "commit an append",
+                    source: Arc::new(e),
+                }
+            });
+        }
+        // Hand out positions in the order the rows were inserted.
+        let mut next = base as u64 + 1;
+        let mut outs = Vec::with_capacity(reqs.len());
+        for (r, plan) in reqs.iter().zip(planned) {
+            let mut out = Vec::with_capacity(r.appends.len());
+            for (a, (stream, _, to)) in r.appends.iter().zip(plan) {
+                let first = next;
+                next += a.events.len() as u64;
+                out.push(Appended {
+                    stream,
+                    version: to,
+                    first_position: Position(first),
+                    last_position: Position(next - 1),
+                });
+            }
+            outs.push(out);
+        }
+        Ok(Attempt::Committed(outs))
+    }
+}
+
+fn is_missing_partition(e: &tokio_postgres::Error) -> bool {
+    e.code() == Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION)
+        && e.as_db_error()
+            .is_some_and(|d| d.message().contains("no partition"))
+}

@@ -1,0 +1,57 @@
+//! Strata's event log.
+//!
+//! ```text
+//!  callers --append--> Appender (group commit) --one txn per batch--> strata.events
+//!                                                                        |
+//!                                                     pgoutput over a logical slot
+//!                                                                        v
+//!  Subscription <--Arc<Txn>-- Reader (one per process, decodes once) <-- ReplicationConnection
+//!       |  catch-up and gap fill read the table by position
+//!       +--ack--> strata.subscriptions (durable cursor) --min--> standby status to Postgres
+//! ```
+//!
+//! Positions are handed out under the log head's row lock, held to commit, so
+//! they are gap-free and commit in position order. That makes one order true
+//! everywhere: the replication stream, the table read by position, and every
+//! subscription's cursor (a [`Position`]).
+
+pub mod append;
+pub mod assemble;
+pub mod db;
+pub mod metrics;
+pub mod pgoutput;
+pub mod read;
+pub mod reader;
+pub mod replication;
+pub mod slots;
+pub mod subscription;
+pub mod task;
+pub mod types;
+
+pub use append::{AppendError, Appended, Appender, AppenderConfig, StreamAppend};
+pub use reader::{Reader, ReaderConfig};
+pub use subscription::{Start, SubscribeError, Subscription};
+pub use types::{Event, ExpectedVersion, Lsn, NewEvent, Position, Txn};
+
+/// Whether an error is worth retrying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A retry may succeed: the connection dropped, the server is restarting,
+    /// a serialization failure or deadlock.
+    Transient,
+    /// A retry with the same input fails the same way: a version conflict, an
+    /// invalid payload, an invalidated slot.
+    Definite,
+}
+
+/// Classifies a Postgres error by SQLSTATE class.
+pub fn classify_pg(err: &tokio_postgres::Error) -> ErrorKind {
+    if err.is_closed() {
+        return ErrorKind::Transient;
+    }
+    match err.code() {
+        None => ErrorKind::Transient,
+        Some(code) if schema::is_transient_code(code) => ErrorKind::Transient,
+        Some(_) => ErrorKind::Definite,
+    }
+}

@@ -1,0 +1,501 @@
+//! The replication reader: one per process. It owns one logical slot, decodes
+//! each transaction once, and fans it out to every attached subscription.
+//!
+//! ```text
+//!  slot --pgoutput--> ReplicationConnection --frames--> Assembler --Txn--> Arc<Txn>
+//!                                                                          |  try_send (never blocks)
+//!                                 +------------------+---------------------+
+//!                                 v                  v
+//!                          subscription A      subscription B   (full or gone: detached,
+//!                                 |                  |           it reads the table instead)
+//!                        durable cursor A    durable cursor B
+//!                                 +--------min-------+--> standby status (flush LSN) to Postgres
+//! ```
+//!
+//! Progress: the reader keeps, for each delivered transaction, its last
+//! position and the LSN just past its commit. The slot is acknowledged up to
+//! the newest transaction whose last position every attached subscription has
+//! made durable. A subscription that holds back more than `max_retained_wal`
+//! bytes is detached and catches up from the table, so no subscriber can make
+//! Postgres keep WAL without bound, and none can stall the others.
+//!
+//! A slot created here exports a snapshot; the last position visible in it is
+//! recorded as the slot's base: everything after it arrives through the slot.
+//! An invalidated slot (its WAL removed) is reported loudly, dropped and made
+//! again; subscriptions then fill the difference from the table, by position.
+
+use crate::assemble::Assembler;
+use crate::db::Db;
+use crate::metrics;
+use crate::pgoutput::ReplicationMessage;
+use crate::replication::{self, Frame, ReplicationConnection, ReplicationError};
+use crate::types::{Lsn, Position, Txn};
+use crate::ErrorKind;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::mpsc;
+use tokio_postgres::{Client, Config};
+
+/// Settings of a [`Reader`].
+#[derive(Debug, Clone)]
+pub struct ReaderConfig {
+    /// The slot's name: lower-case letters, digits and underscores.
+    pub slot: String,
+    /// A temporary slot disappears with the connection (for ad-hoc tails).
+    pub temporary: bool,
+    /// The publication to stream.
+    pub publication: String,
+    /// How often a standby status update is sent unasked.
+    pub status_interval: Duration,
+    /// How often the reader records that it is alive.
+    pub heartbeat_interval: Duration,
+    /// Most WAL one subscription may hold back before it is detached.
+    pub max_retained_wal: u64,
+    /// Transactions buffered per subscription before it counts as too slow.
+    pub subscriber_buffer: usize,
+    /// Who runs this reader, shown by `strata slots list`.
+    pub owner: String,
+}
+
+impl ReaderConfig {
+    pub fn new(slot: impl Into<String>) -> Self {
+        ReaderConfig {
+            slot: slot.into(),
+            temporary: false,
+            publication: "strata_events".into(),
+            status_interval: Duration::from_secs(1),
+            heartbeat_interval: Duration::from_secs(5),
+            max_retained_wal: 256 << 20,
+            subscriber_buffer: 4096,
+            owner: "strata".into(),
+        }
+    }
+}
+
+pub(crate) struct Attached {
+    pub name: String,
+    pub tx: mpsc::Sender<Arc<Txn>>,
+    pub durable: Arc<AtomicU64>,
+}
+
+enum Cmd {
+    Attach(Attached),
+}
+
+pub(crate) struct Inner {
+    pub db: Db,
+    pub config: ReaderConfig,
+    cmd: mpsc::UnboundedSender<Cmd>,
+    /// The last position delivered by the slot.
+    pub head: AtomicU64,
+    /// The LSN acknowledged to Postgres.
+    pub acked: AtomicU64,
+    /// Number of (re)connections so far.
+    pub sessions: AtomicU64,
+}
+
+/// A handle on the process's replication reader. Cheap to clone; the reader
+/// stops when every handle and subscription is dropped.
+#[derive(Clone)]
+pub struct Reader {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl Reader {
+    /// Starts the reader for the database at `db`.
+    pub fn start(db: Config, config: ReaderConfig) -> Reader {
+        let (cmd, rx) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            db: Db::new(db),
+            config,
+            cmd,
+            head: AtomicU64::new(0),
+            acked: AtomicU64::new(0),
+            sessions: AtomicU64::new(0),
+        });
+        let weak = Arc::downgrade(&inner);
+        crate::task::spawn("replication-reader", run(weak, rx));
+        Reader { inner }
+    }
+
+    /// The last position that arrived through the slot.
+    pub fn head(&self) -> Position {
+        Position(self.inner.head.load(Ordering::Relaxed))
+    }
+
+    /// The LSN acknowledged to Postgres so far.
+    pub fn acked_lsn(&self) -> Lsn {
+        Lsn(self.inner.acked.load(Ordering::Relaxed))
+    }
+
+    /// How many replication sessions the reader has started.
+    pub fn sessions(&self) -> u64 {
+        self.inner.sessions.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn attach(&self, name: &str, durable: Arc<AtomicU64>) -> mpsc::Receiver<Arc<Txn>> {
+        let (tx, rx) = mpsc::channel(self.inner.config.subscriber_buffer.max(1));
+        let _ = self.inner.cmd.send(Cmd::Attach(Attached {
+            name: name.to_string(),
+            tx,
+            durable,
+        }));
+        rx
+    }
+
+    pub(crate) async fn client(&self) -> Result<Arc<Client>, tokio_postgres::Error> {
+        self.inner.db.get().await
+    }
+}
+
+/// Why a replication session ended.
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error(transparent)]
+    Replication(#[from] ReplicationError),
+    #[error("{context}: {source}")]
+    Sql {
+        context: &'static str,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+}
+
+impl SessionError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            SessionError::Replication(e) => e.kind(),
+            SessionError::Sql { source, .. } => crate::classify_pg(source),
+        }
+    }
+}
+
+fn sql(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SessionError {
+    move |source| SessionError::Sql { context, source }
+}
+
+async fn run(inner: std::sync::Weak<Inner>, mut cmd: mpsc::UnboundedReceiver<Cmd>) {
+    let mut attached: Vec<Attached> = Vec::new();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let Some(me) = inner.upgrade() else { return };
+        let started = Instant::now();
+        let result = session(&me, &mut cmd, &mut attached).await;
+        drop(me);
+        match result {
+            Ok(()) => return,
+            Err(e) => {
+                match e.kind() {
+                    ErrorKind::Transient => {
+                        tracing::warn!(error = %e, "replication session ended; reconnecting")
+                    }
+                    ErrorKind::Definite => {
+                        tracing::error!(error = %e, "replication session failed; retrying")
+                    }
+                }
+                if started.elapsed() > Duration::from_secs(10) {
+                    backoff = Duration::from_millis(100);
+                }
+                // Full jitter: sleep a random time up to the current bound.
+                let sleep = Duration::from_millis(fastrand::u64(10..=backoff.as_millis() as u64));
+                tokio::time::sleep(sleep).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+struct SlotState {
+    /// (last position so far, LSN past the commit) per delivered transaction.
+    pending: VecDeque<(u64, Lsn)>,
+    received: Lsn,
+    acked: Lsn,
+    server_end: Lsn,
+    delivered: u64,
+}
+
+async fn session(
+    inner: &Inner,
+    cmd: &mut mpsc::UnboundedReceiver<Cmd>,
+    attached: &mut Vec<Attached>,
+) -> Result<(), SessionError> {
+    let cfg = &inner.config;
+    let client = inner.db.get().await.map_err(sql("connect to postgres"))?;
+    let app = format!("strata-reader-{}", cfg.slot);
+    let mut conn = ReplicationConnection::connect(&inner.db.config, &app).await?;
+    let system = conn.identify_system().await?;
+    inner.sessions.fetch_add(1, Ordering::Relaxed);
+    prepare_slot(inner, &client, &mut conn).await?;
+    conn.start(&cfg.slot, Lsn(0), &cfg.publication).await?;
+    tracing::info!(slot = %cfg.slot, server_lsn = %system.xlogpos, "replication started");
+
+    let mut state = SlotState {
+        pending: VecDeque::new(),
+        received: Lsn(0),
+        acked: Lsn(inner.acked.load(Ordering::Relaxed)),
+        server_end: system.xlogpos,
+        delivered: inner.head.load(Ordering::Relaxed),
+    };
+    let mut asm = Assembler::new();
+    let mut status = tokio::time::interval(cfg.status_interval);
+    status.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut heartbeat = tokio::time::interval(cfg.heartbeat_interval);
+    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut maintenance = tokio::time::interval(Duration::from_secs(100));
+    loop {
+        tokio::select! {
+            frame = conn.recv() => {
+                let frame = match frame? {
+                    Frame::Data(f) => f,
+                    Frame::Done => return Err(ReplicationError::Closed.into()),
+                };
+                match replication::decode(&frame).map_err(ReplicationError::from)? {
+                    ReplicationMessage::XLogData { start, end, data, .. } => {
+                        state.received = state.received.max(start);
+                        state.server_end = state.server_end.max(end);
+                        if let Some(txn) = asm.push(data).map_err(ReplicationError::from)? {
+                            deliver(inner, &mut state, attached, txn);
+                        }
+                    }
+                    ReplicationMessage::Keepalive { end, reply, .. } => {
+                        state.server_end = state.server_end.max(end);
+                        if reply {
+                            let ack = compute_ack(inner, &mut state, attached, !asm.in_transaction());
+                            conn.send_status(state.received.max(state.acked), ack, false).await?;
+                        }
+                    }
+                }
+            }
+            _ = status.tick() => {
+                let ack = compute_ack(inner, &mut state, attached, !asm.in_transaction());
+                conn.send_status(state.received.max(ack), ack, false).await?;
+                let m = metrics::global();
+                m.replication_lag_bytes.set(state.server_end.0.saturating_sub(ack.0) as f64);
+            }
+            _ = heartbeat.tick() => {
+                client
+                    .execute(
+                        "UPDATE strata.replication_readers SET seen_at = now(), acked_lsn = $2::text::pg_lsn WHERE slot_name = $1",
+                        &[&cfg.slot, &Lsn(inner.acked.load(Ordering::Relaxed)).to_string()],
+                    )
+                    .await
+                    .map_err(sql("record the reader heartbeat"))?;
+            }
+            _ = maintenance.tick() => {
+                // Every process that reads the log also keeps months ahead created.
+                if let Err(e) = schema::partitions::ensure(&client, schema::partitions::DEFAULT_MONTHS_AHEAD, SystemTime::now()).await {
+                    tracing::warn!(error = %e, "partition maintenance failed");
+                }
+            }
+            c = cmd.recv() => match c {
+                Some(Cmd::Attach(a)) => {
+                    tracing::debug!(subscription = %a.name, "subscription attached to the live stream");
+                    attached.push(a);
+                }
+                None => return Ok(()),
+            },
+        }
+    }
+}
+
+/// Makes sure the slot exists and is usable; reports loudly when it is not.
+async fn prepare_slot(
+    inner: &Inner,
+    client: &Client,
+    conn: &mut ReplicationConnection,
+) -> Result<(), SessionError> {
+    let cfg = &inner.config;
+    let row = client
+        .query_opt(
+            "SELECT confirmed_flush_lsn::text, wal_status FROM pg_replication_slots WHERE slot_name = $1",
+            &[&cfg.slot],
+        )
+        .await
+        .map_err(sql("look up the replication slot"))?;
+    let recorded: Option<String> = client
+        .query_opt(
+            "SELECT acked_lsn::text FROM strata.replication_readers WHERE slot_name = $1",
+            &[&cfg.slot],
+        )
+        .await
+        .map_err(sql("read the reader's record"))?
+        .and_then(|r| r.get(0));
+    let recorded: Option<Lsn> = recorded.and_then(|s| s.parse().ok());
+    let mut create = row.is_none();
+    if let Some(row) = row {
+        let status: Option<String> = row.get(1);
+        if status.as_deref() == Some("lost") {
+            let err = ReplicationError::SlotInvalidated {
+                slot: cfg.slot.clone(),
+            };
+            tracing::error!(slot = %cfg.slot, error = %err, "slot invalidated: dropping and re-creating it; subscriptions fill the missed events from the table");
+            client
+                .execute("SELECT pg_drop_replication_slot($1)", &[&cfg.slot])
+                .await
+                .map_err(sql("drop the invalidated slot"))?;
+            create = true;
+        } else {
+            let confirmed: Option<Lsn> =
+                row.get::<_, Option<String>>(0).and_then(|s| s.parse().ok());
+            if let (Some(confirmed), Some(recorded)) = (confirmed, recorded) {
+                if confirmed > recorded {
+                    let err = ReplicationError::SlotAhead {
+                        slot: cfg.slot.clone(),
+                        confirmed,
+                        requested: recorded,
+                    };
+                    tracing::error!(slot = %cfg.slot, error = %err, "slot is ahead of what this reader acknowledged; subscriptions fill the difference from the table");
+                }
+            }
+            if let Some(c) = confirmed {
+                inner.acked.fetch_max(c.0, Ordering::Relaxed);
+            }
+        }
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let pid = std::process::id() as i32;
+    if create {
+        let slot = conn.create_slot(&cfg.slot, cfg.temporary, true).await?;
+        let snapshot = slot.snapshot.clone().unwrap_or_default();
+        // The last position the exported snapshot sees: everything after it
+        // arrives through the slot.
+        let base = base_position(&inner.db.config, &snapshot).await?;
+        inner
+            .acked
+            .fetch_max(slot.consistent_point.0, Ordering::Relaxed);
+        inner.head.fetch_max(base.0, Ordering::Relaxed);
+        tracing::info!(slot = %cfg.slot, consistent_point = %slot.consistent_point, base_position = %base, "replication slot created");
+        client
+            .execute(
+                "INSERT INTO strata.replication_readers (slot_name, owner, host, pid, acked_lsn, base_position)
+                 VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $6)
+                 ON CONFLICT (slot_name) DO UPDATE SET owner = $2, host = $3, pid = $4, started_at = now(),
+                     seen_at = now(), acked_lsn = $5::text::pg_lsn, base_position = $6",
+                &[&cfg.slot, &cfg.owner, &host, &pid, &slot.consistent_point.to_string(), &(base.0 as i64)],
+            )
+            .await
+            .map_err(sql("record the reader"))?;
+    } else {
+        client
+            .execute(
+                "INSERT INTO strata.replication_readers (slot_name, owner, host, pid) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (slot_name) DO UPDATE SET owner = $2, host = $3, pid = $4, started_at = now(), seen_at = now()",
+                &[&cfg.slot, &cfg.owner, &host, &pid],
+            )
+            .await
+            .map_err(sql("record the reader"))?;
+    }
+    Ok(())
+}
+
+async fn base_position(db: &Config, snapshot: &str) -> Result<Position, SessionError> {
+    let mut client = crate::db::connect(db, "snapshot-connection")
+        .await
+        .map_err(sql("connect to read the snapshot"))?;
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await
+        .map_err(sql("begin the snapshot transaction"))?;
+    if !snapshot.is_empty() {
+        let quoted = snapshot.replace('\'', "''");
+        tx.batch_execute(&format!("SET TRANSACTION SNAPSHOT '{quoted}'"))
+            .await
+            .map_err(sql("import the slot's snapshot"))?;
+    }
+    let row = tx
+        .query_one("SELECT last_position FROM strata.log_head", &[])
+        .await
+        .map_err(sql("read the log head in the slot's snapshot"))?;
+    let base: i64 = row.get(0);
+    tx.commit()
+        .await
+        .map_err(sql("end the snapshot transaction"))?;
+    Ok(Position(base as u64))
+}
+
+fn deliver(inner: &Inner, state: &mut SlotState, attached: &mut Vec<Attached>, txn: Txn) {
+    let m = metrics::global();
+    m.replication_transactions.fetch_add(1, Ordering::Relaxed);
+    if let Some(last) = txn.last_position() {
+        m.replication_events
+            .fetch_add(txn.events.len() as u64, Ordering::Relaxed);
+        let lag = SystemTime::now()
+            .duration_since(txn.commit_time)
+            .unwrap_or_default();
+        m.replication_lag_seconds.set(lag.as_secs_f64());
+        state.delivered = state.delivered.max(last.0);
+        inner.head.fetch_max(last.0, Ordering::Relaxed);
+        let end = txn.end_lsn;
+        let txn = Arc::new(txn);
+        attached.retain(|a| match a.tx.try_send(txn.clone()) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                tracing::warn!(subscription = %a.name, "subscription is too slow for the live stream; it continues from the table");
+                false
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        });
+        state.pending.push_back((state.delivered, end));
+    } else {
+        state.pending.push_back((state.delivered, txn.end_lsn));
+    }
+    state.received = state.received.max(txn_end(&state.pending));
+}
+
+fn txn_end(pending: &VecDeque<(u64, Lsn)>) -> Lsn {
+    pending.back().map_or(Lsn(0), |p| p.1)
+}
+
+/// The LSN every attached subscription has made durable; detaches any that
+/// hold back more than the WAL bound.
+fn compute_ack(
+    inner: &Inner,
+    state: &mut SlotState,
+    attached: &mut Vec<Attached>,
+    idle: bool,
+) -> Lsn {
+    attached.retain(|a| !a.tx.is_closed());
+    loop {
+        let min = attached
+            .iter()
+            .map(|a| a.durable.load(Ordering::Relaxed))
+            .min();
+        while let Some(&(last, end)) = state.pending.front() {
+            if min.is_none_or(|m| last <= m) {
+                state.acked = state.acked.max(end);
+                state.pending.pop_front();
+            } else {
+                break;
+            }
+        }
+        let retained = state.server_end.0.saturating_sub(state.acked.0);
+        match (state.pending.front(), min) {
+            (Some(&(last, _)), Some(_)) if retained > inner.config.max_retained_wal => {
+                attached.retain(|a| {
+                    let keep = a.durable.load(Ordering::Relaxed) >= last;
+                    if !keep {
+                        tracing::warn!(subscription = %a.name, retained_bytes = retained, bound = inner.config.max_retained_wal,
+                            "subscription holds back too much WAL; it falls back to reading the table");
+                    }
+                    keep
+                });
+            }
+            _ => break,
+        }
+    }
+    if state.pending.is_empty() && idle {
+        // Nothing delivered is unacknowledged: everything the server has sent
+        // so far (other tables' WAL included) can be released.
+        state.acked = state.acked.max(state.server_end);
+    }
+    inner.acked.fetch_max(state.acked.0, Ordering::Relaxed);
+    state.acked
+}

@@ -1,0 +1,133 @@
+//! Listing and dropping replication slots, with the reader that owns each.
+
+use std::time::Duration;
+use tokio_postgres::Client;
+
+/// One replication slot as `strata slots list` shows it.
+#[derive(Debug, Clone)]
+pub struct SlotInfo {
+    pub name: String,
+    pub plugin: Option<String>,
+    pub active: bool,
+    pub temporary: bool,
+    /// The reader that owns it: `owner@host pid N`, if one registered.
+    pub owner: Option<String>,
+    /// Seconds since its owner was last seen.
+    pub owner_seen_secs: Option<f64>,
+    /// WAL between the server's position and what the slot confirmed.
+    pub lag_bytes: Option<i64>,
+    /// WAL the slot makes the server keep.
+    pub retained_bytes: Option<i64>,
+    pub wal_status: Option<String>,
+    /// The owner has not been seen for longer than the bound (or never was).
+    pub stale: bool,
+}
+
+/// Every slot on the server, flagged stale when its owner has not been seen
+/// for longer than `stale_after` and the slot is not in use.
+pub async fn list(
+    client: &Client,
+    stale_after: Duration,
+) -> Result<Vec<SlotInfo>, tokio_postgres::Error> {
+    let readers_exist: bool = client
+        .query_one(
+            "SELECT to_regclass('strata.replication_readers') IS NOT NULL",
+            &[],
+        )
+        .await?
+        .get(0);
+    let owner_join = if readers_exist {
+        "LEFT JOIN strata.replication_readers r ON r.slot_name = s.slot_name"
+    } else {
+        "LEFT JOIN (SELECT NULL::text AS slot_name, NULL::text AS owner, NULL::text AS host, NULL::int AS pid, NULL::timestamptz AS seen_at) r ON false"
+    };
+    let rows = client
+        .query(
+            &format!(
+                "SELECT s.slot_name::text, s.plugin::text, s.active, s.temporary,
+                        CASE WHEN r.owner IS NULL THEN NULL ELSE r.owner || '@' || r.host || ' pid ' || r.pid END,
+                        extract(epoch FROM now() - r.seen_at)::float8,
+                        (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint,
+                        (pg_current_wal_lsn() - s.restart_lsn)::bigint,
+                        s.wal_status
+                   FROM pg_replication_slots s {owner_join}
+                  ORDER BY s.slot_name"
+            ),
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let active: bool = r.get(2);
+            let seen: Option<f64> = r.get(5);
+            SlotInfo {
+                name: r.get(0),
+                plugin: r.get(1),
+                active,
+                temporary: r.get(3),
+                owner: r.get(4),
+                owner_seen_secs: seen,
+                lag_bytes: r.get(6),
+                retained_bytes: r.get(7),
+                wal_status: r.get(8),
+                stale: !active && seen.is_none_or(|s| s > stale_after.as_secs_f64()),
+            }
+        })
+        .collect())
+}
+
+/// Why a slot could not be dropped.
+#[derive(Debug, thiserror::Error)]
+pub enum DropError {
+    #[error("no replication slot named {0:?}")]
+    NotFound(String),
+    #[error("slot {0:?} is in use by a running reader (pid {1}); stop it first, or pass --force to end its connection")]
+    Active(String, i32),
+    #[error("drop the slot: {0}")]
+    Database(#[from] tokio_postgres::Error),
+}
+
+/// Drops a slot and forgets its reader. With `force`, ends the connection
+/// using it first.
+pub async fn drop_slot(client: &Client, name: &str, force: bool) -> Result<(), DropError> {
+    let row = client
+        .query_opt(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&name],
+        )
+        .await?
+        .ok_or_else(|| DropError::NotFound(name.to_string()))?;
+    if let Some(pid) = row.get::<_, Option<i32>>(0) {
+        if !force {
+            return Err(DropError::Active(name.to_string(), pid));
+        }
+        client
+            .execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .await?;
+        // The walsender releases the slot as it exits.
+        for _ in 0..100 {
+            let active: Option<i32> = client
+                .query_one(
+                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&name],
+                )
+                .await?
+                .get(0);
+            if active.is_none() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    client
+        .execute("SELECT pg_drop_replication_slot($1)", &[&name])
+        .await?;
+    let _ = client
+        .execute(
+            "DELETE FROM strata.replication_readers WHERE slot_name = $1",
+            &[&name],
+        )
+        .await;
+    Ok(())
+}

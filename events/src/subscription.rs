@@ -1,0 +1,443 @@
+//! Durable subscriptions: a named cursor over the log that delivers all
+//! history, then the live stream, in commit (= position) order, with no gap
+//! and no duplicate across the hand-off.
+//!
+//! ```text
+//!            +--> catching up: read strata.events WHERE position > fetched, by pages
+//!  next() ---+      (a short page means we reached the head: attach to the reader)
+//!            +--> live: Arc<Txn> from the reader; positions <= fetched are skipped,
+//!                 a jump past fetched+1 is filled from the table first
+//!  ack(p) --> acked --(every 100 ms, or flush_acks)--> strata.subscriptions.position --> durable
+//! ```
+//!
+//! Progress: `fetched` is the highest position queued for delivery, `cursor`
+//! the last one returned by `next`, `acked` what the consumer acknowledged and
+//! `durable` what is stored. Because positions are gap-free, "deliver exactly
+//! `fetched + 1` next" is checkable, and it is checked on every event: the
+//! hand-off cannot lose or repeat one. If the reader drops a subscription
+//! (too slow, too much WAL held), it simply goes back to reading the table.
+
+use crate::read;
+use crate::reader::Reader;
+use crate::types::{Event, Position, Txn};
+use crate::ErrorKind;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::{mpsc, Notify};
+
+/// Where a new subscription starts. An existing named subscription always
+/// resumes after its stored cursor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// From the first event.
+    Beginning,
+    /// After the last event committed now.
+    Now,
+    /// After this position.
+    After(Position),
+}
+
+impl std::str::FromStr for Start {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "start" | "beginning" => Ok(Start::Beginning),
+            "now" | "end" => Ok(Start::Now),
+            n => n
+                .parse::<u64>()
+                .map(|p| Start::After(Position(p)))
+                .map_err(|_| {
+                    format!(
+                        "invalid start {s:?}: use `start`, `now` or a position (a whole number)"
+                    )
+                }),
+        }
+    }
+}
+
+/// Errors of a subscription.
+#[derive(Debug, thiserror::Error)]
+pub enum SubscribeError {
+    #[error("{context}: {source}")]
+    Database {
+        context: &'static str,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    #[error("invalid subscription name {0:?}: use 1 to 200 characters without whitespace")]
+    InvalidName(String),
+    /// Positions that must exist are missing from the table.
+    #[error("positions {from} to {to} are missing from the event table (were their partitions retired?)")]
+    Missing { from: Position, to: Position },
+    #[error("the replication reader has shut down")]
+    Closed,
+}
+
+impl SubscribeError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            SubscribeError::Database { source, .. } => crate::classify_pg(source),
+            SubscribeError::InvalidName(_)
+            | SubscribeError::Missing { .. }
+            | SubscribeError::Closed => ErrorKind::Definite,
+        }
+    }
+}
+
+fn db(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SubscribeError {
+    move |source| SubscribeError::Database { context, source }
+}
+
+struct Cursor {
+    acked: AtomicU64,
+    durable: Arc<AtomicU64>,
+    notify: Notify,
+    /// Set when the subscription is dropped: store once more, then stop.
+    closed: std::sync::atomic::AtomicBool,
+}
+
+/// A subscription. Call [`Subscription::next`] for events and
+/// [`Subscription::ack`] once their effect is durable.
+pub struct Subscription {
+    name: String,
+    persisted: bool,
+    reader: Reader,
+    fetched: Position,
+    cursor_pos: Position,
+    buf: VecDeque<Arc<Event>>,
+    rx: Option<mpsc::Receiver<Arc<Txn>>>,
+    shared: Arc<Cursor>,
+    page: i64,
+    delivered: u64,
+    /// Times the subscription switched from the table to the live stream.
+    attachments: u64,
+}
+
+const PAGE: i64 = 5000;
+
+impl Reader {
+    /// Opens the named durable subscription, creating it at `start` if it
+    /// does not exist yet (an existing one resumes after its cursor).
+    pub async fn subscribe(
+        &self,
+        name: &str,
+        start: Start,
+    ) -> Result<Subscription, SubscribeError> {
+        if name.is_empty()
+            || name.len() > 200
+            || name.chars().any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(SubscribeError::InvalidName(name.to_string()));
+        }
+        let client = self.client().await.map_err(db("connect to postgres"))?;
+        let initial = start_position(&client, start).await?;
+        client
+            .execute(
+                "INSERT INTO strata.subscriptions (name, position, reader, seen_at) VALUES ($1, $2, $3, now())
+                 ON CONFLICT (name) DO UPDATE SET reader = $3, seen_at = now()",
+                &[&name, &(initial.0 as i64), &self.inner.config.slot],
+            )
+            .await
+            .map_err(db("create the subscription"))?;
+        let row = client
+            .query_one(
+                "SELECT position FROM strata.subscriptions WHERE name = $1",
+                &[&name],
+            )
+            .await
+            .map_err(db("read the subscription's cursor"))?;
+        let pos = Position(row.get::<_, i64>(0) as u64);
+        tracing::info!(subscription = name, cursor = %pos, "subscription opened");
+        Ok(self.open(name, pos, true))
+    }
+
+    /// An ad-hoc subscription whose cursor lives only in this process.
+    pub async fn subscribe_ephemeral(&self, start: Start) -> Result<Subscription, SubscribeError> {
+        let client = self.client().await.map_err(db("connect to postgres"))?;
+        let pos = start_position(&client, start).await?;
+        Ok(self.open(&format!("ephemeral-{}", fastrand::u32(..)), pos, false))
+    }
+
+    fn open(&self, name: &str, pos: Position, persisted: bool) -> Subscription {
+        let shared = Arc::new(Cursor {
+            acked: AtomicU64::new(pos.0),
+            durable: Arc::new(AtomicU64::new(pos.0)),
+            notify: Notify::new(),
+            closed: std::sync::atomic::AtomicBool::new(false),
+        });
+        if persisted {
+            crate::task::spawn(
+                "subscription-cursor",
+                persist(shared.clone(), self.clone(), name.to_string()),
+            );
+        }
+        Subscription {
+            name: name.to_string(),
+            persisted,
+            reader: self.clone(),
+            fetched: pos,
+            cursor_pos: pos,
+            buf: VecDeque::new(),
+            rx: None,
+            shared,
+            page: PAGE,
+            delivered: 0,
+            attachments: 0,
+        }
+    }
+}
+
+async fn start_position(
+    client: &tokio_postgres::Client,
+    start: Start,
+) -> Result<Position, SubscribeError> {
+    Ok(match start {
+        Start::Beginning => Position(0),
+        Start::After(p) => p,
+        Start::Now => read::head(client).await.map_err(db("read the log head"))?,
+    })
+}
+
+/// Stores acknowledged cursors every 100 ms (or when poked) until the
+/// subscription is dropped, then once more.
+async fn persist(cur: Arc<Cursor>, reader: Reader, name: String) {
+    loop {
+        let closed = cur.closed.load(Ordering::Acquire);
+        let acked = cur.acked.load(Ordering::Acquire);
+        if acked > cur.durable.load(Ordering::Acquire) {
+            match store_cursor(&reader, &name, acked).await {
+                Ok(()) => {
+                    cur.durable.fetch_max(acked, Ordering::AcqRel);
+                }
+                Err(e) => {
+                    tracing::warn!(subscription = %name, error = %e, "could not store the subscription cursor; will retry")
+                }
+            }
+        }
+        if closed {
+            return;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(100), cur.notify.notified()).await;
+    }
+}
+
+async fn store_cursor(reader: &Reader, name: &str, acked: u64) -> Result<(), SubscribeError> {
+    let client = reader.client().await.map_err(db("connect to postgres"))?;
+    client
+        .execute(
+            "UPDATE strata.subscriptions SET position = greatest(position, $2), updated_at = now(), seen_at = now() WHERE name = $1",
+            &[&name, &(acked as i64)],
+        )
+        .await
+        .map_err(db("store the subscription cursor"))?;
+    Ok(())
+}
+
+impl Subscription {
+    /// The subscription's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The last position returned by [`Subscription::next`].
+    pub fn position(&self) -> Position {
+        self.cursor_pos
+    }
+
+    /// The position stored durably.
+    pub fn durable(&self) -> Position {
+        Position(self.shared.durable.load(Ordering::Acquire))
+    }
+
+    /// Whether events currently come from the live stream (vs. the table).
+    pub fn is_live(&self) -> bool {
+        self.rx.is_some()
+    }
+
+    /// How often this subscription joined the live stream.
+    pub fn attachments(&self) -> u64 {
+        self.attachments
+    }
+
+    /// Acknowledges everything up to `position` as durably processed. Stored
+    /// within 100 ms; [`Subscription::flush_acks`] stores it now.
+    pub fn ack(&self, position: Position) {
+        self.shared.acked.fetch_max(position.0, Ordering::AcqRel);
+        if !self.persisted {
+            self.shared.durable.fetch_max(position.0, Ordering::AcqRel);
+        }
+    }
+
+    /// Stores the acknowledged cursor now.
+    pub async fn flush_acks(&self) -> Result<(), SubscribeError> {
+        let acked = self.shared.acked.load(Ordering::Acquire);
+        if self.persisted && acked > self.shared.durable.load(Ordering::Acquire) {
+            store_cursor(&self.reader, &self.name, acked).await?;
+            self.shared.durable.fetch_max(acked, Ordering::AcqRel);
+        }
+        Ok(())
+    }
+
+    /// Stores the cursor inside the caller's transaction, so the consumer's
+    /// effect and its cursor commit together (exactly-once processing). Call
+    /// [`Subscription::committed`] after the transaction commits.
+    pub async fn ack_in(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        position: Position,
+    ) -> Result<(), SubscribeError> {
+        tx.execute(
+            "UPDATE strata.subscriptions SET position = greatest(position, $2), updated_at = now(), seen_at = now() WHERE name = $1",
+            &[&self.name, &(position.0 as i64)],
+        )
+        .await
+        .map_err(db("store the subscription cursor in the consumer's transaction"))?;
+        Ok(())
+    }
+
+    /// Records that a cursor written with [`Subscription::ack_in`] committed.
+    pub fn committed(&self, position: Position) {
+        self.shared.acked.fetch_max(position.0, Ordering::AcqRel);
+        self.shared.durable.fetch_max(position.0, Ordering::AcqRel);
+    }
+
+    /// The next event, waiting for one if the subscription is caught up.
+    pub async fn next(&mut self) -> Result<Arc<Event>, SubscribeError> {
+        loop {
+            if let Some(e) = self.buf.pop_front() {
+                self.cursor_pos = e.position;
+                self.delivered += 1;
+                if self.delivered % 256 == 1 || self.buf.is_empty() {
+                    self.report_lag(&e);
+                }
+                return Ok(e);
+            }
+            if self.rx.is_none() {
+                self.catch_up().await?;
+                continue;
+            }
+            let rx = self.rx.as_mut().expect("live");
+            match rx.recv().await {
+                None => {
+                    tracing::info!(subscription = %self.name, at = %self.fetched, "dropped by the live stream; reading the table");
+                    self.rx = None;
+                }
+                Some(txn) => self.take_live(&txn).await?,
+            }
+        }
+    }
+
+    /// Reads one page from the table; attaches to the live stream once a page
+    /// comes back short (the head is reached).
+    async fn catch_up(&mut self) -> Result<(), SubscribeError> {
+        let client = self
+            .reader
+            .client()
+            .await
+            .map_err(db("connect to postgres"))?;
+        let rows = read::after(&client, self.fetched, self.page)
+            .await
+            .map_err(db("read the event table"))?;
+        let short = (rows.len() as i64) < self.page;
+        if let Some(first) = rows.first() {
+            if first.position.0 != self.fetched.0 + 1 {
+                tracing::error!(subscription = %self.name, from = self.fetched.0 + 1, to = first.position.0 - 1,
+                    "positions are missing from the event table; continuing after them");
+            }
+        }
+        if let Some(last) = rows.last() {
+            self.fetched = last.position;
+        }
+        self.buf.extend(rows);
+        if short {
+            // Attach now: anything committed since the read arrives live, and
+            // any jump is filled from the table in take_live.
+            let durable = self.shared.durable.clone();
+            self.rx = Some(self.reader.attach(&self.name, durable));
+            self.attachments += 1;
+        }
+        Ok(())
+    }
+
+    async fn take_live(&mut self, txn: &Txn) -> Result<(), SubscribeError> {
+        let Some(first_new) = txn.events.iter().position(|e| e.position > self.fetched) else {
+            return Ok(());
+        };
+        let first = txn.events[first_new].position;
+        if first.0 > self.fetched.0 + 1 {
+            self.fill_gap(first).await?;
+        }
+        for e in &txn.events[first_new..] {
+            self.buf.push_back(e.clone());
+        }
+        if let Some(last) = txn.last_position() {
+            self.fetched = self.fetched.max(last);
+        }
+        Ok(())
+    }
+
+    /// Reads `fetched < position < until` from the table. Those rows are
+    /// committed (the slot already sent a later commit), but may take a moment
+    /// to become visible to a new snapshot, so short reads are retried.
+    async fn fill_gap(&mut self, until: Position) -> Result<(), SubscribeError> {
+        let want = until.0 - self.fetched.0 - 1;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let client = self
+                .reader
+                .client()
+                .await
+                .map_err(db("connect to postgres"))?;
+            let rows = read::between(&client, self.fetched, until)
+                .await
+                .map_err(db("fill a gap from the event table"))?;
+            let contiguous = rows.len() as u64 == want
+                && rows
+                    .first()
+                    .is_none_or(|r| r.position.0 == self.fetched.0 + 1);
+            if contiguous || Instant::now() > deadline {
+                if !contiguous {
+                    let err = SubscribeError::Missing {
+                        from: Position(self.fetched.0 + 1),
+                        to: Position(until.0 - 1),
+                    };
+                    tracing::error!(subscription = %self.name, error = %err, found = rows.len(), "gap could not be filled");
+                    return Err(err);
+                }
+                tracing::debug!(subscription = %self.name, events = want, "filled a gap from the table");
+                if let Some(last) = rows.last() {
+                    self.fetched = last.position;
+                }
+                self.buf.extend(rows);
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    fn report_lag(&self, e: &Event) {
+        let head = self.reader.head().0.max(self.fetched.0);
+        let acked = self.shared.acked.load(Ordering::Relaxed);
+        let seconds = SystemTime::now()
+            .duration_since(e.recorded_at)
+            .unwrap_or_default()
+            .as_secs_f64();
+        crate::metrics::global().set_subscription_lag(
+            &self.name,
+            crate::metrics::SubscriptionLag {
+                events: head.saturating_sub(acked),
+                seconds,
+            },
+        );
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.notify.notify_one();
+        crate::metrics::global().remove_subscription(&self.name);
+    }
+}

@@ -1,0 +1,150 @@
+//! Ordered SQL migrations, recorded in `strata.schema_migrations`.
+//!
+//! Each migration is a `.sql` file under `schema/migrations/`, compiled in with
+//! `include_str!` and applied in its own transaction. A session-level advisory
+//! lock serializes migrators, so two processes starting at once apply each
+//! migration exactly once; the second waits, then finds nothing to do.
+
+use crate::{Context, Error};
+use tokio_postgres::Client;
+
+/// One migration: its number, a short name and its SQL.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    pub version: i32,
+    pub name: &'static str,
+    pub sql: &'static str,
+}
+
+/// Every migration, in order.
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "event_log",
+        sql: include_str!("../migrations/0001_event_log.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "subscriptions",
+        sql: include_str!("../migrations/0002_subscriptions.sql"),
+    },
+];
+
+/// The advisory lock key that serializes migrators (an arbitrary constant).
+const MIGRATE_LOCK: i64 = 0x5374_7261_7461_4d31;
+
+/// A stable checksum of a migration's text (FNV-1a, 64 bits), so an edited
+/// migration is caught instead of silently diverging between databases.
+pub fn checksum(sql: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in sql.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Applies every migration the database does not have yet. Returns the
+/// versions it applied (empty when the database was up to date).
+pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, Error> {
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATE_LOCK])
+        .await
+        .context("take the migration lock")?;
+    let result = migrate_locked(client).await;
+    // The lock is session-level; release it whatever happened. If the
+    // connection is gone, so is the lock.
+    let _ = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATE_LOCK])
+        .await;
+    result
+}
+
+async fn migrate_locked(client: &mut Client) -> Result<Vec<i32>, Error> {
+    client
+        .batch_execute(
+            "CREATE SCHEMA IF NOT EXISTS strata;
+             CREATE TABLE IF NOT EXISTS strata.schema_migrations (
+                 version    integer     PRIMARY KEY,
+                 name       text        NOT NULL,
+                 checksum   text        NOT NULL,
+                 applied_at timestamptz NOT NULL DEFAULT now()
+             );",
+        )
+        .await
+        .context("create the migrations table")?;
+    let rows = client
+        .query(
+            "SELECT version, name, checksum FROM strata.schema_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .context("read applied migrations")?;
+    let known = MIGRATIONS.last().map_or(0, |m| m.version);
+    let mut applied = std::collections::HashMap::new();
+    for row in &rows {
+        let version: i32 = row.get(0);
+        let sum: String = row.get(2);
+        if version > known {
+            return Err(Error::TooNew {
+                database: version,
+                known,
+            });
+        }
+        applied.insert(version, sum);
+    }
+    let mut done = Vec::new();
+    for m in MIGRATIONS {
+        let current = checksum(m.sql);
+        if let Some(sum) = applied.get(&m.version) {
+            if *sum != current {
+                return Err(Error::ChecksumMismatch {
+                    version: m.version,
+                    name: m.name.to_string(),
+                    applied: sum.clone(),
+                    current,
+                });
+            }
+            continue;
+        }
+        let tx = client
+            .transaction()
+            .await
+            .context("begin a migration transaction")?;
+        tx.batch_execute(m.sql).await.context("apply a migration")?;
+        tx.execute(
+            "INSERT INTO strata.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+            &[&m.version, &m.name, &current],
+        )
+        .await
+        .context("record a migration")?;
+        tx.commit().await.context("commit a migration")?;
+        tracing::info!(version = m.version, name = m.name, "migration applied");
+        done.push(m.version);
+    }
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_ordered_and_unique() {
+        for w in MIGRATIONS.windows(2) {
+            assert!(
+                w[0].version < w[1].version,
+                "{} then {}",
+                w[0].version,
+                w[1].version
+            );
+        }
+        assert_eq!(MIGRATIONS[0].version, 1);
+    }
+
+    #[test]
+    fn checksum_changes_with_text() {
+        assert_ne!(checksum("select 1"), checksum("select 2"));
+        assert_eq!(checksum("x"), checksum("x"));
+    }
+}

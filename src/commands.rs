@@ -1,0 +1,271 @@
+//! The one-shot commands and `serve`: each connects, calls into the crates and
+//! prints the result.
+
+use crate::{Db, EventsCmd, PartitionsCmd, ServeArgs, SlotsCmd};
+use anyhow::{bail, Context, Result};
+use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent, Reader, ReaderConfig, Start};
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+pub fn config(db: &Db) -> Result<tokio_postgres::Config> {
+    db.database_url
+        .parse::<tokio_postgres::Config>()
+        .with_context(|| {
+            "parse the database URL (expected e.g. postgres://user@host:5432/dbname)".to_string()
+        })
+}
+
+pub async fn connect(db: &Db) -> Result<tokio_postgres::Client> {
+    let cfg = config(db)?;
+    events::db::connect(&cfg, "cli-connection")
+        .await
+        .context("connect to postgres")
+}
+
+pub async fn migrate(db: &Db) -> Result<ExitCode> {
+    let mut client = connect(db).await?;
+    let applied = schema::migrate(&mut client).await.context("migrate")?;
+    if applied.is_empty() {
+        println!("schema is up to date");
+    } else {
+        println!("applied migrations {applied:?}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
+    match cmd {
+        PartitionsCmd::Ensure { db, months_ahead } => {
+            if !(0..=120).contains(&months_ahead) {
+                bail!("--months-ahead must be between 0 and 120");
+            }
+            let client = connect(&db).await?;
+            let n = schema::partitions::ensure(&client, months_ahead, SystemTime::now())
+                .await
+                .context("ensure partitions")?;
+            println!("created {n} partition(s); {months_ahead} month(s) ahead are in place");
+        }
+        PartitionsCmd::List { db } => {
+            let client = connect(&db).await?;
+            let parts = schema::partitions::list(&client)
+                .await
+                .context("list partitions")?;
+            println!("{:<18} {:>12} {:>12}  BOUNDS", "PARTITION", "ROWS", "SIZE");
+            for p in parts {
+                println!(
+                    "{:<18} {:>12} {:>12}  {}",
+                    p.name,
+                    p.rows,
+                    human_bytes(p.bytes),
+                    p.bounds
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn human_bytes(b: i64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v.abs() >= 1024.0 && i < units.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", units[i])
+    }
+}
+
+fn parse_expect(s: &str) -> Result<ExpectedVersion> {
+    Ok(match s {
+        "any" => ExpectedVersion::Any,
+        "none" | "new" => ExpectedVersion::NoStream,
+        "exists" => ExpectedVersion::StreamExists,
+        n => ExpectedVersion::Exact(n.parse().with_context(|| {
+            format!("invalid --expect {n:?}: use a version number, `any`, `none` or `exists`")
+        })?),
+    })
+}
+
+pub async fn events(cmd: EventsCmd) -> Result<ExitCode> {
+    match cmd {
+        EventsCmd::Append {
+            db,
+            stream,
+            event_type,
+            data,
+            expect,
+        } => {
+            let expected = parse_expect(&expect)?;
+            let event = NewEvent::from_json(event_type, &data)
+                .map_err(|e| anyhow::anyhow!("invalid --data: {e}"))?;
+            let appender = Appender::start(
+                config(&db)?,
+                AppenderConfig {
+                    connections: 1,
+                    ..AppenderConfig::default()
+                },
+            );
+            let out = appender.append(&stream, expected, vec![event]).await?;
+            println!(
+                "{}",
+                serde_json::json!({"stream": out.stream, "version": out.version, "position": out.last_position.0})
+            );
+        }
+        EventsCmd::Tail {
+            db,
+            from,
+            subscription,
+            limit,
+        } => {
+            let start: Start = from.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+            tail(&db, start, subscription.as_deref(), limit).await?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn tail(db: &Db, start: Start, subscription: Option<&str>, limit: Option<u64>) -> Result<()> {
+    let cfg = config(db)?;
+    // Check the connection and schema up front for a clear error.
+    let client = connect(db).await?;
+    client
+        .query_one("SELECT 1 FROM strata.log_head", &[])
+        .await
+        .context("read the log (has `strata migrate` been run?)")?;
+    let mut rc = ReaderConfig::new(format!("strata_tail_{}", std::process::id()));
+    rc.temporary = true;
+    rc.owner = "strata events tail".into();
+    let reader = Reader::start(cfg, rc);
+    let mut sub = match subscription {
+        Some(name) => reader.subscribe(name, start).await?,
+        None => reader.subscribe_ephemeral(start).await?,
+    };
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let mut printed = 0u64;
+    let mut last = None;
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        if limit.is_some_and(|l| printed >= l) {
+            break;
+        }
+        let next = tokio::select! {
+            e = sub.next() => e?,
+            _ = &mut ctrl_c => break,
+            // Flush what is printed while waiting for more.
+            _ = tokio::time::sleep(Duration::from_millis(50)), if last.is_some() => {
+                out.flush().context("write to stdout")?;
+                if let Some(p) = last.take() { sub.ack(p); }
+                continue;
+            }
+        };
+        writeln!(out, "{}", next.to_json_line()).context("write to stdout")?;
+        printed += 1;
+        last = Some(next.position);
+    }
+    out.flush().context("write to stdout")?;
+    if let Some(p) = last {
+        sub.ack(p);
+    }
+    sub.flush_acks().await?;
+    Ok(())
+}
+
+pub async fn slots(cmd: SlotsCmd) -> Result<ExitCode> {
+    match cmd {
+        SlotsCmd::List { db, stale_after } => {
+            let client = connect(&db).await?;
+            let slots = events::slots::list(&client, stale_after)
+                .await
+                .context("list replication slots")?;
+            println!(
+                "{:<28} {:<7} {:<34} {:>10} {:>12} {:>12} {:<10}",
+                "SLOT", "ACTIVE", "OWNER", "SEEN", "LAG", "RETAINED", "WAL"
+            );
+            for s in slots {
+                println!(
+                    "{:<28} {:<7} {:<34} {:>10} {:>12} {:>12} {:<10}{}",
+                    s.name,
+                    if s.active { "yes" } else { "no" },
+                    s.owner.as_deref().unwrap_or("-"),
+                    s.owner_seen_secs
+                        .map_or("-".into(), |v| format!("{v:.0}s ago")),
+                    s.lag_bytes.map_or("-".into(), human_bytes),
+                    s.retained_bytes.map_or("-".into(), human_bytes),
+                    s.wal_status.as_deref().unwrap_or("-"),
+                    if s.stale {
+                        "  STALE: owner gone; `strata slots drop` frees its WAL"
+                    } else {
+                        ""
+                    },
+                );
+            }
+        }
+        SlotsCmd::Drop { db, name, force } => {
+            let client = connect(&db).await?;
+            events::slots::drop_slot(&client, &name, force).await?;
+            println!("dropped slot {name}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Migrates, keeps partitions ahead, runs the replication reader and serves
+/// metrics until Ctrl-C.
+pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
+    for r in &args.roles {
+        if r != "maintenance" {
+            bail!("unknown role {r:?}; this build runs: maintenance");
+        }
+    }
+    let cfg = config(&args.db)?;
+    let mut client = connect(&args.db).await?;
+    schema::migrate(&mut client).await.context("migrate")?;
+    schema::partitions::ensure(
+        &client,
+        schema::partitions::DEFAULT_MONTHS_AHEAD,
+        SystemTime::now(),
+    )
+    .await
+    .context("ensure partitions")?;
+    if let Some(addr) = args.metrics_listen {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("listen for metrics on {addr}"))?;
+        tracing::info!(%addr, "serving metrics at /metrics");
+        events::task::spawn("metrics", events::metrics::serve(l));
+    }
+    let slot = args.slot.unwrap_or_else(default_slot);
+    let mut rc = ReaderConfig::new(slot);
+    rc.owner = "strata serve".into();
+    let _reader = Reader::start(cfg, rc);
+    tokio::signal::ctrl_c().await.context("wait for Ctrl-C")?;
+    tracing::info!("stopping");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `strata_<host>` in the characters a slot name allows.
+pub fn default_slot() -> String {
+    let host =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "local".into());
+    let clean: String = host
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .take(40)
+        .collect();
+    format!("strata_{clean}")
+}

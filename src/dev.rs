@@ -1,0 +1,191 @@
+//! `strata dev`: a private PostgreSQL under `.strata/`, every service in one
+//! process, and a demonstration of the log: a small writer and a live tail
+//! that reports throughput and lag.
+
+use crate::DevArgs;
+use anyhow::{Context, Result};
+use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent, Reader, ReaderConfig, Start};
+use schema::{Cluster, ClusterOptions};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+const DEV_PORT: u16 = 55432;
+
+pub async fn run(args: DevArgs) -> Result<ExitCode> {
+    let mut cluster = None;
+    let url = match &args.database_url {
+        Some(url) => url.clone(),
+        None => {
+            eprintln!(
+                "starting a private PostgreSQL under {} ...",
+                args.data_dir.display()
+            );
+            let mut opts = ClusterOptions::new(args.data_dir.join("pg"));
+            opts.port = Some(
+                if std::net::TcpListener::bind(("127.0.0.1", DEV_PORT)).is_ok() {
+                    DEV_PORT
+                } else {
+                    0
+                },
+            )
+            .filter(|p| *p != 0);
+            let c = tokio::task::spawn_blocking(move || Cluster::start(opts)).await??;
+            let admin = events::db::connect(&c.url("postgres").parse()?, "dev-admin")
+                .await
+                .context("connect to the private cluster")?;
+            let exists = admin
+                .query_opt("SELECT 1 FROM pg_database WHERE datname = 'strata'", &[])
+                .await?
+                .is_some();
+            if !exists {
+                admin
+                    .batch_execute("CREATE DATABASE strata")
+                    .await
+                    .context("create the strata database")?;
+            }
+            let url = c.url("strata");
+            eprintln!("postgres is up (log: {})", c.log_path().display());
+            cluster = Some(c);
+            url
+        }
+    };
+    let cfg: tokio_postgres::Config = url.parse().context("parse the database URL")?;
+    let mut client = events::db::connect(&cfg, "dev-client")
+        .await
+        .context("connect to postgres")?;
+    let applied = schema::migrate(&mut client).await.context("migrate")?;
+    schema::partitions::ensure(
+        &client,
+        schema::partitions::DEFAULT_MONTHS_AHEAD,
+        SystemTime::now(),
+    )
+    .await?;
+    let listener = tokio::net::TcpListener::bind(args.metrics_listen).await;
+    println!();
+    println!("  Strata dev is running.");
+    println!("  database:  {url}");
+    println!("  psql:      psql '{url}'");
+    match &listener {
+        Ok(_) => println!("  metrics:   http://{}/metrics", args.metrics_listen),
+        Err(e) => println!("  metrics:   off ({} is taken: {e})", args.metrics_listen),
+    }
+    println!(
+        "  schema:    {}",
+        if applied.is_empty() {
+            "up to date".to_string()
+        } else {
+            format!("applied {applied:?}")
+        }
+    );
+    println!("  try:       strata events tail --database-url '{url}' --from start");
+    println!("  Ctrl-C stops it.");
+    println!();
+    if let Ok(l) = listener {
+        events::task::spawn("metrics", events::metrics::serve(l));
+    }
+
+    let mut rc = ReaderConfig::new("strata_dev");
+    rc.owner = "strata dev".into();
+    let reader = Reader::start(cfg.clone(), rc);
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+
+    let appended = Arc::new(AtomicU64::new(0));
+    let writer = events::task::spawn(
+        "dev-writer",
+        demo_writer(appender, args.rate, appended.clone()),
+    );
+    let lags: Arc<Mutex<Vec<f64>>> = Arc::default();
+    let delivered = Arc::new(AtomicU64::new(0));
+    let mut sub = reader.subscribe("dev-tail", Start::Now).await?;
+    let (d, l) = (delivered.clone(), lags.clone());
+    let tail = events::task::spawn("dev-tail", async move {
+        loop {
+            let e = match sub.next().await {
+                Ok(e) => e,
+                Err(err) => {
+                    tracing::warn!(error = %err, "tail stopped");
+                    return;
+                }
+            };
+            let lag = SystemTime::now()
+                .duration_since(e.recorded_at)
+                .unwrap_or_default();
+            d.fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut v) = l.lock() {
+                v.push(lag.as_secs_f64() * 1e3);
+            }
+            sub.ack(e.position);
+        }
+    });
+
+    let started = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    tick.tick().await;
+    let (mut last_a, mut last_d, mut last_t) = (0u64, 0u64, Instant::now());
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        tokio::select! {
+            _ = &mut ctrl_c => break,
+            _ = tick.tick() => {
+                let (a, d) = (appended.load(Ordering::Relaxed), delivered.load(Ordering::Relaxed));
+                let secs = last_t.elapsed().as_secs_f64();
+                let mut v = std::mem::take(&mut *lags.lock().expect("lag lock"));
+                v.sort_by(f64::total_cmp);
+                let pct = |p: f64| v.get(((v.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+                println!(
+                    "appended {:>6.0}/s  delivered {:>6.0}/s  lag p50 {:>6.1} ms  p99 {:>6.1} ms  head {}",
+                    (a - last_a) as f64 / secs, (d - last_d) as f64 / secs, pct(0.5), pct(0.99), reader.head()
+                );
+                (last_a, last_d, last_t) = (a, d, Instant::now());
+                if args.duration.is_some_and(|limit| started.elapsed() >= limit) {
+                    break;
+                }
+            }
+        }
+    }
+    eprintln!("stopping ...");
+    writer.abort();
+    tail.abort();
+    drop(reader);
+    if let Some(mut c) = cluster {
+        tokio::task::spawn_blocking(move || c.stop()).await?;
+        eprintln!("postgres stopped");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Appends `rate` events per second over eight streams, each with its
+/// expected version, as a real writer would.
+async fn demo_writer(appender: Appender, rate: u32, appended: Arc<AtomicU64>) {
+    let streams = 8u64;
+    let mut versions = vec![None::<u64>; streams as usize];
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    let per_tick = (f64::from(rate) / 100.0).max(0.0);
+    let mut owed = 0.0;
+    let mut n = 0u64;
+    loop {
+        tick.tick().await;
+        owed += per_tick;
+        while owed >= 1.0 {
+            owed -= 1.0;
+            let i = (n % streams) as usize;
+            n += 1;
+            let stream = format!("demo/{i}");
+            let expected = versions[i].map_or(ExpectedVersion::Any, ExpectedVersion::Exact);
+            let ev = NewEvent::new("demo.tick", &serde_json::json!({"n": n, "writer": i}));
+            match appender.append(&stream, expected, vec![ev]).await {
+                Ok(out) => {
+                    versions[i] = Some(out.version);
+                    appended.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    versions[i] = None;
+                    tracing::warn!(error = %e, "demo append failed");
+                }
+            }
+        }
+    }
+}

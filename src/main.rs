@@ -1,0 +1,191 @@
+//! The `strata` command line: parses arguments and calls into the crates.
+
+mod commands;
+mod dev;
+mod telemetry;
+
+use clap::{Args, Parser, Subcommand};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Strata: a control plane for GPU fleets, event-sourced on PostgreSQL.
+#[derive(Parser, Debug)]
+#[command(name = "strata", version, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct Db {
+    /// PostgreSQL connection string, e.g. postgres://user@host:5432/strata
+    #[arg(long, env = "STRATA_DATABASE_URL", value_name = "URL")]
+    database_url: String,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run Strata on this machine with a private PostgreSQL under .strata/
+    Dev(DevArgs),
+    /// Run Strata's long-running services against a database
+    Serve(ServeArgs),
+    /// Apply the schema migrations the database does not have yet
+    Migrate(DbOnly),
+    /// Create and inspect the monthly partitions of the event table
+    #[command(subcommand)]
+    Partitions(PartitionsCmd),
+    /// Append events and follow the log
+    #[command(subcommand)]
+    Events(EventsCmd),
+    /// Inspect and remove replication slots
+    #[command(subcommand)]
+    Slots(SlotsCmd),
+}
+
+#[derive(Args, Debug)]
+struct DbOnly {
+    #[command(flatten)]
+    db: Db,
+}
+
+#[derive(Args, Debug)]
+pub struct DevArgs {
+    /// Folder for the private cluster and its log
+    #[arg(long, default_value = ".strata")]
+    pub data_dir: PathBuf,
+    /// Use this database instead of starting a private cluster
+    #[arg(long, env = "STRATA_DATABASE_URL", value_name = "URL")]
+    pub database_url: Option<String>,
+    /// Events per second the demo writer appends
+    #[arg(long, default_value_t = 200)]
+    pub rate: u32,
+    /// Serve Prometheus metrics at this address
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    pub metrics_listen: SocketAddr,
+    /// Stop by itself after this long (e.g. 30s); runs until Ctrl-C otherwise
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub duration: Option<std::time::Duration>,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub db: Db,
+    /// Roles to run, comma-separated (maintenance: partitions ahead, and the replication reader)
+    #[arg(long, value_delimiter = ',', default_value = "maintenance")]
+    pub roles: Vec<String>,
+    /// Serve Prometheus metrics at this address
+    #[arg(long)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Name of this process's replication slot
+    #[arg(long)]
+    pub slot: Option<String>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PartitionsCmd {
+    /// Create the partitions for this month and the months ahead
+    Ensure {
+        #[command(flatten)]
+        db: Db,
+        /// How many months past the current one to create
+        #[arg(long, default_value_t = schema::partitions::DEFAULT_MONTHS_AHEAD)]
+        months_ahead: i32,
+    },
+    /// List the partitions with their row counts and sizes
+    List {
+        #[command(flatten)]
+        db: Db,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum EventsCmd {
+    /// Append one event to a stream
+    Append {
+        #[command(flatten)]
+        db: Db,
+        /// The stream, e.g. pool/p1
+        #[arg(long)]
+        stream: String,
+        /// The event type, e.g. pool.created
+        #[arg(long = "type")]
+        event_type: String,
+        /// The payload: a JSON object
+        #[arg(long)]
+        data: String,
+        /// Expected stream version: a number (0 = new stream), `any`, or `exists`
+        #[arg(long, default_value = "any")]
+        expect: String,
+    },
+    /// Print events as JSON lines: history, then live
+    Tail {
+        #[command(flatten)]
+        db: Db,
+        /// Where to start: `start`, `now` or a position (ignored when a named subscription already exists)
+        #[arg(long, default_value = "now")]
+        from: String,
+        /// A durable subscription: resumes after its last acknowledged event
+        #[arg(long)]
+        subscription: Option<String>,
+        /// Exit after printing this many events
+        #[arg(long)]
+        limit: Option<u64>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SlotsCmd {
+    /// List replication slots with owner, lag and retained WAL
+    List {
+        #[command(flatten)]
+        db: Db,
+        /// Flag slots whose owner has not been seen for longer than this
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        stale_after: std::time::Duration,
+    },
+    /// Drop a replication slot
+    Drop {
+        #[command(flatten)]
+        db: Db,
+        /// The slot's name
+        name: String,
+        /// End the connection using it first
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let long_running = matches!(cli.command, Command::Dev(_) | Command::Serve(_));
+    let _telemetry = telemetry::init(long_running);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async move {
+        match cli.command {
+            Command::Dev(args) => dev::run(args).await,
+            Command::Serve(args) => commands::serve(args).await,
+            Command::Migrate(a) => commands::migrate(&a.db).await,
+            Command::Partitions(c) => commands::partitions(c).await,
+            Command::Events(c) => commands::events(c).await,
+            Command::Slots(c) => commands::slots(c).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
