@@ -53,14 +53,16 @@ BEGIN
     IF to_regclass(format('strata.%I', name)) IS NOT NULL THEN
         RETURN false;
     END IF;
-    -- Serialize creators so two sessions never race on the same month.
+    -- Serialize creators; a session that still lost the race (its catalog
+    -- view predates the winner's commit) finds the table already there.
     PERFORM pg_advisory_xact_lock(hashtext('strata.ensure_partition'));
-    IF to_regclass(format('strata.%I', name)) IS NOT NULL THEN
+    BEGIN
+        EXECUTE format(
+            'CREATE TABLE strata.%I PARTITION OF strata.events FOR VALUES FROM (%L) TO (%L)',
+            name, lo, hi);
+    EXCEPTION WHEN duplicate_table THEN
         RETURN false;
-    END IF;
-    EXECUTE format(
-        'CREATE TABLE strata.%I PARTITION OF strata.events FOR VALUES FROM (%L) TO (%L)',
-        name, lo, hi);
+    END;
     RETURN true;
 END
 $$;

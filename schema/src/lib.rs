@@ -9,6 +9,7 @@
 pub mod cluster;
 pub mod migrate;
 pub mod partitions;
+pub mod testing;
 
 pub use cluster::{Cluster, ClusterError, ClusterOptions};
 pub use migrate::{migrate, Migration, MIGRATIONS};

@@ -1,0 +1,55 @@
+//! Helpers for tests (in this workspace and beyond): one private cluster per
+//! test process, and a fresh, migrated database per test.
+
+use crate::cluster::{Cluster, ClusterOptions};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+
+/// The test process's shared cluster: fsync off, on a free port, stopped and
+/// deleted when the process exits (however it exits).
+pub fn shared_cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+    CLUSTER.get_or_init(|| temp_cluster(&[]).expect("start the test cluster"))
+}
+
+/// A new private cluster in a temporary folder with extra settings.
+pub fn temp_cluster(settings: &[(&str, &str)]) -> Result<Cluster, crate::ClusterError> {
+    let base = std::env::temp_dir().join(format!(
+        "strata-test-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let mut opts = ClusterOptions::new(base.join("pg"));
+    opts.fsync = false;
+    opts.remove_on_exit = Some(base);
+    opts.settings = settings.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    Cluster::start(opts)
+}
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// Creates an empty database on `cluster` and returns its URL. The name is
+/// unique within the process.
+pub async fn fresh_database(cluster: &Cluster) -> String {
+    let name = format!("t{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+    let (client, conn) = tokio_postgres::connect(&cluster.url("postgres"), tokio_postgres::NoTls)
+        .await
+        .expect("connect to the test cluster");
+    tokio::spawn(conn);
+    client
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create a test database");
+    cluster.url(&name)
+}
+
+/// A fresh database with Strata's schema applied.
+pub async fn migrated_database(cluster: &Cluster) -> String {
+    let url = fresh_database(cluster).await;
+    let (mut client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the test database");
+    tokio::spawn(conn);
+    crate::migrate(&mut client).await.expect("migrate the test database");
+    url
+}

@@ -1,0 +1,118 @@
+//! Integration tests of the schema crate against a private Postgres.
+
+use schema::testing::{fresh_database, shared_cluster};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+async fn client(url: &str) -> tokio_postgres::Client {
+    let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    c
+}
+
+#[tokio::test]
+async fn migrations_apply_once_when_two_processes_start_together() {
+    let url = fresh_database(shared_cluster()).await;
+    let mut a = client(&url).await;
+    let mut b = client(&url).await;
+    let (ra, rb) = tokio::join!(schema::migrate(&mut a), schema::migrate(&mut b));
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    let all: Vec<i32> = schema::MIGRATIONS.iter().map(|m| m.version).collect();
+    // One of them applied everything, the other found nothing to do.
+    assert!(
+        (ra == all && rb.is_empty()) || (rb == all && ra.is_empty()),
+        "{ra:?} {rb:?}"
+    );
+    let n: i64 = a
+        .query_one("SELECT count(*) FROM strata.schema_migrations", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n as usize, all.len());
+    assert!(schema::migrate(&mut a).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn an_edited_migration_is_refused() {
+    let url = fresh_database(shared_cluster()).await;
+    let mut c = client(&url).await;
+    schema::migrate(&mut c).await.unwrap();
+    c.execute("UPDATE strata.schema_migrations SET checksum = 'edited' WHERE version = 1", &[])
+        .await
+        .unwrap();
+    let err = schema::migrate(&mut c).await.unwrap_err();
+    assert!(matches!(err, schema::Error::ChecksumMismatch { version: 1, .. }), "{err}");
+    assert!(!err.is_transient());
+}
+
+#[tokio::test]
+async fn a_database_from_a_newer_build_is_refused() {
+    let url = fresh_database(shared_cluster()).await;
+    let mut c = client(&url).await;
+    schema::migrate(&mut c).await.unwrap();
+    c.execute("INSERT INTO strata.schema_migrations (version, name, checksum) VALUES (9999, 'future', 'x')", &[])
+        .await
+        .unwrap();
+    let err = schema::migrate(&mut c).await.unwrap_err();
+    assert!(matches!(err, schema::Error::TooNew { database: 9999, .. }), "{err}");
+}
+
+fn at(secs: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_secs(secs)
+}
+
+#[tokio::test]
+async fn partitions_are_created_ahead_and_listed() {
+    let url = fresh_database(shared_cluster()).await;
+    let mut c = client(&url).await;
+    schema::migrate(&mut c).await.unwrap();
+    // 2030-01-15T00:00:00Z
+    let jan = at(1_894_665_600);
+    let created = schema::partitions::ensure(&c, 2, jan).await.unwrap();
+    assert_eq!(created, 3);
+    assert_eq!(schema::partitions::ensure(&c, 2, jan).await.unwrap(), 0, "idempotent");
+    let names: Vec<String> = schema::partitions::list(&c).await.unwrap().into_iter().map(|p| p.name).collect();
+    for m in ["events_2030_01", "events_2030_02", "events_2030_03"] {
+        assert!(names.contains(&m.to_string()), "{m} missing from {names:?}");
+    }
+    // A row at the very end of January lands in January, the next
+    // microsecond in February.
+    c.batch_execute(
+        "INSERT INTO strata.events (position, stream, version, type, payload, recorded_at) VALUES
+           (1, 's', 1, 't', '{}', '2030-01-31T23:59:59.999999Z'),
+           (2, 's', 2, 't', '{}', '2030-02-01T00:00:00Z')",
+    )
+    .await
+    .unwrap();
+    let parts = schema::partitions::list(&c).await.unwrap();
+    let rows = |n: &str| parts.iter().find(|p| p.name == n).unwrap().rows;
+    assert_eq!(rows("events_2030_01"), 1);
+    assert_eq!(rows("events_2030_02"), 1);
+    assert!(parts.iter().all(|p| p.bytes > 0));
+}
+
+#[tokio::test]
+async fn concurrent_partition_creation_does_not_fail() {
+    let url = fresh_database(shared_cluster()).await;
+    let mut c = client(&url).await;
+    schema::migrate(&mut c).await.unwrap();
+    let far = at(2_000_000_000); // 2033-05
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let c = client(&url).await;
+            schema::partitions::ensure(&c, 3, far).await.unwrap()
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap();
+    }
+    assert_eq!(total, 4, "each month created exactly once");
+}
+
+#[test]
+fn missing_server_binaries_are_reported_with_the_package_to_install() {
+    let msg = schema::ClusterError::NoServerBinaries.to_string();
+    assert!(msg.contains("apt-get install postgresql"), "{msg}");
+}
