@@ -552,7 +552,8 @@ mod tests {
                 id, namespace: "ns".into(), name: "t".into(), replica_identity: b'd',
                 columns: names.iter().map(|n| Column { flags: 0, name: n.clone(), type_oid: 25, type_modifier: -1 }).collect(),
             };
-            prop_assert_eq!(decode_logical(&relation(&r)).unwrap(), LogicalMessage::Relation(r));
+            let bytes = relation(&r);
+            prop_assert_eq!(decode_logical(&bytes).unwrap(), LogicalMessage::Relation(r));
         }
     }
 }

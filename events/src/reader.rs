@@ -74,9 +74,34 @@ impl ReaderConfig {
     }
 }
 
+/// What the reader sends a subscription.
+#[derive(Debug, Clone)]
+pub(crate) enum Live {
+    /// A committed transaction.
+    Txn(Arc<Txn>),
+    /// Every position up to this one is committed and readable from the
+    /// table; later ones will arrive as `Txn`. Sent when a subscription
+    /// attaches and when a replication session starts, so a subscription never
+    /// waits on the stream for something that only the table has.
+    Head(Position),
+}
+
+/// Sends to every attached subscription without blocking; one that is full
+/// or gone is detached (it goes back to reading the table).
+fn broadcast(attached: &mut Vec<Attached>, msg: Live) {
+    attached.retain(|a| match a.tx.try_send(msg.clone()) {
+        Ok(()) => true,
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            tracing::warn!(subscription = %a.name, "subscription is too slow for the live stream; it continues from the table");
+            false
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => false,
+    });
+}
+
 pub(crate) struct Attached {
     pub name: String,
-    pub tx: mpsc::Sender<Arc<Txn>>,
+    pub tx: mpsc::Sender<Live>,
     pub durable: Arc<AtomicU64>,
 }
 
@@ -94,6 +119,10 @@ pub(crate) struct Inner {
     pub acked: AtomicU64,
     /// Number of (re)connections so far.
     pub sessions: AtomicU64,
+    /// Times the slot was found invalidated and made again.
+    pub invalidations: AtomicU64,
+    /// Times the slot was found ahead of what this reader acknowledged.
+    pub slot_ahead: AtomicU64,
 }
 
 /// A handle on the process's replication reader. Cheap to clone; the reader
@@ -101,6 +130,19 @@ pub(crate) struct Inner {
 #[derive(Clone)]
 pub struct Reader {
     pub(crate) inner: Arc<Inner>,
+    _life: Arc<Life>,
+}
+
+/// Dropped with the last handle: tells the reader task to stop. The task
+/// itself holds `Inner`, so `Inner` cannot carry this signal.
+struct Life(std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>);
+
+impl Drop for Life {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.lock().ok().and_then(|mut g| g.take()) {
+            let _ = tx.send(());
+        }
+    }
 }
 
 impl Reader {
@@ -114,10 +156,15 @@ impl Reader {
             head: AtomicU64::new(0),
             acked: AtomicU64::new(0),
             sessions: AtomicU64::new(0),
+            invalidations: AtomicU64::new(0),
+            slot_ahead: AtomicU64::new(0),
         });
-        let weak = Arc::downgrade(&inner);
-        crate::task::spawn("replication-reader", run(weak, rx));
-        Reader { inner }
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+        crate::task::spawn("replication-reader", run(inner.clone(), rx, stop_rx));
+        Reader {
+            inner,
+            _life: Arc::new(Life(std::sync::Mutex::new(Some(stop_tx)))),
+        }
     }
 
     /// The last position that arrived through the slot.
@@ -135,7 +182,17 @@ impl Reader {
         self.inner.sessions.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn attach(&self, name: &str, durable: Arc<AtomicU64>) -> mpsc::Receiver<Arc<Txn>> {
+    /// Times the slot was found invalidated (its WAL removed) and re-created.
+    pub fn invalidations(&self) -> u64 {
+        self.inner.invalidations.load(Ordering::Relaxed)
+    }
+
+    /// Times the slot was found ahead of the LSN this reader acknowledged.
+    pub fn slot_ahead_reports(&self) -> u64 {
+        self.inner.slot_ahead.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn attach(&self, name: &str, durable: Arc<AtomicU64>) -> mpsc::Receiver<Live> {
         let (tx, rx) = mpsc::channel(self.inner.config.subscriber_buffer.max(1));
         let _ = self.inner.cmd.send(Cmd::Attach(Attached {
             name: name.to_string(),
@@ -176,16 +233,24 @@ fn sql(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SessionEr
     move |source| SessionError::Sql { context, source }
 }
 
-async fn run(inner: std::sync::Weak<Inner>, mut cmd: mpsc::UnboundedReceiver<Cmd>) {
+async fn run(
+    inner: Arc<Inner>,
+    mut cmd: mpsc::UnboundedReceiver<Cmd>,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
     let mut attached: Vec<Attached> = Vec::new();
     let mut backoff = Duration::from_millis(100);
     loop {
-        let Some(me) = inner.upgrade() else { return };
         let started = Instant::now();
-        let result = session(&me, &mut cmd, &mut attached).await;
-        drop(me);
+        let result = tokio::select! {
+            r = session(&inner, &mut cmd, &mut attached) => r,
+            _ = &mut stop => Ok(()),
+        };
         match result {
-            Ok(()) => return,
+            Ok(()) => {
+                tracing::debug!(slot = %inner.config.slot, "replication reader stopped");
+                return;
+            }
             Err(e) => {
                 match e.kind() {
                     ErrorKind::Transient => {
@@ -200,7 +265,10 @@ async fn run(inner: std::sync::Weak<Inner>, mut cmd: mpsc::UnboundedReceiver<Cmd
                 }
                 // Full jitter: sleep a random time up to the current bound.
                 let sleep = Duration::from_millis(fastrand::u64(10..=backoff.as_millis() as u64));
-                tokio::time::sleep(sleep).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(sleep) => {}
+                    _ = &mut stop => return,
+                }
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
@@ -208,6 +276,8 @@ async fn run(inner: std::sync::Weak<Inner>, mut cmd: mpsc::UnboundedReceiver<Cmd
 }
 
 struct SlotState {
+    /// The acknowledged LSN last written to strata.replication_readers.
+    recorded: Lsn,
     /// (last position so far, LSN past the commit) per delivered transaction.
     pending: VecDeque<(u64, Lsn)>,
     received: Lsn,
@@ -229,13 +299,27 @@ async fn session(
     inner.sessions.fetch_add(1, Ordering::Relaxed);
     prepare_slot(inner, &client, &mut conn).await?;
     conn.start(&cfg.slot, Lsn(0), &cfg.publication).await?;
-    tracing::info!(slot = %cfg.slot, server_lsn = %system.xlogpos, "replication started");
+    // Read after the stream's start point is fixed: every position up to
+    // this head is visible in the table, every later one commits after the
+    // start point and so arrives through the slot.
+    let head = crate::read::head(&client)
+        .await
+        .map_err(sql("read the log head"))?;
+    inner.head.fetch_max(head.0, Ordering::Relaxed);
+    tracing::info!(slot = %cfg.slot, server_lsn = %system.xlogpos, head = %head, "replication started");
+    broadcast(
+        attached,
+        Live::Head(Position(inner.head.load(Ordering::Relaxed))),
+    );
 
     let mut state = SlotState {
+        recorded: Lsn(inner.acked.load(Ordering::Relaxed)),
         pending: VecDeque::new(),
         received: Lsn(0),
         acked: Lsn(inner.acked.load(Ordering::Relaxed)),
-        server_end: system.xlogpos,
+        // Raised only by what the server sends: acknowledging the server's
+        // current position before receiving up to it would skip transactions.
+        server_end: Lsn(0),
         delivered: inner.head.load(Ordering::Relaxed),
     };
     let mut asm = Assembler::new();
@@ -263,22 +347,22 @@ async fn session(
                         state.server_end = state.server_end.max(end);
                         if reply {
                             let ack = compute_ack(inner, &mut state, attached, !asm.in_transaction());
-                            conn.send_status(state.received.max(state.acked), ack, false).await?;
+                            report(inner, &client, &mut conn, &mut state, ack).await?;
                         }
                     }
                 }
             }
             _ = status.tick() => {
                 let ack = compute_ack(inner, &mut state, attached, !asm.in_transaction());
-                conn.send_status(state.received.max(ack), ack, false).await?;
+                report(inner, &client, &mut conn, &mut state, ack).await?;
                 let m = metrics::global();
                 m.replication_lag_bytes.set(state.server_end.0.saturating_sub(ack.0) as f64);
             }
             _ = heartbeat.tick() => {
                 client
                     .execute(
-                        "UPDATE strata.replication_readers SET seen_at = now(), acked_lsn = $2::text::pg_lsn WHERE slot_name = $1",
-                        &[&cfg.slot, &Lsn(inner.acked.load(Ordering::Relaxed)).to_string()],
+                        "UPDATE strata.replication_readers SET seen_at = now() WHERE slot_name = $1",
+                        &[&cfg.slot],
                     )
                     .await
                     .map_err(sql("record the reader heartbeat"))?;
@@ -292,12 +376,39 @@ async fn session(
             c = cmd.recv() => match c {
                 Some(Cmd::Attach(a)) => {
                     tracing::debug!(subscription = %a.name, "subscription attached to the live stream");
-                    attached.push(a);
+                    let mut one = vec![a];
+                    broadcast(&mut one, Live::Head(Position(inner.head.load(Ordering::Relaxed))));
+                    attached.append(&mut one);
                 }
                 None => return Ok(()),
             },
         }
     }
+}
+
+/// Records `ack` as this reader's acknowledged LSN, then tells the server.
+/// Recording first means the slot can never be legitimately ahead of the
+/// record, so a slot found ahead at start-up is a real anomaly.
+async fn report(
+    inner: &Inner,
+    client: &Client,
+    conn: &mut ReplicationConnection,
+    state: &mut SlotState,
+    ack: Lsn,
+) -> Result<(), SessionError> {
+    if ack > state.recorded {
+        client
+            .execute(
+                "UPDATE strata.replication_readers SET acked_lsn = $2::text::pg_lsn, seen_at = now() WHERE slot_name = $1",
+                &[&inner.config.slot, &ack.to_string()],
+            )
+            .await
+            .map_err(sql("record the acknowledged LSN"))?;
+        state.recorded = ack;
+    }
+    conn.send_status(state.received.max(ack), ack, false)
+        .await?;
+    Ok(())
 }
 
 /// Makes sure the slot exists and is usable; reports loudly when it is not.
@@ -330,6 +441,7 @@ async fn prepare_slot(
             let err = ReplicationError::SlotInvalidated {
                 slot: cfg.slot.clone(),
             };
+            inner.invalidations.fetch_add(1, Ordering::Relaxed);
             tracing::error!(slot = %cfg.slot, error = %err, "slot invalidated: dropping and re-creating it; subscriptions fill the missed events from the table");
             client
                 .execute("SELECT pg_drop_replication_slot($1)", &[&cfg.slot])
@@ -341,6 +453,7 @@ async fn prepare_slot(
                 row.get::<_, Option<String>>(0).and_then(|s| s.parse().ok());
             if let (Some(confirmed), Some(recorded)) = (confirmed, recorded) {
                 if confirmed > recorded {
+                    inner.slot_ahead.fetch_add(1, Ordering::Relaxed);
                     let err = ReplicationError::SlotAhead {
                         slot: cfg.slot.clone(),
                         confirmed,
@@ -435,14 +548,7 @@ fn deliver(inner: &Inner, state: &mut SlotState, attached: &mut Vec<Attached>, t
         inner.head.fetch_max(last.0, Ordering::Relaxed);
         let end = txn.end_lsn;
         let txn = Arc::new(txn);
-        attached.retain(|a| match a.tx.try_send(txn.clone()) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                tracing::warn!(subscription = %a.name, "subscription is too slow for the live stream; it continues from the table");
-                false
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => false,
-        });
+        broadcast(attached, Live::Txn(txn));
         state.pending.push_back((state.delivered, end));
     } else {
         state.pending.push_back((state.delivered, txn.end_lsn));

@@ -371,13 +371,9 @@ impl ReplicationConnection {
                     while let Some(r) = fallible_iterator::FallibleIterator::next(&mut ranges)
                         .map_err(|e| ReplicationError::Protocol(e.to_string()))?
                     {
-                        row.push(match r {
-                            Some(r) => Some(
-                                String::from_utf8_lossy(buf.get(r).unwrap_or_default())
-                                    .into_owned(),
-                            ),
-                            None => None,
-                        });
+                        row.push(r.map(|r| {
+                            String::from_utf8_lossy(buf.get(r).unwrap_or_default()).into_owned()
+                        }));
                     }
                     rows.push(row);
                 }

@@ -18,7 +18,7 @@
 //! (too slow, too much WAL held), it simply goes back to reading the table.
 
 use crate::read;
-use crate::reader::Reader;
+use crate::reader::{Live, Reader};
 use crate::types::{Event, Position, Txn};
 use crate::ErrorKind;
 use std::collections::VecDeque;
@@ -107,7 +107,7 @@ pub struct Subscription {
     fetched: Position,
     cursor_pos: Position,
     buf: VecDeque<Arc<Event>>,
-    rx: Option<mpsc::Receiver<Arc<Txn>>>,
+    rx: Option<mpsc::Receiver<Live>>,
     shared: Arc<Cursor>,
     page: i64,
     delivered: u64,
@@ -324,7 +324,16 @@ impl Subscription {
                     tracing::info!(subscription = %self.name, at = %self.fetched, "dropped by the live stream; reading the table");
                     self.rx = None;
                 }
-                Some(txn) => self.take_live(&txn).await?,
+                Some(Live::Txn(txn)) => self.take_live(&txn).await?,
+                Some(Live::Head(head)) => {
+                    if head.0 > self.fetched.0 + self.page as u64 {
+                        // Far behind: page through the table instead of
+                        // holding the whole gap in memory.
+                        self.rx = None;
+                    } else if head > self.fetched {
+                        self.fill_gap(Position(head.0 + 1)).await?;
+                    }
+                }
             }
         }
     }
@@ -366,6 +375,12 @@ impl Subscription {
             return Ok(());
         };
         let first = txn.events[first_new].position;
+        if first.0 > self.fetched.0 + self.page as u64 {
+            // Far behind: leave the live stream and page through the table;
+            // this transaction is read again from there.
+            self.rx = None;
+            return Ok(());
+        }
         if first.0 > self.fetched.0 + 1 {
             self.fill_gap(first).await?;
         }

@@ -223,15 +223,13 @@ impl Cluster {
         }
     }
 
-    /// Kills the server without a shutdown (SIGKILL to the postmaster), as a
-    /// crash would. Its children notice and exit; the next start recovers.
+    /// Stops the server the way a crash would: an immediate shutdown (SIGQUIT)
+    /// ends every server process without a checkpoint, so the next start
+    /// runs crash recovery from the WAL.
     pub fn crash(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
+            signal(child.id(), "QUIT");
             let _ = child.wait();
-            // Backends exit once they notice the postmaster is gone; wait for
-            // the lock file's owner to go away so a restart can take over.
-            std::thread::sleep(Duration::from_millis(200));
         }
     }
 

@@ -14,15 +14,27 @@ pub fn shared_cluster() -> &'static Cluster {
 
 /// A new private cluster in a temporary folder with extra settings.
 pub fn temp_cluster(settings: &[(&str, &str)]) -> Result<Cluster, crate::ClusterError> {
+    temp_cluster_with(false, settings)
+}
+
+/// A new private cluster; `durable` keeps fsync and synchronous commit on,
+/// for tests that crash the server and count what survived.
+pub fn temp_cluster_with(
+    durable: bool,
+    settings: &[(&str, &str)],
+) -> Result<Cluster, crate::ClusterError> {
     let base = std::env::temp_dir().join(format!(
         "strata-test-{}-{}",
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
     let mut opts = ClusterOptions::new(base.join("pg"));
-    opts.fsync = false;
+    opts.fsync = durable;
     opts.remove_on_exit = Some(base);
-    opts.settings = settings.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    opts.settings = settings
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     Cluster::start(opts)
 }
 
@@ -31,7 +43,11 @@ static NEXT: AtomicU32 = AtomicU32::new(0);
 /// Creates an empty database on `cluster` and returns its URL. The name is
 /// unique within the process.
 pub async fn fresh_database(cluster: &Cluster) -> String {
-    let name = format!("t{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+    let name = format!(
+        "t{}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
     let (client, conn) = tokio_postgres::connect(&cluster.url("postgres"), tokio_postgres::NoTls)
         .await
         .expect("connect to the test cluster");
@@ -50,6 +66,8 @@ pub async fn migrated_database(cluster: &Cluster) -> String {
         .await
         .expect("connect to the test database");
     tokio::spawn(conn);
-    crate::migrate(&mut client).await.expect("migrate the test database");
+    crate::migrate(&mut client)
+        .await
+        .expect("migrate the test database");
     url
 }

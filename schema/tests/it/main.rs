@@ -4,7 +4,9 @@ use schema::testing::{fresh_database, shared_cluster};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 async fn client(url: &str) -> tokio_postgres::Client {
-    let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
     tokio::spawn(conn);
     c
 }
@@ -36,11 +38,17 @@ async fn an_edited_migration_is_refused() {
     let url = fresh_database(shared_cluster()).await;
     let mut c = client(&url).await;
     schema::migrate(&mut c).await.unwrap();
-    c.execute("UPDATE strata.schema_migrations SET checksum = 'edited' WHERE version = 1", &[])
-        .await
-        .unwrap();
+    c.execute(
+        "UPDATE strata.schema_migrations SET checksum = 'edited' WHERE version = 1",
+        &[],
+    )
+    .await
+    .unwrap();
     let err = schema::migrate(&mut c).await.unwrap_err();
-    assert!(matches!(err, schema::Error::ChecksumMismatch { version: 1, .. }), "{err}");
+    assert!(
+        matches!(err, schema::Error::ChecksumMismatch { version: 1, .. }),
+        "{err}"
+    );
     assert!(!err.is_transient());
 }
 
@@ -53,7 +61,10 @@ async fn a_database_from_a_newer_build_is_refused() {
         .await
         .unwrap();
     let err = schema::migrate(&mut c).await.unwrap_err();
-    assert!(matches!(err, schema::Error::TooNew { database: 9999, .. }), "{err}");
+    assert!(
+        matches!(err, schema::Error::TooNew { database: 9999, .. }),
+        "{err}"
+    );
 }
 
 fn at(secs: u64) -> SystemTime {
@@ -69,8 +80,17 @@ async fn partitions_are_created_ahead_and_listed() {
     let jan = at(1_894_665_600);
     let created = schema::partitions::ensure(&c, 2, jan).await.unwrap();
     assert_eq!(created, 3);
-    assert_eq!(schema::partitions::ensure(&c, 2, jan).await.unwrap(), 0, "idempotent");
-    let names: Vec<String> = schema::partitions::list(&c).await.unwrap().into_iter().map(|p| p.name).collect();
+    assert_eq!(
+        schema::partitions::ensure(&c, 2, jan).await.unwrap(),
+        0,
+        "idempotent"
+    );
+    let names: Vec<String> = schema::partitions::list(&c)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
     for m in ["events_2030_01", "events_2030_02", "events_2030_03"] {
         assert!(names.contains(&m.to_string()), "{m} missing from {names:?}");
     }

@@ -1,0 +1,405 @@
+use crate::{appender, db, ev, table_positions};
+use events::{AppendError, AppenderConfig, ErrorKind, ExpectedVersion, NewEvent, StreamAppend};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+#[tokio::test]
+async fn append_assigns_versions_and_gap_free_positions() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    let first = a
+        .append("s/1", ExpectedVersion::NoStream, vec![ev(1), ev(2), ev(3)])
+        .await
+        .unwrap();
+    assert_eq!(
+        (first.version, first.first_position.0, first.last_position.0),
+        (3, 1, 3)
+    );
+    let second = a
+        .append("s/1", ExpectedVersion::Exact(3), vec![ev(4), ev(5)])
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            second.version,
+            second.first_position.0,
+            second.last_position.0
+        ),
+        (5, 4, 5)
+    );
+    let other = a
+        .append("s/2", ExpectedVersion::Any, vec![ev(6)])
+        .await
+        .unwrap();
+    assert_eq!((other.version, other.last_position.0), (1, 6));
+    let rows = events::read::stream(&client, "s/1").await.unwrap();
+    let versions: Vec<u64> = rows.iter().map(|e| e.version).collect();
+    assert_eq!(versions, [1, 2, 3, 4, 5]);
+    assert_eq!(rows[3].payload, r#"{"n": 4}"#);
+    assert_eq!(table_positions(&client).await, [1, 2, 3, 4, 5, 6]);
+}
+
+#[tokio::test]
+async fn version_conflict_names_the_stream_and_both_versions() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    a.append("pool/p1", ExpectedVersion::Any, vec![ev(1), ev(2)])
+        .await
+        .unwrap();
+    let err = a
+        .append("pool/p1", ExpectedVersion::Exact(1), vec![ev(3)])
+        .await
+        .unwrap_err();
+    match &err {
+        AppendError::VersionConflict {
+            stream,
+            expected,
+            actual,
+        } => {
+            assert_eq!(stream, "pool/p1");
+            assert_eq!(*expected, ExpectedVersion::Exact(1));
+            assert_eq!(*actual, 2);
+        }
+        other => panic!("expected a conflict, got {other}"),
+    }
+    assert_eq!(err.kind(), ErrorKind::Definite);
+    assert_eq!(
+        err.to_string(),
+        "version conflict on stream \"pool/p1\": expected 1, actual 2"
+    );
+    let err = a
+        .append("pool/p1", ExpectedVersion::NoStream, vec![ev(3)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, AppendError::VersionConflict { actual: 2, .. }),
+        "{err}"
+    );
+    let err = a
+        .append("pool/none", ExpectedVersion::StreamExists, vec![ev(3)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, AppendError::VersionConflict { actual: 0, .. }),
+        "{err}"
+    );
+    assert_eq!(
+        table_positions(&client).await.len(),
+        2,
+        "nothing written by refused appends"
+    );
+}
+
+#[tokio::test]
+async fn a_batch_across_streams_is_all_or_nothing() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    a.append("b", ExpectedVersion::Any, vec![ev(1)])
+        .await
+        .unwrap();
+    let batch = vec![
+        StreamAppend {
+            stream: "a".into(),
+            expected: ExpectedVersion::NoStream,
+            events: vec![ev(2)],
+        },
+        StreamAppend {
+            stream: "b".into(),
+            expected: ExpectedVersion::Exact(0),
+            events: vec![ev(3)],
+        },
+    ];
+    let err = a.append_batch(batch).await.unwrap_err();
+    assert!(
+        matches!(&err, AppendError::VersionConflict { stream, .. } if stream == "b"),
+        "{err}"
+    );
+    assert!(events::read::stream(&client, "a").await.unwrap().is_empty());
+    let batch = vec![
+        StreamAppend {
+            stream: "a".into(),
+            expected: ExpectedVersion::NoStream,
+            events: vec![ev(2), ev(3)],
+        },
+        StreamAppend {
+            stream: "b".into(),
+            expected: ExpectedVersion::Exact(1),
+            events: vec![ev(4)],
+        },
+    ];
+    let out = a.append_batch(batch).await.unwrap();
+    assert_eq!(out.len(), 2);
+    assert_eq!(
+        (
+            out[0].first_position.0,
+            out[0].last_position.0,
+            out[1].last_position.0
+        ),
+        (2, 3, 4)
+    );
+    // One transaction: all three rows carry the same xid.
+    let xids: i64 = client
+        .query_one(
+            "SELECT count(DISTINCT xid::text) FROM strata.events WHERE position >= 2",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(xids, 1);
+}
+
+#[tokio::test]
+async fn malformed_and_oversized_events_are_refused_before_anything_is_written() {
+    let (cfg, client) = db().await;
+    let a = events::Appender::start(
+        cfg.clone(),
+        AppenderConfig {
+            max_payload_bytes: 64,
+            ..AppenderConfig::default()
+        },
+    );
+    let big = NewEvent::new("t", &serde_json::json!({ "x": "y".repeat(100) }));
+    let cases: Vec<(&str, Vec<NewEvent>, &str)> = vec![
+        ("s", vec![big], "exceeds the limit of 64 bytes"),
+        (
+            "s",
+            vec![NewEvent::new("t", &serde_json::json!([1, 2]))],
+            "must be a JSON object",
+        ),
+        (
+            "s",
+            vec![NewEvent::new("t", &serde_json::json!({ "x": "a\u{0}b" }))],
+            "NUL character",
+        ),
+        (
+            "s",
+            vec![NewEvent::new("bad type!", &serde_json::json!({}))],
+            "may use only ASCII",
+        ),
+        (
+            "s",
+            vec![NewEvent::new("", &serde_json::json!({}))],
+            "event type must be 1 to 128 bytes",
+        ),
+        ("", vec![ev(1)], "stream name must be 1 to 256 bytes"),
+        ("a b", vec![ev(1)], "whitespace or control characters"),
+        ("s", vec![], "no events for stream"),
+    ];
+    for (stream, evs, want) in cases {
+        let err = a
+            .append(stream, ExpectedVersion::Any, evs)
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains(want),
+            "{err} should mention {want:?}"
+        );
+        assert_eq!(err.kind(), ErrorKind::Definite);
+    }
+    assert!(NewEvent::from_json("t", "{not json")
+        .unwrap_err()
+        .contains("not valid JSON"));
+    // One bad event refuses the whole batch.
+    let err = a
+        .append_batch(vec![
+            StreamAppend {
+                stream: "ok".into(),
+                expected: ExpectedVersion::Any,
+                events: vec![ev(1)],
+            },
+            StreamAppend {
+                stream: "ok2".into(),
+                expected: ExpectedVersion::Any,
+                events: vec![NewEvent::new("t", &serde_json::json!(3))],
+            },
+        ])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AppendError::Invalid(_)), "{err}");
+    assert!(table_positions(&client).await.is_empty());
+    let streams: i64 = client
+        .query_one("SELECT count(*) FROM strata.streams", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(streams, 0);
+}
+
+#[tokio::test]
+async fn group_commit_coalesces_64_concurrent_writers() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    let per_writer = 40u64;
+    let mut tasks = Vec::new();
+    for w in 0..64u64 {
+        let a = a.clone();
+        let cfg = cfg.clone();
+        tasks.push(tokio::spawn(async move {
+            let check = events::db::connect(&cfg, "check").await.unwrap();
+            let stream = format!("writer/{w}");
+            let mut positions = Vec::new();
+            for i in 0..per_writer {
+                let out = a
+                    .append(&stream, ExpectedVersion::Exact(i), vec![ev(w * 1000 + i)])
+                    .await
+                    .unwrap();
+                assert_eq!(out.version, i + 1);
+                // Answered only after commit: a new snapshot already sees it.
+                if i % 8 == 0 {
+                    let seen: i64 = check
+                        .query_one(
+                            "SELECT count(*) FROM strata.events WHERE position = $1",
+                            &[&(out.last_position.0 as i64)],
+                        )
+                        .await
+                        .unwrap()
+                        .get(0);
+                    assert_eq!(seen, 1, "acknowledged append not visible");
+                }
+                positions.push(out.last_position.0);
+            }
+            positions
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let total = 64 * per_writer;
+    all.sort_unstable();
+    assert_eq!(
+        all,
+        (1..=total).collect::<Vec<_>>(),
+        "every position handed out once, no gaps"
+    );
+    assert_eq!(table_positions(&client).await, all);
+    let txns: i64 = client
+        .query_one("SELECT count(DISTINCT xid::text) FROM strata.events", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        (txns as u64) < total / 2,
+        "{txns} transactions for {total} appends: group commit did not coalesce"
+    );
+}
+
+#[tokio::test]
+async fn racing_writers_on_one_stream_never_fork_it() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    let mut tasks = Vec::new();
+    for w in 0..16u64 {
+        let a = a.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut done, mut conflicts, mut expected) = (0, 0, 0u64);
+            while done < 10 {
+                match a
+                    .append("hot", ExpectedVersion::Exact(expected), vec![ev(w)])
+                    .await
+                {
+                    Ok(out) => {
+                        expected = out.version;
+                        done += 1;
+                    }
+                    Err(AppendError::VersionConflict { actual, .. }) => {
+                        expected = actual;
+                        conflicts += 1;
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            conflicts
+        }));
+    }
+    let mut conflicts = 0;
+    for t in tasks {
+        conflicts += t.await.unwrap();
+    }
+    assert!(conflicts > 0, "16 racing writers should have conflicted");
+    let versions: Vec<u64> = events::read::stream(&client, "hot")
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.version)
+        .collect();
+    assert_eq!(versions, (1..=160).collect::<Vec<_>>());
+}
+
+/// Midnight UTC at the start of 2031-02-01.
+const FEB_2031: u64 = 1_927_670_400;
+
+#[tokio::test]
+async fn appends_roll_over_a_month_boundary_into_the_next_partition() {
+    let (cfg, client) = db().await;
+    let after = Arc::new(AtomicBool::new(false));
+    let flag = after.clone();
+    let clock: events::append::Clock = Arc::new(move || {
+        let base = UNIX_EPOCH + Duration::from_secs(FEB_2031);
+        if flag.load(Ordering::SeqCst) {
+            base + Duration::from_micros(1)
+        } else {
+            base - Duration::from_micros(1)
+        }
+    });
+    // Nothing was created for 2031: the appender makes the month on demand.
+    let a = events::Appender::start(
+        cfg.clone(),
+        AppenderConfig {
+            clock: Some(clock),
+            ..AppenderConfig::default()
+        },
+    );
+    a.append("roll", ExpectedVersion::Any, vec![ev(1)])
+        .await
+        .unwrap();
+    after.store(true, Ordering::SeqCst);
+    a.append("roll", ExpectedVersion::Exact(1), vec![ev(2)])
+        .await
+        .unwrap();
+    let parts = schema::partitions::list(&client).await.unwrap();
+    let rows = |n: &str| parts.iter().find(|p| p.name == n).map(|p| p.rows);
+    assert_eq!(rows("events_2031_01"), Some(1), "{parts:?}");
+    assert_eq!(rows("events_2031_02"), Some(1), "{parts:?}");
+    // Read across partitions: one log, in position order.
+    let reader = crate::reader(&cfg);
+    let mut sub = reader
+        .subscribe_ephemeral(events::Start::Beginning)
+        .await
+        .unwrap();
+    let first = sub.next().await.unwrap();
+    let second = sub.next().await.unwrap();
+    assert_eq!((first.version, second.version), (1, 2));
+    assert!(first.recorded_at < UNIX_EPOCH + Duration::from_secs(FEB_2031));
+    assert!(second.recorded_at > UNIX_EPOCH + Duration::from_secs(FEB_2031));
+    assert!(first.recorded_at < SystemTime::now() + Duration::from_secs(10 * 365 * 86400));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_database_is_a_transient_error_and_the_appender_recovers() {
+    let cluster = schema::testing::temp_cluster(&[]).unwrap();
+    let url = schema::testing::migrated_database(&cluster).await;
+    let cfg: tokio_postgres::Config = url.parse().unwrap();
+    let a = appender(&cfg);
+    a.append("x", ExpectedVersion::Any, vec![ev(1)])
+        .await
+        .unwrap();
+    let mut cluster = cluster;
+    tokio::task::block_in_place(|| cluster.stop());
+    let err = a
+        .append("x", ExpectedVersion::Any, vec![ev(2)])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transient, "{err}");
+    tokio::task::block_in_place(|| cluster.restart()).unwrap();
+    let out = a
+        .append("x", ExpectedVersion::Exact(1), vec![ev(2)])
+        .await
+        .unwrap();
+    assert_eq!(out.version, 2);
+    let seen: HashSet<u64> = [out.last_position.0].into_iter().collect();
+    assert!(seen.contains(&2));
+}

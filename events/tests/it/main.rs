@@ -1,0 +1,71 @@
+//! Integration tests of the event log against private Postgres clusters.
+
+mod append;
+mod replication;
+mod subscription;
+
+use events::{Appender, AppenderConfig, NewEvent, Reader, ReaderConfig};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+use tokio_postgres::{Client, Config};
+
+/// A fresh migrated database on the shared cluster.
+pub async fn db() -> (Config, Client) {
+    let url = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let cfg: Config = url.parse().unwrap();
+    let client = events::db::connect(&cfg, "test").await.unwrap();
+    (cfg, client)
+}
+
+pub fn appender(cfg: &Config) -> Appender {
+    Appender::start(cfg.clone(), AppenderConfig::default())
+}
+
+static SLOT: AtomicU32 = AtomicU32::new(0);
+
+/// A reader with a slot name unique to this test process.
+pub fn reader(cfg: &Config) -> Reader {
+    Reader::start(cfg.clone(), reader_config())
+}
+
+pub fn reader_config() -> ReaderConfig {
+    let mut rc = ReaderConfig::new(format!(
+        "t_{}_{}",
+        std::process::id(),
+        SLOT.fetch_add(1, Ordering::Relaxed)
+    ));
+    rc.status_interval = Duration::from_millis(100);
+    rc.heartbeat_interval = Duration::from_millis(500);
+    rc
+}
+
+pub fn ev(n: u64) -> NewEvent {
+    NewEvent::new("test.event", &serde_json::json!({ "n": n }))
+}
+
+/// Positions in the table, in order.
+pub async fn table_positions(client: &Client) -> Vec<u64> {
+    client
+        .query("SELECT position FROM strata.events ORDER BY position", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, i64>(0) as u64)
+        .collect()
+}
+
+/// Waits up to `secs` for `f` to become true.
+pub async fn eventually<F, Fut>(secs: u64, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    while std::time::Instant::now() < deadline {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("condition not met within {secs}s");
+}

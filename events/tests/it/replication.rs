@@ -1,0 +1,371 @@
+use crate::{appender, db, ev, eventually, reader_config, table_positions};
+use events::{AppendError, ExpectedVersion, Reader, Start};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_postgres::Client;
+
+async fn slot_active(client: &Client, slot: &str) -> Option<bool> {
+    client
+        .query_opt(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+#[tokio::test]
+async fn slots_list_shows_owner_lag_and_retained_wal_and_flags_stale_slots() {
+    let (cfg, client) = db().await;
+    let rc = reader_config();
+    let slot = rc.slot.clone();
+    let r = Reader::start(cfg.clone(), rc);
+    let _sub = r.subscribe_ephemeral(Start::Now).await.unwrap();
+    eventually(20, || async {
+        slot_active(&client, &slot).await == Some(true)
+    })
+    .await;
+    let orphan = format!("{slot}_orphan");
+    client
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&orphan],
+        )
+        .await
+        .unwrap();
+    let slots = events::slots::list(&client, Duration::from_secs(600))
+        .await
+        .unwrap();
+    let mine = slots
+        .iter()
+        .find(|s| s.name == slot)
+        .expect("reader's slot listed");
+    assert!(mine.active && !mine.stale);
+    assert!(
+        mine.owner.as_deref().is_some_and(|o| o.contains("pid")),
+        "{mine:?}"
+    );
+    assert!(mine.retained_bytes.is_some() && mine.lag_bytes.is_some());
+    let lost = slots
+        .iter()
+        .find(|s| s.name == orphan)
+        .expect("orphan listed");
+    assert!(lost.stale && lost.owner.is_none(), "{lost:?}");
+    // Dropping: the orphan goes; the active one needs --force.
+    events::slots::drop_slot(&client, &orphan, false)
+        .await
+        .unwrap();
+    let err = events::slots::drop_slot(&client, &slot, false)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("in use"), "{err}");
+    let err = events::slots::drop_slot(&client, "no_such_slot", false)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("no replication slot named"),
+        "{err}"
+    );
+    drop(_sub);
+    drop(r);
+    eventually(20, || async {
+        slot_active(&client, &slot).await == Some(false)
+    })
+    .await;
+    events::slots::drop_slot(&client, &slot, false)
+        .await
+        .unwrap();
+    assert_eq!(slot_active(&client, &slot).await, None);
+}
+
+#[tokio::test]
+async fn a_slot_ahead_of_the_resume_point_is_reported_and_filled_from_the_table() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    let rc = reader_config();
+    let slot = rc.slot.clone();
+    {
+        let r = Reader::start(cfg.clone(), rc.clone());
+        let mut sub = r.subscribe("ahead", Start::Beginning).await.unwrap();
+        for i in 0..10 {
+            a.append("x", ExpectedVersion::Any, vec![ev(i)])
+                .await
+                .unwrap();
+        }
+        let mut last = 0;
+        for _ in 0..10 {
+            last = sub.next().await.unwrap().position.0;
+        }
+        sub.ack(events::Position(last));
+        sub.flush_acks().await.unwrap();
+    }
+    eventually(20, || async {
+        slot_active(&client, &slot).await == Some(false)
+    })
+    .await;
+    for i in 10..20 {
+        a.append("x", ExpectedVersion::Any, vec![ev(i)])
+            .await
+            .unwrap();
+    }
+    // Something moves the slot past events the subscription never saw.
+    // The test cluster commits asynchronously; a checkpoint flushes the WAL
+    // so the slot can be advanced past the appends.
+    client.batch_execute("CHECKPOINT").await.unwrap();
+    let moved: bool = client
+        .query_one(
+            "SELECT end_lsn >= pg_current_wal_lsn() FROM pg_replication_slot_advance($1, pg_current_wal_lsn())",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(moved, "the slot was advanced past the appends");
+    let r = Reader::start(cfg.clone(), rc);
+    let mut sub = r.subscribe("ahead", Start::Beginning).await.unwrap();
+    // Nothing new arrives through the slot: the skipped events must come from
+    // the table anyway (regression: a subscription waited on the stream).
+    let mut got = Vec::new();
+    for _ in 0..10 {
+        got.push(
+            tokio::time::timeout(Duration::from_secs(30), sub.next())
+                .await
+                .unwrap()
+                .unwrap()
+                .position
+                .0,
+        );
+    }
+    assert_eq!(got, (11..=20).collect::<Vec<_>>(), "nothing skipped");
+    a.append("x", ExpectedVersion::Any, vec![ev(20)])
+        .await
+        .unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.position.0, 21);
+    eventually(10, || async { r.slot_ahead_reports() >= 1 }).await;
+}
+
+#[tokio::test]
+async fn an_invalidated_slot_is_reported_recreated_and_the_gap_read_from_the_table() {
+    let cluster = schema::testing::temp_cluster(&[
+        ("max_slot_wal_keep_size", "1MB"),
+        ("wal_keep_size", "0"),
+        ("min_wal_size", "32MB"),
+        ("max_wal_size", "64MB"),
+    ])
+    .unwrap();
+    let url = schema::testing::migrated_database(&cluster).await;
+    let cfg: tokio_postgres::Config = url.parse().unwrap();
+    let client = events::db::connect(&cfg, "test").await.unwrap();
+    let a = appender(&cfg);
+    let rc = reader_config();
+    let slot = rc.slot.clone();
+    {
+        let r = Reader::start(cfg.clone(), rc.clone());
+        let mut sub = r.subscribe("survivor", Start::Beginning).await.unwrap();
+        a.append("x", ExpectedVersion::Any, vec![ev(0)])
+            .await
+            .unwrap();
+        let e = sub.next().await.unwrap();
+        sub.ack(e.position);
+        sub.flush_acks().await.unwrap();
+    }
+    eventually(20, || async {
+        slot_active(&client, &slot).await == Some(false)
+    })
+    .await;
+    for i in 1..=10 {
+        a.append("x", ExpectedVersion::Any, vec![ev(i)])
+            .await
+            .unwrap();
+    }
+    // Write and recycle enough WAL that the idle slot loses what it needs.
+    client
+        .batch_execute("CREATE TABLE junk (t text)")
+        .await
+        .unwrap();
+    let mut lost = false;
+    for _ in 0..10 {
+        client
+            .batch_execute("INSERT INTO junk SELECT repeat('x', 2000) FROM generate_series(1, 20000); SELECT pg_switch_wal(); CHECKPOINT;")
+            .await
+            .unwrap();
+        let status: Option<String> = client
+            .query_one(
+                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if status.as_deref() == Some("lost") {
+            lost = true;
+            break;
+        }
+    }
+    assert!(lost, "the slot should have been invalidated");
+    let r = Reader::start(cfg.clone(), rc);
+    let mut sub = r.subscribe("survivor", Start::Beginning).await.unwrap();
+    let mut got = Vec::new();
+    for _ in 0..10 {
+        got.push(
+            tokio::time::timeout(Duration::from_secs(30), sub.next())
+                .await
+                .unwrap()
+                .unwrap()
+                .position
+                .0,
+        );
+    }
+    assert_eq!(got, (2..=11).collect::<Vec<_>>());
+    eventually(20, || async { r.invalidations() == 1 }).await;
+    // The re-created slot carries the live stream again.
+    a.append("x", ExpectedVersion::Any, vec![ev(11)])
+        .await
+        .unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.position.0, 12);
+    eventually(20, || async { sub.is_live() }).await;
+    let status: Option<String> = client
+        .query_one(
+            "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_ne!(status.as_deref(), Some("lost"));
+}
+
+/// Appends with retries as a careful client would: a transient error is
+/// retried; an unknown outcome is resolved by reading the stream back.
+async fn append_surely(
+    a: &events::Appender,
+    cfg: &tokio_postgres::Config,
+    stream: &str,
+    version: u64,
+    id: u64,
+) -> u64 {
+    loop {
+        match a
+            .append(stream, ExpectedVersion::Exact(version), vec![ev(id)])
+            .await
+        {
+            Ok(out) => return out.last_position.0,
+            Err(AppendError::VersionConflict { .. }) | Err(AppendError::OutcomeUnknown(_)) => {
+                // Did our event commit? It is the stream's event at version+1.
+                loop {
+                    let Ok(c) = events::db::connect(cfg, "check").await else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    let Ok(rows) = events::read::stream(&c, stream).await else {
+                        continue;
+                    };
+                    if let Some(e) = rows.get(version as usize) {
+                        assert_eq!(
+                            e.payload,
+                            format!("{{\"n\": {id}}}"),
+                            "someone else wrote {stream}"
+                        );
+                        return e.position.0;
+                    }
+                    break;
+                }
+            }
+            Err(e) if e.kind() == events::ErrorKind::Transient => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarted_and_crashed_under_load_loses_nothing() {
+    let mut cluster = schema::testing::temp_cluster_with(true, &[]).unwrap();
+    let url = schema::testing::migrated_database(&cluster).await;
+    let cfg: tokio_postgres::Config = url.parse().unwrap();
+    let a = appender(&cfg);
+    let r = Reader::start(cfg.clone(), reader_config());
+    let mut sub = r
+        .subscribe("through-restarts", Start::Beginning)
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for w in 0..8u64 {
+        let (a, cfg, stop) = (a.clone(), cfg.clone(), stop.clone());
+        writers.push(tokio::spawn(async move {
+            let mut acked = Vec::new();
+            let mut v = 0;
+            while !stop.load(Ordering::Relaxed) {
+                acked.push(append_surely(&a, &cfg, &format!("w/{w}"), v, w * 1_000_000 + v).await);
+                v += 1;
+            }
+            acked
+        }));
+    }
+    let consumer = tokio::spawn(async move {
+        let mut got = Vec::new();
+        loop {
+            match tokio::time::timeout(Duration::from_secs(8), sub.next()).await {
+                Ok(Ok(e)) => {
+                    got.push(e.position.0);
+                    sub.ack(e.position);
+                }
+                Ok(Err(e)) if e.kind() == events::ErrorKind::Transient => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Ok(Err(e)) => panic!("{e}"),
+                Err(_) => return got,
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::task::block_in_place(|| cluster.restart()).unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::task::block_in_place(|| {
+        cluster.crash();
+        cluster.restart()
+    })
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut acked = Vec::new();
+    for w in writers {
+        acked.extend(w.await.unwrap());
+    }
+    let got = consumer.await.unwrap();
+    let client = events::db::connect(&cfg, "check").await.unwrap();
+    let table = table_positions(&client).await;
+    acked.sort_unstable();
+    assert!(acked.len() > 50, "writers made progress: {}", acked.len());
+    assert_eq!(
+        table,
+        (1..=table.len() as u64).collect::<Vec<_>>(),
+        "positions stay gap-free"
+    );
+    for p in &acked {
+        assert!(
+            table.binary_search(p).is_ok(),
+            "acknowledged position {p} is missing after the crash"
+        );
+    }
+    assert_eq!(
+        got, table,
+        "the subscription saw exactly the committed sequence"
+    );
+    assert!(
+        r.sessions() >= 3,
+        "the reader reconnected after each restart"
+    );
+}

@@ -1,0 +1,343 @@
+use crate::{appender, db, ev, eventually, reader, reader_config, table_positions};
+use events::{ExpectedVersion, Reader, Start, StreamAppend};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+async fn take(sub: &mut events::Subscription, n: usize) -> Vec<u64> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .expect("event in time")
+            .unwrap();
+        out.push(e.position.0);
+    }
+    out
+}
+
+#[tokio::test]
+async fn delivers_history_then_the_live_stream_in_order() {
+    let (cfg, _client) = db().await;
+    let a = appender(&cfg);
+    for i in 0..10 {
+        a.append_batch(vec![StreamAppend {
+            stream: format!("h/{}", i % 3),
+            expected: ExpectedVersion::Any,
+            events: (0..10).map(|j| ev(i * 10 + j)).collect(),
+        }])
+        .await
+        .unwrap();
+    }
+    let r = reader(&cfg);
+    let mut sub = r
+        .subscribe("history-then-live", Start::Beginning)
+        .await
+        .unwrap();
+    assert_eq!(take(&mut sub, 100).await, (1..=100).collect::<Vec<_>>());
+    for i in 0..50 {
+        a.append("live", ExpectedVersion::Any, vec![ev(i)])
+            .await
+            .unwrap();
+    }
+    assert_eq!(take(&mut sub, 50).await, (101..=150).collect::<Vec<_>>());
+    assert!(
+        sub.is_live(),
+        "caught-up subscription should follow the slot"
+    );
+}
+
+#[tokio::test]
+async fn start_now_and_after_a_position() {
+    let (cfg, _client) = db().await;
+    let a = appender(&cfg);
+    for i in 0..5 {
+        a.append("p", ExpectedVersion::Any, vec![ev(i)])
+            .await
+            .unwrap();
+    }
+    let r = reader(&cfg);
+    let mut after3 = r
+        .subscribe_ephemeral(Start::After(events::Position(3)))
+        .await
+        .unwrap();
+    let mut now = r.subscribe_ephemeral(Start::Now).await.unwrap();
+    a.append("p", ExpectedVersion::Any, vec![ev(6)])
+        .await
+        .unwrap();
+    assert_eq!(take(&mut after3, 3).await, [4, 5, 6]);
+    assert_eq!(take(&mut now, 1).await, [6]);
+}
+
+#[tokio::test]
+async fn a_subscription_created_under_concurrent_writes_sees_exactly_the_committed_sequence() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for w in 0..8 {
+        let (a, stop) = (a.clone(), stop.clone());
+        writers.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let n = 1 + (i % 4) as usize;
+                a.append(
+                    &format!("w/{w}"),
+                    ExpectedVersion::Any,
+                    (0..n).map(|k| ev(i + k as u64)).collect(),
+                )
+                .await
+                .unwrap();
+                i += 1;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Created while the writers run.
+    let r = reader(&cfg);
+    let mut sub = r.subscribe("under-load", Start::Beginning).await.unwrap();
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < deadline {
+        got.push(sub.next().await.unwrap().position.0);
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await.unwrap();
+    }
+    let table = table_positions(&client).await;
+    while got.len() < table.len() {
+        let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .expect("caught up in time")
+            .unwrap();
+        got.push(e.position.0);
+    }
+    assert_eq!(
+        got, table,
+        "delivered sequence must equal the committed sequence"
+    );
+    assert!(sub.is_live());
+}
+
+#[tokio::test]
+async fn a_named_subscription_resumes_after_its_durable_ack() {
+    let (cfg, _client) = db().await;
+    let a = appender(&cfg);
+    for i in 0..20 {
+        a.append("r", ExpectedVersion::Any, vec![ev(i)])
+            .await
+            .unwrap();
+    }
+    let r = reader(&cfg);
+    {
+        let mut sub = r.subscribe("resumable", Start::Beginning).await.unwrap();
+        let got = take(&mut sub, 12).await;
+        sub.ack(events::Position(got[9]));
+        sub.flush_acks().await.unwrap();
+        assert_eq!(sub.durable(), events::Position(10));
+    }
+    // The start argument is ignored for an existing subscription.
+    let mut sub = r.subscribe("resumable", Start::Now).await.unwrap();
+    assert_eq!(
+        take(&mut sub, 10).await,
+        (11..=20).collect::<Vec<_>>(),
+        "unacknowledged events come again"
+    );
+}
+
+#[tokio::test]
+async fn acks_are_stored_in_the_background() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    a.append("bg", ExpectedVersion::Any, vec![ev(1), ev(2)])
+        .await
+        .unwrap();
+    let r = reader(&cfg);
+    let mut sub = r
+        .subscribe("background-ack", Start::Beginning)
+        .await
+        .unwrap();
+    let got = take(&mut sub, 2).await;
+    sub.ack(events::Position(got[1]));
+    eventually(5, || async {
+        let p: i64 = client
+            .query_one(
+                "SELECT position FROM strata.subscriptions WHERE name = 'background-ack'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        p == 2
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_slow_subscriber_does_not_stall_others_and_catches_up_from_the_table() {
+    let (cfg, _client) = db().await;
+    let mut rc = reader_config();
+    rc.subscriber_buffer = 4;
+    let r = Reader::start(cfg.clone(), rc);
+    let mut fast = r.subscribe("fast", Start::Beginning).await.unwrap();
+    let mut slow = r.subscribe("slow", Start::Beginning).await.unwrap();
+    // Let both reach the live stream before the writes start.
+    let a = appender(&cfg);
+    a.append("warm", ExpectedVersion::Any, vec![ev(0)])
+        .await
+        .unwrap();
+    assert_eq!(take(&mut fast, 1).await, [1]);
+    assert_eq!(take(&mut slow, 1).await, [1]);
+    let total = 400u64;
+    let writer = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            for i in 0..total {
+                a.append(&format!("s/{}", i % 7), ExpectedVersion::Any, vec![ev(i)])
+                    .await
+                    .unwrap();
+            }
+        })
+    };
+    let fast_task = tokio::spawn(async move {
+        let got = take(&mut fast, total as usize).await;
+        (got, Instant::now())
+    });
+    let slow_task = tokio::spawn(async move {
+        let mut got = Vec::new();
+        for _ in 0..total {
+            let e = slow.next().await.unwrap();
+            got.push(e.position.0);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        (got, Instant::now(), slow.attachments())
+    });
+    writer.await.unwrap();
+    let (fast_got, fast_done) = fast_task.await.unwrap();
+    let (slow_got, slow_done, attachments) = slow_task.await.unwrap();
+    let want: Vec<u64> = (2..=total + 1).collect();
+    assert_eq!(fast_got, want);
+    assert_eq!(
+        slow_got, want,
+        "the slow subscriber still gets everything, in order"
+    );
+    assert!(fast_done < slow_done, "the fast subscriber finished first");
+    assert!(
+        attachments > 1,
+        "the slow subscriber was detached and caught up from the table"
+    );
+}
+
+#[tokio::test]
+async fn wal_held_for_a_subscriber_that_never_acks_is_bounded() {
+    let (cfg, client) = db().await;
+    let mut rc = reader_config();
+    rc.max_retained_wal = 64 * 1024;
+    let slot = rc.slot.clone();
+    let r = Reader::start(cfg.clone(), rc);
+    let mut stuck = r.subscribe("never-acks", Start::Beginning).await.unwrap();
+    let a = appender(&cfg);
+    a.append("w", ExpectedVersion::Any, vec![ev(0)])
+        .await
+        .unwrap();
+    assert_eq!(take(&mut stuck, 1).await, [1]);
+    let start_lsn = r.acked_lsn();
+    let big = serde_json::json!({ "pad": "x".repeat(2000) });
+    for i in 0..300 {
+        a.append(
+            "w",
+            ExpectedVersion::Any,
+            vec![events::NewEvent::new("pad", &big), ev(i)],
+        )
+        .await
+        .unwrap();
+    }
+    // The slot moves on although the subscriber acknowledged nothing.
+    eventually(20, || async {
+        let row = client
+            .query_one("SELECT (confirmed_flush_lsn - $2::text::pg_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot, &start_lsn.to_string()])
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) > 400 * 1024
+    })
+    .await;
+    // And the subscriber still receives every event, from the table.
+    let got = take(&mut stuck, 600).await;
+    assert_eq!(got, (2..=601).collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn a_consumer_killed_mid_transaction_applies_every_event_exactly_once() {
+    let (cfg, client) = db().await;
+    client
+        .batch_execute("CREATE TABLE applied (position bigint NOT NULL)")
+        .await
+        .unwrap();
+    let a = appender(&cfg);
+    let rc = reader_config();
+    // One large transaction and some small ones.
+    a.append_batch(vec![StreamAppend {
+        stream: "big".into(),
+        expected: ExpectedVersion::Any,
+        events: (0..3000).map(ev).collect(),
+    }])
+    .await
+    .unwrap();
+    for i in 0..20 {
+        a.append("small", ExpectedVersion::Any, vec![ev(i)])
+            .await
+            .unwrap();
+    }
+    let total = 3020i64;
+
+    async fn consume(
+        cfg: tokio_postgres::Config,
+        rc: events::ReaderConfig,
+        limit: Option<usize>,
+    ) -> usize {
+        let r = Reader::start(cfg.clone(), rc);
+        let mut sub = r.subscribe("exactly-once", Start::Beginning).await.unwrap();
+        let mut c = events::db::connect(&cfg, "consumer").await.unwrap();
+        let mut n = 0;
+        loop {
+            if limit.is_some_and(|l| n >= l) {
+                return n;
+            }
+            let e = match tokio::time::timeout(Duration::from_secs(2), sub.next()).await {
+                Ok(e) => e.unwrap(),
+                Err(_) => return n,
+            };
+            let tx = c.transaction().await.unwrap();
+            tx.execute("INSERT INTO applied VALUES ($1)", &[&(e.position.0 as i64)])
+                .await
+                .unwrap();
+            sub.ack_in(&tx, e.position).await.unwrap();
+            tx.commit().await.unwrap();
+            sub.committed(e.position);
+            n += 1;
+        }
+    }
+    // Killed after 1,200 of the big transaction's 3,000 events.
+    let first = tokio::spawn(consume(cfg.clone(), rc.clone(), Some(1200)));
+    let n1 = first.await.unwrap();
+    assert_eq!(n1, 1200);
+    // Restarted: same slot, same subscription.
+    let n2 = consume(cfg.clone(), rc, None).await;
+    assert_eq!(n1 + n2, total as usize);
+    let row = client
+        .query_one(
+            "SELECT count(*), count(DISTINCT position), min(position), max(position) FROM applied",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (count, distinct, min, max): (i64, i64, i64, i64) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    assert_eq!(
+        (count, distinct, min, max),
+        (total, total, 1, total),
+        "each event applied exactly once"
+    );
+}
