@@ -169,6 +169,12 @@ async fn tail(db: &Db, start: Start, subscription: Option<&str>, limit: Option<u
         writeln!(out, "{}", next.to_json_line()).context("write to stdout")?;
         printed += 1;
         last = Some(next.position);
+        // Acknowledge only what reached stdout: flush, then ack, in steps.
+        if printed.is_multiple_of(256) {
+            out.flush().context("write to stdout")?;
+            sub.ack(next.position);
+            last = None;
+        }
     }
     out.flush().context("write to stdout")?;
     if let Some(p) = last {

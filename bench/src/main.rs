@@ -1,1 +1,52 @@
-fn main() {}
+//! Strata's benchmarks. Each scenario starts its own private PostgreSQL,
+//! measures a baseline in the same run, reports a ratio against it, prints
+//! one final JSON line and writes it under `bench/results/`.
+
+mod append;
+mod util;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "bench",
+    about = "Strata's load generators and measured scenarios"
+)]
+struct Cli {
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Subcommand, Debug)]
+enum Scenario {
+    /// Append throughput and latency, end-to-end lag, and decode throughput
+    Append(append::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        match cli.scenario {
+            Scenario::Append(a) => append::run(a).await,
+        }
+    })
+}

@@ -61,8 +61,8 @@ pub enum AppendError {
     /// The connection was lost while committing: the append may or may not
     /// have been committed. Read the stream (or retry with the same expected
     /// version, which conflicts if it did commit) to find out.
-    #[error("connection lost while committing; the append may or may not be durable: {0}")]
-    OutcomeUnknown(#[source] Arc<tokio_postgres::Error>),
+    #[error("the append may or may not be durable: {0}")]
+    OutcomeUnknown(String),
     /// The appender has shut down.
     #[error("the appender has shut down")]
     Closed,
@@ -169,11 +169,15 @@ impl Appender {
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let rx = Arc::new(Mutex::new(rx));
         let config = Arc::new(config);
+        let (durable_tx, durable_rx) = mpsc::unbounded_channel();
+        crate::task::spawn("append-durability", durability(db.clone(), durable_rx));
         for _ in 0..config.connections.max(1) {
             let flusher = Flusher {
                 db: db.clone(),
                 config: config.clone(),
                 conn: None,
+                known: std::collections::HashSet::new(),
+                durable: durable_tx.clone(),
             };
             crate::task::spawn("append-flusher", flusher.run(rx.clone()));
         }
@@ -341,6 +345,7 @@ fn has_nul(v: &serde_json::Value) -> bool {
 struct Conn {
     client: Client,
     bump: Statement,
+    update: Statement,
     insert: Statement,
 }
 
@@ -348,12 +353,80 @@ struct Flusher {
     db: Config,
     config: Arc<AppenderConfig>,
     conn: Option<Conn>,
+    /// Streams known to exist (bounded; cleared when full).
+    known: std::collections::HashSet<String>,
+    /// Answers waiting for their commit to be durable.
+    durable: mpsc::UnboundedSender<Vec<Answer>>,
+}
+
+/// An answer to a caller, given once the commit it depends on is durable.
+struct Answer {
+    reply: oneshot::Sender<Result<Vec<Appended>, AppendError>>,
+    result: Result<Vec<Appended>, AppendError>,
+    started: Instant,
+}
+
+/// Answers callers once their (asynchronous) commits are durable. Every
+/// answer queued here belongs to a transaction that committed before it was
+/// queued, so one flush barrier taken after draining the queue covers all of
+/// them: under load one WAL flush answers many batches, and the flushers
+/// never wait for the disk while holding the log head.
+async fn durability(db: Config, mut rx: mpsc::UnboundedReceiver<Vec<Answer>>) {
+    let mut client: Option<Client> = None;
+    let m = metrics::global();
+    while let Some(first) = rx.recv().await {
+        let mut answers = first;
+        while let Ok(more) = rx.try_recv() {
+            answers.extend(more);
+        }
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = crate::db::connect(&db, "append-durability").await.ok();
+        }
+        let flushed = match &client {
+            Some(c) => crate::read::flush_barrier(c)
+                .await
+                .map_err(|e| e.to_string()),
+            None => Err("cannot connect to postgres".to_string()),
+        };
+        match flushed {
+            Ok(()) => {
+                for a in answers {
+                    if a.result.is_ok() {
+                        m.append_duration.observe(a.started.elapsed().as_secs_f64());
+                    }
+                    let _ = a.reply.send(a.result);
+                }
+            }
+            Err(e) => {
+                // Committed, but durability cannot be confirmed: the server
+                // may have crashed before the flush.
+                tracing::warn!(error = %e, "could not confirm that appends are durable");
+                client = None;
+                let e = format!("committed, but the WAL flush could not be confirmed: {e}");
+                for a in answers {
+                    let result = match a.result {
+                        Ok(_) => Err(AppendError::OutcomeUnknown(e.clone())),
+                        Err(conflict) => Err(conflict),
+                    };
+                    let _ = a.reply.send(result);
+                }
+            }
+        }
+    }
 }
 
 const BUMP_SQL: &str = "
 INSERT INTO strata.streams AS s (stream, version)
 SELECT * FROM unnest($1::text[], $2::bigint[])
 ON CONFLICT (stream) DO UPDATE SET version = s.version + excluded.version, updated_at = now()
+RETURNING s.stream, s.version";
+
+/// Bumps existing streams only, in name order (the unnest is sorted and
+/// drives the join, so rows are locked in the same order as the upsert's).
+const UPDATE_SQL: &str = "
+UPDATE strata.streams AS s SET version = s.version + v.n, updated_at = now()
+  FROM unnest($1::text[], $2::bigint[]) AS v(stream, n)
+ WHERE s.stream = v.stream
 RETURNING s.stream, s.version";
 
 const INSERT_SQL: &str = "
@@ -375,6 +448,8 @@ enum Attempt {
     Committed(Vec<Vec<Appended>>),
     /// These requests (indices) conflict; retry without them.
     Conflicts(Vec<(usize, AppendError)>),
+    /// Nothing was written; try the same batch again.
+    Retry,
 }
 
 impl Flusher {
@@ -425,6 +500,10 @@ impl Flusher {
                 .prepare_typed(BUMP_SQL, &[Type::TEXT_ARRAY, Type::INT8_ARRAY])
                 .await
                 .map_err(db_err("prepare the stream version statement"))?;
+            let update = client
+                .prepare_typed(UPDATE_SQL, &[Type::TEXT_ARRAY, Type::INT8_ARRAY])
+                .await
+                .map_err(db_err("prepare the stream version update"))?;
             let insert = client
                 .prepare_typed(
                     INSERT_SQL,
@@ -443,6 +522,7 @@ impl Flusher {
             self.conn = Some(Conn {
                 client,
                 bump,
+                update,
                 insert,
             });
         }
@@ -472,23 +552,40 @@ impl Flusher {
                     m.append_transactions
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     m.append_batch_size.observe(n as f64);
-                    for (i, out) in idx.into_iter().zip(outs) {
-                        let req = live[i].take().expect("live");
-                        m.append_duration
-                            .observe(req.started.elapsed().as_secs_f64());
-                        let _ = req.reply.send(Ok(out));
-                    }
+                    let answers = idx
+                        .into_iter()
+                        .zip(outs)
+                        .map(|(i, out)| {
+                            let req = live[i].take().expect("live");
+                            Answer {
+                                reply: req.reply,
+                                result: Ok(out),
+                                started: req.started,
+                            }
+                        })
+                        .collect();
+                    let _ = self.durable.send(answers);
                     return;
                 }
+                Ok(Attempt::Retry) => {}
                 Ok(Attempt::Conflicts(conflicts)) => {
                     metrics::global()
                         .append_conflicts
                         .fetch_add(conflicts.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                    for (k, err) in conflicts {
-                        if let Some(req) = live[idx[k]].take() {
-                            let _ = req.reply.send(Err(err));
-                        }
-                    }
+                    // A conflict is judged against versions that other
+                    // batches may have committed a moment ago; answer once
+                    // those are durable too.
+                    let answers = conflicts
+                        .into_iter()
+                        .filter_map(|(k, err)| {
+                            live[idx[k]].take().map(|req| Answer {
+                                reply: req.reply,
+                                result: Err(err),
+                                started: req.started,
+                            })
+                        })
+                        .collect();
+                    let _ = self.durable.send(answers);
                 }
                 Err(AppendError::Database { source, .. })
                     if partition_retry && is_missing_partition(&source) =>
@@ -536,6 +633,9 @@ impl Flusher {
         }
         let names: Vec<&str> = counts.keys().copied().collect();
         let adds: Vec<i64> = counts.values().copied().collect();
+        // Streams this connection has seen exist take a plain UPDATE (one
+        // index probe each); a batch with a new stream takes the upsert.
+        let all_known = names.iter().all(|n| self.known.contains(*n));
         let conn = self.connect().await?;
         let db_err = |context| {
             move |source| AppendError::Database {
@@ -544,10 +644,11 @@ impl Flusher {
             }
         };
         conn.client
-            .batch_execute("BEGIN")
+            .batch_execute("BEGIN; SET LOCAL synchronous_commit TO off")
             .await
             .map_err(db_err("begin an append"))?;
-        let rows = match conn.client.query(&conn.bump, &[&names, &adds]).await {
+        let stmt = if all_known { &conn.update } else { &conn.bump };
+        let rows = match conn.client.query(stmt, &[&names, &adds]).await {
             Ok(rows) => rows,
             Err(e) => {
                 let _ = conn.client.batch_execute("ROLLBACK").await;
@@ -557,6 +658,13 @@ impl Flusher {
                 });
             }
         };
+        if rows.len() != names.len() {
+            // A stream thought to exist does not (the database was reset):
+            // forget what we knew and take the upsert.
+            let _ = conn.client.batch_execute("ROLLBACK").await;
+            self.known.clear();
+            return Ok(Attempt::Retry);
+        }
         // The version each stream had before this batch.
         let mut version: BTreeMap<String, u64> = BTreeMap::new();
         for row in rows {
@@ -647,9 +755,14 @@ impl Flusher {
             }
         };
         let base: i64 = row.get(0);
+        // The commit releases the log head at once (no WAL flush inside the
+        // lock); the flush barrier then waits until the commit is durable,
+        // sharing its WAL flush with the other flushers.
+        // The commit is asynchronous: it releases the log head at once. The
+        // durability task answers the callers after a WAL flush barrier.
         if let Err(e) = conn.client.batch_execute("COMMIT").await {
             return Err(if e.is_closed() || e.code().is_none() {
-                AppendError::OutcomeUnknown(Arc::new(e))
+                AppendError::OutcomeUnknown(format!("connection lost while committing: {e}"))
             } else {
                 AppendError::Database {
                     context: "commit an append",
@@ -673,6 +786,12 @@ impl Flusher {
                 });
             }
             outs.push(out);
+        }
+        if !all_known {
+            if self.known.len() > 1_000_000 {
+                self.known.clear();
+            }
+            self.known.extend(names.iter().map(|n| n.to_string()));
         }
         Ok(Attempt::Committed(outs))
     }

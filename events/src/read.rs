@@ -1,7 +1,16 @@
-//! Reading the event table directly, in position order. Because positions
-//! are handed out under the log head's lock held to commit, every row a
-//! snapshot can see has all lower positions visible too: a read by position
-//! never skips a row that commits later.
+//! Reading the event table directly, in position order.
+//!
+//! Two properties make such reads safe:
+//!
+//! - Positions are handed out under the log head's row lock, held to commit,
+//!   so every row a snapshot can see has all lower positions visible too: a
+//!   read by position never skips a row that commits later.
+//! - Appends commit asynchronously and are acknowledged after a WAL flush
+//!   barrier, so a row can be visible a moment before it is durable. Readers
+//!   therefore bound every read by a head taken *before* a flush barrier:
+//!   everything at or below it is durable, and nothing a reader delivers can
+//!   be lost in a crash. (Rows that arrive through the replication stream are
+//!   always durable: logical decoding only sends flushed WAL.)
 
 use crate::types::{Event, Position};
 use std::sync::Arc;
@@ -25,22 +34,61 @@ fn event(row: &Row) -> Event {
     }
 }
 
-/// Up to `limit` events after `after`, in position order.
+/// Waits until every transaction committed before the call is durable.
+///
+/// The barrier is a tiny write (this connection's row in
+/// `strata.flush_barriers`) committed synchronously: its commit waits for the
+/// WAL to be flushed up to its own commit record, which lies after the commit
+/// record of everything committed before it. It must write WAL of its own:
+/// Postgres does not flush for a transaction that wrote none, even if it took
+/// a transaction id. `batch_execute` returns only at ReadyForQuery, after the
+/// commit.
+pub async fn flush_barrier(client: &Client) -> Result<(), tokio_postgres::Error> {
+    client
+        .batch_execute(
+            "SET synchronous_commit TO on;
+             INSERT INTO strata.flush_barriers AS b (pid) VALUES (pg_backend_pid())
+             ON CONFLICT (pid) DO UPDATE SET n = b.n + 1",
+        )
+        .await
+}
+
+/// The highest position whose events are committed and durable: every
+/// position up to it is visible to any new snapshot and survives a crash.
+pub async fn head(client: &Client) -> Result<Position, tokio_postgres::Error> {
+    let row = client
+        .query_one("SELECT last_position FROM strata.log_head", &[])
+        .await?;
+    flush_barrier(client).await?;
+    Ok(Position(row.get::<_, i64>(0) as u64))
+}
+
+/// Up to `limit` durable events after `after`, in position order.
 pub async fn after(
     client: &Client,
     after: Position,
     limit: i64,
 ) -> Result<Vec<Arc<Event>>, tokio_postgres::Error> {
+    let head = head(client).await?;
+    if head <= after {
+        return Ok(Vec::new());
+    }
     let rows = client
         .query(
-            &format!("SELECT {COLUMNS} FROM strata.events WHERE position > $1 ORDER BY position LIMIT $2"),
-            &[&(after.0 as i64), &limit],
+            &format!(
+                "SELECT {COLUMNS} FROM strata.events
+                  WHERE position > $1 AND position <= $2 ORDER BY position LIMIT $3"
+            ),
+            &[&(after.0 as i64), &(head.0 as i64), &limit],
         )
         .await?;
     Ok(rows.iter().map(|r| Arc::new(event(r))).collect())
 }
 
-/// Events with `from < position < to`, in position order.
+/// Events with `from < position < to`, in position order. For filling gaps
+/// below a position that is already known durable (it came through the
+/// replication stream, or from [`head`]), so no barrier is needed: lower
+/// positions committed earlier.
 pub async fn between(
     client: &Client,
     from: Position,
@@ -48,28 +96,27 @@ pub async fn between(
 ) -> Result<Vec<Arc<Event>>, tokio_postgres::Error> {
     let rows = client
         .query(
-            &format!("SELECT {COLUMNS} FROM strata.events WHERE position > $1 AND position < $2 ORDER BY position"),
+            &format!(
+                "SELECT {COLUMNS} FROM strata.events
+                  WHERE position > $1 AND position < $2 ORDER BY position"
+            ),
             &[&(from.0 as i64), &(to.0 as i64)],
         )
         .await?;
     Ok(rows.iter().map(|r| Arc::new(event(r))).collect())
 }
 
-/// The events of one stream, in version order.
+/// The durable events of one stream, in version order.
 pub async fn stream(client: &Client, stream: &str) -> Result<Vec<Event>, tokio_postgres::Error> {
+    let head = head(client).await?;
     let rows = client
         .query(
-            &format!("SELECT {COLUMNS} FROM strata.events WHERE stream = $1 ORDER BY version"),
-            &[&stream],
+            &format!(
+                "SELECT {COLUMNS} FROM strata.events
+                  WHERE stream = $1 AND position <= $2 ORDER BY version"
+            ),
+            &[&stream, &(head.0 as i64)],
         )
         .await?;
     Ok(rows.iter().map(event).collect())
-}
-
-/// The last position handed out (the high-water mark of the log).
-pub async fn head(client: &Client) -> Result<Position, tokio_postgres::Error> {
-    let row = client
-        .query_one("SELECT last_position FROM strata.log_head", &[])
-        .await?;
-    Ok(Position(row.get::<_, i64>(0) as u64))
 }

@@ -276,6 +276,8 @@ async fn run(
 }
 
 struct SlotState {
+    /// The last position committed at or below `acked`.
+    acked_pos: u64,
     /// The acknowledged LSN last written to strata.replication_readers.
     recorded: Lsn,
     /// (last position so far, LSN past the commit) per delivered transaction.
@@ -297,15 +299,20 @@ async fn session(
     let mut conn = ReplicationConnection::connect(&inner.db.config, &app).await?;
     let system = conn.identify_system().await?;
     inner.sessions.fetch_add(1, Ordering::Relaxed);
-    prepare_slot(inner, &client, &mut conn).await?;
+    let covered = prepare_slot(inner, &client, &mut conn).await?;
     conn.start(&cfg.slot, Lsn(0), &cfg.publication).await?;
-    // Read after the stream's start point is fixed: every position up to
-    // this head is visible in the table, every later one commits after the
-    // start point and so arrives through the slot.
-    let head = crate::read::head(&client)
-        .await
-        .map_err(sql("read the log head"))?;
-    inner.head.fetch_max(head.0, Ordering::Relaxed);
+    // `head` is the reader's promise to its subscriptions: every position up
+    // to it is readable from the table, every later one arrives through the
+    // slot. When the slot's coverage is unknown, the log head read after the
+    // stream's start point is fixed keeps that promise: later positions
+    // commit after the start point.
+    let head = match covered {
+        Covered::After(p) => p,
+        Covered::Unknown => crate::read::head(&client)
+            .await
+            .map_err(sql("read the log head"))?,
+    };
+    inner.head.store(head.0, Ordering::Relaxed);
     tracing::info!(slot = %cfg.slot, server_lsn = %system.xlogpos, head = %head, "replication started");
     broadcast(
         attached,
@@ -313,6 +320,7 @@ async fn session(
     );
 
     let mut state = SlotState {
+        acked_pos: head.0,
         recorded: Lsn(inner.acked.load(Ordering::Relaxed)),
         pending: VecDeque::new(),
         received: Lsn(0),
@@ -399,13 +407,14 @@ async fn report(
     if ack > state.recorded {
         client
             .execute(
-                "UPDATE strata.replication_readers SET acked_lsn = $2::text::pg_lsn, seen_at = now() WHERE slot_name = $1",
-                &[&inner.config.slot, &ack.to_string()],
+                "UPDATE strata.replication_readers SET acked_lsn = $2::text::pg_lsn, acked_position = $3, seen_at = now() WHERE slot_name = $1",
+                &[&inner.config.slot, &ack.to_string(), &(state.acked_pos as i64)],
             )
             .await
             .map_err(sql("record the acknowledged LSN"))?;
         state.recorded = ack;
     }
+    tracing::trace!(slot = %inner.config.slot, ack = %ack, "standby status");
     conn.send_status(state.received.max(ack), ack, false)
         .await?;
     Ok(())
@@ -416,7 +425,7 @@ async fn prepare_slot(
     inner: &Inner,
     client: &Client,
     conn: &mut ReplicationConnection,
-) -> Result<(), SessionError> {
+) -> Result<Covered, SessionError> {
     let cfg = &inner.config;
     let row = client
         .query_opt(
@@ -425,15 +434,19 @@ async fn prepare_slot(
         )
         .await
         .map_err(sql("look up the replication slot"))?;
-    let recorded: Option<String> = client
+    let record = client
         .query_opt(
-            "SELECT acked_lsn::text FROM strata.replication_readers WHERE slot_name = $1",
+            "SELECT acked_lsn::text, acked_position FROM strata.replication_readers WHERE slot_name = $1",
             &[&cfg.slot],
         )
         .await
-        .map_err(sql("read the reader's record"))?
-        .and_then(|r| r.get(0));
-    let recorded: Option<Lsn> = recorded.and_then(|s| s.parse().ok());
+        .map_err(sql("read the reader's record"))?;
+    let recorded: Option<Lsn> = record
+        .as_ref()
+        .and_then(|r| r.get::<_, Option<String>>(0))
+        .and_then(|s| s.parse().ok());
+    let recorded_pos: Option<i64> = record.as_ref().and_then(|r| r.get(1));
+    let mut covered = Covered::Unknown;
     let mut create = row.is_none();
     if let Some(row) = row {
         let status: Option<String> = row.get(1);
@@ -460,6 +473,9 @@ async fn prepare_slot(
                         requested: recorded,
                     };
                     tracing::error!(slot = %cfg.slot, error = %err, "slot is ahead of what this reader acknowledged; subscriptions fill the difference from the table");
+                } else if let Some(p) = recorded_pos {
+                    // The slot resumes right after what was recorded.
+                    covered = Covered::After(Position(p as u64));
                 }
             }
             if let Some(c) = confirmed {
@@ -481,14 +497,14 @@ async fn prepare_slot(
         inner
             .acked
             .fetch_max(slot.consistent_point.0, Ordering::Relaxed);
-        inner.head.fetch_max(base.0, Ordering::Relaxed);
+        covered = Covered::After(base);
         tracing::info!(slot = %cfg.slot, consistent_point = %slot.consistent_point, base_position = %base, "replication slot created");
         client
             .execute(
-                "INSERT INTO strata.replication_readers (slot_name, owner, host, pid, acked_lsn, base_position)
-                 VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $6)
+                "INSERT INTO strata.replication_readers (slot_name, owner, host, pid, acked_lsn, acked_position, base_position)
+                 VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $6, $6)
                  ON CONFLICT (slot_name) DO UPDATE SET owner = $2, host = $3, pid = $4, started_at = now(),
-                     seen_at = now(), acked_lsn = $5::text::pg_lsn, base_position = $6",
+                     seen_at = now(), acked_lsn = $5::text::pg_lsn, acked_position = $6, base_position = $6",
                 &[&cfg.slot, &cfg.owner, &host, &pid, &slot.consistent_point.to_string(), &(base.0 as i64)],
             )
             .await
@@ -503,7 +519,16 @@ async fn prepare_slot(
             .await
             .map_err(sql("record the reader"))?;
     }
-    Ok(())
+    Ok(covered)
+}
+
+/// Which positions the slot's stream will deliver in this session.
+enum Covered {
+    /// Every position after this one.
+    After(Position),
+    /// Not known (the slot was found ahead, or nothing was recorded): only
+    /// what commits after the stream starts.
+    Unknown,
 }
 
 async fn base_position(db: &Config, snapshot: &str) -> Result<Position, SessionError> {
@@ -531,6 +556,11 @@ async fn base_position(db: &Config, snapshot: &str) -> Result<Position, SessionE
     tx.commit()
         .await
         .map_err(sql("end the snapshot transaction"))?;
+    // The snapshot may see appends committed a moment before their WAL flush;
+    // promise subscriptions only durable positions.
+    crate::read::flush_barrier(&client)
+        .await
+        .map_err(sql("wait for the snapshot's appends to be durable"))?;
     Ok(Position(base as u64))
 }
 
@@ -577,6 +607,7 @@ fn compute_ack(
         while let Some(&(last, end)) = state.pending.front() {
             if min.is_none_or(|m| last <= m) {
                 state.acked = state.acked.max(end);
+                state.acked_pos = state.acked_pos.max(last);
                 state.pending.pop_front();
             } else {
                 break;
@@ -601,6 +632,7 @@ fn compute_ack(
         // Nothing delivered is unacknowledged: everything the server has sent
         // so far (other tables' WAL included) can be released.
         state.acked = state.acked.max(state.server_end);
+        state.acked_pos = state.acked_pos.max(state.delivered);
     }
     inner.acked.fetch_max(state.acked.0, Ordering::Relaxed);
     state.acked

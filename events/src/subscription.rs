@@ -180,11 +180,11 @@ impl Reader {
             fetched: pos,
             cursor_pos: pos,
             buf: VecDeque::new(),
-            rx: None,
+            rx: Some(self.attach(name, shared.durable.clone())),
             shared,
             page: PAGE,
             delivered: 0,
-            attachments: 0,
+            attachments: 1,
         }
     }
 }

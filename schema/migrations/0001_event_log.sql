@@ -16,7 +16,18 @@ CREATE TABLE strata.streams (
     stream     text        PRIMARY KEY,
     version    bigint      NOT NULL CHECK (version >= 0),
     updated_at timestamptz NOT NULL DEFAULT now()
-);
+) WITH (fillfactor = 50);
+-- Every append updates its streams' rows; free space on each page keeps those
+-- updates HOT (no index insert, prunable in place).
+
+-- One row per connection that waits for durability (see flush_barrier in
+-- the events crate): updating it writes WAL, so the updating transaction's
+-- synchronous commit waits until the WAL is flushed past everything committed
+-- before it. A transaction that wrote no WAL of its own would not wait.
+CREATE TABLE strata.flush_barriers (
+    pid integer PRIMARY KEY,
+    n   bigint  NOT NULL DEFAULT 0
+) WITH (fillfactor = 50);
 
 -- Every event. Partitioned by month of recorded_at so that retention drops
 -- whole months and auditors read one partition. `xid` is the appending

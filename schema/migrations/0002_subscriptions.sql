@@ -20,8 +20,11 @@ CREATE TABLE strata.replication_readers (
     pid           integer     NOT NULL,
     started_at    timestamptz NOT NULL DEFAULT now(),
     seen_at       timestamptz NOT NULL DEFAULT now(),
-    -- Everything at or below this LSN was acknowledged to Postgres as durable.
-    acked_lsn     pg_lsn,
+    -- Everything at or below this LSN was acknowledged to Postgres as durable,
+    -- and acked_position is the last position committed at or below it: on
+    -- restart the slot streams every position after acked_position.
+    acked_lsn      pg_lsn,
+    acked_position bigint,
     -- The last position the slot's exported snapshot could see when it was created.
     base_position bigint
 );

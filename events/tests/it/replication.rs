@@ -267,8 +267,12 @@ async fn append_surely(
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     };
-                    let Ok(rows) = events::read::stream(&c, stream).await else {
-                        continue;
+                    let rows = match events::read::stream(&c, stream).await {
+                        Ok(rows) => rows,
+                        Err(_) => {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
                     };
                     if let Some(e) = rows.get(version as usize) {
                         assert_eq!(

@@ -1,0 +1,527 @@
+//! `bench append`: the event log's write and read paths against plain
+//! PostgreSQL in the same run.
+//!
+//! - raw baselines: single-row INSERT transactions at 16 clients, 64-row
+//!   multi-row INSERT transactions at 4 clients (plain tokio-postgres);
+//! - Strata appends through the append API at 1, 16 and 256 writers, one
+//!   stream per writer, with acknowledgement latency;
+//! - end-to-end lag, append acknowledged to delivered by a subscription, at an
+//!   offered 5,000 events/s;
+//! - decoding a backlog through a subscription against `pg_recvlogical`
+//!   consuming a pgoutput slot over the same backlog.
+
+use crate::util::{self, percentile_ms, round};
+use anyhow::{bail, Context, Result};
+use events::{
+    Appender, AppenderConfig, ExpectedVersion, NewEvent, Reader, ReaderConfig, Start, StreamAppend,
+};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_postgres::Config;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// A short run (under a minute): shorter phases, a 200,000-event backlog
+    #[arg(long)]
+    quick: bool,
+    /// Seconds per throughput phase (default 3 quick, 8 full)
+    #[arg(long)]
+    seconds: Option<u64>,
+    /// Events in the decode backlog (default 200,000 quick, 1,000,000 full)
+    #[arg(long)]
+    backlog: Option<u64>,
+    /// Committing connections of the appender
+    #[arg(long, default_value_t = AppenderConfig::default().connections)]
+    connections: usize,
+    /// Measure only the append phases (no lag or decode)
+    #[arg(long)]
+    appends_only: bool,
+}
+
+pub async fn run(args: Args) -> Result<()> {
+    let secs = Duration::from_secs(args.seconds.unwrap_or(if args.quick { 3 } else { 8 }));
+    let backlog = args
+        .backlog
+        .unwrap_or(if args.quick { 200_000 } else { 1_000_000 });
+    let reps = if args.quick { 1 } else { 3 };
+    eprintln!("starting a private PostgreSQL (fsync on) ...");
+    let cluster = tokio::task::spawn_blocking(util::cluster).await??;
+    let recvlogical = cluster.bindir().join("pg_recvlogical");
+    let cfg = util::database(&cluster, "bench").await?;
+    let client = events::db::connect(&cfg, "bench").await?;
+    let pg_version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
+    prepare_raw(&client).await?;
+
+    let mut single = Vec::new();
+    let mut multi = Vec::new();
+    for _ in 0..reps {
+        single.push(raw_single(&cfg, 16, secs).await?);
+        multi.push(raw_multirow(&cfg, 4, 64, secs).await?);
+    }
+    let raw_single_tps = util::median(&mut single);
+    let raw_multirow = util::median(&mut multi);
+    eprintln!("raw: single-row INSERT x16 {raw_single_tps:.0} rows/s; 64-row INSERT x4 {raw_multirow:.0} rows/s");
+
+    let appender = Appender::start(
+        cfg.clone(),
+        AppenderConfig {
+            connections: args.connections,
+            ..AppenderConfig::default()
+        },
+    );
+    let mut levels = serde_json::Map::new();
+    let mut rate_256 = 0.0;
+    for writers in [1usize, 16, 256] {
+        let mut rates = Vec::new();
+        let mut lat = Vec::new();
+        for _ in 0..reps {
+            let (rate, l) = strata_appends(&appender, writers, secs).await?;
+            rates.push(rate);
+            lat.extend(l);
+        }
+        let rate = util::median(&mut rates);
+        let (p50, p99) = (percentile_ms(&mut lat, 0.5), percentile_ms(&mut lat, 0.99));
+        eprintln!("strata: {writers:>3} writers {rate:>8.0} appends/s, ack p50 {p50:.2} ms, p99 {p99:.2} ms");
+        levels.insert(format!("appends_per_s_{writers}"), round(rate, 0).into());
+        levels.insert(format!("ack_p50_ms_{writers}"), round(p50, 3).into());
+        levels.insert(format!("ack_p99_ms_{writers}"), round(p99, 3).into());
+        if writers == 256 {
+            rate_256 = rate;
+        }
+    }
+
+    if args.appends_only {
+        eprintln!("append_ratio {:.3}", rate_256 / raw_multirow);
+        return Ok(());
+    }
+    let offered = 5000.0;
+    let (achieved, lag50, lag99) =
+        lag(&cfg, &appender, offered, secs.max(Duration::from_secs(5))).await?;
+    eprintln!(
+        "lag at {offered} offered ({achieved:.0}/s achieved): p50 {lag50:.2} ms, p99 {lag99:.2} ms"
+    );
+
+    let (decode, recv) = decode(&cfg, &appender, &recvlogical, backlog).await?;
+    eprintln!("decode of {backlog} events: strata {decode:.0}/s, pg_recvlogical {recv:.0}/s");
+
+    let append_ratio = rate_256 / raw_multirow;
+    let decode_ratio = decode / recv;
+    let mut result = serde_json::json!({
+        "bench": "append",
+        "quick": args.quick,
+        "repetitions": reps,
+        "phase_seconds": secs.as_secs(),
+        "machine": util::machine(&pg_version),
+        "raw_single_row_tx_per_s_16": round(raw_single_tps, 0),
+        "raw_multirow_rows_per_s": round(raw_multirow, 0),
+        "append_ratio": round(append_ratio, 3),
+        "offered_per_s": offered,
+        "lag_achieved_per_s": round(achieved, 0),
+        "lag_p50_ms": round(lag50, 3),
+        "lag_p99_ms": round(lag99, 3),
+        "decode_events": backlog,
+        "decode_per_s": round(decode, 0),
+        "recvlogical_per_s": round(recv, 0),
+        "decode_ratio": round(decode_ratio, 3),
+        "targets": {"append_ratio": ">= 0.6", "lag_p99_ms": "< 20", "decode_ratio": ">= 0.9"},
+        "met": {
+            "append_ratio": append_ratio >= 0.6,
+            "lag_p99_ms": lag99 < 20.0,
+            "decode_ratio": decode_ratio >= 0.9,
+        },
+    });
+    if let serde_json::Value::Object(m) = &mut result {
+        m.extend(levels);
+    }
+    util::finish(if args.quick { "append-quick" } else { "append" }, &result)?;
+    drop(cluster);
+    Ok(())
+}
+
+async fn prepare_raw(client: &tokio_postgres::Client) -> Result<()> {
+    // The same columns and indexes as strata.events, without partitions,
+    // positions from a sequence.
+    client
+        .batch_execute(
+            "CREATE TABLE raw_events (
+                 position bigserial PRIMARY KEY, stream text NOT NULL, version bigint NOT NULL,
+                 type text NOT NULL, payload jsonb NOT NULL, metadata jsonb NOT NULL DEFAULT '{}',
+                 recorded_at timestamptz NOT NULL DEFAULT now());
+             CREATE INDEX ON raw_events (stream, version);",
+        )
+        .await
+        .context("create the raw baseline table")
+}
+
+fn payload(i: u64) -> serde_json::Value {
+    serde_json::json!({ "node": format!("n-{}", i % 10_000), "gpu": i % 8, "seq": i })
+}
+
+async fn raw_single(cfg: &Config, clients: usize, secs: Duration) -> Result<f64> {
+    let count = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let client = events::db::connect(cfg, "raw").await?;
+        let (count, stop) = (count.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let stmt = client
+                .prepare("INSERT INTO raw_events (stream, version, type, payload) VALUES ($1, $2, 'bench.raw', $3)")
+                .await?;
+            let stream = format!("raw/{c}");
+            let mut v = 0i64;
+            while !stop.load(Ordering::Relaxed) {
+                v += 1;
+                client.execute(&stmt, &[&stream, &v, &payload(v as u64)]).await?;
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        }));
+    }
+    timed(count, stop, tasks, secs).await
+}
+
+async fn raw_multirow(cfg: &Config, clients: usize, rows: usize, secs: Duration) -> Result<f64> {
+    let count = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut sql = String::from("INSERT INTO raw_events (stream, version, type, payload) VALUES ");
+    for r in 0..rows {
+        if r > 0 {
+            sql.push(',');
+        }
+        sql.push_str(&format!(
+            "(${}, ${}, 'bench.raw', ${})",
+            r * 3 + 1,
+            r * 3 + 2,
+            r * 3 + 3
+        ));
+    }
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let client = events::db::connect(cfg, "raw").await?;
+        let (count, stop, sql) = (count.clone(), stop.clone(), sql.clone());
+        tasks.push(tokio::spawn(async move {
+            let stmt = client.prepare(&sql).await?;
+            let stream = format!("multi/{c}");
+            let mut v = 0i64;
+            while !stop.load(Ordering::Relaxed) {
+                let mut vals: Vec<(String, i64, serde_json::Value)> = Vec::with_capacity(rows);
+                for _ in 0..rows {
+                    v += 1;
+                    vals.push((stream.clone(), v, payload(v as u64)));
+                }
+                let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vals
+                    .iter()
+                    .flat_map(|(s, v, p)| [s as &(dyn tokio_postgres::types::ToSql + Sync), v, p])
+                    .collect();
+                client.execute(&stmt, &params).await?;
+                count.fetch_add(rows as u64, Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        }));
+    }
+    timed(count, stop, tasks, secs).await
+}
+
+/// Lets `tasks` run for `secs` after a short warm-up and returns count/s.
+async fn timed(
+    count: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Result<()>>>,
+    secs: Duration,
+) -> Result<f64> {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (c0, t0) = (count.load(Ordering::Relaxed), Instant::now());
+    tokio::time::sleep(secs).await;
+    let (c1, t1) = (count.load(Ordering::Relaxed), Instant::now());
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await??;
+    }
+    Ok((c1 - c0) as f64 / (t1 - t0).as_secs_f64())
+}
+
+static RUN: AtomicU64 = AtomicU64::new(0);
+
+/// `writers` tasks, each appending one event at a time to its own stream.
+async fn strata_appends(
+    appender: &Appender,
+    writers: usize,
+    secs: Duration,
+) -> Result<(f64, Vec<Duration>)> {
+    let count = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let measuring = Arc::new(AtomicBool::new(false));
+    let run = RUN.fetch_add(1, Ordering::Relaxed);
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let (a, count, stop, measuring) = (
+            appender.clone(),
+            count.clone(),
+            stop.clone(),
+            measuring.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let stream = format!("bench/{run}/{w}");
+            let mut lat = Vec::new();
+            let mut v = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                a.append(
+                    &stream,
+                    ExpectedVersion::Exact(v),
+                    vec![NewEvent::new("bench.append", &payload(v))],
+                )
+                .await?;
+                if measuring.load(Ordering::Relaxed) {
+                    lat.push(t.elapsed());
+                }
+                v += 1;
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+            anyhow::Ok(lat)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    measuring.store(true, Ordering::Relaxed);
+    let (c0, t0) = (count.load(Ordering::Relaxed), Instant::now());
+    tokio::time::sleep(secs).await;
+    let (c1, t1) = (count.load(Ordering::Relaxed), Instant::now());
+    stop.store(true, Ordering::Relaxed);
+    let mut lat = Vec::new();
+    for t in tasks {
+        lat.extend(t.await??);
+    }
+    Ok(((c1 - c0) as f64 / (t1 - t0).as_secs_f64(), lat))
+}
+
+/// Offers `rate` events/s (open loop, 1 ms ticks) and measures, per event,
+/// the time from its append being acknowledged to its delivery to a
+/// subscription. Delivery before the writer saw its acknowledgement counts 0.
+async fn lag(
+    cfg: &Config,
+    appender: &Appender,
+    rate: f64,
+    secs: Duration,
+) -> Result<(f64, f64, f64)> {
+    let mut rc = ReaderConfig::new("bench_lag");
+    rc.temporary = true;
+    let reader = Reader::start(cfg.clone(), rc);
+    let mut sub = reader.subscribe_ephemeral(Start::Now).await?;
+    let acked: Arc<Mutex<HashMap<u64, Instant>>> = Arc::default();
+    let seen: Arc<Mutex<HashMap<u64, Instant>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let consumer = {
+        let (seen, stop) = (seen.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(Ok(e)) =
+                    tokio::time::timeout(Duration::from_millis(200), sub.next()).await
+                {
+                    seen.lock()
+                        .expect("lock")
+                        .insert(e.position.0, Instant::now());
+                    sub.ack(e.position);
+                }
+            }
+        })
+    };
+    // Let the subscription reach the live stream.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let per_tick = rate / 1000.0;
+    let mut owed = 0.0;
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let started = Instant::now();
+    let mut sent = 0u64;
+    let mut inflight = tokio::task::JoinSet::new();
+    while started.elapsed() < secs {
+        tick.tick().await;
+        owed += per_tick;
+        while owed >= 1.0 {
+            owed -= 1.0;
+            sent += 1;
+            let (a, acked) = (appender.clone(), acked.clone());
+            let stream = format!("lag/{}", sent % 512);
+            inflight.spawn(async move {
+                if let Ok(out) = a
+                    .append(
+                        &stream,
+                        ExpectedVersion::Any,
+                        vec![NewEvent::new("bench.lag", &payload(sent))],
+                    )
+                    .await
+                {
+                    acked
+                        .lock()
+                        .expect("lock")
+                        .insert(out.last_position.0, Instant::now());
+                }
+            });
+        }
+        while inflight.try_join_next().is_some() {}
+    }
+    while inflight.join_next().await.is_some() {}
+    let achieved = sent as f64 / started.elapsed().as_secs_f64();
+    // Wait for the deliveries to come in.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while seen.lock().expect("lock").len() < acked.lock().expect("lock").len()
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    consumer.await?;
+    let acked = acked.lock().expect("lock");
+    let seen = seen.lock().expect("lock");
+    if seen.len() < acked.len() {
+        bail!(
+            "{} of {} acknowledged events were not delivered within 10 s",
+            acked.len() - seen.len(),
+            acked.len()
+        );
+    }
+    let mut lags: Vec<Duration> = acked
+        .iter()
+        .filter_map(|(p, a)| seen.get(p).map(|s| s.saturating_duration_since(*a)))
+        .collect();
+    Ok((
+        achieved,
+        percentile_ms(&mut lags, 0.5),
+        percentile_ms(&mut lags, 0.99),
+    ))
+}
+
+/// Writes a backlog in 1,000-event transactions with two slots waiting, then
+/// times Strata's subscription and pg_recvlogical each consuming all of it.
+async fn decode(
+    cfg: &Config,
+    appender: &Appender,
+    recvlogical: &std::path::Path,
+    backlog: u64,
+) -> Result<(f64, f64)> {
+    let client = events::db::connect(cfg, "bench-decode").await?;
+    client
+        .execute(
+            "SELECT pg_create_logical_replication_slot('bench_recv', 'pgoutput')",
+            &[],
+        )
+        .await?;
+    // Strata's slot is made by its reader, which records where it starts.
+    {
+        let reader = Reader::start(cfg.clone(), ReaderConfig::new("bench_strata"));
+        let _sub = reader.subscribe("bench-decode", Start::Now).await?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let n: i64 = client
+                .query_one("SELECT count(*) FROM strata.replication_readers WHERE slot_name = 'bench_strata' AND acked_position IS NOT NULL", &[])
+                .await?
+                .get(0);
+            if n == 1 {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the reader did not create its slot");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let start_pos = events::read::head(&client).await?.0;
+    eprintln!("writing a backlog of {backlog} events in 1,000-event transactions ...");
+    let t = Instant::now();
+    let mut written = 0u64;
+    while written < backlog {
+        let n = 1000.min(backlog - written);
+        appender
+            .append_batch(vec![StreamAppend {
+                stream: format!("backlog/{}", written / 1000),
+                expected: ExpectedVersion::Any,
+                events: (0..n)
+                    .map(|i| NewEvent::new("bench.backlog", &payload(written + i)))
+                    .collect(),
+            }])
+            .await?;
+        written += n;
+    }
+    eprintln!("backlog written in {:.1} s", t.elapsed().as_secs_f64());
+    let end: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    // Wait until the slot inactive from the reader above is released.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // pg_recvlogical: decode on the server, bytes to /dev/null.
+    let (host, port, user, db) = conn_parts(cfg)?;
+    let t = Instant::now();
+    let status = tokio::process::Command::new(recvlogical)
+        .args([
+            "-h",
+            &host,
+            "-p",
+            &port,
+            "-U",
+            &user,
+            "-d",
+            &db,
+            "--slot",
+            "bench_recv",
+            "--start",
+            "--endpos",
+            &end,
+        ])
+        .args([
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=strata_events",
+            "-o",
+            "binary=true",
+            "-f",
+            "/dev/null",
+        ])
+        .status()
+        .await
+        .context("run pg_recvlogical")?;
+    let recv_secs = t.elapsed().as_secs_f64();
+    if !status.success() {
+        bail!("pg_recvlogical failed: {status}");
+    }
+
+    // Strata: the reader decodes and a subscription receives every event.
+    let t = Instant::now();
+    let reader = Reader::start(cfg.clone(), ReaderConfig::new("bench_strata"));
+    let mut sub = reader.subscribe("bench-decode", Start::Now).await?;
+    let want = start_pos + backlog;
+    let mut last = 0;
+    while last < want {
+        let e = tokio::time::timeout(Duration::from_secs(60), sub.next())
+            .await
+            .context("decode stalled")??;
+        last = e.position.0;
+        if last % 1000 == 0 {
+            sub.ack(e.position);
+        }
+    }
+    let strata_secs = t.elapsed().as_secs_f64();
+    if sub.attachments() != 1 {
+        eprintln!("note: the subscription left the live stream during the decode run");
+    }
+    Ok((backlog as f64 / strata_secs, backlog as f64 / recv_secs))
+}
+
+fn conn_parts(cfg: &Config) -> Result<(String, String, String, String)> {
+    let host = match cfg.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => bail!("the benchmark cluster listens on TCP"),
+    };
+    let port = cfg.get_ports().first().copied().unwrap_or(5432).to_string();
+    Ok((
+        host,
+        port,
+        cfg.get_user().unwrap_or("postgres").into(),
+        cfg.get_dbname().unwrap_or("postgres").into(),
+    ))
+}

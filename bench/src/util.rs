@@ -1,0 +1,102 @@
+//! Shared pieces of the scenarios: the private cluster, the machine
+//! description, percentiles and writing results.
+
+use anyhow::{Context, Result};
+use schema::{Cluster, ClusterOptions};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A private cluster with fsync on: benchmarks measure durable commits.
+pub fn cluster() -> Result<Cluster> {
+    let base = std::env::temp_dir().join(format!("strata-bench-{}", std::process::id()));
+    let mut opts = ClusterOptions::new(base.join("pg"));
+    opts.fsync = true;
+    opts.remove_on_exit = Some(base);
+    Cluster::start(opts).context("start the benchmark's PostgreSQL")
+}
+
+pub async fn database(cluster: &Cluster, name: &str) -> Result<tokio_postgres::Config> {
+    let admin = events::db::connect(&cluster.url("postgres").parse()?, "bench-admin").await?;
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {name}"))
+        .await?;
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await?;
+    let cfg: tokio_postgres::Config = cluster.url(name).parse()?;
+    let mut c = events::db::connect(&cfg, "bench-migrate").await?;
+    schema::migrate(&mut c).await?;
+    Ok(cfg)
+}
+
+/// What the numbers were measured on.
+pub fn machine(pg_version: &str) -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let mem_kib: u64 = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0);
+    serde_json::json!({
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "cpu_model": cpu,
+        "memory_gib": (mem_kib as f64 / 1048576.0 * 10.0).round() / 10.0,
+        "postgres": pg_version,
+        "note": "the load generator, Strata and PostgreSQL share the same cores; PostgreSQL runs with fsync on",
+    })
+}
+
+/// The p-th percentile (0..=1) of an unsorted sample, in milliseconds.
+pub fn percentile_ms(sample: &mut [Duration], p: f64) -> f64 {
+    if sample.is_empty() {
+        return 0.0;
+    }
+    sample.sort_unstable();
+    let i = ((sample.len() - 1) as f64 * p).round() as usize;
+    sample[i].as_secs_f64() * 1e3
+}
+
+pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Prints the final JSON line and writes it to bench/results/NAME.json.
+pub fn finish(name: &str, result: &serde_json::Value) -> Result<()> {
+    let line = serde_json::to_string(result)?;
+    let dir = results_dir();
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(
+        &path,
+        format!("{}\n", serde_json::to_string_pretty(result)?),
+    )
+    .with_context(|| format!("write {}", path.display()))?;
+    eprintln!("wrote {}", path.display());
+    println!("{line}");
+    Ok(())
+}
+
+fn results_dir() -> PathBuf {
+    // `cargo run -p bench` runs from the workspace root; the manifest dir is
+    // bench/ itself.
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("results")
+}
+
+pub fn round(v: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (v * f).round() / f
+}
