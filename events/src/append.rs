@@ -169,15 +169,12 @@ impl Appender {
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let rx = Arc::new(Mutex::new(rx));
         let config = Arc::new(config);
-        let (durable_tx, durable_rx) = mpsc::unbounded_channel();
-        crate::task::spawn("append-durability", durability(db.clone(), durable_rx));
         for _ in 0..config.connections.max(1) {
             let flusher = Flusher {
                 db: db.clone(),
                 config: config.clone(),
                 conn: None,
                 known: std::collections::HashSet::new(),
-                durable: durable_tx.clone(),
             };
             crate::task::spawn("append-flusher", flusher.run(rx.clone()));
         }
@@ -355,64 +352,6 @@ struct Flusher {
     conn: Option<Conn>,
     /// Streams known to exist (bounded; cleared when full).
     known: std::collections::HashSet<String>,
-    /// Answers waiting for their commit to be durable.
-    durable: mpsc::UnboundedSender<Vec<Answer>>,
-}
-
-/// An answer to a caller, given once the commit it depends on is durable.
-struct Answer {
-    reply: oneshot::Sender<Result<Vec<Appended>, AppendError>>,
-    result: Result<Vec<Appended>, AppendError>,
-    started: Instant,
-}
-
-/// Answers callers once their (asynchronous) commits are durable. Every
-/// answer queued here belongs to a transaction that committed before it was
-/// queued, so one flush barrier taken after draining the queue covers all of
-/// them: under load one WAL flush answers many batches, and the flushers
-/// never wait for the disk while holding the log head.
-async fn durability(db: Config, mut rx: mpsc::UnboundedReceiver<Vec<Answer>>) {
-    let mut client: Option<Client> = None;
-    let m = metrics::global();
-    while let Some(first) = rx.recv().await {
-        let mut answers = first;
-        while let Ok(more) = rx.try_recv() {
-            answers.extend(more);
-        }
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = crate::db::connect(&db, "append-durability").await.ok();
-        }
-        let flushed = match &client {
-            Some(c) => crate::read::flush_barrier(c)
-                .await
-                .map_err(|e| e.to_string()),
-            None => Err("cannot connect to postgres".to_string()),
-        };
-        match flushed {
-            Ok(()) => {
-                for a in answers {
-                    if a.result.is_ok() {
-                        m.append_duration.observe(a.started.elapsed().as_secs_f64());
-                    }
-                    let _ = a.reply.send(a.result);
-                }
-            }
-            Err(e) => {
-                // Committed, but durability cannot be confirmed: the server
-                // may have crashed before the flush.
-                tracing::warn!(error = %e, "could not confirm that appends are durable");
-                client = None;
-                let e = format!("committed, but the WAL flush could not be confirmed: {e}");
-                for a in answers {
-                    let result = match a.result {
-                        Ok(_) => Err(AppendError::OutcomeUnknown(e.clone())),
-                        Err(conflict) => Err(conflict),
-                    };
-                    let _ = a.reply.send(result);
-                }
-            }
-        }
-    }
 }
 
 const BUMP_SQL: &str = "
@@ -552,19 +491,12 @@ impl Flusher {
                     m.append_transactions
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     m.append_batch_size.observe(n as f64);
-                    let answers = idx
-                        .into_iter()
-                        .zip(outs)
-                        .map(|(i, out)| {
-                            let req = live[i].take().expect("live");
-                            Answer {
-                                reply: req.reply,
-                                result: Ok(out),
-                                started: req.started,
-                            }
-                        })
-                        .collect();
-                    let _ = self.durable.send(answers);
+                    for (i, out) in idx.into_iter().zip(outs) {
+                        let req = live[i].take().expect("live");
+                        m.append_duration
+                            .observe(req.started.elapsed().as_secs_f64());
+                        let _ = req.reply.send(Ok(out));
+                    }
                     return;
                 }
                 Ok(Attempt::Retry) => {}
@@ -575,17 +507,22 @@ impl Flusher {
                     // A conflict is judged against versions that other
                     // batches may have committed a moment ago; answer once
                     // those are durable too.
-                    let answers = conflicts
-                        .into_iter()
-                        .filter_map(|(k, err)| {
-                            live[idx[k]].take().map(|req| Answer {
-                                reply: req.reply,
-                                result: Err(err),
-                                started: req.started,
-                            })
-                        })
-                        .collect();
-                    let _ = self.durable.send(answers);
+                    let durable = match &self.conn {
+                        Some(c) => crate::read::flush_barrier(&c.client).await.is_ok(),
+                        None => false,
+                    };
+                    for (k, err) in conflicts {
+                        if let Some(req) = live[idx[k]].take() {
+                            let err = if durable {
+                                err
+                            } else {
+                                AppendError::OutcomeUnknown(format!(
+                                    "{err}, but the versions it was judged against could not be confirmed durable"
+                                ))
+                            };
+                            let _ = req.reply.send(Err(err));
+                        }
+                    }
                 }
                 Err(AppendError::Database { source, .. })
                     if partition_retry && is_missing_partition(&source) =>
@@ -729,47 +666,44 @@ impl Flusher {
             }
         }
         let n = total as i64;
-        let row = match conn
-            .client
-            .query_one(
-                &conn.insert,
-                &[
-                    &n,
-                    &streams,
-                    &versions,
-                    &types,
-                    &payloads,
-                    &metas,
-                    &recorded_at,
-                ],
-            )
-            .await
-        {
+        // The insert and the commit go out together, so no round trip to us
+        // happens while the log head is held. If the insert fails, the
+        // transaction is aborted and COMMIT only rolls it back.
+        //
+        // The commit is asynchronous: it releases the log head at once (no
+        // WAL flush inside the lock). The flush barrier that follows in the
+        // same message runs in a transaction of its own and returns once the
+        // commit is durable, while the other flusher already holds the log
+        // head. Once COMMIT is sent, a failure leaves the outcome unknown.
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
+            &n,
+            &streams,
+            &versions,
+            &types,
+            &payloads,
+            &metas,
+            &recorded_at,
+        ];
+        let commit_and_flush = format!("COMMIT; {}", crate::read::FLUSH_BARRIER_SQL);
+        let (inserted, committed) = tokio::join!(
+            conn.client.query_one(&conn.insert, &params),
+            conn.client.batch_execute(&commit_and_flush)
+        );
+        let row = match inserted {
             Ok(row) => row,
             Err(e) => {
-                let _ = conn.client.batch_execute("ROLLBACK").await;
                 return Err(AppendError::Database {
                     context: "insert events",
                     source: Arc::new(e),
-                });
+                })
             }
         };
-        let base: i64 = row.get(0);
-        // The commit releases the log head at once (no WAL flush inside the
-        // lock); the flush barrier then waits until the commit is durable,
-        // sharing its WAL flush with the other flushers.
-        // The commit is asynchronous: it releases the log head at once. The
-        // durability task answers the callers after a WAL flush barrier.
-        if let Err(e) = conn.client.batch_execute("COMMIT").await {
-            return Err(if e.is_closed() || e.code().is_none() {
-                AppendError::OutcomeUnknown(format!("connection lost while committing: {e}"))
-            } else {
-                AppendError::Database {
-                    context: "commit an append",
-                    source: Arc::new(e),
-                }
-            });
+        if let Err(e) = committed {
+            return Err(AppendError::OutcomeUnknown(format!(
+                "commit or WAL flush failed: {e}"
+            )));
         }
+        let base: i64 = row.get(0);
         // Hand out positions in the order the rows were inserted.
         let mut next = base as u64 + 1;
         let mut outs = Vec::with_capacity(reqs.len());

@@ -44,14 +44,13 @@ fn event(row: &Row) -> Event {
 /// a transaction id. `batch_execute` returns only at ReadyForQuery, after the
 /// commit.
 pub async fn flush_barrier(client: &Client) -> Result<(), tokio_postgres::Error> {
-    client
-        .batch_execute(
-            "SET synchronous_commit TO on;
-             INSERT INTO strata.flush_barriers AS b (pid) VALUES (pg_backend_pid())
-             ON CONFLICT (pid) DO UPDATE SET n = b.n + 1",
-        )
-        .await
+    client.batch_execute(FLUSH_BARRIER_SQL).await
 }
+
+/// The statements of [`flush_barrier`].
+pub const FLUSH_BARRIER_SQL: &str = "SET synchronous_commit TO on; \
+    INSERT INTO strata.flush_barriers AS b (pid) VALUES (pg_backend_pid()) \
+    ON CONFLICT (pid) DO UPDATE SET n = b.n + 1";
 
 /// The highest position whose events are committed and durable: every
 /// position up to it is visible to any new snapshot and survives a crash.
