@@ -160,7 +160,6 @@ pub enum SlotsCmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let long_running = matches!(cli.command, Command::Dev(_) | Command::Serve(_));
-    let _telemetry = telemetry::init(long_running);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -170,6 +169,12 @@ fn main() -> ExitCode {
             eprintln!("error: start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
+    };
+    // The OTLP exporter runs on the runtime; the guard flushes it on drop,
+    // before the runtime goes away.
+    let telemetry = {
+        let _entered = rt.enter();
+        telemetry::init(long_running)
     };
     let result = rt.block_on(async move {
         match cli.command {
@@ -181,6 +186,7 @@ fn main() -> ExitCode {
             Command::Slots(c) => commands::slots(c).await,
         }
     });
+    drop(telemetry);
     match result {
         Ok(code) => code,
         Err(e) => {

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio_postgres::types::{Json, Type};
 use tokio_postgres::{Client, Config, NoTls, Statement};
+use tracing::Instrument;
 
 /// Why an append was refused or failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -204,6 +205,7 @@ impl Appender {
         appends: Vec<StreamAppend>,
     ) -> Result<Vec<Appended>, AppendError> {
         let events = validate(&appends, &self.config)?;
+        let span = tracing::info_span!("append", streams = appends.len(), events);
         let (reply, rx) = oneshot::channel();
         let req = Request {
             appends,
@@ -211,8 +213,12 @@ impl Appender {
             started: Instant::now(),
             reply,
         };
-        self.tx.send(req).await.map_err(|_| AppendError::Closed)?;
-        rx.await.map_err(|_| AppendError::Closed)?
+        async move {
+            self.tx.send(req).await.map_err(|_| AppendError::Closed)?;
+            rx.await.map_err(|_| AppendError::Closed)?
+        }
+        .instrument(span)
+        .await
     }
 }
 
@@ -410,7 +416,9 @@ impl Flusher {
                 }
                 batch
             };
-            self.flush(batch).await;
+            let events: usize = batch.iter().map(|r| r.events).sum();
+            let span = tracing::info_span!("append.batch", requests = batch.len(), events);
+            self.flush(batch).instrument(span).await;
         }
     }
 
@@ -432,7 +440,7 @@ impl Flusher {
                 .map_err(db_err("connect to postgres"))?;
             crate::task::spawn("append-connection", async move {
                 if let Err(e) = connection.await {
-                    tracing::warn!(error = %e, "append connection closed");
+                    tracing::debug!(error = %e, "append connection closed");
                 }
             });
             let bump = client

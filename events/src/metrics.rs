@@ -123,6 +123,14 @@ impl Metrics {
         }
     }
 
+    /// A copy of every subscription's lag.
+    pub fn subscription_lags(&self) -> Vec<(String, SubscriptionLag)> {
+        self.subscriptions
+            .lock()
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), *v)).collect())
+            .unwrap_or_default()
+    }
+
     pub fn remove_subscription(&self, name: &str) {
         if let Ok(mut m) = self.subscriptions.lock() {
             m.remove(name);

@@ -499,3 +499,151 @@ fn dev_starts_a_private_postgres_shows_the_log_and_stops() {
     assert!(started.elapsed() < Duration::from_secs(60));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+mod otlp {
+    //! A real OTLP/gRPC receiver, to check what `strata` exports.
+    use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+        MetricsService, MetricsServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::metrics::v1::{
+        ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    pub struct Received {
+        pub spans: Arc<Mutex<Vec<String>>>,
+        pub metrics: Arc<Mutex<Vec<String>>>,
+        pub services: Arc<Mutex<Vec<String>>>,
+    }
+
+    fn service_names(attrs: &[opentelemetry_proto::tonic::common::v1::KeyValue]) -> Vec<String> {
+        attrs
+            .iter()
+            .filter(|kv| kv.key == "service.name")
+            .map(|kv| format!("{:?}", kv.value))
+            .collect()
+    }
+
+    #[tonic::async_trait]
+    impl TraceService for Received {
+        async fn export(
+            &self,
+            req: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            for rs in req.into_inner().resource_spans {
+                if let Some(r) = &rs.resource {
+                    self.services
+                        .lock()
+                        .unwrap()
+                        .extend(service_names(&r.attributes));
+                }
+                for ss in rs.scope_spans {
+                    self.spans
+                        .lock()
+                        .unwrap()
+                        .extend(ss.spans.into_iter().map(|s| s.name));
+                }
+            }
+            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+        }
+    }
+
+    #[tonic::async_trait]
+    impl MetricsService for Received {
+        async fn export(
+            &self,
+            req: tonic::Request<ExportMetricsServiceRequest>,
+        ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+            for rm in req.into_inner().resource_metrics {
+                for sm in rm.scope_metrics {
+                    self.metrics
+                        .lock()
+                        .unwrap()
+                        .extend(sm.metrics.into_iter().map(|m| m.name));
+                }
+            }
+            Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
+        }
+    }
+
+    /// Serves OTLP on a free loopback port; returns the port.
+    pub fn serve(rt: &tokio::runtime::Runtime, received: Received) -> u16 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = ([127, 0, 0, 1], port).into();
+        rt.spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(received.clone()))
+                .add_service(MetricsServiceServer::new(received))
+                .serve(addr),
+        );
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        port
+    }
+}
+
+#[test]
+fn spans_and_metrics_are_exported_over_otlp_when_an_endpoint_is_set() {
+    let url = database();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let received = otlp::Received::default();
+    let port = otlp::serve(&rt, received.clone());
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "events",
+            "append",
+            "--database-url",
+            &url,
+            "--stream",
+            "s",
+            "--type",
+            "t",
+            "--data",
+            "{}",
+        ])
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{port}"),
+        )
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let spans = received.spans.lock().unwrap().clone();
+    assert!(
+        spans.iter().any(|s| s == "append"),
+        "spans received: {spans:?}"
+    );
+    let services = received.services.lock().unwrap().clone();
+    assert!(
+        services.iter().any(|s| s.contains("strata")),
+        "{services:?}"
+    );
+    let metrics = received.metrics.lock().unwrap().clone();
+    assert!(
+        metrics.iter().any(|m| m == "strata.append.events"),
+        "metrics received: {metrics:?}"
+    );
+}
