@@ -43,6 +43,30 @@ fn database() -> String {
     url
 }
 
+/// `strata events append` arguments for one event, plus `extra`.
+fn append_args<'a>(
+    url: &'a str,
+    stream: &'a str,
+    event_type: &'a str,
+    data: &'a str,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut args = vec![
+        "events",
+        "append",
+        "--database-url",
+        url,
+        "--stream",
+        stream,
+        "--type",
+        event_type,
+        "--data",
+        data,
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 fn lines(s: &str) -> Vec<serde_json::Value> {
     s.lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
@@ -61,39 +85,25 @@ fn migrate_reports_and_is_idempotent() {
 #[test]
 fn append_then_tail_prints_one_json_object_per_event() {
     let url = database();
-    let out = ok(&[
-        "events",
-        "append",
-        "--database-url",
+    let out = ok(&append_args(
         &url,
-        "--stream",
         "pool/p1",
-        "--type",
         "pool.created",
-        "--data",
         r#"{"name":"p1"}"#,
-        "--expect",
-        "0",
-    ]);
+        &["--expect", "0"],
+    ));
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(
         (v["version"].as_u64(), v["position"].as_u64()),
         (Some(1), Some(1))
     );
-    ok(&[
-        "events",
-        "append",
-        "--database-url",
+    ok(&append_args(
         &url,
-        "--stream",
         "pool/p1",
-        "--type",
         "pool.updated",
-        "--data",
         r#"{"gpus":8}"#,
-        "--expect",
-        "1",
-    ]);
+        &["--expect", "1"],
+    ));
     let tail = ok(&[
         "events",
         "tail",
@@ -113,20 +123,7 @@ fn append_then_tail_prints_one_json_object_per_event() {
     assert_eq!(evs[1]["position"], 2);
     assert!(evs[1]["recorded_at"].as_str().unwrap().ends_with('Z'));
     // A stale expectation is refused and says why.
-    let err = fails(&[
-        "events",
-        "append",
-        "--database-url",
-        &url,
-        "--stream",
-        "pool/p1",
-        "--type",
-        "t",
-        "--data",
-        "{}",
-        "--expect",
-        "1",
-    ]);
+    let err = fails(&append_args(&url, "pool/p1", "t", "{}", &["--expect", "1"]));
     assert!(
         err.contains("version conflict on stream \"pool/p1\": expected 1, actual 2"),
         "{err}"
@@ -147,18 +144,13 @@ fn append_then_tail_prints_one_json_object_per_event() {
 fn a_tail_subscription_resumes_where_it_acknowledged() {
     let url = database();
     for i in 0..5 {
-        ok(&[
-            "events",
-            "append",
-            "--database-url",
+        ok(&append_args(
             &url,
-            "--stream",
             "s",
-            "--type",
             "t",
-            "--data",
             &format!(r#"{{"i":{i}}}"#),
-        ]);
+            &[],
+        ));
     }
     let first = lines(&ok(&[
         "events",
@@ -608,18 +600,7 @@ fn spans_and_metrics_are_exported_over_otlp_when_an_endpoint_is_set() {
     let received = otlp::Received::default();
     let port = otlp::serve(&rt, received.clone());
     let out = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args([
-            "events",
-            "append",
-            "--database-url",
-            &url,
-            "--stream",
-            "s",
-            "--type",
-            "t",
-            "--data",
-            "{}",
-        ])
+        .args(append_args(&url, "s", "t", "{}", &[]))
         .env(
             "OTEL_EXPORTER_OTLP_ENDPOINT",
             format!("http://127.0.0.1:{port}"),

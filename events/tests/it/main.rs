@@ -1,6 +1,7 @@
 //! Integration tests of the event log against private Postgres clusters.
 
 mod append;
+mod metrics;
 mod replication;
 mod subscription;
 
@@ -68,4 +69,17 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("condition not met within {secs}s");
+}
+
+/// The positions of the next `n` events, each within 30 s.
+pub async fn take(sub: &mut events::Subscription, n: usize) -> Vec<u64> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .expect("event in time")
+            .unwrap();
+        out.push(e.position.0);
+    }
+    out
 }

@@ -1,4 +1,4 @@
-use crate::{appender, db, ev, eventually, reader_config, table_positions};
+use crate::{appender, db, ev, eventually, reader_config, table_positions, take};
 use events::{AppendError, ExpectedVersion, Reader, Start};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -127,17 +127,7 @@ async fn a_slot_ahead_of_the_resume_point_is_reported_and_filled_from_the_table(
     let mut sub = r.subscribe("ahead", Start::Beginning).await.unwrap();
     // Nothing new arrives through the slot: the skipped events must come from
     // the table anyway (regression: a subscription waited on the stream).
-    let mut got = Vec::new();
-    for _ in 0..10 {
-        got.push(
-            tokio::time::timeout(Duration::from_secs(30), sub.next())
-                .await
-                .unwrap()
-                .unwrap()
-                .position
-                .0,
-        );
-    }
+    let got = take(&mut sub, 10).await;
     assert_eq!(got, (11..=20).collect::<Vec<_>>(), "nothing skipped");
     a.append("x", ExpectedVersion::Any, vec![ev(20)])
         .await
@@ -211,17 +201,7 @@ async fn an_invalidated_slot_is_reported_recreated_and_the_gap_read_from_the_tab
     assert!(lost, "the slot should have been invalidated");
     let r = Reader::start(cfg.clone(), rc);
     let mut sub = r.subscribe("survivor", Start::Beginning).await.unwrap();
-    let mut got = Vec::new();
-    for _ in 0..10 {
-        got.push(
-            tokio::time::timeout(Duration::from_secs(30), sub.next())
-                .await
-                .unwrap()
-                .unwrap()
-                .position
-                .0,
-        );
-    }
+    let got = take(&mut sub, 10).await;
     assert_eq!(got, (2..=11).collect::<Vec<_>>());
     eventually(20, || async { r.invalidations() == 1 }).await;
     // The re-created slot carries the live stream again.

@@ -1,20 +1,8 @@
-use crate::{appender, db, ev, eventually, reader, reader_config, table_positions};
+use crate::{appender, db, ev, eventually, reader, reader_config, table_positions, take};
 use events::{ExpectedVersion, Reader, Start, StreamAppend};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-async fn take(sub: &mut events::Subscription, n: usize) -> Vec<u64> {
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
-            .await
-            .expect("event in time")
-            .unwrap();
-        out.push(e.position.0);
-    }
-    out
-}
 
 #[tokio::test]
 async fn delivers_history_then_the_live_stream_in_order() {

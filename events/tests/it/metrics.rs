@@ -1,0 +1,46 @@
+use crate::{appender, db, ev, reader, take};
+use events::{ExpectedVersion, Start};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn get(port: u16, path: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+fn value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{series} missing from:\n{text}"))
+}
+
+#[tokio::test]
+async fn the_prometheus_endpoint_shows_appends_batches_replication_and_subscription_lag() {
+    let (cfg, _client) = db().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(events::metrics::serve(listener));
+    let a = appender(&cfg);
+    let r = reader(&cfg);
+    let mut sub = r.subscribe("metrics-probe", Start::Beginning).await.unwrap();
+    for i in 0..20 {
+        a.append("m", ExpectedVersion::Any, vec![ev(i)]).await.unwrap();
+    }
+    take(&mut sub, 20).await;
+    let text = get(port, "/metrics").await;
+    assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+    assert!(value(&text, "strata_append_events_total") >= 20.0);
+    assert!(value(&text, "strata_append_batch_size_count") >= 1.0);
+    assert!(value(&text, "strata_append_duration_seconds_count") >= 1.0);
+    assert!(text.contains("# TYPE strata_replication_lag_bytes gauge"));
+    assert!(text.contains("# TYPE strata_replication_lag_seconds gauge"));
+    let lag = value(&text, "strata_subscription_lag_events{subscription=\"metrics-probe\"}");
+    assert!(lag <= 20.0, "{lag}");
+    assert!(get(port, "/nope").await.starts_with("HTTP/1.1 404"));
+}
