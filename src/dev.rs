@@ -150,6 +150,9 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     writer.abort();
     tail.abort();
     drop(reader);
+    // The dropped subscription stores its cursor once more in the background;
+    // let that land before the database goes away.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     if let Some(mut c) = cluster {
         tokio::task::spawn_blocking(move || c.stop()).await?;
         eprintln!("postgres stopped");
