@@ -175,7 +175,6 @@ impl Appender {
                 db: db.clone(),
                 config: config.clone(),
                 conn: None,
-                known: std::collections::HashSet::new(),
             };
             crate::task::spawn("append-flusher", flusher.run(rx.clone()));
         }
@@ -348,7 +347,6 @@ fn has_nul(v: &serde_json::Value) -> bool {
 struct Conn {
     client: Client,
     bump: Statement,
-    update: Statement,
     insert: Statement,
 }
 
@@ -356,22 +354,12 @@ struct Flusher {
     db: Config,
     config: Arc<AppenderConfig>,
     conn: Option<Conn>,
-    /// Streams known to exist (bounded; cleared when full).
-    known: std::collections::HashSet<String>,
 }
 
 const BUMP_SQL: &str = "
 INSERT INTO strata.streams AS s (stream, version)
 SELECT * FROM unnest($1::text[], $2::bigint[])
 ON CONFLICT (stream) DO UPDATE SET version = s.version + excluded.version, updated_at = now()
-RETURNING s.stream, s.version";
-
-/// Bumps existing streams only, in name order (the unnest is sorted and
-/// drives the join, so rows are locked in the same order as the upsert's).
-const UPDATE_SQL: &str = "
-UPDATE strata.streams AS s SET version = s.version + v.n, updated_at = now()
-  FROM unnest($1::text[], $2::bigint[]) AS v(stream, n)
- WHERE s.stream = v.stream
 RETURNING s.stream, s.version";
 
 const INSERT_SQL: &str = "
@@ -393,8 +381,6 @@ enum Attempt {
     Committed(Vec<Vec<Appended>>),
     /// These requests (indices) conflict; retry without them.
     Conflicts(Vec<(usize, AppendError)>),
-    /// Nothing was written; try the same batch again.
-    Retry,
 }
 
 impl Flusher {
@@ -443,14 +429,16 @@ impl Flusher {
                     tracing::debug!(error = %e, "append connection closed");
                 }
             });
+            // The statements' shapes do not depend on their arrays' contents:
+            // plan them once instead of per execution.
+            client
+                .batch_execute("SET plan_cache_mode = force_generic_plan")
+                .await
+                .map_err(db_err("configure the append connection"))?;
             let bump = client
                 .prepare_typed(BUMP_SQL, &[Type::TEXT_ARRAY, Type::INT8_ARRAY])
                 .await
                 .map_err(db_err("prepare the stream version statement"))?;
-            let update = client
-                .prepare_typed(UPDATE_SQL, &[Type::TEXT_ARRAY, Type::INT8_ARRAY])
-                .await
-                .map_err(db_err("prepare the stream version update"))?;
             let insert = client
                 .prepare_typed(
                     INSERT_SQL,
@@ -469,7 +457,6 @@ impl Flusher {
             self.conn = Some(Conn {
                 client,
                 bump,
-                update,
                 insert,
             });
         }
@@ -507,7 +494,6 @@ impl Flusher {
                     }
                     return;
                 }
-                Ok(Attempt::Retry) => {}
                 Ok(Attempt::Conflicts(conflicts)) => {
                     metrics::global()
                         .append_conflicts
@@ -578,9 +564,6 @@ impl Flusher {
         }
         let names: Vec<&str> = counts.keys().copied().collect();
         let adds: Vec<i64> = counts.values().copied().collect();
-        // Streams this connection has seen exist take a plain UPDATE (one
-        // index probe each); a batch with a new stream takes the upsert.
-        let all_known = names.iter().all(|n| self.known.contains(*n));
         let conn = self.connect().await?;
         let db_err = |context| {
             move |source| AppendError::Database {
@@ -592,8 +575,7 @@ impl Flusher {
             .batch_execute("BEGIN; SET LOCAL synchronous_commit TO off")
             .await
             .map_err(db_err("begin an append"))?;
-        let stmt = if all_known { &conn.update } else { &conn.bump };
-        let rows = match conn.client.query(stmt, &[&names, &adds]).await {
+        let rows = match conn.client.query(&conn.bump, &[&names, &adds]).await {
             Ok(rows) => rows,
             Err(e) => {
                 let _ = conn.client.batch_execute("ROLLBACK").await;
@@ -603,13 +585,6 @@ impl Flusher {
                 });
             }
         };
-        if rows.len() != names.len() {
-            // A stream thought to exist does not (the database was reset):
-            // forget what we knew and take the upsert.
-            let _ = conn.client.batch_execute("ROLLBACK").await;
-            self.known.clear();
-            return Ok(Attempt::Retry);
-        }
         // The version each stream had before this batch.
         let mut version: BTreeMap<String, u64> = BTreeMap::new();
         for row in rows {
@@ -728,12 +703,6 @@ impl Flusher {
                 });
             }
             outs.push(out);
-        }
-        if !all_known {
-            if self.known.len() > 1_000_000 {
-                self.known.clear();
-            }
-            self.known.extend(names.iter().map(|n| n.to_string()));
         }
         Ok(Attempt::Committed(outs))
     }

@@ -3,7 +3,9 @@ use events::{ExpectedVersion, Start};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn get(port: u16, path: &str) -> String {
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
     s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
         .await
         .unwrap();
@@ -28,9 +30,14 @@ async fn the_prometheus_endpoint_shows_appends_batches_replication_and_subscript
     tokio::spawn(events::metrics::serve(listener));
     let a = appender(&cfg);
     let r = reader(&cfg);
-    let mut sub = r.subscribe("metrics-probe", Start::Beginning).await.unwrap();
+    let mut sub = r
+        .subscribe("metrics-probe", Start::Beginning)
+        .await
+        .unwrap();
     for i in 0..20 {
-        a.append("m", ExpectedVersion::Any, vec![ev(i)]).await.unwrap();
+        a.append("m", ExpectedVersion::Any, vec![ev(i)])
+            .await
+            .unwrap();
     }
     take(&mut sub, 20).await;
     let text = get(port, "/metrics").await;
@@ -40,7 +47,10 @@ async fn the_prometheus_endpoint_shows_appends_batches_replication_and_subscript
     assert!(value(&text, "strata_append_duration_seconds_count") >= 1.0);
     assert!(text.contains("# TYPE strata_replication_lag_bytes gauge"));
     assert!(text.contains("# TYPE strata_replication_lag_seconds gauge"));
-    let lag = value(&text, "strata_subscription_lag_events{subscription=\"metrics-probe\"}");
+    let lag = value(
+        &text,
+        "strata_subscription_lag_events{subscription=\"metrics-probe\"}",
+    );
     assert!(lag <= 20.0, "{lag}");
     assert!(get(port, "/nope").await.starts_with("HTTP/1.1 404"));
 }
