@@ -12,7 +12,7 @@
 //! never a panic.
 
 use crate::pgoutput::{decode_logical, Datum, DecodeError, LogicalMessage, Relation};
-use crate::types::{pg_time, Event, Lsn, Position, Txn};
+use crate::types::{pg_time, Event, Position, Txn};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -46,7 +46,6 @@ impl EventColumns {
 
 struct Open {
     xid: u32,
-    commit_time: i64,
     events: Vec<Arc<Event>>,
 }
 
@@ -84,15 +83,12 @@ impl Assembler {
     /// Feeds one pgoutput message; returns a transaction when it commits.
     pub fn push(&mut self, data: &[u8]) -> Result<Option<Txn>, DecodeError> {
         match decode_logical(data)? {
-            LogicalMessage::Begin {
-                commit_time, xid, ..
-            } => {
+            LogicalMessage::Begin { xid, .. } => {
                 if self.open.is_some() {
                     return Err(bad("begin message", "begin inside an open transaction"));
                 }
                 self.open = Some(Open {
                     xid,
-                    commit_time,
                     events: Vec::new(),
                 });
                 Ok(None)
@@ -137,7 +133,6 @@ impl Assembler {
                     .open
                     .take()
                     .ok_or_else(|| bad("commit message", "commit outside a transaction"))?;
-                let _ = open.commit_time;
                 let mut events = open.events;
                 // Rows arrive in insert order, which is position order within
                 // one append; sort anyway so the invariant never rests on it.
@@ -228,14 +223,12 @@ fn event_from_tuple(c: &EventColumns, t: &[Datum<'_>]) -> Result<Event, DecodeEr
     })
 }
 
-/// The LSN type is re-exported for callers that only assemble.
-pub type CommitLsn = Lsn;
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::pgoutput::encode;
     use crate::pgoutput::Column;
+    use crate::types::Lsn;
 
     fn rel(id: u32, name: &str) -> Relation {
         let cols = [

@@ -127,7 +127,6 @@ pub struct ReplicationConnection {
     stream: Box<dyn Stream>,
     rbuf: BytesMut,
     wbuf: BytesMut,
-    copy_both: bool,
 }
 
 /// One frame's payload from the replication stream.
@@ -179,7 +178,6 @@ impl ReplicationConnection {
             stream,
             rbuf: BytesMut::with_capacity(64 * 1024),
             wbuf: BytesMut::with_capacity(1024),
-            copy_both: false,
         };
         conn.startup(config, application_name).await?;
         Ok(conn)
@@ -465,7 +463,6 @@ impl ReplicationConnection {
             match tag {
                 b'W' => {
                     self.rbuf.advance(total);
-                    self.copy_both = true;
                     return Ok(());
                 }
                 b'E' => {
