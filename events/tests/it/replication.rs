@@ -132,11 +132,7 @@ async fn a_slot_ahead_of_the_resume_point_is_reported_and_filled_from_the_table(
     a.append("x", ExpectedVersion::Any, vec![ev(20)])
         .await
         .unwrap();
-    let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(e.position.0, 21);
+    assert_eq!(take(&mut sub, 1).await, [21]);
     eventually(10, || async { r.slot_ahead_reports() >= 1 }).await;
 }
 
@@ -208,11 +204,7 @@ async fn an_invalidated_slot_is_reported_recreated_and_the_gap_read_from_the_tab
     a.append("x", ExpectedVersion::Any, vec![ev(11)])
         .await
         .unwrap();
-    let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(e.position.0, 12);
+    assert_eq!(take(&mut sub, 1).await, [12]);
     eventually(20, || async { sub.is_live() }).await;
     let status: Option<String> = client
         .query_one(
