@@ -28,6 +28,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "subscriptions",
         sql: include_str!("../migrations/0002_subscriptions.sql"),
     },
+    Migration {
+        version: 3,
+        name: "leases",
+        sql: include_str!("../migrations/0003_leases.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

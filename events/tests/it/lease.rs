@@ -1,0 +1,81 @@
+use crate::db;
+use events::lease::{Lease, LeaseError};
+use std::time::Duration;
+
+#[tokio::test]
+async fn a_lease_has_one_holder_until_it_expires_and_the_next_epoch_fences_the_old() {
+    let (cfg, client) = db().await;
+    let ttl = Duration::from_millis(300);
+    let a = Lease::acquire(&client, "pool/p1", "placer-a", ttl)
+        .await
+        .unwrap()
+        .expect("free lease");
+    assert_eq!(a.epoch, 1);
+    assert!(
+        Lease::acquire(&client, "pool/p1", "placer-b", ttl)
+            .await
+            .unwrap()
+            .is_none(),
+        "held by a"
+    );
+    a.renew(&client).await.unwrap();
+    // a stalls past its TTL; b takes over with a new epoch.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let b = Lease::acquire(&client, "pool/p1", "placer-b", ttl)
+        .await
+        .unwrap()
+        .expect("expired lease");
+    assert_eq!(b.epoch, 2);
+    let err = a.renew(&client).await.unwrap_err();
+    assert!(matches!(err, LeaseError::Lost { epoch: 1, .. }), "{err}");
+    assert_eq!(err.kind(), events::ErrorKind::Definite);
+    // a's fenced write is refused; b's goes through.
+    let mut c = events::db::connect(&cfg, "writer").await.unwrap();
+    let tx = c.transaction().await.unwrap();
+    assert!(matches!(a.fence(&tx).await, Err(LeaseError::Lost { .. })));
+    drop(tx);
+    let tx = c.transaction().await.unwrap();
+    b.fence(&tx).await.unwrap();
+    tx.commit().await.unwrap();
+    // Releasing lets the next holder in at once.
+    b.release(&client).await.unwrap();
+    let c2 = Lease::acquire(&client, "pool/p1", "placer-c", ttl)
+        .await
+        .unwrap()
+        .expect("released lease");
+    assert_eq!(c2.epoch, 3);
+}
+
+#[tokio::test]
+async fn a_fenced_transaction_holds_off_a_takeover_until_it_ends() {
+    let (cfg, client) = db().await;
+    let ttl = Duration::from_millis(200);
+    let a = Lease::acquire(&client, "sink/s", "worker-a", ttl)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut c = events::db::connect(&cfg, "writer").await.unwrap();
+    let tx = c.transaction().await.unwrap();
+    a.fence(&tx).await.unwrap();
+    // The lease expires while a's transaction is open; b's takeover waits
+    // for it rather than overlapping a's write.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let cfg2 = cfg.clone();
+    let takeover = tokio::spawn(async move {
+        let other = events::db::connect(&cfg2, "other").await.unwrap();
+        Lease::acquire(&other, "sink/s", "worker-b", Duration::from_secs(5))
+            .await
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !takeover.is_finished(),
+        "the takeover must wait for the fenced transaction"
+    );
+    tx.commit().await.unwrap();
+    let b = takeover
+        .await
+        .unwrap()
+        .expect("taken over after the commit");
+    assert_eq!(b.epoch, 2);
+}
