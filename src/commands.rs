@@ -122,15 +122,22 @@ pub async fn events(cmd: EventsCmd) -> Result<ExitCode> {
             from,
             subscription,
             limit,
+            lease_ttl,
         } => {
             let start: Start = from.parse().map_err(|e: String| anyhow::anyhow!(e))?;
-            tail(&db, start, subscription.as_deref(), limit).await?;
+            tail(&db, start, subscription.as_deref(), limit, lease_ttl).await?;
         }
     }
     Ok(ExitCode::SUCCESS)
 }
 
-async fn tail(db: &Db, start: Start, subscription: Option<&str>, limit: Option<u64>) -> Result<()> {
+async fn tail(
+    db: &Db,
+    start: Start,
+    subscription: Option<&str>,
+    limit: Option<u64>,
+    lease_ttl: Duration,
+) -> Result<()> {
     let cfg = config(db)?;
     // Check the connection and schema up front for a clear error.
     let client = connect(db).await?;
@@ -141,9 +148,22 @@ async fn tail(db: &Db, start: Start, subscription: Option<&str>, limit: Option<u
     let mut rc = ReaderConfig::new(format!("strata_tail_{}", std::process::id()));
     rc.temporary = true;
     rc.owner = "strata events tail".into();
+    rc.subscription_lease_ttl = lease_ttl;
     let reader = Reader::start(cfg, rc);
     let mut sub = match subscription {
-        Some(name) => reader.subscribe(name, start).await?,
+        Some(name) => {
+            // Another tail may hold it, or one that died may still hold it
+            // until its lease runs out: wait for it, and say so.
+            let mut told = false;
+            reader
+                .subscribe_waiting(name, start, lease_ttl * 4, |e| {
+                    if !told {
+                        eprintln!("waiting: {e}");
+                        told = true;
+                    }
+                })
+                .await?
+        }
         None => reader.subscribe_ephemeral(start).await?,
     };
     let stdout = std::io::stdout();
@@ -180,7 +200,7 @@ async fn tail(db: &Db, start: Start, subscription: Option<&str>, limit: Option<u
     if let Some(p) = last {
         sub.ack(p);
     }
-    sub.flush_acks().await?;
+    sub.close().await?;
     Ok(())
 }
 

@@ -132,6 +132,9 @@ pub enum EventsCmd {
         /// Exit after printing this many events
         #[arg(long)]
         limit: Option<u64>,
+        /// How long a subscription held by a tail that died stays unavailable
+        #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
+        lease_ttl: std::time::Duration,
     },
 }
 

@@ -57,6 +57,10 @@ pub struct ReaderConfig {
     pub subscriber_buffer: usize,
     /// Who runs this reader, shown by `strata slots list`.
     pub owner: String,
+    /// Time to live of a named subscription's lease (renewed every third of
+    /// it): how long a subscription held by a process that died stays
+    /// unavailable to others.
+    pub subscription_lease_ttl: Duration,
 }
 
 impl ReaderConfig {
@@ -70,6 +74,7 @@ impl ReaderConfig {
             max_retained_wal: 256 << 20,
             subscriber_buffer: 4096,
             owner: "strata".into(),
+            subscription_lease_ttl: Duration::from_secs(15),
         }
     }
 }

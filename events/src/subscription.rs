@@ -17,6 +17,7 @@
 //! hand-off cannot lose or repeat one. If the reader drops a subscription
 //! (too slow, too much WAL held), it simply goes back to reading the table.
 
+use crate::lease::{Lease, LeaseError};
 use crate::read;
 use crate::reader::{Live, Reader};
 use crate::types::{Event, Position, Txn};
@@ -73,15 +74,28 @@ pub enum SubscribeError {
     Missing { from: Position, to: Position },
     #[error("the replication reader has shut down")]
     Closed,
+    /// Another process holds the subscription.
+    #[error("subscription {name:?} is in use by {holder} (its lease expires in {expires_in:.1}s unless renewed)")]
+    InUse {
+        name: String,
+        holder: String,
+        expires_in: f64,
+    },
+    /// This process lost the subscription's lease (it stalled past the lease's
+    /// time to live, and another process may have taken over).
+    #[error("lost the lease of subscription {0:?}; another process may now hold it")]
+    LeaseLost(String),
 }
 
 impl SubscribeError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             SubscribeError::Database { source, .. } => crate::classify_pg(source),
+            SubscribeError::InUse { .. } => ErrorKind::Transient,
             SubscribeError::InvalidName(_)
             | SubscribeError::Missing { .. }
-            | SubscribeError::Closed => ErrorKind::Definite,
+            | SubscribeError::Closed
+            | SubscribeError::LeaseLost(_) => ErrorKind::Definite,
         }
     }
 }
@@ -96,6 +110,10 @@ struct Cursor {
     notify: Notify,
     /// Set when the subscription is dropped: store once more, then stop.
     closed: std::sync::atomic::AtomicBool,
+    /// A named subscription is held by one process at a time.
+    lease: Option<Lease>,
+    /// Set when the lease could not be renewed.
+    lost: std::sync::atomic::AtomicBool,
 }
 
 /// A subscription. Call [`Subscription::next`] for events and
@@ -132,6 +150,37 @@ impl Reader {
             return Err(SubscribeError::InvalidName(name.to_string()));
         }
         let client = self.client().await.map_err(db("connect to postgres"))?;
+        let lease_name = format!("subscription/{name}");
+        let holder = format!("{}#{}", self.inner.config.slot, std::process::id());
+        let ttl = self.inner.config.subscription_lease_ttl;
+        let lease = match Lease::acquire(&client, &lease_name, &holder, ttl).await {
+            Ok(Some(lease)) => lease,
+            Ok(None) => {
+                let row = client
+                    .query_opt(
+                        "SELECT holder, greatest(extract(epoch FROM expires_at - now()), 0)::float8
+                           FROM strata.leases WHERE name = $1",
+                        &[&lease_name],
+                    )
+                    .await
+                    .map_err(db("read the subscription's lease"))?;
+                let (holder, expires_in) = row
+                    .map_or((String::from("another process"), 0.0), |r| {
+                        (r.get(0), r.get(1))
+                    });
+                return Err(SubscribeError::InUse {
+                    name: name.to_string(),
+                    holder,
+                    expires_in,
+                });
+            }
+            Err(LeaseError::Database { context, source }) => {
+                return Err(SubscribeError::Database { context, source })
+            }
+            Err(LeaseError::Lost { .. }) => {
+                return Err(SubscribeError::LeaseLost(name.to_string()))
+            }
+        };
         let initial = start_position(&client, start).await?;
         client
             .execute(
@@ -149,23 +198,48 @@ impl Reader {
             .await
             .map_err(db("read the subscription's cursor"))?;
         let pos = Position(row.get::<_, i64>(0) as u64);
-        tracing::info!(subscription = name, cursor = %pos, "subscription opened");
-        Ok(self.open(name, pos, true))
+        tracing::info!(subscription = name, cursor = %pos, epoch = lease.epoch, "subscription opened");
+        Ok(self.open(name, pos, Some(lease)))
+    }
+
+    /// Like [`Reader::subscribe`], but while another process holds the
+    /// subscription, waits (up to `wait`) for its lease to be released or to
+    /// expire, calling `waiting` with each refusal.
+    pub async fn subscribe_waiting(
+        &self,
+        name: &str,
+        start: Start,
+        wait: Duration,
+        mut waiting: impl FnMut(&SubscribeError),
+    ) -> Result<Subscription, SubscribeError> {
+        let deadline = Instant::now() + wait;
+        loop {
+            match self.subscribe(name, start).await {
+                Err(e @ SubscribeError::InUse { .. }) if Instant::now() < deadline => {
+                    waiting(&e);
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// An ad-hoc subscription whose cursor lives only in this process.
     pub async fn subscribe_ephemeral(&self, start: Start) -> Result<Subscription, SubscribeError> {
         let client = self.client().await.map_err(db("connect to postgres"))?;
         let pos = start_position(&client, start).await?;
-        Ok(self.open(&format!("ephemeral-{}", fastrand::u32(..)), pos, false))
+        Ok(self.open(&format!("ephemeral-{}", fastrand::u32(..)), pos, None))
     }
 
-    fn open(&self, name: &str, pos: Position, persisted: bool) -> Subscription {
+    fn open(&self, name: &str, pos: Position, lease: Option<Lease>) -> Subscription {
+        let persisted = lease.is_some();
         let shared = Arc::new(Cursor {
             acked: AtomicU64::new(pos.0),
             durable: Arc::new(AtomicU64::new(pos.0)),
             notify: Notify::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
+            lease,
+            lost: std::sync::atomic::AtomicBool::new(false),
         });
         if persisted {
             crate::task::spawn(
@@ -203,16 +277,46 @@ async fn start_position(
 /// Stores acknowledged cursors every 100 ms (or when poked) until the
 /// subscription is dropped, then once more.
 async fn persist(cur: Arc<Cursor>, reader: Reader, name: String) {
+    let mut renewed = Instant::now();
     loop {
         let closed = cur.closed.load(Ordering::Acquire);
         let acked = cur.acked.load(Ordering::Acquire);
         if acked > cur.durable.load(Ordering::Acquire) {
-            match store_cursor(&reader, &name, acked).await {
+            match store_cursor(&reader, &cur, &name, acked).await {
                 Ok(()) => {
                     cur.durable.fetch_max(acked, Ordering::AcqRel);
                 }
+                Err(SubscribeError::LeaseLost(_)) => {
+                    lose(&cur, &name);
+                    return;
+                }
                 Err(e) => {
                     tracing::warn!(subscription = %name, error = %e, "could not store the subscription cursor; will retry")
+                }
+            }
+        }
+        if let Some(lease) = &cur.lease {
+            if closed {
+                if let Ok(client) = reader.client().await {
+                    let _ = lease.clone().release(&client).await;
+                }
+                return;
+            }
+            if renewed.elapsed() >= lease.ttl / 3 {
+                match reader.client().await {
+                    Ok(client) => match lease.renew(&client).await {
+                        Ok(()) => renewed = Instant::now(),
+                        Err(LeaseError::Lost { .. }) => {
+                            lose(&cur, &name);
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::warn!(subscription = %name, error = %e, "could not renew the subscription's lease; will retry")
+                        }
+                    },
+                    Err(e) => {
+                        tracing::warn!(subscription = %name, error = %e, "could not renew the subscription's lease; will retry")
+                    }
                 }
             }
         }
@@ -223,16 +327,38 @@ async fn persist(cur: Arc<Cursor>, reader: Reader, name: String) {
     }
 }
 
-async fn store_cursor(reader: &Reader, name: &str, acked: u64) -> Result<(), SubscribeError> {
+fn lose(cur: &Cursor, name: &str) {
+    cur.lost.store(true, Ordering::Release);
+    tracing::error!(subscription = %name, "lost the subscription's lease; it stops delivering");
+}
+
+/// Stores the cursor, fenced by the subscription's lease: a process that lost
+/// the lease cannot move the cursor under the new holder.
+async fn store_cursor(
+    reader: &Reader,
+    cur: &Cursor,
+    name: &str,
+    acked: u64,
+) -> Result<(), SubscribeError> {
     let client = reader.client().await.map_err(db("connect to postgres"))?;
-    client
+    let Some(lease) = &cur.lease else {
+        return Ok(());
+    };
+    let n = client
         .execute(
-            "UPDATE strata.subscriptions SET position = greatest(position, $2), updated_at = now(), seen_at = now() WHERE name = $1",
-            &[&name, &(acked as i64)],
+            "UPDATE strata.subscriptions SET position = greatest(position, $2), updated_at = now(), seen_at = now()
+              WHERE name = $1
+                AND EXISTS (SELECT 1 FROM strata.leases
+                             WHERE name = $3 AND holder = $4 AND epoch = $5 AND expires_at > now())",
+            &[&name, &(acked as i64), &lease.name, &lease.holder, &lease.epoch],
         )
         .await
         .map_err(db("store the subscription cursor"))?;
-    Ok(())
+    if n == 1 {
+        Ok(())
+    } else {
+        Err(SubscribeError::LeaseLost(name.to_string()))
+    }
 }
 
 impl Subscription {
@@ -274,8 +400,33 @@ impl Subscription {
     pub async fn flush_acks(&self) -> Result<(), SubscribeError> {
         let acked = self.shared.acked.load(Ordering::Acquire);
         if self.persisted && acked > self.shared.durable.load(Ordering::Acquire) {
-            store_cursor(&self.reader, &self.name, acked).await?;
+            if let Err(e) = store_cursor(&self.reader, &self.shared, &self.name, acked).await {
+                if matches!(e, SubscribeError::LeaseLost(_)) {
+                    lose(&self.shared, &self.name);
+                }
+                return Err(e);
+            }
             self.shared.durable.fetch_max(acked, Ordering::AcqRel);
+        }
+        Ok(())
+    }
+
+    /// Stores the acknowledged cursor and releases the subscription's lease,
+    /// so another process can take the subscription over at once.
+    pub async fn close(self) -> Result<(), SubscribeError> {
+        self.flush_acks().await?;
+        if let Some(lease) = &self.shared.lease {
+            let client = self
+                .reader
+                .client()
+                .await
+                .map_err(db("connect to postgres"))?;
+            lease.clone().release(&client).await.map_err(|e| match e {
+                LeaseError::Lost { .. } => SubscribeError::LeaseLost(self.name.clone()),
+                LeaseError::Database { context, source } => {
+                    SubscribeError::Database { context, source }
+                }
+            })?;
         }
         Ok(())
     }
@@ -288,6 +439,14 @@ impl Subscription {
         tx: &tokio_postgres::Transaction<'_>,
         position: Position,
     ) -> Result<(), SubscribeError> {
+        if let Some(lease) = &self.shared.lease {
+            lease.fence(tx).await.map_err(|e| match e {
+                LeaseError::Lost { .. } => SubscribeError::LeaseLost(self.name.clone()),
+                LeaseError::Database { context, source } => {
+                    SubscribeError::Database { context, source }
+                }
+            })?;
+        }
         tx.execute(
             "UPDATE strata.subscriptions SET position = greatest(position, $2), updated_at = now(), seen_at = now() WHERE name = $1",
             &[&self.name, &(position.0 as i64)],
@@ -306,6 +465,9 @@ impl Subscription {
     /// The next event, waiting for one if the subscription is caught up.
     pub async fn next(&mut self) -> Result<Arc<Event>, SubscribeError> {
         loop {
+            if self.shared.lost.load(Ordering::Acquire) {
+                return Err(SubscribeError::LeaseLost(self.name.clone()));
+            }
             if let Some(e) = self.buf.pop_front() {
                 self.cursor_pos = e.position;
                 self.delivered += 1;

@@ -220,6 +220,8 @@ fn a_tail_killed_with_sigkill_resumes_without_a_gap() {
             "killed",
             "--from",
             "start",
+            "--lease-ttl",
+            "2s",
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -256,8 +258,10 @@ fn a_tail_killed_with_sigkill_resumes_without_a_gap() {
         (1..=seen.len() as u64).collect::<Vec<_>>(),
         "printed in order without gaps"
     );
-    // Whatever was printed after the last stored ack comes again; nothing is skipped.
-    let rest = lines(&ok(&[
+    // The dead tail's lease runs out (2 s); the new one waits for it, says so,
+    // and then whatever was printed after the last stored ack comes again:
+    // nothing is skipped.
+    let out = strata(&[
         "events",
         "tail",
         "--database-url",
@@ -266,7 +270,19 @@ fn a_tail_killed_with_sigkill_resumes_without_a_gap() {
         "killed",
         "--limit",
         "1",
-    ]));
+        "--lease-ttl",
+        "2s",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is in use by"),
+        "the second tail should say what it waits for"
+    );
+    let rest = lines(&String::from_utf8(out.stdout).unwrap());
     let resumed_at = rest[0]["position"].as_u64().unwrap();
     assert!(
         resumed_at > 1,

@@ -336,3 +336,40 @@ async fn a_consumer_killed_mid_transaction_applies_every_event_exactly_once() {
         "each event applied exactly once"
     );
 }
+
+#[tokio::test]
+async fn a_named_subscription_is_held_by_one_reader_at_a_time() {
+    let (cfg, _client) = db().await;
+    let a = appender(&cfg);
+    a.append("x", ExpectedVersion::Any, vec![ev(1), ev(2)])
+        .await
+        .unwrap();
+    let first = reader(&cfg);
+    let second = reader(&cfg);
+    let mut held = first
+        .subscribe("exclusive", Start::Beginning)
+        .await
+        .unwrap();
+    let err = match second.subscribe("exclusive", Start::Beginning).await {
+        Err(e) => e,
+        Ok(_) => panic!("two readers held one subscription"),
+    };
+    assert!(matches!(err, events::SubscribeError::InUse { .. }), "{err}");
+    assert!(err.to_string().contains("is in use by"), "{err}");
+    assert_eq!(take(&mut held, 1).await, [1]);
+    held.ack(events::Position(1));
+    held.flush_acks().await.unwrap();
+    drop(held);
+    // Dropping releases the lease: the other reader takes over where the
+    // first acknowledged.
+    let mut taken = second
+        .subscribe_waiting(
+            "exclusive",
+            Start::Beginning,
+            Duration::from_secs(10),
+            |_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(take(&mut taken, 1).await, [2]);
+}
