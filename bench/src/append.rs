@@ -56,13 +56,16 @@ pub async fn run(args: Args) -> Result<()> {
 
     let mut single = Vec::new();
     let mut multi = Vec::new();
+    let mut multi_partitioned = Vec::new();
     for _ in 0..reps {
         single.push(raw_single(&cfg, 16, secs).await?);
-        multi.push(raw_multirow(&cfg, 4, 64, secs).await?);
+        multi.push(raw_multirow(&cfg, "raw_events", 4, 64, secs).await?);
+        multi_partitioned.push(raw_multirow(&cfg, "raw_partitioned", 4, 64, secs).await?);
     }
     let raw_single_tps = util::median(&mut single);
     let raw_multirow = util::median(&mut multi);
-    eprintln!("raw: single-row INSERT x16 {raw_single_tps:.0} rows/s; 64-row INSERT x4 {raw_multirow:.0} rows/s");
+    let raw_partitioned = util::median(&mut multi_partitioned);
+    eprintln!("raw: single-row INSERT x16 {raw_single_tps:.0} rows/s; 64-row INSERT x4 {raw_multirow:.0} rows/s ({raw_partitioned:.0} rows/s into a partitioned table)");
 
     let appender = Appender::start(
         cfg.clone(),
@@ -116,6 +119,7 @@ pub async fn run(args: Args) -> Result<()> {
         "machine": util::machine(&pg_version),
         "raw_single_row_tx_per_s_16": round(raw_single_tps, 0),
         "raw_multirow_rows_per_s": round(raw_multirow, 0),
+        "raw_multirow_partitioned_rows_per_s": round(raw_partitioned, 0),
         "append_ratio": round(append_ratio, 3),
         "offered_per_s": offered,
         "lag_achieved_per_s": round(achieved, 0),
@@ -149,10 +153,24 @@ async fn prepare_raw(client: &tokio_postgres::Client) -> Result<()> {
                  position bigserial PRIMARY KEY, stream text NOT NULL, version bigint NOT NULL,
                  type text NOT NULL, payload jsonb NOT NULL, metadata jsonb NOT NULL DEFAULT '{}',
                  recorded_at timestamptz NOT NULL DEFAULT now());
-             CREATE INDEX ON raw_events (stream, version);",
+             CREATE INDEX ON raw_events (stream, version);
+             -- The same again, partitioned by month like strata.events: tells
+             -- how much of the gap to the baseline is partition routing.
+             CREATE SEQUENCE raw_partitioned_position;
+             CREATE TABLE raw_partitioned (
+                 position bigint NOT NULL DEFAULT nextval('raw_partitioned_position'),
+                 stream text NOT NULL, version bigint NOT NULL,
+                 type text NOT NULL, payload jsonb NOT NULL, metadata jsonb NOT NULL DEFAULT '{}',
+                 recorded_at timestamptz NOT NULL DEFAULT now(),
+                 PRIMARY KEY (position, recorded_at)) PARTITION BY RANGE (recorded_at);
+             CREATE INDEX ON raw_partitioned (stream, version);
+             CREATE TABLE raw_partitioned_now PARTITION OF raw_partitioned
+                 FOR VALUES FROM (date_trunc('month', now())) TO (date_trunc('month', now()) + interval '1 month');
+             CREATE TABLE raw_partitioned_next PARTITION OF raw_partitioned
+                 FOR VALUES FROM (date_trunc('month', now()) + interval '1 month') TO (date_trunc('month', now()) + interval '2 months');",
         )
         .await
-        .context("create the raw baseline table")
+        .context("create the raw baseline tables")
 }
 
 fn payload(i: u64) -> serde_json::Value {
@@ -183,10 +201,16 @@ async fn raw_single(cfg: &Config, clients: usize, secs: Duration) -> Result<f64>
     timed(count, stop, tasks, secs).await
 }
 
-async fn raw_multirow(cfg: &Config, clients: usize, rows: usize, secs: Duration) -> Result<f64> {
+async fn raw_multirow(
+    cfg: &Config,
+    table: &str,
+    clients: usize,
+    rows: usize,
+    secs: Duration,
+) -> Result<f64> {
     let count = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let mut sql = String::from("INSERT INTO raw_events (stream, version, type, payload) VALUES ");
+    let mut sql = format!("INSERT INTO {table} (stream, version, type, payload) VALUES ");
     for r in 0..rows {
         if r > 0 {
             sql.push(',');
