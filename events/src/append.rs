@@ -585,23 +585,25 @@ impl Flusher {
                 });
             }
         };
-        // The version each stream had before this batch.
-        let mut version: BTreeMap<String, u64> = BTreeMap::new();
+        // The version each stream had before this batch, then as each
+        // request in order would see it.
+        let mut running: BTreeMap<&str, u64> = BTreeMap::new();
         for row in rows {
-            let stream: String = row.get(0);
+            let stream: &str = row.get(0);
             let new: i64 = row.get(1);
-            let add = counts.get(stream.as_str()).copied().unwrap_or(0);
-            version.insert(stream, (new - add).max(0) as u64);
+            if let Some((name, add)) = counts.get_key_value(stream) {
+                running.insert(name, (new - add).max(0) as u64);
+            }
         }
-        // Check each request in order against the versions it would see.
+        // Check each request against the versions it would see; a plan is
+        // (version before, version after) per stream of the request.
         let mut conflicts = Vec::new();
-        let mut running = version.clone();
-        let mut planned: Vec<Vec<(String, u64, u64)>> = Vec::with_capacity(reqs.len());
+        let mut planned: Vec<Vec<(u64, u64)>> = Vec::with_capacity(reqs.len());
         for (k, r) in reqs.iter().enumerate() {
             let mut plan = Vec::with_capacity(r.appends.len());
             let mut conflict = None;
             for a in &r.appends {
-                let actual = running.get(&a.stream).copied().unwrap_or(0);
+                let actual = running.get(a.stream.as_str()).copied().unwrap_or(0);
                 if !a.expected.admits(actual) {
                     conflict = Some(AppendError::VersionConflict {
                         stream: a.stream.clone(),
@@ -610,13 +612,13 @@ impl Flusher {
                     });
                     break;
                 }
-                plan.push((a.stream.clone(), actual, actual + a.events.len() as u64));
+                plan.push((actual, actual + a.events.len() as u64));
             }
             match conflict {
                 Some(e) => conflicts.push((k, e)),
                 None => {
-                    for (s, _, to) in &plan {
-                        running.insert(s.clone(), *to);
+                    for (a, (_, to)) in r.appends.iter().zip(&plan) {
+                        running.insert(a.stream.as_str(), *to);
                     }
                     planned.push(plan);
                 }
@@ -636,15 +638,15 @@ impl Flusher {
         let mut types = Vec::with_capacity(total);
         let mut payloads = Vec::with_capacity(total);
         let mut metas = Vec::with_capacity(total);
-        let empty = RawValue::from_string("{}".into()).expect("{} is JSON");
+        let empty = empty_object();
         for (r, plan) in reqs.iter().zip(&planned) {
-            for (a, (_, from, _)) in r.appends.iter().zip(plan) {
+            for (a, (from, _)) in r.appends.iter().zip(plan) {
                 for (j, e) in a.events.iter().enumerate() {
                     streams.push(a.stream.as_str());
                     versions.push((from + 1 + j as u64) as i64);
                     types.push(e.event_type.as_str());
                     payloads.push(Json(&*e.payload));
-                    metas.push(Json(e.metadata.as_deref().unwrap_or(&empty)));
+                    metas.push(Json(e.metadata.as_deref().unwrap_or(empty)));
                 }
             }
         }
@@ -692,11 +694,11 @@ impl Flusher {
         let mut outs = Vec::with_capacity(reqs.len());
         for (r, plan) in reqs.iter().zip(planned) {
             let mut out = Vec::with_capacity(r.appends.len());
-            for (a, (stream, _, to)) in r.appends.iter().zip(plan) {
+            for (a, (_, to)) in r.appends.iter().zip(plan) {
                 let first = next;
                 next += a.events.len() as u64;
                 out.push(Appended {
-                    stream,
+                    stream: a.stream.clone(),
                     version: to,
                     first_position: Position(first),
                     last_position: Position(next - 1),
@@ -706,6 +708,12 @@ impl Flusher {
         }
         Ok(Attempt::Committed(outs))
     }
+}
+
+/// `{}`, the metadata of an event that has none.
+fn empty_object() -> &'static RawValue {
+    static EMPTY: std::sync::OnceLock<Box<RawValue>> = std::sync::OnceLock::new();
+    EMPTY.get_or_init(|| RawValue::from_string("{}".into()).expect("{} is JSON"))
 }
 
 fn is_missing_partition(e: &tokio_postgres::Error) -> bool {
