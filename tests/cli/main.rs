@@ -67,6 +67,13 @@ fn append_args<'a>(
     args
 }
 
+/// `strata events tail` arguments, plus `extra`.
+fn tail_args<'a>(url: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["events", "tail", "--database-url", url];
+    args.extend_from_slice(extra);
+    args
+}
+
 fn lines(s: &str) -> Vec<serde_json::Value> {
     s.lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
@@ -104,16 +111,7 @@ fn append_then_tail_prints_one_json_object_per_event() {
         r#"{"gpus":8}"#,
         &["--expect", "1"],
     ));
-    let tail = ok(&[
-        "events",
-        "tail",
-        "--database-url",
-        &url,
-        "--from",
-        "start",
-        "--limit",
-        "2",
-    ]);
+    let tail = ok(&tail_args(&url, &["--from", "start", "--limit", "2"]));
     let evs = lines(&tail);
     assert_eq!(evs.len(), 2);
     assert_eq!(evs[0]["stream"], "pool/p1");
@@ -429,16 +427,7 @@ fn bad_input_gets_a_clear_error_and_writes_nothing() {
         );
         assert!(!err.contains("panicked"), "{err}");
     }
-    let tail = ok(&[
-        "events",
-        "tail",
-        "--database-url",
-        &url,
-        "--from",
-        "start",
-        "--limit",
-        "0",
-    ]);
+    let tail = ok(&tail_args(&url, &["--from", "start", "--limit", "0"]));
     assert!(tail.is_empty());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -5,6 +5,17 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::Client;
 
+async fn wal_status(client: &Client, slot: &str) -> Option<String> {
+    client
+        .query_one(
+            "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 async fn slot_active(client: &Client, slot: &str) -> Option<bool> {
     client
         .query_opt(
@@ -181,14 +192,7 @@ async fn an_invalidated_slot_is_reported_recreated_and_the_gap_read_from_the_tab
             .batch_execute("INSERT INTO junk SELECT repeat('x', 2000) FROM generate_series(1, 20000); SELECT pg_switch_wal(); CHECKPOINT;")
             .await
             .unwrap();
-        let status: Option<String> = client
-            .query_one(
-                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let status = wal_status(&client, &slot).await;
         if status.as_deref() == Some("lost") {
             lost = true;
             break;
@@ -206,14 +210,7 @@ async fn an_invalidated_slot_is_reported_recreated_and_the_gap_read_from_the_tab
         .unwrap();
     assert_eq!(take(&mut sub, 1).await, [12]);
     eventually(20, || async { sub.is_live() }).await;
-    let status: Option<String> = client
-        .query_one(
-            "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let status = wal_status(&client, &slot).await;
     assert_ne!(status.as_deref(), Some("lost"));
 }
 
