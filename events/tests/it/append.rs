@@ -403,3 +403,43 @@ async fn a_dead_database_is_a_transient_error_and_the_appender_recovers() {
     let seen: HashSet<u64> = [out.last_position.0].into_iter().collect();
     assert!(seen.contains(&2));
 }
+
+/// Regression: the first barrier only took a transaction id; Postgres does not
+/// flush WAL for a transaction that wrote none, so acknowledged appends could
+/// be lost in a crash.
+#[tokio::test]
+async fn the_flush_barrier_returns_only_after_earlier_commits_are_flushed() {
+    let (_cfg, client) = db().await;
+    client
+        .batch_execute("CREATE TABLE scratch (t text)")
+        .await
+        .unwrap();
+    for _ in 0..20 {
+        client
+            .batch_execute(
+                "BEGIN; SET LOCAL synchronous_commit TO off;
+                 INSERT INTO scratch SELECT repeat('x', 100) FROM generate_series(1, 100);
+                 COMMIT",
+            )
+            .await
+            .unwrap();
+        let before: String = client
+            .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        events::read::flush_barrier(&client).await.unwrap();
+        let flushed: bool = client
+            .query_one(
+                "SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn",
+                &[&before],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(
+            flushed,
+            "WAL written before the barrier is not flushed after it"
+        );
+    }
+}
