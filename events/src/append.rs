@@ -413,12 +413,6 @@ impl Flusher {
             self.conn = None;
         }
         if self.conn.is_none() {
-            let db_err = |context| {
-                move |source| AppendError::Database {
-                    context,
-                    source: Arc::new(source),
-                }
-            };
             let (client, connection) = self
                 .db
                 .connect(NoTls)
@@ -565,12 +559,6 @@ impl Flusher {
         let names: Vec<&str> = counts.keys().copied().collect();
         let adds: Vec<i64> = counts.values().copied().collect();
         let conn = self.connect().await?;
-        let db_err = |context| {
-            move |source| AppendError::Database {
-                context,
-                source: Arc::new(source),
-            }
-        };
         conn.client
             .batch_execute("BEGIN; SET LOCAL synchronous_commit TO off")
             .await
@@ -579,10 +567,7 @@ impl Flusher {
             Ok(rows) => rows,
             Err(e) => {
                 let _ = conn.client.batch_execute("ROLLBACK").await;
-                return Err(AppendError::Database {
-                    context: "lock and bump stream versions",
-                    source: Arc::new(e),
-                });
+                return Err(db_err("lock and bump stream versions")(e));
             }
         };
         // The version each stream had before this batch, then as each
@@ -669,19 +654,13 @@ impl Flusher {
             &metas,
             &recorded_at,
         ];
-        let commit_and_flush = format!("COMMIT; {}", crate::read::FLUSH_BARRIER_SQL);
         let (inserted, committed) = tokio::join!(
             conn.client.query_one(&conn.insert, &params),
-            conn.client.batch_execute(&commit_and_flush)
+            conn.client.batch_execute(&COMMIT_AND_FLUSH)
         );
         let row = match inserted {
             Ok(row) => row,
-            Err(e) => {
-                return Err(AppendError::Database {
-                    context: "insert events",
-                    source: Arc::new(e),
-                })
-            }
+            Err(e) => return Err(db_err("insert events")(e)),
         };
         if let Err(e) = committed {
             return Err(AppendError::OutcomeUnknown(format!(
@@ -707,6 +686,19 @@ impl Flusher {
             outs.push(out);
         }
         Ok(Attempt::Committed(outs))
+    }
+}
+
+/// The append's asynchronous commit followed by the flush barrier, sent as
+/// one message.
+static COMMIT_AND_FLUSH: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("COMMIT; {}", crate::read::FLUSH_BARRIER_SQL));
+
+/// Wraps a database error with what was being done.
+fn db_err(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> AppendError {
+    move |source| AppendError::Database {
+        context,
+        source: Arc::new(source),
     }
 }
 

@@ -100,6 +100,18 @@ impl SubscribeError {
     }
 }
 
+impl SubscribeError {
+    /// The subscription's view of a lease failure.
+    fn from_lease(name: &str, e: LeaseError) -> SubscribeError {
+        match e {
+            LeaseError::Lost { .. } => SubscribeError::LeaseLost(name.to_string()),
+            LeaseError::Database { context, source } => {
+                SubscribeError::Database { context, source }
+            }
+        }
+    }
+}
+
 fn db(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SubscribeError {
     move |source| SubscribeError::Database { context, source }
 }
@@ -174,12 +186,7 @@ impl Reader {
                     expires_in,
                 });
             }
-            Err(LeaseError::Database { context, source }) => {
-                return Err(SubscribeError::Database { context, source })
-            }
-            Err(LeaseError::Lost { .. }) => {
-                return Err(SubscribeError::LeaseLost(name.to_string()))
-            }
+            Err(e) => return Err(SubscribeError::from_lease(name, e)),
         };
         let initial = start_position(&client, start).await?;
         client
@@ -421,12 +428,11 @@ impl Subscription {
                 .client()
                 .await
                 .map_err(db("connect to postgres"))?;
-            lease.clone().release(&client).await.map_err(|e| match e {
-                LeaseError::Lost { .. } => SubscribeError::LeaseLost(self.name.clone()),
-                LeaseError::Database { context, source } => {
-                    SubscribeError::Database { context, source }
-                }
-            })?;
+            lease
+                .clone()
+                .release(&client)
+                .await
+                .map_err(|e| SubscribeError::from_lease(&self.name, e))?;
         }
         Ok(())
     }
@@ -440,12 +446,10 @@ impl Subscription {
         position: Position,
     ) -> Result<(), SubscribeError> {
         if let Some(lease) = &self.shared.lease {
-            lease.fence(tx).await.map_err(|e| match e {
-                LeaseError::Lost { .. } => SubscribeError::LeaseLost(self.name.clone()),
-                LeaseError::Database { context, source } => {
-                    SubscribeError::Database { context, source }
-                }
-            })?;
+            lease
+                .fence(tx)
+                .await
+                .map_err(|e| SubscribeError::from_lease(&self.name, e))?;
         }
         tx.execute(
             "UPDATE strata.subscriptions SET position = greatest(position, $2), updated_at = now(), seen_at = now() WHERE name = $1",
