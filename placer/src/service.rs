@@ -1,0 +1,553 @@
+//! The placer service: holds pool leases, takes each held pool's waiting
+//! reservations in batches, plans them against its live index and commits
+//! each batch with the pool stream's expected version.
+//!
+//! One task does everything, in this order of priority: commit results,
+//! events from the subscription (applied to the index), lease upkeep. After
+//! each wake it plans every held pool that is ready: no commit of its own in
+//! flight, and the index has applied the pool up to the version of its last
+//! commit (so a plan never misses the placer's own bookings). While a batch
+//! commits, requests pile up for the next one: batches grow with load and
+//! stay at one request when idle.
+//!
+//! Correctness does not rest on the lease: two placers planning the same pool
+//! (or one with a stale index) both commit against the pool stream's version,
+//! so one of them gets a version conflict, waits for its index to reach the
+//! winner's version and plans again against it. The lease only keeps that
+//! from happening in the normal case, and spreads pools over placers.
+
+use crate::plan::{self, Plan};
+use events::lease::{Lease, LeaseError};
+use events::{AppendError, Appended, Appender, ExpectedVersion, Reader};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use projections::domain::{pool_stream, Fact};
+use projections::projector::ProjectError;
+use projections::{Index, Projector, SnapshotStore};
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::oneshot;
+use tokio_postgres::Client;
+
+/// How a placer runs.
+#[derive(Debug, Clone)]
+pub struct PlacerConfig {
+    /// This placer's name in leases (unique per process).
+    pub holder: String,
+    /// Most reservations planned in one batch.
+    pub max_batch: usize,
+    /// Time to live of pool leases; a dead placer's pools move after this.
+    pub lease_ttl: Duration,
+    /// Only these pools (all pools when `None`).
+    pub pools: Option<BTreeSet<String>>,
+    /// Plan every pool without taking leases (drills and tests that force two
+    /// placers onto one pool).
+    pub unleased: bool,
+    /// Where index snapshots are kept, if anywhere.
+    pub snapshots: Option<SnapshotStore>,
+    pub snapshot_every: Duration,
+}
+
+impl PlacerConfig {
+    pub fn new(holder: impl Into<String>) -> PlacerConfig {
+        PlacerConfig {
+            holder: holder.into(),
+            max_batch: 1024,
+            lease_ttl: Duration::from_secs(5),
+            pools: None,
+            unleased: false,
+            snapshots: None,
+            snapshot_every: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A default holder name: host, process and a random suffix.
+pub fn default_holder() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
+    format!("{host}-{}-{:04x}", std::process::id(), fastrand::u16(..))
+}
+
+/// Counters of a running placer.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub batches: AtomicU64,
+    pub placed: AtomicU64,
+    pub queued: AtomicU64,
+    pub unschedulable: AtomicU64,
+    pub released: AtomicU64,
+    pub expired: AtomicU64,
+    /// Batches refused because the pool stream moved (replanned).
+    pub conflicts: AtomicU64,
+    /// Batches that failed otherwise (retried).
+    pub errors: AtomicU64,
+    pub pools_held: AtomicU64,
+    /// The index's applied position.
+    pub position: AtomicU64,
+    /// Leases taken over or lost.
+    pub leases_acquired: AtomicU64,
+    pub leases_lost: AtomicU64,
+}
+
+/// A plain copy of [`Stats`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StatsView {
+    pub batches: u64,
+    pub placed: u64,
+    pub queued: u64,
+    pub unschedulable: u64,
+    pub released: u64,
+    pub expired: u64,
+    pub conflicts: u64,
+    pub errors: u64,
+    pub pools_held: u64,
+    pub position: u64,
+    pub leases_acquired: u64,
+    pub leases_lost: u64,
+}
+
+impl Stats {
+    pub fn view(&self) -> StatsView {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StatsView {
+            batches: l(&self.batches),
+            placed: l(&self.placed),
+            queued: l(&self.queued),
+            unschedulable: l(&self.unschedulable),
+            released: l(&self.released),
+            expired: l(&self.expired),
+            conflicts: l(&self.conflicts),
+            errors: l(&self.errors),
+            pools_held: l(&self.pools_held),
+            position: l(&self.position),
+            leases_acquired: l(&self.leases_acquired),
+            leases_lost: l(&self.leases_lost),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlacerError {
+    #[error("connect to postgres: {0}")]
+    Database(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Project(#[from] ProjectError),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+}
+
+/// A running placer.
+pub struct Placer {
+    stats: Arc<Stats>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), PlacerError>>,
+}
+
+impl Placer {
+    /// Starts a placer reading the log through `reader` and writing through
+    /// `appender`.
+    pub fn start(
+        db: tokio_postgres::Config,
+        reader: Reader,
+        appender: Appender,
+        config: PlacerConfig,
+    ) -> Placer {
+        let stats = Arc::new(Stats::default());
+        let (stop, stop_rx) = oneshot::channel();
+        let task = events::task::spawn(
+            "placer",
+            run(db, reader, appender, config, stats.clone(), stop_rx),
+        );
+        Placer {
+            stats,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    pub fn stats(&self) -> Arc<Stats> {
+        self.stats.clone()
+    }
+
+    /// Whether the placer stopped (with an error, or because it was told to).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Stops the placer: lets commits in flight finish and gives up its
+    /// leases so another placer takes its pools at once.
+    pub async fn stop(mut self) -> Result<(), PlacerError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.task).await.unwrap_or(Ok(()))
+    }
+
+    /// Waits for the placer to end on its own (it runs until stopped or a
+    /// fatal error).
+    pub async fn join(mut self) -> Result<(), PlacerError> {
+        (&mut self.task).await.unwrap_or(Ok(()))
+    }
+}
+
+struct PoolWork {
+    lease: Option<Lease>,
+    inflight: bool,
+    /// Plan only once the index has the pool at this version.
+    wait_version: u64,
+    /// The capacity epoch at which the queued reservations were last tried.
+    tried_epoch: u64,
+    retry_at: Option<Instant>,
+}
+
+impl PoolWork {
+    fn new(lease: Option<Lease>) -> PoolWork {
+        PoolWork {
+            lease,
+            inflight: false,
+            wait_version: 0,
+            tried_epoch: u64::MAX,
+            retry_at: None,
+        }
+    }
+}
+
+struct Committed {
+    pool: String,
+    plan_counts: [u64; 5],
+    retried_queued_at: Option<u64>,
+    result: Result<Appended, AppendError>,
+}
+
+type CommitFuture = Pin<Box<dyn Future<Output = Committed> + Send>>;
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+async fn run(
+    db: tokio_postgres::Config,
+    reader: Reader,
+    appender: Appender,
+    config: PlacerConfig,
+    stats: Arc<Stats>,
+    mut stop: oneshot::Receiver<()>,
+) -> Result<(), PlacerError> {
+    let client = events::db::connect(&db, "placer-leases").await?;
+    let mut proj = Projector::start(&reader, config.snapshots.clone())
+        .await?
+        .snapshot_every(config.snapshot_every);
+    let mut work: HashMap<String, PoolWork> = HashMap::new();
+    let mut commits: FuturesUnordered<CommitFuture> = FuturesUnordered::new();
+    let mut upkeep = tokio::time::interval((config.lease_ttl / 3).max(Duration::from_millis(50)));
+    upkeep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut clock = tokio::time::interval(Duration::from_millis(100));
+    clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let member = format!("placer/{}", config.holder);
+    tracing::info!(holder = %config.holder, from = proj.started_at, "placer started");
+    let result: Result<(), PlacerError> = loop {
+        tokio::select! {
+            biased;
+            _ = &mut stop => break Ok(()),
+            Some(done) = commits.next(), if !commits.is_empty() => {
+                on_commit(&mut work, done, &stats);
+            }
+            e = proj.step() => {
+                if let Err(e) = e {
+                    break Err(e.into());
+                }
+                stats.position.store(proj.index.position(), Ordering::Relaxed);
+            }
+            _ = upkeep.tick() => {
+                if let Err(e) = upkeep_leases(&client, &member, &config, &proj.index, &mut work, &stats).await {
+                    tracing::warn!(error = %e, "lease upkeep failed; retrying");
+                }
+                if let Err(e) = proj.maybe_snapshot() {
+                    tracing::warn!(error = %e, "could not write an index snapshot");
+                }
+            }
+            _ = clock.tick() => {}
+        }
+        plan_ready(&mut proj.index, &mut work, &appender, &mut commits, &config);
+    };
+    // Let commits in flight land, then give the pools back.
+    while let Some(done) = commits.next().await {
+        on_commit(&mut work, done, &stats);
+    }
+    for (_, w) in work.drain() {
+        if let Some(lease) = w.lease {
+            let _ = lease.release(&client).await;
+        }
+    }
+    let _ = client
+        .execute(
+            "UPDATE strata.leases SET expires_at = now() WHERE name = $1",
+            &[&member],
+        )
+        .await;
+    stats.pools_held.store(0, Ordering::Relaxed);
+    result
+}
+
+fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stats) {
+    let Some(w) = work.get_mut(&done.pool) else {
+        return;
+    };
+    w.inflight = false;
+    match done.result {
+        Ok(appended) => {
+            w.wait_version = appended.version;
+            if let Some(epoch) = done.retried_queued_at {
+                w.tried_epoch = epoch;
+            }
+            let [placed, queued, unschedulable, released, expired] = done.plan_counts;
+            stats.batches.fetch_add(1, Ordering::Relaxed);
+            stats.placed.fetch_add(placed, Ordering::Relaxed);
+            stats.queued.fetch_add(queued, Ordering::Relaxed);
+            stats
+                .unschedulable
+                .fetch_add(unschedulable, Ordering::Relaxed);
+            stats.released.fetch_add(released, Ordering::Relaxed);
+            stats.expired.fetch_add(expired, Ordering::Relaxed);
+        }
+        Err(AppendError::VersionConflict { actual, .. }) => {
+            // Someone else wrote to the pool: replan once the index has it.
+            w.wait_version = actual;
+            stats.conflicts.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(pool = %done.pool, actual, "pool moved under the batch; replanning");
+        }
+        Err(e) => {
+            w.retry_at = Some(Instant::now() + Duration::from_millis(250));
+            stats.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(pool = %done.pool, error = %e, "batch commit failed; replanning shortly");
+        }
+    }
+}
+
+/// Plans and starts the commit of every pool that is ready.
+fn plan_ready(
+    index: &mut Index,
+    work: &mut HashMap<String, PoolWork>,
+    appender: &Appender,
+    commits: &mut FuturesUnordered<CommitFuture>,
+    config: &PlacerConfig,
+) {
+    let now = Instant::now();
+    let now_ms = now_ms();
+    let max = config.max_batch.max(1);
+    for (pool, w) in work.iter_mut() {
+        if w.inflight || w.retry_at.is_some_and(|t| now < t) {
+            continue;
+        }
+        let (Some(p), Some(q)) = (index.pool(pool), index.queues(pool)) else {
+            continue;
+        };
+        if !p.created || p.version < w.wait_version {
+            continue;
+        }
+        let retry_queued = !q.queued.is_empty() && p.capacity_epoch != w.tried_epoch;
+        let expiry_due = q.expiries.first().is_some_and(|(at, _)| *at <= now_ms);
+        if q.pending.is_empty() && !retry_queued && q.releases.is_empty() && !expiry_due {
+            continue;
+        }
+        let (version, epoch) = (p.version, p.capacity_epoch);
+        let releases: Vec<String> = q.releases.iter().take(max).cloned().collect();
+        let expiries: Vec<String> = q
+            .expiries
+            .iter()
+            .take_while(|(at, _)| *at <= now_ms)
+            .filter(|(_, id)| !q.releases.contains(id))
+            .take(max)
+            .map(|(_, id)| id.clone())
+            .collect();
+        let mut keys: Vec<_> = q
+            .pending
+            .iter()
+            .filter(|k| !q.releases.contains(&k.2))
+            .take(max)
+            .collect();
+        if retry_queued {
+            keys.extend(
+                q.queued
+                    .iter()
+                    .filter(|k| !q.releases.contains(&k.2))
+                    .take(max),
+            );
+            keys.sort();
+            keys.truncate(max);
+        }
+        let ids: Vec<String> = keys.into_iter().map(|k| k.2.clone()).collect();
+        let Plan {
+            placed,
+            queued,
+            unschedulable,
+            ..
+        } = plan::plan_batch(index, pool, &ids);
+        let counts = [
+            placed.len() as u64,
+            queued.len() as u64,
+            unschedulable.len() as u64,
+            releases.len() as u64,
+            expiries.len() as u64,
+        ];
+        let mut facts: Vec<Fact> = Vec::new();
+        facts.extend(
+            releases
+                .into_iter()
+                .map(|reservation| Fact::ReservationReleased { reservation }),
+        );
+        facts.extend(
+            expiries
+                .into_iter()
+                .map(|reservation| Fact::ReservationExpired { reservation }),
+        );
+        facts.extend(placed.into_iter().map(|(reservation, allocations)| {
+            Fact::ReservationPlaced {
+                reservation,
+                allocations,
+            }
+        }));
+        facts.extend(
+            queued
+                .into_iter()
+                .map(|(reservation, reason)| Fact::ReservationQueued {
+                    reservation,
+                    reason,
+                }),
+        );
+        facts.extend(unschedulable.into_iter().map(|(reservation, reason)| {
+            Fact::ReservationUnschedulable {
+                reservation,
+                reason,
+            }
+        }));
+        let retried_queued_at = retry_queued.then_some(epoch);
+        if facts.is_empty() {
+            // Everything tried still waits: remember that until capacity moves.
+            if let Some(e) = retried_queued_at {
+                w.tried_epoch = e;
+            }
+            continue;
+        }
+        w.inflight = true;
+        let events: Vec<_> = facts.iter().map(Fact::to_event).collect();
+        let appender = appender.clone();
+        let pool = pool.clone();
+        commits.push(Box::pin(async move {
+            let result = appender
+                .append(&pool_stream(&pool), ExpectedVersion::Exact(version), events)
+                .await;
+            Committed {
+                pool,
+                plan_counts: counts,
+                retried_queued_at,
+                result,
+            }
+        }));
+    }
+}
+
+/// Renews held leases, then takes or gives back pools so that each live
+/// placer holds about its share.
+async fn upkeep_leases(
+    client: &Client,
+    member: &str,
+    config: &PlacerConfig,
+    index: &Index,
+    work: &mut HashMap<String, PoolWork>,
+    stats: &Stats,
+) -> Result<(), PlacerError> {
+    let wanted = |name: &str| config.pools.as_ref().is_none_or(|p| p.contains(name));
+    let pools: Vec<String> = index
+        .state()
+        .pools
+        .values()
+        .filter(|p| p.created && wanted(&p.name))
+        .map(|p| p.name.clone())
+        .collect();
+    if config.unleased {
+        for p in pools {
+            work.entry(p).or_insert_with(|| PoolWork::new(None));
+        }
+        stats.pools_held.store(work.len() as u64, Ordering::Relaxed);
+        return Ok(());
+    }
+    Lease::acquire(client, member, &config.holder, config.lease_ttl).await?;
+    let mut lost = Vec::new();
+    for (pool, w) in work.iter() {
+        if let Some(lease) = &w.lease {
+            match lease.renew(client).await {
+                Ok(()) => {}
+                Err(LeaseError::Lost { .. }) => lost.push(pool.clone()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    for pool in lost {
+        tracing::warn!(pool = %pool, "lost the pool's lease; another placer has it");
+        stats.leases_lost.fetch_add(1, Ordering::Relaxed);
+        work.remove(&pool);
+    }
+    let live: i64 = client
+        .query_one(
+            "SELECT count(*) FROM strata.leases WHERE name LIKE 'placer/%' AND expires_at > now()",
+            &[],
+        )
+        .await?
+        .get(0);
+    let share = pools.len().div_ceil(live.max(1) as usize);
+    if work.len() < share {
+        let names: Vec<String> = pools.iter().map(|p| format!("pool/{p}")).collect();
+        let taken: BTreeSet<String> = client
+            .query(
+                "SELECT name FROM strata.leases WHERE name = ANY($1) AND expires_at > now() AND holder <> $2",
+                &[&names, &config.holder],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect();
+        let mut free: Vec<&String> = pools
+            .iter()
+            .filter(|p| !work.contains_key(*p) && !taken.contains(&format!("pool/{p}")))
+            .collect();
+        fastrand::shuffle(&mut free);
+        for pool in free {
+            if work.len() >= share {
+                break;
+            }
+            if let Some(lease) = Lease::acquire(
+                client,
+                &format!("pool/{pool}"),
+                &config.holder,
+                config.lease_ttl,
+            )
+            .await?
+            {
+                tracing::info!(pool = %pool, epoch = lease.epoch, "took the pool's lease");
+                stats.leases_acquired.fetch_add(1, Ordering::Relaxed);
+                work.insert(pool.clone(), PoolWork::new(Some(lease)));
+            }
+        }
+    } else if work.len() > share {
+        let extra: Vec<String> = work
+            .iter()
+            .filter(|(_, w)| !w.inflight)
+            .map(|(p, _)| p.clone())
+            .take(work.len() - share)
+            .collect();
+        for pool in extra {
+            if let Some(lease) = work.remove(&pool).and_then(|w| w.lease) {
+                tracing::info!(pool = %pool, "giving the pool's lease back (more placers now)");
+                lease.release(client).await?;
+            }
+        }
+    }
+    stats.pools_held.store(work.len() as u64, Ordering::Relaxed);
+    Ok(())
+}

@@ -1,0 +1,1 @@
+//! Integration tests of the placer against a real Postgres.

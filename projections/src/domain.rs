@@ -1,0 +1,445 @@
+//! The facts of pools, nodes and reservations, as they are written to the
+//! log. Each fact is one event: its variant name is the event type and its
+//! fields are the JSON payload, so auditors can read them with plain SQL.
+//!
+//! Streams: everything that changes what can be placed in a pool (its nodes,
+//! their inventory, health and cordons, and every placement, release and
+//! expiry) is on the pool's stream `pool/<name>`, so the pool stream's version
+//! is the fence a placer commits against. A reservation's request and the
+//! client's later wishes about it (release, active) are on
+//! `reservation/<id>`.
+
+use serde::{Deserialize, Serialize};
+
+/// The stream of a pool.
+pub fn pool_stream(pool: &str) -> String {
+    format!("pool/{pool}")
+}
+
+/// The stream of a reservation.
+pub fn reservation_stream(id: &str) -> String {
+    format!("reservation/{id}")
+}
+
+/// One GPU as a node reports it.
+#[derive(
+    Debug,
+    Clone,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+pub struct DeviceSpec {
+    /// Unique within its node (e.g. the GPU's UUID or its index).
+    pub id: String,
+    /// The class reservations ask for, e.g. `H100-80GB`.
+    pub class: String,
+    #[serde(default)]
+    pub memory_mb: u64,
+    /// The NVLink island the device belongs to, unique within the pool. An
+    /// island may span nodes (a rack-scale NVLink domain).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub island: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa: Option<u32>,
+}
+
+/// Where a reservation's GPUs may lie.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Shape {
+    /// Anywhere in the pool.
+    Any,
+    /// All on one node.
+    Node,
+    /// All in one NVLink island.
+    Island,
+    /// `nodes` distinct nodes with `gpus_per_node` each, all or nothing.
+    Gang { nodes: u32, gpus_per_node: u32 },
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Shape::Any => f.write_str("any"),
+            Shape::Node => f.write_str("node"),
+            Shape::Island => f.write_str("island"),
+            Shape::Gang {
+                nodes,
+                gpus_per_node,
+            } => write!(f, "gang of {nodes} nodes x {gpus_per_node} GPUs"),
+        }
+    }
+}
+
+/// A request for GPUs.
+#[derive(
+    Debug,
+    Clone,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+pub struct Request {
+    pub reservation: String,
+    pub pool: String,
+    pub class: String,
+    /// GPUs in all (for a gang, nodes times GPUs per node).
+    pub gpus: u32,
+    pub shape: Shape,
+    /// Higher is placed first within a batch.
+    #[serde(default)]
+    pub priority: i32,
+    /// Released automatically this long after placement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+}
+
+/// Most GPUs one reservation may ask for.
+pub const MAX_GPUS: u32 = 4096;
+
+impl Request {
+    /// Checks the request's own consistency (not whether it fits).
+    pub fn validate(&self) -> Result<(), String> {
+        valid_name("reservation id", &self.reservation)?;
+        valid_name("pool", &self.pool)?;
+        valid_name("class", &self.class)?;
+        if self.gpus == 0 {
+            return Err("a reservation needs at least one GPU".into());
+        }
+        if self.gpus > MAX_GPUS {
+            return Err(format!(
+                "{} GPUs is more than one reservation may ask for ({MAX_GPUS})",
+                self.gpus
+            ));
+        }
+        if let Shape::Gang {
+            nodes,
+            gpus_per_node,
+        } = self.shape
+        {
+            if nodes == 0 || gpus_per_node == 0 {
+                return Err("a gang needs at least one node and one GPU per node".into());
+            }
+            if nodes.checked_mul(gpus_per_node) != Some(self.gpus) {
+                return Err(format!(
+                    "a gang of {nodes} nodes x {gpus_per_node} GPUs is {} GPUs, not {}",
+                    nodes as u64 * gpus_per_node as u64,
+                    self.gpus
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks a name used in a stream name or an index key.
+pub fn valid_name(what: &str, name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > 200 {
+        return Err(format!("{what} must be 1 to 200 characters, got {name:?}"));
+    }
+    if name
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || c == '/')
+    {
+        return Err(format!(
+            "{what} {name:?} may not contain whitespace, control characters or '/'"
+        ));
+    }
+    Ok(())
+}
+
+/// The devices a placement booked on one node.
+#[derive(
+    Debug,
+    Clone,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+pub struct Allocation {
+    pub node: String,
+    pub devices: Vec<String>,
+}
+
+/// A fact about a pool, a node or a reservation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", content = "payload")]
+pub enum Fact {
+    PoolCreated {
+        #[serde(default)]
+        description: String,
+    },
+    PoolUpdated {
+        #[serde(default)]
+        description: String,
+    },
+    /// A node joined the pool with this inventory (joining again replaces it).
+    NodeJoined {
+        node: String,
+        devices: Vec<DeviceSpec>,
+    },
+    /// The node's inventory now is this. Devices that are gone become
+    /// unschedulable; bookings on them stay until released.
+    InventoryReported {
+        node: String,
+        devices: Vec<DeviceSpec>,
+    },
+    NodeLeft {
+        node: String,
+    },
+    NodeCordoned {
+        node: String,
+        #[serde(default)]
+        reason: String,
+    },
+    NodeUncordoned {
+        node: String,
+    },
+    NodeDrained {
+        node: String,
+        #[serde(default)]
+        reason: String,
+    },
+    /// A health condition (an XID or ECC error, say) on a device, or on the
+    /// whole node when `device` is absent. Unschedulable until cleared.
+    HealthRaised {
+        node: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        device: Option<String>,
+        condition: String,
+        #[serde(default)]
+        detail: String,
+    },
+    HealthCleared {
+        node: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        device: Option<String>,
+        condition: String,
+    },
+    /// On the reservation's stream.
+    ReservationRequested(Request),
+    /// Waiting for capacity (written once, when it first does not fit).
+    ReservationQueued {
+        reservation: String,
+        reason: String,
+    },
+    ReservationPlaced {
+        reservation: String,
+        allocations: Vec<Allocation>,
+    },
+    /// Can never fit the pool as it is; terminal.
+    ReservationUnschedulable {
+        reservation: String,
+        reason: String,
+    },
+    /// On the reservation's stream: the workload runs.
+    ReservationActive {
+        reservation: String,
+    },
+    /// On the reservation's stream: the client wants it released (or
+    /// cancelled, if it is not placed yet).
+    ReleaseRequested {
+        reservation: String,
+        #[serde(default)]
+        reason: String,
+    },
+    /// Terminal; frees its devices.
+    ReservationReleased {
+        reservation: String,
+    },
+    /// Terminal; its time ran out and its devices are free.
+    ReservationExpired {
+        reservation: String,
+    },
+}
+
+/// Every event type this module reads.
+pub const FACT_TYPES: &[&str] = &[
+    "PoolCreated",
+    "PoolUpdated",
+    "NodeJoined",
+    "InventoryReported",
+    "NodeLeft",
+    "NodeCordoned",
+    "NodeUncordoned",
+    "NodeDrained",
+    "HealthRaised",
+    "HealthCleared",
+    "ReservationRequested",
+    "ReservationQueued",
+    "ReservationPlaced",
+    "ReservationUnschedulable",
+    "ReservationActive",
+    "ReleaseRequested",
+    "ReservationReleased",
+    "ReservationExpired",
+];
+
+impl Fact {
+    /// The event type this fact is written as.
+    pub fn event_type(&self) -> &'static str {
+        match self {
+            Fact::PoolCreated { .. } => "PoolCreated",
+            Fact::PoolUpdated { .. } => "PoolUpdated",
+            Fact::NodeJoined { .. } => "NodeJoined",
+            Fact::InventoryReported { .. } => "InventoryReported",
+            Fact::NodeLeft { .. } => "NodeLeft",
+            Fact::NodeCordoned { .. } => "NodeCordoned",
+            Fact::NodeUncordoned { .. } => "NodeUncordoned",
+            Fact::NodeDrained { .. } => "NodeDrained",
+            Fact::HealthRaised { .. } => "HealthRaised",
+            Fact::HealthCleared { .. } => "HealthCleared",
+            Fact::ReservationRequested(_) => "ReservationRequested",
+            Fact::ReservationQueued { .. } => "ReservationQueued",
+            Fact::ReservationPlaced { .. } => "ReservationPlaced",
+            Fact::ReservationUnschedulable { .. } => "ReservationUnschedulable",
+            Fact::ReservationActive { .. } => "ReservationActive",
+            Fact::ReleaseRequested { .. } => "ReleaseRequested",
+            Fact::ReservationReleased { .. } => "ReservationReleased",
+            Fact::ReservationExpired { .. } => "ReservationExpired",
+        }
+    }
+
+    /// The event to append for this fact.
+    pub fn to_event(&self) -> events::NewEvent {
+        let mut value = serde_json::to_value(self).expect("facts serialize");
+        let payload = value
+            .get_mut("payload")
+            .map(serde_json::Value::take)
+            .unwrap_or_else(|| serde_json::json!({}));
+        events::NewEvent::new(self.event_type(), &payload)
+    }
+
+    /// Reads a fact from an event: `Ok(None)` for event types that are not
+    /// facts, an error for a fact whose payload does not parse.
+    pub fn parse(event_type: &str, payload: &str) -> Result<Option<Fact>, String> {
+        if !FACT_TYPES.contains(&event_type) {
+            return Ok(None);
+        }
+        let text = format!(
+            "{{\"type\":{},\"payload\":{payload}}}",
+            serde_json::json!(event_type)
+        );
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| format!("malformed {event_type} payload: {e}"))
+    }
+
+    /// The reservation this fact is about, if any.
+    pub fn reservation(&self) -> Option<&str> {
+        match self {
+            Fact::ReservationRequested(r) => Some(&r.reservation),
+            Fact::ReservationQueued { reservation, .. }
+            | Fact::ReservationPlaced { reservation, .. }
+            | Fact::ReservationUnschedulable { reservation, .. }
+            | Fact::ReservationActive { reservation }
+            | Fact::ReleaseRequested { reservation, .. }
+            | Fact::ReservationReleased { reservation }
+            | Fact::ReservationExpired { reservation } => Some(reservation),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn facts_round_trip_through_events() {
+        let facts = [
+            Fact::NodeJoined {
+                node: "n1".into(),
+                devices: vec![DeviceSpec {
+                    id: "0".into(),
+                    class: "H100-80GB".into(),
+                    memory_mb: 81920,
+                    island: Some("n1/nvl0".into()),
+                    pci: None,
+                    numa: Some(0),
+                }],
+            },
+            Fact::ReservationRequested(Request {
+                reservation: "r1".into(),
+                pool: "p".into(),
+                class: "H100-80GB".into(),
+                gpus: 4,
+                shape: Shape::Gang {
+                    nodes: 2,
+                    gpus_per_node: 2,
+                },
+                priority: 3,
+                ttl_ms: None,
+            }),
+            Fact::ReservationReleased {
+                reservation: "r1".into(),
+            },
+        ];
+        for fact in facts {
+            let e = fact.to_event();
+            assert_eq!(e.event_type, fact.event_type());
+            assert!(!e.payload.get().contains("\"type\""), "{}", e.payload.get());
+            let back = Fact::parse(&e.event_type, e.payload.get())
+                .unwrap()
+                .unwrap();
+            assert_eq!(back, fact);
+        }
+    }
+
+    #[test]
+    fn unknown_types_are_not_facts_and_bad_payloads_are_errors() {
+        assert_eq!(Fact::parse("dev.tick", "{}").unwrap(), None);
+        let err = Fact::parse("NodeLeft", "{\"nod\":1}").unwrap_err();
+        assert!(err.contains("malformed NodeLeft"), "{err}");
+    }
+
+    #[test]
+    fn requests_are_validated() {
+        let mut r = Request {
+            reservation: "r".into(),
+            pool: "p".into(),
+            class: "c".into(),
+            gpus: 4,
+            shape: Shape::Gang {
+                nodes: 2,
+                gpus_per_node: 3,
+            },
+            priority: 0,
+            ttl_ms: None,
+        };
+        assert!(r.validate().unwrap_err().contains("is 6 GPUs"));
+        r.shape = Shape::Any;
+        r.validate().unwrap();
+        r.gpus = 0;
+        assert!(r.validate().is_err());
+        r.gpus = 1;
+        r.pool = "a/b".into();
+        assert!(r.validate().is_err());
+    }
+}

@@ -1,0 +1,1070 @@
+//! The pool index: every pool's nodes, their GPUs by class, free and booked
+//! devices, health, cordons and NVLink islands, and every reservation that is
+//! pending or live, folded from the log one event at a time.
+//!
+//! [`State`] is what the log says, and is what a snapshot stores. Beside it
+//! the index keeps derived structures, rebuilt from the state on load and
+//! kept up to date on every event: per pool and class, nodes bucketed by
+//! their count of free devices and islands bucketed the same way, so the best
+//! node or island for a request is found by a range lookup in a `BTreeMap`
+//! (logarithmic in the number of distinct free counts), never by a scan.
+
+use crate::domain::{Allocation, DeviceSpec, Fact, Request, Shape};
+use events::Event;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::UNIX_EPOCH;
+
+/// What the log says about pools and reservations, up to `position`.
+#[derive(Debug, Clone, PartialEq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct State {
+    /// The last position applied.
+    pub position: u64,
+    pub pools: BTreeMap<String, Pool>,
+    /// Reservations that are pending or live; terminal ones are dropped.
+    pub reservations: BTreeMap<String, Reservation>,
+    /// Facts whose payload did not parse (skipped, counted).
+    pub malformed: u64,
+    /// Events that broke an invariant (applied as far as possible, counted).
+    pub violations: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Pool {
+    pub name: String,
+    /// Whether `PoolCreated` was seen.
+    pub created: bool,
+    pub description: String,
+    /// The version of the pool's stream: the fence placements commit against.
+    pub version: u64,
+    /// Bumped by every event that may free capacity (a release, a node
+    /// joining, a cordon lifted, a condition cleared), so waiting
+    /// reservations are tried again only when something changed.
+    pub capacity_epoch: u64,
+    pub nodes: BTreeMap<String, Node>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Node {
+    pub devices: Vec<Device>,
+    pub cordoned: Option<String>,
+    pub drained: Option<String>,
+    pub left: bool,
+    /// Node-wide health conditions.
+    pub conditions: Vec<String>,
+}
+
+impl Node {
+    /// Whether new placements may land on the node.
+    pub fn schedulable(&self) -> bool {
+        !self.left
+            && self.cordoned.is_none()
+            && self.drained.is_none()
+            && self.conditions.is_empty()
+    }
+
+    pub fn device(&self, id: &str) -> Option<(usize, &Device)> {
+        self.devices
+            .iter()
+            .enumerate()
+            .find(|(_, d)| d.spec.id == id)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Device {
+    pub spec: DeviceSpec,
+    /// Health conditions; any makes the device unschedulable.
+    pub conditions: Vec<String>,
+    /// Whether the node still reports the device.
+    pub present: bool,
+    pub booked_by: Option<String>,
+}
+
+impl Device {
+    /// Free to book (on a schedulable node).
+    pub fn free(&self) -> bool {
+        self.present && self.booked_by.is_none() && self.conditions.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Phase {
+    /// Requested, not tried yet.
+    Pending,
+    /// Tried, waiting for capacity.
+    Queued,
+    Placed,
+    Active,
+}
+
+impl Phase {
+    pub fn is_live(self) -> bool {
+        matches!(self, Phase::Placed | Phase::Active)
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Pending => "pending",
+            Phase::Queued => "queued",
+            Phase::Placed => "placed",
+            Phase::Active => "active",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Reservation {
+    pub request: Request,
+    pub phase: Phase,
+    /// Position of the request: the order among equal priorities.
+    pub requested_at: u64,
+    pub allocations: Vec<Allocation>,
+    /// Unix milliseconds of the placement's commit record.
+    pub placed_at_ms: Option<u64>,
+    pub expires_at_ms: Option<u64>,
+    pub release_requested: bool,
+    /// Why it is queued.
+    pub reason: String,
+}
+
+/// An event that breaks an invariant. The index applies it as far as it can
+/// (so live and rebuilt indexes agree) and reports it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("position {position} ({event_type} on {stream}): {message}")]
+pub struct Violation {
+    pub position: u64,
+    pub stream: String,
+    pub event_type: String,
+    pub message: String,
+}
+
+/// An event the index cannot take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApplyError {
+    /// Positions are gap-free; a gap means events were lost on the way.
+    #[error("event at position {got} follows position {applied}: positions {missing_from} to {missing_to} never arrived")]
+    Gap {
+        applied: u64,
+        got: u64,
+        missing_from: u64,
+        missing_to: u64,
+    },
+}
+
+/// Free capacity and shape of one device class in one pool.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct ClassIndex {
+    /// Schedulable nodes with at least one free device of the class.
+    node_free: HashMap<String, u32>,
+    /// The same nodes by free count.
+    by_free: BTreeMap<u32, BTreeSet<String>>,
+    /// Free devices per island (only on schedulable nodes).
+    island_members: HashMap<String, BTreeSet<(String, u32)>>,
+    islands_by_free: BTreeMap<u32, BTreeSet<String>>,
+    /// Devices per present node, counted regardless of health and bookings:
+    /// what the pool could hold at best. `node size -> nodes`.
+    node_sizes: BTreeMap<u32, u32>,
+    island_sizes: HashMap<String, u32>,
+    island_size_counts: BTreeMap<u32, u32>,
+    /// Present devices, and free ones.
+    pub total: u64,
+    pub free: u64,
+}
+
+fn bump(map: &mut BTreeMap<u32, u32>, key: u32, up: bool) {
+    if up {
+        *map.entry(key).or_default() += 1;
+    } else if let Some(n) = map.get_mut(&key) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(&key);
+        }
+    }
+}
+
+fn bucket_move(buckets: &mut BTreeMap<u32, BTreeSet<String>>, key: &str, from: u32, to: u32) {
+    if from == to {
+        return;
+    }
+    if from > 0 {
+        if let Some(set) = buckets.get_mut(&from) {
+            set.remove(key);
+            if set.is_empty() {
+                buckets.remove(&from);
+            }
+        }
+    }
+    if to > 0 {
+        buckets.entry(to).or_default().insert(key.to_string());
+    }
+}
+
+impl ClassIndex {
+    /// Free devices on a node (0 if unschedulable).
+    pub fn node_free(&self, node: &str) -> u32 {
+        self.node_free.get(node).copied().unwrap_or(0)
+    }
+
+    /// Nodes with exactly `free` free devices, in name order.
+    pub fn nodes_with_free(&self, free: u32) -> impl Iterator<Item = &str> {
+        self.by_free
+            .get(&free)
+            .into_iter()
+            .flatten()
+            .map(String::as_str)
+    }
+
+    /// Nodes with at least `min` free devices, fewest free first (best fit).
+    pub fn nodes_best_fit(&self, min: u32) -> impl Iterator<Item = (&str, u32)> {
+        self.by_free
+            .range(min.max(1)..)
+            .flat_map(|(free, nodes)| nodes.iter().map(move |n| (n.as_str(), *free)))
+    }
+
+    /// Nodes with free devices, most free first.
+    pub fn nodes_most_free(&self) -> impl Iterator<Item = (&str, u32)> {
+        self.by_free
+            .iter()
+            .rev()
+            .flat_map(|(free, nodes)| nodes.iter().map(move |n| (n.as_str(), *free)))
+    }
+
+    /// Islands with at least `min` free devices, fewest free first.
+    pub fn islands_best_fit(&self, min: u32) -> impl Iterator<Item = (&str, u32)> {
+        self.islands_by_free
+            .range(min.max(1)..)
+            .flat_map(|(free, islands)| islands.iter().map(move |i| (i.as_str(), *free)))
+    }
+
+    /// The free devices of an island: (node, device index).
+    pub fn island_free_devices(&self, island: &str) -> impl Iterator<Item = (&str, u32)> {
+        self.island_members
+            .get(island)
+            .into_iter()
+            .flatten()
+            .map(|(n, d)| (n.as_str(), *d))
+    }
+
+    pub fn island_free(&self, island: &str) -> u32 {
+        self.island_members
+            .get(island)
+            .map_or(0, |m| m.len() as u32)
+    }
+
+    /// The most devices of the class any present node has.
+    pub fn largest_node(&self) -> u32 {
+        self.node_sizes.keys().next_back().copied().unwrap_or(0)
+    }
+
+    /// Present nodes with at least `n` devices of the class.
+    pub fn nodes_of_size_at_least(&self, n: u32) -> u32 {
+        self.node_sizes.range(n..).map(|(_, c)| *c).sum()
+    }
+
+    /// The most devices of the class in one island.
+    pub fn largest_island(&self) -> u32 {
+        self.island_size_counts
+            .keys()
+            .next_back()
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Schedulable nodes with a free device, and how many.
+    pub fn schedulable_nodes(&self) -> usize {
+        self.node_free.len()
+    }
+}
+
+/// Per pool: what waits for the placer.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Queues {
+    /// Never tried, in placement order.
+    pub pending: BTreeSet<(Reverse<i32>, u64, String)>,
+    /// Tried and waiting for capacity, in placement order.
+    pub queued: BTreeSet<(Reverse<i32>, u64, String)>,
+    /// Live or pending reservations whose release was requested.
+    pub releases: BTreeSet<String>,
+    /// Live reservations by expiry (unix ms).
+    pub expiries: BTreeSet<(u64, String)>,
+}
+
+impl Queues {
+    pub fn is_idle(&self) -> bool {
+        self.pending.is_empty() && self.queued.is_empty() && self.releases.is_empty()
+    }
+}
+
+/// The state plus what is derived from it.
+#[derive(Debug, Default, Clone)]
+pub struct Index {
+    state: State,
+    classes: HashMap<String, HashMap<String, ClassIndex>>,
+    queues: HashMap<String, Queues>,
+}
+
+impl PartialEq for Index {
+    fn eq(&self, other: &Index) -> bool {
+        self.state == other.state
+            && self.classes == other.classes
+            && normalized(&self.queues) == normalized(&other.queues)
+    }
+}
+
+fn normalized(q: &HashMap<String, Queues>) -> BTreeMap<&String, &Queues> {
+    q.iter().filter(|(_, q)| **q != Queues::default()).collect()
+}
+
+fn key(r: &Reservation) -> (Reverse<i32>, u64, String) {
+    (
+        Reverse(r.request.priority),
+        r.requested_at,
+        r.request.reservation.clone(),
+    )
+}
+
+fn pool_of(stream: &str) -> Option<&str> {
+    stream.strip_prefix("pool/")
+}
+
+fn millis(t: std::time::SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Index {
+    pub fn new() -> Index {
+        Index::default()
+    }
+
+    /// An index over a state (a loaded snapshot); derives the buckets.
+    pub fn from_state(state: State) -> Index {
+        let mut index = Index {
+            state,
+            classes: HashMap::new(),
+            queues: HashMap::new(),
+        };
+        let pools: Vec<String> = index.state.pools.keys().cloned().collect();
+        for pool in pools {
+            let nodes: Vec<String> = index.state.pools[&pool].nodes.keys().cloned().collect();
+            for node in nodes {
+                index.derive_node(&pool, &node, true);
+            }
+        }
+        let reservations: Vec<String> = index.state.reservations.keys().cloned().collect();
+        for id in reservations {
+            index.queue(&id, true);
+        }
+        index
+    }
+
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    pub fn into_state(self) -> State {
+        self.state
+    }
+
+    /// The last position applied.
+    pub fn position(&self) -> u64 {
+        self.state.position
+    }
+
+    pub fn pool(&self, pool: &str) -> Option<&Pool> {
+        self.state.pools.get(pool)
+    }
+
+    pub fn class(&self, pool: &str, class: &str) -> Option<&ClassIndex> {
+        self.classes.get(pool)?.get(class)
+    }
+
+    /// Device classes present in a pool, with their indexes.
+    pub fn classes(&self, pool: &str) -> impl Iterator<Item = (&str, &ClassIndex)> {
+        let mut v: Vec<_> = self
+            .classes
+            .get(pool)
+            .into_iter()
+            .flatten()
+            .map(|(c, i)| (c.as_str(), i))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(b.0));
+        v.into_iter()
+    }
+
+    pub fn queues(&self, pool: &str) -> Option<&Queues> {
+        self.queues.get(pool)
+    }
+
+    pub fn reservation(&self, id: &str) -> Option<&Reservation> {
+        self.state.reservations.get(id)
+    }
+
+    /// Whether the derived structures equal ones rebuilt from the state (a
+    /// check of the incremental upkeep, used by tests).
+    pub fn derived_is_consistent(&self) -> bool {
+        *self == Index::from_state(self.state.clone())
+    }
+
+    /// Adds (or removes) a node's contribution to the derived structures.
+    fn derive_node(&mut self, pool: &str, node_name: &str, add: bool) {
+        let Some(node) = self
+            .state
+            .pools
+            .get(pool)
+            .and_then(|p| p.nodes.get(node_name))
+        else {
+            return;
+        };
+        let classes = self.classes.entry(pool.to_string()).or_default();
+        let schedulable = node.schedulable();
+        let mut per_class: BTreeMap<&str, (u32, u32)> = BTreeMap::new();
+        for (i, d) in node.devices.iter().enumerate() {
+            if !d.present || node.left {
+                continue;
+            }
+            let c = classes.entry(d.spec.class.clone()).or_default();
+            let entry = per_class.entry(&d.spec.class).or_default();
+            entry.0 += 1;
+            let free = schedulable && d.free();
+            if free {
+                entry.1 += 1;
+            }
+            if add {
+                c.total += 1;
+            } else {
+                c.total -= 1;
+            }
+            if let Some(island) = &d.spec.island {
+                let size = c.island_sizes.entry(island.clone()).or_default();
+                let before = *size;
+                if add {
+                    *size += 1;
+                } else {
+                    *size -= 1;
+                }
+                let after = *size;
+                if before > 0 {
+                    bump(&mut c.island_size_counts, before, false);
+                }
+                if after > 0 {
+                    bump(&mut c.island_size_counts, after, true);
+                } else {
+                    c.island_sizes.remove(island);
+                }
+                if free {
+                    let members = c.island_members.entry(island.clone()).or_default();
+                    let before = members.len() as u32;
+                    if add {
+                        members.insert((node_name.to_string(), i as u32));
+                    } else {
+                        members.remove(&(node_name.to_string(), i as u32));
+                    }
+                    let after = members.len() as u32;
+                    if after == 0 {
+                        c.island_members.remove(island);
+                    }
+                    bucket_move(&mut c.islands_by_free, island, before, after);
+                }
+            }
+        }
+        for (class, (size, free)) in per_class {
+            let c = classes.get_mut(class).expect("class entry made above");
+            bump(&mut c.node_sizes, size, add);
+            if add {
+                c.free += free as u64;
+            } else {
+                c.free -= free as u64;
+            }
+            if free > 0 {
+                if add {
+                    c.node_free.insert(node_name.to_string(), free);
+                    bucket_move(&mut c.by_free, node_name, 0, free);
+                } else {
+                    c.node_free.remove(node_name);
+                    bucket_move(&mut c.by_free, node_name, free, 0);
+                }
+            }
+        }
+        classes.retain(|_, c| c.total > 0 || c.free > 0 || !c.node_sizes.is_empty());
+    }
+
+    /// Adds (or removes) a reservation to its pool's queues.
+    fn queue(&mut self, id: &str, add: bool) {
+        let Some(r) = self.state.reservations.get(id) else {
+            return;
+        };
+        let q = self.queues.entry(r.request.pool.clone()).or_default();
+        let k = key(r);
+        let set = match r.phase {
+            Phase::Pending => Some(&mut q.pending),
+            Phase::Queued => Some(&mut q.queued),
+            _ => None,
+        };
+        if let Some(set) = set {
+            if add {
+                set.insert(k);
+            } else {
+                set.remove(&k);
+            }
+        }
+        if r.release_requested {
+            if add {
+                q.releases.insert(id.to_string());
+            } else {
+                q.releases.remove(id);
+            }
+        }
+        if let (Some(at), true) = (r.expires_at_ms, r.phase.is_live()) {
+            if add {
+                q.expiries.insert((at, id.to_string()));
+            } else {
+                q.expiries.remove(&(at, id.to_string()));
+            }
+        }
+    }
+
+    /// Runs `f` on a node with its derived contribution taken out and put
+    /// back afterwards.
+    fn with_node<R>(
+        &mut self,
+        pool: &str,
+        node: &str,
+        f: impl FnOnce(&mut Node) -> R,
+    ) -> Option<R> {
+        if !self
+            .state
+            .pools
+            .get(pool)
+            .is_some_and(|p| p.nodes.contains_key(node))
+        {
+            return None;
+        }
+        self.derive_node(pool, node, false);
+        let n = self
+            .state
+            .pools
+            .get_mut(pool)
+            .and_then(|p| p.nodes.get_mut(node))
+            .expect("checked above");
+        let r = f(n);
+        self.derive_node(pool, node, true);
+        Some(r)
+    }
+
+    fn with_reservation<R>(
+        &mut self,
+        id: &str,
+        f: impl FnOnce(&mut Reservation) -> R,
+    ) -> Option<R> {
+        if !self.state.reservations.contains_key(id) {
+            return None;
+        }
+        self.queue(id, false);
+        let r = f(self.state.reservations.get_mut(id).expect("checked above"));
+        self.queue(id, true);
+        Some(r)
+    }
+
+    /// Books devices for a reservation (a placement being planned, or one
+    /// being applied). Devices that are missing or already booked are left
+    /// alone and returned.
+    pub fn book(&mut self, pool: &str, alloc: &Allocation, reservation: &str) -> Vec<String> {
+        let mut refused = Vec::new();
+        let done = self.with_node(pool, &alloc.node, |node| {
+            for id in &alloc.devices {
+                match node.devices.iter_mut().find(|d| &d.spec.id == id) {
+                    Some(d) if d.booked_by.is_none() => d.booked_by = Some(reservation.to_string()),
+                    _ => refused.push(id.clone()),
+                }
+            }
+        });
+        if done.is_none() {
+            return alloc.devices.clone();
+        }
+        refused
+    }
+
+    /// Frees the devices of an allocation booked by `reservation`.
+    pub fn unbook(&mut self, pool: &str, alloc: &Allocation, reservation: &str) {
+        self.with_node(pool, &alloc.node, |node| {
+            for id in &alloc.devices {
+                if let Some(d) = node.devices.iter_mut().find(|d| &d.spec.id == id) {
+                    if d.booked_by.as_deref() == Some(reservation) {
+                        d.booked_by = None;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Applies one event. Events at or below the applied position are
+    /// skipped (so replays after a snapshot apply each event once); a gap is
+    /// refused. A fact that breaks an invariant is applied as far as it can
+    /// be and reported as a [`Violation`].
+    pub fn apply(&mut self, event: &Event) -> Result<Option<Violation>, ApplyError> {
+        let p = event.position.0;
+        if p <= self.state.position {
+            return Ok(None);
+        }
+        if p != self.state.position + 1 {
+            return Err(ApplyError::Gap {
+                applied: self.state.position,
+                got: p,
+                missing_from: self.state.position + 1,
+                missing_to: p - 1,
+            });
+        }
+        self.state.position = p;
+        let violation = |message: String| Violation {
+            position: p,
+            stream: event.stream.clone(),
+            event_type: event.event_type.clone(),
+            message,
+        };
+        // The pool's version follows its stream, whatever the event is.
+        if let Some(pool) = pool_of(&event.stream) {
+            let entry = self
+                .state
+                .pools
+                .entry(pool.to_string())
+                .or_insert_with(|| Pool {
+                    name: pool.to_string(),
+                    ..Pool::default()
+                });
+            entry.version = event.version;
+        }
+        let fact = match Fact::parse(&event.event_type, &event.payload) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                self.state.malformed += 1;
+                return Ok(Some(violation(e)));
+            }
+        };
+        let result = self.apply_fact(event, fact);
+        if let Err(message) = result {
+            self.state.violations += 1;
+            return Ok(Some(violation(message)));
+        }
+        Ok(None)
+    }
+
+    fn apply_fact(&mut self, event: &Event, fact: Fact) -> Result<(), String> {
+        let on_pool = pool_of(&event.stream).map(str::to_string);
+        let pool_fact = !matches!(
+            fact,
+            Fact::ReservationRequested(_)
+                | Fact::ReservationActive { .. }
+                | Fact::ReleaseRequested { .. }
+        );
+        let pool = match (&on_pool, pool_fact) {
+            (Some(p), true) => p.clone(),
+            (None, true) => return Err("a pool fact outside a pool stream".into()),
+            (_, false) => {
+                let expected = fact.reservation().map(crate::domain::reservation_stream);
+                if expected.as_deref() != Some(event.stream.as_str()) {
+                    return Err(format!(
+                        "a reservation fact on stream {:?}, not {:?}",
+                        event.stream,
+                        expected.unwrap_or_default()
+                    ));
+                }
+                String::new()
+            }
+        };
+        let bump_capacity = |index: &mut Index| {
+            if let Some(p) = index.state.pools.get_mut(&pool) {
+                p.capacity_epoch += 1;
+            }
+        };
+        match fact {
+            Fact::PoolCreated { description } | Fact::PoolUpdated { description } => {
+                let p = self
+                    .state
+                    .pools
+                    .get_mut(&pool)
+                    .expect("made on the stream's first event");
+                p.created = true;
+                p.description = description;
+            }
+            Fact::NodeJoined { node, devices } | Fact::InventoryReported { node, devices } => {
+                let exists = self.state.pools[&pool].nodes.contains_key(&node);
+                if !exists {
+                    self.state
+                        .pools
+                        .get_mut(&pool)
+                        .expect("made on the stream's first event")
+                        .nodes
+                        .insert(node.clone(), Node::default());
+                }
+                let joined = event.event_type == "NodeJoined";
+                self.with_node(&pool, &node, |n| {
+                    if joined {
+                        n.left = false;
+                    }
+                    let mut old: Vec<Device> = std::mem::take(&mut n.devices);
+                    for spec in devices {
+                        let kept = old
+                            .iter()
+                            .position(|d| d.spec.id == spec.id)
+                            .map(|i| old.remove(i));
+                        n.devices.push(match kept {
+                            Some(mut d) => {
+                                d.spec = spec;
+                                d.present = true;
+                                d
+                            }
+                            None => Device {
+                                spec,
+                                conditions: Vec::new(),
+                                present: true,
+                                booked_by: None,
+                            },
+                        });
+                    }
+                    // Devices no longer reported stay while booked.
+                    for mut d in old {
+                        if d.booked_by.is_some() {
+                            d.present = false;
+                            n.devices.push(d);
+                        }
+                    }
+                });
+                bump_capacity(self);
+            }
+            Fact::NodeLeft { node } => {
+                self.with_node(&pool, &node, |n| n.left = true);
+            }
+            Fact::NodeCordoned { node, reason } => {
+                self.with_node(&pool, &node, |n| n.cordoned = Some(reason));
+            }
+            Fact::NodeDrained { node, reason } => {
+                self.with_node(&pool, &node, |n| n.drained = Some(reason));
+            }
+            Fact::NodeUncordoned { node } => {
+                self.with_node(&pool, &node, |n| {
+                    n.cordoned = None;
+                    n.drained = None;
+                });
+                bump_capacity(self);
+            }
+            Fact::HealthRaised {
+                node,
+                device,
+                condition,
+                ..
+            } => {
+                self.with_node(&pool, &node, |n| {
+                    let list = match &device {
+                        None => Some(&mut n.conditions),
+                        Some(id) => n
+                            .devices
+                            .iter_mut()
+                            .find(|d| &d.spec.id == id)
+                            .map(|d| &mut d.conditions),
+                    };
+                    if let Some(list) = list {
+                        if !list.contains(&condition) {
+                            list.push(condition);
+                        }
+                    }
+                });
+            }
+            Fact::HealthCleared {
+                node,
+                device,
+                condition,
+            } => {
+                self.with_node(&pool, &node, |n| {
+                    let list = match &device {
+                        None => Some(&mut n.conditions),
+                        Some(id) => n
+                            .devices
+                            .iter_mut()
+                            .find(|d| &d.spec.id == id)
+                            .map(|d| &mut d.conditions),
+                    };
+                    if let Some(list) = list {
+                        list.retain(|c| c != &condition);
+                    }
+                });
+                bump_capacity(self);
+            }
+            Fact::ReservationRequested(request) => {
+                let id = request.reservation.clone();
+                if self.state.reservations.contains_key(&id) {
+                    return Err(format!("reservation {id:?} was requested twice"));
+                }
+                request
+                    .validate()
+                    .map_err(|e| format!("invalid request: {e}"))?;
+                self.state.reservations.insert(
+                    id.clone(),
+                    Reservation {
+                        request,
+                        phase: Phase::Pending,
+                        requested_at: event.position.0,
+                        allocations: Vec::new(),
+                        placed_at_ms: None,
+                        expires_at_ms: None,
+                        release_requested: false,
+                        reason: String::new(),
+                    },
+                );
+                self.queue(&id, true);
+            }
+            Fact::ReleaseRequested { reservation, .. } => {
+                // Releasing what is already gone is a no-op.
+                self.with_reservation(&reservation, |r| r.release_requested = true);
+            }
+            Fact::ReservationActive { reservation } => {
+                let ok = self.with_reservation(&reservation, |r| {
+                    if r.phase == Phase::Placed {
+                        r.phase = Phase::Active;
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "reservation {reservation:?} became active while {}",
+                            r.phase.name()
+                        ))
+                    }
+                });
+                ok.unwrap_or_else(|| {
+                    Err(format!("unknown reservation {reservation:?} became active"))
+                })?;
+            }
+            Fact::ReservationQueued {
+                reservation,
+                reason,
+            } => {
+                self.check_in_pool(&reservation, &pool)?;
+                self.with_reservation(&reservation, |r| {
+                    if r.phase == Phase::Pending {
+                        r.phase = Phase::Queued;
+                        r.reason = reason;
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "reservation {reservation:?} queued while {}",
+                            r.phase.name()
+                        ))
+                    }
+                })
+                .expect("checked")?;
+            }
+            Fact::ReservationUnschedulable { reservation, .. } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let phase = self.state.reservations[&reservation].phase;
+                self.terminate(&pool, &reservation);
+                if phase.is_live() {
+                    return Err(format!(
+                        "reservation {reservation:?} declared unschedulable while {}",
+                        phase.name()
+                    ));
+                }
+            }
+            Fact::ReservationReleased { reservation } => {
+                self.check_in_pool(&reservation, &pool)?;
+                self.terminate(&pool, &reservation);
+                bump_capacity(self);
+            }
+            Fact::ReservationExpired { reservation } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let phase = self.state.reservations[&reservation].phase;
+                self.terminate(&pool, &reservation);
+                bump_capacity(self);
+                if !phase.is_live() {
+                    return Err(format!(
+                        "reservation {reservation:?} expired while {}",
+                        phase.name()
+                    ));
+                }
+            }
+            Fact::ReservationPlaced {
+                reservation,
+                allocations,
+            } => {
+                self.check_in_pool(&reservation, &pool)?;
+                return self.place(event, &pool, &reservation, allocations);
+            }
+        }
+        Ok(())
+    }
+
+    fn check_in_pool(&self, reservation: &str, pool: &str) -> Result<(), String> {
+        match self.state.reservations.get(reservation) {
+            None => Err(format!(
+                "reservation {reservation:?} is unknown or already terminal"
+            )),
+            Some(r) if r.request.pool != pool => Err(format!(
+                "reservation {reservation:?} belongs to pool {:?}",
+                r.request.pool
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Ends a reservation: frees its devices and forgets it.
+    fn terminate(&mut self, pool: &str, id: &str) {
+        self.queue(id, false);
+        let r = self
+            .state
+            .reservations
+            .remove(id)
+            .expect("checked by caller");
+        for a in &r.allocations {
+            self.unbook(pool, a, id);
+        }
+    }
+
+    fn place(
+        &mut self,
+        event: &Event,
+        pool: &str,
+        id: &str,
+        allocations: Vec<Allocation>,
+    ) -> Result<(), String> {
+        let r = &self.state.reservations[id];
+        if !matches!(r.phase, Phase::Pending | Phase::Queued) {
+            return Err(format!(
+                "reservation {id:?} placed while {}",
+                r.phase.name()
+            ));
+        }
+        // Check everything before booking anything.
+        let problem = self.placement_problem(pool, &r.request, &allocations);
+        self.queue(id, false);
+        let mut refused = Vec::new();
+        for a in &allocations {
+            refused.extend(self.book(pool, a, id));
+        }
+        let placed_at = millis(event.recorded_at);
+        let r = self.state.reservations.get_mut(id).expect("checked above");
+        r.phase = Phase::Placed;
+        r.reason.clear();
+        r.placed_at_ms = Some(placed_at);
+        r.expires_at_ms = r.request.ttl_ms.map(|t| placed_at.saturating_add(t));
+        r.allocations = allocations;
+        self.queue(id, true);
+        match problem {
+            Some(p) => Err(p),
+            None if !refused.is_empty() => Err(format!("devices {refused:?} could not be booked")),
+            None => Ok(()),
+        }
+    }
+
+    /// What is wrong with a placement, checked against the index as it is:
+    /// devices that do not exist, are of another class, unhealthy, on an
+    /// unschedulable node or already booked, or a shape not honoured.
+    pub fn placement_problem(
+        &self,
+        pool: &str,
+        request: &Request,
+        allocations: &[Allocation],
+    ) -> Option<String> {
+        let Some(p) = self.state.pools.get(pool) else {
+            return Some(format!("pool {pool:?} does not exist"));
+        };
+        let mut count = 0u32;
+        let mut islands = BTreeSet::new();
+        let mut nodes = BTreeSet::new();
+        for a in allocations {
+            let Some(node) = p.nodes.get(&a.node) else {
+                return Some(format!("node {:?} is not in pool {pool:?}", a.node));
+            };
+            if !node.schedulable() {
+                return Some(format!("node {:?} is not schedulable", a.node));
+            }
+            if !nodes.insert(&a.node) {
+                return Some(format!("node {:?} appears twice", a.node));
+            }
+            let mut seen = BTreeSet::new();
+            for d in &a.devices {
+                if !seen.insert(d) {
+                    return Some(format!("device {}/{d} appears twice", a.node));
+                }
+                let Some((_, dev)) = node.device(d) else {
+                    return Some(format!("device {}/{d} does not exist", a.node));
+                };
+                if !dev.present {
+                    return Some(format!("device {}/{d} is no longer reported", a.node));
+                }
+                if dev.spec.class != request.class {
+                    return Some(format!(
+                        "device {}/{d} is a {}, not a {}",
+                        a.node, dev.spec.class, request.class
+                    ));
+                }
+                if !dev.conditions.is_empty() {
+                    return Some(format!(
+                        "device {}/{d} is unhealthy ({})",
+                        a.node,
+                        dev.conditions.join(", ")
+                    ));
+                }
+                if let Some(other) = &dev.booked_by {
+                    return Some(format!(
+                        "device {}/{d} is already booked by reservation {other:?} (double booking)",
+                        a.node
+                    ));
+                }
+                islands.insert(dev.spec.island.clone());
+                count += 1;
+            }
+        }
+        if count != request.gpus {
+            return Some(format!(
+                "{count} devices booked for a request of {}",
+                request.gpus
+            ));
+        }
+        match request.shape {
+            Shape::Any => None,
+            Shape::Node if allocations.len() != 1 => Some(format!(
+                "shape node spread over {} nodes",
+                allocations.len()
+            )),
+            Shape::Island if islands.len() != 1 || islands.contains(&None) => {
+                Some("shape island not within one NVLink island".into())
+            }
+            Shape::Gang {
+                nodes,
+                gpus_per_node,
+            } if allocations.len() != nodes as usize
+                || allocations
+                    .iter()
+                    .any(|a| a.devices.len() != gpus_per_node as usize) =>
+            {
+                Some(format!("gang of {nodes} x {gpus_per_node} not honoured"))
+            }
+            _ => None,
+        }
+    }
+
+    /// Checks that every booked device is booked by a live reservation that
+    /// lists it, and that every live reservation's devices are booked by it.
+    pub fn check_bookings(&self) -> Result<(), String> {
+        for (pool, p) in &self.state.pools {
+            for (node, n) in &p.nodes {
+                for d in &n.devices {
+                    if let Some(by) = &d.booked_by {
+                        let ok = self.state.reservations.get(by).is_some_and(|r| {
+                            r.phase.is_live()
+                                && r.allocations
+                                    .iter()
+                                    .any(|a| &a.node == node && a.devices.contains(&d.spec.id))
+                        });
+                        if !ok {
+                            return Err(format!(
+                                "device {pool}/{node}/{} is booked by {by:?}, which does not hold it",
+                                d.spec.id
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

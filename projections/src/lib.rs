@@ -1,0 +1,19 @@
+//! Projections: state folded from the event stream.
+//!
+//! [`index::Index`] is the pool index and reservation view the placer plans
+//! against. It applies events strictly in position order, each once (the
+//! applied position is part of its state), can be saved as an rkyv
+//! [`snapshot`] and resumed from one plus the events after it.
+//! [`check`] replays the log and verifies the placement invariants.
+
+pub mod check;
+pub mod domain;
+pub mod index;
+pub mod projector;
+pub mod snapshot;
+pub mod testing;
+
+pub use domain::{Allocation, DeviceSpec, Fact, Request, Shape};
+pub use index::{ApplyError, Index, Phase, State, Violation};
+pub use projector::Projector;
+pub use snapshot::SnapshotStore;

@@ -1,0 +1,55 @@
+//! Building logs in memory, for tests and benchmarks of the index and the
+//! planner: positions and stream versions are assigned as the database
+//! would.
+
+use crate::domain::{DeviceSpec, Fact};
+use events::{Event, Position};
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+/// An in-memory log.
+#[derive(Debug, Default)]
+pub struct Log {
+    pub events: Vec<Event>,
+    versions: HashMap<String, u64>,
+}
+
+impl Log {
+    pub fn new() -> Log {
+        Log::default()
+    }
+
+    /// Appends a fact to a stream and returns the event.
+    pub fn push(&mut self, stream: &str, fact: &Fact) -> Event {
+        let e = fact.to_event();
+        let version = self.versions.entry(stream.to_string()).or_default();
+        *version += 1;
+        let event = Event {
+            position: Position(self.events.len() as u64 + 1),
+            stream: stream.to_string(),
+            version: *version,
+            event_type: e.event_type,
+            payload: e.payload.get().to_string(),
+            metadata: "{}".into(),
+            recorded_at: SystemTime::now(),
+            xid: 1,
+        };
+        self.events.push(event.clone());
+        event
+    }
+}
+
+/// `n` devices of a class on a node, `per_island` to an island (islands are
+/// named after the node).
+pub fn devices(node: &str, class: &str, n: u32, per_island: u32) -> Vec<DeviceSpec> {
+    (0..n)
+        .map(|i| DeviceSpec {
+            id: format!("gpu{i}"),
+            class: class.to_string(),
+            memory_mb: 81_920,
+            island: (per_island > 0).then(|| format!("{node}/nvl{}", i / per_island)),
+            pci: Some(format!("0000:{:02x}:00.0", 0x18 + i)),
+            numa: Some(i / 4),
+        })
+        .collect()
+}

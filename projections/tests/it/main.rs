@@ -1,0 +1,1 @@
+//! Integration tests of the projections against a real Postgres.
