@@ -3,11 +3,13 @@
 
 use events::{AppendError, Appender, ExpectedVersion, SubscribeError, Subscription};
 use projections::domain::{pool_stream, reservation_stream, valid_name};
-use projections::{Allocation, Fact, Request};
+use projections::{Allocation, DeviceSpec, Fact, Request};
 use tokio_postgres::Client;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    #[error("pool {0:?} already exists")]
+    PoolExists(String),
     #[error("invalid reservation: {0}")]
     Invalid(String),
     #[error("pool {0:?} does not exist (see `strata pools`)")]
@@ -131,4 +133,81 @@ pub async fn wait(
             _ => {}
         }
     }
+}
+
+/// Creates a pool.
+pub async fn create_pool(
+    appender: &Appender,
+    pool: &str,
+    description: &str,
+) -> Result<(), ClientError> {
+    valid_name("pool", pool).map_err(ClientError::Invalid)?;
+    let fact = Fact::PoolCreated {
+        description: description.to_string(),
+    };
+    match appender
+        .append(
+            &pool_stream(pool),
+            ExpectedVersion::NoStream,
+            vec![fact.to_event()],
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(AppendError::VersionConflict { .. }) => Err(ClientError::PoolExists(pool.to_string())),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Nodes joining a pool with their inventory, appended in chunks (each chunk
+/// one transaction); `progress` hears the count so far.
+pub async fn join_nodes(
+    appender: &Appender,
+    pool: &str,
+    nodes: Vec<(String, Vec<DeviceSpec>)>,
+    mut progress: impl FnMut(usize),
+) -> Result<usize, ClientError> {
+    let mut done = 0;
+    for chunk in nodes.chunks(500) {
+        let mut events = Vec::with_capacity(chunk.len());
+        for (node, devices) in chunk {
+            valid_name("node", node).map_err(ClientError::Invalid)?;
+            events.push(
+                Fact::NodeJoined {
+                    node: node.clone(),
+                    devices: devices.clone(),
+                }
+                .to_event(),
+            );
+        }
+        appender
+            .append(&pool_stream(pool), ExpectedVersion::StreamExists, events)
+            .await
+            .map_err(|e| match e {
+                AppendError::VersionConflict { .. } => ClientError::NoSuchPool(pool.to_string()),
+                e => e.into(),
+            })?;
+        done += chunk.len();
+        progress(done);
+    }
+    Ok(done)
+}
+
+/// A uniform fleet for demos, tests and benchmarks: `nodes` nodes named
+/// `{prefix}{i}` with `gpus` GPUs of `class`, `per_island` to an NVLink
+/// island.
+pub fn uniform_fleet(
+    prefix: &str,
+    nodes: u32,
+    class: &str,
+    gpus: u32,
+    per_island: u32,
+) -> Vec<(String, Vec<DeviceSpec>)> {
+    (0..nodes)
+        .map(|i| {
+            let node = format!("{prefix}{i:05}");
+            let devices = projections::testing::devices(&node, class, gpus, per_island);
+            (node, devices)
+        })
+        .collect()
 }

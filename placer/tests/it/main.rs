@@ -1,1 +1,375 @@
-//! Integration tests of the placer against a real Postgres.
+//! Integration tests of the placer against a real Postgres: placements
+//! through the log, live and rebuilt indexes, snapshots, two placers on one
+//! pool, stale indexes.
+
+use events::{Appender, AppenderConfig, ExpectedVersion, Reader, ReaderConfig};
+use placer::client::{self, Outcome};
+use placer::{plan, Placer, PlacerConfig};
+use projections::domain::pool_stream;
+use projections::{check, projector, Fact, Index, Projector, Request, Shape, SnapshotStore};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+use tokio_postgres::{Client, Config};
+
+const C: &str = "H100-80GB";
+
+async fn db() -> (Config, Client) {
+    let url = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let cfg: Config = url.parse().unwrap();
+    let client = events::db::connect(&cfg, "test").await.unwrap();
+    (cfg, client)
+}
+
+static SLOT: AtomicU32 = AtomicU32::new(0);
+
+fn reader(cfg: &Config) -> Reader {
+    let mut rc = ReaderConfig::new(format!(
+        "pt_{}_{}",
+        std::process::id(),
+        SLOT.fetch_add(1, Ordering::Relaxed)
+    ));
+    rc.temporary = true;
+    rc.status_interval = Duration::from_millis(100);
+    Reader::start(cfg.clone(), rc)
+}
+
+async fn pool(appender: &Appender, name: &str, nodes: u32) {
+    client::create_pool(appender, name, "test pool")
+        .await
+        .unwrap();
+    let fleet = client::uniform_fleet(&format!("{name}-n"), nodes, C, 8, 4);
+    client::join_nodes(appender, name, fleet, |_| {})
+        .await
+        .unwrap();
+}
+
+fn request(id: &str, pool: &str, gpus: u32, shape: Shape) -> Request {
+    Request {
+        reservation: id.into(),
+        pool: pool.into(),
+        class: C.into(),
+        gpus,
+        shape,
+        priority: 0,
+        ttl_ms: None,
+    }
+}
+
+async fn head(client: &Client) -> u64 {
+    events::read::head(client).await.unwrap().0
+}
+
+/// Steps a projector until it has applied `position`.
+async fn follow(p: &mut Projector, position: u64) {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while p.index.position() < position {
+            p.step().await.unwrap();
+        }
+    })
+    .await
+    .expect("the projector caught up");
+}
+
+/// Waits until the log's check shows `n` reservations no longer pending.
+async fn settled(client: &Client, live: usize, pending: usize) -> check::Report {
+    let mut last = None;
+    for _ in 0..300 {
+        let r = check::check(client, |_| {}).await.unwrap();
+        if r.live == live && r.pending == pending {
+            return r;
+        }
+        last = Some(r);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("never settled at {live} live and {pending} pending: {last:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placements_flow_through_the_log_and_rebuilt_indexes_match() {
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "p1", 4).await;
+    let reader = reader(&cfg);
+    let dir = tempfile::tempdir().unwrap();
+    let store = SnapshotStore::new(dir.path());
+    let mut live = Projector::start(&reader, Some(store.clone()))
+        .await
+        .unwrap();
+    let placer = Placer::start(
+        cfg.clone(),
+        reader.clone(),
+        appender.clone(),
+        PlacerConfig::new("a"),
+    );
+
+    // A client waits for its reservation through a subscription.
+    let mut sub = reader
+        .subscribe_ephemeral(events::Start::Now)
+        .await
+        .unwrap();
+    client::reserve(&client, &appender, &request("first", "p1", 8, Shape::Node))
+        .await
+        .unwrap();
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(30),
+        client::wait(&mut sub, "first", |_| {}),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let Outcome::Placed(allocs) = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(allocs.len(), 1);
+    assert_eq!(allocs[0].devices.len(), 8);
+
+    // A mix of shapes; 4 nodes x 8 = 32 GPUs, 8 taken.
+    let shapes = [
+        (2, Shape::Any),
+        (4, Shape::Island),
+        (
+            4,
+            Shape::Gang {
+                nodes: 2,
+                gpus_per_node: 2,
+            },
+        ),
+        (1, Shape::Node),
+    ];
+    for (i, (gpus, shape)) in shapes.iter().enumerate() {
+        client::reserve(
+            &client,
+            &appender,
+            &request(&format!("m{i}"), "p1", *gpus, *shape),
+        )
+        .await
+        .unwrap();
+    }
+    // Asking for more than the pool has is refused at once by the placer.
+    client::reserve(&client, &appender, &request("huge", "p1", 33, Shape::Any))
+        .await
+        .unwrap();
+    settled(&client, 5, 0).await;
+    live.snapshot().unwrap().expect("a snapshot was written");
+    let snap_at = live.index.position();
+
+    // Releases free devices; a waiting reservation then places.
+    client::reserve(&client, &appender, &request("big", "p1", 16, Shape::Any))
+        .await
+        .unwrap();
+    let r = settled(&client, 5, 1).await;
+    assert_eq!(r.booked_devices, 19);
+    client::release(&appender, "first", "done").await.unwrap();
+    client::release(&appender, "m1", "done").await.unwrap();
+    settled(&client, 4, 0).await;
+    let err = client::release(&appender, "never-made", "")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, client::ClientError::NotFound(_)), "{err}");
+    let err = client::reserve(&client, &appender, &request("x", "nope", 1, Shape::Any))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, client::ClientError::NoSuchPool(_)), "{err}");
+
+    let end = head(&client).await;
+    follow(&mut live, end).await;
+    assert_eq!(live.violations, 0);
+    // Rebuilt from the whole log, and from the snapshot plus what followed.
+    let rebuilt = projector::build(&client, Index::new()).await.unwrap();
+    assert_eq!(rebuilt.position(), end);
+    assert!(rebuilt == live.index, "a rebuilt index equals the live one");
+    assert!(live.index.derived_is_consistent());
+    let mut resumed = Projector::start(&reader, Some(store.clone()))
+        .await
+        .unwrap();
+    assert_eq!(resumed.started_at, snap_at);
+    follow(&mut resumed, end).await;
+    assert!(
+        resumed.index == live.index,
+        "snapshot + stream equals the live index"
+    );
+
+    let stats = placer.stats().view();
+    assert_eq!(stats.placed, 6, "{stats:?}");
+    assert_eq!(stats.unschedulable, 1, "{stats:?}");
+    assert_eq!(stats.released, 2, "{stats:?}");
+    assert!(stats.queued >= 1, "{stats:?}");
+    placer.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_placers_forced_onto_one_pool_never_double_book() {
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "hot", 6).await;
+    let mut placers = Vec::new();
+    for name in ["x", "y"] {
+        let mut config = PlacerConfig::new(name);
+        config.unleased = true;
+        config.max_batch = 8;
+        // Each placer has its own reader, so their indexes lag differently.
+        placers.push(Placer::start(
+            cfg.clone(),
+            reader(&cfg),
+            appender.clone(),
+            config,
+        ));
+    }
+    // Both are following the pool before the requests come.
+    let at = head(&client).await;
+    for _ in 0..300 {
+        if placers
+            .iter()
+            .all(|p| p.stats().view().pools_held == 1 && p.stats().view().position >= at)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // 48 GPUs; 100 one-GPU requests and 10 two-GPU gangs, concurrently.
+    let mut tasks = Vec::new();
+    for i in 0..110 {
+        let (client_cfg, appender) = (cfg.clone(), appender.clone());
+        tasks.push(tokio::spawn(async move {
+            let c = events::db::connect(&client_cfg, "t").await.unwrap();
+            let r = if i < 100 {
+                request(&format!("r{i}"), "hot", 1, Shape::Any)
+            } else {
+                request(
+                    &format!("g{i}"),
+                    "hot",
+                    2,
+                    Shape::Gang {
+                        nodes: 2,
+                        gpus_per_node: 1,
+                    },
+                )
+            };
+            client::reserve(&c, &appender, &r).await.unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // Every GPU is booked once, and the rest wait.
+    let mut report = None;
+    for _ in 0..300 {
+        let r = check::check(&client, |_| {})
+            .await
+            .expect("no invariant is violated");
+        if r.booked_devices == 48 && r.live + r.pending == 110 && r.pending > 0 {
+            let queued: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM strata.events WHERE type = 'ReservationQueued'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if queued as usize == r.pending {
+                report = Some(r);
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let report = report.expect("the pool filled up and the rest was queued");
+    let placed: i64 = client
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE type = 'ReservationPlaced'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(placed as usize, report.live, "no reservation placed twice");
+    let conflicts: u64 = placers.iter().map(|p| p.stats().view().conflicts).sum();
+    let batches: Vec<u64> = placers.iter().map(|p| p.stats().view().batches).collect();
+    eprintln!("conflicts {conflicts}, batches {batches:?}");
+    assert!(conflicts > 0, "the placers contended (batches {batches:?})");
+    for p in placers {
+        p.stop().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_index_costs_a_conflict_not_a_double_booking() {
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "s", 1).await;
+    client::reserve(&client, &appender, &request("a", "s", 8, Shape::Node))
+        .await
+        .unwrap();
+    client::reserve(&client, &appender, &request("b", "s", 8, Shape::Node))
+        .await
+        .unwrap();
+    // Two copies of the same index: one placer commits from the first...
+    let mut fresh = projector::build(&client, Index::new()).await.unwrap();
+    let mut stale = fresh.clone();
+    let version = fresh.pool("s").unwrap().version;
+    let commit = |index: &mut Index, id: &str| {
+        let plan = plan::plan_batch(index, "s", &[id.to_string()]);
+        let (reservation, allocations) = plan.placed.into_iter().next().expect("fits");
+        Fact::ReservationPlaced {
+            reservation,
+            allocations,
+        }
+        .to_event()
+    };
+    let e = commit(&mut fresh, "a");
+    appender
+        .append(&pool_stream("s"), ExpectedVersion::Exact(version), vec![e])
+        .await
+        .unwrap();
+    // ...and the stale one, which still sees the node free, is refused.
+    let e = commit(&mut stale, "b");
+    let err = appender
+        .append(&pool_stream("s"), ExpectedVersion::Exact(version), vec![e])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, events::AppendError::VersionConflict { actual, .. } if actual == version + 1),
+        "{err}"
+    );
+    // Refreshed, it sees the node is full and places nothing.
+    let mut refreshed = projector::build(&client, stale.clone()).await.unwrap();
+    let plan = plan::plan_batch(&mut refreshed, "s", &["b".to_string()]);
+    assert!(plan.placed.is_empty() && plan.queued.len() == 1, "{plan:?}");
+    check::check(&client, |_| {}).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_check_finds_a_double_booking_in_the_log() {
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "bad", 1).await;
+    for id in ["a", "b"] {
+        client::reserve(&client, &appender, &request(id, "bad", 1, Shape::Any))
+            .await
+            .unwrap();
+    }
+    // Written around the placer and its fence, as a buggy writer would.
+    for id in ["a", "b"] {
+        let fact = Fact::ReservationPlaced {
+            reservation: id.into(),
+            allocations: vec![projections::Allocation {
+                node: "bad-n00000".into(),
+                devices: vec!["gpu0".into()],
+            }],
+        };
+        appender
+            .append(
+                &pool_stream("bad"),
+                ExpectedVersion::Any,
+                vec![fact.to_event()],
+            )
+            .await
+            .unwrap();
+    }
+    let err = check::check(&client, |_| {}).await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("double booking") && text.contains("by reservation \"a\""),
+        "{text}"
+    );
+}
