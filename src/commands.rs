@@ -247,8 +247,8 @@ pub async fn slots(cmd: SlotsCmd) -> Result<ExitCode> {
 /// metrics until Ctrl-C.
 pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     for r in &args.roles {
-        if r != "maintenance" {
-            bail!("unknown role {r:?}; this build runs: maintenance");
+        if r != "maintenance" && r != "placer" {
+            bail!("unknown role {r:?}; this build runs: maintenance, placer");
         }
     }
     let cfg = config(&args.db)?;
@@ -271,9 +271,60 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     let slot = args.slot.unwrap_or_else(default_slot);
     let mut rc = ReaderConfig::new(slot);
     rc.owner = "strata serve".into();
-    let _reader = Reader::start(cfg, rc);
-    tokio::signal::ctrl_c().await.context("wait for Ctrl-C")?;
+    let reader = Reader::start(cfg.clone(), rc);
+    let placer = if args.roles.iter().any(|r| r == "placer") {
+        let mut pc = placer::PlacerConfig::new(
+            args.holder
+                .clone()
+                .unwrap_or_else(placer::service::default_holder),
+        );
+        pc.max_batch = args.max_batch.max(1);
+        pc.lease_ttl = args.lease_ttl;
+        if !args.pools.is_empty() {
+            pc.pools = Some(args.pools.iter().cloned().collect());
+        }
+        pc.snapshots = args
+            .snapshot_dir
+            .clone()
+            .map(projections::SnapshotStore::new);
+        tracing::info!(holder = %pc.holder, max_batch = pc.max_batch, lease_ttl = ?pc.lease_ttl, "starting the placer");
+        let appender = Appender::start(cfg, AppenderConfig::default());
+        Some(placer::Placer::start(
+            args.db.database_url.parse()?,
+            reader.clone(),
+            appender,
+            pc,
+        ))
+    } else {
+        None
+    };
+    let mut report = tokio::time::interval(Duration::from_secs(10));
+    report.tick().await;
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("listen for SIGTERM")?;
+    loop {
+        tokio::select! {
+            r = &mut ctrl_c => { r.context("wait for Ctrl-C")?; break; }
+            _ = term.recv() => break,
+            _ = report.tick() => {
+                if let Some(p) = &placer {
+                    if p.is_finished() {
+                        break;
+                    }
+                    let s = p.stats().view();
+                    tracing::info!(pools = s.pools_held, placed = s.placed, queued = s.queued,
+                        unschedulable = s.unschedulable, released = s.released, expired = s.expired,
+                        batches = s.batches, conflicts = s.conflicts, position = s.position, "placer");
+                }
+            }
+        }
+    }
     tracing::info!("stopping");
+    if let Some(p) = placer {
+        p.stop().await.context("the placer failed")?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 

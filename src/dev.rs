@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 const DEV_PORT: u16 = 55432;
+const DEMO_POOL: &str = "demo";
+const DEMO_CLASS: &str = "H100-80GB";
 
 pub async fn run(args: DevArgs) -> Result<ExitCode> {
     let mut cluster = None;
@@ -80,6 +82,10 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
         }
     );
     println!("  try:       strata events tail --database-url '{url}' --from start");
+    println!("             strata pool show {DEMO_POOL} --database-url '{url}'");
+    println!(
+        "             strata reserve --database-url '{url}' --pool {DEMO_POOL} --class {DEMO_CLASS} --gpus 4 --wait"
+    );
     println!("  Ctrl-C stops it.");
     println!();
     if let Ok(l) = listener {
@@ -90,6 +96,29 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     rc.owner = "strata dev".into();
     let reader = Reader::start(cfg.clone(), rc);
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+
+    // A demo pool, seeded by events the first time, and a placer for it.
+    match placer::client::create_pool(&appender, DEMO_POOL, "strata dev demo pool").await {
+        Ok(()) => {
+            let fleet = placer::client::uniform_fleet("dev-n", args.demo_nodes, DEMO_CLASS, 8, 4);
+            placer::client::join_nodes(&appender, DEMO_POOL, fleet, |_| {}).await?;
+            eprintln!(
+                "seeded pool {DEMO_POOL}: {} nodes x 8 {DEMO_CLASS}",
+                args.demo_nodes
+            );
+        }
+        Err(placer::client::ClientError::PoolExists(_)) => {}
+        Err(e) => return Err(e).context("create the demo pool"),
+    }
+    let mut pc = placer::PlacerConfig::new(placer::service::default_holder());
+    pc.snapshots = Some(projections::SnapshotStore::new(
+        args.data_dir.join("snapshots"),
+    ));
+    let placer = placer::Placer::start(cfg.clone(), reader.clone(), appender.clone(), pc);
+    let workload = events::task::spawn(
+        "dev-workload",
+        demo_workload(cfg.clone(), appender.clone(), args.reservations_per_s),
+    );
 
     let appended = Arc::new(AtomicU64::new(0));
     let writer = events::task::spawn(
@@ -135,9 +164,11 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
                 let mut v = std::mem::take(&mut *lags.lock().expect("lag lock"));
                 v.sort_by(f64::total_cmp);
                 let pct = |p: f64| v.get(((v.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+                let ps = placer.stats().view();
                 println!(
-                    "appended {:>6.0}/s  delivered {:>6.0}/s  lag p50 {:>6.1} ms  p99 {:>6.1} ms  head {}",
-                    (a - last_a) as f64 / secs, (d - last_d) as f64 / secs, pct(0.5), pct(0.99), reader.head()
+                    "appended {:>6.0}/s  delivered {:>6.0}/s  lag p50 {:>6.1} ms  p99 {:>6.1} ms  head {}  | placed {} expired {} queued {} unschedulable {}",
+                    (a - last_a) as f64 / secs, (d - last_d) as f64 / secs, pct(0.5), pct(0.99), reader.head(),
+                    ps.placed, ps.expired, ps.queued, ps.unschedulable
                 );
                 (last_a, last_d, last_t) = (a, d, Instant::now());
                 if args.duration.is_some_and(|limit| started.elapsed() >= limit) {
@@ -149,6 +180,10 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     eprintln!("stopping ...");
     writer.abort();
     tail.abort();
+    workload.abort();
+    if let Err(e) = placer.stop().await {
+        tracing::warn!(error = %e, "the placer stopped with an error");
+    }
     drop(reader);
     // The dropped subscription stores its cursor once more in the background;
     // let that land before the database goes away.
@@ -189,6 +224,52 @@ async fn demo_writer(appender: Appender, rate: u32, appended: Arc<AtomicU64>) {
                     tracing::warn!(error = %e, "demo append failed");
                 }
             }
+        }
+    }
+}
+
+/// Reserves GPUs in the demo pool: mostly small requests, some whole nodes,
+/// islands and two-node gangs, each released by its TTL a few seconds later.
+async fn demo_workload(cfg: tokio_postgres::Config, appender: Appender, rate: u32) {
+    use projections::{Request, Shape};
+    if rate == 0 {
+        return;
+    }
+    let client = match events::db::connect(&cfg, "dev-workload").await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "demo workload could not connect");
+            return;
+        }
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
+    loop {
+        tick.tick().await;
+        let (gpus, shape) = match fastrand::u32(0..10) {
+            0..=4 => (1, Shape::Any),
+            5 => (2, Shape::Any),
+            6 => (4, Shape::Island),
+            7 => (8, Shape::Node),
+            8 => (
+                16,
+                Shape::Gang {
+                    nodes: 2,
+                    gpus_per_node: 8,
+                },
+            ),
+            _ => (4, Shape::Any),
+        };
+        let request = Request {
+            reservation: placer::client::new_id(),
+            pool: DEMO_POOL.into(),
+            class: DEMO_CLASS.into(),
+            gpus,
+            shape,
+            priority: fastrand::i32(0..3),
+            ttl_ms: Some(fastrand::u64(2_000..10_000)),
+        };
+        if let Err(e) = placer::client::reserve(&client, &appender, &request).await {
+            tracing::warn!(error = %e, "demo reservation failed");
         }
     }
 }

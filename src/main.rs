@@ -2,6 +2,7 @@
 
 mod commands;
 mod dev;
+mod placement;
 mod telemetry;
 
 use clap::{Args, Parser, Subcommand};
@@ -41,6 +42,121 @@ enum Command {
     /// Inspect and remove replication slots
     #[command(subcommand)]
     Slots(SlotsCmd),
+    /// Reserve GPUs: the request is placed by the placer holding the pool
+    Reserve(ReserveArgs),
+    /// Release a reservation (or cancel it, if it is not placed yet)
+    Release {
+        #[command(flatten)]
+        db: Db,
+        /// The reservation's id
+        id: String,
+        /// Why, recorded with the request
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// List pools with their nodes and free and booked GPUs by class
+    Pools {
+        #[command(flatten)]
+        db: Db,
+    },
+    /// Create, seed and inspect one pool
+    #[command(subcommand)]
+    Pool(PoolCmd),
+    /// Replay the log
+    #[command(subcommand)]
+    Replay(ReplayCmd),
+}
+
+#[derive(Args, Debug)]
+pub struct ReserveArgs {
+    #[command(flatten)]
+    pub db: Db,
+    /// The pool to place in
+    #[arg(long)]
+    pub pool: String,
+    /// The GPU class, e.g. H100-80GB
+    #[arg(long)]
+    pub class: String,
+    /// GPUs in all (with --nodes, GPUs per node times nodes; may be omitted)
+    #[arg(long)]
+    pub gpus: Option<u32>,
+    /// any: anywhere in the pool; node: all on one node; island: all in one NVLink island
+    #[arg(long, value_parser = ["any", "node", "island"])]
+    pub shape: Option<String>,
+    /// A gang: this many nodes, all or nothing (with --gpus-per-node)
+    #[arg(long, requires = "gpus_per_node")]
+    pub nodes: Option<u32>,
+    /// GPUs on each node of a gang
+    #[arg(long, requires = "nodes")]
+    pub gpus_per_node: Option<u32>,
+    /// Higher places first within a batch
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub priority: i32,
+    /// Release automatically this long after placement (e.g. 2h)
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub ttl: Option<std::time::Duration>,
+    /// The reservation's id (generated when omitted)
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Wait for the placement (or the reason it cannot be placed) and print it
+    #[arg(long)]
+    pub wait: bool,
+    /// Give up waiting after this long (the reservation stays queued)
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub timeout: std::time::Duration,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PoolCmd {
+    /// Create a pool
+    Create {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+        #[arg(long, default_value = "")]
+        description: String,
+    },
+    /// Join simulated nodes to a pool (for demos and drills; real nodes join through the gateway)
+    Seed {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+        /// How many nodes
+        #[arg(long)]
+        nodes: u32,
+        /// GPUs per node
+        #[arg(long, default_value_t = 8)]
+        gpus: u32,
+        #[arg(long, default_value = "H100-80GB")]
+        class: String,
+        /// GPUs per NVLink island (0: no islands)
+        #[arg(long, default_value_t = 8)]
+        per_island: u32,
+        /// Node names are this prefix and a number
+        #[arg(long)]
+        prefix: Option<String>,
+    },
+    /// Show a pool's nodes, free and booked GPUs, and what waits
+    Show {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+        /// List every node (default: a summary by free count)
+        #[arg(long)]
+        nodes: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ReplayCmd {
+    /// Replay the whole log and verify the placement invariants; exits non-zero at the first violation
+    Check {
+        #[command(flatten)]
+        db: Db,
+        /// Print the report as JSON
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -60,6 +176,12 @@ pub struct DevArgs {
     /// Events per second the demo writer appends
     #[arg(long, default_value_t = 200)]
     pub rate: u32,
+    /// Nodes (8 GPUs each) in the demo pool, when it is first created
+    #[arg(long, default_value_t = 64)]
+    pub demo_nodes: u32,
+    /// Reservations per second the demo workload asks for (0: none)
+    #[arg(long, default_value_t = 20)]
+    pub reservations_per_s: u32,
     /// Serve Prometheus metrics at this address
     #[arg(long, default_value = "127.0.0.1:9464")]
     pub metrics_listen: SocketAddr,
@@ -72,15 +194,30 @@ pub struct DevArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub db: Db,
-    /// Roles to run, comma-separated (maintenance: partitions ahead, and the replication reader)
+    /// Roles to run, comma-separated. maintenance: partitions ahead and the replication reader; placer: places reservations of the pools it leases
     #[arg(long, value_delimiter = ',', default_value = "maintenance")]
     pub roles: Vec<String>,
     /// Serve Prometheus metrics at this address
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
-    /// Name of this process's replication slot
+    /// Name of this process's replication slot (default strata_<host>; give each process on a host its own)
     #[arg(long)]
     pub slot: Option<String>,
+    /// placer: most reservations planned in one batch
+    #[arg(long, default_value_t = 1024)]
+    pub max_batch: usize,
+    /// placer: pool lease time to live; a dead placer's pools move after this
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub lease_ttl: std::time::Duration,
+    /// placer: only these pools (comma-separated; default all)
+    #[arg(long, value_delimiter = ',')]
+    pub pools: Vec<String>,
+    /// placer: keep pool index snapshots here and start from the newest
+    #[arg(long)]
+    pub snapshot_dir: Option<PathBuf>,
+    /// placer: name in pool leases (default host-pid-random)
+    #[arg(long)]
+    pub holder: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -187,6 +324,11 @@ fn main() -> ExitCode {
             Command::Partitions(c) => commands::partitions(c).await,
             Command::Events(c) => commands::events(c).await,
             Command::Slots(c) => commands::slots(c).await,
+            Command::Reserve(a) => placement::reserve(a).await,
+            Command::Release { db, id, reason } => placement::release(&db, &id, &reason).await,
+            Command::Pools { db } => placement::pools(&db).await,
+            Command::Pool(c) => placement::pool(c).await,
+            Command::Replay(c) => placement::replay(c).await,
         }
     });
     drop(telemetry);

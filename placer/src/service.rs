@@ -258,8 +258,11 @@ async fn run(
                 on_commit(&mut work, done, &stats);
             }
             e = proj.step() => {
-                if let Err(e) = e {
-                    break Err(e.into());
+                match e {
+                    Err(e) => break Err(e.into()),
+                    // A new pool: look for its lease now, not at the next tick.
+                    Ok(e) if e.event_type == "PoolCreated" => upkeep.reset_immediately(),
+                    Ok(_) => {}
                 }
                 stats.position.store(proj.index.position(), Ordering::Relaxed);
             }

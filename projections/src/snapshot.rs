@@ -180,3 +180,40 @@ impl SnapshotStore {
         Ok(None)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(position: u64) -> State {
+        State {
+            position,
+            ..State::default()
+        }
+    }
+
+    #[test]
+    fn the_store_keeps_the_newest_and_falls_back_past_a_bad_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SnapshotStore::new(dir.path().join("snaps"));
+        assert!(store.latest().unwrap().is_none(), "no directory yet");
+        for p in [10, 20, 30] {
+            store.write(&state(p)).unwrap();
+        }
+        assert_eq!(store.files().unwrap().len(), 2, "older ones pruned");
+        assert_eq!(store.latest().unwrap().unwrap().1.position, 30);
+        // Corrupt the newest: the one before it loads instead.
+        let newest = store.files().unwrap()[0].1.clone();
+        let mut bytes = std::fs::read(&newest).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&newest, &bytes).unwrap();
+        assert_eq!(store.latest().unwrap().unwrap().1.position, 20);
+        // Garbage and a wrong format are errors, not panics.
+        assert!(decode(b"STRATAIX").is_err());
+        assert!(decode(&[0u8; 100]).is_err());
+        let mut other = encode(&state(5));
+        other[8] = 9;
+        assert!(decode(&other).unwrap_err().to_string().contains("format 9"));
+    }
+}

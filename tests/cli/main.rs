@@ -1,5 +1,7 @@
 //! The `strata` binary end to end: real processes against a private Postgres.
 
+mod placement;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};

@@ -1,1 +1,0 @@
-//! Integration tests of the projections against a real Postgres.

@@ -1,0 +1,409 @@
+//! `strata reserve`, `release`, `pools`, `pool ...` and `replay check`.
+
+use crate::commands::{config, connect};
+use crate::{Db, PoolCmd, ReplayCmd, ReserveArgs};
+use anyhow::{bail, Context, Result};
+use events::{Appender, AppenderConfig, Reader, ReaderConfig, Start};
+use placer::client::{self, Outcome};
+use projections::index::Phase;
+use projections::{projector, Index, Request, Shape};
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+fn appender(db: &Db) -> Result<Appender> {
+    Ok(Appender::start(config(db)?, AppenderConfig::default()))
+}
+
+fn shape(args: &ReserveArgs) -> Result<(Shape, u32)> {
+    match (args.nodes, args.gpus_per_node) {
+        (Some(nodes), Some(gpus_per_node)) => {
+            if args.shape.is_some() {
+                bail!("--shape does not go with --nodes (a gang is its own shape)");
+            }
+            let total = nodes
+                .checked_mul(gpus_per_node)
+                .context("--nodes times --gpus-per-node is too large")?;
+            if let Some(g) = args.gpus {
+                if g != total {
+                    bail!("--gpus {g} disagrees with --nodes {nodes} x --gpus-per-node {gpus_per_node} = {total}");
+                }
+            }
+            Ok((
+                Shape::Gang {
+                    nodes,
+                    gpus_per_node,
+                },
+                total,
+            ))
+        }
+        _ => {
+            let gpus = args.gpus.context("say how many GPUs with --gpus")?;
+            let shape = match args.shape.as_deref().unwrap_or("any") {
+                "node" => Shape::Node,
+                "island" => Shape::Island,
+                _ => Shape::Any,
+            };
+            Ok((shape, gpus))
+        }
+    }
+}
+
+fn print_allocations(id: &str, allocs: &[projections::Allocation]) {
+    let gpus: usize = allocs.iter().map(|a| a.devices.len()).sum();
+    println!("placed {id}: {gpus} GPU(s) on {} node(s)", allocs.len());
+    for a in allocs {
+        println!("  {}: {}", a.node, a.devices.join(", "));
+    }
+}
+
+pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
+    let (shape, gpus) = shape(&args)?;
+    let id = args.id.clone().unwrap_or_else(client::new_id);
+    let request = Request {
+        reservation: id.clone(),
+        pool: args.pool.clone(),
+        class: args.class.clone(),
+        gpus,
+        shape,
+        priority: args.priority,
+        ttl_ms: args.ttl.map(|t| t.as_millis() as u64),
+    };
+    request
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid reservation: {e}"))?;
+    let db = connect(&args.db).await?;
+    let appender = appender(&args.db)?;
+    // Subscribe before asking, so the answer cannot slip past.
+    let mut waiting = None;
+    if args.wait {
+        let mut rc = ReaderConfig::new(format!("strata_reserve_{}", std::process::id()));
+        rc.temporary = true;
+        rc.owner = "strata reserve --wait".into();
+        let reader = Reader::start(config(&args.db)?, rc);
+        let sub = reader
+            .subscribe_ephemeral(Start::Now)
+            .await
+            .context("subscribe to the log")?;
+        waiting = Some((reader, sub));
+    }
+    client::reserve(&db, &appender, &request).await?;
+    let Some((_reader, mut sub)) = waiting else {
+        println!("requested {id}");
+        return Ok(ExitCode::SUCCESS);
+    };
+    eprintln!("requested {id}; waiting for its placement");
+    let outcome = tokio::time::timeout(
+        args.timeout,
+        client::wait(&mut sub, &id, |reason| eprintln!("queued: {reason}")),
+    )
+    .await;
+    match outcome {
+        Err(_) => {
+            eprintln!(
+                "not placed after {}; it stays queued (see `strata pool show {}`)",
+                humantime::format_duration(args.timeout),
+                args.pool
+            );
+            Ok(ExitCode::from(3))
+        }
+        Ok(r) => match r? {
+            Outcome::Placed(allocs) => {
+                print_allocations(&id, &allocs);
+                Ok(ExitCode::SUCCESS)
+            }
+            Outcome::Unschedulable(reason) => {
+                println!("unschedulable {id}: {reason}");
+                Ok(ExitCode::from(2))
+            }
+            Outcome::Released => {
+                println!("released {id} before it was placed");
+                Ok(ExitCode::from(2))
+            }
+            Outcome::Expired => {
+                println!("expired {id}");
+                Ok(ExitCode::from(2))
+            }
+        },
+    }
+}
+
+pub async fn release(db: &Db, id: &str, reason: &str) -> Result<ExitCode> {
+    let appender = appender(db)?;
+    client::release(&appender, id, reason).await?;
+    println!("release of {id} requested; the pool's placer frees its GPUs");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The index built from the whole log, with progress on a terminal.
+async fn index(db: &Db) -> Result<Index> {
+    let client = connect(db).await?;
+    let tty = std::io::stderr().is_terminal();
+    let mut index = Index::new();
+    projector::catch_up(
+        &client,
+        &mut index,
+        |v| {
+            eprintln!("warning: the log breaks an invariant: {v}");
+            true
+        },
+        |p| {
+            if tty {
+                eprint!("\rreading the log: position {p}");
+            }
+        },
+    )
+    .await
+    .context("read the log")?;
+    if tty {
+        eprint!("\r\x1b[K");
+    }
+    Ok(index)
+}
+
+struct Counts {
+    nodes: usize,
+    schedulable: usize,
+    pending: usize,
+    live: usize,
+}
+
+fn counts(index: &Index, pool: &str) -> Counts {
+    let p = index.pool(pool).expect("listed");
+    let q = index.queues(pool);
+    Counts {
+        nodes: p.nodes.values().filter(|n| !n.left).count(),
+        schedulable: p.nodes.values().filter(|n| n.schedulable()).count(),
+        pending: q.map_or(0, |q| q.pending.len() + q.queued.len()),
+        live: index
+            .state()
+            .reservations
+            .values()
+            .filter(|r| r.request.pool == pool && r.phase.is_live())
+            .count(),
+    }
+}
+
+pub async fn pools(db: &Db) -> Result<ExitCode> {
+    let index = index(db).await?;
+    println!(
+        "{:<20} {:>7} {:>11} {:<14} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "POOL", "NODES", "SCHEDULABLE", "CLASS", "GPUS", "FREE", "BOOKED", "LIVE", "WAITING"
+    );
+    for p in index.state().pools.values().filter(|p| p.created) {
+        let c = counts(&index, &p.name);
+        let classes: Vec<_> = index.classes(&p.name).collect();
+        if classes.is_empty() {
+            println!(
+                "{:<20} {:>7} {:>11} {:<14} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                p.name, c.nodes, c.schedulable, "-", 0, 0, 0, c.live, c.pending
+            );
+        }
+        for (i, (class, ci)) in classes.iter().enumerate() {
+            let booked = booked(&index, &p.name, class);
+            let (name, nodes, sched) = if i == 0 {
+                (
+                    p.name.as_str(),
+                    c.nodes.to_string(),
+                    c.schedulable.to_string(),
+                )
+            } else {
+                ("", String::new(), String::new())
+            };
+            println!(
+                "{:<20} {:>7} {:>11} {:<14} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                name, nodes, sched, class, ci.total, ci.free, booked, c.live, c.pending
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn booked(index: &Index, pool: &str, class: &str) -> usize {
+    index.pool(pool).map_or(0, |p| {
+        p.nodes
+            .values()
+            .flat_map(|n| &n.devices)
+            .filter(|d| d.spec.class == class && d.booked_by.is_some())
+            .count()
+    })
+}
+
+pub async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
+    match cmd {
+        PoolCmd::Create {
+            db,
+            name,
+            description,
+        } => {
+            client::create_pool(&appender(&db)?, &name, &description).await?;
+            println!("created pool {name}");
+        }
+        PoolCmd::Seed {
+            db,
+            name,
+            nodes,
+            gpus,
+            class,
+            per_island,
+            prefix,
+        } => {
+            if gpus == 0 || gpus > 1024 {
+                bail!("--gpus must be 1 to 1024");
+            }
+            let prefix = prefix.unwrap_or_else(|| format!("{name}-n"));
+            let fleet = client::uniform_fleet(&prefix, nodes, &class, gpus, per_island);
+            let tty = std::io::stderr().is_terminal();
+            let n = client::join_nodes(&appender(&db)?, &name, fleet, |done| {
+                if tty {
+                    eprint!("\rjoined {done}/{nodes} nodes");
+                }
+            })
+            .await?;
+            if tty {
+                eprintln!();
+            }
+            println!("joined {n} nodes with {gpus} {class} GPUs each to pool {name}");
+        }
+        PoolCmd::Show { db, name, nodes } => {
+            let index = index(&db).await?;
+            let Some(p) = index.pool(&name).filter(|p| p.created) else {
+                bail!("pool {name:?} does not exist (see `strata pools`)");
+            };
+            let c = counts(&index, &name);
+            println!("pool {name}: {}", p.description);
+            println!(
+                "  nodes {} ({} schedulable), version {}, live reservations {}, waiting {}",
+                c.nodes, c.schedulable, p.version, c.live, c.pending
+            );
+            for (class, ci) in index.classes(&name) {
+                println!(
+                    "  {class}: {} GPUs, {} free, {} booked; {} nodes with free GPUs",
+                    ci.total,
+                    ci.free,
+                    booked(&index, &name, class),
+                    ci.schedulable_nodes()
+                );
+                let mut by_free: BTreeMap<u32, usize> = BTreeMap::new();
+                for n in p.nodes.keys() {
+                    *by_free.entry(ci.node_free(n)).or_default() += 1;
+                }
+                let summary: Vec<String> = by_free
+                    .iter()
+                    .rev()
+                    .map(|(free, n)| format!("{n} with {free} free"))
+                    .collect();
+                println!("    nodes: {}", summary.join(", "));
+            }
+            if nodes {
+                println!(
+                    "  {:<24} {:>6} {:>6} {:>6}  STATE",
+                    "NODE", "GPUS", "FREE", "BOOKED"
+                );
+                for (n, node) in &p.nodes {
+                    let state = if node.left {
+                        "left".to_string()
+                    } else if let Some(r) = &node.drained {
+                        format!("drained {r}")
+                    } else if let Some(r) = &node.cordoned {
+                        format!("cordoned {r}")
+                    } else if !node.conditions.is_empty() {
+                        format!("unhealthy {}", node.conditions.join(","))
+                    } else {
+                        let sick: Vec<_> = node
+                            .devices
+                            .iter()
+                            .filter(|d| !d.conditions.is_empty())
+                            .map(|d| format!("{}:{}", d.spec.id, d.conditions.join("+")))
+                            .collect();
+                        if sick.is_empty() {
+                            "ready".into()
+                        } else {
+                            format!("ready, unhealthy devices {}", sick.join(" "))
+                        }
+                    };
+                    let free = node
+                        .devices
+                        .iter()
+                        .filter(|d| node.schedulable() && d.free())
+                        .count();
+                    let booked = node
+                        .devices
+                        .iter()
+                        .filter(|d| d.booked_by.is_some())
+                        .count();
+                    println!(
+                        "  {n:<24} {:>6} {free:>6} {booked:>6}  {state}",
+                        node.devices.len()
+                    );
+                }
+            }
+            let waiting: Vec<_> = index
+                .state()
+                .reservations
+                .values()
+                .filter(|r| {
+                    r.request.pool == name && matches!(r.phase, Phase::Pending | Phase::Queued)
+                })
+                .collect();
+            if !waiting.is_empty() {
+                println!("  waiting:");
+                for r in waiting.iter().take(20) {
+                    println!(
+                        "    {} {} x {} ({}) priority {}: {}",
+                        r.request.reservation,
+                        r.request.gpus,
+                        r.request.class,
+                        r.request.shape,
+                        r.request.priority,
+                        if r.reason.is_empty() {
+                            r.phase.name()
+                        } else {
+                            &r.reason
+                        }
+                    );
+                }
+                if waiting.len() > 20 {
+                    println!("    ... and {} more", waiting.len() - 20);
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
+    match cmd {
+        ReplayCmd::Check { db, json } => {
+            let client = connect(&db).await?;
+            let tty = std::io::stderr().is_terminal();
+            let result = projections::check::check(&client, |p| {
+                if tty {
+                    eprint!("\rchecked up to position {p}");
+                }
+            })
+            .await;
+            if tty {
+                eprint!("\r\x1b[K");
+            }
+            match result {
+                Ok(r) => {
+                    if json {
+                        println!("{}", serde_json::to_string(&r)?);
+                    } else {
+                        println!(
+                            "ok: {} events up to position {}; {} pools, {} nodes, {} devices ({} booked), {} live and {} waiting reservations",
+                            r.events, r.position, r.pools, r.nodes, r.devices, r.booked_devices, r.live, r.pending
+                        );
+                    }
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(projections::check::CheckError::Read(e)) => Err(e).context("replay the log"),
+                Err(e) => {
+                    println!("violation: {e}");
+                    Ok(ExitCode::from(1))
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,304 @@
+//! Reservations end to end: placer processes, the client commands, a placer
+//! killed with SIGKILL, and the replay check.
+
+use super::{database, fails, ok, strata};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A placer process: `strata serve --roles placer`.
+fn placer(url: &str, holder: &str, log: &std::path::Path) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "serve",
+            "--roles",
+            "placer",
+            "--database-url",
+            url,
+            "--lease-ttl",
+            "2s",
+            "--holder",
+            holder,
+            "--slot",
+            &format!("placer_{holder}"),
+        ])
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+/// Pool leases currently held: (pool lease, holder).
+async fn holders(client: &tokio_postgres::Client) -> Vec<(String, String)> {
+    client
+        .query(
+            "SELECT name, holder FROM strata.leases WHERE name LIKE 'pool/%' AND expires_at > now() ORDER BY name",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < deadline {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    None
+}
+
+/// `strata reserve` in pool `gpu` for H100-80GB, plus `extra`.
+fn reserve_args<'a>(url: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "reserve",
+        "--database-url",
+        url,
+        "--pool",
+        "gpu",
+        "--class",
+        "H100-80GB",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
+fn check_json(url: &str) -> serde_json::Value {
+    serde_json::from_str(&ok(&["replay", "check", "--database-url", url, "--json"])).unwrap()
+}
+
+#[test]
+fn reserve_release_pools_and_the_replay_check() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    ok(&[
+        "pool",
+        "create",
+        "gpu",
+        "--database-url",
+        &url,
+        "--description",
+        "the test pool",
+    ]);
+    let out = ok(&[
+        "pool",
+        "seed",
+        "gpu",
+        "--database-url",
+        &url,
+        "--nodes",
+        "3",
+        "--per-island",
+        "4",
+    ]);
+    assert!(out.contains("joined 3 nodes"), "{out}");
+    let err = fails(&["pool", "create", "gpu", "--database-url", &url]);
+    assert!(err.contains("already exists"), "{err}");
+    let mut p = placer(&url, "solo", &dir.path().join("solo.log"));
+
+    let out = ok(&reserve_args(
+        &url,
+        &["--gpus", "8", "--shape", "node", "--id", "whole", "--wait"],
+    ));
+    assert!(
+        out.starts_with("placed whole: 8 GPU(s) on 1 node(s)"),
+        "{out}"
+    );
+    let out = ok(&reserve_args(
+        &url,
+        &[
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--id",
+            "gang",
+            "--wait",
+        ],
+    ));
+    assert!(out.contains("8 GPU(s) on 2 node(s)"), "{out}");
+    // Cannot ever fit: exit code 2 and the reason.
+    let out = strata(&reserve_args(
+        &url,
+        &["--gpus", "5", "--shape", "island", "--wait"],
+    ));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("largest island has 4"));
+    // Does not fit now: stays queued; the wait times out with exit code 3.
+    let out = strata(&reserve_args(
+        &url,
+        &[
+            "--gpus",
+            "8",
+            "--shape",
+            "node",
+            "--id",
+            "later",
+            "--wait",
+            "--timeout",
+            "2s",
+        ],
+    ));
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("queued: waiting for capacity"));
+
+    let pools = ok(&["pools", "--database-url", &url]);
+    let row = pools.lines().find(|l| l.starts_with("gpu ")).expect(&pools);
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(
+        cols[1..],
+        ["3", "3", "H100-80GB", "24", "8", "16", "2", "1"],
+        "{pools}"
+    );
+    let show = ok(&["pool", "show", "gpu", "--database-url", &url, "--nodes"]);
+    assert!(show.contains("later 8 x H100-80GB (node)"), "{show}");
+    assert!(show.contains("gpu-n00000"), "{show}");
+
+    // Releasing the whole node lets the queued one place.
+    ok(&["release", "whole", "--database-url", &url]);
+    let placed = wait_for(20, || {
+        let r = check_json(&url);
+        (r["pending"] == 0).then_some(r)
+    })
+    .expect("the queued reservation placed after the release");
+    assert_eq!(placed["live"], 2);
+    assert_eq!(placed["booked_devices"], 16);
+    let err = fails(&["release", "nothing-here", "--database-url", &url]);
+    assert!(err.contains("does not exist"), "{err}");
+    p.kill().unwrap();
+    p.wait().unwrap();
+
+    // A placement written around the placer onto a booked device.
+    let bad = serde_json::json!({
+        "reservation": "gang",
+        "allocations": [{"node": "gpu-n00000", "devices": ["gpu0"]}],
+    })
+    .to_string();
+    ok(&[
+        "events",
+        "append",
+        "--database-url",
+        &url,
+        "--stream",
+        "pool/gpu",
+        "--type",
+        "ReservationPlaced",
+        "--data",
+        &bad,
+    ]);
+    let out = strata(&["replay", "check", "--database-url", &url]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("violation") && text.contains("placed while placed"),
+        "{text}"
+    );
+    ok(&[
+        "slots",
+        "drop",
+        "placer_solo",
+        "--database-url",
+        &url,
+        "--force",
+    ]);
+}
+
+#[test]
+fn placers_split_pools_and_a_killed_one_hands_them_over() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    let pools = ["p0", "p1", "p2", "p3"];
+    for p in pools {
+        ok(&["pool", "create", p, "--database-url", &url]);
+        ok(&["pool", "seed", p, "--database-url", &url, "--nodes", "4"]);
+    }
+    let mut a = placer(&url, "a", &dir.path().join("a.log"));
+    let mut b = placer(&url, "b", &dir.path().join("b.log"));
+    let rt = rt();
+    let client = rt
+        .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+        .unwrap();
+    let split = wait_for(30, || {
+        let h = rt.block_on(holders(&client));
+        let of = |who: &str| h.iter().filter(|(_, x)| x == who).count();
+        (of("a") == 2 && of("b") == 2).then_some(h)
+    });
+    assert!(
+        split.is_some(),
+        "the placers split the pools: {:?}",
+        rt.block_on(holders(&client))
+    );
+
+    // Requests keep coming while `a` is killed.
+    let _entered = rt.enter();
+    let appender = events::Appender::start(url.parse().unwrap(), events::AppenderConfig::default());
+    let request = |i: usize| projections::Request {
+        reservation: format!("r{i}"),
+        pool: pools[i % 4].into(),
+        class: "H100-80GB".into(),
+        gpus: 1,
+        shape: projections::Shape::Any,
+        priority: 0,
+        ttl_ms: None,
+    };
+    let total = 120;
+    for i in 0..total / 2 {
+        rt.block_on(placer::client::reserve(&client, &appender, &request(i)))
+            .unwrap();
+    }
+    a.kill().unwrap();
+    a.wait().unwrap();
+    let killed = Instant::now();
+    for i in total / 2..total {
+        rt.block_on(placer::client::reserve(&client, &appender, &request(i)))
+            .unwrap();
+    }
+    let moved = wait_for(30, || {
+        let h = rt.block_on(holders(&client));
+        (h.len() == 4 && h.iter().all(|(_, x)| x == "b")).then_some(killed.elapsed())
+    })
+    .expect("b took all pools");
+    // The lease lives 2 s; b looks every 2/3 s.
+    assert!(
+        moved < Duration::from_secs(5),
+        "pools moved after {moved:?}"
+    );
+    let report = wait_for(30, || {
+        let r = check_json(&url);
+        (r["live"] == total).then_some(r)
+    })
+    .unwrap_or_else(|| panic!("every reservation placed: {}", check_json(&url)));
+    assert_eq!(report["pending"], 0);
+    let placed: i64 = rt
+        .block_on(client.query_one(
+            "SELECT count(*) FROM strata.events WHERE type = 'ReservationPlaced'",
+            &[],
+        ))
+        .unwrap()
+        .get(0);
+    assert_eq!(placed, total as i64, "none placed twice, none lost");
+    eprintln!("pools moved {moved:?} after the kill");
+    b.kill().unwrap();
+    b.wait().unwrap();
+    for s in ["placer_a", "placer_b"] {
+        ok(&["slots", "drop", s, "--database-url", &url, "--force"]);
+    }
+}
