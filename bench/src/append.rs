@@ -144,7 +144,7 @@ pub async fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-async fn prepare_raw(client: &tokio_postgres::Client) -> Result<()> {
+pub(crate) async fn prepare_raw(client: &tokio_postgres::Client) -> Result<()> {
     // The same columns and indexes as strata.events, without partitions,
     // positions from a sequence.
     client
@@ -201,7 +201,7 @@ async fn raw_single(cfg: &Config, clients: usize, secs: Duration) -> Result<f64>
     timed(count, stop, tasks, secs).await
 }
 
-async fn raw_multirow(
+pub(crate) async fn raw_multirow(
     cfg: &Config,
     table: &str,
     clients: usize,

@@ -3,9 +3,15 @@
 //! one final JSON line and writes it under `bench/results/`.
 
 mod append;
+mod placements;
 mod util;
 
 use clap::{Parser, Subcommand};
+
+/// mimalloc: the index and its snapshots allocate many small strings, which
+/// it serves markedly faster than the system allocator.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -21,6 +27,8 @@ struct Cli {
 enum Scenario {
     /// Append throughput and latency, end-to-end lag, and decode throughput
     Append(append::Args),
+    /// Reservations placed end to end: throughput, latency, index build and snapshot load, invariants
+    Placements(placements::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -47,6 +55,7 @@ fn run() -> anyhow::Result<()> {
     rt.block_on(async {
         match cli.scenario {
             Scenario::Append(a) => append::run(a).await,
+            Scenario::Placements(a) => placements::run(a).await,
         }
     })
 }

@@ -151,6 +151,13 @@ pub enum ApplyError {
     },
 }
 
+/// The free devices of one island: by node, device indexes.
+#[derive(Debug, Default, Clone, PartialEq)]
+struct IslandFree {
+    free: u32,
+    nodes: BTreeMap<String, Vec<u32>>,
+}
+
 /// Free capacity and shape of one device class in one pool.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct ClassIndex {
@@ -159,7 +166,7 @@ pub struct ClassIndex {
     /// The same nodes by free count.
     by_free: BTreeMap<u32, BTreeSet<String>>,
     /// Free devices per island (only on schedulable nodes).
-    island_members: HashMap<String, BTreeSet<(String, u32)>>,
+    island_members: HashMap<String, IslandFree>,
     islands_by_free: BTreeMap<u32, BTreeSet<String>>,
     /// Devices per present node, counted regardless of health and bookings:
     /// what the pool could hold at best. `node size -> nodes`.
@@ -241,14 +248,12 @@ impl ClassIndex {
         self.island_members
             .get(island)
             .into_iter()
-            .flatten()
-            .map(|(n, d)| (n.as_str(), *d))
+            .flat_map(|m| &m.nodes)
+            .flat_map(|(n, ds)| ds.iter().map(move |d| (n.as_str(), *d)))
     }
 
     pub fn island_free(&self, island: &str) -> u32 {
-        self.island_members
-            .get(island)
-            .map_or(0, |m| m.len() as u32)
+        self.island_members.get(island).map_or(0, |m| m.free)
     }
 
     /// The most devices of the class any present node has.
@@ -407,6 +412,8 @@ impl Index {
     }
 
     /// Adds (or removes) a node's contribution to the derived structures.
+    /// Called for the whole node before and after every change to it, so it
+    /// works per class and per island, not per device.
     fn derive_node(&mut self, pool: &str, node_name: &str, add: bool) {
         let Some(node) = self
             .state
@@ -416,64 +423,59 @@ impl Index {
         else {
             return;
         };
-        let classes = self.classes.entry(pool.to_string()).or_default();
+        if node.left {
+            return;
+        }
+        let classes = match self.classes.get_mut(pool) {
+            Some(c) => c,
+            None => self.classes.entry(pool.to_string()).or_default(),
+        };
         let schedulable = node.schedulable();
-        let mut per_class: BTreeMap<&str, (u32, u32)> = BTreeMap::new();
+        // (class, devices, free); (class, island, devices, free indexes).
+        let mut per_class: Vec<(&str, u32, u32)> = Vec::with_capacity(1);
+        let mut per_island: Vec<(&str, &str, u32, Vec<u32>)> = Vec::with_capacity(2);
         for (i, d) in node.devices.iter().enumerate() {
-            if !d.present || node.left {
+            if !d.present {
                 continue;
             }
-            let c = classes.entry(d.spec.class.clone()).or_default();
-            let entry = per_class.entry(&d.spec.class).or_default();
-            entry.0 += 1;
             let free = schedulable && d.free();
-            if free {
-                entry.1 += 1;
+            let class = d.spec.class.as_str();
+            match per_class.iter_mut().find(|c| c.0 == class) {
+                Some(c) => {
+                    c.1 += 1;
+                    c.2 += u32::from(free);
+                }
+                None => per_class.push((class, 1, u32::from(free))),
             }
-            if add {
-                c.total += 1;
-            } else {
-                c.total -= 1;
-            }
-            if let Some(island) = &d.spec.island {
-                let size = c.island_sizes.entry(island.clone()).or_default();
-                let before = *size;
-                if add {
-                    *size += 1;
-                } else {
-                    *size -= 1;
-                }
-                let after = *size;
-                if before > 0 {
-                    bump(&mut c.island_size_counts, before, false);
-                }
-                if after > 0 {
-                    bump(&mut c.island_size_counts, after, true);
-                } else {
-                    c.island_sizes.remove(island);
-                }
+            if let Some(island) = d.spec.island.as_deref() {
+                let at = match per_island
+                    .iter()
+                    .position(|e| e.0 == class && e.1 == island)
+                {
+                    Some(at) => at,
+                    None => {
+                        per_island.push((class, island, 0, Vec::new()));
+                        per_island.len() - 1
+                    }
+                };
+                let entry = &mut per_island[at];
+                entry.2 += 1;
                 if free {
-                    let members = c.island_members.entry(island.clone()).or_default();
-                    let before = members.len() as u32;
-                    if add {
-                        members.insert((node_name.to_string(), i as u32));
-                    } else {
-                        members.remove(&(node_name.to_string(), i as u32));
-                    }
-                    let after = members.len() as u32;
-                    if after == 0 {
-                        c.island_members.remove(island);
-                    }
-                    bucket_move(&mut c.islands_by_free, island, before, after);
+                    entry.3.push(i as u32);
                 }
             }
         }
-        for (class, (size, free)) in per_class {
-            let c = classes.get_mut(class).expect("class entry made above");
+        for (class, size, free) in per_class {
+            let c = match classes.get_mut(class) {
+                Some(c) => c,
+                None => classes.entry(class.to_string()).or_default(),
+            };
             bump(&mut c.node_sizes, size, add);
             if add {
+                c.total += size as u64;
                 c.free += free as u64;
             } else {
+                c.total -= size as u64;
                 c.free -= free as u64;
             }
             if free > 0 {
@@ -486,7 +488,49 @@ impl Index {
                 }
             }
         }
-        classes.retain(|_, c| c.total > 0 || c.free > 0 || !c.node_sizes.is_empty());
+        for (class, island, size, free) in per_island {
+            let c = classes.get_mut(class).expect("class entry made above");
+            let before = c.island_sizes.get(island).copied().unwrap_or(0);
+            let after = if add { before + size } else { before - size };
+            if before > 0 {
+                bump(&mut c.island_size_counts, before, false);
+            }
+            if after > 0 {
+                bump(&mut c.island_size_counts, after, true);
+                match c.island_sizes.get_mut(island) {
+                    Some(s) => *s = after,
+                    None => {
+                        c.island_sizes.insert(island.to_string(), after);
+                    }
+                }
+            } else {
+                c.island_sizes.remove(island);
+            }
+            if free.is_empty() {
+                continue;
+            }
+            let n = free.len() as u32;
+            let members = match c.island_members.get_mut(island) {
+                Some(m) => m,
+                None => c.island_members.entry(island.to_string()).or_default(),
+            };
+            let before = members.free;
+            if add {
+                members.free += n;
+                members.nodes.insert(node_name.to_string(), free);
+            } else {
+                members.free -= n;
+                members.nodes.remove(node_name);
+            }
+            let after = members.free;
+            if after == 0 {
+                c.island_members.remove(island);
+            }
+            bucket_move(&mut c.islands_by_free, island, before, after);
+        }
+        if !add {
+            classes.retain(|_, c| c.total > 0 || !c.node_sizes.is_empty());
+        }
     }
 
     /// Adds (or removes) a reservation to its pool's queues.

@@ -88,8 +88,10 @@ pub fn decode(bytes: &[u8]) -> Result<State, SnapshotError> {
     }
     let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(payload.len());
     aligned.extend_from_slice(payload);
-    let state = rkyv::from_bytes::<State, rkyv::rancor::Error>(&aligned)
+    let archived = rkyv::access::<crate::index::ArchivedState, rkyv::rancor::Error>(&aligned)
         .map_err(|e| SnapshotError::Invalid(format!("archive does not validate: {e}")))?;
+    let state: State = rkyv::deserialize::<State, rkyv::rancor::Error>(archived)
+        .map_err(|e| SnapshotError::Invalid(format!("archive does not decode: {e}")))?;
     if state.position != position {
         return Err(SnapshotError::Invalid(format!(
             "header position {position} but archive position {}",

@@ -1,0 +1,516 @@
+//! `bench placements`: reservations placed end to end, against plain
+//! PostgreSQL inserts in the same run.
+//!
+//! A fleet of 8-GPU nodes joins by events; a placer runs in this process
+//! (one pool lease per pool) and a separate subscription watches the log for
+//! outcomes. Phases, in order, each on what the previous left free:
+//!
+//! 1. latency: 1-GPU requests at a fixed offered rate; each request's
+//!    `ReservationRequested` commit to its `ReservationPlaced` seen by the
+//!    watching subscription;
+//! 2. throughput, 1-GPU requests: as many as the generator can offer;
+//! 3. throughput, a mix of 1, 2, 4 and 8 GPUs and 2-node gangs of 8.
+//!
+//! Then: the index built from the whole log, written as a snapshot and
+//! loaded again (and a synthetic 100,000-GPU index, when the fleet is
+//! smaller), and the invariant check over the whole log. The baseline is
+//! the 64-row multi-row INSERT (4 clients) on the same PostgreSQL.
+
+use crate::append::{prepare_raw, raw_multirow};
+use crate::util::{self, percentile_ms, round};
+use anyhow::{bail, Context, Result};
+use events::{Appender, AppenderConfig, ExpectedVersion, Reader, ReaderConfig, Start};
+use placer::{Placer, PlacerConfig};
+use projections::domain::reservation_stream;
+use projections::testing::Log;
+use projections::{check, projector, snapshot, Fact, Index, Request, Shape, SnapshotStore};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const CLASS: &str = "H100-80GB";
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Nodes in the fleet (8 GPUs each)
+    #[arg(long, default_value_t = 10_000)]
+    nodes: u32,
+    /// Pools the nodes are split over
+    #[arg(long, default_value_t = 1)]
+    pools: u32,
+    /// A short run: a 3-second latency phase, smaller throughput phases
+    #[arg(long)]
+    quick: bool,
+    /// Offered requests per second in the latency phase
+    #[arg(long, default_value_t = 1000)]
+    offered: u32,
+    /// Seconds of the latency phase (default 3 quick, 10 full)
+    #[arg(long)]
+    latency_seconds: Option<u64>,
+    /// The placer's largest batch
+    #[arg(long, default_value_t = 1024)]
+    max_batch: usize,
+    /// Concurrent clients offering requests in the throughput phases
+    #[arg(long, default_value_t = 256)]
+    clients: usize,
+}
+
+/// What the watching subscription saw, by reservation.
+#[derive(Default)]
+struct Seen {
+    placed: AtomicU64,
+    decided: AtomicU64,
+    queued: AtomicU64,
+    at: Mutex<HashMap<String, Instant>>,
+}
+
+async fn watch(reader: Reader, seen: Arc<Seen>) -> Result<()> {
+    let mut sub = reader.subscribe_ephemeral(Start::Now).await?;
+    loop {
+        let e = sub.next().await?;
+        sub.ack(e.position);
+        if !e.stream.starts_with("pool/") {
+            continue;
+        }
+        let Ok(Some(fact)) = Fact::parse(&e.event_type, &e.payload) else {
+            continue;
+        };
+        let now = Instant::now();
+        match fact {
+            Fact::ReservationPlaced { reservation, .. } => {
+                seen.at.lock().expect("seen lock").insert(reservation, now);
+                seen.placed.fetch_add(1, Ordering::Relaxed);
+                seen.decided.fetch_add(1, Ordering::Relaxed);
+            }
+            Fact::ReservationQueued { .. } | Fact::ReservationUnschedulable { .. } => {
+                seen.queued.fetch_add(1, Ordering::Relaxed);
+                seen.decided.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+}
+
+fn request(id: String, pool: &str, gpus: u32, shape: Shape) -> Request {
+    Request {
+        reservation: id,
+        pool: pool.to_string(),
+        class: CLASS.into(),
+        gpus,
+        shape,
+        priority: 0,
+        ttl_ms: None,
+    }
+}
+
+async fn offer(appender: &Appender, r: &Request) -> Result<()> {
+    appender
+        .append(
+            &reservation_stream(&r.reservation),
+            ExpectedVersion::NoStream,
+            vec![Fact::ReservationRequested(r.clone()).to_event()],
+        )
+        .await
+        .with_context(|| format!("request {}", r.reservation))?;
+    Ok(())
+}
+
+/// Waits until `counter` reaches `target`; returns when it did.
+async fn until(counter: &AtomicU64, target: u64, limit: Duration) -> Result<Instant> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if counter.load(Ordering::Relaxed) >= target {
+            return Ok(Instant::now());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "stalled at {} of {target} after {limit:?}",
+                counter.load(Ordering::Relaxed)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Offers `requests` from `clients` concurrent clients as fast as they go.
+/// Returns the seconds until all were decided (placed, queued or refused).
+async fn flood(
+    appender: &Appender,
+    seen: &Seen,
+    requests: Vec<Request>,
+    clients: usize,
+) -> Result<(f64, f64)> {
+    let n = requests.len() as u64;
+    let target = seen.decided.load(Ordering::Relaxed) + n;
+    let requests = Arc::new(requests);
+    let next = Arc::new(AtomicU64::new(0));
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let (appender, requests, next) = (appender.clone(), requests.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                let Some(r) = requests.get(i) else {
+                    return anyhow::Ok(());
+                };
+                offer(&appender, r).await?;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let offered_secs = t0.elapsed().as_secs_f64();
+    let done = until(&seen.decided, target, Duration::from_secs(300)).await?;
+    Ok(((done - t0).as_secs_f64(), offered_secs))
+}
+
+/// Offers 1-GPU requests at a fixed rate; returns each request's latency
+/// from its commit and from its send to its placement seen.
+async fn paced(
+    appender: &Appender,
+    seen: &Arc<Seen>,
+    pools: &[String],
+    rate: u32,
+    secs: u64,
+) -> Result<(Vec<Duration>, Vec<Duration>, f64)> {
+    let n = rate as u64 * secs;
+    let target = seen.placed.load(Ordering::Relaxed) + n;
+    let committed: Arc<Mutex<HashMap<String, (Instant, Instant)>>> = Arc::default();
+    let t0 = Instant::now();
+    let mut tasks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let at = t0 + Duration::from_secs_f64(i as f64 / rate as f64);
+        tokio::time::sleep_until(at.into()).await;
+        let r = request(
+            format!("lat-{i}"),
+            &pools[i as usize % pools.len()],
+            1,
+            Shape::Any,
+        );
+        let (appender, committed) = (appender.clone(), committed.clone());
+        tasks.push(tokio::spawn(async move {
+            let sent = Instant::now();
+            offer(&appender, &r).await?;
+            committed
+                .lock()
+                .expect("lock")
+                .insert(r.reservation, (sent, Instant::now()));
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let achieved = n as f64 / t0.elapsed().as_secs_f64();
+    until(&seen.placed, target, Duration::from_secs(120)).await?;
+    let at = seen.at.lock().expect("lock");
+    let mut from_commit = Vec::new();
+    let mut from_send = Vec::new();
+    for (id, (sent, done)) in committed.lock().expect("lock").iter() {
+        let placed = at.get(id).context("a placement was not seen")?;
+        from_commit.push(placed.saturating_duration_since(*done));
+        from_send.push(placed.saturating_duration_since(*sent));
+    }
+    Ok((from_commit, from_send, achieved))
+}
+
+/// A synthetic index of `nodes` 8-GPU nodes, half of the GPUs booked.
+fn synthetic(nodes: u32) -> Index {
+    let mut log = Log::new();
+    let mut index = Index::new();
+    let mut apply = |log: &mut Log, stream: &str, f: &Fact| {
+        let e = log.push(stream, f);
+        index.apply(&e).expect("in order");
+    };
+    apply(
+        &mut log,
+        "pool/synthetic",
+        &Fact::PoolCreated {
+            description: String::new(),
+        },
+    );
+    for (node, devices) in placer::client::uniform_fleet("s", nodes, CLASS, 8, 8) {
+        apply(
+            &mut log,
+            "pool/synthetic",
+            &Fact::NodeJoined { node, devices },
+        );
+    }
+    for n in 0..nodes {
+        let id = format!("syn-{n}");
+        let r = request(id.clone(), "synthetic", 4, Shape::Node);
+        apply(
+            &mut log,
+            &reservation_stream(&id),
+            &Fact::ReservationRequested(r),
+        );
+        apply(
+            &mut log,
+            "pool/synthetic",
+            &Fact::ReservationPlaced {
+                reservation: id,
+                allocations: vec![projections::Allocation {
+                    node: format!("s{n:05}"),
+                    devices: (0..4).map(|d| format!("gpu{d}")).collect(),
+                }],
+            },
+        );
+    }
+    index
+}
+
+/// Median time to load a snapshot file (read, validate, decode, derive).
+fn snapshot_load_ms(index: &Index, dir: &std::path::Path, reps: usize) -> Result<(f64, u64)> {
+    let store = SnapshotStore::new(dir);
+    let path = store.write(index.state())?;
+    let size = std::fs::metadata(&path)?.len();
+    let mut times = Vec::new();
+    for _ in 0..reps {
+        let t = Instant::now();
+        let bytes = std::fs::read(&path)?;
+        let loaded = Index::from_state(snapshot::decode(&bytes)?);
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        if loaded.position() != index.position() {
+            bail!("the snapshot loaded at another position");
+        }
+    }
+    Ok((util::median(&mut times), size))
+}
+
+pub async fn run(args: Args) -> Result<()> {
+    if args.nodes == 0 || args.pools == 0 || args.pools > args.nodes {
+        bail!("need at least one node per pool");
+    }
+    let latency_secs = args
+        .latency_seconds
+        .unwrap_or(if args.quick { 3 } else { 10 });
+    let reps = if args.quick { 1 } else { 3 };
+    let raw_secs = Duration::from_secs(if args.quick { 3 } else { 5 });
+    eprintln!("starting a private PostgreSQL (fsync on) ...");
+    let cluster = tokio::task::spawn_blocking(util::cluster).await??;
+    let cfg = util::database(&cluster, "bench").await?;
+    let client = events::db::connect(&cfg, "bench").await?;
+    let pg_version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
+    prepare_raw(&client).await?;
+    let mut raw = Vec::new();
+    for _ in 0..reps {
+        raw.push(raw_multirow(&cfg, "raw_events", 4, 64, raw_secs).await?);
+    }
+    let raw_multirow = util::median(&mut raw);
+    eprintln!("raw: 64-row INSERT x4 {raw_multirow:.0} rows/s");
+
+    // The fleet, by events.
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let pools: Vec<String> = (0..args.pools).map(|p| format!("bench{p}")).collect();
+    let t = Instant::now();
+    for (i, pool) in pools.iter().enumerate() {
+        placer::client::create_pool(&appender, pool, "benchmark pool").await?;
+        let share = args.nodes / args.pools + u32::from((i as u32) < args.nodes % args.pools);
+        let fleet = placer::client::uniform_fleet(&format!("{pool}-n"), share, CLASS, 8, 8);
+        placer::client::join_nodes(&appender, pool, fleet, |_| {}).await?;
+    }
+    let gpus = args.nodes as u64 * 8;
+    eprintln!(
+        "fleet: {} nodes, {gpus} GPUs in {} pool(s), joined by events in {:.1} s",
+        args.nodes,
+        args.pools,
+        t.elapsed().as_secs_f64()
+    );
+
+    let mut rc = ReaderConfig::new("bench_placements");
+    rc.temporary = true;
+    let reader = Reader::start(cfg.clone(), rc);
+    let seen = Arc::new(Seen::default());
+    let watcher = tokio::spawn(watch(reader.clone(), seen.clone()));
+    let mut pc = PlacerConfig::new("bench");
+    pc.max_batch = args.max_batch;
+    let placer = Placer::start(cfg.clone(), reader.clone(), appender.clone(), pc);
+    let stats = placer.stats();
+    let t = Instant::now();
+    while stats.view().pools_held < args.pools as u64 {
+        if t.elapsed() > Duration::from_secs(120) || placer.is_finished() {
+            bail!("the placer did not take the pools: {:?}", stats.view());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let index_ready_s = t.elapsed().as_secs_f64();
+    eprintln!(
+        "placer holds {} pool(s) after {index_ready_s:.2} s",
+        args.pools
+    );
+
+    // 1. Latency at a fixed offered rate.
+    let (mut lat, mut lat_send, achieved) =
+        paced(&appender, &seen, &pools, args.offered, latency_secs).await?;
+    let (p50, p99) = (percentile_ms(&mut lat, 0.5), percentile_ms(&mut lat, 0.99));
+    let p99_send = percentile_ms(&mut lat_send, 0.99);
+    eprintln!(
+        "latency at {} offered ({achieved:.0}/s achieved): requested committed -> placed seen p50 {p50:.2} ms, p99 {p99:.2} ms (from send p99 {p99_send:.2} ms)",
+        args.offered
+    );
+
+    // 2. Throughput, 1-GPU requests, on 40% of the GPUs.
+    let n1 = (gpus * 4 / 10).min(if args.quick { 20_000 } else { u64::MAX });
+    let ones: Vec<Request> = (0..n1)
+        .map(|i| {
+            request(
+                format!("one-{i}"),
+                &pools[i as usize % pools.len()],
+                1,
+                Shape::Any,
+            )
+        })
+        .collect();
+    let before = stats.view();
+    let (secs1, offered1) = flood(&appender, &seen, ones, args.clients).await?;
+    let after = stats.view();
+    let rate1 = n1 as f64 / secs1;
+    let batches1 = after.batches - before.batches;
+    eprintln!(
+        "1-GPU: {n1} placed in {secs1:.2} s = {rate1:.0} placements/s (offered in {offered1:.2} s; {batches1} batches, {} conflicts)",
+        after.conflicts - before.conflicts
+    );
+
+    // 3. Throughput, the mix, on about 30% of the GPUs.
+    let n3 = (gpus * 3 / 10 / 4).min(if args.quick { 3_000 } else { u64::MAX });
+    let mix: Vec<Request> = (0..n3)
+        .map(|i| {
+            let pool = &pools[i as usize % pools.len()];
+            let id = format!("mix-{i}");
+            match i % 10 {
+                0..=3 => request(id, pool, 1, Shape::Any),
+                4 | 5 => request(id, pool, 2, Shape::Any),
+                6 | 7 => request(id, pool, 4, Shape::Node),
+                8 => request(id, pool, 8, Shape::Node),
+                _ => request(
+                    id,
+                    pool,
+                    16,
+                    Shape::Gang {
+                        nodes: 2,
+                        gpus_per_node: 8,
+                    },
+                ),
+            }
+        })
+        .collect();
+    let before = stats.view();
+    let placed_before = seen.placed.load(Ordering::Relaxed);
+    let (secs3, _) = flood(&appender, &seen, mix, args.clients).await?;
+    let after = stats.view();
+    let placed3 = seen.placed.load(Ordering::Relaxed) - placed_before;
+    let rate3 = n3 as f64 / secs3;
+    eprintln!(
+        "mix: {n3} decided in {secs3:.2} s = {rate3:.0}/s ({placed3} placed, {} queued; {} conflicts)",
+        after.queued - before.queued,
+        after.conflicts - before.conflicts
+    );
+    let placer_stats = stats.view();
+    placer.stop().await?;
+    watcher.abort();
+    let _ = watcher.await;
+    drop(reader);
+
+    // The index from the log and from a snapshot.
+    let t = Instant::now();
+    let built = projector::build(&client, Index::new()).await?;
+    let build_ms = t.elapsed().as_secs_f64() * 1e3;
+    let dir = tempfile::tempdir()?;
+    let (fleet_load_ms, fleet_bytes) = snapshot_load_ms(&built, &dir.path().join("fleet"), 5)?;
+    let (load_100k_ms, bytes_100k) = if gpus < 100_000 {
+        let syn = synthetic(12_500);
+        snapshot_load_ms(&syn, &dir.path().join("synthetic"), 5)?
+    } else {
+        (fleet_load_ms, fleet_bytes)
+    };
+    eprintln!(
+        "index: built from {} events in {build_ms:.0} ms; snapshot {:.1} MB loads in {fleet_load_ms:.1} ms; 100,000 GPUs: {:.1} MB in {load_100k_ms:.1} ms",
+        built.position(),
+        fleet_bytes as f64 / 1e6,
+        bytes_100k as f64 / 1e6
+    );
+
+    // The invariants over the whole log.
+    let mut double_bookings = 0u64;
+    let mut violations = 0u64;
+    let mut replayed = Index::new();
+    projector::catch_up(
+        &client,
+        &mut replayed,
+        |v| {
+            violations += 1;
+            if v.message.contains("double booking") {
+                double_bookings += 1;
+            }
+            true
+        },
+        |_| {},
+    )
+    .await?;
+    let verdict = match check::check(&client, |_| {}).await {
+        Ok(r) => format!(
+            "ok: {} events, {} booked devices, {} live",
+            r.events, r.booked_devices, r.live
+        ),
+        Err(e) => format!("violation: {e}"),
+    };
+    eprintln!("check: {verdict}");
+
+    let placements_ratio = rate1 / raw_multirow;
+    let result = serde_json::json!({
+        "bench": "placements",
+        "quick": args.quick,
+        "machine": util::machine(&pg_version),
+        "nodes": args.nodes,
+        "gpus": gpus,
+        "pools": args.pools,
+        "max_batch": args.max_batch,
+        "clients": args.clients,
+        "raw_multirow_rows_per_s": round(raw_multirow, 0),
+        "placements_per_s": round(rate1, 0),
+        "placements_1gpu": n1,
+        "placements_ratio_vs_raw_rows": round(placements_ratio, 3),
+        "mix_decided_per_s": round(rate3, 0),
+        "mix_requests": n3,
+        "mix_placed": placed3,
+        "offered_per_s": args.offered,
+        "achieved_offered_per_s": round(achieved, 0),
+        "p50_ms": round(p50, 3),
+        "p99_ms": round(p99, 3),
+        "p99_from_send_ms": round(p99_send, 3),
+        "batches": placer_stats.batches,
+        "conflicts": placer_stats.conflicts,
+        "replans": placer_stats.conflicts,
+        "placer": placer_stats,
+        "index_ready_s": round(index_ready_s, 3),
+        "index_build_from_log_ms": round(build_ms, 1),
+        "index_events": built.position(),
+        "snapshot_bytes": fleet_bytes,
+        "snapshot_fleet_load_ms": round(fleet_load_ms, 2),
+        "snapshot_load_ms": round(load_100k_ms, 2),
+        "snapshot_load_gpus": 100_000u64.max(gpus),
+        "double_bookings": double_bookings,
+        "violations": violations,
+        "check": verdict,
+        "targets": {"placements_per_s": ">= 10000 at 10,000 nodes", "p99_ms": "< 50 at 1,000/s offered", "snapshot_load_ms": "< 100 for 100,000 GPUs", "double_bookings": "0"},
+        "met": {
+            "placements_per_s": rate1 >= 10_000.0,
+            "p99_ms": p99 < 50.0,
+            "snapshot_load_ms": load_100k_ms < 100.0,
+            "double_bookings": double_bookings == 0 && violations == 0,
+        },
+    });
+    let name = if args.quick {
+        format!("placements-{}-quick", args.nodes)
+    } else {
+        format!("placements-{}", args.nodes)
+    };
+    util::finish(&name, &result)?;
+    drop(appender);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(cluster);
+    Ok(())
+}
