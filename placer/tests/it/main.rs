@@ -55,6 +55,14 @@ fn request(id: &str, pool: &str, gpus: u32, shape: Shape) -> Request {
     }
 }
 
+/// The next outcome of a reservation, within 30 s.
+async fn wait_for(sub: &mut events::Subscription, id: &str) -> Outcome {
+    tokio::time::timeout(Duration::from_secs(30), client::wait(sub, id, |_| {}))
+        .await
+        .expect("an outcome in time")
+        .unwrap()
+}
+
 async fn head(client: &Client) -> u64 {
     events::read::head(client).await.unwrap().0
 }
@@ -110,13 +118,7 @@ async fn placements_flow_through_the_log_and_rebuilt_indexes_match() {
     client::reserve(&client, &appender, &request("first", "p1", 8, Shape::Node))
         .await
         .unwrap();
-    let outcome = tokio::time::timeout(
-        Duration::from_secs(30),
-        client::wait(&mut sub, "first", |_| {}),
-    )
-    .await
-    .unwrap()
-    .unwrap();
+    let outcome = wait_for(&mut sub, "first").await;
     let Outcome::Placed(allocs) = outcome else {
         panic!("{outcome:?}")
     };
@@ -372,4 +374,39 @@ async fn the_check_finds_a_double_booking_in_the_log() {
         text.contains("double booking") && text.contains("by reservation \"a\""),
         "{text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_expire_after_their_ttl_and_free_their_devices() {
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "ttl", 1).await;
+    let reader = reader(&cfg);
+    let placer = Placer::start(
+        cfg.clone(),
+        reader.clone(),
+        appender.clone(),
+        PlacerConfig::new("t"),
+    );
+    let mut sub = reader
+        .subscribe_ephemeral(events::Start::Now)
+        .await
+        .unwrap();
+    let mut r = request("short", "ttl", 8, Shape::Node);
+    r.ttl_ms = Some(300);
+    client::reserve(&client, &appender, &r).await.unwrap();
+    assert!(matches!(
+        wait_for(&mut sub, "short").await,
+        Outcome::Placed(_)
+    ));
+    let placed_at = std::time::Instant::now();
+    assert_eq!(wait_for(&mut sub, "short").await, Outcome::Expired);
+    assert!(
+        placed_at.elapsed() >= Duration::from_millis(150),
+        "not before its time"
+    );
+    let report = check::check(&client, |_| {}).await.unwrap();
+    assert_eq!((report.booked_devices, report.live), (0, 0));
+    assert_eq!(placer.stats().view().expired, 1);
+    placer.stop().await.unwrap();
 }
