@@ -503,11 +503,13 @@ pub async fn run(args: Args) -> Result<()> {
             "double_bookings": double_bookings == 0 && violations == 0,
         },
     });
-    let name = if args.quick {
-        format!("placements-{}-quick", args.nodes)
-    } else {
-        format!("placements-{}", args.nodes)
-    };
+    let mut name = format!("placements-{}", args.nodes);
+    if args.pools > 1 {
+        name.push_str(&format!("-p{}", args.pools));
+    }
+    if args.quick {
+        name.push_str("-quick");
+    }
     util::finish(&name, &result)?;
     drop(appender);
     tokio::time::sleep(Duration::from_millis(200)).await;

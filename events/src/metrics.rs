@@ -85,7 +85,22 @@ pub struct Metrics {
     pub replication_lag_bytes: Gauge,
     pub replication_lag_seconds: Gauge,
     pub subscriptions: Mutex<BTreeMap<String, SubscriptionLag>>,
+    /// Renderers added by other parts of the process (the placer's counters).
+    extra: Renderers,
 }
+
+#[derive(Default)]
+struct Renderers(Mutex<Vec<Renderer>>);
+
+impl std::fmt::Debug for Renderers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |v| v.len());
+        write!(f, "{n} renderer(s)")
+    }
+}
+
+/// Appends metrics in the Prometheus text format.
+pub type Renderer = std::sync::Arc<dyn Fn(&mut String) + Send + Sync>;
 
 const SIZE_BOUNDS: &[f64] = &[
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0,
@@ -108,6 +123,7 @@ pub fn global() -> &'static Metrics {
         replication_lag_bytes: Gauge::default(),
         replication_lag_seconds: Gauge::default(),
         subscriptions: Mutex::new(BTreeMap::new()),
+        extra: Renderers::default(),
     })
 }
 
@@ -129,6 +145,13 @@ impl Metrics {
             .lock()
             .map(|m| m.iter().map(|(k, v)| (k.clone(), *v)).collect())
             .unwrap_or_default()
+    }
+
+    /// Adds a renderer whose output follows the built-in metrics.
+    pub fn register(&self, renderer: Renderer) {
+        if let Ok(mut v) = self.extra.0.lock() {
+            v.push(renderer);
+        }
     }
 
     pub fn remove_subscription(&self, name: &str) {
@@ -224,11 +247,16 @@ impl Metrics {
                 lag.seconds
             );
         }
+        let extra = self.extra.0.lock().map(|v| v.clone()).unwrap_or_default();
+        for render in extra {
+            render(&mut out);
+        }
         out
     }
 }
 
-fn escape(s: &str) -> String {
+/// Escapes a label value.
+pub fn escape(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")

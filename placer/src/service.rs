@@ -110,6 +110,76 @@ pub struct StatsView {
 }
 
 impl Stats {
+    /// Renders the counters in the Prometheus text format, labelled with the
+    /// placer's holder name.
+    pub fn render(&self, holder: &str, out: &mut String) {
+        use std::fmt::Write;
+        let v = self.view();
+        let h = events::metrics::escape(holder);
+        let rows: [(&str, &str, &str, u64); 9] = [
+            (
+                "strata_placer_batches_total",
+                "counter",
+                "Batches committed.",
+                v.batches,
+            ),
+            (
+                "strata_placer_placed_total",
+                "counter",
+                "Reservations placed.",
+                v.placed,
+            ),
+            (
+                "strata_placer_queued_total",
+                "counter",
+                "Reservations queued for capacity.",
+                v.queued,
+            ),
+            (
+                "strata_placer_unschedulable_total",
+                "counter",
+                "Reservations that can never fit.",
+                v.unschedulable,
+            ),
+            (
+                "strata_placer_released_total",
+                "counter",
+                "Reservations released.",
+                v.released,
+            ),
+            (
+                "strata_placer_expired_total",
+                "counter",
+                "Reservations expired.",
+                v.expired,
+            ),
+            (
+                "strata_placer_conflicts_total",
+                "counter",
+                "Batches refused by the pool version fence and replanned.",
+                v.conflicts,
+            ),
+            (
+                "strata_placer_errors_total",
+                "counter",
+                "Batches that failed otherwise and were retried.",
+                v.errors,
+            ),
+            (
+                "strata_placer_pools_held",
+                "gauge",
+                "Pools whose lease this placer holds.",
+                v.pools_held,
+            ),
+        ];
+        for (name, kind, help, value) in rows {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{holder=\"{h}\"}} {value}"
+            );
+        }
+    }
+
     pub fn view(&self) -> StatsView {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         StatsView {
@@ -156,6 +226,12 @@ impl Placer {
         config: PlacerConfig,
     ) -> Placer {
         let stats = Arc::new(Stats::default());
+        let (weak, holder) = (Arc::downgrade(&stats), config.holder.clone());
+        events::metrics::global().register(Arc::new(move |out: &mut String| {
+            if let Some(s) = weak.upgrade() {
+                s.render(&holder, out);
+            }
+        }));
         let (stop, stop_rx) = oneshot::channel();
         let task = events::task::spawn(
             "placer",
