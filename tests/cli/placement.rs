@@ -276,9 +276,10 @@ fn placers_split_pools_and_a_killed_one_hands_them_over() {
         (h.len() == 4 && h.iter().all(|(_, x)| x == "b")).then_some(killed.elapsed())
     })
     .expect("b took all pools");
-    // The lease lives 2 s; b looks every 2/3 s.
+    // The lease lives 2 s; b looks every 2/3 s (and a busy machine gets a
+    // second of slack).
     assert!(
-        moved < Duration::from_secs(5),
+        moved < Duration::from_millis(3700),
         "pools moved after {moved:?}"
     );
     let report = wait_for(30, || {
