@@ -33,6 +33,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "leases",
         sql: include_str!("../migrations/0003_leases.sql"),
     },
+    Migration {
+        version: 4,
+        name: "node_identity",
+        sql: include_str!("../migrations/0004_node_identity.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

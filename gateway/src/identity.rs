@@ -1,0 +1,143 @@
+//! Join tokens and issued certificates in the database.
+//!
+//! A token is 32 random bytes shown once (`stj_` and 64 hex digits); only its
+//! SHA-256 is stored. Redeeming it and recording the certificate it paid for
+//! is one statement, so a token is spent exactly once.
+
+use crate::ca::Signed;
+use events::{Appender, ExpectedVersion, NewEvent};
+use std::time::Duration;
+use tokio_postgres::Client;
+
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    #[error("the join token is unknown, already used or expired")]
+    BadToken,
+    #[error("node {0:?} has no certificate")]
+    UnknownNode(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("database: {0}")]
+    Database(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Append(#[from] events::AppendError),
+}
+
+/// The log stream of a node.
+pub fn node_stream(node: &str) -> String {
+    format!("node/{node}")
+}
+
+fn digest(token: &str) -> Vec<u8> {
+    ring::digest::digest(&ring::digest::SHA256, token.trim().as_bytes())
+        .as_ref()
+        .to_vec()
+}
+
+fn interval(d: Duration) -> String {
+    format!("{} milliseconds", d.as_millis().max(1))
+}
+
+/// Issues a one-time join token for `pool`, valid for `ttl`.
+pub async fn create_token(client: &Client, pool: &str, ttl: Duration) -> Result<String, IdentityError> {
+    projections::domain::valid_name("pool", pool).map_err(IdentityError::Invalid)?;
+    let mut bytes = [0u8; 32];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
+        .expect("system randomness");
+    let token = format!("stj_{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>());
+    client
+        .execute(
+            "INSERT INTO strata.join_tokens (hash, pool, expires_at) VALUES ($1, $2, now() + $3::text::interval)",
+            &[&digest(&token), &pool, &interval(ttl)],
+        )
+        .await?;
+    Ok(token)
+}
+
+/// Spends a token and records the certificate signed with it. Returns the
+/// token's pool.
+pub async fn redeem(
+    client: &Client,
+    appender: &Appender,
+    token: &str,
+    node: &str,
+    signed: &Signed,
+) -> Result<String, IdentityError> {
+    let row = client
+        .query_opt(
+            "WITH t AS (
+                UPDATE strata.join_tokens SET used_at = now(), used_by = $2
+                 WHERE hash = $1 AND used_at IS NULL AND expires_at > now()
+                RETURNING pool)
+             INSERT INTO strata.node_certificates (serial, node, pool, not_after)
+             SELECT $3, $2, pool, $4 FROM t
+             RETURNING pool",
+            &[&digest(token), &node, &signed.serial, &signed.not_after],
+        )
+        .await?;
+    let pool: String = row.ok_or(IdentityError::BadToken)?.get(0);
+    appender
+        .append(
+            &node_stream(node),
+            ExpectedVersion::Any,
+            vec![NewEvent::new(
+                "node.certificate_issued",
+                &serde_json::json!({ "node": node, "pool": pool, "serial": signed.serial }),
+            )],
+        )
+        .await?;
+    Ok(pool)
+}
+
+/// What the database says about a presented certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertificateRecord {
+    pub node: String,
+    pub pool: String,
+    pub revoked: bool,
+    pub expired: bool,
+}
+
+pub async fn lookup(client: &Client, serial: &str) -> Result<Option<CertificateRecord>, IdentityError> {
+    let row = client
+        .query_opt(
+            "SELECT node, pool, revoked_at IS NOT NULL, not_after <= now()
+               FROM strata.node_certificates WHERE serial = $1",
+            &[&serial],
+        )
+        .await?;
+    Ok(row.map(|r| CertificateRecord {
+        node: r.get(0),
+        pool: r.get(1),
+        revoked: r.get(2),
+        expired: r.get(3),
+    }))
+}
+
+/// Revokes every certificate of a node. Returns how many were revoked now.
+pub async fn revoke(client: &Client, appender: &Appender, node: &str, reason: &str) -> Result<u64, IdentityError> {
+    let n = client
+        .execute(
+            "UPDATE strata.node_certificates SET revoked_at = now() WHERE node = $1 AND revoked_at IS NULL",
+            &[&node],
+        )
+        .await?;
+    let known: i64 = client
+        .query_one("SELECT count(*) FROM strata.node_certificates WHERE node = $1", &[&node])
+        .await?
+        .get(0);
+    if known == 0 {
+        return Err(IdentityError::UnknownNode(node.to_string()));
+    }
+    appender
+        .append(
+            &node_stream(node),
+            ExpectedVersion::Any,
+            vec![NewEvent::new(
+                "node.revoked",
+                &serde_json::json!({ "node": node, "reason": reason, "certificates": n }),
+            )],
+        )
+        .await?;
+    Ok(n)
+}
