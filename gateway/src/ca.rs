@@ -8,8 +8,7 @@
 
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateSigningRequestParams, DistinguishedName,
-    DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
-    SerialNumber,
+    DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -139,9 +138,9 @@ impl Ca {
         params.distinguished_name = DistinguishedName::new();
         params.distinguished_name.push(DnType::CommonName, node);
         params.subject_alt_names = vec![SanType::URI(
-            format!("{NODE_URI_PREFIX}{node}")
-                .try_into()
-                .map_err(|_| CaError::Invalid(format!("node id {node:?} cannot be named in a URI")))?,
+            format!("{NODE_URI_PREFIX}{node}").try_into().map_err(|_| {
+                CaError::Invalid(format!("node id {node:?} cannot be named in a URI"))
+            })?,
         )];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
@@ -239,7 +238,10 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         init(&dir, "test").unwrap();
         assert!(matches!(init(&dir, "test"), Err(CaError::Exists(_))));
-        let mode = std::fs::metadata(dir.join(CA_KEY)).unwrap().permissions().mode();
+        let mode = std::fs::metadata(dir.join(CA_KEY))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
         let ca = Ca::load(&dir).unwrap();
         let key = KeyPair::generate().unwrap();

@@ -39,12 +39,19 @@ fn interval(d: Duration) -> String {
 }
 
 /// Issues a one-time join token for `pool`, valid for `ttl`.
-pub async fn create_token(client: &Client, pool: &str, ttl: Duration) -> Result<String, IdentityError> {
+pub async fn create_token(
+    client: &Client,
+    pool: &str,
+    ttl: Duration,
+) -> Result<String, IdentityError> {
     projections::domain::valid_name("pool", pool).map_err(IdentityError::Invalid)?;
     let mut bytes = [0u8; 32];
     ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
         .expect("system randomness");
-    let token = format!("stj_{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>());
+    let token = format!(
+        "stj_{}",
+        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    );
     client
         .execute(
             "INSERT INTO strata.join_tokens (hash, pool, expires_at) VALUES ($1, $2, now() + $3::text::interval)",
@@ -98,7 +105,10 @@ pub struct CertificateRecord {
     pub expired: bool,
 }
 
-pub async fn lookup(client: &Client, serial: &str) -> Result<Option<CertificateRecord>, IdentityError> {
+pub async fn lookup(
+    client: &Client,
+    serial: &str,
+) -> Result<Option<CertificateRecord>, IdentityError> {
     let row = client
         .query_opt(
             "SELECT node, pool, revoked_at IS NOT NULL, not_after <= now()
@@ -115,7 +125,12 @@ pub async fn lookup(client: &Client, serial: &str) -> Result<Option<CertificateR
 }
 
 /// Revokes every certificate of a node. Returns how many were revoked now.
-pub async fn revoke(client: &Client, appender: &Appender, node: &str, reason: &str) -> Result<u64, IdentityError> {
+pub async fn revoke(
+    client: &Client,
+    appender: &Appender,
+    node: &str,
+    reason: &str,
+) -> Result<u64, IdentityError> {
     let n = client
         .execute(
             "UPDATE strata.node_certificates SET revoked_at = now() WHERE node = $1 AND revoked_at IS NULL",
@@ -123,7 +138,10 @@ pub async fn revoke(client: &Client, appender: &Appender, node: &str, reason: &s
         )
         .await?;
     let known: i64 = client
-        .query_one("SELECT count(*) FROM strata.node_certificates WHERE node = $1", &[&node])
+        .query_one(
+            "SELECT count(*) FROM strata.node_certificates WHERE node = $1",
+            &[&node],
+        )
         .await?
         .get(0);
     if known == 0 {

@@ -168,7 +168,8 @@ impl Shared {
             let mut b = self.bucket.lock().expect("bucket lock");
             let now = Instant::now();
             let rate = self.config.handshakes_per_second.max(0.001);
-            b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(rate.max(1.0));
+            b.tokens =
+                (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(rate.max(1.0));
             b.last = now;
             if b.tokens < 1.0 {
                 self.stats.refused_admission.fetch_add(1, Ordering::Relaxed);
@@ -191,7 +192,10 @@ impl Shared {
 
     async fn write(&self, w: Write) -> Result<u64, AppendError> {
         let (tx, rx) = oneshot::channel();
-        let w = Write { done: Some(tx), ..w };
+        let w = Write {
+            done: Some(tx),
+            ..w
+        };
         if self.writes.send(w).await.is_err() {
             return Err(AppendError::Closed);
         }
@@ -265,10 +269,12 @@ pub async fn start(
             addr: config.listen,
             source,
         })?;
-    let addr = listener.local_addr().map_err(|source| GatewayError::Listen {
-        addr: config.listen,
-        source,
-    })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| GatewayError::Listen {
+            addr: config.listen,
+            source,
+        })?;
     let stats = Arc::new(GatewayStats::default());
     let (writes, writes_rx) = mpsc::channel(65_536);
     let shared = Arc::new(Shared {
@@ -334,11 +340,16 @@ struct JoinService {
 impl join_server::Join for JoinService {
     async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinResponse>, Status> {
         let req = req.into_inner();
-        projections::domain::valid_name("node id", &req.node_id).map_err(Status::invalid_argument)?;
+        projections::domain::valid_name("node id", &req.node_id)
+            .map_err(Status::invalid_argument)?;
         let signed = self
             .shared
             .ca
-            .sign_node(&req.node_id, &req.csr_pem, self.shared.config.certificate_days)
+            .sign_node(
+                &req.node_id,
+                &req.csr_pem,
+                self.shared.config.certificate_days,
+            )
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let client = self
             .shared
@@ -346,12 +357,18 @@ impl join_server::Join for JoinService {
             .get()
             .await
             .map_err(|e| Status::unavailable(format!("database: {e}")))?;
-        let pool = identity::redeem(&client, &self.shared.appender, &req.token, &req.node_id, &signed)
-            .await
-            .map_err(|e| match e {
-                identity::IdentityError::BadToken => Status::permission_denied(e.to_string()),
-                e => Status::unavailable(e.to_string()),
-            })?;
+        let pool = identity::redeem(
+            &client,
+            &self.shared.appender,
+            &req.token,
+            &req.node_id,
+            &signed,
+        )
+        .await
+        .map_err(|e| match e {
+            identity::IdentityError::BadToken => Status::permission_denied(e.to_string()),
+            e => Status::unavailable(e.to_string()),
+        })?;
         self.shared.stats.joins.fetch_add(1, Ordering::Relaxed);
         tracing::info!(node = %req.node_id, %pool, serial = %signed.serial, "node joined");
         Ok(Response::new(JoinResponse {
@@ -378,16 +395,24 @@ impl session_server::Session for SessionService {
     ) -> Result<Response<Outbound>, Status> {
         let shared = self.shared.clone();
         let refuse = |s: Status| {
-            shared.stats.refused_identity.fetch_add(1, Ordering::Relaxed);
+            shared
+                .stats
+                .refused_identity
+                .fetch_add(1, Ordering::Relaxed);
             s
         };
-        let certs = req
-            .peer_certs()
-            .ok_or_else(|| refuse(Status::unauthenticated("a session needs a node certificate")))?;
-        let cert = certs
-            .first()
-            .ok_or_else(|| refuse(Status::unauthenticated("a session needs a node certificate")))?;
-        let id = ca::node_identity(cert.as_ref()).map_err(|e| refuse(Status::unauthenticated(e)))?;
+        let certs = req.peer_certs().ok_or_else(|| {
+            refuse(Status::unauthenticated(
+                "a session needs a node certificate",
+            ))
+        })?;
+        let cert = certs.first().ok_or_else(|| {
+            refuse(Status::unauthenticated(
+                "a session needs a node certificate",
+            ))
+        })?;
+        let id =
+            ca::node_identity(cert.as_ref()).map_err(|e| refuse(Status::unauthenticated(e)))?;
         let permit = shared.admit()?;
         let pending = PendingHello(shared.clone());
         let client = shared
@@ -411,22 +436,47 @@ impl session_server::Session for SessionService {
                 ))))
             }
             Some(r) if r.expired => {
-                return Err(refuse(Status::permission_denied("the certificate has expired; join again")))
+                return Err(refuse(Status::permission_denied(
+                    "the certificate has expired; join again",
+                )))
             }
             Some(r) if r.node != id.node => {
-                return Err(refuse(Status::permission_denied("the certificate's node disagrees with its record")))
+                return Err(refuse(Status::permission_denied(
+                    "the certificate's node disagrees with its record",
+                )))
             }
             Some(r) => r,
         };
         let (tx, rx) = mpsc::channel(64);
         events::task::spawn(
             "gateway-session",
-            session(shared, id.node, record.pool, req.into_inner(), tx, permit, pending),
+            session(
+                shared,
+                id.node,
+                record.pool,
+                req.into_inner(),
+                tx,
+                permit,
+                pending,
+            ),
         );
-        let out = futures_util::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|m| (m, rx))
-        });
+        let out =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
+            );
         Ok(Response::new(Box::pin(out)))
+    }
+}
+
+/// What the node is told when its stream broke: a message that did not
+/// decode or was too large is the node's fault, and says so.
+fn refusal(status: Status) -> Status {
+    match status.code() {
+        tonic::Code::Internal | tonic::Code::Unknown => {
+            Status::invalid_argument(format!("malformed message: {}", status.message()))
+        }
+        _ => status,
     }
 }
 
@@ -455,18 +505,24 @@ async fn session(
         }))) => h,
         Ok(Err(status)) => {
             tracing::debug!(%node, %status, "session ended before its Hello");
+            let _ = tx.send(Err(refusal(status))).await;
             return;
         }
         _ => {
             let _ = tx
-                .send(Err(Status::invalid_argument("the first message of a session must be Hello")))
+                .send(Err(Status::invalid_argument(
+                    "the first message of a session must be Hello",
+                )))
                 .await;
             return;
         }
     };
     drop(pending);
     if hello.node_id != node {
-        shared.stats.refused_identity.fetch_add(1, Ordering::Relaxed);
+        shared
+            .stats
+            .refused_identity
+            .fetch_add(1, Ordering::Relaxed);
         let _ = tx
             .send(Err(Status::permission_denied(format!(
                 "this session's certificate names node {node:?}; it may not speak for {:?}",
@@ -480,14 +536,18 @@ async fn session(
         Ok(e) => e,
         Err(e) => {
             tracing::warn!(%node, error = %e, "could not open the session");
-            let _ = tx.send(Err(Status::unavailable(format!("open the session: {e}")))).await;
+            let _ = tx
+                .send(Err(Status::unavailable(format!("open the session: {e}"))))
+                .await;
             return;
         }
     };
     let want = match wanted_sections(&shared, &node, &hello.section_hashes).await {
         Ok(w) => w,
         Err(e) => {
-            let _ = tx.send(Err(Status::unavailable(format!("database: {e}")))).await;
+            let _ = tx
+                .send(Err(Status::unavailable(format!("database: {e}"))))
+                .await;
             return;
         }
     };
@@ -505,7 +565,10 @@ async fn session(
                 tx: tx.clone(),
             },
         );
-        shared.stats.sessions.store(sessions.values().filter(|s| !s.closed).count() as u64, Ordering::Relaxed);
+        shared.stats.sessions.store(
+            sessions.values().filter(|s| !s.closed).count() as u64,
+            Ordering::Relaxed,
+        );
     }
     shared.stats.sessions_opened.fetch_add(1, Ordering::Relaxed);
     let welcome = GatewayMessage {
@@ -525,6 +588,7 @@ async fn session(
             Ok(None) => break,
             Err(status) => {
                 tracing::debug!(%node, %status, "session stream ended with an error");
+                let _ = tx.send(Err(refusal(status))).await;
                 break;
             }
         };
@@ -539,7 +603,10 @@ async fn session(
             s.closed = true;
         }
     }
-    shared.stats.sessions.store(sessions.values().filter(|s| !s.closed).count() as u64, Ordering::Relaxed);
+    shared.stats.sessions.store(
+        sessions.values().filter(|s| !s.closed).count() as u64,
+        Ordering::Relaxed,
+    );
 }
 
 async fn open_session(
@@ -555,7 +622,10 @@ async fn open_session(
             .await
             .map_err(|e| AppendError::OutcomeUnknown(e.to_string()))?;
         let version: i64 = client
-            .query_opt("SELECT version FROM strata.streams WHERE stream = $1", &[&stream])
+            .query_opt(
+                "SELECT version FROM strata.streams WHERE stream = $1",
+                &[&stream],
+            )
             .await
             .map_err(|e| AppendError::OutcomeUnknown(e.to_string()))?
             .map_or(0, |r| r.get(0));
@@ -583,7 +653,9 @@ async fn open_session(
             Err(e) => return Err(e),
         }
     }
-    Err(AppendError::Invalid("the node's stream kept moving while opening its session".into()))
+    Err(AppendError::Invalid(
+        "the node's stream kept moving while opening its session".into(),
+    ))
 }
 
 async fn wanted_sections(
@@ -593,7 +665,10 @@ async fn wanted_sections(
 ) -> Result<Vec<String>, tokio_postgres::Error> {
     let client = shared.db.get().await?;
     let known: HashMap<String, String> = client
-        .query("SELECT section, hash FROM strata.node_sections WHERE node = $1", &[&node])
+        .query(
+            "SELECT section, hash FROM strata.node_sections WHERE node = $1",
+            &[&node],
+        )
         .await?
         .iter()
         .map(|r| (r.get(0), r.get(1)))
@@ -607,7 +682,13 @@ async fn wanted_sections(
     Ok(want)
 }
 
-fn handle(shared: &Arc<Shared>, node: &str, pool: &str, epoch: u64, msg: NodeMessage) -> Result<(), Status> {
+fn handle(
+    shared: &Arc<Shared>,
+    node: &str,
+    pool: &str,
+    epoch: u64,
+    msg: NodeMessage,
+) -> Result<(), Status> {
     let Some(body) = msg.body else {
         return Err(Status::invalid_argument("an empty message"));
     };
@@ -623,12 +704,19 @@ fn handle(shared: &Arc<Shared>, node: &str, pool: &str, epoch: u64, msg: NodeMes
                         s.last_heartbeat = Instant::now();
                         !std::mem::replace(&mut s.reachable, true)
                     }
-                    _ => return Err(Status::aborted("a newer session for this node replaced this one")),
+                    _ => {
+                        return Err(Status::aborted(
+                            "a newer session for this node replaced this one",
+                        ))
+                    }
                 }
             };
             if became_reachable {
                 shared.stats.transitions.fetch_add(1, Ordering::Relaxed);
-                shared.session_write(node, NewEvent::new("node.reachable", &serde_json::json!({ "node": node })));
+                shared.session_write(
+                    node,
+                    NewEvent::new("node.reachable", &serde_json::json!({ "node": node })),
+                );
             }
         }
         node_message::Body::Status(s) => {
@@ -676,12 +764,8 @@ fn handle(shared: &Arc<Shared>, node: &str, pool: &str, epoch: u64, msg: NodeMes
                 node: node.to_string(),
                 devices,
             };
-            let (shared, node, name, hash) = (
-                shared.clone(),
-                node.to_string(),
-                section.name,
-                section.hash,
-            );
+            let (shared, node, name, hash) =
+                (shared.clone(), node.to_string(), section.name, section.hash);
             let stream = pool_stream(pool);
             tokio::spawn(async move {
                 let r = shared
@@ -705,7 +789,9 @@ fn handle(shared: &Arc<Shared>, node: &str, pool: &str, epoch: u64, msg: NodeMes
                                 .await;
                         }
                     }
-                    Err(e) => tracing::warn!(%node, error = %e, "could not write the node's inventory"),
+                    Err(e) => {
+                        tracing::warn!(%node, error = %e, "could not write the node's inventory")
+                    }
                 }
             });
         }
@@ -734,7 +820,9 @@ fn handle(shared: &Arc<Shared>, node: &str, pool: &str, epoch: u64, msg: NodeMes
             });
         }
         node_message::Body::Ack(_) | node_message::Body::Result(_) => {
-            return Err(Status::unimplemented("commands are not served by this gateway yet"));
+            return Err(Status::unimplemented(
+                "commands are not served by this gateway yet",
+            ));
         }
     }
     Ok(())
@@ -765,19 +853,27 @@ async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Write>) {
                 });
                 a.events.extend(w.events.iter().cloned());
             }
-            let appends: Vec<StreamAppend> = order.iter().filter_map(|s| by_stream.remove(s)).collect();
+            let appends: Vec<StreamAppend> =
+                order.iter().filter_map(|s| by_stream.remove(s)).collect();
             let events: u64 = appends.iter().map(|a| a.events.len() as u64).sum();
             match shared.appender.append_batch(appends).await {
                 Ok(done) => {
                     shared.stats.batches.fetch_add(1, Ordering::Relaxed);
-                    shared.stats.events_written.fetch_add(events, Ordering::Relaxed);
-                    let versions: HashMap<&str, u64> =
-                        done.iter().map(|a| (a.stream.as_str(), a.version)).collect();
+                    shared
+                        .stats
+                        .events_written
+                        .fetch_add(events, Ordering::Relaxed);
+                    let versions: HashMap<&str, u64> = done
+                        .iter()
+                        .map(|a| (a.stream.as_str(), a.version))
+                        .collect();
                     {
                         let mut sessions = shared.sessions.lock().expect("sessions lock");
                         for w in &batch {
                             if let Some((node, epoch)) = &w.session {
-                                if let (Some(s), Some(v)) = (sessions.get_mut(node), versions.get(w.stream.as_str())) {
+                                if let (Some(s), Some(v)) =
+                                    (sessions.get_mut(node), versions.get(w.stream.as_str()))
+                                {
                                     if s.epoch == *epoch {
                                         s.version = *v;
                                     }
@@ -787,11 +883,16 @@ async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Write>) {
                     }
                     for w in batch.drain(..) {
                         if let Some(done) = w.done {
-                            let _ = done.send(Ok(versions.get(w.stream.as_str()).copied().unwrap_or(0)));
+                            let _ = done
+                                .send(Ok(versions.get(w.stream.as_str()).copied().unwrap_or(0)));
                         }
                     }
                 }
-                Err(AppendError::VersionConflict { stream, expected, actual }) => {
+                Err(AppendError::VersionConflict {
+                    stream,
+                    expected,
+                    actual,
+                }) => {
                     // That stream moved: its writer is fenced. Drop its
                     // writes and commit the rest.
                     let (fenced, rest): (Vec<Write>, Vec<Write>) =
@@ -849,7 +950,7 @@ async fn sweeper(shared: Arc<Shared>) {
                     s.reachable = false;
                     lost.push((node.clone(), s.epoch, s.version));
                 }
-                !(s.closed && !s.reachable)
+                !s.closed || s.reachable
             });
         }
         for (node, epoch, version) in lost {
@@ -858,7 +959,10 @@ async fn sweeper(shared: Arc<Shared>) {
                 stream: node_stream(&node),
                 session: Some((node.clone(), epoch)),
                 expected: ExpectedVersion::Exact(version),
-                events: vec![NewEvent::new("node.unreachable", &serde_json::json!({ "node": node }))],
+                events: vec![NewEvent::new(
+                    "node.unreachable",
+                    &serde_json::json!({ "node": node }),
+                )],
                 done: None,
             });
         }

@@ -1,0 +1,552 @@
+//! The gateway and the node daemon against a real Postgres, over real mutual
+//! TLS: joins, identity refusals, admission pushback, inventory, heartbeat
+//! transitions, session fencing, malformed messages.
+
+use events::{Appender, AppenderConfig, ExpectedVersion};
+use gateway::ca::{self, Ca};
+use gateway::identity;
+use gateway::server::{self, GatewayConfig, Running};
+use node::daemon::{self, DaemonConfig, DaemonStats};
+use node::gpu::FakeGpus;
+use projections::Fact;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio_postgres::{Client, Config};
+
+struct Region {
+    cfg: Config,
+    client: Client,
+    appender: Appender,
+    ca_dir: tempfile::TempDir,
+}
+
+async fn region() -> Region {
+    let url = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let cfg: Config = url.parse().unwrap();
+    let client = events::db::connect(&cfg, "test").await.unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let fact = Fact::PoolCreated {
+        description: String::new(),
+    };
+    appender
+        .append("pool/p", ExpectedVersion::NoStream, vec![fact.to_event()])
+        .await
+        .unwrap();
+    let ca_dir = tempfile::tempdir().unwrap();
+    ca::init(ca_dir.path(), "test").unwrap();
+    Region {
+        cfg,
+        client,
+        appender,
+        ca_dir,
+    }
+}
+
+impl Region {
+    async fn gateway(&self, id: &str, tweak: impl FnOnce(&mut GatewayConfig)) -> Running {
+        let mut c = GatewayConfig::new(id, "127.0.0.1:0".parse().unwrap(), self.ca_dir.path());
+        c.heartbeat = Duration::from_secs(1);
+        tweak(&mut c);
+        server::start(self.cfg.clone(), self.appender.clone(), c)
+            .await
+            .unwrap()
+    }
+
+    async fn token(&self) -> String {
+        identity::create_token(&self.client, "p", Duration::from_secs(600))
+            .await
+            .unwrap()
+    }
+
+    fn ca_pem(&self) -> String {
+        std::fs::read_to_string(self.ca_dir.path().join(ca::CA_CERT)).unwrap()
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        self.client.query_one(sql, &[]).await.unwrap().get(0)
+    }
+}
+
+fn url(gw: &Running) -> String {
+    format!("https://{}", gw.addr)
+}
+
+struct Node {
+    stats: Arc<DaemonStats>,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Result<(), daemon::DaemonError>>,
+}
+
+impl Node {
+    async fn stop(self) -> Result<(), daemon::DaemonError> {
+        let _ = self.stop.send(true);
+        self.task.await.unwrap()
+    }
+}
+
+fn config(gateways: Vec<String>, dir: &std::path::Path, node: &str) -> DaemonConfig {
+    let backend = Arc::new(FakeGpus::parse("8xH100-80GB", node).unwrap());
+    let mut c = DaemonConfig::new(gateways, dir.join(node), node, backend);
+    c.backoff_base = Duration::from_millis(50);
+    c.backoff_cap = Duration::from_millis(500);
+    c
+}
+
+fn start(c: DaemonConfig) -> Node {
+    let stats = Arc::new(DaemonStats::default());
+    let (stop, rx) = watch::channel(false);
+    let task = tokio::spawn(daemon::run(c, stats.clone(), rx));
+    Node { stats, stop, task }
+}
+
+async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while tokio::time::Instant::now() < deadline {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_joins_holds_a_session_and_sends_only_changed_inventory() {
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    // Without a token there is nothing to join with.
+    let err = daemon::ensure_joined(&c).await.err().unwrap();
+    assert!(matches!(err, daemon::DaemonError::NeedsJoin), "{err}");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c.clone());
+    eventually(20, "the session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    eventually(20, "the inventory reaches the pool stream", || async {
+        r.count(
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'NodeJoined'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    let payload: serde_json::Value = r
+        .client
+        .query_one(
+            "SELECT payload FROM strata.events WHERE type = 'NodeJoined'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(payload["devices"].as_array().unwrap().len(), 8);
+    assert_eq!(payload["node"], "n1");
+    for t in ["node.certificate_issued", "node.session_opened"] {
+        let n: i64 = r
+            .client
+            .query_one(
+                "SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = $1",
+                &[&t],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(n, 1, "{t}");
+    }
+    // The key is the node's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(dir.path().join("n1/node.key"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    // The token is spent.
+    let again = daemon::ensure_joined(&{
+        let mut c2 = config(vec![url(&gw)], dir.path(), "n2");
+        c2.token = c.token.clone();
+        c2.ca_pem = Some(r.ca_pem());
+        c2
+    })
+    .await
+    .err()
+    .unwrap();
+    assert!(
+        again
+            .to_string()
+            .contains("unknown, already used or expired"),
+        "{again}"
+    );
+
+    // Restarted, it keeps its certificate and the unchanged inventory does
+    // not travel again.
+    n.stop().await.unwrap();
+    let mut restarted = config(vec![url(&gw)], dir.path(), "n1");
+    restarted.token = None;
+    let n = start(restarted);
+    eventually(20, "the second session opens", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.session_opened'").await == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'NodeJoined'")
+            .await,
+        1,
+        "an unchanged section is not sent again"
+    );
+    assert_eq!(
+        n.stats.epoch.load(Ordering::Relaxed),
+        3,
+        "epoch = the node stream's version"
+    );
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_ca_revoked_and_impersonating_nodes_are_refused() {
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+
+    // A certificate from another CA: the TLS handshake itself fails.
+    let other = tempfile::tempdir().unwrap();
+    ca::init(other.path(), "elsewhere").unwrap();
+    let (cert, key) = Ca::load(other.path())
+        .unwrap()
+        .client_identity("n9")
+        .unwrap();
+    let ndir = dir.path().join("n9");
+    std::fs::create_dir_all(&ndir).unwrap();
+    std::fs::write(ndir.join("node.pem"), cert).unwrap();
+    std::fs::write(ndir.join("node.key"), key).unwrap();
+    std::fs::write(ndir.join("ca.pem"), r.ca_pem()).unwrap();
+    let n = start(config(vec![url(&gw)], dir.path(), "n9"));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(n.stats.sessions.load(Ordering::Relaxed), 0);
+    assert!(
+        n.stats.connects.load(Ordering::Relaxed) == 0
+            || gw.stats.sessions_opened.load(Ordering::Relaxed) == 0
+    );
+    let _ = n.stop().await;
+
+    // A certificate from this CA that was never recorded: refused.
+    let (cert, key) = Ca::load(r.ca_dir.path())
+        .unwrap()
+        .client_identity("n8")
+        .unwrap();
+    let ndir = dir.path().join("n8");
+    std::fs::create_dir_all(&ndir).unwrap();
+    std::fs::write(ndir.join("node.pem"), cert).unwrap();
+    std::fs::write(ndir.join("node.key"), key).unwrap();
+    std::fs::write(ndir.join("ca.pem"), r.ca_pem()).unwrap();
+    let n = start(config(vec![url(&gw)], dir.path(), "n8"));
+    let err = tokio::time::timeout(Duration::from_secs(20), n.task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("not issued to a node of this region"),
+        "{err}"
+    );
+
+    // A joined node, then revoked: its next session is refused for good.
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c.clone());
+    eventually(20, "n1's session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    n.stop().await.unwrap();
+    let revoked = identity::revoke(&r.client, &r.appender, "n1", "test")
+        .await
+        .unwrap();
+    assert_eq!(revoked, 1);
+    let n = start(c.clone());
+    let err = tokio::time::timeout(Duration::from_secs(20), n.task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("revoked"), "{err}");
+    assert!(gw.stats.refused_identity.load(Ordering::Relaxed) >= 2);
+
+    // n2's certificate speaking for n3 in its Hello: refused.
+    let mut c2 = config(vec![url(&gw)], dir.path(), "n2");
+    c2.token = Some(r.token().await);
+    c2.ca_pem = Some(r.ca_pem());
+    daemon::ensure_joined(&c2).await.unwrap();
+    std::fs::create_dir_all(dir.path().join("n3")).unwrap();
+    for f in ["node.pem", "node.key", "ca.pem", "pool"] {
+        std::fs::copy(dir.path().join("n2").join(f), dir.path().join("n3").join(f)).unwrap();
+    }
+    let n = start(config(vec![url(&gw)], dir.path(), "n3"));
+    let err = tokio::time::timeout(Duration::from_secs(20), n.task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("may not speak for \"n3\""),
+        "{err}"
+    );
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n3'")
+            .await,
+        0,
+        "nothing was written for the impersonated node"
+    );
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_refusals_carry_pushback_and_daemons_wait() {
+    let r = region().await;
+    let gw = r
+        .gateway("gw-a", |c| {
+            c.max_streams = 2;
+        })
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        let mut c = config(vec![url(&gw)], dir.path(), &format!("n{i}"));
+        c.token = Some(r.token().await);
+        c.ca_pem = Some(r.ca_pem());
+        daemon::ensure_joined(&c).await.unwrap();
+        nodes.push(start(c));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    eventually(20, "two sessions open", || async {
+        gw.stats.sessions.load(Ordering::Relaxed) == 2
+    })
+    .await;
+    eventually(20, "the third was pushed back", || async {
+        nodes[2].stats.pushbacks.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    let third = &nodes[2].stats;
+    assert_eq!(third.sessions.load(Ordering::Relaxed), 0);
+    // It waits what it was told (5 s, jittered to at least 2.5 s), not its
+    // own 50 ms backoff.
+    assert!(
+        third.pushback_wait_ms.load(Ordering::Relaxed) >= 2500,
+        "{third:?}"
+    );
+    let refused = gw.stats.refused_admission.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        gw.stats.refused_admission.load(Ordering::Relaxed),
+        refused,
+        "no retry storm while pushed back"
+    );
+    // When one leaves, the third gets in.
+    nodes.remove(0).stop().await.unwrap();
+    eventually(30, "the third session opens", || async {
+        nodes[1].stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    for n in nodes {
+        n.stop().await.unwrap();
+    }
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_become_transitions_and_a_newer_session_fences_the_older() {
+    let r = region().await;
+    let a = r.gateway("gw-a", |_| {}).await;
+    let b = r.gateway("gw-b", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&a)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c.clone());
+    eventually(20, "the session on a opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // Heartbeats every second are not written.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(n.stats.heartbeats.load(Ordering::Relaxed) >= 2);
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type LIKE 'node.%reachable'").await,
+        0
+    );
+    // The node moves to b (a is still up): b's session is newer.
+    n.stop().await.unwrap();
+    let mut moved = c.clone();
+    moved.gateways = vec![url(&b)];
+    let n = start(moved);
+    eventually(20, "the session on b opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // a notices the missed heartbeats; its write is refused by the fence.
+    eventually(20, "a is fenced", || async {
+        a.stats.fenced.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.unreachable'").await,
+        0,
+        "the fenced owner wrote nothing"
+    );
+    // b writes the transition when the node goes quiet.
+    n.stop().await.unwrap();
+    eventually(20, "b marks n1 unreachable", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.unreachable'").await == 1
+    })
+    .await;
+    a.stop().await.unwrap();
+    b.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_messages_get_errors_and_the_gateway_stays_up() {
+    use node::proto::{node_message, session_client::SessionClient, Hello, NodeMessage};
+    let r = region().await;
+    let gw = r
+        .gateway("gw-a", |c| {
+            c.max_message_bytes = 64 * 1024;
+        })
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let creds = daemon::ensure_joined(&c).await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(url(&gw))
+        .unwrap()
+        .tls_config(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(&creds.ca_pem))
+                .identity(tonic::transport::Identity::from_pem(
+                    &creds.cert_pem,
+                    &creds.key_pem,
+                ))
+                .domain_name("localhost"),
+        )
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+
+    // Bytes that are not a NodeMessage.
+    let mut grpc = tonic::client::Grpc::new(channel.clone());
+    grpc.ready().await.unwrap();
+    let garbage =
+        futures_util::stream::iter(vec![Raw(vec![0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01])]);
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/strata.node.v1.Session/Open");
+    let resp = grpc
+        .streaming::<_, Raw, Raw, RawCodec>(tonic::Request::new(garbage), path, RawCodec)
+        .await;
+    let status = match resp {
+        Err(s) => s,
+        Ok(r) => r
+            .into_inner()
+            .message()
+            .await
+            .err()
+            .expect("an error, not a message"),
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("malformed"), "{status:?}");
+
+    // An oversized Hello.
+    let big = NodeMessage {
+        body: Some(node_message::Body::Hello(Hello {
+            node_id: "n1".into(),
+            agent_version: "x".repeat(100 * 1024),
+            ..Hello::default()
+        })),
+    };
+    let mut client = SessionClient::new(channel.clone());
+    let status = match client.open(futures_util::stream::iter(vec![big])).await {
+        Err(s) => s,
+        Ok(r) => r.into_inner().message().await.expect_err("an error"),
+    };
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
+    assert!(status.message().contains("too large"), "{status:?}");
+
+    // A session that starts with something other than Hello.
+    let hb = NodeMessage {
+        body: Some(node_message::Body::Heartbeat(Default::default())),
+    };
+    let status = match client.open(futures_util::stream::iter(vec![hb])).await {
+        Err(s) => s,
+        Ok(r) => r.into_inner().message().await.expect_err("an error"),
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+
+    // And the gateway still serves a good node.
+    let n = start(c);
+    eventually(20, "a good session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    assert!(!gw.is_finished());
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+/// Raw bytes through gRPC framing.
+#[derive(Clone, Default)]
+struct Raw(Vec<u8>);
+
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Raw;
+    type Decode = Raw;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+    fn decoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = Raw;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Raw,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        dst.put_slice(&item.0);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = Raw;
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Raw>, tonic::Status> {
+        use bytes::Buf;
+        let v = src.copy_to_bytes(src.remaining()).to_vec();
+        Ok(Some(Raw(v)))
+    }
+}

@@ -1,0 +1,458 @@
+//! The daemon: joins on first start (and keeps its certificate), then holds
+//! its session with a gateway for as long as it runs, reconnecting with full
+//! jitter and obeying every pushback.
+
+use crate::gpu::{GpuBackend, HealthChange};
+use crate::proto::{
+    gateway_message, join_client::JoinClient, node_message, session_client::SessionClient, Device,
+    HealthReport, Heartbeat, Hello, InventorySection, JoinRequest, NodeMessage,
+};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+/// How a daemon runs.
+#[derive(Clone)]
+pub struct DaemonConfig {
+    /// Gateways, e.g. `https://gw1.example:7443`; the daemon moves to the next
+    /// one whenever a session ends.
+    pub gateways: Vec<String>,
+    /// The TLS name the gateway's certificate must carry.
+    pub server_name: String,
+    /// A one-time join token, needed only until the node has a certificate.
+    pub token: Option<String>,
+    /// The region's CA certificate (PEM), needed only for the first join.
+    pub ca_pem: Option<String>,
+    pub data_dir: PathBuf,
+    pub node_id: String,
+    pub backend: Arc<dyn GpuBackend>,
+    pub health_poll: Duration,
+    /// Reconnect backoff: first step and cap.
+    pub backoff_base: Duration,
+    pub backoff_cap: Duration,
+}
+
+impl DaemonConfig {
+    pub fn new(
+        gateways: Vec<String>,
+        data_dir: impl Into<PathBuf>,
+        node_id: impl Into<String>,
+        backend: Arc<dyn GpuBackend>,
+    ) -> DaemonConfig {
+        DaemonConfig {
+            gateways,
+            server_name: "localhost".into(),
+            token: None,
+            ca_pem: None,
+            data_dir: data_dir.into(),
+            node_id: node_id.into(),
+            backend,
+            health_poll: Duration::from_secs(5),
+            backoff_base: Duration::from_millis(500),
+            backoff_cap: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("this node has no certificate yet: give it a join token (--token) and the region's CA (--ca)")]
+    NeedsJoin,
+    #[error("join refused: {0}")]
+    JoinRefused(String),
+    #[error("the gateway refused this node: {0}")]
+    Refused(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DaemonError + '_ {
+    move |source| DaemonError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Counters of a running daemon.
+#[derive(Debug, Default)]
+pub struct DaemonStats {
+    pub connects: AtomicU64,
+    pub sessions: AtomicU64,
+    pub pushbacks: AtomicU64,
+    /// Milliseconds waited because a gateway said so.
+    pub pushback_wait_ms: AtomicU64,
+    pub heartbeats: AtomicU64,
+    pub health_reports: AtomicU64,
+    pub epoch: AtomicU64,
+    /// 1 while a session is open.
+    pub connected: AtomicU64,
+}
+
+/// The node's identity on disk.
+pub struct Credentials {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub ca_pem: String,
+    pub pool: String,
+}
+
+fn write_private(path: &Path, data: &[u8]) -> Result<(), DaemonError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io(path))?;
+    f.write_all(data).map_err(io(path))?;
+    f.sync_all().map_err(io(path))
+}
+
+fn load(dir: &Path) -> Result<Option<Credentials>, DaemonError> {
+    let cert = dir.join("node.pem");
+    if !cert.exists() {
+        return Ok(None);
+    }
+    let read = |name: &str| {
+        let p = dir.join(name);
+        std::fs::read_to_string(&p).map_err(io(&p))
+    };
+    Ok(Some(Credentials {
+        cert_pem: read("node.pem")?,
+        key_pem: read("node.key")?,
+        ca_pem: read("ca.pem")?,
+        pool: read("pool").unwrap_or_default().trim().to_string(),
+    }))
+}
+
+/// Joins the region if this node has no certificate yet; returns its
+/// credentials either way.
+pub async fn ensure_joined(config: &DaemonConfig) -> Result<Credentials, DaemonError> {
+    let dir = &config.data_dir;
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    if let Some(c) = load(dir)? {
+        return Ok(c);
+    }
+    let (Some(token), Some(ca_pem)) = (&config.token, &config.ca_pem) else {
+        return Err(DaemonError::NeedsJoin);
+    };
+    let key = rcgen::KeyPair::generate().map_err(|e| DaemonError::Other(e.to_string()))?;
+    let csr = rcgen::CertificateParams::new(Vec::<String>::new())
+        .and_then(|p| p.serialize_request(&key))
+        .and_then(|c| c.pem())
+        .map_err(|e| DaemonError::Other(e.to_string()))?;
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca_pem))
+        .domain_name(config.server_name.clone());
+    let first = config
+        .gateways
+        .first()
+        .ok_or(DaemonError::Other("no gateway given".into()))?;
+    let channel = Endpoint::from_shared(first.clone())
+        .map_err(|e| DaemonError::Other(format!("gateway address {first:?}: {e}")))?
+        .tls_config(tls)
+        .map_err(|e| DaemonError::Other(e.to_string()))?
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .map_err(|e| DaemonError::Other(format!("connect to the gateway {first}: {e}")))?;
+    let resp = JoinClient::new(channel)
+        .join(JoinRequest {
+            token: token.clone(),
+            node_id: config.node_id.clone(),
+            csr_pem: csr,
+        })
+        .await
+        .map_err(|s| DaemonError::JoinRefused(s.message().to_string()))?
+        .into_inner();
+    write_private(&dir.join("node.key"), key.serialize_pem().as_bytes())?;
+    std::fs::write(dir.join("ca.pem"), &resp.ca_pem).map_err(io(dir))?;
+    std::fs::write(dir.join("pool"), &resp.pool).map_err(io(dir))?;
+    // The certificate last: its presence means "joined".
+    std::fs::write(dir.join("node.pem"), &resp.certificate_pem).map_err(io(dir))?;
+    tracing::info!(node = %config.node_id, pool = %resp.pool, "joined the region");
+    load(dir)?.ok_or(DaemonError::NeedsJoin)
+}
+
+/// Increments and returns the daemon's generation (one per start).
+fn next_generation(dir: &Path) -> Result<u64, DaemonError> {
+    let p = dir.join("generation");
+    let g = std::fs::read_to_string(&p)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(0)
+        + 1;
+    std::fs::write(&p, g.to_string()).map_err(io(&p))?;
+    Ok(g)
+}
+
+fn inventory_section(backend: &dyn GpuBackend) -> Result<InventorySection, DaemonError> {
+    let gpus = backend
+        .inventory()
+        .map_err(|e| DaemonError::Other(e.to_string()))?;
+    let devices: Vec<Device> = gpus
+        .into_iter()
+        .map(|g| Device {
+            id: g.id,
+            class: g.class,
+            memory_mb: g.memory_mb,
+            island: g.island.unwrap_or_default(),
+            pci: g.pci,
+            numa: g.numa,
+        })
+        .collect();
+    let mut canonical = String::new();
+    for d in &devices {
+        canonical.push_str(&format!(
+            "{}|{}|{}|{}|{}|{}\n",
+            d.id, d.class, d.memory_mb, d.island, d.pci, d.numa
+        ));
+    }
+    let digest = ring::digest::digest(&ring::digest::SHA256, canonical.as_bytes());
+    let hash: String = digest.as_ref()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Ok(InventorySection {
+        name: "gpus".into(),
+        hash,
+        devices,
+    })
+}
+
+/// How a session ended.
+enum End {
+    /// Stopped on purpose.
+    Shutdown,
+    /// The gateway said when to come back.
+    Pushback(Duration),
+    /// The gateway refused this node for good (revoked, unknown).
+    Refused(String),
+    /// Anything else: reconnect with backoff.
+    Lost(String),
+}
+
+fn retry_after(status: &tonic::Status) -> Option<Duration> {
+    status
+        .metadata()
+        .get("retry-after-ms")?
+        .to_str()
+        .ok()?
+        .parse::<u64>()
+        .ok()
+        .map(Duration::from_millis)
+}
+
+fn classify(status: tonic::Status) -> End {
+    if let Some(d) = retry_after(&status) {
+        return End::Pushback(d);
+    }
+    match status.code() {
+        tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => {
+            End::Refused(status.message().to_string())
+        }
+        _ => End::Lost(format!("{}: {}", status.code(), status.message())),
+    }
+}
+
+/// Runs the daemon until `shutdown` turns true. Returns an error only when
+/// the node cannot go on (no credentials, refused for good).
+pub async fn run(
+    config: DaemonConfig,
+    stats: Arc<DaemonStats>,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), DaemonError> {
+    let creds = ensure_joined(&config).await?;
+    let generation = next_generation(&config.data_dir)?;
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&creds.ca_pem))
+        .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem))
+        .domain_name(config.server_name.clone());
+    let mut endpoints = Vec::with_capacity(config.gateways.len());
+    for g in &config.gateways {
+        endpoints.push(
+            Endpoint::from_shared(g.clone())
+                .map_err(|e| DaemonError::Other(format!("gateway address {g:?}: {e}")))?
+                .tls_config(tls.clone())
+                .map_err(|e| DaemonError::Other(e.to_string()))?
+                .connect_timeout(Duration::from_secs(10))
+                .tcp_nodelay(true),
+        );
+    }
+    if endpoints.is_empty() {
+        return Err(DaemonError::Other("no gateway given".into()));
+    }
+    let mut at = fastrand::usize(..endpoints.len());
+    let mut failures = 0u32;
+    loop {
+        if *shutdown.borrow() {
+            return Ok(());
+        }
+        let endpoint = &endpoints[at];
+        at = (at + 1) % endpoints.len();
+        let opened_before = stats.sessions.load(Ordering::Relaxed);
+        let end = match endpoint.connect().await {
+            Ok(channel) => {
+                stats.connects.fetch_add(1, Ordering::Relaxed);
+                session(&config, &stats, channel, generation, &mut shutdown).await
+            }
+            Err(e) => End::Lost(format!("connect: {e}")),
+        };
+        stats.connected.store(0, Ordering::Relaxed);
+        if stats.sessions.load(Ordering::Relaxed) > opened_before {
+            // A session was open: start the backoff over.
+            failures = 0;
+        }
+        let wait = match end {
+            End::Shutdown => return Ok(()),
+            End::Refused(why) => return Err(DaemonError::Refused(why)),
+            End::Pushback(d) => {
+                stats.pushbacks.fetch_add(1, Ordering::Relaxed);
+                stats
+                    .pushback_wait_ms
+                    .fetch_add(d.as_millis() as u64, Ordering::Relaxed);
+                tracing::info!(node = %config.node_id, wait_ms = d.as_millis() as u64, "gateway pushback; waiting");
+                d
+            }
+            End::Lost(why) => {
+                failures = failures.saturating_add(1);
+                // Full jitter: uniform in [0, min(cap, base * 2^failures)).
+                let ceiling = config
+                    .backoff_base
+                    .saturating_mul(1u32 << failures.min(16))
+                    .min(config.backoff_cap);
+                let d = ceiling.mul_f64(fastrand::f64());
+                tracing::info!(node = %config.node_id, reason = %why, wait_ms = d.as_millis() as u64, "session lost; reconnecting");
+                d
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+}
+
+async fn session(
+    config: &DaemonConfig,
+    stats: &DaemonStats,
+    channel: Channel,
+    generation: u64,
+    shutdown: &mut watch::Receiver<bool>,
+) -> End {
+    let section = match inventory_section(config.backend.as_ref()) {
+        Ok(s) => s,
+        Err(e) => return End::Lost(e.to_string()),
+    };
+    let (tx, rx) = mpsc::channel::<NodeMessage>(64);
+    let hello = NodeMessage {
+        body: Some(node_message::Body::Hello(Hello {
+            node_id: config.node_id.clone(),
+            generation,
+            section_hashes: HashMap::from([(section.name.clone(), section.hash.clone())]),
+            agent_version: env!("CARGO_PKG_VERSION").into(),
+        })),
+    };
+    if tx.send(hello).await.is_err() {
+        return End::Lost("send Hello".into());
+    }
+    let outbound =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    let mut client = SessionClient::new(channel);
+    let mut inbound = match client.open(outbound).await {
+        Ok(r) => r.into_inner(),
+        Err(status) => return classify(status),
+    };
+    let welcome = match inbound.message().await {
+        Ok(Some(m)) => match m.body {
+            Some(gateway_message::Body::Welcome(w)) => w,
+            Some(gateway_message::Body::Pushback(p)) => {
+                return End::Pushback(Duration::from_millis(p.retry_after_ms.into()))
+            }
+            _ => return End::Lost("the gateway did not start with Welcome".into()),
+        },
+        Ok(None) => return End::Lost("the gateway closed the session".into()),
+        Err(status) => return classify(status),
+    };
+    stats.sessions.fetch_add(1, Ordering::Relaxed);
+    stats.epoch.store(welcome.epoch, Ordering::Relaxed);
+    stats.connected.store(1, Ordering::Relaxed);
+    tracing::debug!(node = %config.node_id, epoch = welcome.epoch, "session open");
+    if welcome.want_sections.contains(&section.name) {
+        let msg = NodeMessage {
+            body: Some(node_message::Body::Inventory(section)),
+        };
+        if tx.send(msg).await.is_err() {
+            return End::Lost("send inventory".into());
+        }
+    }
+    let every = Duration::from_secs(welcome.heartbeat_seconds.max(1).into());
+    // Spread heartbeats of many nodes over the interval.
+    let mut beat = tokio::time::interval_at(
+        tokio::time::Instant::now() + every.mul_f64(fastrand::f64()),
+        every,
+    );
+    let mut health = tokio::time::interval(config.health_poll);
+    let mut seq = 0u64;
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return End::Shutdown,
+            _ = beat.tick() => {
+                seq += 1;
+                let m = NodeMessage { body: Some(node_message::Body::Heartbeat(Heartbeat { seq })) };
+                if tx.send(m).await.is_err() {
+                    return End::Lost("send heartbeat".into());
+                }
+                stats.heartbeats.fetch_add(1, Ordering::Relaxed);
+            }
+            _ = health.tick() => {
+                let changes = match config.backend.poll_health() {
+                    Ok(c) => c,
+                    Err(e) => vec![HealthChange {
+                        device: None,
+                        condition: "NVML-unavailable".into(),
+                        detail: e.to_string(),
+                        cleared: false,
+                    }],
+                };
+                for c in changes {
+                    let m = NodeMessage { body: Some(node_message::Body::Health(HealthReport {
+                        device: c.device.unwrap_or_default(),
+                        condition: c.condition,
+                        detail: c.detail,
+                        cleared: c.cleared,
+                    })) };
+                    if tx.send(m).await.is_err() {
+                        return End::Lost("send health".into());
+                    }
+                    stats.health_reports.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            m = inbound.message() => match m {
+                Ok(Some(msg)) => match msg.body {
+                    Some(gateway_message::Body::Pushback(p)) => {
+                        return End::Pushback(Duration::from_millis(p.retry_after_ms.into()));
+                    }
+                    Some(gateway_message::Body::Command(c)) => {
+                        tracing::warn!(node = %config.node_id, command = %c.id, kind = %c.kind, "commands are not executed by this daemon yet");
+                    }
+                    _ => {}
+                },
+                Ok(None) => return End::Lost("the gateway ended the session".into()),
+                Err(status) => return classify(status),
+            },
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! The GPUs of a node, behind a trait: NVML (through nvml-wrapper) when the
+//! driver is present, or a fake device set shaped like it.
+
+use std::sync::Mutex;
+
+/// One GPU as the daemon reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gpu {
+    /// The GPU's UUID (NVML) or a stable fake one.
+    pub id: String,
+    pub class: String,
+    pub memory_mb: u64,
+    pub island: Option<String>,
+    pub pci: String,
+    pub numa: u32,
+}
+
+/// A health condition that appeared or went away.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthChange {
+    /// The GPU's id; `None` for the whole node.
+    pub device: Option<String>,
+    /// e.g. `XID-79`, `ECC-uncorrected`.
+    pub condition: String,
+    pub detail: String,
+    pub cleared: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("NVML: {0}")]
+    Nvml(String),
+    #[error("invalid fake GPU spec {0:?}: use COUNTxCLASS, e.g. 8xH100-80GB")]
+    Spec(String),
+}
+
+/// Where inventory and health come from.
+pub trait GpuBackend: Send + Sync {
+    /// Every GPU, in index order.
+    fn inventory(&self) -> Result<Vec<Gpu>, GpuError>;
+    /// Health changes since the last call.
+    fn poll_health(&self) -> Result<Vec<HealthChange>, GpuError>;
+    /// Runs the acceptance check on every GPU (`diag.nvml`): a JSON report.
+    fn diagnose(&self) -> Result<serde_json::Value, GpuError>;
+    fn name(&self) -> &'static str;
+}
+
+/// A fake device set: `COUNTxCLASS`, e.g. `8xH100-80GB`, one NVLink island
+/// per node. Health changes can be injected.
+pub struct FakeGpus {
+    gpus: Vec<Gpu>,
+    injected: Mutex<Vec<HealthChange>>,
+}
+
+fn class_memory_mb(class: &str) -> u64 {
+    class
+        .split('-')
+        .find_map(|p| p.strip_suffix("GB")?.parse::<u64>().ok())
+        .map_or(16_384, |gb| gb * 1024)
+}
+
+impl FakeGpus {
+    pub fn parse(spec: &str, node: &str) -> Result<FakeGpus, GpuError> {
+        let (count, class) = spec
+            .split_once('x')
+            .ok_or_else(|| GpuError::Spec(spec.to_string()))?;
+        let count: u32 = count
+            .parse()
+            .map_err(|_| GpuError::Spec(spec.to_string()))?;
+        if count == 0 || count > 64 || class.is_empty() {
+            return Err(GpuError::Spec(spec.to_string()));
+        }
+        let gpus = (0..count)
+            .map(|i| Gpu {
+                id: format!("GPU-fake-{node}-{i}"),
+                class: class.to_string(),
+                memory_mb: class_memory_mb(class),
+                island: Some(format!("{node}/nvl0")),
+                pci: format!("00000000:{:02X}:00.0", 0x18 + i),
+                numa: i / (count.div_ceil(2)).max(1),
+            })
+            .collect();
+        Ok(FakeGpus {
+            gpus,
+            injected: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Makes the next poll report this change (tests, drills).
+    pub fn inject(&self, change: HealthChange) {
+        self.injected.lock().expect("fake lock").push(change);
+    }
+}
+
+impl GpuBackend for FakeGpus {
+    fn inventory(&self) -> Result<Vec<Gpu>, GpuError> {
+        Ok(self.gpus.clone())
+    }
+    fn poll_health(&self) -> Result<Vec<HealthChange>, GpuError> {
+        Ok(std::mem::take(
+            &mut *self.injected.lock().expect("fake lock"),
+        ))
+    }
+    fn diagnose(&self) -> Result<serde_json::Value, GpuError> {
+        Ok(serde_json::json!({
+            "backend": "fake",
+            "gpus": self.gpus.iter().map(|g| serde_json::json!({"id": g.id, "ok": true})).collect::<Vec<_>>(),
+        }))
+    }
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+}
+
+/// The real GPUs, through NVML.
+pub struct NvmlGpus {
+    nvml: nvml_wrapper::Nvml,
+    node: String,
+    /// Uncorrected ECC counts last seen, per device index.
+    ecc: Mutex<Vec<u64>>,
+}
+
+fn nvml_err(e: nvml_wrapper::error::NvmlError) -> GpuError {
+    GpuError::Nvml(e.to_string())
+}
+
+impl NvmlGpus {
+    /// Loads the NVML library; fails where there is no NVIDIA driver.
+    pub fn open(node: &str) -> Result<NvmlGpus, GpuError> {
+        let nvml = nvml_wrapper::Nvml::init().map_err(nvml_err)?;
+        let n = nvml.device_count().map_err(nvml_err)? as usize;
+        Ok(NvmlGpus {
+            nvml,
+            node: node.to_string(),
+            ecc: Mutex::new(vec![0; n]),
+        })
+    }
+
+    fn class_of(name: &str, memory_mb: u64) -> String {
+        // "NVIDIA H100 80GB HBM3" -> "H100-80GB"
+        let model = name
+            .split_whitespace()
+            .find(|w| {
+                w.chars().next().is_some_and(|c| c.is_ascii_uppercase())
+                    && w.chars().any(|c| c.is_ascii_digit())
+            })
+            .unwrap_or(name);
+        format!("{model}-{}GB", (memory_mb + 512) / 1024)
+    }
+}
+
+impl GpuBackend for NvmlGpus {
+    fn inventory(&self) -> Result<Vec<Gpu>, GpuError> {
+        use nvml_wrapper::enum_wrappers::nv_link::Capability;
+        let n = self.nvml.device_count().map_err(nvml_err)?;
+        let mut out = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            let d = self.nvml.device_by_index(i).map_err(nvml_err)?;
+            let memory_mb = d.memory_info().map_err(nvml_err)?.total / (1024 * 1024);
+            let name = d.name().map_err(nvml_err)?;
+            // A GPU with an active NVLink is in the node's NVLink island.
+            let linked = (0..18).any(|l| {
+                let link = d.link_wrapper_for(l);
+                link.is_active().unwrap_or(false)
+                    && link.has_capability(Capability::P2p).unwrap_or(false)
+            });
+            out.push(Gpu {
+                id: d.uuid().map_err(nvml_err)?,
+                class: Self::class_of(&name, memory_mb),
+                memory_mb,
+                island: linked.then(|| format!("{}/nvl0", self.node)),
+                pci: d.pci_info().map(|p| p.bus_id).unwrap_or_default(),
+                numa: 0,
+            });
+        }
+        Ok(out)
+    }
+
+    fn poll_health(&self) -> Result<Vec<HealthChange>, GpuError> {
+        use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError};
+        let n = self.nvml.device_count().map_err(nvml_err)?;
+        let mut changes = Vec::new();
+        let mut seen = self.ecc.lock().expect("ecc lock");
+        seen.resize(n as usize, 0);
+        for i in 0..n {
+            let d = self.nvml.device_by_index(i).map_err(nvml_err)?;
+            let uuid = d.uuid().map_err(nvml_err)?;
+            // Not every GPU reports ECC; those that do not are left alone.
+            if let Ok(count) = d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile) {
+                let before = seen[i as usize];
+                if count > before {
+                    changes.push(HealthChange {
+                        device: Some(uuid.clone()),
+                        condition: "ECC-uncorrected".into(),
+                        detail: format!("{count} volatile uncorrected ECC errors"),
+                        cleared: false,
+                    });
+                }
+                seen[i as usize] = count;
+            }
+        }
+        Ok(changes)
+    }
+
+    fn diagnose(&self) -> Result<serde_json::Value, GpuError> {
+        let n = self.nvml.device_count().map_err(nvml_err)?;
+        let mut gpus = Vec::new();
+        for i in 0..n {
+            let d = self.nvml.device_by_index(i).map_err(nvml_err)?;
+            let temp = d
+                .temperature(nvml_wrapper::enum_wrappers::device::TemperatureSensor::Gpu)
+                .ok();
+            let mem = d.memory_info().ok();
+            gpus.push(serde_json::json!({
+                "id": d.uuid().map_err(nvml_err)?,
+                "name": d.name().map_err(nvml_err)?,
+                "temperature_c": temp,
+                "memory_total_mb": mem.as_ref().map(|m| m.total / (1024 * 1024)),
+                "memory_used_mb": mem.as_ref().map(|m| m.used / (1024 * 1024)),
+                "ok": temp.is_some() && mem.is_some(),
+            }));
+        }
+        Ok(serde_json::json!({
+            "backend": "nvml",
+            "driver": self.nvml.sys_driver_version().map_err(nvml_err)?,
+            "gpus": gpus,
+        }))
+    }
+
+    fn name(&self) -> &'static str {
+        "nvml"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fake_specs_parse_like_real_inventories() {
+        let f = FakeGpus::parse("8xH100-80GB", "n1").unwrap();
+        let inv = f.inventory().unwrap();
+        assert_eq!(inv.len(), 8);
+        assert_eq!(inv[0].class, "H100-80GB");
+        assert_eq!(inv[0].memory_mb, 80 * 1024);
+        assert_eq!(inv[7].numa, 1);
+        assert!(inv.iter().all(|g| g.island.as_deref() == Some("n1/nvl0")));
+        for bad in ["", "8", "0xH100", "x", "99xA", "ax B"] {
+            assert!(FakeGpus::parse(bad, "n").is_err(), "{bad}");
+        }
+        f.inject(HealthChange {
+            device: Some(inv[3].id.clone()),
+            condition: "XID-79".into(),
+            detail: String::new(),
+            cleared: false,
+        });
+        assert_eq!(f.poll_health().unwrap().len(), 1);
+        assert!(f.poll_health().unwrap().is_empty());
+    }
+
+    #[test]
+    fn nvml_class_names() {
+        assert_eq!(
+            NvmlGpus::class_of("NVIDIA H100 80GB HBM3", 81_559),
+            "H100-80GB"
+        );
+        assert_eq!(NvmlGpus::class_of("NVIDIA H200", 143_771), "H200-140GB");
+    }
+}

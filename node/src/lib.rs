@@ -1,0 +1,8 @@
+//! The node daemon.
+
+pub mod daemon;
+pub mod gpu;
+
+pub mod proto {
+    tonic::include_proto!("strata.node.v1");
+}
