@@ -25,8 +25,9 @@ use crate::proto::{
     gateway_message, join_server, node_message, session_server, GatewayMessage, JoinRequest,
     JoinResponse, NodeMessage, Welcome,
 };
-use events::{AppendError, Appender, ExpectedVersion, NewEvent, StreamAppend};
+use events::{AppendError, Appender, ExpectedVersion, NewEvent, Reader, StreamAppend};
 use futures_util::Stream;
+use projections::commands::{self, CommandState, Commands};
 use projections::domain::pool_stream;
 use projections::{DeviceSpec, Fact};
 use std::collections::HashMap;
@@ -93,6 +94,8 @@ pub enum GatewayError {
     Transport(#[from] tonic::transport::Error),
     #[error("database: {0}")]
     Database(#[from] tokio_postgres::Error),
+    #[error("follow commands: {0}")]
+    Commands(String),
 }
 
 /// Counters of a running gateway.
@@ -108,6 +111,11 @@ pub struct GatewayStats {
     pub fenced: AtomicU64,
     pub write_errors: AtomicU64,
     pub transitions: AtomicU64,
+    pub commands_dispatched: AtomicU64,
+    pub commands_finished: AtomicU64,
+    /// Commands that could not be queued to a live session (sent again on
+    /// reconnect).
+    pub command_drops: AtomicU64,
 }
 
 struct Bucket {
@@ -150,6 +158,8 @@ struct Shared {
     bucket: Mutex<Bucket>,
     sessions: Mutex<HashMap<String, SessionEntry>>,
     writes: mpsc::Sender<Write>,
+    /// Commands not yet terminal, as the log says.
+    commands: Mutex<Commands>,
 }
 
 fn pushback(reason: &str, base_ms: u32) -> Status {
@@ -254,6 +264,7 @@ impl Running {
 /// Starts a gateway.
 pub async fn start(
     db: tokio_postgres::Config,
+    reader: Reader,
     appender: Appender,
     config: GatewayConfig,
 ) -> Result<Running, GatewayError> {
@@ -291,7 +302,23 @@ pub async fn start(
         ca,
         writes,
         config,
+        commands: Mutex::new(Commands::default()),
     });
+    // Follow commands from now, then load the ones still open (an event seen
+    // twice is applied once).
+    let sub = reader
+        .subscribe_ephemeral(events::Start::Now)
+        .await
+        .map_err(|e| GatewayError::Commands(e.to_string()))?;
+    {
+        let client = shared.db.get().await?;
+        let open = commands::open(&client).await?;
+        let mut cmds = shared.commands.lock().expect("commands lock");
+        for t in open {
+            cmds.by_id.entry(t.command.id.clone()).or_insert(t);
+        }
+    }
+    let dispatcher = events::task::spawn("gateway-commands", dispatcher(shared.clone(), sub));
     let max = shared.config.max_message_bytes;
     let join = join_server::JoinServer::new(JoinService {
         shared: shared.clone(),
@@ -309,16 +336,30 @@ pub async fn start(
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(join)
         .add_service(session)
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener),
+        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), {
+            let shared = shared.clone();
             async move {
                 let _ = stop_rx.await;
-            },
-        );
+                // End every session with a status that sends its node
+                // elsewhere; the server then drains.
+                let sessions: Vec<_> = shared
+                    .sessions
+                    .lock()
+                    .expect("sessions lock")
+                    .drain()
+                    .map(|(_, s)| s.tx)
+                    .collect();
+                for tx in sessions {
+                    let _ = tx.try_send(Err(pushback("this gateway is shutting down", 200)));
+                }
+            }
+        });
     tracing::info!(%addr, id = %shared.config.id, "gateway listening");
     let task = events::task::spawn("gateway", async move {
         let r = server.await;
+        tracing::info!(id = %shared.config.id, "gateway stopped");
         sweeper.abort();
+        dispatcher.abort();
         // End the sessions' streams so the server can finish.
         shared.sessions.lock().expect("sessions lock").clear();
         writer.abort();
@@ -581,6 +622,22 @@ async fn session(
     if tx.send(Ok(welcome)).await.is_err() {
         return;
     }
+    // Commands issued while the node was away.
+    let pending: Vec<GatewayMessage> = {
+        let cmds = shared.commands.lock().expect("commands lock");
+        let mut open: Vec<_> = cmds
+            .by_id
+            .values()
+            .filter(|t| t.command.node == node && !t.state.is_terminal())
+            .collect();
+        open.sort_by_key(|t| t.command.deadline_ms);
+        open.into_iter().map(|t| to_message(&t.command)).collect()
+    };
+    for m in pending {
+        if tx.send(Ok(m)).await.is_err() {
+            return;
+        }
+    }
     tracing::debug!(%node, epoch, "session open");
     loop {
         let msg = match inbound.message().await {
@@ -592,7 +649,7 @@ async fn session(
                 break;
             }
         };
-        if let Err(status) = handle(&shared, &node, &pool, epoch, msg) {
+        if let Err(status) = handle(&shared, &node, &pool, epoch, msg).await {
             let _ = tx.send(Err(status)).await;
             break;
         }
@@ -682,7 +739,7 @@ async fn wanted_sections(
     Ok(want)
 }
 
-fn handle(
+async fn handle(
     shared: &Arc<Shared>,
     node: &str,
     pool: &str,
@@ -819,10 +876,24 @@ fn handle(
                 done: None,
             });
         }
-        node_message::Body::Ack(_) | node_message::Body::Result(_) => {
-            return Err(Status::unimplemented(
-                "commands are not served by this gateway yet",
-            ));
+        node_message::Body::Ack(a) => {
+            let payload = serde_json::json!({
+                "id": a.command_id, "node": node, "gateway": shared.config.id,
+            });
+            command_transition(shared, node, &a.command_id, commands::ACKED, payload).await?;
+        }
+        node_message::Body::Result(r) => {
+            let output: serde_json::Value =
+                serde_json::from_str(&r.output_json).unwrap_or(serde_json::Value::Null);
+            let t = if r.ok {
+                commands::SUCCEEDED
+            } else {
+                commands::FAILED
+            };
+            let payload = serde_json::json!({
+                "id": r.command_id, "node": node, "detail": r.detail, "output": output,
+            });
+            command_transition(shared, node, &r.command_id, t, payload).await?;
         }
     }
     Ok(())
@@ -965,6 +1036,168 @@ async fn sweeper(shared: Arc<Shared>) {
                 )],
                 done: None,
             });
+        }
+    }
+}
+
+fn to_message(c: &commands::Command) -> GatewayMessage {
+    GatewayMessage {
+        body: Some(gateway_message::Body::Command(crate::proto::Command {
+            id: c.id.clone(),
+            kind: c.kind.clone(),
+            args_json: c.args.to_string(),
+            deadline_unix_ms: c.deadline_ms as i64,
+        })),
+    }
+}
+
+/// Moves a command of `node` to its next state, at the version the gateway
+/// knows; a command of another node is refused, one that is already
+/// terminal (a result sent again after a reconnect) is left alone.
+async fn command_transition(
+    shared: &Shared,
+    node: &str,
+    id: &str,
+    event_type: &str,
+    payload: serde_json::Value,
+) -> Result<(), Status> {
+    let target = CommandState::from_event_type(event_type).expect("a command event");
+    for _ in 0..3 {
+        let version = {
+            let cmds = shared.commands.lock().expect("commands lock");
+            match cmds.by_id.get(id) {
+                None => {
+                    tracing::debug!(%node, command = %id, "a report for a command this gateway does not know (finished, or not yet seen)");
+                    return Ok(());
+                }
+                Some(t) if t.command.node != node => {
+                    shared
+                        .stats
+                        .refused_identity
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Err(Status::permission_denied(format!(
+                        "command {id} is for node {}, not {node}",
+                        t.command.node
+                    )));
+                }
+                Some(t) if t.state.is_terminal() || t.state == target => return Ok(()),
+                Some(t) => t.version,
+            }
+        };
+        match commands::transition(&shared.appender, id, version, event_type, &payload).await {
+            Ok(v) => {
+                let mut cmds = shared.commands.lock().expect("commands lock");
+                if let Some(t) = cmds.by_id.get_mut(id) {
+                    if v > t.version {
+                        t.version = v;
+                        t.state = target;
+                    }
+                }
+                if target.is_terminal() {
+                    shared
+                        .stats
+                        .commands_finished
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                return Ok(());
+            }
+            Err(AppendError::VersionConflict { actual, .. }) => {
+                // Another write landed first (an expiry, another gateway):
+                // wait for the subscription to catch up, then look again.
+                let deadline = Instant::now() + Duration::from_secs(2);
+                while Instant::now() < deadline {
+                    let seen = shared
+                        .commands
+                        .lock()
+                        .expect("commands lock")
+                        .by_id
+                        .get(id)
+                        .is_none_or(|t| t.version >= actual);
+                    if seen {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            Err(e) => {
+                return Err(Status::unavailable(format!(
+                    "record the command's state: {e}"
+                )))
+            }
+        }
+    }
+    Err(Status::unavailable("the command's state kept moving"))
+}
+
+/// Follows command events: tracks their state, pushes new ones to the node's
+/// session if this gateway holds it, and expires overdue ones.
+async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscription) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            e = sub.next() => {
+                let e = match e {
+                    Ok(e) => e,
+                    Err(err) => {
+                        tracing::error!(error = %err, "the gateway's command subscription failed");
+                        return;
+                    }
+                };
+                sub.ack(e.position);
+                if !e.stream.starts_with("command/") {
+                    continue;
+                }
+                let push = {
+                    let mut cmds = shared.commands.lock().expect("commands lock");
+                    let changed = cmds.apply(&e);
+                    let id = e.stream.trim_start_matches("command/");
+                    let push = (changed.is_some() && e.event_type == commands::ISSUED)
+                        .then(|| cmds.by_id.get(id).map(|t| t.command.clone()))
+                        .flatten();
+                    // Terminal commands are no longer needed here.
+                    if cmds.by_id.get(id).is_some_and(|t| t.state.is_terminal()) {
+                        cmds.by_id.remove(id);
+                    }
+                    push
+                };
+                if let Some(c) = push {
+                    let tx = shared
+                        .sessions
+                        .lock()
+                        .expect("sessions lock")
+                        .get(&c.node)
+                        .filter(|s| !s.closed)
+                        .map(|s| s.tx.clone());
+                    if let Some(tx) = tx {
+                        if tx.try_send(Ok(to_message(&c))).is_ok() {
+                            shared.stats.commands_dispatched.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            shared.stats.command_drops.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(node = %c.node, command = %c.id, "the session's queue is full; the command is sent again when the node reconnects");
+                        }
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                let overdue: Vec<(String, u64)> = shared
+                    .commands
+                    .lock()
+                    .expect("commands lock")
+                    .by_id
+                    .values()
+                    .filter(|t| !t.state.is_terminal() && t.command.deadline_ms + 1000 < now)
+                    .map(|t| (t.command.id.clone(), t.version))
+                    .collect();
+                for (id, version) in overdue {
+                    let payload = serde_json::json!({ "id": id, "gateway": shared.config.id });
+                    if commands::transition(&shared.appender, &id, version, commands::EXPIRED, &payload).await.is_ok() {
+                        shared.stats.commands_finished.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
         }
     }
 }

@@ -2,10 +2,12 @@
 //! its session with a gateway for as long as it runs, reconnecting with full
 //! jitter and obeying every pushback.
 
+use crate::executor::{Decision, Executor, Outcome};
 use crate::gpu::{GpuBackend, HealthChange};
 use crate::proto::{
-    gateway_message, join_client::JoinClient, node_message, session_client::SessionClient, Device,
-    HealthReport, Heartbeat, Hello, InventorySection, JoinRequest, NodeMessage,
+    gateway_message, join_client::JoinClient, node_message, session_client::SessionClient,
+    CommandAck, CommandResult, Device, HealthReport, Heartbeat, Hello, InventorySection,
+    JoinRequest, NodeMessage,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -96,6 +98,9 @@ pub struct DaemonStats {
     pub epoch: AtomicU64,
     /// 1 while a session is open.
     pub connected: AtomicU64,
+    pub commands_received: AtomicU64,
+    /// Commands actually run (not repeats).
+    pub commands_run: AtomicU64,
 }
 
 /// The node's identity on disk.
@@ -276,6 +281,7 @@ pub async fn run(
 ) -> Result<(), DaemonError> {
     let creds = ensure_joined(&config).await?;
     let generation = next_generation(&config.data_dir)?;
+    let mut executor = Executor::open(&config.data_dir).map_err(io(&config.data_dir))?;
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&creds.ca_pem))
         .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem))
@@ -306,7 +312,15 @@ pub async fn run(
         let end = match endpoint.connect().await {
             Ok(channel) => {
                 stats.connects.fetch_add(1, Ordering::Relaxed);
-                session(&config, &stats, channel, generation, &mut shutdown).await
+                session(
+                    &config,
+                    &stats,
+                    channel,
+                    generation,
+                    &mut executor,
+                    &mut shutdown,
+                )
+                .await
             }
             Err(e) => End::Lost(format!("connect: {e}")),
         };
@@ -350,6 +364,7 @@ async fn session(
     stats: &DaemonStats,
     channel: Channel,
     generation: u64,
+    executor: &mut Executor,
     shutdown: &mut watch::Receiver<bool>,
 ) -> End {
     let section = match inventory_section(config.backend.as_ref()) {
@@ -446,7 +461,10 @@ async fn session(
                         return End::Pushback(Duration::from_millis(p.retry_after_ms.into()));
                     }
                     Some(gateway_message::Body::Command(c)) => {
-                        tracing::warn!(node = %config.node_id, command = %c.id, kind = %c.kind, "commands are not executed by this daemon yet");
+                        stats.commands_received.fetch_add(1, Ordering::Relaxed);
+                        if execute(config, stats, executor, c, &tx).await.is_err() {
+                            return End::Lost("send a command report".into());
+                        }
                     }
                     _ => {}
                 },
@@ -455,4 +473,71 @@ async fn session(
             },
         }
     }
+}
+
+/// Acks a command, runs it unless it ran before, and reports its result.
+async fn execute(
+    config: &DaemonConfig,
+    stats: &DaemonStats,
+    executor: &mut Executor,
+    c: crate::proto::Command,
+    tx: &mpsc::Sender<NodeMessage>,
+) -> Result<(), mpsc::error::SendError<NodeMessage>> {
+    tx.send(NodeMessage {
+        body: Some(node_message::Body::Ack(CommandAck {
+            command_id: c.id.clone(),
+        })),
+    })
+    .await?;
+    let outcome = match executor.begin(&c.id) {
+        Err(e) => Outcome {
+            ok: false,
+            detail: format!("could not record the command before running it: {e}"),
+            output: serde_json::Value::Null,
+        },
+        Ok(Decision::Known(o)) => o,
+        Ok(Decision::Run) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as i64);
+            let o = if c.deadline_unix_ms > 0 && now > c.deadline_unix_ms {
+                Outcome {
+                    ok: false,
+                    detail: "its deadline passed before it arrived; not run".into(),
+                    output: serde_json::Value::Null,
+                }
+            } else {
+                let args: serde_json::Value =
+                    serde_json::from_str(&c.args_json).unwrap_or(serde_json::Value::Null);
+                stats.commands_run.fetch_add(1, Ordering::Relaxed);
+                let (dir, backend, kind) = (
+                    executor.allocations_dir(),
+                    config.backend.clone(),
+                    c.kind.clone(),
+                );
+                tokio::task::spawn_blocking(move || {
+                    Executor::run(&dir, backend.as_ref(), &kind, &args)
+                })
+                .await
+                .unwrap_or_else(|e| Outcome {
+                    ok: false,
+                    detail: format!("the command panicked: {e}"),
+                    output: serde_json::Value::Null,
+                })
+            };
+            if let Err(e) = executor.finish(&c.id, &o) {
+                tracing::error!(command = %c.id, error = %e, "could not record a command's result");
+            }
+            o
+        }
+    };
+    tx.send(NodeMessage {
+        body: Some(node_message::Body::Result(CommandResult {
+            command_id: c.id,
+            ok: outcome.ok,
+            detail: outcome.detail,
+            output_json: outcome.output.to_string(),
+        })),
+    })
+    .await
 }

@@ -50,6 +50,8 @@ pub trait GpuBackend: Send + Sync {
 pub struct FakeGpus {
     gpus: Vec<Gpu>,
     injected: Mutex<Vec<HealthChange>>,
+    /// How long `diagnose` takes (drills of commands in flight).
+    pub diag_delay: std::time::Duration,
 }
 
 fn class_memory_mb(class: &str) -> u64 {
@@ -83,6 +85,7 @@ impl FakeGpus {
         Ok(FakeGpus {
             gpus,
             injected: Mutex::new(Vec::new()),
+            diag_delay: std::time::Duration::ZERO,
         })
     }
 
@@ -102,6 +105,7 @@ impl GpuBackend for FakeGpus {
         ))
     }
     fn diagnose(&self) -> Result<serde_json::Value, GpuError> {
+        std::thread::sleep(self.diag_delay);
         Ok(serde_json::json!({
             "backend": "fake",
             "gpus": self.gpus.iter().map(|g| serde_json::json!({"id": g.id, "ok": true})).collect::<Vec<_>>(),

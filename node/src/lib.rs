@@ -1,6 +1,7 @@
 //! The node daemon.
 
 pub mod daemon;
+pub mod executor;
 pub mod gpu;
 
 pub mod proto {

@@ -7,6 +7,7 @@
 //! [`check`] replays the log and verifies the placement invariants.
 
 pub mod check;
+pub mod commands;
 pub mod domain;
 pub mod index;
 pub mod projector;

@@ -1,0 +1,231 @@
+//! Commands to nodes, as events on `command/<id>`:
+//!
+//! | version | event | written by |
+//! | --- | --- | --- |
+//! | 1 | `command.issued` (node, kind, args, deadline) | whoever issues it |
+//! | 2 | `command.acked` | the gateway holding the node's session |
+//! | 2 or 3 | `command.succeeded`, `command.failed`, `command.expired` | that gateway (results), any gateway (expiry) |
+//!
+//! Every transition is appended with the exact version it follows, so a
+//! command reaches exactly one terminal state however many gateways try.
+
+use events::{AppendError, Appender, Event, ExpectedVersion, NewEvent};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+pub const ISSUED: &str = "command.issued";
+pub const ACKED: &str = "command.acked";
+pub const SUCCEEDED: &str = "command.succeeded";
+pub const FAILED: &str = "command.failed";
+pub const EXPIRED: &str = "command.expired";
+
+pub fn command_stream(id: &str) -> String {
+    format!("command/{id}")
+}
+
+/// A command as issued.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Command {
+    pub id: String,
+    pub node: String,
+    /// `diag.nvml`, `allocation.bind`, `allocation.release`, ...
+    pub kind: String,
+    /// A JSON object.
+    #[serde(default)]
+    pub args: serde_json::Value,
+    /// Unix milliseconds after which it is not executed.
+    pub deadline_ms: u64,
+}
+
+/// Where a command is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CommandState {
+    Issued,
+    Acked,
+    Succeeded,
+    Failed,
+    Expired,
+}
+
+impl CommandState {
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            CommandState::Succeeded | CommandState::Failed | CommandState::Expired
+        )
+    }
+
+    pub fn from_event_type(t: &str) -> Option<CommandState> {
+        Some(match t {
+            ISSUED => CommandState::Issued,
+            ACKED => CommandState::Acked,
+            SUCCEEDED => CommandState::Succeeded,
+            FAILED => CommandState::Failed,
+            EXPIRED => CommandState::Expired,
+            _ => return None,
+        })
+    }
+}
+
+/// Issues a command. Refused if the id was used before.
+pub async fn issue(appender: &Appender, command: &Command) -> Result<(), AppendError> {
+    crate::domain::valid_name("command id", &command.id).map_err(AppendError::Invalid)?;
+    crate::domain::valid_name("node", &command.node).map_err(AppendError::Invalid)?;
+    if !command.args.is_object() && !command.args.is_null() {
+        return Err(AppendError::Invalid(
+            "command arguments must be a JSON object".into(),
+        ));
+    }
+    let payload = serde_json::to_value(command).expect("commands serialize");
+    appender
+        .append(
+            &command_stream(&command.id),
+            ExpectedVersion::NoStream,
+            vec![NewEvent::new(ISSUED, &payload)],
+        )
+        .await
+        .map(|_| ())
+}
+
+/// Appends a transition after `version`.
+pub async fn transition(
+    appender: &Appender,
+    id: &str,
+    version: u64,
+    event_type: &str,
+    payload: &serde_json::Value,
+) -> Result<u64, AppendError> {
+    appender
+        .append(
+            &command_stream(id),
+            ExpectedVersion::Exact(version),
+            vec![NewEvent::new(event_type, payload)],
+        )
+        .await
+        .map(|a| a.version)
+}
+
+/// A command with its current state, folded from its events.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Tracked {
+    pub command: Command,
+    pub state: CommandState,
+    /// The stream's version: the one the next transition expects.
+    pub version: u64,
+    /// The terminal event's payload (detail, output), if any.
+    pub outcome: Option<serde_json::Value>,
+}
+
+/// Commands folded from events, by id.
+#[derive(Debug, Default)]
+pub struct Commands {
+    pub by_id: HashMap<String, Tracked>,
+}
+
+impl Commands {
+    /// Applies a command event (any other event is ignored). Returns the id
+    /// when something changed.
+    pub fn apply(&mut self, e: &Event) -> Option<String> {
+        let id = e.stream.strip_prefix("command/")?;
+        let state = CommandState::from_event_type(&e.event_type)?;
+        if state == CommandState::Issued {
+            let command: Command = serde_json::from_str(&e.payload).ok()?;
+            if self.by_id.contains_key(id) {
+                return None;
+            }
+            self.by_id.insert(
+                id.to_string(),
+                Tracked {
+                    command,
+                    state,
+                    version: e.version,
+                    outcome: None,
+                },
+            );
+            return Some(id.to_string());
+        }
+        let t = self.by_id.get_mut(id)?;
+        if e.version <= t.version {
+            return None;
+        }
+        t.state = state;
+        t.version = e.version;
+        if state.is_terminal() {
+            t.outcome = serde_json::from_str(&e.payload).ok();
+        }
+        Some(id.to_string())
+    }
+}
+
+/// Reads commands from the table: those of `node` (all nodes when `None`),
+/// the newest `limit`.
+pub async fn list(
+    client: &tokio_postgres::Client,
+    node: Option<&str>,
+    limit: i64,
+) -> Result<Vec<Tracked>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT i.stream, i.payload::text FROM strata.events i
+              WHERE i.type = 'command.issued' AND ($1::text IS NULL OR i.payload->>'node' = $1)
+              ORDER BY i.position DESC LIMIT $2",
+            &[&node, &limit],
+        )
+        .await?;
+    let streams: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    let events = client
+        .query(
+            "SELECT position, stream, version, type, payload::text FROM strata.events
+              WHERE stream = ANY($1) ORDER BY position",
+            &[&streams],
+        )
+        .await?;
+    let mut commands = Commands::default();
+    for r in events {
+        let e = Event {
+            position: events::Position(r.get::<_, i64>(0) as u64),
+            stream: r.get(1),
+            version: r.get::<_, i64>(2) as u64,
+            event_type: r.get(3),
+            payload: r.get(4),
+            metadata: "{}".into(),
+            recorded_at: std::time::SystemTime::UNIX_EPOCH,
+            xid: 0,
+        };
+        commands.apply(&e);
+    }
+    let mut out: Vec<Tracked> = streams
+        .iter()
+        .filter_map(|s| commands.by_id.remove(s.trim_start_matches("command/")))
+        .collect();
+    out.reverse();
+    Ok(out)
+}
+
+/// Commands not yet terminal, as the table has them now.
+pub async fn open(client: &tokio_postgres::Client) -> Result<Vec<Tracked>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT i.payload::text, s.version, last.type
+               FROM strata.streams s
+               JOIN strata.events i ON i.stream = s.stream AND i.version = 1
+               JOIN strata.events last ON last.stream = s.stream AND last.version = s.version
+              WHERE s.stream LIKE 'command/%'
+                AND last.type NOT IN ('command.succeeded', 'command.failed', 'command.expired')",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .filter_map(|r| {
+            let command: Command = serde_json::from_str(r.get::<_, &str>(0)).ok()?;
+            Some(Tracked {
+                command,
+                state: CommandState::from_event_type(r.get(2))?,
+                version: r.get::<_, i64>(1) as u64,
+                outcome: None,
+            })
+        })
+        .collect())
+}
