@@ -6,6 +6,7 @@ use anyhow::{bail, Context, Result};
 use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent, Reader, ReaderConfig, Start};
 use std::io::Write;
 use std::process::ExitCode;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 pub fn config(db: &Db) -> Result<tokio_postgres::Config> {
@@ -247,8 +248,8 @@ pub async fn slots(cmd: SlotsCmd) -> Result<ExitCode> {
 /// metrics until Ctrl-C.
 pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     for r in &args.roles {
-        if r != "maintenance" && r != "placer" {
-            bail!("unknown role {r:?}; this build runs: maintenance, placer");
+        if !["maintenance", "placer", "gateway", "binder"].contains(&r.as_str()) {
+            bail!("unknown role {r:?}; this build runs: maintenance, placer, gateway, binder");
         }
     }
     let cfg = config(&args.db)?;
@@ -288,12 +289,46 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
             .clone()
             .map(projections::SnapshotStore::new);
         tracing::info!(holder = %pc.holder, max_batch = pc.max_batch, lease_ttl = ?pc.lease_ttl, "starting the placer");
-        let appender = Appender::start(cfg, AppenderConfig::default());
+        let appender = Appender::start(cfg.clone(), AppenderConfig::default());
         Some(placer::Placer::start(
             args.db.database_url.parse()?,
             reader.clone(),
             appender,
             pc,
+        ))
+    } else {
+        None
+    };
+    let holder = args
+        .holder
+        .clone()
+        .unwrap_or_else(placer::service::default_holder);
+    let gateway = if args.roles.iter().any(|r| r == "gateway") {
+        let mut gc = gateway::server::GatewayConfig::new(
+            args.gateway_id.clone().unwrap_or_else(|| holder.clone()),
+            args.listen,
+            &args.ca_dir,
+        );
+        gc.names = args.tls_names.clone();
+        gc.max_streams = args.max_streams;
+        gc.handshakes_per_second = args.handshakes_per_second;
+        gc.max_pending_hellos = args.max_pending_hellos;
+        gc.heartbeat = args.heartbeat;
+        let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+        let g = gateway::server::start(cfg.clone(), reader.clone(), appender, gc)
+            .await
+            .context("start the gateway")?;
+        eprintln!("gateway listening on {}", g.addr);
+        Some(g)
+    } else {
+        None
+    };
+    let binder = if args.roles.iter().any(|r| r == "binder") {
+        let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+        Some(placer::binder::Binder::start(
+            cfg.clone(),
+            reader.clone(),
+            appender,
         ))
     } else {
         None
@@ -309,6 +344,20 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
             r = &mut ctrl_c => { r.context("wait for Ctrl-C")?; break; }
             _ = term.recv() => break,
             _ = report.tick() => {
+                if gateway.as_ref().is_some_and(|g| g.is_finished())
+                    || binder.as_ref().is_some_and(|b| b.is_finished())
+                {
+                    break;
+                }
+                if let Some(g) = &gateway {
+                    let s = &g.stats;
+                    tracing::info!(sessions = s.sessions.load(Ordering::Relaxed),
+                        opened = s.sessions_opened.load(Ordering::Relaxed),
+                        refused_admission = s.refused_admission.load(Ordering::Relaxed),
+                        refused_identity = s.refused_identity.load(Ordering::Relaxed),
+                        events = s.events_written.load(Ordering::Relaxed),
+                        commands = s.commands_dispatched.load(Ordering::Relaxed), "gateway");
+                }
                 if let Some(p) = &placer {
                     if p.is_finished() {
                         break;
@@ -322,6 +371,12 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         }
     }
     tracing::info!("stopping");
+    if let Some(g) = gateway {
+        g.stop().await.context("the gateway failed")?;
+    }
+    if let Some(b) = binder {
+        b.stop().await.context("the binder failed")?;
+    }
     if let Some(p) = placer {
         p.stop().await.context("the placer failed")?;
     }

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 const DEV_PORT: u16 = 55432;
+const DEV_GATEWAY_PORT: u16 = 57443;
 const DEMO_POOL: &str = "demo";
 const DEMO_CLASS: &str = "H100-80GB";
 
@@ -97,19 +98,50 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     let reader = Reader::start(cfg.clone(), rc);
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
 
-    // A demo pool, seeded by events the first time, and a placer for it.
+    // A demo pool whose nodes are simulated daemons joining through a
+    // gateway over mutual TLS; a placer and a binder for it.
     match placer::client::create_pool(&appender, DEMO_POOL, "strata dev demo pool").await {
-        Ok(()) => {
-            let fleet = placer::client::uniform_fleet("dev-n", args.demo_nodes, DEMO_CLASS, 8, 4);
-            placer::client::join_nodes(&appender, DEMO_POOL, fleet, |_| {}).await?;
-            eprintln!(
-                "seeded pool {DEMO_POOL}: {} nodes x 8 {DEMO_CLASS}",
-                args.demo_nodes
-            );
-        }
-        Err(placer::client::ClientError::PoolExists(_)) => {}
+        Ok(()) | Err(placer::client::ClientError::PoolExists(_)) => {}
         Err(e) => return Err(e).context("create the demo pool"),
     }
+    let ca_dir = args.data_dir.join("ca");
+    if !ca_dir.join(gateway::ca::CA_CERT).exists() {
+        gateway::ca::init(&ca_dir, "dev")?;
+    }
+    let gw_port = if std::net::TcpListener::bind(("127.0.0.1", DEV_GATEWAY_PORT)).is_ok() {
+        DEV_GATEWAY_PORT
+    } else {
+        0
+    };
+    let mut gc = gateway::server::GatewayConfig::new(
+        "dev-gateway",
+        std::net::SocketAddr::from(([127, 0, 0, 1], gw_port)),
+        &ca_dir,
+    );
+    gc.heartbeat = Duration::from_secs(2);
+    let gw = gateway::server::start(cfg.clone(), reader.clone(), appender.clone(), gc)
+        .await
+        .context("start the gateway")?;
+    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let ca_pem = std::fs::read_to_string(ca_dir.join(gateway::ca::CA_CERT))?;
+    let (stop_fleet, fleet_rx) = tokio::sync::watch::channel(false);
+    let gateways = [format!("https://{}", gw.addr)];
+    let (fleet_dir, gpus) = (args.data_dir.join("fleet"), format!("8x{DEMO_CLASS}"));
+    let spec = crate::nodes::FleetSpec {
+        nodes: args.demo_nodes,
+        gateways: &gateways,
+        pool: DEMO_POOL,
+        ca_pem: &ca_pem,
+        data_dir: &fleet_dir,
+        prefix: "dev-n",
+        gpus: &gpus,
+        tls_name: "localhost",
+    };
+    let (fleet, fleet_tasks) = crate::nodes::start_fleet(&client, &spec, &fleet_rx).await?;
+    eprintln!(
+        "gateway on {}; {} simulated nodes (8 {DEMO_CLASS} each) joining pool {DEMO_POOL}",
+        gw.addr, args.demo_nodes
+    );
     let mut pc = placer::PlacerConfig::new(placer::service::default_holder());
     pc.snapshots = Some(projections::SnapshotStore::new(
         args.data_dir.join("snapshots"),
@@ -166,9 +198,10 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
                 let pct = |p: f64| v.get(((v.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
                 let ps = placer.stats().view();
                 println!(
-                    "appended {:>6.0}/s  delivered {:>6.0}/s  lag p50 {:>6.1} ms  p99 {:>6.1} ms  head {}  | placed {} expired {} queued {} unschedulable {}",
+                    "appended {:>6.0}/s  delivered {:>6.0}/s  lag p50 {:>6.1} ms  p99 {:>6.1} ms  head {}  | nodes {} placed {} active {} expired {} queued {} unschedulable {}",
                     (a - last_a) as f64 / secs, (d - last_d) as f64 / secs, pct(0.5), pct(0.99), reader.head(),
-                    ps.placed, ps.expired, ps.queued, ps.unschedulable
+                    fleet.connected.load(Ordering::Relaxed), ps.placed, binder.stats.activated.load(Ordering::Relaxed),
+                    ps.expired, ps.queued, ps.unschedulable
                 );
                 (last_a, last_d, last_t) = (a, d, Instant::now());
                 if args.duration.is_some_and(|limit| started.elapsed() >= limit) {
@@ -181,6 +214,16 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     writer.abort();
     tail.abort();
     workload.abort();
+    let _ = stop_fleet.send(true);
+    for t in fleet_tasks {
+        let _ = t.await;
+    }
+    if let Err(e) = gw.stop().await {
+        tracing::warn!(error = %e, "the gateway stopped with an error");
+    }
+    if let Err(e) = binder.stop().await {
+        tracing::warn!(error = %e, "the binder stopped with an error");
+    }
     if let Err(e) = placer.stop().await {
         tracing::warn!(error = %e, "the placer stopped with an error");
     }

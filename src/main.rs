@@ -2,6 +2,7 @@
 
 mod commands;
 mod dev;
+mod nodes;
 mod placement;
 mod telemetry;
 
@@ -70,6 +71,164 @@ enum Command {
     /// Replay the log
     #[command(subcommand)]
     Replay(ReplayCmd),
+    /// The region's node certificate authority
+    #[command(subcommand)]
+    Ca(CaCmd),
+    /// One-time join tokens for nodes
+    #[command(subcommand)]
+    Tokens(TokensCmd),
+    /// Node identities: list, revoke
+    #[command(subcommand)]
+    Nodes(NodesCmd),
+    /// Commands to nodes: issue, list, show
+    #[command(subcommand)]
+    Commands(CommandsCmd),
+    /// Run the node daemon: join, hold a session with a gateway, report GPUs, run commands
+    Node(NodeArgs),
+    /// Run many simulated node daemons in one process (each its own TLS connection and certificate)
+    Fleet(FleetArgs),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CaCmd {
+    /// Create the node CA (ca.pem, and ca.key readable by its owner only)
+    Init {
+        /// Where to write it
+        #[arg(long, default_value = "ca")]
+        dir: PathBuf,
+        /// The region's name, in the CA's subject
+        #[arg(long, default_value = "default")]
+        region: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TokensCmd {
+    /// Issue a one-time join token for a pool (printed once; only its hash is stored)
+    Create {
+        #[command(flatten)]
+        db: Db,
+        #[arg(long)]
+        pool: String,
+        /// How long it can be used
+        #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+        ttl: std::time::Duration,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum NodesCmd {
+    /// List nodes with their certificates
+    List {
+        #[command(flatten)]
+        db: Db,
+    },
+    /// Revoke every certificate of a node: gateways refuse its sessions
+    Revoke {
+        #[command(flatten)]
+        db: Db,
+        node: String,
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CommandsCmd {
+    /// Issue a command to a node
+    Issue {
+        #[command(flatten)]
+        db: Db,
+        #[arg(long)]
+        node: String,
+        /// diag.nvml, allocation.bind, allocation.release
+        #[arg(long)]
+        kind: String,
+        /// Arguments, a JSON object
+        #[arg(long, default_value = "{}")]
+        args: String,
+        /// Not run after this long
+        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+        deadline: std::time::Duration,
+        /// The command's id (generated when omitted)
+        #[arg(long)]
+        id: Option<String>,
+        /// Wait for its result and print it
+        #[arg(long)]
+        wait: bool,
+    },
+    /// List recent commands with their state
+    List {
+        #[command(flatten)]
+        db: Db,
+        #[arg(long)]
+        node: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// Show one command and its outcome
+    Show {
+        #[command(flatten)]
+        db: Db,
+        id: String,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct NodeArgs {
+    /// Gateway addresses, e.g. https://gw1:7443 (comma-separated or repeated; tried in turn)
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub gateway: Vec<String>,
+    /// Where the node keeps its key, certificate and command log
+    #[arg(long, default_value = "node-data")]
+    pub data_dir: PathBuf,
+    /// The node's id (default: the host name)
+    #[arg(long)]
+    pub node_id: Option<String>,
+    /// A one-time join token (first start only)
+    #[arg(long, env = "STRATA_JOIN_TOKEN")]
+    pub token: Option<String>,
+    /// The region's CA certificate (first start only)
+    #[arg(long)]
+    pub ca: Option<PathBuf>,
+    /// Simulated GPUs instead of NVML, e.g. 8xH100-80GB
+    #[arg(long)]
+    pub fake_gpus: Option<String>,
+    /// The name the gateways' certificates carry
+    #[arg(long, default_value = "localhost")]
+    pub tls_name: String,
+}
+
+#[derive(Args, Debug)]
+pub struct FleetArgs {
+    #[command(flatten)]
+    pub db: Db,
+    /// How many daemons
+    #[arg(long)]
+    pub nodes: u32,
+    /// Gateway addresses (comma-separated or repeated)
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub gateway: Vec<String>,
+    /// The pool the nodes join (one token each is issued)
+    #[arg(long)]
+    pub pool: String,
+    /// The region's CA certificate
+    #[arg(long)]
+    pub ca: PathBuf,
+    /// Where each node keeps its files (one folder per node)
+    #[arg(long, default_value = "fleet-data")]
+    pub data_dir: PathBuf,
+    /// Node ids are this prefix and a number
+    #[arg(long, default_value = "fleet-n")]
+    pub prefix: String,
+    /// GPUs per node
+    #[arg(long, default_value = "8xH100-80GB")]
+    pub fake_gpus: String,
+    #[arg(long, default_value = "localhost")]
+    pub tls_name: String,
+    /// Stop after this long
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub duration: Option<std::time::Duration>,
 }
 
 #[derive(Args, Debug)]
@@ -181,11 +340,11 @@ pub struct DevArgs {
     /// Events per second the demo writer appends
     #[arg(long, default_value_t = 200)]
     pub rate: u32,
-    /// Nodes (8 GPUs each) in the demo pool, when it is first created
-    #[arg(long, default_value_t = 64)]
+    /// Simulated node daemons (8 GPUs each) joining the demo pool through the gateway
+    #[arg(long, default_value_t = 16)]
     pub demo_nodes: u32,
     /// Reservations per second the demo workload asks for (0: none)
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 4)]
     pub reservations_per_s: u32,
     /// Serve Prometheus metrics at this address
     #[arg(long, default_value = "127.0.0.1:9464")]
@@ -199,7 +358,7 @@ pub struct DevArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub db: Db,
-    /// Roles to run, comma-separated. maintenance: partitions ahead and the replication reader; placer: places reservations of the pools it leases
+    /// Roles to run, comma-separated. maintenance: partitions ahead and the replication reader; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active
     #[arg(long, value_delimiter = ',', default_value = "maintenance")]
     pub roles: Vec<String>,
     /// Serve Prometheus metrics at this address
@@ -223,6 +382,30 @@ pub struct ServeArgs {
     /// placer: name in pool leases (default host-pid-random)
     #[arg(long)]
     pub holder: Option<String>,
+    /// gateway: where to listen for nodes (mutual TLS)
+    #[arg(long, default_value = "127.0.0.1:7443")]
+    pub listen: std::net::SocketAddr,
+    /// gateway: the node CA's folder (`strata ca init`)
+    #[arg(long, default_value = "ca")]
+    pub ca_dir: PathBuf,
+    /// gateway: this gateway's name in the log (default: the holder name)
+    #[arg(long)]
+    pub gateway_id: Option<String>,
+    /// gateway: DNS names and IPs for its serving certificate (comma-separated)
+    #[arg(long, value_delimiter = ',', default_value = "localhost,127.0.0.1")]
+    pub tls_names: Vec<String>,
+    /// gateway: most sessions held at once
+    #[arg(long, default_value_t = 20_000)]
+    pub max_streams: usize,
+    /// gateway: new sessions admitted per second (a token bucket)
+    #[arg(long, default_value_t = 2_000.0)]
+    pub handshakes_per_second: f64,
+    /// gateway: most sessions waiting for their Hello
+    #[arg(long, default_value_t = 1_000)]
+    pub max_pending_hellos: usize,
+    /// gateway: heartbeat interval told to nodes; three missed make a node unreachable
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub heartbeat: std::time::Duration,
 }
 
 #[derive(Subcommand, Debug)]
@@ -304,7 +487,10 @@ pub enum SlotsCmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let long_running = matches!(cli.command, Command::Dev(_) | Command::Serve(_));
+    let long_running = matches!(
+        cli.command,
+        Command::Dev(_) | Command::Serve(_) | Command::Node(_) | Command::Fleet(_)
+    );
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -334,6 +520,12 @@ fn main() -> ExitCode {
             Command::Pools { db } => placement::pools(&db).await,
             Command::Pool(c) => placement::pool(c).await,
             Command::Replay(c) => placement::replay(c).await,
+            Command::Ca(c) => nodes::ca(c),
+            Command::Tokens(c) => nodes::tokens(c).await,
+            Command::Nodes(c) => nodes::nodes(c).await,
+            Command::Commands(c) => nodes::commands(c).await,
+            Command::Node(a) => nodes::node(a).await,
+            Command::Fleet(a) => nodes::fleet(a).await,
         }
     });
     drop(telemetry);

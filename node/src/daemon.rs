@@ -97,6 +97,7 @@ pub struct DaemonStats {
     pub health_reports: AtomicU64,
     pub epoch: AtomicU64,
     /// 1 while a session is open.
+    /// Sessions open now (a fleet shares one set of counters).
     pub connected: AtomicU64,
     pub commands_received: AtomicU64,
     /// Commands actually run (not repeats).
@@ -308,7 +309,7 @@ pub async fn run(
         }
         let endpoint = &endpoints[at];
         at = (at + 1) % endpoints.len();
-        let opened_before = stats.sessions.load(Ordering::Relaxed);
+        let mut opened = false;
         let end = match endpoint.connect().await {
             Ok(channel) => {
                 stats.connects.fetch_add(1, Ordering::Relaxed);
@@ -319,13 +320,13 @@ pub async fn run(
                     generation,
                     &mut executor,
                     &mut shutdown,
+                    &mut opened,
                 )
                 .await
             }
             Err(e) => End::Lost(format!("connect: {e}")),
         };
-        stats.connected.store(0, Ordering::Relaxed);
-        if stats.sessions.load(Ordering::Relaxed) > opened_before {
+        if opened {
             // A session was open: start the backoff over.
             failures = 0;
         }
@@ -366,6 +367,7 @@ async fn session(
     generation: u64,
     executor: &mut Executor,
     shutdown: &mut watch::Receiver<bool>,
+    opened: &mut bool,
 ) -> End {
     let section = match inventory_section(config.backend.as_ref()) {
         Ok(s) => s,
@@ -403,7 +405,8 @@ async fn session(
     };
     stats.sessions.fetch_add(1, Ordering::Relaxed);
     stats.epoch.store(welcome.epoch, Ordering::Relaxed);
-    stats.connected.store(1, Ordering::Relaxed);
+    *opened = true;
+    let _connected = Connected::new(&stats.connected);
     tracing::debug!(node = %config.node_id, epoch = welcome.epoch, "session open");
     if welcome.want_sections.contains(&section.name) {
         let msg = NodeMessage {
@@ -540,4 +543,20 @@ async fn execute(
         })),
     })
     .await
+}
+
+/// Counts an open session while it lives.
+struct Connected<'a>(&'a AtomicU64);
+
+impl<'a> Connected<'a> {
+    fn new(c: &'a AtomicU64) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        Connected(c)
+    }
+}
+
+impl Drop for Connected<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }

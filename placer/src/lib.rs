@@ -4,6 +4,7 @@
 //! [`service`] runs a placer: pool leases, batches, guarded commits;
 //! [`client`] is the library side of `strata reserve` and `strata release`.
 
+pub mod binder;
 pub mod client;
 pub mod plan;
 pub mod service;

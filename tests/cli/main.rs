@@ -494,22 +494,30 @@ fn dev_starts_a_private_postgres_shows_the_log_and_stops() {
         report.contains("delivered") && report.contains("lag p50"),
         "{report}"
     );
-    // The demo pool is seeded by events and its workload placed.
-    assert!(stderr.contains("seeded pool demo: 64 nodes"), "{stderr}");
-    let placed: u64 = stdout
-        .lines()
-        .filter(|l| l.starts_with("appended"))
-        .filter_map(|l| {
-            l.split("placed ")
-                .nth(1)?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
-        .max()
-        .unwrap_or(0);
-    assert!(placed > 0, "the demo workload was placed: {stdout}");
+    // Simulated nodes join the demo pool through the gateway; the demo
+    // workload is placed, bound on the nodes and active.
+    assert!(stderr.contains("16 simulated nodes"), "{stderr}");
+    let last = |what: &str| -> u64 {
+        stdout
+            .lines()
+            .filter(|l| l.starts_with("appended"))
+            .filter_map(|l| {
+                l.split(what)
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .max()
+            .unwrap_or(0)
+    };
+    assert_eq!(last("| nodes "), 16, "{stdout}");
+    assert!(
+        last(" placed ") > 0,
+        "the demo workload was placed: {stdout}"
+    );
+    assert!(last(" active ") > 0, "placements became active: {stdout}");
     assert!(stderr.contains("postgres stopped"), "{stderr}");
     assert!(started.elapsed() < Duration::from_secs(60));
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,0 +1,303 @@
+//! The binder: turns placements into node commands and bound placements
+//! into active reservations.
+//!
+//! On every `ReservationPlaced` it issues one `allocation.bind` command per
+//! node of the placement (id `bind:<reservation>:<node>`, appended with
+//! `NoStream`, so issuing twice is harmless); when every node of a placement
+//! has reported its bind as succeeded it appends `ReservationActive`. On a
+//! release or an expiry it issues `allocation.release` to the same nodes.
+//! Started, it first catches up on the log and re-issues what a previous
+//! binder may not have.
+
+use events::{AppendError, Appender, ExpectedVersion, Reader, Start};
+use projections::commands::{self, Command};
+use projections::domain::reservation_stream;
+use projections::{projector, Fact, Index, Phase};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::oneshot;
+
+/// How long a bind or release command may wait for its node.
+pub const COMMAND_DEADLINE: Duration = Duration::from_secs(120);
+
+#[derive(Debug, Default)]
+pub struct BinderStats {
+    pub binds_issued: AtomicU64,
+    pub releases_issued: AtomicU64,
+    pub activated: AtomicU64,
+    pub bind_failures: AtomicU64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BinderError {
+    #[error("connect to postgres: {0}")]
+    Database(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Project(#[from] projections::projector::ProjectError),
+    #[error(transparent)]
+    Subscribe(#[from] events::SubscribeError),
+    #[error(transparent)]
+    Apply(#[from] projections::ApplyError),
+}
+
+pub struct Binder {
+    pub stats: Arc<BinderStats>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), BinderError>>,
+}
+
+impl Binder {
+    pub fn start(db: tokio_postgres::Config, reader: Reader, appender: Appender) -> Binder {
+        let stats = Arc::new(BinderStats::default());
+        let (stop, rx) = oneshot::channel();
+        let task = events::task::spawn("binder", run(db, reader, appender, stats.clone(), rx));
+        Binder {
+            stats,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    pub async fn stop(mut self) -> Result<(), BinderError> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        (&mut self.task).await.unwrap_or(Ok(()))
+    }
+}
+
+fn bind_id(reservation: &str, node: &str) -> String {
+    format!("bind:{reservation}:{node}")
+}
+
+fn release_id(reservation: &str, node: &str) -> String {
+    format!("release:{reservation}:{node}")
+}
+
+fn deadline() -> u64 {
+    (SystemTime::now() + COMMAND_DEADLINE)
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Issues a command in the background; one issued before is fine.
+fn issue(appender: &Appender, command: Command, counter: Arc<BinderStats>, release: bool) {
+    let appender = appender.clone();
+    tokio::spawn(async move {
+        match commands::issue(&appender, &command).await {
+            Ok(()) => {
+                let c = if release {
+                    &counter.releases_issued
+                } else {
+                    &counter.binds_issued
+                };
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(AppendError::VersionConflict { .. }) => {}
+            Err(e) => {
+                tracing::warn!(command = %command.id, error = %e, "could not issue a command")
+            }
+        }
+    });
+}
+
+struct State {
+    /// Bind command id -> (reservation, node).
+    binds: HashMap<String, (String, String)>,
+    /// Reservation -> nodes whose bind has not succeeded yet.
+    waiting: HashMap<String, BTreeSet<String>>,
+}
+
+impl State {
+    fn expect_binds(
+        &mut self,
+        index: &Index,
+        id: &str,
+        appender: &Appender,
+        stats: &Arc<BinderStats>,
+    ) {
+        let Some(r) = index.reservation(id) else {
+            return;
+        };
+        let mut nodes = BTreeSet::new();
+        for a in &r.allocations {
+            let cmd = bind_id(id, &a.node);
+            self.binds
+                .insert(cmd.clone(), (id.to_string(), a.node.clone()));
+            nodes.insert(a.node.clone());
+            issue(
+                appender,
+                Command {
+                    id: cmd,
+                    node: a.node.clone(),
+                    kind: "allocation.bind".into(),
+                    args: serde_json::json!({"reservation": id, "devices": a.devices}),
+                    deadline_ms: deadline(),
+                },
+                stats.clone(),
+                false,
+            );
+        }
+        self.waiting.insert(id.to_string(), nodes);
+    }
+}
+
+async fn run(
+    db: tokio_postgres::Config,
+    reader: Reader,
+    appender: Appender,
+    stats: Arc<BinderStats>,
+    mut stop: oneshot::Receiver<()>,
+) -> Result<(), BinderError> {
+    let client = events::db::connect(&db, "binder").await?;
+    let mut index = projector::build(&client, Index::new()).await?;
+    let mut sub = reader
+        .subscribe_ephemeral(Start::After(events::Position(index.position())))
+        .await?;
+    let mut state = State {
+        binds: HashMap::new(),
+        waiting: HashMap::new(),
+    };
+    // Placements not active yet: (re)issue their binds and learn which
+    // already succeeded.
+    let placed: Vec<String> = index
+        .state()
+        .reservations
+        .values()
+        .filter(|r| r.phase == Phase::Placed)
+        .map(|r| r.request.reservation.clone())
+        .collect();
+    for id in &placed {
+        state.expect_binds(&index, id, &appender, &stats);
+    }
+    let streams: Vec<String> = state
+        .binds
+        .keys()
+        .map(|c| commands::command_stream(c))
+        .collect();
+    for row in client
+        .query(
+            "SELECT stream FROM strata.events WHERE stream = ANY($1) AND type = 'command.succeeded'",
+            &[&streams],
+        )
+        .await?
+    {
+        let stream: String = row.get(0);
+        if let Some((res, node)) = state.binds.get(stream.trim_start_matches("command/")).cloned() {
+            bound(&mut state, &index, &appender, &stats, &res, &node).await;
+        }
+    }
+    tracing::info!(
+        position = index.position(),
+        placed = placed.len(),
+        "binder started"
+    );
+    loop {
+        let e = tokio::select! {
+            _ = &mut stop => return Ok(()),
+            e = sub.next() => e?,
+        };
+        sub.ack(e.position);
+        match e.event_type.as_str() {
+            "ReservationReleased" | "ReservationExpired" => {
+                let id = Fact::parse(&e.event_type, &e.payload)
+                    .ok()
+                    .flatten()
+                    .and_then(|f| f.reservation().map(str::to_string));
+                if let Some(r) = id.as_deref().and_then(|id| index.reservation(id)) {
+                    for a in &r.allocations {
+                        issue(
+                            &appender,
+                            Command {
+                                id: release_id(&r.request.reservation, &a.node),
+                                node: a.node.clone(),
+                                kind: "allocation.release".into(),
+                                args: serde_json::json!({"reservation": r.request.reservation}),
+                                deadline_ms: deadline(),
+                            },
+                            stats.clone(),
+                            true,
+                        );
+                    }
+                }
+                if let Some(id) = id {
+                    state.waiting.remove(&id);
+                }
+            }
+            _ => {}
+        }
+        if let Some(v) = index.apply(&e)? {
+            tracing::warn!(violation = %v, "the log breaks an invariant");
+        }
+        match e.event_type.as_str() {
+            "ReservationPlaced" => {
+                if let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload) {
+                    if let Some(id) = f.reservation() {
+                        state.expect_binds(&index, id, &appender, &stats);
+                    }
+                }
+            }
+            commands::SUCCEEDED | commands::FAILED | commands::EXPIRED => {
+                let cmd = e.stream.trim_start_matches("command/");
+                if let Some((res, node)) = state.binds.get(cmd).cloned() {
+                    if e.event_type == commands::SUCCEEDED {
+                        bound(&mut state, &index, &appender, &stats, &res, &node).await;
+                    } else {
+                        stats.bind_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(reservation = %res, %node, outcome = %e.event_type, "a bind did not succeed; the reservation stays placed");
+                        state.binds.remove(cmd);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A node bound its part; when all have, the reservation is active.
+async fn bound(
+    state: &mut State,
+    index: &Index,
+    appender: &Appender,
+    stats: &BinderStats,
+    reservation: &str,
+    node: &str,
+) {
+    state.binds.remove(&bind_id(reservation, node));
+    let done = match state.waiting.get_mut(reservation) {
+        Some(nodes) => {
+            nodes.remove(node);
+            nodes.is_empty()
+        }
+        None => false,
+    };
+    if !done {
+        return;
+    }
+    state.waiting.remove(reservation);
+    if index.reservation(reservation).map(|r| r.phase) != Some(Phase::Placed) {
+        return;
+    }
+    let fact = Fact::ReservationActive {
+        reservation: reservation.to_string(),
+    };
+    match appender
+        .append(
+            &reservation_stream(reservation),
+            ExpectedVersion::StreamExists,
+            vec![fact.to_event()],
+        )
+        .await
+    {
+        Ok(_) => {
+            stats.activated.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(e) => tracing::warn!(%reservation, error = %e, "could not mark the reservation active"),
+    }
+}

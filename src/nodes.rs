@@ -1,0 +1,348 @@
+//! `strata ca`, `tokens`, `nodes`, `commands`, `node` and `fleet`.
+
+use crate::commands::{config, connect};
+use crate::{CaCmd, CommandsCmd, FleetArgs, NodeArgs, NodesCmd, TokensCmd};
+use anyhow::{bail, Context, Result};
+use events::{Appender, AppenderConfig};
+use node::daemon::{self, DaemonConfig, DaemonStats};
+use node::gpu::{FakeGpus, GpuBackend, NvmlGpus};
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+pub fn ca(cmd: CaCmd) -> Result<ExitCode> {
+    match cmd {
+        CaCmd::Init { dir, region } => {
+            let cert = gateway::ca::init(&dir, &region)?;
+            println!(
+                "created the node CA: {} (give it to nodes with their join tokens) and {} (private; gateways sign with it)",
+                cert.display(),
+                dir.join(gateway::ca::CA_KEY).display()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn tokens(cmd: TokensCmd) -> Result<ExitCode> {
+    match cmd {
+        TokensCmd::Create { db, pool, ttl } => {
+            let client = connect(&db).await?;
+            if !placer::client::pool_exists(&client, &pool).await? {
+                bail!("pool {pool:?} does not exist (see `strata pools`)");
+            }
+            let token = gateway::identity::create_token(&client, &pool, ttl).await?;
+            eprintln!(
+                "a one-time token for pool {pool}, valid for {}; it is not shown again:",
+                humantime::format_duration(ttl)
+            );
+            println!("{token}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
+    match cmd {
+        NodesCmd::List { db } => {
+            let client = connect(&db).await?;
+            let rows = client
+                .query(
+                    "SELECT node, pool, serial, issued_at::text, not_after::text, revoked_at::text
+                       FROM strata.node_certificates ORDER BY node, issued_at",
+                    &[],
+                )
+                .await?;
+            println!(
+                "{:<24} {:<16} {:<34} {:<12}",
+                "NODE", "POOL", "SERIAL", "STATE"
+            );
+            for r in rows {
+                let revoked: Option<String> = r.get(5);
+                println!(
+                    "{:<24} {:<16} {:<34} {}",
+                    r.get::<_, String>(0),
+                    r.get::<_, String>(1),
+                    r.get::<_, String>(2),
+                    match revoked {
+                        Some(at) => format!("revoked {at}"),
+                        None => format!("valid until {}", r.get::<_, String>(4)),
+                    }
+                );
+            }
+        }
+        NodesCmd::Revoke { db, node, reason } => {
+            let client = connect(&db).await?;
+            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            let n = gateway::identity::revoke(&client, &appender, &node, &reason).await?;
+            println!("revoked {n} certificate(s) of node {node}; gateways refuse its new sessions");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_command(t: &projections::commands::Tracked) {
+    let outcome = t
+        .outcome
+        .as_ref()
+        .and_then(|o| o["detail"].as_str())
+        .unwrap_or("");
+    println!(
+        "{:<40} {:<20} {:<20} {:<10} {}",
+        t.command.id,
+        t.command.node,
+        t.command.kind,
+        serde_json::to_value(t.state)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
+        outcome
+    );
+}
+
+pub async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
+    use projections::commands::{self, Command};
+    match cmd {
+        CommandsCmd::Issue {
+            db,
+            node,
+            kind,
+            args,
+            deadline,
+            id,
+            wait,
+        } => {
+            let args: serde_json::Value =
+                serde_json::from_str(&args).context("--args must be a JSON object")?;
+            if !args.is_object() {
+                bail!("--args must be a JSON object");
+            }
+            let id = id.unwrap_or_else(|| {
+                let ms = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis());
+                format!("c-{ms:x}-{:06x}", fastrand::u32(..1 << 24))
+            });
+            let deadline_ms = (SystemTime::now() + deadline)
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            let c = Command {
+                id: id.clone(),
+                node,
+                kind,
+                args,
+                deadline_ms,
+            };
+            commands::issue(&appender, &c).await.map_err(|e| match e {
+                events::AppendError::VersionConflict { .. } => {
+                    anyhow::anyhow!("command {id:?} already exists")
+                }
+                e => e.into(),
+            })?;
+            println!("issued {id}");
+            if wait {
+                let client = connect(&db).await?;
+                let limit = std::time::Instant::now() + deadline + Duration::from_secs(5);
+                loop {
+                    let found = commands::list(&client, Some(&c.node), 1000).await?;
+                    if let Some(t) = found.iter().find(|t| t.command.id == id) {
+                        if t.state.is_terminal() {
+                            print_command(t);
+                            if let Some(o) = &t.outcome {
+                                println!("{}", serde_json::to_string_pretty(o)?);
+                            }
+                            return Ok(if t.state == commands::CommandState::Succeeded {
+                                ExitCode::SUCCESS
+                            } else {
+                                ExitCode::from(2)
+                            });
+                        }
+                    }
+                    if std::time::Instant::now() > limit {
+                        bail!("no result before the deadline");
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        CommandsCmd::List { db, node, limit } => {
+            let client = connect(&db).await?;
+            println!(
+                "{:<40} {:<20} {:<20} {:<10} DETAIL",
+                "ID", "NODE", "KIND", "STATE"
+            );
+            for t in commands::list(&client, node.as_deref(), limit).await? {
+                print_command(&t);
+            }
+        }
+        CommandsCmd::Show { db, id } => {
+            let client = connect(&db).await?;
+            let node: Option<String> = client
+                .query_opt(
+                    "SELECT payload->>'node' FROM strata.events WHERE stream = $1 AND version = 1",
+                    &[&commands::command_stream(&id)],
+                )
+                .await?
+                .map(|r| r.get(0));
+            let Some(node) = node else {
+                bail!("command {id:?} does not exist");
+            };
+            let found = commands::list(&client, Some(&node), 100_000).await?;
+            let t = found
+                .iter()
+                .find(|t| t.command.id == id)
+                .context("command not found")?;
+            println!("{}", serde_json::to_string_pretty(t)?);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "node".into())
+}
+
+pub async fn node(args: NodeArgs) -> Result<ExitCode> {
+    let node_id = args.node_id.clone().unwrap_or_else(host_name);
+    let backend: Arc<dyn GpuBackend> = match &args.fake_gpus {
+        Some(spec) => Arc::new(FakeGpus::parse(spec, &node_id)?),
+        None => Arc::new(NvmlGpus::open(&node_id).context(
+            "read the GPUs through NVML (no NVIDIA driver here? use --fake-gpus 8xH100-80GB)",
+        )?),
+    };
+    tracing::info!(node = %node_id, backend = backend.name(), "node daemon starting");
+    let mut c = DaemonConfig::new(args.gateway.clone(), &args.data_dir, &node_id, backend);
+    c.server_name = args.tls_name.clone();
+    c.token = args.token.clone();
+    c.ca_pem = match &args.ca {
+        Some(p) => {
+            Some(std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?)
+        }
+        None => None,
+    };
+    let stats = Arc::new(DaemonStats::default());
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let mut run = tokio::spawn(daemon::run(c, stats.clone(), rx));
+    let result = tokio::select! {
+        r = &mut run => r?,
+        _ = shutdown_signal() => {
+            let _ = stop.send(true);
+            run.await?
+        }
+    };
+    result?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+    }
+}
+
+/// What a fleet of simulated daemons is.
+pub struct FleetSpec<'a> {
+    pub nodes: u32,
+    pub gateways: &'a [String],
+    pub pool: &'a str,
+    pub ca_pem: &'a str,
+    pub data_dir: &'a std::path::Path,
+    pub prefix: &'a str,
+    /// e.g. `8xH100-80GB`.
+    pub gpus: &'a str,
+    pub tls_name: &'a str,
+}
+
+type Daemons = Vec<tokio::task::JoinHandle<Result<(), daemon::DaemonError>>>;
+
+/// Starts the fleet's daemons; tokens are issued for those that have not
+/// joined yet.
+pub async fn start_fleet(
+    client: &tokio_postgres::Client,
+    spec: &FleetSpec<'_>,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> Result<(Arc<DaemonStats>, Daemons)> {
+    let FleetSpec {
+        nodes: n,
+        gateways,
+        pool,
+        ca_pem,
+        data_dir,
+        prefix,
+        gpus: spec,
+        tls_name,
+    } = *spec;
+    let stats = Arc::new(DaemonStats::default());
+    let mut tasks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let node_id = format!("{prefix}{i:05}");
+        let backend = Arc::new(FakeGpus::parse(spec, &node_id)?);
+        let mut c = DaemonConfig::new(
+            gateways.to_vec(),
+            data_dir.join(&node_id),
+            &node_id,
+            backend,
+        );
+        c.server_name = tls_name.to_string();
+        if !data_dir.join(&node_id).join("node.pem").exists() {
+            c.token = Some(
+                gateway::identity::create_token(client, pool, Duration::from_secs(3600)).await?,
+            );
+            c.ca_pem = Some(ca_pem.to_string());
+        }
+        tasks.push(tokio::spawn(daemon::run(c, stats.clone(), stop.clone())));
+    }
+    Ok((stats, tasks))
+}
+
+pub async fn fleet(args: FleetArgs) -> Result<ExitCode> {
+    let client = connect(&args.db).await?;
+    let ca_pem =
+        std::fs::read_to_string(&args.ca).with_context(|| format!("read {}", args.ca.display()))?;
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let spec = FleetSpec {
+        nodes: args.nodes,
+        gateways: &args.gateway,
+        pool: &args.pool,
+        ca_pem: &ca_pem,
+        data_dir: &args.data_dir,
+        prefix: &args.prefix,
+        gpus: &args.fake_gpus,
+        tls_name: &args.tls_name,
+    };
+    let (stats, tasks) = start_fleet(&client, &spec, &rx).await?;
+    let started = std::time::Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = shutdown_signal() => break,
+            _ = tick.tick() => {
+                eprintln!(
+                    "fleet: {} of {} connected, {} sessions opened, {} pushbacks, {} commands run",
+                    stats.connected.load(Ordering::Relaxed),
+                    args.nodes,
+                    stats.sessions.load(Ordering::Relaxed),
+                    stats.pushbacks.load(Ordering::Relaxed),
+                    stats.commands_run.load(Ordering::Relaxed),
+                );
+                if args.duration.is_some_and(|d| started.elapsed() >= d) {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = stop.send(true);
+    for t in tasks {
+        if let Ok(Err(e)) = t.await {
+            eprintln!("a node stopped with: {e}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
