@@ -269,7 +269,15 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         tracing::info!(%addr, "serving metrics at /metrics");
         events::task::spawn("metrics", events::metrics::serve(l));
     }
-    let slot = args.slot.unwrap_or_else(default_slot);
+    let slot = args.slot.clone().unwrap_or_else(default_slot);
+    if slot.is_empty()
+        || slot.len() > 63
+        || !slot
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
+        bail!("--slot {slot:?}: a slot name is 1 to 63 lower-case letters, digits and underscores");
+    }
     let mut rc = ReaderConfig::new(slot);
     rc.owner = "strata serve".into();
     let reader = Reader::start(cfg.clone(), rc);

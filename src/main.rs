@@ -197,6 +197,9 @@ pub struct NodeArgs {
     /// The name the gateways' certificates carry
     #[arg(long, default_value = "localhost")]
     pub tls_name: String,
+    /// With --fake-gpus: how long diag.nvml takes (drills of commands in flight)
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub fake_diag_delay: Option<std::time::Duration>,
 }
 
 #[derive(Args, Debug)]

@@ -209,7 +209,11 @@ fn host_name() -> String {
 pub async fn node(args: NodeArgs) -> Result<ExitCode> {
     let node_id = args.node_id.clone().unwrap_or_else(host_name);
     let backend: Arc<dyn GpuBackend> = match &args.fake_gpus {
-        Some(spec) => Arc::new(FakeGpus::parse(spec, &node_id)?),
+        Some(spec) => {
+            let mut f = FakeGpus::parse(spec, &node_id)?;
+            f.diag_delay = args.fake_diag_delay.unwrap_or_default();
+            Arc::new(f)
+        }
         None => Arc::new(NvmlGpus::open(&node_id).context(
             "read the GPUs through NVML (no NVIDIA driver here? use --fake-gpus 8xH100-80GB)",
         )?),

@@ -72,6 +72,9 @@ pub enum DaemonError {
     NeedsJoin,
     #[error("join refused: {0}")]
     JoinRefused(String),
+    /// The gateway could not be reached (worth retrying).
+    #[error("{0}")]
+    Unreachable(String),
     #[error("the gateway refused this node: {0}")]
     Refused(String),
     #[error("{0}")]
@@ -173,7 +176,7 @@ pub async fn ensure_joined(config: &DaemonConfig) -> Result<Credentials, DaemonE
         .connect_timeout(Duration::from_secs(10))
         .connect()
         .await
-        .map_err(|e| DaemonError::Other(format!("connect to the gateway {first}: {e}")))?;
+        .map_err(|e| DaemonError::Unreachable(format!("connect to the gateway {first}: {e}")))?;
     let resp = JoinClient::new(channel)
         .join(JoinRequest {
             token: token.clone(),
@@ -181,7 +184,12 @@ pub async fn ensure_joined(config: &DaemonConfig) -> Result<Credentials, DaemonE
             csr_pem: csr,
         })
         .await
-        .map_err(|s| DaemonError::JoinRefused(s.message().to_string()))?
+        .map_err(|s| match s.code() {
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::ResourceExhausted => {
+                DaemonError::Unreachable(format!("join: {}", s.message()))
+            }
+            _ => DaemonError::JoinRefused(s.message().to_string()),
+        })?
         .into_inner();
     write_private(&dir.join("node.key"), key.serialize_pem().as_bytes())?;
     std::fs::write(dir.join("ca.pem"), &resp.ca_pem).map_err(io(dir))?;
@@ -280,7 +288,26 @@ pub async fn run(
     stats: Arc<DaemonStats>,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), DaemonError> {
-    let creds = ensure_joined(&config).await?;
+    // Joining waits out a gateway that is not up yet; a refusal is final.
+    let mut tries = 0u32;
+    let creds = loop {
+        match ensure_joined(&config).await {
+            Ok(c) => break c,
+            Err(DaemonError::Unreachable(why)) => {
+                tries = tries.saturating_add(1);
+                let ceiling = config
+                    .backoff_base
+                    .saturating_mul(1u32 << tries.min(16))
+                    .min(config.backoff_cap);
+                tracing::info!(node = %config.node_id, reason = %why, "cannot join yet; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(ceiling.mul_f64(fastrand::f64())) => {}
+                    _ = shutdown.changed() => return Ok(()),
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    };
     let generation = next_generation(&config.data_dir)?;
     let mut executor = Executor::open(&config.data_dir).map_err(io(&config.data_dir))?;
     let tls = ClientTlsConfig::new()

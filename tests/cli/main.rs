@@ -1,5 +1,6 @@
 //! The `strata` binary end to end: real processes against a private Postgres.
 
+mod gateway;
 mod placement;
 
 use std::io::{BufRead, BufReader};

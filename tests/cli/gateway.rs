@@ -1,0 +1,241 @@
+//! Gateways and node daemons as real processes: a gateway killed with
+//! SIGKILL while a command runs; its node re-homes and the command completes
+//! exactly once.
+
+use super::{database, ok};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn spawn(args: &[&str], log: &std::path::Path) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+fn gateway(url: &str, id: &str, port: u16, ca: &str, log: &std::path::Path) -> Child {
+    let listen = format!("127.0.0.1:{port}");
+    spawn(
+        &[
+            "serve",
+            "--roles",
+            "gateway",
+            "--database-url",
+            url,
+            "--listen",
+            &listen,
+            "--ca-dir",
+            ca,
+            "--gateway-id",
+            id,
+            "--heartbeat",
+            "1s",
+            "--slot",
+            &slot(id),
+        ],
+        log,
+    )
+}
+
+fn slot(gateway: &str) -> String {
+    format!("gw_{}", gateway.replace('-', "_"))
+}
+
+fn query(url: &str, sql: &str) -> Vec<Vec<String>> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = events::db::connect(&url.parse().unwrap(), "t")
+            .await
+            .unwrap();
+        c.query(sql, &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (0..r.len())
+                    .map(|i| r.get::<_, Option<String>>(i).unwrap_or_default())
+                    .collect()
+            })
+            .collect()
+    })
+}
+
+fn wait_until(secs: u64, what: &str, logs: &std::path::Path, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for log in ["a.log", "b.log", "node.log"] {
+        let text = std::fs::read_to_string(logs.join(log)).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(15).collect();
+        eprintln!("--- {log} (last lines, newest first)\n{}", tail.join("\n"));
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+#[test]
+fn a_gateway_killed_mid_command_hands_its_node_over_and_the_command_runs_once() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca");
+    let ca_s = ca.to_str().unwrap();
+    ok(&["ca", "init", "--dir", ca_s]);
+    ok(&["pool", "create", "p", "--database-url", &url]);
+    let token = ok(&["tokens", "create", "--pool", "p", "--database-url", &url]);
+    let (pa, pb) = (free_port(), free_port());
+    let mut gws = vec![
+        (
+            "gw-a",
+            gateway(&url, "gw-a", pa, ca_s, &dir.path().join("a.log")),
+        ),
+        (
+            "gw-b",
+            gateway(&url, "gw-b", pb, ca_s, &dir.path().join("b.log")),
+        ),
+    ];
+    let gateways = format!("https://127.0.0.1:{pa},https://127.0.0.1:{pb}");
+    let ca_pem = ca.join("ca.pem");
+    let node_dir = dir.path().join("n1");
+    let mut node = spawn(
+        &[
+            "node",
+            "--gateway",
+            &gateways,
+            "--data-dir",
+            node_dir.to_str().unwrap(),
+            "--node-id",
+            "n1",
+            "--token",
+            token.trim(),
+            "--ca",
+            ca_pem.to_str().unwrap(),
+            "--fake-gpus",
+            "8xH100-80GB",
+            "--fake-diag-delay",
+            "2s",
+        ],
+        &dir.path().join("node.log"),
+    );
+    let holder = || {
+        query(
+            &url,
+            "SELECT payload->>'gateway' FROM strata.events WHERE stream = 'node/n1' AND type = 'node.session_opened' ORDER BY version",
+        )
+    };
+    wait_until(30, "the node's session opens", dir.path(), || {
+        !holder().is_empty()
+    });
+    let first = holder()[0][0].clone();
+    wait_until(
+        20,
+        "the node's inventory is in the pool",
+        dir.path(),
+        || {
+            !query(
+                &url,
+                "SELECT 1::text FROM strata.events WHERE stream = 'pool/p' AND type = 'NodeJoined'",
+            )
+            .is_empty()
+        },
+    );
+
+    ok(&[
+        "commands",
+        "issue",
+        "--database-url",
+        &url,
+        "--node",
+        "n1",
+        "--kind",
+        "diag.nvml",
+        "--id",
+        "c1",
+    ]);
+    let types = || -> Vec<String> {
+        query(
+            &url,
+            "SELECT type FROM strata.events WHERE stream = 'command/c1' ORDER BY version",
+        )
+        .into_iter()
+        .map(|r| r[0].clone())
+        .collect()
+    };
+    wait_until(20, "c1 is acked", dir.path(), || types().len() == 2);
+    // Kill the gateway holding the session while diag.nvml runs (2 s).
+    let at = gws.iter().position(|(id, _)| *id == first).unwrap();
+    let (_, mut dead) = gws.remove(at);
+    dead.kill().unwrap();
+    dead.wait().unwrap();
+    wait_until(30, "the node re-homes", dir.path(), || holder().len() == 2);
+    assert_ne!(
+        holder()[1][0],
+        first,
+        "the second session is on the other gateway"
+    );
+    wait_until(30, "c1 finishes", dir.path(), || types().len() == 3);
+    assert_eq!(
+        types(),
+        ["command.issued", "command.acked", "command.succeeded"]
+    );
+    // The node ran it once: one start and one result in its command log.
+    let log = std::fs::read_to_string(node_dir.join("commands.log")).unwrap();
+    let c1: Vec<&str> = log.lines().filter(|l| l.contains("\"c1\"")).collect();
+    assert_eq!(c1.len(), 2, "{log}");
+    assert!(
+        c1[0].contains("\"id\":\"c1\"") && !c1[0].contains("outcome"),
+        "{log}"
+    );
+    let shown = ok(&["commands", "show", "c1", "--database-url", &url]);
+    assert!(shown.contains("\"succeeded\""), "{shown}");
+    let listed = ok(&["commands", "list", "--database-url", &url, "--node", "n1"]);
+    assert!(
+        listed.contains("c1") && listed.contains("succeeded"),
+        "{listed}"
+    );
+    let nodes = ok(&["nodes", "list", "--database-url", &url]);
+    assert!(
+        nodes.contains("n1") && nodes.contains("valid until"),
+        "{nodes}"
+    );
+
+    node.kill().unwrap();
+    node.wait().unwrap();
+    for (id, mut g) in gws {
+        g.kill().unwrap();
+        g.wait().unwrap();
+        ok(&[
+            "slots",
+            "drop",
+            &slot(id),
+            "--database-url",
+            &url,
+            "--force",
+        ]);
+    }
+    ok(&[
+        "slots",
+        "drop",
+        &slot(&first),
+        "--database-url",
+        &url,
+        "--force",
+    ]);
+}
