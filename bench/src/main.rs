@@ -3,6 +3,7 @@
 //! one final JSON line and writes it under `bench/results/`.
 
 mod append;
+mod gateway;
 mod placements;
 mod util;
 
@@ -29,6 +30,13 @@ enum Scenario {
     Append(append::Args),
     /// Reservations placed end to end: throughput, latency, index build and snapshot load, invariants
     Placements(placements::Args),
+    /// Node sessions through one gateway process: ramp, dispatch latency, RSS, CPU, drops
+    Gateway(gateway::GatewayArgs),
+    /// Reservations from requested to active through placer, binder, gateway and daemons
+    Spine(gateway::SpineArgs),
+    /// (internal) the gateway process of `gateway` and `spine`
+    #[command(hide = true)]
+    GatewayServer(gateway::ServerArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -56,6 +64,9 @@ fn run() -> anyhow::Result<()> {
         match cli.scenario {
             Scenario::Append(a) => append::run(a).await,
             Scenario::Placements(a) => placements::run(a).await,
+            Scenario::Gateway(a) => gateway::run_gateway(a).await,
+            Scenario::Spine(a) => gateway::run_spine(a).await,
+            Scenario::GatewayServer(a) => gateway::server(a).await,
         }
     })
 }

@@ -59,12 +59,16 @@ fn serial() -> SerialNumber {
     let mut bytes = [0u8; 16];
     ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
         .expect("system randomness");
-    bytes[0] &= 0x7f; // positive
+    // Positive and without a leading zero byte, so DER keeps all 16 bytes
+    // and the serial reads back exactly as it was written.
+    bytes[0] = (bytes[0] & 0x7f) | 0x01;
     SerialNumber::from_slice(&bytes)
 }
 
+/// Lowercase hex of a serial, without leading zero bytes (as DER has it).
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    let start = bytes.iter().position(|b| *b != 0).unwrap_or(bytes.len().saturating_sub(1));
+    bytes[start..].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Creates the CA under `dir`: `ca.pem` (the certificate, 0644) and `ca.key`
@@ -178,13 +182,21 @@ impl Ca {
         Ok((cert.pem(), key.serialize_pem()))
     }
 
+    /// A key and a certificate for `node`, made here rather than through a
+    /// join (provisioning in bulk, tests). Gateways accept it only once it is
+    /// recorded (`identity::record`).
+    pub fn issue_node(&self, node: &str, days: i64) -> Result<(Signed, String), CaError> {
+        let key = KeyPair::generate()?;
+        let csr = CertificateParams::new(Vec::<String>::new())?.serialize_request(&key)?;
+        let signed = self.sign_node(node, &csr.pem()?, days)?;
+        Ok((signed, key.serialize_pem()))
+    }
+
     /// A client certificate for an operator or a test, signed by this CA
     /// (not recorded anywhere: gateways refuse it for sessions).
     pub fn client_identity(&self, node: &str) -> Result<(String, String), CaError> {
-        let key = KeyPair::generate()?;
-        let csr = CertificateParams::new(Vec::<String>::new())?.serialize_request(&key)?;
-        let signed = self.sign_node(node, &csr.pem()?, 1)?;
-        Ok((signed.certificate_pem, key.serialize_pem()))
+        let (signed, key) = self.issue_node(node, 1)?;
+        Ok((signed.certificate_pem, key))
     }
 }
 
@@ -257,6 +269,14 @@ mod tests {
         let id = node_identity(&der).unwrap();
         assert_eq!(id.node, "node-7");
         assert_eq!(id.serial, signed.serial);
+        // Every serial reads back as written (a leading zero byte once broke
+        // one certificate in 256).
+        for i in 0..600 {
+            let (signed, _) = ca.issue_node(&format!("n{i}"), 1).unwrap();
+            let id = node_identity(&rustls_pem(&signed.certificate_pem)).unwrap();
+            assert_eq!(id.serial, signed.serial);
+        }
+        assert_eq!(hex(&[0, 0, 0x1f]), "1f");
         assert!(ca.sign_node("n", "garbage", 1).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }

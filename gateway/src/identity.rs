@@ -96,6 +96,25 @@ pub async fn redeem(
     Ok(pool)
 }
 
+/// Records certificates issued outside a join (`Ca::issue_node`), in one
+/// statement: (node, serial, not after).
+pub async fn record(
+    client: &Client,
+    pool: &str,
+    certificates: &[(String, Signed)],
+) -> Result<u64, IdentityError> {
+    let nodes: Vec<&str> = certificates.iter().map(|(n, _)| n.as_str()).collect();
+    let serials: Vec<&str> = certificates.iter().map(|(_, s)| s.serial.as_str()).collect();
+    let not_after: Vec<std::time::SystemTime> = certificates.iter().map(|(_, s)| s.not_after).collect();
+    Ok(client
+        .execute(
+            "INSERT INTO strata.node_certificates (serial, node, pool, not_after)
+             SELECT s, n, $4, t FROM unnest($1::text[], $2::text[], $3::timestamptz[]) AS x(n, s, t)",
+            &[&nodes, &serials, &not_after, &pool],
+        )
+        .await?)
+}
+
 /// What the database says about a presented certificate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CertificateRecord {

@@ -17,6 +17,9 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
+/// How long a gateway may take to answer a Hello.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(15);
+
 /// How a daemon runs.
 #[derive(Clone)]
 pub struct DaemonConfig {
@@ -36,6 +39,8 @@ pub struct DaemonConfig {
     /// Reconnect backoff: first step and cap.
     pub backoff_base: Duration,
     pub backoff_cap: Duration,
+    /// Called with a command's id when it arrives (measurements).
+    pub on_command: Option<Arc<dyn Fn(&str) + Send + Sync>>,
 }
 
 impl DaemonConfig {
@@ -56,6 +61,7 @@ impl DaemonConfig {
             health_poll: Duration::from_secs(5),
             backoff_base: Duration::from_millis(500),
             backoff_cap: Duration::from_secs(30),
+            on_command: None,
         }
     }
 }
@@ -415,11 +421,21 @@ async fn session(
     let outbound =
         futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
     let mut client = SessionClient::new(channel);
-    let mut inbound = match client.open(outbound).await {
-        Ok(r) => r.into_inner(),
-        Err(status) => return classify(status),
+    // A gateway that does not answer the Hello in time is treated as lost.
+    let opening = async {
+        let mut inbound = client.open(outbound).await?.into_inner();
+        let first = inbound.message().await?;
+        Ok::<_, tonic::Status>((inbound, first))
     };
-    let welcome = match inbound.message().await {
+    let (mut inbound, first) = match tokio::time::timeout(HELLO_TIMEOUT, opening).await {
+        Err(_) => {
+            tracing::warn!(node = %config.node_id, "no Welcome within {HELLO_TIMEOUT:?}; trying again");
+            return End::Lost("no Welcome in time".into());
+        }
+        Ok(Err(status)) => return classify(status),
+        Ok(Ok(x)) => x,
+    };
+    let welcome = match Ok::<_, tonic::Status>(first) {
         Ok(Some(m)) => match m.body {
             Some(gateway_message::Body::Welcome(w)) => w,
             Some(gateway_message::Body::Pushback(p)) => {
@@ -492,6 +508,9 @@ async fn session(
                     }
                     Some(gateway_message::Body::Command(c)) => {
                         stats.commands_received.fetch_add(1, Ordering::Relaxed);
+                        if let Some(hook) = &config.on_command {
+                            hook(&c.id);
+                        }
                         if execute(config, stats, executor, c, &tx).await.is_err() {
                             return End::Lost("send a command report".into());
                         }

@@ -1,0 +1,546 @@
+//! `bench gateway` and `bench spine`: node sessions through one gateway
+//! running in its own process, and reservations from request to active.
+//!
+//! `gateway`: N simulated daemons in this process (one mutual-TLS connection
+//! and certificate each, 10 s heartbeats) connect to one gateway process;
+//! then 100 commands/s go to random nodes. Reports the ramp time, dispatch
+//! latency (`command.issued` committed to the node receiving it), ack latency
+//! (committed to `command.acked` seen by a subscription), drops, and the
+//! gateway process's RSS and CPU over time. Baseline in the same run: the
+//! log's own commit-to-subscription lag for the same `command.issued`
+//! events, the floor under any dispatch.
+//!
+//! `spine`: 1,000 daemons, the gateway process, a placer and a binder;
+//! 1-GPU reservations at 50/s. Reports requested-to-active p50/p99, against
+//! requested-to-placed in the same run.
+
+use crate::util::{self, percentile_ms, round};
+use anyhow::{bail, Context, Result};
+use events::{Appender, AppenderConfig, Reader, ReaderConfig, Start};
+use node::daemon::{self, DaemonConfig, DaemonStats};
+use node::gpu::FakeGpus;
+use projections::commands::{self, Command};
+use projections::{Fact, Request, Shape};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+#[derive(clap::Args, Debug)]
+pub struct GatewayArgs {
+    /// Sessions (simulated daemons)
+    #[arg(long, default_value_t = 10_000)]
+    sessions: u32,
+    /// A short run: 10 s of commands instead of 30
+    #[arg(long)]
+    quick: bool,
+    /// Commands per second offered
+    #[arg(long, default_value_t = 100)]
+    commands_per_s: u32,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SpineArgs {
+    #[arg(long, default_value_t = 1_000)]
+    nodes: u32,
+    /// Placements per second offered
+    #[arg(long, default_value_t = 50)]
+    rate: u32,
+    /// A short run: 10 s instead of 30
+    #[arg(long)]
+    quick: bool,
+}
+
+/// The hidden `gateway-server` subcommand: the gateway in its own process.
+#[derive(clap::Args, Debug)]
+pub struct ServerArgs {
+    #[arg(long)]
+    database_url: String,
+    #[arg(long)]
+    ca_dir: PathBuf,
+    #[arg(long)]
+    listen: std::net::SocketAddr,
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    heartbeat: Duration,
+}
+
+pub async fn server(args: ServerArgs) -> Result<()> {
+    let cfg: tokio_postgres::Config = args.database_url.parse()?;
+    let mut rc = ReaderConfig::new("bench_gateway_server");
+    rc.temporary = true;
+    let reader = Reader::start(cfg.clone(), rc);
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let mut gc = gateway::server::GatewayConfig::new("bench-gw", args.listen, &args.ca_dir);
+    gc.heartbeat = args.heartbeat;
+    gc.max_streams = 100_000;
+    gc.handshakes_per_second = 5_000.0;
+    gc.max_pending_hellos = 5_000;
+    let gw = gateway::server::start(cfg, reader, appender, gc).await?;
+    println!("listening {}", gw.addr);
+    tokio::signal::ctrl_c().await?;
+    gw.stop().await?;
+    Ok(())
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A gateway child process and what is sampled of it.
+struct GatewayProcess {
+    child: tokio::process::Child,
+    pid: u32,
+    addr: String,
+}
+
+impl GatewayProcess {
+    async fn start(url: &str, ca: &Path, heartbeat: &str) -> Result<GatewayProcess> {
+        use tokio::io::AsyncBufReadExt;
+        let exe = std::env::current_exe()?;
+        let mut child = tokio::process::Command::new(exe)
+            .args(["gateway-server", "--database-url", url, "--listen", "127.0.0.1:0", "--heartbeat", heartbeat])
+            .arg("--ca-dir")
+            .arg(ca)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .kill_on_drop(true)
+            .envs(std::env::vars().filter(|(k, _)| k.starts_with("MIMALLOC_")))
+            .spawn()
+            .context("start the gateway process")?;
+        let pid = child.id().context("gateway pid")?;
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().context("stdout")?).lines();
+        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await
+            .context("the gateway did not start")??
+            .context("the gateway exited")?;
+        let addr = line.strip_prefix("listening ").context("unexpected gateway output")?.to_string();
+        Ok(GatewayProcess {
+            child,
+            pid,
+            addr: format!("https://{addr}"),
+        })
+    }
+
+    fn rss_mib(&self) -> f64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+            })
+            .map_or(0.0, |kib| kib / 1024.0)
+    }
+
+    /// CPU seconds used so far (user + system).
+    fn cpu_s(&self) -> f64 {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
+            .ok()
+            .and_then(|s| {
+                let after = s.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
+                let u: f64 = after.get(11)?.parse().ok()?;
+                let k: f64 = after.get(12)?.parse().ok()?;
+                Some((u + k) / 100.0)
+            })
+            .unwrap_or(0.0)
+    }
+
+    async fn stop(mut self) {
+        let _ = tokio::process::Command::new("kill")
+            .args(["-INT", &self.pid.to_string()])
+            .status()
+            .await;
+        if tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await.is_err() {
+            let _ = self.child.kill().await;
+        }
+    }
+}
+
+/// Provisions `n` nodes (keys, certificates recorded in the database) under
+/// `dir` and returns their ids.
+async fn provision(client: &tokio_postgres::Client, ca_dir: &Path, dir: &Path, pool: &str, n: u32) -> Result<Vec<String>> {
+    let ca = gateway::ca::Ca::load(ca_dir)?;
+    let mut ids = Vec::with_capacity(n as usize);
+    let mut batch = Vec::new();
+    for i in 0..n {
+        let node = format!("bn{i:05}");
+        let (signed, key) = ca.issue_node(&node, 2)?;
+        let d = dir.join(&node);
+        std::fs::create_dir_all(&d)?;
+        std::fs::write(d.join("node.pem"), &signed.certificate_pem)?;
+        std::fs::write(d.join("node.key"), key)?;
+        std::fs::write(d.join("ca.pem"), ca.cert_pem())?;
+        std::fs::write(d.join("pool"), pool)?;
+        batch.push((node.clone(), signed));
+        ids.push(node);
+        if batch.len() == 1000 {
+            gateway::identity::record(client, pool, &batch).await?;
+            batch.clear();
+        }
+    }
+    if !batch.is_empty() {
+        gateway::identity::record(client, pool, &batch).await?;
+    }
+    Ok(ids)
+}
+
+type Seen = Arc<Mutex<HashMap<String, Instant>>>;
+
+fn start_daemons(ids: &[String], gateway: &str, dir: &Path, hook_seen: Seen) -> (Arc<DaemonStats>, tokio::sync::watch::Sender<bool>, Vec<tokio::task::JoinHandle<Result<(), daemon::DaemonError>>>) {
+    let stats = Arc::new(DaemonStats::default());
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let hook: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(move |id: &str| {
+        hook_seen.lock().expect("seen lock").entry(id.to_string()).or_insert_with(Instant::now);
+    });
+    let mut tasks = Vec::with_capacity(ids.len());
+    for id in ids {
+        let backend = Arc::new(FakeGpus::parse("8xH100-80GB", id).expect("spec"));
+        let mut c = DaemonConfig::new(vec![gateway.to_string()], dir.join(id), id.as_str(), backend);
+        c.health_poll = Duration::from_secs(60);
+        c.on_command = Some(hook.clone());
+        tasks.push(tokio::spawn(daemon::run(c, stats.clone(), rx.clone())));
+    }
+    (stats, stop, tasks)
+}
+
+async fn setup(pool: &str) -> Result<(schema::Cluster, tokio_postgres::Config, tokio_postgres::Client, String, tempfile::TempDir)> {
+    eprintln!("starting a private PostgreSQL (fsync on) ...");
+    let cluster = tokio::task::spawn_blocking(util::cluster).await??;
+    let cfg = util::database(&cluster, "bench").await?;
+    let client = events::db::connect(&cfg, "bench").await?;
+    let url = cluster.url("bench");
+    let dir = tempfile::tempdir()?;
+    gateway::ca::init(&dir.path().join("ca"), "bench")?;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    placer::client::create_pool(&appender, pool, "benchmark pool").await?;
+    Ok((cluster, cfg, client, url, dir))
+}
+
+pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
+    let (cluster, cfg, client, url, dir) = setup("gw").await?;
+    let pg_version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
+    let t = Instant::now();
+    let ids = provision(&client, &dir.path().join("ca"), &dir.path().join("nodes"), "gw", args.sessions).await?;
+    eprintln!("provisioned {} nodes in {:.1} s", ids.len(), t.elapsed().as_secs_f64());
+    let gw = GatewayProcess::start(&url, &dir.path().join("ca"), "10s").await?;
+    let rss_idle = gw.rss_mib();
+
+    // Ramp: every daemon connects.
+    let received: Seen = Arc::default();
+    let t0 = Instant::now();
+    let (stats, stop, tasks) = start_daemons(&ids, &gw.addr, &dir.path().join("nodes"), received.clone());
+    let mut rss = Vec::new();
+    let cpu0 = gw.cpu_s();
+    loop {
+        let c = stats.connected.load(Ordering::Relaxed);
+        rss.push(gw.rss_mib());
+        if c >= args.sessions as u64 {
+            break;
+        }
+        if t0.elapsed() > Duration::from_secs(600) {
+            bail!("only {c} of {} sessions after 10 minutes", args.sessions);
+        }
+        let ended = tasks.iter().filter(|t| t.is_finished()).count();
+        if ended > 0 {
+            let mut errors = Vec::new();
+            for t in tasks {
+                if t.is_finished() {
+                    errors.push(format!("{:?}", t.await));
+                }
+            }
+            bail!("{ended} daemons stopped: {:?}", &errors[..errors.len().min(3)]);
+        }
+        if t0.elapsed().as_secs() % 10 == 0 {
+            eprintln!(
+                "  ramp: {c} connected ({} connections made, {} sessions opened, {} pushbacks), gateway RSS {:.0} MiB",
+                stats.connects.load(Ordering::Relaxed),
+                stats.sessions.load(Ordering::Relaxed),
+                stats.pushbacks.load(Ordering::Relaxed),
+                rss.last().copied().unwrap_or(0.0)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+    }
+    let ramp_s = t0.elapsed().as_secs_f64();
+    let ramp_cpu = gw.cpu_s() - cpu0;
+    eprintln!("ramp: {} sessions in {ramp_s:.1} s (gateway CPU {ramp_cpu:.1} s), RSS {:.0} MiB", args.sessions, gw.rss_mib());
+
+    // Commands at a fixed rate to random nodes; a subscription watches the
+    // log for the issued (baseline) and acked events.
+    let mut rc = ReaderConfig::new("bench_gateway_watch");
+    rc.temporary = true;
+    let reader = Reader::start(cfg.clone(), rc);
+    let mut sub = reader.subscribe_ephemeral(Start::Now).await?;
+    let logged: Seen = Arc::default();
+    let acked: Seen = Arc::default();
+    let (l2, a2) = (logged.clone(), acked.clone());
+    let watcher = tokio::spawn(async move {
+        while let Ok(e) = sub.next().await {
+            sub.ack(e.position);
+            let Some(id) = e.stream.strip_prefix("command/") else { continue };
+            let map = match e.event_type.as_str() {
+                commands::ISSUED => &l2,
+                commands::ACKED => &a2,
+                _ => continue,
+            };
+            map.lock().expect("lock").entry(id.to_string()).or_insert_with(Instant::now);
+        }
+    });
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let secs = if args.quick { 10 } else { 30 };
+    let n = args.commands_per_s as u64 * secs;
+    let committed: Seen = Arc::default();
+    let cpu1 = gw.cpu_s();
+    let t1 = Instant::now();
+    let mut issuing = Vec::new();
+    let mut next_sample = Instant::now();
+    for i in 0..n {
+        tokio::time::sleep_until((t1 + Duration::from_secs_f64(i as f64 / args.commands_per_s as f64)).into()).await;
+        if Instant::now() >= next_sample {
+            rss.push(gw.rss_mib());
+            next_sample += Duration::from_secs(1);
+        }
+        let node = ids[fastrand::usize(..ids.len())].clone();
+        let c = Command {
+            id: format!("bc{i}"),
+            node,
+            kind: "diag.nvml".into(),
+            args: serde_json::json!({}),
+            deadline_ms: now_ms() + 60_000,
+        };
+        let (appender, committed) = (appender.clone(), committed.clone());
+        issuing.push(tokio::spawn(async move {
+            commands::issue(&appender, &c).await?;
+            committed.lock().expect("lock").insert(c.id, Instant::now());
+            anyhow::Ok(())
+        }));
+    }
+    for t in issuing {
+        t.await??;
+    }
+    let offered_s = t1.elapsed().as_secs_f64();
+    // Let the last ones arrive.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while received.lock().expect("lock").len() < n as usize && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let cmd_cpu = gw.cpu_s() - cpu1;
+    let cmd_wall = t1.elapsed().as_secs_f64();
+    rss.push(gw.rss_mib());
+    let (mut dispatch, mut ack, mut lag) = (Vec::new(), Vec::new(), Vec::new());
+    let committed = committed.lock().expect("lock").clone();
+    let (received, acked, logged) = (
+        received.lock().expect("lock").clone(),
+        acked.lock().expect("lock").clone(),
+        logged.lock().expect("lock").clone(),
+    );
+    for (id, at) in &committed {
+        if let Some(r) = received.get(id) {
+            dispatch.push(r.saturating_duration_since(*at));
+        }
+        if let Some(a) = acked.get(id) {
+            ack.push(a.saturating_duration_since(*at));
+        }
+        if let Some(l) = logged.get(id) {
+            lag.push(l.saturating_duration_since(*at));
+        }
+    }
+    let drops = n - dispatch.len() as u64;
+    let (d50, d99) = (percentile_ms(&mut dispatch, 0.5), percentile_ms(&mut dispatch, 0.99));
+    let a99 = percentile_ms(&mut ack, 0.99);
+    let (l50, l99) = (percentile_ms(&mut lag, 0.5), percentile_ms(&mut lag, 0.99));
+    let rss_max = rss.iter().copied().fold(0.0, f64::max);
+    let rss_end = gw.rss_mib();
+    eprintln!(
+        "commands: {n} at {}/s (offered in {offered_s:.1} s): dispatch p50 {d50:.2} ms p99 {d99:.2} ms; ack p99 {a99:.2} ms; log lag p50 {l50:.2} ms p99 {l99:.2} ms; drops {drops}",
+        args.commands_per_s
+    );
+    eprintln!(
+        "gateway: RSS idle {rss_idle:.0} MiB, max {rss_max:.0} MiB, end {rss_end:.0} MiB; CPU {:.0}% of one core while holding the sessions and dispatching",
+        cmd_cpu / cmd_wall * 100.0
+    );
+    let reconnects = stats.sessions.load(Ordering::Relaxed).saturating_sub(args.sessions as u64);
+    let _ = stop.send(true);
+    for t in tasks {
+        let _ = t.await;
+    }
+    watcher.abort();
+    gw.stop().await;
+    let result = serde_json::json!({
+        "bench": "gateway",
+        "quick": args.quick,
+        "machine": util::machine(&pg_version),
+        "sessions": args.sessions,
+        "ramp_s": round(ramp_s, 2),
+        "ramp_gateway_cpu_s": round(ramp_cpu, 2),
+        "commands": n,
+        "commands_per_s": args.commands_per_s,
+        "dispatch_p50_ms": round(d50, 3),
+        "dispatch_p99_ms": round(d99, 3),
+        "ack_p99_ms": round(a99, 3),
+        "log_lag_p50_ms": round(l50, 3),
+        "log_lag_p99_ms": round(l99, 3),
+        "dispatch_over_log_lag_p99": round(if l99 > 0.0 { d99 / l99 } else { 0.0 }, 2),
+        "drops": drops,
+        "reconnects": reconnects,
+        "rss_mib": round(rss_max, 1),
+        "rss_idle_mib": round(rss_idle, 1),
+        "rss_end_mib": round(rss_end, 1),
+        "rss_samples_mib": rss.iter().map(|v| round(*v, 0)).collect::<Vec<_>>(),
+        "gateway_cpu_percent_of_one_core": round(cmd_cpu / cmd_wall * 100.0, 1),
+        "targets": {"sessions": 10000, "rss_mib": "< 512", "dispatch_p99_ms": "< 25", "drops": 0},
+        "met": {
+            "rss_mib": rss_max < 512.0,
+            "dispatch_p99_ms": d99 < 25.0,
+            "drops": drops == 0,
+        },
+        "note": "the gateway runs in its own process; the simulated daemons, the command issuer and PostgreSQL share the same two cores with it",
+    });
+    let name = if args.quick { format!("gateway-{}-quick", args.sessions) } else { format!("gateway-{}", args.sessions) };
+    util::finish(&name, &result)?;
+    drop(cluster);
+    Ok(())
+}
+
+pub async fn run_spine(args: SpineArgs) -> Result<()> {
+    let (cluster, cfg, client, url, dir) = setup("spine").await?;
+    let pg_version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
+    let ids = provision(&client, &dir.path().join("ca"), &dir.path().join("nodes"), "spine", args.nodes).await?;
+    let gw = GatewayProcess::start(&url, &dir.path().join("ca"), "10s").await?;
+    let (stats, stop, tasks) = start_daemons(&ids, &gw.addr, &dir.path().join("nodes"), Arc::default());
+    // Every node's inventory in the pool.
+    let t = Instant::now();
+    loop {
+        let joined: i64 = client
+            .query_one("SELECT count(*) FROM strata.events WHERE stream = 'pool/spine' AND type = 'NodeJoined'", &[])
+            .await?
+            .get(0);
+        if joined >= args.nodes as i64 {
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(300) {
+            bail!("only {joined} nodes joined the pool");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!("{} nodes in the pool after {:.1} s ({} connected)", args.nodes, t.elapsed().as_secs_f64(), stats.connected.load(Ordering::Relaxed));
+    let mut rc = ReaderConfig::new("bench_spine");
+    rc.temporary = true;
+    let reader = Reader::start(cfg.clone(), rc);
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let placer = placer::Placer::start(cfg.clone(), reader.clone(), appender.clone(), placer::PlacerConfig::new("spine"));
+    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let mut sub = reader.subscribe_ephemeral(Start::Now).await?;
+    let placed: Seen = Arc::default();
+    let active: Seen = Arc::default();
+    let (p2, a2) = (placed.clone(), active.clone());
+    let watcher = tokio::spawn(async move {
+        while let Ok(e) = sub.next().await {
+            sub.ack(e.position);
+            let map = match e.event_type.as_str() {
+                "ReservationPlaced" => &p2,
+                "ReservationActive" => &a2,
+                _ => continue,
+            };
+            if let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload) {
+                if let Some(id) = f.reservation() {
+                    map.lock().expect("lock").entry(id.to_string()).or_insert_with(Instant::now);
+                }
+            }
+        }
+    });
+    while placer.stats().view().pools_held < 1 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let secs = if args.quick { 10 } else { 30 };
+    let n = args.rate as u64 * secs;
+    let committed: Seen = Arc::default();
+    let t1 = Instant::now();
+    let mut reqs = Vec::new();
+    for i in 0..n {
+        tokio::time::sleep_until((t1 + Duration::from_secs_f64(i as f64 / args.rate as f64)).into()).await;
+        let r = Request {
+            reservation: format!("sp{i}"),
+            pool: "spine".into(),
+            class: "H100-80GB".into(),
+            gpus: 1,
+            shape: Shape::Any,
+            priority: 0,
+            ttl_ms: None,
+        };
+        let (appender, committed) = (appender.clone(), committed.clone());
+        reqs.push(tokio::spawn(async move {
+            appender
+                .append(
+                    &projections::domain::reservation_stream(&r.reservation),
+                    events::ExpectedVersion::NoStream,
+                    vec![Fact::ReservationRequested(r.clone()).to_event()],
+                )
+                .await?;
+            committed.lock().expect("lock").insert(r.reservation, Instant::now());
+            anyhow::Ok(())
+        }));
+    }
+    for r in reqs {
+        r.await??;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while active.lock().expect("lock").len() < n as usize && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (committed, placed, active) = (
+        committed.lock().expect("lock").clone(),
+        placed.lock().expect("lock").clone(),
+        active.lock().expect("lock").clone(),
+    );
+    let (mut to_placed, mut to_active) = (Vec::new(), Vec::new());
+    for (id, at) in &committed {
+        if let Some(p) = placed.get(id) {
+            to_placed.push(p.saturating_duration_since(*at));
+        }
+        if let Some(a) = active.get(id) {
+            to_active.push(a.saturating_duration_since(*at));
+        }
+    }
+    let not_active = n - to_active.len() as u64;
+    let (a50, a99) = (percentile_ms(&mut to_active, 0.5), percentile_ms(&mut to_active, 0.99));
+    let (p50, p99) = (percentile_ms(&mut to_placed, 0.5), percentile_ms(&mut to_placed, 0.99));
+    eprintln!("spine: {n} reservations at {}/s: requested -> placed p50 {p50:.2} ms p99 {p99:.2} ms; requested -> active p50 {a50:.2} ms p99 {a99:.2} ms; {not_active} not active", args.rate);
+    let verdict = match projections::check::check(&client, |_| {}).await {
+        Ok(r) => format!("ok: {} events, {} live", r.events, r.live),
+        Err(e) => format!("violation: {e}"),
+    };
+    eprintln!("check: {verdict}");
+    watcher.abort();
+    binder.stop().await?;
+    placer.stop().await?;
+    let _ = stop.send(true);
+    for t in tasks {
+        let _ = t.await;
+    }
+    gw.stop().await;
+    let result = serde_json::json!({
+        "bench": "spine",
+        "quick": args.quick,
+        "machine": util::machine(&pg_version),
+        "nodes": args.nodes,
+        "offered_per_s": args.rate,
+        "reservations": n,
+        "place_to_active_p50_ms": round(a50, 3),
+        "place_to_active_p99_ms": round(a99, 3),
+        "requested_to_placed_p50_ms": round(p50, 3),
+        "requested_to_placed_p99_ms": round(p99, 3),
+        "active_over_placed_p99": round(if p99 > 0.0 { a99 / p99 } else { 0.0 }, 2),
+        "not_active": not_active,
+        "check": verdict,
+        "targets": {"place_to_active_p99_ms": "< 250"},
+        "met": {"place_to_active_p99_ms": a99 < 250.0 && not_active == 0},
+        "note": "the gateway runs in its own process; daemons, placer, binder, load generator and PostgreSQL share the same two cores",
+    });
+    let name = if args.quick { "spine-quick" } else { "spine" };
+    util::finish(name, &result)?;
+    drop(cluster);
+    Ok(())
+}
