@@ -84,7 +84,9 @@ pub async fn server(args: ServerArgs) -> Result<()> {
 }
 
 fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A gateway child process and what is sampled of it.
@@ -99,7 +101,15 @@ impl GatewayProcess {
         use tokio::io::AsyncBufReadExt;
         let exe = std::env::current_exe()?;
         let mut child = tokio::process::Command::new(exe)
-            .args(["gateway-server", "--database-url", url, "--listen", "127.0.0.1:0", "--heartbeat", heartbeat])
+            .args([
+                "gateway-server",
+                "--database-url",
+                url,
+                "--listen",
+                "127.0.0.1:0",
+                "--heartbeat",
+                heartbeat,
+            ])
             .arg("--ca-dir")
             .arg(ca)
             .stdout(std::process::Stdio::piped())
@@ -114,7 +124,10 @@ impl GatewayProcess {
             .await
             .context("the gateway did not start")??
             .context("the gateway exited")?;
-        let addr = line.strip_prefix("listening ").context("unexpected gateway output")?.to_string();
+        let addr = line
+            .strip_prefix("listening ")
+            .context("unexpected gateway output")?
+            .to_string();
         Ok(GatewayProcess {
             child,
             pid,
@@ -151,7 +164,10 @@ impl GatewayProcess {
             .args(["-INT", &self.pid.to_string()])
             .status()
             .await;
-        if tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+            .await
+            .is_err()
+        {
             let _ = self.child.kill().await;
         }
     }
@@ -159,7 +175,13 @@ impl GatewayProcess {
 
 /// Provisions `n` nodes (keys, certificates recorded in the database) under
 /// `dir` and returns their ids.
-async fn provision(client: &tokio_postgres::Client, ca_dir: &Path, dir: &Path, pool: &str, n: u32) -> Result<Vec<String>> {
+async fn provision(
+    client: &tokio_postgres::Client,
+    ca_dir: &Path,
+    dir: &Path,
+    pool: &str,
+    n: u32,
+) -> Result<Vec<String>> {
     let ca = gateway::ca::Ca::load(ca_dir)?;
     let mut ids = Vec::with_capacity(n as usize);
     let mut batch = Vec::new();
@@ -187,16 +209,32 @@ async fn provision(client: &tokio_postgres::Client, ca_dir: &Path, dir: &Path, p
 
 type Seen = Arc<Mutex<HashMap<String, Instant>>>;
 
-fn start_daemons(ids: &[String], gateway: &str, dir: &Path, hook_seen: Seen) -> (Arc<DaemonStats>, tokio::sync::watch::Sender<bool>, Vec<tokio::task::JoinHandle<Result<(), daemon::DaemonError>>>) {
+/// Running daemons: their shared counters, the stop switch, their tasks.
+type Daemons = (
+    Arc<DaemonStats>,
+    tokio::sync::watch::Sender<bool>,
+    Vec<tokio::task::JoinHandle<Result<(), daemon::DaemonError>>>,
+);
+
+fn start_daemons(ids: &[String], gateway: &str, dir: &Path, hook_seen: Seen) -> Daemons {
     let stats = Arc::new(DaemonStats::default());
     let (stop, rx) = tokio::sync::watch::channel(false);
     let hook: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(move |id: &str| {
-        hook_seen.lock().expect("seen lock").entry(id.to_string()).or_insert_with(Instant::now);
+        hook_seen
+            .lock()
+            .expect("seen lock")
+            .entry(id.to_string())
+            .or_insert_with(Instant::now);
     });
     let mut tasks = Vec::with_capacity(ids.len());
     for id in ids {
         let backend = Arc::new(FakeGpus::parse("8xH100-80GB", id).expect("spec"));
-        let mut c = DaemonConfig::new(vec![gateway.to_string()], dir.join(id), id.as_str(), backend);
+        let mut c = DaemonConfig::new(
+            vec![gateway.to_string()],
+            dir.join(id),
+            id.as_str(),
+            backend,
+        );
         c.health_poll = Duration::from_secs(60);
         c.on_command = Some(hook.clone());
         tasks.push(tokio::spawn(daemon::run(c, stats.clone(), rx.clone())));
@@ -204,7 +242,15 @@ fn start_daemons(ids: &[String], gateway: &str, dir: &Path, hook_seen: Seen) -> 
     (stats, stop, tasks)
 }
 
-async fn setup(pool: &str) -> Result<(schema::Cluster, tokio_postgres::Config, tokio_postgres::Client, String, tempfile::TempDir)> {
+async fn setup(
+    pool: &str,
+) -> Result<(
+    schema::Cluster,
+    tokio_postgres::Config,
+    tokio_postgres::Client,
+    String,
+    tempfile::TempDir,
+)> {
     eprintln!("starting a private PostgreSQL (fsync on) ...");
     let cluster = tokio::task::spawn_blocking(util::cluster).await??;
     let cfg = util::database(&cluster, "bench").await?;
@@ -221,15 +267,27 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
     let (cluster, cfg, client, url, dir) = setup("gw").await?;
     let pg_version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
     let t = Instant::now();
-    let ids = provision(&client, &dir.path().join("ca"), &dir.path().join("nodes"), "gw", args.sessions).await?;
-    eprintln!("provisioned {} nodes in {:.1} s", ids.len(), t.elapsed().as_secs_f64());
+    let ids = provision(
+        &client,
+        &dir.path().join("ca"),
+        &dir.path().join("nodes"),
+        "gw",
+        args.sessions,
+    )
+    .await?;
+    eprintln!(
+        "provisioned {} nodes in {:.1} s",
+        ids.len(),
+        t.elapsed().as_secs_f64()
+    );
     let gw = GatewayProcess::start(&url, &dir.path().join("ca"), "10s").await?;
     let rss_idle = gw.rss_mib();
 
     // Ramp: every daemon connects.
     let received: Seen = Arc::default();
     let t0 = Instant::now();
-    let (stats, stop, tasks) = start_daemons(&ids, &gw.addr, &dir.path().join("nodes"), received.clone());
+    let (stats, stop, tasks) =
+        start_daemons(&ids, &gw.addr, &dir.path().join("nodes"), received.clone());
     let mut rss = Vec::new();
     let cpu0 = gw.cpu_s();
     loop {
@@ -249,9 +307,12 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
                     errors.push(format!("{:?}", t.await));
                 }
             }
-            bail!("{ended} daemons stopped: {:?}", &errors[..errors.len().min(3)]);
+            bail!(
+                "{ended} daemons stopped: {:?}",
+                &errors[..errors.len().min(3)]
+            );
         }
-        if t0.elapsed().as_secs() % 10 == 0 {
+        if t0.elapsed().as_secs().is_multiple_of(10) {
             eprintln!(
                 "  ramp: {c} connected ({} connections made, {} sessions opened, {} pushbacks), gateway RSS {:.0} MiB",
                 stats.connects.load(Ordering::Relaxed),
@@ -264,7 +325,11 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
     }
     let ramp_s = t0.elapsed().as_secs_f64();
     let ramp_cpu = gw.cpu_s() - cpu0;
-    eprintln!("ramp: {} sessions in {ramp_s:.1} s (gateway CPU {ramp_cpu:.1} s), RSS {:.0} MiB", args.sessions, gw.rss_mib());
+    eprintln!(
+        "ramp: {} sessions in {ramp_s:.1} s (gateway CPU {ramp_cpu:.1} s), RSS {:.0} MiB",
+        args.sessions,
+        gw.rss_mib()
+    );
 
     // Commands at a fixed rate to random nodes; a subscription watches the
     // log for the issued (baseline) and acked events.
@@ -278,13 +343,18 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
     let watcher = tokio::spawn(async move {
         while let Ok(e) = sub.next().await {
             sub.ack(e.position);
-            let Some(id) = e.stream.strip_prefix("command/") else { continue };
+            let Some(id) = e.stream.strip_prefix("command/") else {
+                continue;
+            };
             let map = match e.event_type.as_str() {
                 commands::ISSUED => &l2,
                 commands::ACKED => &a2,
                 _ => continue,
             };
-            map.lock().expect("lock").entry(id.to_string()).or_insert_with(Instant::now);
+            map.lock()
+                .expect("lock")
+                .entry(id.to_string())
+                .or_insert_with(Instant::now);
         }
     });
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
@@ -296,7 +366,10 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
     let mut issuing = Vec::new();
     let mut next_sample = Instant::now();
     for i in 0..n {
-        tokio::time::sleep_until((t1 + Duration::from_secs_f64(i as f64 / args.commands_per_s as f64)).into()).await;
+        tokio::time::sleep_until(
+            (t1 + Duration::from_secs_f64(i as f64 / args.commands_per_s as f64)).into(),
+        )
+        .await;
         if Instant::now() >= next_sample {
             rss.push(gw.rss_mib());
             next_sample += Duration::from_secs(1);
@@ -348,7 +421,10 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
         }
     }
     let drops = n - dispatch.len() as u64;
-    let (d50, d99) = (percentile_ms(&mut dispatch, 0.5), percentile_ms(&mut dispatch, 0.99));
+    let (d50, d99) = (
+        percentile_ms(&mut dispatch, 0.5),
+        percentile_ms(&mut dispatch, 0.99),
+    );
     let a99 = percentile_ms(&mut ack, 0.99);
     let (l50, l99) = (percentile_ms(&mut lag, 0.5), percentile_ms(&mut lag, 0.99));
     let rss_max = rss.iter().copied().fold(0.0, f64::max);
@@ -361,7 +437,10 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
         "gateway: RSS idle {rss_idle:.0} MiB, max {rss_max:.0} MiB, end {rss_end:.0} MiB; CPU {:.0}% of one core while holding the sessions and dispatching",
         cmd_cpu / cmd_wall * 100.0
     );
-    let reconnects = stats.sessions.load(Ordering::Relaxed).saturating_sub(args.sessions as u64);
+    let reconnects = stats
+        .sessions
+        .load(Ordering::Relaxed)
+        .saturating_sub(args.sessions as u64);
     let _ = stop.send(true);
     for t in tasks {
         let _ = t.await;
@@ -398,7 +477,11 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
         },
         "note": "the gateway runs in its own process; the simulated daemons, the command issuer and PostgreSQL share the same two cores with it",
     });
-    let name = if args.quick { format!("gateway-{}-quick", args.sessions) } else { format!("gateway-{}", args.sessions) };
+    let name = if args.quick {
+        format!("gateway-{}-quick", args.sessions)
+    } else {
+        format!("gateway-{}", args.sessions)
+    };
     util::finish(&name, &result)?;
     drop(cluster);
     Ok(())
@@ -407,9 +490,17 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
 pub async fn run_spine(args: SpineArgs) -> Result<()> {
     let (cluster, cfg, client, url, dir) = setup("spine").await?;
     let pg_version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
-    let ids = provision(&client, &dir.path().join("ca"), &dir.path().join("nodes"), "spine", args.nodes).await?;
+    let ids = provision(
+        &client,
+        &dir.path().join("ca"),
+        &dir.path().join("nodes"),
+        "spine",
+        args.nodes,
+    )
+    .await?;
     let gw = GatewayProcess::start(&url, &dir.path().join("ca"), "10s").await?;
-    let (stats, stop, tasks) = start_daemons(&ids, &gw.addr, &dir.path().join("nodes"), Arc::default());
+    let (stats, stop, tasks) =
+        start_daemons(&ids, &gw.addr, &dir.path().join("nodes"), Arc::default());
     // Every node's inventory in the pool.
     let t = Instant::now();
     loop {
@@ -425,12 +516,22 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    eprintln!("{} nodes in the pool after {:.1} s ({} connected)", args.nodes, t.elapsed().as_secs_f64(), stats.connected.load(Ordering::Relaxed));
+    eprintln!(
+        "{} nodes in the pool after {:.1} s ({} connected)",
+        args.nodes,
+        t.elapsed().as_secs_f64(),
+        stats.connected.load(Ordering::Relaxed)
+    );
     let mut rc = ReaderConfig::new("bench_spine");
     rc.temporary = true;
     let reader = Reader::start(cfg.clone(), rc);
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    let placer = placer::Placer::start(cfg.clone(), reader.clone(), appender.clone(), placer::PlacerConfig::new("spine"));
+    let placer = placer::Placer::start(
+        cfg.clone(),
+        reader.clone(),
+        appender.clone(),
+        placer::PlacerConfig::new("spine"),
+    );
     let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     let mut sub = reader.subscribe_ephemeral(Start::Now).await?;
     let placed: Seen = Arc::default();
@@ -446,7 +547,10 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
             };
             if let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload) {
                 if let Some(id) = f.reservation() {
-                    map.lock().expect("lock").entry(id.to_string()).or_insert_with(Instant::now);
+                    map.lock()
+                        .expect("lock")
+                        .entry(id.to_string())
+                        .or_insert_with(Instant::now);
                 }
             }
         }
@@ -460,7 +564,10 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
     let t1 = Instant::now();
     let mut reqs = Vec::new();
     for i in 0..n {
-        tokio::time::sleep_until((t1 + Duration::from_secs_f64(i as f64 / args.rate as f64)).into()).await;
+        tokio::time::sleep_until(
+            (t1 + Duration::from_secs_f64(i as f64 / args.rate as f64)).into(),
+        )
+        .await;
         let r = Request {
             reservation: format!("sp{i}"),
             pool: "spine".into(),
@@ -479,7 +586,10 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
                     vec![Fact::ReservationRequested(r.clone()).to_event()],
                 )
                 .await?;
-            committed.lock().expect("lock").insert(r.reservation, Instant::now());
+            committed
+                .lock()
+                .expect("lock")
+                .insert(r.reservation, Instant::now());
             anyhow::Ok(())
         }));
     }
@@ -505,8 +615,14 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
         }
     }
     let not_active = n - to_active.len() as u64;
-    let (a50, a99) = (percentile_ms(&mut to_active, 0.5), percentile_ms(&mut to_active, 0.99));
-    let (p50, p99) = (percentile_ms(&mut to_placed, 0.5), percentile_ms(&mut to_placed, 0.99));
+    let (a50, a99) = (
+        percentile_ms(&mut to_active, 0.5),
+        percentile_ms(&mut to_active, 0.99),
+    );
+    let (p50, p99) = (
+        percentile_ms(&mut to_placed, 0.5),
+        percentile_ms(&mut to_placed, 0.99),
+    );
     eprintln!("spine: {n} reservations at {}/s: requested -> placed p50 {p50:.2} ms p99 {p99:.2} ms; requested -> active p50 {a50:.2} ms p99 {a99:.2} ms; {not_active} not active", args.rate);
     let verdict = match projections::check::check(&client, |_| {}).await {
         Ok(r) => format!("ok: {} events, {} live", r.events, r.live),

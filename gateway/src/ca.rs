@@ -67,7 +67,10 @@ fn serial() -> SerialNumber {
 
 /// Lowercase hex of a serial, without leading zero bytes (as DER has it).
 fn hex(bytes: &[u8]) -> String {
-    let start = bytes.iter().position(|b| *b != 0).unwrap_or(bytes.len().saturating_sub(1));
+    let start = bytes
+        .iter()
+        .position(|b| *b != 0)
+        .unwrap_or(bytes.len().saturating_sub(1));
     bytes[start..].iter().map(|b| format!("{b:02x}")).collect()
 }
 

@@ -104,8 +104,12 @@ pub async fn record(
     certificates: &[(String, Signed)],
 ) -> Result<u64, IdentityError> {
     let nodes: Vec<&str> = certificates.iter().map(|(n, _)| n.as_str()).collect();
-    let serials: Vec<&str> = certificates.iter().map(|(_, s)| s.serial.as_str()).collect();
-    let not_after: Vec<std::time::SystemTime> = certificates.iter().map(|(_, s)| s.not_after).collect();
+    let serials: Vec<&str> = certificates
+        .iter()
+        .map(|(_, s)| s.serial.as_str())
+        .collect();
+    let not_after: Vec<std::time::SystemTime> =
+        certificates.iter().map(|(_, s)| s.not_after).collect();
     Ok(client
         .execute(
             "INSERT INTO strata.node_certificates (serial, node, pool, not_after)

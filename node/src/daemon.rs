@@ -17,6 +17,9 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
+/// Called with a command's id when it arrives.
+pub type CommandHook = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// How long a gateway may take to answer a Hello.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -40,7 +43,7 @@ pub struct DaemonConfig {
     pub backoff_base: Duration,
     pub backoff_cap: Duration,
     /// Called with a command's id when it arrives (measurements).
-    pub on_command: Option<Arc<dyn Fn(&str) + Send + Sync>>,
+    pub on_command: Option<CommandHook>,
 }
 
 impl DaemonConfig {

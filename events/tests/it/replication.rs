@@ -46,14 +46,23 @@ async fn slots_list_shows_owner_lag_and_retained_wal_and_flags_stale_slots() {
         )
         .await
         .unwrap();
-    let slots = events::slots::list(&client, Duration::from_secs(600))
-        .await
-        .unwrap();
+    // The reader may be between replication sessions for a moment on a busy
+    // machine: list until its slot shows active.
+    let mut slots = Vec::new();
+    for _ in 0..100 {
+        slots = events::slots::list(&client, Duration::from_secs(600))
+            .await
+            .unwrap();
+        if slots.iter().any(|s| s.name == slot && s.active) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let mine = slots
         .iter()
         .find(|s| s.name == slot)
         .expect("reader's slot listed");
-    assert!(mine.active && !mine.stale);
+    assert!(mine.active && !mine.stale, "{mine:?}");
     assert!(
         mine.owner.as_deref().is_some_and(|o| o.contains("pid")),
         "{mine:?}"
