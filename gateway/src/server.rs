@@ -1144,6 +1144,21 @@ async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscription) {
                     }
                 };
                 sub.ack(e.position);
+                if e.event_type == "node.revoked" {
+                    // A revoked node's live session ends now, not at its
+                    // next reconnect.
+                    if let Some(node) = e.stream.strip_prefix("node/") {
+                        let gone = shared.sessions.lock().expect("sessions lock").remove(node);
+                        if let Some(s) = gone {
+                            shared.stats.refused_identity.fetch_add(1, Ordering::Relaxed);
+                            let _ = s.tx.try_send(Err(Status::permission_denied(format!(
+                                "the certificate of node {node} is revoked"
+                            ))));
+                            tracing::info!(%node, "ended the session of a revoked node");
+                        }
+                    }
+                    continue;
+                }
                 if !e.stream.starts_with("command/") {
                     continue;
                 }

@@ -283,11 +283,18 @@ async fn wrong_ca_revoked_and_impersonating_nodes_are_refused() {
         n.stats.connected.load(Ordering::Relaxed) == 1
     })
     .await;
-    n.stop().await.unwrap();
+    // Revoked while connected: the live session ends and the daemon stops.
     let revoked = identity::revoke(&r.client, &r.appender, "n1", "test")
         .await
         .unwrap();
     assert_eq!(revoked, 1);
+    let err = tokio::time::timeout(Duration::from_secs(20), n.task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("revoked"), "{err}");
+    // And a new session is refused.
     let n = start(c.clone());
     let err = tokio::time::timeout(Duration::from_secs(20), n.task)
         .await
