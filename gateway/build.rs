@@ -2,7 +2,10 @@
 //! the build needs no `protoc`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["../proto/strata/node/v1/node.proto"];
+    let files = [
+        "../proto/strata/node/v1/node.proto",
+        "../proto/strata/api/v1/api.proto",
+    ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

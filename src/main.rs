@@ -100,6 +100,21 @@ pub enum CaCmd {
         #[arg(long, default_value = "default")]
         region: String,
     },
+    /// Issue an operator certificate for the client API (strata.api.v1 on every gateway)
+    IssueOperator {
+        /// The CA's folder
+        #[arg(long, default_value = "ca")]
+        dir: PathBuf,
+        /// The operator's name
+        #[arg(long)]
+        name: String,
+        /// Where to write operator.pem and operator.key
+        #[arg(long)]
+        out: PathBuf,
+        /// Validity in days
+        #[arg(long, default_value_t = 90)]
+        days: i64,
+    },
 }
 
 #[derive(Subcommand, Debug)]

@@ -21,6 +21,28 @@ pub fn ca(cmd: CaCmd) -> Result<ExitCode> {
                 dir.join(gateway::ca::CA_KEY).display()
             );
         }
+        CaCmd::IssueOperator {
+            dir,
+            name,
+            out,
+            days,
+        } => {
+            if !(1..=3650).contains(&days) {
+                bail!("--days must be 1 to 3650");
+            }
+            projections::domain::valid_name("operator name", &name).map_err(anyhow::Error::msg)?;
+            let ca = gateway::ca::Ca::load(&dir)?;
+            let (cert, key) = ca.issue_operator(&name, days)?;
+            std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
+            gateway::ca::write_private(&out.join("operator.key"), key.as_bytes())?;
+            std::fs::write(out.join("operator.pem"), cert)?;
+            std::fs::write(out.join("ca.pem"), ca.cert_pem())?;
+            println!(
+                "wrote {} and {} (private) for operator {name}, valid {days} days",
+                out.join("operator.pem").display(),
+                out.join("operator.key").display()
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

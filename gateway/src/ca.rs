@@ -17,6 +17,7 @@ use time::{Duration, OffsetDateTime};
 pub const CA_CERT: &str = "ca.pem";
 pub const CA_KEY: &str = "ca.key";
 const NODE_URI_PREFIX: &str = "urn:strata:node:";
+const OPERATOR_URI_PREFIX: &str = "urn:strata:operator:";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaError {
@@ -110,6 +111,29 @@ pub struct Signed {
     pub not_after: std::time::SystemTime,
 }
 
+/// Parameters of a client certificate naming `name` (common name and the
+/// URI `prefix` + name), valid for `days` from now.
+fn client_params(
+    name: &str,
+    prefix: &str,
+    what: &str,
+    days: i64,
+) -> Result<CertificateParams, CaError> {
+    let mut params = CertificateParams::default();
+    params.distinguished_name = DistinguishedName::new();
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.subject_alt_names =
+        vec![SanType::URI(format!("{prefix}{name}").try_into().map_err(
+            |_| CaError::Invalid(format!("{what} {name:?} cannot be named in a URI")),
+        )?)];
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let now = OffsetDateTime::now_utc();
+    params.not_before = now - Duration::minutes(5);
+    params.not_after = now + Duration::days(days);
+    Ok(params)
+}
+
 /// The loaded CA.
 pub struct Ca {
     issuer: Issuer<'static, KeyPair>,
@@ -141,19 +165,7 @@ impl Ca {
     pub fn sign_node(&self, node: &str, csr_pem: &str, days: i64) -> Result<Signed, CaError> {
         let csr = CertificateSigningRequestParams::from_pem(csr_pem)
             .map_err(|e| CaError::Invalid(format!("not a certificate signing request: {e}")))?;
-        let mut params = CertificateParams::default();
-        params.distinguished_name = DistinguishedName::new();
-        params.distinguished_name.push(DnType::CommonName, node);
-        params.subject_alt_names = vec![SanType::URI(
-            format!("{NODE_URI_PREFIX}{node}").try_into().map_err(|_| {
-                CaError::Invalid(format!("node id {node:?} cannot be named in a URI"))
-            })?,
-        )];
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        let now = OffsetDateTime::now_utc();
-        params.not_before = now - Duration::minutes(5);
-        params.not_after = now + Duration::days(days);
+        let mut params = client_params(node, NODE_URI_PREFIX, "node id", days)?;
         let serial = serial();
         let serial_hex = hex(serial.as_ref());
         params.serial_number = Some(serial);
@@ -195,6 +207,16 @@ impl Ca {
         Ok((signed, key.serialize_pem()))
     }
 
+    /// A certificate and key for an operator or a tool using the client API
+    /// (`urn:strata:operator:<name>`).
+    pub fn issue_operator(&self, name: &str, days: i64) -> Result<(String, String), CaError> {
+        let key = KeyPair::generate()?;
+        let mut params = client_params(name, OPERATOR_URI_PREFIX, "operator name", days)?;
+        params.serial_number = Some(serial());
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok((cert.pem(), key.serialize_pem()))
+    }
+
     /// A client certificate for an operator or a test, signed by this CA
     /// (not recorded anywhere: gateways refuse it for sessions).
     pub fn client_identity(&self, node: &str) -> Result<(String, String), CaError> {
@@ -209,6 +231,18 @@ pub struct NodeIdentity {
     pub node: String,
     /// Lowercase hex, as stored at signing.
     pub serial: String,
+}
+
+/// The operator a client certificate names, if it is an operator's.
+pub fn operator_identity(der: &[u8]) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    let san = cert.subject_alternative_name().ok()??;
+    san.value.general_names.iter().find_map(|n| match n {
+        x509_parser::extensions::GeneralName::URI(u) => {
+            u.strip_prefix(OPERATOR_URI_PREFIX).map(str::to_string)
+        }
+        _ => None,
+    })
 }
 
 /// Reads the node id and serial from a node certificate (DER).

@@ -1,9 +1,15 @@
 //! The gateway: joins, mutual-TLS node sessions, node events into the log.
 
+pub mod api;
 pub mod ca;
 pub mod identity;
 pub mod server;
 
 pub mod proto {
     tonic::include_proto!("strata.node.v1");
+}
+
+/// The client API's messages and service.
+pub mod api_proto {
+    tonic::include_proto!("strata.api.v1");
 }

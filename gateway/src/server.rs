@@ -147,11 +147,11 @@ struct Write {
     done: Option<oneshot::Sender<Result<u64, AppendError>>>,
 }
 
-struct Shared {
+pub(crate) struct Shared {
     config: GatewayConfig,
     ca: Ca,
-    db: events::db::Db,
-    appender: Appender,
+    pub(crate) db: events::db::Db,
+    pub(crate) appender: Appender,
     stats: Arc<GatewayStats>,
     streams: Arc<Semaphore>,
     pending_hellos: AtomicUsize,
@@ -160,6 +160,59 @@ struct Shared {
     writes: mpsc::Sender<Write>,
     /// Commands not yet terminal, as the log says.
     commands: Mutex<Commands>,
+    /// API callers waiting for a reservation's (`r:<id>`) or a command's
+    /// (`c:<id>`) outcome.
+    waiters: Mutex<HashMap<String, Vec<oneshot::Sender<Waited>>>>,
+}
+
+/// What an API caller waited for.
+pub(crate) enum Waited {
+    Reservation {
+        state: String,
+        reason: String,
+        allocations: Vec<projections::Allocation>,
+    },
+    Command(commands::Tracked),
+}
+
+impl Shared {
+    pub(crate) fn add_waiter(&self, key: &str) -> oneshot::Receiver<Waited> {
+        let (tx, rx) = oneshot::channel();
+        self.waiters
+            .lock()
+            .expect("waiters lock")
+            .entry(key.to_string())
+            .or_default()
+            .push(tx);
+        rx
+    }
+
+    pub(crate) fn forget_waiter(&self, key: &str) {
+        let mut w = self.waiters.lock().expect("waiters lock");
+        if let Some(v) = w.get_mut(key) {
+            v.retain(|tx| !tx.is_closed());
+            if v.is_empty() {
+                w.remove(key);
+            }
+        }
+    }
+
+    fn notify(&self, key: &str, make: impl Fn() -> Waited) {
+        let waiting = self.waiters.lock().expect("waiters lock").remove(key);
+        for tx in waiting.into_iter().flatten() {
+            let _ = tx.send(make());
+        }
+    }
+
+    pub(crate) fn session_nodes(&self) -> std::collections::HashSet<String> {
+        self.sessions
+            .lock()
+            .expect("sessions lock")
+            .iter()
+            .filter(|(_, s)| !s.closed)
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
 }
 
 fn pushback(reason: &str, base_ms: u32) -> Status {
@@ -303,6 +356,7 @@ pub async fn start(
         writes,
         config,
         commands: Mutex::new(Commands::default()),
+        waiters: Mutex::new(HashMap::new()),
     });
     // Follow commands from now, then load the ones still open (an event seen
     // twice is applied once).
@@ -328,6 +382,10 @@ pub async fn start(
         shared: shared.clone(),
     })
     .max_decoding_message_size(max);
+    let api = crate::api_proto::api_server::ApiServer::new(crate::api::ApiService {
+        shared: shared.clone(),
+    })
+    .max_decoding_message_size(max);
     let (stop, stop_rx) = oneshot::channel::<()>();
     let writer = events::task::spawn("gateway-writer", writer(shared.clone(), writes_rx));
     let sweeper = events::task::spawn("gateway-sweeper", sweeper(shared.clone()));
@@ -336,6 +394,7 @@ pub async fn start(
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(join)
         .add_service(session)
+        .add_service(api)
         .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), {
             let shared = shared.clone();
             async move {
@@ -1159,6 +1218,30 @@ async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscription) {
                     }
                     continue;
                 }
+                if e.stream.starts_with("pool/") {
+                    let outcome = match e.event_type.as_str() {
+                        "ReservationPlaced" => Some("placed"),
+                        "ReservationUnschedulable" => Some("unschedulable"),
+                        "ReservationReleased" => Some("released"),
+                        "ReservationExpired" => Some("expired"),
+                        _ => None,
+                    };
+                    if let (Some(state), Ok(Some(fact))) = (outcome, Fact::parse(&e.event_type, &e.payload)) {
+                        if let Some(id) = fact.reservation() {
+                            let (reason, allocations) = match &fact {
+                                Fact::ReservationPlaced { allocations, .. } => (String::new(), allocations.clone()),
+                                Fact::ReservationUnschedulable { reason, .. } => (reason.clone(), Vec::new()),
+                                _ => (String::new(), Vec::new()),
+                            };
+                            shared.notify(&format!("r:{id}"), || Waited::Reservation {
+                                state: state.to_string(),
+                                reason: reason.clone(),
+                                allocations: allocations.clone(),
+                            });
+                        }
+                    }
+                    continue;
+                }
                 if !e.stream.starts_with("command/") {
                     continue;
                 }
@@ -1171,7 +1254,9 @@ async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscription) {
                         .flatten();
                     // Terminal commands are no longer needed here.
                     if cmds.by_id.get(id).is_some_and(|t| t.state.is_terminal()) {
-                        cmds.by_id.remove(id);
+                        if let Some(t) = cmds.by_id.remove(id) {
+                            shared.notify(&format!("c:{id}"), || Waited::Command(t.clone()));
+                        }
                     }
                     push
                 };

@@ -146,7 +146,10 @@ impl Commands {
             return Some(id.to_string());
         }
         let t = self.by_id.get_mut(id)?;
-        if e.version <= t.version {
+        if e.version < t.version || (e.version == t.version && t.outcome.is_some()) {
+            return None;
+        }
+        if e.version == t.version && !state.is_terminal() {
             return None;
         }
         t.state = state;

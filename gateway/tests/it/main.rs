@@ -687,3 +687,150 @@ async fn commands_run_once_across_reconnects_and_a_stopping_gateway() {
     .await;
     alive.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_api_serves_operators_only() {
+    use gateway::api_proto::{api_client::ApiClient, *};
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c);
+    eventually(20, "n1's inventory is in the pool", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'NodeJoined'")
+            .await
+            == 1
+    })
+    .await;
+    let placer = placer::Placer::start(
+        r.cfg.clone(),
+        r.reader(),
+        r.appender.clone(),
+        placer::PlacerConfig::new("api-test"),
+    );
+    let ca = Ca::load(r.ca_dir.path()).unwrap();
+    let client = |cert: String, key: String| {
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(r.ca_pem()))
+            .identity(Identity::from_pem(cert, key))
+            .domain_name("localhost");
+        let ep = Endpoint::from_shared(url(&gw))
+            .unwrap()
+            .tls_config(tls)
+            .unwrap();
+        async move { ApiClient::new(ep.connect().await.unwrap()) }
+    };
+    // A node's certificate is not an operator's.
+    let (cert, key) = ca.client_identity("n7").unwrap();
+    let err = client(cert, key)
+        .await
+        .list_pools(ListPoolsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+
+    let (cert, key) = ca.issue_operator("alice", 1).unwrap();
+    let mut api = client(cert, key).await;
+    let placed = api
+        .reserve(ReserveRequest {
+            id: "api-1".into(),
+            pool: "p".into(),
+            class: "H100-80GB".into(),
+            gpus: 2,
+            wait_ms: 20_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(placed.state, "placed", "{placed:?}");
+    assert_eq!(placed.allocations[0].node, "n1");
+    assert_eq!(placed.allocations[0].devices.len(), 2);
+    let err = api
+        .reserve(ReserveRequest {
+            pool: "nope".into(),
+            class: "H100-80GB".into(),
+            gpus: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    let err = api
+        .reserve(ReserveRequest {
+            pool: "p".into(),
+            class: "H100-80GB".into(),
+            gpus: 1,
+            shape: "ring".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+
+    let pools = api
+        .list_pools(ListPoolsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .pools;
+    assert_eq!(pools.len(), 1);
+    assert_eq!(pools[0].classes[0].total, 8);
+    assert_eq!(pools[0].live, 1);
+    let nodes = api
+        .list_nodes(ListNodesRequest { pool: "p".into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .nodes;
+    assert_eq!(nodes.len(), 1);
+    assert!(nodes[0].session_here && !nodes[0].revoked, "{nodes:?}");
+
+    let done = api
+        .issue_command(IssueCommandRequest {
+            id: "api-c1".into(),
+            node: "n1".into(),
+            kind: "diag.nvml".into(),
+            wait_ms: 20_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(done.state, "succeeded", "{done:?}");
+    assert!(done.outcome_json.contains("all GPUs pass"), "{done:?}");
+    let got = api
+        .get_command(GetCommandRequest {
+            id: "api-c1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(got.state, "succeeded");
+    let err = api
+        .get_command(GetCommandRequest { id: "nope".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+
+    api.release(ReleaseRequest {
+        id: "api-1".into(),
+        reason: "done".into(),
+    })
+    .await
+    .unwrap();
+    let err = api
+        .release(ReleaseRequest {
+            id: "never".into(),
+            reason: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    placer.stop().await.unwrap();
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}

@@ -1,0 +1,376 @@
+//! The client API (`strata.api.v1`), for holders of an operator certificate.
+
+use crate::api_proto::{
+    api_server, Allocation, CommandStatus, GetCommandRequest, IssueCommandRequest,
+    ListNodesRequest, ListNodesResponse, ListPoolsRequest, ListPoolsResponse, Node, Pool,
+    PoolClass, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest,
+};
+use crate::ca;
+use crate::server::{Shared, Waited};
+use events::{AppendError, ExpectedVersion};
+use projections::commands::{self, Command};
+use projections::domain::{pool_stream, reservation_stream};
+use projections::{Fact, Index, Request as PRequest, Shape};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::oneshot;
+use tonic::{Request, Response, Status};
+
+pub(crate) struct ApiService {
+    pub(crate) shared: Arc<Shared>,
+}
+
+fn operator<T>(req: &Request<T>) -> Result<String, Status> {
+    let certs = req
+        .peer_certs()
+        .ok_or_else(|| Status::unauthenticated("the API needs an operator certificate"))?;
+    certs
+        .first()
+        .and_then(|c| ca::operator_identity(c.as_ref()))
+        .ok_or_else(|| Status::permission_denied("this certificate is not an operator's"))
+}
+
+fn append_status(e: AppendError) -> Status {
+    match e {
+        AppendError::Invalid(m) => Status::invalid_argument(m),
+        AppendError::TooLarge { .. } => Status::invalid_argument(e.to_string()),
+        e => Status::unavailable(e.to_string()),
+    }
+}
+
+fn new_id(prefix: &str) -> String {
+    let ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    format!("{prefix}-{ms:x}-{:06x}", fastrand::u32(..1 << 24))
+}
+
+fn status_of(t: &commands::Tracked) -> CommandStatus {
+    CommandStatus {
+        id: t.command.id.clone(),
+        node: t.command.node.clone(),
+        kind: t.command.kind.clone(),
+        state: serde_json::to_value(t.state)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
+        outcome_json: t
+            .outcome
+            .as_ref()
+            .map(|o| o.to_string())
+            .unwrap_or_default(),
+    }
+}
+
+impl ApiService {
+    async fn db(&self) -> Result<Arc<tokio_postgres::Client>, Status> {
+        self.shared
+            .db
+            .get()
+            .await
+            .map_err(|e| Status::unavailable(format!("database: {e}")))
+    }
+
+    async fn wait(
+        &self,
+        key: String,
+        wait_ms: u32,
+        rx: oneshot::Receiver<Waited>,
+    ) -> Option<Waited> {
+        let r = tokio::time::timeout(Duration::from_millis(wait_ms.into()), rx).await;
+        self.shared.forget_waiter(&key);
+        r.ok().and_then(Result::ok)
+    }
+
+    async fn command(&self, id: &str) -> Result<Option<commands::Tracked>, Status> {
+        let client = self.db().await?;
+        let node: Option<String> = client
+            .query_opt(
+                "SELECT payload->>'node' FROM strata.events WHERE stream = $1 AND version = 1",
+                &[&commands::command_stream(id)],
+            )
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?
+            .map(|r| r.get(0));
+        let Some(node) = node else {
+            return Ok(None);
+        };
+        let found = commands::list(&client, Some(&node), 100_000)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(found.into_iter().find(|t| t.command.id == id))
+    }
+}
+
+#[tonic::async_trait]
+impl api_server::Api for ApiService {
+    async fn reserve(&self, req: Request<ReserveRequest>) -> Result<Response<Reservation>, Status> {
+        let who = operator(&req)?;
+        let r = req.into_inner();
+        let (shape, gpus) = if r.nodes > 0 || r.gpus_per_node > 0 {
+            (
+                Shape::Gang {
+                    nodes: r.nodes,
+                    gpus_per_node: r.gpus_per_node,
+                },
+                if r.gpus == 0 {
+                    r.nodes.saturating_mul(r.gpus_per_node)
+                } else {
+                    r.gpus
+                },
+            )
+        } else {
+            let shape = match r.shape.as_str() {
+                "" | "any" => Shape::Any,
+                "node" => Shape::Node,
+                "island" => Shape::Island,
+                other => return Err(Status::invalid_argument(format!("unknown shape {other:?}"))),
+            };
+            (shape, r.gpus)
+        };
+        let id = if r.id.is_empty() { new_id("r") } else { r.id };
+        let request = PRequest {
+            reservation: id.clone(),
+            pool: r.pool.clone(),
+            class: r.class,
+            gpus,
+            shape,
+            priority: r.priority,
+            ttl_ms: (r.ttl_ms > 0).then_some(r.ttl_ms),
+        };
+        request.validate().map_err(Status::invalid_argument)?;
+        let client = self.db().await?;
+        let exists = client
+            .query_opt(
+                "SELECT 1 FROM strata.events WHERE stream = $1 AND version = 1 AND type = 'PoolCreated'",
+                &[&pool_stream(&r.pool)],
+            )
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?
+            .is_some();
+        if !exists {
+            return Err(Status::not_found(format!(
+                "pool {:?} does not exist",
+                r.pool
+            )));
+        }
+        // Listen before asking, so the outcome cannot slip past.
+        let key = format!("r:{id}");
+        let rx = (r.wait_ms > 0).then(|| self.shared.add_waiter(&key));
+        let event = Fact::ReservationRequested(request)
+            .to_event()
+            .with_metadata(&serde_json::json!({ "operator": who }));
+        match self
+            .shared
+            .appender
+            .append(
+                &reservation_stream(&id),
+                ExpectedVersion::NoStream,
+                vec![event],
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(AppendError::VersionConflict { .. }) => {
+                self.shared.forget_waiter(&key);
+                return Err(Status::already_exists(format!(
+                    "reservation {id:?} already exists"
+                )));
+            }
+            Err(e) => {
+                self.shared.forget_waiter(&key);
+                return Err(append_status(e));
+            }
+        }
+        let mut out = Reservation {
+            id: id.clone(),
+            state: "requested".into(),
+            ..Reservation::default()
+        };
+        if let Some(rx) = rx {
+            if let Some(Waited::Reservation {
+                state,
+                reason,
+                allocations,
+            }) = self.wait(key, r.wait_ms, rx).await
+            {
+                out.state = state;
+                out.reason = reason;
+                out.allocations = allocations
+                    .into_iter()
+                    .map(|a| Allocation {
+                        node: a.node,
+                        devices: a.devices,
+                    })
+                    .collect();
+            }
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn release(
+        &self,
+        req: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
+        let who = operator(&req)?;
+        let r = req.into_inner();
+        projections::domain::valid_name("reservation id", &r.id)
+            .map_err(Status::invalid_argument)?;
+        let event = Fact::ReleaseRequested {
+            reservation: r.id.clone(),
+            reason: r.reason,
+        }
+        .to_event()
+        .with_metadata(&serde_json::json!({ "operator": who }));
+        match self
+            .shared
+            .appender
+            .append(
+                &reservation_stream(&r.id),
+                ExpectedVersion::StreamExists,
+                vec![event],
+            )
+            .await
+        {
+            Ok(_) => Ok(Response::new(ReleaseResponse {})),
+            Err(AppendError::VersionConflict { .. }) => Err(Status::not_found(format!(
+                "reservation {:?} does not exist",
+                r.id
+            ))),
+            Err(e) => Err(append_status(e)),
+        }
+    }
+
+    async fn list_pools(
+        &self,
+        req: Request<ListPoolsRequest>,
+    ) -> Result<Response<ListPoolsResponse>, Status> {
+        operator(&req)?;
+        let client = self.db().await?;
+        let index = projections::projector::build(&client, Index::new())
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        let mut pools = Vec::new();
+        for p in index.state().pools.values().filter(|p| p.created) {
+            let q = index.queues(&p.name);
+            pools.push(Pool {
+                name: p.name.clone(),
+                nodes: p.nodes.values().filter(|n| !n.left).count() as u32,
+                schedulable: p.nodes.values().filter(|n| n.schedulable()).count() as u32,
+                classes: index
+                    .classes(&p.name)
+                    .map(|(c, ci)| PoolClass {
+                        class: c.to_string(),
+                        total: ci.total,
+                        free: ci.free,
+                    })
+                    .collect(),
+                live: index
+                    .state()
+                    .reservations
+                    .values()
+                    .filter(|r| r.request.pool == p.name && r.phase.is_live())
+                    .count() as u32,
+                waiting: q.map_or(0, |q| (q.pending.len() + q.queued.len()) as u32),
+            });
+        }
+        Ok(Response::new(ListPoolsResponse { pools }))
+    }
+
+    async fn list_nodes(
+        &self,
+        req: Request<ListNodesRequest>,
+    ) -> Result<Response<ListNodesResponse>, Status> {
+        operator(&req)?;
+        let pool = req.into_inner().pool;
+        let client = self.db().await?;
+        let rows = client
+            .query(
+                "SELECT node, pool, bool_and(revoked_at IS NOT NULL) FROM strata.node_certificates
+                  WHERE $1 = '' OR pool = $1 GROUP BY node, pool ORDER BY node",
+                &[&pool],
+            )
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        let here = self.shared.session_nodes();
+        let nodes = rows
+            .iter()
+            .map(|r| {
+                let id: String = r.get(0);
+                Node {
+                    session_here: here.contains(&id),
+                    id,
+                    pool: r.get(1),
+                    revoked: r.get(2),
+                }
+            })
+            .collect();
+        Ok(Response::new(ListNodesResponse { nodes }))
+    }
+
+    async fn issue_command(
+        &self,
+        req: Request<IssueCommandRequest>,
+    ) -> Result<Response<CommandStatus>, Status> {
+        let who = operator(&req)?;
+        let r = req.into_inner();
+        let args: serde_json::Value = if r.args_json.is_empty() {
+            serde_json::json!({})
+        } else {
+            serde_json::from_str(&r.args_json)
+                .map_err(|e| Status::invalid_argument(format!("args_json: {e}")))?
+        };
+        let id = if r.id.is_empty() { new_id("c") } else { r.id };
+        let deadline = if r.deadline_ms == 0 {
+            300_000
+        } else {
+            r.deadline_ms
+        };
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let command = Command {
+            id: id.clone(),
+            node: r.node,
+            kind: r.kind,
+            args,
+            deadline_ms: now + deadline,
+        };
+        let key = format!("c:{id}");
+        let rx = (r.wait_ms > 0).then(|| self.shared.add_waiter(&key));
+        tracing::info!(%who, command = %id, node = %command.node, kind = %command.kind, "command issued through the API");
+        if let Err(e) = commands::issue(&self.shared.appender, &command).await {
+            self.shared.forget_waiter(&key);
+            return Err(match e {
+                AppendError::VersionConflict { .. } => {
+                    Status::already_exists(format!("command {id:?} already exists"))
+                }
+                e => append_status(e),
+            });
+        }
+        if let Some(rx) = rx {
+            if let Some(Waited::Command(t)) = self.wait(key, r.wait_ms, rx).await {
+                return Ok(Response::new(status_of(&t)));
+            }
+        }
+        Ok(Response::new(CommandStatus {
+            id,
+            node: command.node,
+            kind: command.kind,
+            state: "issued".into(),
+            outcome_json: String::new(),
+        }))
+    }
+
+    async fn get_command(
+        &self,
+        req: Request<GetCommandRequest>,
+    ) -> Result<Response<CommandStatus>, Status> {
+        operator(&req)?;
+        let id = req.into_inner().id;
+        match self.command(&id).await? {
+            Some(t) => Ok(Response::new(status_of(&t))),
+            None => Err(Status::not_found(format!("command {id:?} does not exist"))),
+        }
+    }
+}
