@@ -13,6 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
+        .codec_path("crate::codec::SmallCodec")
         .compile_fds(fds)?;
     Ok(())
 }

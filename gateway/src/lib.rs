@@ -2,6 +2,7 @@
 
 pub mod api;
 pub mod ca;
+pub mod codec;
 pub mod identity;
 pub mod server;
 
