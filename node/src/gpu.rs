@@ -122,6 +122,60 @@ pub struct NvmlGpus {
     node: String,
     /// Uncorrected ECC counts last seen, per device index.
     ecc: Mutex<Vec<u64>>,
+    /// Critical XID errors seen by the watcher thread, not yet polled.
+    xids: std::sync::Arc<Mutex<Vec<HealthChange>>>,
+}
+
+/// Waits for critical XID events on every GPU, on its own thread with its
+/// own NVML handle (an event set borrows the handle that made it). Ends
+/// quietly where the driver does not support events.
+fn watch_xids(out: std::sync::Arc<Mutex<Vec<HealthChange>>>) {
+    use nvml_wrapper::bitmasks::event::EventTypes;
+    use nvml_wrapper::enums::event::XidError;
+    use nvml_wrapper::error::NvmlError;
+    let Ok(nvml) = nvml_wrapper::Nvml::init() else {
+        return;
+    };
+    let Ok(mut set) = nvml.create_event_set() else {
+        return;
+    };
+    let n = nvml.device_count().unwrap_or(0);
+    for i in 0..n {
+        let Ok(d) = nvml.device_by_index(i) else {
+            continue;
+        };
+        set = match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(gpu = i, error = %e.error, "XID events are not available; ECC is still polled");
+                return;
+            }
+        };
+    }
+    loop {
+        match set.wait(1000) {
+            Ok(ev) => {
+                let device = ev.device.uuid().ok();
+                let xid = match ev.event_data {
+                    Some(XidError::Value(v)) => v.to_string(),
+                    _ => "unknown".into(),
+                };
+                if let Ok(mut v) = out.lock() {
+                    v.push(HealthChange {
+                        device,
+                        condition: format!("XID-{xid}"),
+                        detail: "critical XID error reported by the driver".into(),
+                        cleared: false,
+                    });
+                }
+            }
+            Err(NvmlError::Timeout) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "waiting for XID events failed; stopping the XID watcher");
+                return;
+            }
+        }
+    }
 }
 
 fn nvml_err(e: nvml_wrapper::error::NvmlError) -> GpuError {
@@ -133,10 +187,17 @@ impl NvmlGpus {
     pub fn open(node: &str) -> Result<NvmlGpus, GpuError> {
         let nvml = nvml_wrapper::Nvml::init().map_err(nvml_err)?;
         let n = nvml.device_count().map_err(nvml_err)? as usize;
+        let xids = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let watcher = xids.clone();
+        std::thread::Builder::new()
+            .name("nvml-xid".into())
+            .spawn(move || watch_xids(watcher))
+            .map_err(|e| GpuError::Nvml(format!("start the XID watcher: {e}")))?;
         Ok(NvmlGpus {
             nvml,
             node: node.to_string(),
             ecc: Mutex::new(vec![0; n]),
+            xids,
         })
     }
 
@@ -183,7 +244,7 @@ impl GpuBackend for NvmlGpus {
     fn poll_health(&self) -> Result<Vec<HealthChange>, GpuError> {
         use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError};
         let n = self.nvml.device_count().map_err(nvml_err)?;
-        let mut changes = Vec::new();
+        let mut changes = std::mem::take(&mut *self.xids.lock().expect("xid lock"));
         let mut seen = self.ecc.lock().expect("ecc lock");
         seen.resize(n as usize, 0);
         for i in 0..n {

@@ -451,9 +451,39 @@ fn bad_input_gets_a_clear_error_and_writes_nothing() {
 #[test]
 fn help_explains_every_command() {
     let out = ok(&["--help"]);
-    for cmd in ["dev", "serve", "migrate", "partitions", "events", "slots"] {
-        assert!(out.contains(cmd), "{out}");
+    for cmd in [
+        "dev",
+        "serve",
+        "migrate",
+        "partitions",
+        "events",
+        "slots",
+        "reserve",
+        "release",
+        "pools",
+        "pool",
+        "replay",
+        "ca",
+        "tokens",
+        "nodes",
+        "commands",
+        "node",
+        "fleet",
+    ] {
+        assert!(
+            out.contains(&format!("\n  {cmd} ")),
+            "{cmd} missing from: {out}"
+        );
     }
+    let out = ok(&["serve", "--help"]);
+    for role in ["maintenance", "placer", "gateway", "binder"] {
+        assert!(out.contains(role), "{out}");
+    }
+    let out = ok(&["node", "--help"]);
+    assert!(
+        out.contains("--fake-gpus") && out.contains("STRATA_JOIN_TOKEN"),
+        "{out}"
+    );
     let out = ok(&["events", "tail", "--help"]);
     assert!(
         out.contains("--subscription") && out.contains("STRATA_DATABASE_URL"),

@@ -834,3 +834,55 @@ async fn the_client_api_serves_operators_only() {
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn xid_and_ecc_conditions_reach_the_pool_and_make_the_device_unschedulable() {
+    use node::gpu::{GpuBackend, HealthChange};
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fake = Arc::new(FakeGpus::parse("8xH100-80GB", "n1").unwrap());
+    let gpu3 = fake.inventory().unwrap()[3].id.clone();
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    c.backend = fake.clone();
+    c.health_poll = Duration::from_millis(100);
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c);
+    eventually(20, "n1's inventory is in the pool", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'NodeJoined'")
+            .await
+            == 1
+    })
+    .await;
+    fake.inject(HealthChange {
+        device: Some(gpu3.clone()),
+        condition: "XID-79".into(),
+        detail: "fell off the bus".into(),
+        cleared: false,
+    });
+    fake.inject(HealthChange {
+        device: None,
+        condition: "ECC-uncorrected".into(),
+        detail: String::new(),
+        cleared: false,
+    });
+    eventually(20, "both conditions are in the pool stream", || async {
+        r.count(
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'HealthRaised'",
+        )
+        .await
+            == 2
+    })
+    .await;
+    let index = projections::projector::build(&r.client, projections::Index::new())
+        .await
+        .unwrap();
+    let node = &index.pool("p").unwrap().nodes["n1"];
+    assert_eq!(node.conditions, ["ECC-uncorrected"]);
+    let (_, dev) = node.device(&gpu3).unwrap();
+    assert_eq!(dev.conditions, ["XID-79"]);
+    assert!(!node.schedulable());
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
