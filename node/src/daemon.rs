@@ -7,7 +7,7 @@ use crate::gpu::{GpuBackend, HealthChange};
 use crate::proto::{
     gateway_message, join_client::JoinClient, node_message, session_client::SessionClient,
     CommandAck, CommandResult, Device, HealthReport, Heartbeat, Hello, InventorySection,
-    JoinRequest, NodeMessage,
+    JoinRequest, NodeMessage, StatusReport,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -454,6 +454,7 @@ async fn session(
     *opened = true;
     let _connected = Connected::new(&stats.connected);
     tracing::debug!(node = %config.node_id, epoch = welcome.epoch, "session open");
+    let gpus = section.devices.len();
     if welcome.want_sections.contains(&section.name) {
         let msg = NodeMessage {
             body: Some(node_message::Body::Inventory(section)),
@@ -461,6 +462,18 @@ async fn session(
         if tx.send(msg).await.is_err() {
             return End::Lost("send inventory".into());
         }
+    }
+    // The node's status; sent again only when it changes (the gateway writes
+    // only what is new anyway).
+    let status = |state: &str, detail: String| NodeMessage {
+        body: Some(node_message::Body::Status(StatusReport {
+            state: state.into(),
+            detail,
+        })),
+    };
+    let ready = format!("{gpus} GPUs through {}", config.backend.name());
+    if tx.send(status("ready", ready)).await.is_err() {
+        return End::Lost("send status".into());
     }
     let every = Duration::from_secs(welcome.heartbeat_seconds.max(1).into());
     // Spread heartbeats of many nodes over the interval.
@@ -491,6 +504,12 @@ async fn session(
                         cleared: false,
                     }],
                 };
+                if let Some(c) = changes.iter().find(|c| !c.cleared) {
+                    let detail = format!("{} on {}", c.condition, c.device.as_deref().unwrap_or("the node"));
+                    if tx.send(status("degraded", detail)).await.is_err() {
+                        return End::Lost("send status".into());
+                    }
+                }
                 for c in changes {
                     let m = NodeMessage { body: Some(node_message::Body::Health(HealthReport {
                         device: c.device.unwrap_or_default(),

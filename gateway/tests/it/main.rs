@@ -216,10 +216,13 @@ async fn a_node_joins_holds_a_session_and_sends_only_changed_inventory() {
         1,
         "an unchanged section is not sent again"
     );
+    let opened_at = r
+        .count("SELECT max(version) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.session_opened'")
+        .await;
     assert_eq!(
         n.stats.epoch.load(Ordering::Relaxed),
-        3,
-        "epoch = the node stream's version"
+        opened_at as u64,
+        "epoch = the node stream's version at the session's opening"
     );
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
@@ -883,6 +886,28 @@ async fn xid_and_ecc_conditions_reach_the_pool_and_make_the_device_unschedulable
     let (_, dev) = node.device(&gpu3).unwrap();
     assert_eq!(dev.conditions, ["XID-79"]);
     assert!(!node.schedulable());
+    // Statuses are written when they change: ready, then degraded.
+    eventually(20, "the degraded status is written", || async {
+        r.count(
+            "SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.status'",
+        )
+        .await
+            == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let states: Vec<String> = r
+        .client
+        .query(
+            "SELECT payload->>'state' FROM strata.events WHERE stream = 'node/n1' AND type = 'node.status' ORDER BY version",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(states, ["ready", "degraded"]);
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
 }
