@@ -9,6 +9,7 @@
 //! Started, it first catches up on the log and re-issues what a previous
 //! binder may not have.
 
+use events::lease::{Lease, LeaseError};
 use events::{AppendError, Appender, ExpectedVersion, Reader, Start};
 use projections::commands::{self, Command};
 use projections::domain::reservation_stream;
@@ -40,6 +41,8 @@ pub enum BinderError {
     Subscribe(#[from] events::SubscribeError),
     #[error(transparent)]
     Apply(#[from] projections::ApplyError),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
 }
 
 pub struct Binder {
@@ -148,6 +151,10 @@ impl State {
     }
 }
 
+/// One binder works at a time: it holds this lease.
+pub const LEASE: &str = "binder";
+const LEASE_TTL: Duration = Duration::from_secs(5);
+
 async fn run(
     db: tokio_postgres::Config,
     reader: Reader,
@@ -155,7 +162,46 @@ async fn run(
     stats: Arc<BinderStats>,
     mut stop: oneshot::Receiver<()>,
 ) -> Result<(), BinderError> {
-    let client = events::db::connect(&db, "binder").await?;
+    let holder = crate::service::default_holder();
+    loop {
+        // Wait for the lease (another binder may hold it).
+        let lease = loop {
+            let client = events::db::connect(&db, "binder-lease").await?;
+            if let Some(l) = Lease::acquire(&client, LEASE, &holder, LEASE_TTL).await? {
+                break l;
+            }
+            tokio::select! {
+                _ = &mut stop => return Ok(()),
+                _ = tokio::time::sleep(LEASE_TTL / 3) => {}
+            }
+        };
+        tracing::info!(%holder, epoch = lease.epoch, "binder lease taken");
+        match held(&db, &reader, &appender, &stats, &mut stop, &lease).await {
+            Ok(()) => {
+                if let Ok(c) = events::db::connect(&db, "binder-lease").await {
+                    let _ = lease.release(&c).await;
+                }
+                return Ok(());
+            }
+            Err(BinderError::Lease(LeaseError::Lost { .. })) => {
+                tracing::warn!("the binder lease was lost; waiting to take it again");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Works while holding the lease; returns when stopped or the lease is lost.
+async fn held(
+    db: &tokio_postgres::Config,
+    reader: &Reader,
+    appender: &Appender,
+    stats: &Arc<BinderStats>,
+    stop: &mut oneshot::Receiver<()>,
+    lease: &Lease,
+) -> Result<(), BinderError> {
+    let (reader, appender, stats) = (reader.clone(), appender.clone(), stats.clone());
+    let client = events::db::connect(db, "binder").await?;
     let mut index = projector::build(&client, Index::new()).await?;
     let mut sub = reader
         .subscribe_ephemeral(Start::After(events::Position(index.position())))
@@ -198,9 +244,15 @@ async fn run(
         placed = placed.len(),
         "binder started"
     );
+    let mut renew = tokio::time::interval(LEASE_TTL / 3);
+    renew.tick().await;
     loop {
         let e = tokio::select! {
-            _ = &mut stop => return Ok(()),
+            _ = &mut *stop => return Ok(()),
+            _ = renew.tick() => {
+                lease.renew(&client).await?;
+                continue;
+            }
             e = sub.next() => e?,
         };
         sub.ack(e.position);

@@ -714,6 +714,10 @@ async fn the_client_api_serves_operators_only() {
         r.appender.clone(),
         placer::PlacerConfig::new("api-test"),
     );
+    // Two binders: one holds the lease and works, the other waits.
+    let binders: Vec<_> = (0..2)
+        .map(|_| placer::binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone()))
+        .collect();
     let ca = Ca::load(r.ca_dir.path()).unwrap();
     let client = |cert: String, key: String| {
         let tls = ClientTlsConfig::new()
@@ -819,6 +823,20 @@ async fn the_client_api_serves_operators_only() {
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound);
 
+    // The placement is bound on n1 and becomes active once, by one binder.
+    eventually(20, "api-1 becomes active", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'reservation/api-1' AND type = 'ReservationActive'").await == 1
+    })
+    .await;
+    let activated: Vec<u64> = binders
+        .iter()
+        .map(|b| b.stats.activated.load(Ordering::Relaxed))
+        .collect();
+    assert_eq!(activated.iter().sum::<u64>(), 1, "{activated:?}");
+    projections::check::check(&r.client, |_| {}).await.unwrap();
+    for b in binders {
+        b.stop().await.unwrap();
+    }
     api.release(ReleaseRequest {
         id: "api-1".into(),
         reason: "done".into(),
