@@ -318,7 +318,7 @@ pub async fn run(
         }
     };
     let generation = next_generation(&config.data_dir)?;
-    let mut executor = Executor::open(&config.data_dir).map_err(io(&config.data_dir))?;
+    let runner = Runner::new(Executor::open(&config.data_dir).map_err(io(&config.data_dir))?);
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&creds.ca_pem))
         .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem))
@@ -354,7 +354,7 @@ pub async fn run(
                     &stats,
                     channel,
                     generation,
-                    &mut executor,
+                    &runner,
                     &mut shutdown,
                     &mut opened,
                 )
@@ -398,10 +398,10 @@ pub async fn run(
 
 async fn session(
     config: &DaemonConfig,
-    stats: &DaemonStats,
+    stats: &Arc<DaemonStats>,
     channel: Channel,
     generation: u64,
-    executor: &mut Executor,
+    runner: &Runner,
     shutdown: &mut watch::Receiver<bool>,
     opened: &mut bool,
 ) -> End {
@@ -453,6 +453,7 @@ async fn session(
     stats.epoch.store(welcome.epoch, Ordering::Relaxed);
     *opened = true;
     let _connected = Connected::new(&stats.connected);
+    let _current = runner.attach(&tx);
     tracing::debug!(node = %config.node_id, epoch = welcome.epoch, "session open");
     let gpus = section.devices.len();
     if welcome.want_sections.contains(&section.name) {
@@ -533,7 +534,7 @@ async fn session(
                         if let Some(hook) = &config.on_command {
                             hook(&c.id);
                         }
-                        if execute(config, stats, executor, c, &tx).await.is_err() {
+                        if runner.handle(config, stats, c, &tx).await.is_err() {
                             return End::Lost("send a command report".into());
                         }
                     }
@@ -546,71 +547,125 @@ async fn session(
     }
 }
 
-/// Acks a command, runs it unless it ran before, and reports its result.
-async fn execute(
-    config: &DaemonConfig,
-    stats: &DaemonStats,
-    executor: &mut Executor,
-    c: crate::proto::Command,
-    tx: &mpsc::Sender<NodeMessage>,
-) -> Result<(), mpsc::error::SendError<NodeMessage>> {
-    tx.send(NodeMessage {
-        body: Some(node_message::Body::Ack(CommandAck {
-            command_id: c.id.clone(),
+/// Runs commands off the session loop, so heartbeats go on while one runs;
+/// each id at most once. A result goes to whichever session is current when
+/// the command finishes; if none is, the gateway pushes the command again on
+/// the next session and gets the recorded result.
+#[derive(Clone)]
+struct Runner {
+    executor: Arc<std::sync::Mutex<Executor>>,
+    running: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    out: Arc<std::sync::Mutex<Option<mpsc::Sender<NodeMessage>>>>,
+}
+
+fn result_message(id: String, o: Outcome) -> NodeMessage {
+    NodeMessage {
+        body: Some(node_message::Body::Result(CommandResult {
+            command_id: id,
+            ok: o.ok,
+            detail: o.detail,
+            output_json: o.output.to_string(),
         })),
-    })
-    .await?;
-    let outcome = match executor.begin(&c.id) {
-        Err(e) => Outcome {
-            ok: false,
-            detail: format!("could not record the command before running it: {e}"),
-            output: serde_json::Value::Null,
-        },
-        Ok(Decision::Known(o)) => o,
-        Ok(Decision::Run) => {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as i64);
-            let o = if c.deadline_unix_ms > 0 && now > c.deadline_unix_ms {
-                Outcome {
-                    ok: false,
-                    detail: "its deadline passed before it arrived; not run".into(),
-                    output: serde_json::Value::Null,
-                }
-            } else {
-                let args: serde_json::Value =
-                    serde_json::from_str(&c.args_json).unwrap_or(serde_json::Value::Null);
-                stats.commands_run.fetch_add(1, Ordering::Relaxed);
-                let (dir, backend, kind) = (
-                    executor.allocations_dir(),
-                    config.backend.clone(),
-                    c.kind.clone(),
-                );
-                tokio::task::spawn_blocking(move || {
-                    Executor::run(&dir, backend.as_ref(), &kind, &args)
-                })
+    }
+}
+
+/// Clears the runner's current session when a session ends.
+struct CurrentSession<'a>(&'a Runner);
+
+impl Drop for CurrentSession<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut o) = self.0.out.lock() {
+            *o = None;
+        }
+    }
+}
+
+impl Runner {
+    fn new(executor: Executor) -> Runner {
+        Runner {
+            executor: Arc::new(std::sync::Mutex::new(executor)),
+            running: Arc::default(),
+            out: Arc::default(),
+        }
+    }
+
+    fn attach(&self, tx: &mpsc::Sender<NodeMessage>) -> CurrentSession<'_> {
+        *self.out.lock().expect("runner lock") = Some(tx.clone());
+        CurrentSession(self)
+    }
+
+    /// Acks a command and runs it (in the background) unless it ran before
+    /// or is running now.
+    async fn handle(
+        &self,
+        config: &DaemonConfig,
+        stats: &Arc<DaemonStats>,
+        c: crate::proto::Command,
+        tx: &mpsc::Sender<NodeMessage>,
+    ) -> Result<(), mpsc::error::SendError<NodeMessage>> {
+        tx.send(NodeMessage {
+            body: Some(node_message::Body::Ack(CommandAck {
+                command_id: c.id.clone(),
+            })),
+        })
+        .await?;
+        if self.running.lock().expect("runner lock").contains(&c.id) {
+            return Ok(());
+        }
+        let decision = self.executor.lock().expect("runner lock").begin(&c.id);
+        let outcome = match decision {
+            Err(e) => Outcome {
+                ok: false,
+                detail: format!("could not record the command before running it: {e}"),
+                output: serde_json::Value::Null,
+            },
+            Ok(Decision::Known(o)) => o,
+            Ok(Decision::Run) => {
+                self.running
+                    .lock()
+                    .expect("runner lock")
+                    .insert(c.id.clone());
+                let (me, config, stats) = (self.clone(), config.clone(), stats.clone());
+                tokio::spawn(async move { me.run(&config, &stats, c).await });
+                return Ok(());
+            }
+        };
+        tx.send(result_message(c.id, outcome)).await
+    }
+
+    async fn run(&self, config: &DaemonConfig, stats: &DaemonStats, c: crate::proto::Command) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        let o = if c.deadline_unix_ms > 0 && now > c.deadline_unix_ms {
+            Outcome {
+                ok: false,
+                detail: "its deadline passed before it arrived; not run".into(),
+                output: serde_json::Value::Null,
+            }
+        } else {
+            let args: serde_json::Value =
+                serde_json::from_str(&c.args_json).unwrap_or(serde_json::Value::Null);
+            stats.commands_run.fetch_add(1, Ordering::Relaxed);
+            let dir = self.executor.lock().expect("runner lock").allocations_dir();
+            let (backend, kind) = (config.backend.clone(), c.kind.clone());
+            tokio::task::spawn_blocking(move || Executor::run(&dir, backend.as_ref(), &kind, &args))
                 .await
                 .unwrap_or_else(|e| Outcome {
                     ok: false,
                     detail: format!("the command panicked: {e}"),
                     output: serde_json::Value::Null,
                 })
-            };
-            if let Err(e) = executor.finish(&c.id, &o) {
-                tracing::error!(command = %c.id, error = %e, "could not record a command's result");
-            }
-            o
+        };
+        if let Err(e) = self.executor.lock().expect("runner lock").finish(&c.id, &o) {
+            tracing::error!(command = %c.id, error = %e, "could not record a command's result");
         }
-    };
-    tx.send(NodeMessage {
-        body: Some(node_message::Body::Result(CommandResult {
-            command_id: c.id,
-            ok: outcome.ok,
-            detail: outcome.detail,
-            output_json: outcome.output.to_string(),
-        })),
-    })
-    .await
+        self.running.lock().expect("runner lock").remove(&c.id);
+        let out = self.out.lock().expect("runner lock").clone();
+        if let Some(out) = out {
+            let _ = out.send(result_message(c.id, o)).await;
+        }
+    }
 }
 
 /// Counts an open session while it lives.

@@ -679,6 +679,25 @@ async fn commands_run_once_across_reconnects_and_a_stopping_gateway() {
     assert_eq!(n.stats.commands_run.load(Ordering::Relaxed), 2);
     assert_eq!(states(&r, "other").await, ["command.issued"]);
 
+    // Heartbeats go on while a command runs (1 s beats, a 1.5 s command).
+    projections::commands::issue(&r.appender, &diag("c4", "n1", now_ms() + 60_000))
+        .await
+        .unwrap();
+    eventually(20, "c4 is acked", || async {
+        states(&r, "c4").await.len() == 2
+    })
+    .await;
+    let beats = n.stats.heartbeats.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert!(
+        n.stats.heartbeats.load(Ordering::Relaxed) > beats,
+        "a heartbeat while c4 ran"
+    );
+    eventually(20, "c4 succeeds", || async {
+        states(&r, "c4").await.last().map(String::as_str) == Some("command.succeeded")
+    })
+    .await;
+
     // A command past its deadline is expired by a gateway, not run.
     n.stop().await.unwrap();
     projections::commands::issue(&r.appender, &diag("late", "n1", now_ms() + 200))
