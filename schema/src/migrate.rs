@@ -38,6 +38,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "node_identity",
         sql: include_str!("../migrations/0004_node_identity.sql"),
     },
+    Migration {
+        version: 5,
+        name: "sinks",
+        sql: include_str!("../migrations/0005_sinks.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

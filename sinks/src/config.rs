@@ -1,0 +1,207 @@
+//! Sink definitions, kept as events on `sink/<name>` (`sink.created`,
+//! `sink.paused`, `sink.resumed`, `sink.deleted`), so every change to a sink
+//! is in the log like everything else.
+
+use events::{AppendError, Appender, Event, ExpectedVersion, NewEvent};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+pub fn sink_stream(name: &str) -> String {
+    format!("sink/{name}")
+}
+
+/// Which events a sink takes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Filter {
+    /// Event types; all when empty.
+    #[serde(default)]
+    pub types: Vec<String>,
+    /// Stream prefixes such as `pool/`; all when empty.
+    #[serde(default)]
+    pub prefixes: Vec<String>,
+}
+
+impl Filter {
+    pub fn matches(&self, e: &Event) -> bool {
+        (self.types.is_empty() || self.types.iter().any(|t| *t == e.event_type))
+            && (self.prefixes.is_empty() || self.prefixes.iter().any(|p| e.stream.starts_with(p)))
+    }
+}
+
+/// Where a sink delivers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Target {
+    /// Batches POSTed as JSON, signed with HMAC-SHA256 using the secret in
+    /// the sinks process's environment variable `secret_env` (the secret
+    /// itself is never in the log).
+    Webhook { url: String, secret_env: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SinkConfig {
+    pub name: String,
+    pub target: Target,
+    #[serde(default)]
+    pub filter: Filter,
+    /// `start`, `now` or a position.
+    #[serde(default = "default_start")]
+    pub start: String,
+    #[serde(default = "default_batch")]
+    pub batch_max: usize,
+    /// Attempts before a batch is parked.
+    #[serde(default = "default_attempts")]
+    pub max_attempts: u32,
+}
+
+fn default_start() -> String {
+    "start".into()
+}
+fn default_batch() -> usize {
+    500
+}
+fn default_attempts() -> u32 {
+    8
+}
+
+impl SinkConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.name.is_empty()
+            || self.name.len() > 100
+            || !self
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return Err(format!(
+                "sink name {:?}: 1 to 100 letters, digits, '-' or '_'",
+                self.name
+            ));
+        }
+        self.start.parse::<events::Start>()?;
+        if self.batch_max == 0 || self.batch_max > 10_000 {
+            return Err("batch size must be 1 to 10,000".into());
+        }
+        if self.max_attempts == 0 || self.max_attempts > 100 {
+            return Err("attempts must be 1 to 100".into());
+        }
+        match &self.target {
+            Target::Webhook { url, secret_env } => {
+                if !url.starts_with("http://") {
+                    return Err(format!(
+                        "webhook url {url:?}: this build delivers to http:// URLs"
+                    ));
+                }
+                if secret_env.is_empty() {
+                    return Err(
+                        "a webhook needs the name of the environment variable holding its secret"
+                            .into(),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A sink as the log has it now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SinkState {
+    pub config: SinkConfig,
+    pub paused: bool,
+    pub deleted: bool,
+    /// The sink stream's version.
+    pub version: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    #[error("invalid sink: {0}")]
+    Invalid(String),
+    #[error("sink {0:?} already exists")]
+    Exists(String),
+    #[error("sink {0:?} does not exist")]
+    NotFound(String),
+    #[error(transparent)]
+    Append(#[from] AppendError),
+    #[error("database: {0}")]
+    Database(#[from] tokio_postgres::Error),
+}
+
+pub async fn create(appender: &Appender, config: &SinkConfig) -> Result<(), SinkError> {
+    config.validate().map_err(SinkError::Invalid)?;
+    let payload = serde_json::to_value(config).expect("configs serialize");
+    match appender
+        .append(
+            &sink_stream(&config.name),
+            ExpectedVersion::NoStream,
+            vec![NewEvent::new("sink.created", &payload)],
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(AppendError::VersionConflict { .. }) => Err(SinkError::Exists(config.name.clone())),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Appends `sink.paused`, `sink.resumed` or `sink.deleted`.
+pub async fn change(appender: &Appender, name: &str, event_type: &str) -> Result<(), SinkError> {
+    match appender
+        .append(
+            &sink_stream(name),
+            ExpectedVersion::StreamExists,
+            vec![NewEvent::new(
+                event_type,
+                &serde_json::json!({ "name": name }),
+            )],
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(AppendError::VersionConflict { .. }) => Err(SinkError::NotFound(name.to_string())),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Every sink, folded from its stream.
+pub async fn list(client: &tokio_postgres::Client) -> Result<Vec<SinkState>, SinkError> {
+    let rows = client
+        .query(
+            "SELECT stream, version, type, payload::text FROM strata.events
+              WHERE stream LIKE 'sink/%' ORDER BY position",
+            &[],
+        )
+        .await?;
+    let mut sinks: BTreeMap<String, SinkState> = BTreeMap::new();
+    for r in rows {
+        let stream: String = r.get(0);
+        let version = r.get::<_, i64>(1) as u64;
+        let t: &str = r.get(2);
+        let payload: &str = r.get(3);
+        if t == "sink.created" {
+            if let Ok(config) = serde_json::from_str::<SinkConfig>(payload) {
+                sinks.insert(
+                    stream,
+                    SinkState {
+                        config,
+                        paused: false,
+                        deleted: false,
+                        version,
+                    },
+                );
+            }
+            continue;
+        }
+        if let Some(s) = sinks.get_mut(&stream) {
+            s.version = version;
+            match t {
+                "sink.paused" => s.paused = true,
+                "sink.resumed" => s.paused = false,
+                "sink.deleted" => s.deleted = true,
+                _ => {}
+            }
+        }
+    }
+    Ok(sinks.into_values().filter(|s| !s.deleted).collect())
+}

@@ -1,0 +1,268 @@
+//! The `sinks` role: every sink defined in the log gets a worker in one of
+//! the processes running the role. A worker holds its sink's durable
+//! subscription (`sink.<name>`), whose lease makes it the only one; when its
+//! process dies, another process's next look takes the subscription over
+//! once the lease runs out, and resumes after the last acknowledged event.
+//!
+//! A worker takes events in batches (up to the sink's batch size, or what
+//! arrived within 20 ms), delivers the ones its filter takes, and only then
+//! acknowledges the batch: at least once, in log order. A batch that fails
+//! all its attempts is parked (`strata sinks parked`) and the sink moves on.
+
+use crate::config::{self, SinkConfig, Target};
+use crate::webhook;
+use bytes::Bytes;
+use events::{Reader, SubscribeError, Subscription};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+#[derive(Debug, Clone)]
+pub struct SinksConfig {
+    /// How often the sink definitions are read.
+    pub poll: Duration,
+    pub backoff_base: Duration,
+    pub backoff_cap: Duration,
+}
+
+impl Default for SinksConfig {
+    fn default() -> Self {
+        SinksConfig {
+            poll: Duration::from_secs(1),
+            backoff_base: Duration::from_millis(200),
+            backoff_cap: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct SinkStats {
+    pub delivered: AtomicU64,
+    pub batches: AtomicU64,
+    pub parked: AtomicU64,
+    pub workers: AtomicU64,
+}
+
+pub struct Sinks {
+    pub stats: Arc<SinkStats>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Sinks {
+    pub fn start(db: tokio_postgres::Config, reader: Reader, config: SinksConfig) -> Sinks {
+        let stats = Arc::new(SinkStats::default());
+        let (stop, rx) = oneshot::channel();
+        let task = events::task::spawn("sinks", run(db, reader, config, stats.clone(), rx));
+        Sinks {
+            stats,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+struct Worker {
+    config: SinkConfig,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn run(
+    db: tokio_postgres::Config,
+    reader: Reader,
+    config: SinksConfig,
+    stats: Arc<SinkStats>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let store = events::db::Db::new(db);
+    let http = webhook::client();
+    let mut workers: HashMap<String, Worker> = HashMap::new();
+    let mut tick = tokio::time::interval(config.poll);
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = tick.tick() => {}
+        }
+        let sinks = match store.get().await {
+            Ok(c) => match config::list(&c).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the sinks");
+                    continue;
+                }
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "could not reach the database");
+                continue;
+            }
+        };
+        let wanted: HashMap<&str, &SinkConfig> = sinks
+            .iter()
+            .filter(|s| !s.paused)
+            .map(|s| (s.config.name.as_str(), &s.config))
+            .collect();
+        // Stop workers whose sink was paused, deleted or changed, and forget
+        // finished ones.
+        let names: Vec<String> = workers.keys().cloned().collect();
+        for name in names {
+            let keep = wanted
+                .get(name.as_str())
+                .is_some_and(|c| **c == workers[&name].config)
+                && !workers[&name].task.is_finished();
+            if !keep {
+                if let Some(w) = workers.remove(&name) {
+                    let _ = w.stop.send(());
+                    let _ = w.task.await;
+                }
+            }
+        }
+        for (name, cfg) in wanted {
+            if workers.contains_key(name) {
+                continue;
+            }
+            let start = cfg.start.parse().unwrap_or(events::Start::Beginning);
+            match reader.subscribe(&format!("sink.{name}"), start).await {
+                Ok(sub) => {
+                    let (tx, rx) = oneshot::channel();
+                    let task = events::task::spawn(
+                        "sink-worker",
+                        worker(
+                            cfg.clone(),
+                            sub,
+                            http.clone(),
+                            store.config.clone(),
+                            config.clone(),
+                            stats.clone(),
+                            rx,
+                        ),
+                    );
+                    tracing::info!(sink = %name, "sink worker started");
+                    workers.insert(
+                        name.to_string(),
+                        Worker {
+                            config: cfg.clone(),
+                            stop: tx,
+                            task,
+                        },
+                    );
+                }
+                Err(SubscribeError::InUse { .. }) => {}
+                Err(e) => {
+                    tracing::warn!(sink = %name, error = %e, "could not open the sink's subscription")
+                }
+            }
+        }
+        stats.workers.store(workers.len() as u64, Ordering::Relaxed);
+    }
+    for (_, w) in workers.drain() {
+        let _ = w.stop.send(());
+        let _ = w.task.await;
+    }
+    stats.workers.store(0, Ordering::Relaxed);
+}
+
+/// The JSON body of a batch.
+pub fn body(sink: &str, events: &[&events::Event]) -> Bytes {
+    let mut s = format!("{{\"sink\":{},\"events\":[", serde_json::json!(sink));
+    for (i, e) in events.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(&e.to_json_line());
+    }
+    s.push_str("]}");
+    Bytes::from(s)
+}
+
+async fn worker(
+    cfg: SinkConfig,
+    mut sub: Subscription,
+    http: webhook::HttpClient,
+    db: tokio_postgres::Config,
+    config: SinksConfig,
+    stats: Arc<SinkStats>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let Target::Webhook { url, secret_env } = &cfg.target;
+    let Ok(secret) = std::env::var(secret_env) else {
+        tracing::error!(sink = %cfg.name, %secret_env, "the sink's secret is not in this process's environment; not delivering");
+        let _ = stop.await;
+        let _ = sub.close().await;
+        return;
+    };
+    loop {
+        let first = tokio::select! {
+            _ = &mut stop => break,
+            e = sub.next() => match e {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::warn!(sink = %cfg.name, error = %e, "the sink's subscription ended");
+                    return;
+                }
+            },
+        };
+        let mut batch = vec![first];
+        while batch.len() < cfg.batch_max {
+            match tokio::time::timeout(Duration::from_millis(20), sub.next()).await {
+                Ok(Ok(e)) => batch.push(e),
+                _ => break,
+            }
+        }
+        let last = batch.last().expect("a batch has an event").position;
+        let matching: Vec<&events::Event> = batch
+            .iter()
+            .map(|e| e.as_ref())
+            .filter(|e| cfg.filter.matches(e))
+            .collect();
+        if !matching.is_empty() {
+            let b = body(&cfg.name, &matching);
+            match webhook::deliver(
+                &http,
+                url,
+                secret.as_bytes(),
+                b,
+                cfg.max_attempts,
+                config.backoff_base,
+                config.backoff_cap,
+            )
+            .await
+            {
+                Ok(_) => {
+                    stats
+                        .delivered
+                        .fetch_add(matching.len() as u64, Ordering::Relaxed);
+                    stats.batches.fetch_add(1, Ordering::Relaxed);
+                }
+                Err((attempts, error)) => {
+                    tracing::warn!(sink = %cfg.name, %error, events = matching.len(), "parking a batch after {attempts} attempts");
+                    if let Err(e) =
+                        crate::parked::park(&db, &cfg.name, &matching, &error, attempts).await
+                    {
+                        // Not parked, so not acknowledged: it comes again.
+                        tracing::error!(sink = %cfg.name, error = %e, "could not park a batch; it will be retried");
+                        return;
+                    }
+                    stats
+                        .parked
+                        .fetch_add(matching.len() as u64, Ordering::Relaxed);
+                }
+            }
+        }
+        sub.ack(last);
+    }
+    let _ = sub.close().await;
+}

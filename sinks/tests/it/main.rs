@@ -1,0 +1,234 @@
+//! The webhook sink against a real HTTP receiver and a real Postgres:
+//! delivery in order with signatures, retries, parking and replay, pause and
+//! resume, filters.
+
+use bytes::Bytes;
+use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent, Reader, ReaderConfig};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use sinks::config::{self, Filter, SinkConfig, Target};
+use sinks::{parked, webhook, Sinks, SinksConfig};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const SECRET: &str = "a test secret";
+
+/// A webhook receiver: checks signatures, records positions in arrival
+/// order, fails on request.
+#[derive(Default)]
+struct Receiver {
+    positions: Mutex<Vec<u64>>,
+    fail_next: AtomicU32,
+    always_fail: AtomicBool,
+    bad_signatures: AtomicU32,
+    requests: AtomicU32,
+}
+
+async fn receiver() -> (String, Arc<Receiver>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    let state = Arc::new(Receiver::default());
+    let s = state.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let s = s.clone();
+            let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let s = s.clone();
+                async move {
+                    s.requests.fetch_add(1, Ordering::Relaxed);
+                    let ts: u64 = req.headers()["x-strata-timestamp"]
+                        .to_str()
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    let sig = req.headers()["x-strata-signature"]
+                        .to_str()
+                        .unwrap()
+                        .to_string();
+                    let body = req.into_body().collect().await.unwrap().to_bytes();
+                    let fail = s.always_fail.load(Ordering::Relaxed)
+                        || s.fail_next
+                            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                                n.checked_sub(1)
+                            })
+                            .is_ok();
+                    let status = if !webhook::verify(SECRET.as_bytes(), ts, &body, &sig) {
+                        s.bad_signatures.fetch_add(1, Ordering::Relaxed);
+                        401
+                    } else if fail {
+                        500
+                    } else {
+                        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                        let mut p = s.positions.lock().unwrap();
+                        for e in v["events"].as_array().unwrap() {
+                            p.push(e["position"].as_u64().unwrap());
+                        }
+                        200
+                    };
+                    Ok::<_, std::convert::Infallible>(
+                        Response::builder()
+                            .status(status)
+                            .body(Full::new(Bytes::new()))
+                            .unwrap(),
+                    )
+                }
+            });
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    (url, state)
+}
+
+async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while tokio::time::Instant::now() < deadline {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+async fn append(appender: &Appender, stream: &str, n: usize) -> Vec<u64> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let a = appender
+            .append(
+                stream,
+                ExpectedVersion::Any,
+                vec![NewEvent::new("t.happened", &serde_json::json!({ "i": i }))],
+            )
+            .await
+            .unwrap();
+        out.push(a.first_position.0);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
+    std::env::set_var("STRATA_TEST_SINK_SECRET", SECRET);
+    let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let cfg: tokio_postgres::Config = url_db.parse().unwrap();
+    let client = events::db::connect(&cfg, "test").await.unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let (url, rx) = receiver().await;
+
+    // History before the sink exists, on two streams; the sink takes pool/ only.
+    let mut want = append(&appender, "pool/a", 30).await;
+    append(&appender, "other/b", 10).await;
+    let sink = SinkConfig {
+        name: "hook".into(),
+        target: Target::Webhook {
+            url: url.clone(),
+            secret_env: "STRATA_TEST_SINK_SECRET".into(),
+        },
+        filter: Filter {
+            types: vec![],
+            prefixes: vec!["pool/".into()],
+        },
+        start: "start".into(),
+        batch_max: 7,
+        max_attempts: 3,
+    };
+    config::create(&appender, &sink).await.unwrap();
+    let err = config::create(&appender, &sink).await.unwrap_err();
+    assert!(err.to_string().contains("already exists"), "{err}");
+    rx.fail_next.store(2, Ordering::Relaxed);
+    let mut rc = ReaderConfig::new(format!("sink_t_{}", std::process::id()));
+    rc.temporary = true;
+    let reader = Reader::start(cfg.clone(), rc);
+    let sc = SinksConfig {
+        poll: Duration::from_millis(200),
+        backoff_base: Duration::from_millis(10),
+        backoff_cap: Duration::from_millis(50),
+    };
+    let sinks = Sinks::start(cfg.clone(), reader.clone(), sc);
+    eventually(30, "history delivered", || async {
+        rx.positions.lock().unwrap().len() == 30
+    })
+    .await;
+    // Live events too, all in log order, nothing from other/.
+    want.extend(append(&appender, "pool/a", 20).await);
+    eventually(30, "live delivered", || async {
+        rx.positions.lock().unwrap().len() == 50
+    })
+    .await;
+    assert_eq!(
+        *rx.positions.lock().unwrap(),
+        want,
+        "in order, exactly the filtered events"
+    );
+    assert!(
+        rx.requests.load(Ordering::Relaxed) >= 2 + 50 / 7,
+        "the failures were retried"
+    );
+    assert_eq!(rx.bad_signatures.load(Ordering::Relaxed), 0);
+
+    // A receiver that keeps failing: the batch is parked and the sink goes on.
+    rx.always_fail.store(true, Ordering::Relaxed);
+    let stuck = append(&appender, "pool/a", 5).await;
+    eventually(30, "the failing batch is parked", || async {
+        parked::list(&client, "hook").await.unwrap().len() == 5
+    })
+    .await;
+    rx.always_fail.store(false, Ordering::Relaxed);
+    let after = append(&appender, "pool/a", 3).await;
+    eventually(30, "later events still flow", || async {
+        rx.positions.lock().unwrap().len() == 53
+    })
+    .await;
+    let p = parked::list(&client, "hook").await.unwrap();
+    assert_eq!(p.iter().map(|x| x.position).collect::<Vec<_>>(), stuck);
+    assert!(p[0].error.contains("500"), "{p:?}");
+    let n = parked::replay(&client, "hook", &url, SECRET.as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(n, 5);
+    assert!(parked::list(&client, "hook").await.unwrap().is_empty());
+    let got = rx.positions.lock().unwrap().clone();
+    assert_eq!(got[50..53], after[..]);
+    assert_eq!(got[53..], stuck[..]);
+
+    // Paused: nothing is delivered; resumed: it catches up.
+    config::change(&appender, "hook", "sink.paused")
+        .await
+        .unwrap();
+    eventually(10, "the worker stops", || async {
+        sinks.stats.workers.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    let paused = append(&appender, "pool/a", 4).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(rx.positions.lock().unwrap().len(), 58);
+    config::change(&appender, "hook", "sink.resumed")
+        .await
+        .unwrap();
+    eventually(30, "caught up after resuming", || async {
+        rx.positions.lock().unwrap().len() == 62
+    })
+    .await;
+    assert_eq!(rx.positions.lock().unwrap()[58..], paused[..]);
+    let listed = config::list(&client).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert!(!listed[0].paused);
+    config::change(&appender, "hook", "sink.deleted")
+        .await
+        .unwrap();
+    assert!(config::list(&client).await.unwrap().is_empty());
+    sinks.stop().await;
+}
