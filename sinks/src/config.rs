@@ -23,7 +23,7 @@ pub struct Filter {
 
 impl Filter {
     pub fn matches(&self, e: &Event) -> bool {
-        (self.types.is_empty() || self.types.iter().any(|t| *t == e.event_type))
+        (self.types.is_empty() || self.types.contains(&e.event_type))
             && (self.prefixes.is_empty() || self.prefixes.iter().any(|p| e.stream.starts_with(p)))
     }
 }
