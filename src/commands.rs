@@ -248,8 +248,10 @@ pub async fn slots(cmd: SlotsCmd) -> Result<ExitCode> {
 /// metrics until Ctrl-C.
 pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     for r in &args.roles {
-        if !["maintenance", "placer", "gateway", "binder"].contains(&r.as_str()) {
-            bail!("unknown role {r:?}; this build runs: maintenance, placer, gateway, binder");
+        if !["maintenance", "placer", "gateway", "binder", "sinks"].contains(&r.as_str()) {
+            bail!(
+                "unknown role {r:?}; this build runs: maintenance, placer, gateway, binder, sinks"
+            );
         }
     }
     let cfg = config(&args.db)?;
@@ -341,6 +343,10 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     } else {
         None
     };
+    let sink_role =
+        args.roles.iter().any(|r| r == "sinks").then(|| {
+            sinks::Sinks::start(cfg.clone(), reader.clone(), sinks::SinksConfig::default())
+        });
     let mut report = tokio::time::interval(Duration::from_secs(10));
     report.tick().await;
     let ctrl_c = tokio::signal::ctrl_c();
@@ -384,6 +390,9 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     }
     if let Some(b) = binder {
         b.stop().await.context("the binder failed")?;
+    }
+    if let Some(s) = sink_role {
+        s.stop().await;
     }
     if let Some(p) = placer {
         p.stop().await.context("the placer failed")?;

@@ -87,6 +87,81 @@ enum Command {
     Node(NodeArgs),
     /// Run many simulated node daemons in one process (each its own TLS connection and certificate)
     Fleet(FleetArgs),
+    /// Sinks: deliver events to consumers' webhooks
+    #[command(subcommand)]
+    Sinks(SinksCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SinksCmd {
+    /// Define a webhook sink (it starts delivering in processes running the sinks role)
+    Create {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+        /// The receiver's URL (http://)
+        #[arg(long)]
+        webhook: String,
+        /// The environment variable (in the sinks processes) holding the HMAC secret
+        #[arg(long)]
+        secret_env: String,
+        /// Only these event types (comma-separated; default all)
+        #[arg(long, value_delimiter = ',')]
+        types: Vec<String>,
+        /// Only streams starting with these prefixes (comma-separated; default all)
+        #[arg(long, value_delimiter = ',')]
+        prefixes: Vec<String>,
+        /// Where to start: start, now or a position
+        #[arg(long, default_value = "start")]
+        from: String,
+        /// Most events in one POST
+        #[arg(long, default_value_t = 500)]
+        batch: usize,
+        /// Attempts before a batch is parked
+        #[arg(long, default_value_t = 8)]
+        attempts: u32,
+    },
+    /// List sinks with their state and lag
+    List {
+        #[command(flatten)]
+        db: Db,
+    },
+    /// Stop delivering (the cursor stays)
+    Pause {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+    },
+    /// Deliver again from where it stopped
+    Resume {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+    },
+    /// Remove a sink
+    Delete {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+    },
+    /// Parked events: list them, or deliver them again
+    #[command(subcommand)]
+    Parked(ParkedCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ParkedCmd {
+    List {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+    },
+    /// Deliver a sink's parked events again, in order (the secret is read from the sink's environment variable here)
+    Replay {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -376,7 +451,7 @@ pub struct DevArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub db: Db,
-    /// Roles to run, comma-separated. maintenance: partitions ahead and the replication reader; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active
+    /// Roles to run, comma-separated. maintenance: partitions ahead and the replication reader; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks
     #[arg(long, value_delimiter = ',', default_value = "maintenance")]
     pub roles: Vec<String>,
     /// Serve Prometheus metrics at this address
@@ -544,6 +619,7 @@ fn main() -> ExitCode {
             Command::Commands(c) => nodes::commands(c).await,
             Command::Node(a) => nodes::node(a).await,
             Command::Fleet(a) => nodes::fleet(a).await,
+            Command::Sinks(c) => nodes::sinks(c).await,
         }
     });
     drop(telemetry);

@@ -1,7 +1,7 @@
 //! `strata ca`, `tokens`, `nodes`, `commands`, `node` and `fleet`.
 
 use crate::commands::{config, connect};
-use crate::{CaCmd, CommandsCmd, FleetArgs, NodeArgs, NodesCmd, TokensCmd};
+use crate::{CaCmd, CommandsCmd, FleetArgs, NodeArgs, NodesCmd, ParkedCmd, SinksCmd, TokensCmd};
 use anyhow::{bail, Context, Result};
 use events::{Appender, AppenderConfig};
 use node::daemon::{self, DaemonConfig, DaemonStats};
@@ -368,6 +368,116 @@ pub async fn fleet(args: FleetArgs) -> Result<ExitCode> {
     for t in tasks {
         if let Ok(Err(e)) = t.await {
             eprintln!("a node stopped with: {e}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
+    use sinks::config::{self, Filter, SinkConfig, Target};
+    let change = |db: &crate::Db, name: String, t: &'static str| {
+        let db = db.clone();
+        async move {
+            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            config::change(&appender, &name, t).await?;
+            anyhow::Ok(name)
+        }
+    };
+    match cmd {
+        SinksCmd::Create {
+            db,
+            name,
+            webhook,
+            secret_env,
+            types,
+            prefixes,
+            from,
+            batch,
+            attempts,
+        } => {
+            let c = SinkConfig {
+                name: name.clone(),
+                target: Target::Webhook {
+                    url: webhook,
+                    secret_env,
+                },
+                filter: Filter { types, prefixes },
+                start: from,
+                batch_max: batch,
+                max_attempts: attempts,
+            };
+            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            config::create(&appender, &c).await?;
+            println!("created sink {name}; processes running `serve --roles sinks` deliver it");
+        }
+        SinksCmd::List { db } => {
+            let client = connect(&db).await?;
+            let head = events::read::head(&client).await?.0 as i64;
+            println!(
+                "{:<20} {:<8} {:>10} {:>8}  TARGET",
+                "SINK", "STATE", "LAG", "PARKED"
+            );
+            for s in config::list(&client).await? {
+                let cursor: Option<i64> = client
+                    .query_opt(
+                        "SELECT position FROM strata.subscriptions WHERE name = $1",
+                        &[&format!("sink.{}", s.config.name)],
+                    )
+                    .await?
+                    .map(|r| r.get(0));
+                let parked: i64 = client
+                    .query_one(
+                        "SELECT count(*) FROM strata.sink_parked WHERE sink = $1",
+                        &[&s.config.name],
+                    )
+                    .await?
+                    .get(0);
+                let Target::Webhook { url, .. } = &s.config.target;
+                println!(
+                    "{:<20} {:<8} {:>10} {:>8}  {url}",
+                    s.config.name,
+                    if s.paused { "paused" } else { "active" },
+                    cursor.map_or("not started".into(), |c| (head - c).max(0).to_string()),
+                    parked
+                );
+            }
+        }
+        SinksCmd::Pause { db, name } => {
+            println!("paused {}", change(&db, name, "sink.paused").await?)
+        }
+        SinksCmd::Resume { db, name } => {
+            println!("resumed {}", change(&db, name, "sink.resumed").await?)
+        }
+        SinksCmd::Delete { db, name } => {
+            println!("deleted {}", change(&db, name, "sink.deleted").await?)
+        }
+        SinksCmd::Parked(ParkedCmd::List { db, name }) => {
+            let client = connect(&db).await?;
+            println!(
+                "{:>10} {:<24} {:<24} {:>8}  ERROR",
+                "POSITION", "STREAM", "TYPE", "ATTEMPTS"
+            );
+            for p in sinks::parked::list(&client, &name).await? {
+                println!(
+                    "{:>10} {:<24} {:<24} {:>8}  {}",
+                    p.position, p.stream, p.event_type, p.attempts, p.error
+                );
+            }
+        }
+        SinksCmd::Parked(ParkedCmd::Replay { db, name }) => {
+            let client = connect(&db).await?;
+            let sink = config::list(&client)
+                .await?
+                .into_iter()
+                .find(|s| s.config.name == name)
+                .with_context(|| format!("sink {name:?} does not exist"))?;
+            let Target::Webhook { url, secret_env } = &sink.config.target;
+            let secret = std::env::var(secret_env)
+                .with_context(|| format!("the sink's secret: set {secret_env} here"))?;
+            let n = sinks::parked::replay(&client, &name, url, secret.as_bytes())
+                .await
+                .map_err(anyhow::Error::msg)?;
+            println!("delivered {n} parked event(s) of {name}");
         }
     }
     Ok(ExitCode::SUCCESS)

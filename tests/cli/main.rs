@@ -469,6 +469,7 @@ fn help_explains_every_command() {
         "commands",
         "node",
         "fleet",
+        "sinks",
     ] {
         assert!(
             out.contains(&format!("\n  {cmd} ")),
@@ -476,7 +477,7 @@ fn help_explains_every_command() {
         );
     }
     let out = ok(&["serve", "--help"]);
-    for role in ["maintenance", "placer", "gateway", "binder"] {
+    for role in ["maintenance", "placer", "gateway", "binder", "sinks"] {
         assert!(out.contains(role), "{out}");
     }
     let out = ok(&["node", "--help"]);

@@ -303,3 +303,92 @@ fn placers_split_pools_and_a_killed_one_hands_them_over() {
         ok(&["slots", "drop", s, "--database-url", &url, "--force"]);
     }
 }
+
+#[test]
+fn sinks_commands_define_list_pause_and_refuse_bad_input() {
+    let url = database();
+    let err = fails(&[
+        "sinks",
+        "create",
+        "h1",
+        "--database-url",
+        &url,
+        "--webhook",
+        "ftp://x",
+        "--secret-env",
+        "S",
+    ]);
+    assert!(err.contains("http://"), "{err}");
+    let err = fails(&[
+        "sinks",
+        "create",
+        "bad name",
+        "--database-url",
+        &url,
+        "--webhook",
+        "http://127.0.0.1:9/h",
+        "--secret-env",
+        "S",
+    ]);
+    assert!(err.contains("sink name"), "{err}");
+    ok(&[
+        "sinks",
+        "create",
+        "h1",
+        "--database-url",
+        &url,
+        "--webhook",
+        "http://127.0.0.1:9/h",
+        "--secret-env",
+        "S",
+        "--prefixes",
+        "pool/",
+        "--types",
+        "ReservationPlaced",
+    ]);
+    let err = fails(&[
+        "sinks",
+        "create",
+        "h1",
+        "--database-url",
+        &url,
+        "--webhook",
+        "http://127.0.0.1:9/h",
+        "--secret-env",
+        "S",
+    ]);
+    assert!(err.contains("already exists"), "{err}");
+    let list = ok(&["sinks", "list", "--database-url", &url]);
+    assert!(
+        list.contains("h1") && list.contains("active") && list.contains("not started"),
+        "{list}"
+    );
+    ok(&["sinks", "pause", "h1", "--database-url", &url]);
+    assert!(ok(&["sinks", "list", "--database-url", &url]).contains("paused"));
+    ok(&["sinks", "resume", "h1", "--database-url", &url]);
+    let parked = ok(&["sinks", "parked", "list", "h1", "--database-url", &url]);
+    assert_eq!(parked.lines().count(), 1, "only the header: {parked}");
+    let err = fails(&["sinks", "pause", "nope", "--database-url", &url]);
+    assert!(err.contains("does not exist"), "{err}");
+    ok(&["sinks", "delete", "h1", "--database-url", &url]);
+    assert!(!ok(&["sinks", "list", "--database-url", &url]).contains("h1"));
+    // The definitions are events like everything else.
+    let log = ok(&[
+        "events",
+        "tail",
+        "--database-url",
+        &url,
+        "--from",
+        "start",
+        "--limit",
+        "4",
+    ]);
+    for t in [
+        "sink.created",
+        "sink.paused",
+        "sink.resumed",
+        "sink.deleted",
+    ] {
+        assert!(log.contains(t), "{t} missing: {log}");
+    }
+}
