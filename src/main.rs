@@ -94,17 +94,23 @@ enum Command {
 
 #[derive(Subcommand, Debug)]
 pub enum SinksCmd {
-    /// Define a webhook sink (it starts delivering in processes running the sinks role)
+    /// Define a sink: a webhook (--webhook) or NATS JetStream (--nats); processes running the sinks role deliver it
     Create {
         #[command(flatten)]
         db: Db,
         name: String,
-        /// The receiver's URL (http://)
+        /// A webhook: the receiver's URL (http://)
+        #[arg(long, conflicts_with = "nats", requires = "secret_env")]
+        webhook: Option<String>,
+        /// The environment variable (in the sinks processes) holding the webhook's HMAC secret
         #[arg(long)]
-        webhook: String,
-        /// The environment variable (in the sinks processes) holding the HMAC secret
+        secret_env: Option<String>,
+        /// NATS JetStream: the server's URL (nats://host:port)
+        #[arg(long, requires = "subject_prefix")]
+        nats: Option<String>,
+        /// NATS: subjects are PREFIX.<stream with '/' as '.'>.<type>
         #[arg(long)]
-        secret_env: String,
+        subject_prefix: Option<String>,
         /// Only these event types (comma-separated; default all)
         #[arg(long, value_delimiter = ',')]
         types: Vec<String>,

@@ -389,18 +389,28 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
             name,
             webhook,
             secret_env,
+            nats,
+            subject_prefix,
             types,
             prefixes,
             from,
             batch,
             attempts,
         } => {
+            let target = match (webhook, nats) {
+                (Some(url), None) => Target::Webhook {
+                    url,
+                    secret_env: secret_env.unwrap_or_default(),
+                },
+                (None, Some(url)) => Target::Nats {
+                    url,
+                    subject_prefix: subject_prefix.unwrap_or_default(),
+                },
+                _ => bail!("say where the sink delivers: --webhook URL --secret-env VAR, or --nats URL --subject-prefix P"),
+            };
             let c = SinkConfig {
                 name: name.clone(),
-                target: Target::Webhook {
-                    url: webhook,
-                    secret_env,
-                },
+                target,
                 filter: Filter { types, prefixes },
                 start: from,
                 batch_max: batch,
@@ -432,7 +442,13 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                     )
                     .await?
                     .get(0);
-                let Target::Webhook { url, .. } = &s.config.target;
+                let url = match &s.config.target {
+                    Target::Webhook { url, .. } => url.clone(),
+                    Target::Nats {
+                        url,
+                        subject_prefix,
+                    } => format!("{url} {subject_prefix}.>"),
+                };
                 println!(
                     "{:<20} {:<8} {:>10} {:>8}  {url}",
                     s.config.name,
@@ -471,12 +487,18 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 .into_iter()
                 .find(|s| s.config.name == name)
                 .with_context(|| format!("sink {name:?} does not exist"))?;
-            let Target::Webhook { url, secret_env } = &sink.config.target;
-            let secret = std::env::var(secret_env)
-                .with_context(|| format!("the sink's secret: set {secret_env} here"))?;
-            let n = sinks::parked::replay(&client, &name, url, secret.as_bytes())
-                .await
-                .map_err(anyhow::Error::msg)?;
+            let n = match &sink.config.target {
+                Target::Webhook { url, secret_env } => {
+                    let secret = std::env::var(secret_env)
+                        .with_context(|| format!("the sink's secret: set {secret_env} here"))?;
+                    sinks::parked::replay(&client, &name, url, secret.as_bytes()).await
+                }
+                Target::Nats {
+                    url,
+                    subject_prefix,
+                } => sinks::parked::replay_nats(&client, &name, url, subject_prefix).await,
+            }
+            .map_err(anyhow::Error::msg)?;
             println!("delivered {n} parked event(s) of {name}");
         }
     }

@@ -36,6 +36,11 @@ pub enum Target {
     /// the sinks process's environment variable `secret_env` (the secret
     /// itself is never in the log).
     Webhook { url: String, secret_env: String },
+    /// Published to NATS JetStream, one message per event, on the subject
+    /// `<subject_prefix>.<stream with '/' as '.'>.<type>`, with the event's
+    /// position as `Nats-Msg-Id`, so a publish retried within the stream's
+    /// duplicate window is stored once.
+    Nats { url: String, subject_prefix: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -86,6 +91,23 @@ impl SinkConfig {
             return Err("attempts must be 1 to 100".into());
         }
         match &self.target {
+            Target::Nats {
+                url,
+                subject_prefix,
+            } => {
+                if !url.starts_with("nats://") {
+                    return Err(format!("NATS url {url:?}: use nats://host:port"));
+                }
+                if subject_prefix.is_empty()
+                    || subject_prefix.contains([' ', '*', '>'])
+                    || subject_prefix.starts_with('.')
+                    || subject_prefix.ends_with('.')
+                {
+                    return Err(format!(
+                        "subject prefix {subject_prefix:?}: a NATS subject without wildcards"
+                    ));
+                }
+            }
             Target::Webhook { url, secret_env } => {
                 if !url.starts_with("http://") {
                     return Err(format!(

@@ -114,3 +114,46 @@ pub async fn replay(
         done += rows.len() as u64;
     }
 }
+
+/// Publishes a sink's parked events to NATS JetStream again, in order, with
+/// their positions as message ids; removes them once acknowledged.
+pub async fn replay_nats(
+    client: &tokio_postgres::Client,
+    sink: &str,
+    url: &str,
+    prefix: &str,
+) -> Result<u64, String> {
+    let js = crate::nats::connect(url).await?;
+    let rows = client
+        .query(
+            "SELECT position, event->>'stream', event->>'type', event::text
+               FROM strata.sink_parked WHERE sink = $1 ORDER BY position",
+            &[&sink],
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut done = 0u64;
+    for r in rows {
+        let position: i64 = r.get(0);
+        let stream: String = r.get::<_, Option<String>>(1).unwrap_or_default();
+        let event_type: String = r.get::<_, Option<String>>(2).unwrap_or_default();
+        let body: String = r.get(3);
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", position.to_string().as_str());
+        let subject = format!("{prefix}.{}.{}", stream.replace('/', "."), event_type);
+        js.publish_with_headers(subject, headers, body.into())
+            .await
+            .map_err(|e| format!("{done} published, then: {e}"))?
+            .await
+            .map_err(|e| format!("{done} published, then: {e}"))?;
+        client
+            .execute(
+                "DELETE FROM strata.sink_parked WHERE sink = $1 AND position = $2",
+                &[&sink, &position],
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        done += 1;
+    }
+    Ok(done)
+}

@@ -197,12 +197,45 @@ async fn worker(
     stats: Arc<SinkStats>,
     mut stop: oneshot::Receiver<()>,
 ) {
-    let Target::Webhook { url, secret_env } = &cfg.target;
-    let Ok(secret) = std::env::var(secret_env) else {
-        tracing::error!(sink = %cfg.name, %secret_env, "the sink's secret is not in this process's environment; not delivering");
-        let _ = stop.await;
-        let _ = sub.close().await;
-        return;
+    // Where this sink delivers, connected once.
+    enum Out {
+        Webhook {
+            url: String,
+            secret: String,
+        },
+        Nats {
+            js: async_nats::jetstream::Context,
+            prefix: String,
+        },
+    }
+    let out = match &cfg.target {
+        Target::Webhook { url, secret_env } => match std::env::var(secret_env) {
+            Ok(secret) => Out::Webhook {
+                url: url.clone(),
+                secret,
+            },
+            Err(_) => {
+                tracing::error!(sink = %cfg.name, %secret_env, "the sink's secret is not in this process's environment; not delivering");
+                let _ = stop.await;
+                let _ = sub.close().await;
+                return;
+            }
+        },
+        Target::Nats {
+            url,
+            subject_prefix,
+        } => match crate::nats::connect(url).await {
+            Ok(js) => Out::Nats {
+                js,
+                prefix: subject_prefix.clone(),
+            },
+            Err(e) => {
+                // Not acknowledged, nothing lost: the next look tries again.
+                tracing::warn!(sink = %cfg.name, error = %e, "cannot reach NATS; retrying");
+                let _ = sub.close().await;
+                return;
+            }
+        },
     };
     loop {
         let first = tokio::select! {
@@ -229,18 +262,32 @@ async fn worker(
             .filter(|e| cfg.filter.matches(e))
             .collect();
         if !matching.is_empty() {
-            let b = body(&cfg.name, &matching);
-            match webhook::deliver(
-                &http,
-                url,
-                secret.as_bytes(),
-                b,
-                cfg.max_attempts,
-                config.backoff_base,
-                config.backoff_cap,
-            )
-            .await
-            {
+            let delivered = match &out {
+                Out::Webhook { url, secret } => {
+                    webhook::deliver(
+                        &http,
+                        url,
+                        secret.as_bytes(),
+                        body(&cfg.name, &matching),
+                        cfg.max_attempts,
+                        config.backoff_base,
+                        config.backoff_cap,
+                    )
+                    .await
+                }
+                Out::Nats { js, prefix } => {
+                    crate::nats::deliver(
+                        js,
+                        prefix,
+                        &matching,
+                        cfg.max_attempts,
+                        config.backoff_base,
+                        config.backoff_cap,
+                    )
+                    .await
+                }
+            };
+            match delivered {
                 Ok(_) => {
                     stats
                         .delivered

@@ -232,3 +232,115 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     assert!(config::list(&client).await.unwrap().is_empty());
     sinks.stop().await;
 }
+
+/// The NATS server the tests use (with JetStream).
+fn nats_url() -> String {
+    std::env::var("STRATA_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_sink_stores_each_event_once_in_jetstream() {
+    let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let cfg: tokio_postgres::Config = url_db.parse().unwrap();
+    let client = events::db::connect(&cfg, "test").await.unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let nats = async_nats::connect(nats_url())
+        .await
+        .expect("a NATS server with JetStream (.ci/run starts one)");
+    let js = async_nats::jetstream::new(nats);
+    let prefix = format!("strata_t{}", std::process::id());
+    let name = format!("STRATA_T{}", std::process::id());
+    let _ = js.delete_stream(&name).await;
+    let mut stream = js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let positions = append(&appender, "pool/a", 40).await;
+    let sink = |n: &str| SinkConfig {
+        name: n.into(),
+        target: Target::Nats {
+            url: nats_url(),
+            subject_prefix: prefix.clone(),
+        },
+        filter: Filter {
+            types: vec![],
+            prefixes: vec!["pool/".into()],
+        },
+        start: "start".into(),
+        batch_max: 16,
+        max_attempts: 3,
+    };
+    config::create(&appender, &sink("js")).await.unwrap();
+    let mut rc = ReaderConfig::new(format!("sink_n_{}", std::process::id()));
+    rc.temporary = true;
+    let reader = Reader::start(cfg.clone(), rc);
+    let sinks = Sinks::start(
+        cfg.clone(),
+        reader.clone(),
+        SinksConfig {
+            poll: Duration::from_millis(200),
+            ..SinksConfig::default()
+        },
+    );
+    let count = |s: &mut async_nats::jetstream::stream::Stream| {
+        let s = s.clone();
+        async move {
+            let mut s = s;
+            s.info().await.unwrap().state.messages
+        }
+    };
+    let mut polls = 0;
+    while count(&mut stream).await < 40 && polls < 300 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        polls += 1;
+    }
+    assert_eq!(count(&mut stream).await, 40);
+    // The first message is the first event, on its derived subject, with
+    // its position as the message id.
+    let first = stream.get_raw_message(1).await.unwrap();
+    assert_eq!(
+        first.subject.as_str(),
+        format!("{prefix}.pool.a.t.happened")
+    );
+    assert_eq!(
+        first.headers.get("Nats-Msg-Id").unwrap().as_str(),
+        positions[0].to_string()
+    );
+    // A second sink publishing the same events again (as a retried or
+    // replayed batch would) adds nothing to the stream.
+    config::create(&appender, &sink("js-again")).await.unwrap();
+    let head = events::read::head(&client).await.unwrap().0 as i64;
+    let mut polls = 0;
+    loop {
+        let cursor: Option<i64> = client
+            .query_opt(
+                "SELECT position FROM strata.subscriptions WHERE name = 'sink.js-again'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .map(|r| r.get(0));
+        if cursor.is_some_and(|c| c >= head) || polls > 300 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        polls += 1;
+    }
+    assert_eq!(
+        sinks.stats.delivered.load(Ordering::Relaxed),
+        80,
+        "both sinks published everything"
+    );
+    assert_eq!(
+        count(&mut stream).await,
+        40,
+        "duplicates dropped by JetStream"
+    );
+    sinks.stop().await;
+    let _ = js.delete_stream(&name).await;
+}
