@@ -62,8 +62,7 @@ pub async fn publish(
     Ok(())
 }
 
-/// Publishes with retries (backoff from `base` doubling to `cap`, full
-/// jitter).
+/// Publishes with retries (see [`crate::webhook::with_retries`]).
 pub async fn deliver(
     js: &async_nats::jetstream::Context,
     prefix: &str,
@@ -72,16 +71,5 @@ pub async fn deliver(
     base: Duration,
     cap: Duration,
 ) -> Result<u32, (u32, String)> {
-    let mut last = String::new();
-    for attempt in 1..=attempts.max(1) {
-        match publish(js, prefix, events).await {
-            Ok(()) => return Ok(attempt),
-            Err(e) => last = e,
-        }
-        if attempt < attempts {
-            let ceiling = base.saturating_mul(1 << attempt.min(16)).min(cap);
-            tokio::time::sleep(ceiling.mul_f64(fastrand::f64())).await;
-        }
-    }
-    Err((attempts, last))
+    crate::webhook::with_retries(attempts, base, cap, || publish(js, prefix, events)).await
 }

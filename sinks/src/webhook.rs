@@ -81,8 +81,37 @@ pub async fn post(
     }
 }
 
-/// Posts with retries: up to `attempts` tries, backoff from `base` doubling
-/// to `cap`, full jitter. Returns the last error when all failed.
+/// Tries `attempt` up to `attempts` times, sleeping between tries with
+/// exponential backoff from `base` to `cap` and full jitter. Returns the
+/// attempts used, or the attempts and the last error.
+pub async fn with_retries<F, Fut>(
+    attempts: u32,
+    base: Duration,
+    cap: Duration,
+    mut attempt: F,
+) -> Result<u32, (u32, String)>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let mut last = String::new();
+    for n in 1..=attempts.max(1) {
+        match attempt().await {
+            Ok(()) => return Ok(n),
+            Err(e) => {
+                tracing::debug!(attempt = n, error = %e, "delivery failed");
+                last = e;
+            }
+        }
+        if n < attempts {
+            let ceiling = base.saturating_mul(1 << n.min(16)).min(cap);
+            tokio::time::sleep(ceiling.mul_f64(fastrand::f64())).await;
+        }
+    }
+    Err((attempts, last))
+}
+
+/// Posts with retries (see [`with_retries`]).
 pub async fn deliver(
     client: &HttpClient,
     url: &str,
@@ -92,21 +121,10 @@ pub async fn deliver(
     base: Duration,
     cap: Duration,
 ) -> Result<u32, (u32, String)> {
-    let mut last = String::new();
-    for attempt in 1..=attempts.max(1) {
-        match post(client, url, secret, body.clone(), Duration::from_secs(10)).await {
-            Ok(()) => return Ok(attempt),
-            Err(e) => {
-                tracing::debug!(%url, attempt, error = %e, "webhook delivery failed");
-                last = e;
-            }
-        }
-        if attempt < attempts {
-            let ceiling = base.saturating_mul(1 << attempt.min(16)).min(cap);
-            tokio::time::sleep(ceiling.mul_f64(fastrand::f64())).await;
-        }
-    }
-    Err((attempts, last))
+    with_retries(attempts, base, cap, || {
+        post(client, url, secret, body.clone(), Duration::from_secs(10))
+    })
+    .await
 }
 
 #[cfg(test)]
