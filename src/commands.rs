@@ -282,6 +282,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     }
     let mut rc = ReaderConfig::new(slot);
     rc.owner = "strata serve".into();
+    rc.subscription_lease_ttl = args.subscription_lease_ttl;
     let reader = Reader::start(cfg.clone(), rc);
     let placer = if args.roles.iter().any(|r| r == "placer") {
         let mut pc = placer::PlacerConfig::new(

@@ -502,6 +502,9 @@ pub struct ServeArgs {
     /// gateway: most sessions waiting for their Hello
     #[arg(long, default_value_t = 1_000)]
     pub max_pending_hellos: usize,
+    /// How long a durable subscription (a sink's, say) held by a process that died stays unavailable
+    #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
+    pub subscription_lease_ttl: std::time::Duration,
     /// gateway: heartbeat interval told to nodes; three missed make a node unreachable
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub heartbeat: std::time::Duration,
