@@ -150,6 +150,21 @@ pub enum SinksCmd {
         db: Db,
         name: String,
     },
+    /// Show a sink's definition, state, cursor and lag
+    Show {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+    },
+    /// Move a paused sink's cursor: deliver again after a position, or from a time (RFC 3339)
+    Reset {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+        /// A position, or a time such as 2026-11-30T10:00:00Z
+        #[arg(long)]
+        to: String,
+    },
     /// Parked events: list them, or deliver them again
     #[command(subcommand)]
     Parked(ParkedCmd),

@@ -467,6 +467,50 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
         SinksCmd::Delete { db, name } => {
             println!("deleted {}", change(&db, name, "sink.deleted").await?)
         }
+        SinksCmd::Show { db, name } => {
+            let client = connect(&db).await?;
+            let s = config::list(&client)
+                .await?
+                .into_iter()
+                .find(|s| s.config.name == name)
+                .with_context(|| format!("sink {name:?} does not exist"))?;
+            let head = events::read::head(&client).await?.0;
+            let cursor = config::cursor(&client, &name).await?;
+            let parked = sinks::parked::list(&client, &name).await?.len();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "config": s.config,
+                    "paused": s.paused,
+                    "cursor": cursor,
+                    "lag_events": cursor.map(|c| head.saturating_sub(c)),
+                    "parked": parked,
+                }))?
+            );
+        }
+        SinksCmd::Reset { db, name, to } => {
+            let client = connect(&db).await?;
+            let position = match to.parse::<u64>() {
+                Ok(p) => p,
+                Err(_) => {
+                    let t = humantime::parse_rfc3339_weak(&to).map_err(|_| {
+                        anyhow::anyhow!("--to {to:?}: a position (a whole number) or a time such as 2026-11-30T10:00:00Z")
+                    })?;
+                    let head = events::read::head(&client).await?.0 as i64;
+                    let first: Option<i64> = client
+                        .query_one(
+                            "SELECT min(position) FROM strata.events WHERE recorded_at >= $1 AND position <= $2",
+                            &[&t, &head],
+                        )
+                        .await?
+                        .get(0);
+                    (first.unwrap_or(head + 1) - 1).max(0) as u64
+                }
+            };
+            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            config::reset(&client, &appender, &name, position).await?;
+            println!("sink {name} now stands at position {position}; it delivers what follows when resumed");
+        }
         SinksCmd::Parked(ParkedCmd::List { db, name }) => {
             let client = connect(&db).await?;
             println!(

@@ -227,3 +227,68 @@ pub async fn list(client: &tokio_postgres::Client) -> Result<Vec<SinkState>, Sin
     }
     Ok(sinks.into_values().filter(|s| !s.deleted).collect())
 }
+
+/// Moves a paused sink's cursor: it delivers again from the event after
+/// `to` when resumed (backwards replays history, forwards skips). Refused
+/// while the sink runs, or while its last worker still holds the
+/// subscription.
+pub async fn reset(
+    client: &tokio_postgres::Client,
+    appender: &Appender,
+    name: &str,
+    to: u64,
+) -> Result<(), SinkError> {
+    let sink = list(client)
+        .await?
+        .into_iter()
+        .find(|s| s.config.name == name)
+        .ok_or_else(|| SinkError::NotFound(name.to_string()))?;
+    if !sink.paused {
+        return Err(SinkError::Invalid(format!(
+            "pause sink {name:?} before resetting it"
+        )));
+    }
+    let subscription = format!("sink.{name}");
+    let held = client
+        .query_opt(
+            "SELECT 1 FROM strata.leases WHERE name = $1 AND expires_at > now()",
+            &[&format!("subscription/{subscription}")],
+        )
+        .await?
+        .is_some();
+    if held {
+        return Err(SinkError::Invalid(format!(
+            "sink {name:?} is still being stopped; try again in a moment"
+        )));
+    }
+    client
+        .execute(
+            "INSERT INTO strata.subscriptions (name, position) VALUES ($1, $2)
+             ON CONFLICT (name) DO UPDATE SET position = $2, updated_at = now()",
+            &[&subscription, &(to as i64)],
+        )
+        .await?;
+    appender
+        .append(
+            &sink_stream(name),
+            ExpectedVersion::StreamExists,
+            vec![NewEvent::new(
+                "sink.reset",
+                &serde_json::json!({ "name": name, "to": to }),
+            )],
+        )
+        .await?;
+    Ok(())
+}
+
+/// The position a sink stands at (its last acknowledged event), if it ever
+/// started.
+pub async fn cursor(client: &tokio_postgres::Client, name: &str) -> Result<Option<u64>, SinkError> {
+    Ok(client
+        .query_opt(
+            "SELECT position FROM strata.subscriptions WHERE name = $1",
+            &[&format!("sink.{name}")],
+        )
+        .await?
+        .map(|r| r.get::<_, i64>(0) as u64))
+}

@@ -368,6 +368,38 @@ fn sinks_commands_define_list_pause_and_refuse_bad_input() {
     ok(&["sinks", "resume", "h1", "--database-url", &url]);
     let parked = ok(&["sinks", "parked", "list", "h1", "--database-url", &url]);
     assert_eq!(parked.lines().count(), 1, "only the header: {parked}");
+    // Reset needs the sink paused; then it sets the cursor.
+    let err = fails(&["sinks", "reset", "h1", "--database-url", &url, "--to", "3"]);
+    assert!(err.contains("pause sink"), "{err}");
+    ok(&["sinks", "pause", "h1", "--database-url", &url]);
+    ok(&["sinks", "reset", "h1", "--database-url", &url, "--to", "3"]);
+    let shown: serde_json::Value =
+        serde_json::from_str(&ok(&["sinks", "show", "h1", "--database-url", &url])).unwrap();
+    assert_eq!(shown["cursor"], 3, "{shown}");
+    assert_eq!(shown["paused"], true);
+    ok(&[
+        "sinks",
+        "reset",
+        "h1",
+        "--database-url",
+        &url,
+        "--to",
+        "2000-01-01T00:00:00Z",
+    ]);
+    let shown: serde_json::Value =
+        serde_json::from_str(&ok(&["sinks", "show", "h1", "--database-url", &url])).unwrap();
+    assert_eq!(shown["cursor"], 0, "from the beginning of time: {shown}");
+    let err = fails(&[
+        "sinks",
+        "reset",
+        "h1",
+        "--database-url",
+        &url,
+        "--to",
+        "yesterday",
+    ]);
+    assert!(err.contains("a position"), "{err}");
+    ok(&["sinks", "resume", "h1", "--database-url", &url]);
     let err = fails(&["sinks", "pause", "nope", "--database-url", &url]);
     assert!(err.contains("does not exist"), "{err}");
     ok(&["sinks", "delete", "h1", "--database-url", &url]);
@@ -381,12 +413,13 @@ fn sinks_commands_define_list_pause_and_refuse_bad_input() {
         "--from",
         "start",
         "--limit",
-        "4",
+        "8",
     ]);
     for t in [
         "sink.created",
         "sink.paused",
         "sink.resumed",
+        "sink.reset",
         "sink.deleted",
     ] {
         assert!(log.contains(t), "{t} missing: {log}");
