@@ -25,6 +25,9 @@ pub struct SinksConfig {
     pub poll: Duration,
     pub backoff_base: Duration,
     pub backoff_cap: Duration,
+    /// After this many batches parked in a row, the sink is paused with a
+    /// `sink.alert` event.
+    pub pause_after_parked: u32,
 }
 
 impl Default for SinksConfig {
@@ -33,6 +36,7 @@ impl Default for SinksConfig {
             poll: Duration::from_secs(1),
             backoff_base: Duration::from_millis(200),
             backoff_cap: Duration::from_secs(10),
+            pause_after_parked: 3,
         }
     }
 }
@@ -43,6 +47,8 @@ pub struct SinkStats {
     pub batches: AtomicU64,
     pub parked: AtomicU64,
     pub workers: AtomicU64,
+    /// Sinks paused because they kept failing.
+    pub alerts: AtomicU64,
 }
 
 pub struct Sinks {
@@ -237,6 +243,7 @@ async fn worker(
             }
         },
     };
+    let mut parked_in_a_row = 0u32;
     loop {
         let first = tokio::select! {
             _ = &mut stop => break,
@@ -289,6 +296,7 @@ async fn worker(
             };
             match delivered {
                 Ok(_) => {
+                    parked_in_a_row = 0;
                     stats
                         .delivered
                         .fetch_add(matching.len() as u64, Ordering::Relaxed);
@@ -306,10 +314,51 @@ async fn worker(
                     stats
                         .parked
                         .fetch_add(matching.len() as u64, Ordering::Relaxed);
+                    parked_in_a_row += 1;
+                    if parked_in_a_row >= config.pause_after_parked {
+                        // The receiver is down, not one batch bad: stop
+                        // parking everything, say so, and wait for an
+                        // operator (the sink catches up when resumed).
+                        sub.ack(last);
+                        pause_with_alert(&db, &cfg.name, &error, parked_in_a_row).await;
+                        stats.alerts.fetch_add(1, Ordering::Relaxed);
+                        let _ = sub.close().await;
+                        return;
+                    }
                 }
             }
         }
         sub.ack(last);
     }
     let _ = sub.close().await;
+}
+
+/// Appends `sink.alert` and `sink.paused` for a sink that keeps failing.
+async fn pause_with_alert(db: &tokio_postgres::Config, name: &str, error: &str, batches: u32) {
+    let appender = events::Appender::start(db.clone(), events::AppenderConfig::default());
+    let alert = events::NewEvent::new(
+        "sink.alert",
+        &serde_json::json!({
+            "name": name,
+            "reason": format!("{batches} batches in a row could not be delivered; paused"),
+            "last_error": error,
+        }),
+    );
+    let paused = events::NewEvent::new(
+        "sink.paused",
+        &serde_json::json!({ "name": name, "by": "alert" }),
+    );
+    match appender
+        .append(
+            &config::sink_stream(name),
+            events::ExpectedVersion::StreamExists,
+            vec![alert, paused],
+        )
+        .await
+    {
+        Ok(_) => {
+            tracing::error!(sink = %name, %error, "sink paused after {batches} failed batches in a row")
+        }
+        Err(e) => tracing::error!(sink = %name, error = %e, "could not pause a failing sink"),
+    }
 }

@@ -156,6 +156,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
         poll: Duration::from_millis(200),
         backoff_base: Duration::from_millis(10),
         backoff_cap: Duration::from_millis(50),
+        pause_after_parked: 3,
     };
     let sinks = Sinks::start(cfg.clone(), reader.clone(), sc);
     eventually(30, "history delivered", || async {
@@ -226,6 +227,43 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     let listed = config::list(&client).await.unwrap();
     assert_eq!(listed.len(), 1);
     assert!(!listed[0].paused);
+
+    // A receiver that stays down: after three parked batches in a row the
+    // sink pauses itself with an alert instead of parking everything.
+    rx.always_fail.store(true, Ordering::Relaxed);
+    for _ in 0..6 {
+        append(&appender, "pool/a", 7).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eventually(30, "the failing sink paused itself", || async {
+        config::list(&client).await.unwrap()[0].paused
+    })
+    .await;
+    assert_eq!(sinks.stats.alerts.load(Ordering::Relaxed), 1);
+    let alerts: i64 = client
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream = 'sink/hook' AND type = 'sink.alert'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(alerts, 1);
+    let parked_now = parked::list(&client, "hook").await.unwrap().len();
+    assert!(
+        (3..=21).contains(&parked_now),
+        "a few batches parked, not everything: {parked_now}"
+    );
+    // Resumed once the receiver is back, it catches up on what it had not taken.
+    rx.always_fail.store(false, Ordering::Relaxed);
+    let before = rx.positions.lock().unwrap().len();
+    config::change(&appender, "hook", "sink.resumed")
+        .await
+        .unwrap();
+    eventually(30, "caught up after the alert", || async {
+        rx.positions.lock().unwrap().len() + parked_now == before + 42
+    })
+    .await;
     config::change(&appender, "hook", "sink.deleted")
         .await
         .unwrap();
