@@ -90,6 +90,26 @@ enum Command {
     /// Sinks: deliver events to consumers' webhooks
     #[command(subcommand)]
     Sinks(SinksCmd),
+    /// What an operator certificate may read through the API's Subscribe
+    #[command(subcommand)]
+    Grants(GrantsCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum GrantsCmd {
+    /// Set (replace) a caller's grant
+    Set {
+        #[command(flatten)]
+        db: Db,
+        /// The operator name in the caller's certificate
+        caller: String,
+        /// Stream prefixes it may read (comma-separated), e.g. pool/,reservation/
+        #[arg(long, value_delimiter = ',', required = true)]
+        prefixes: Vec<String>,
+        /// Event types it may read (comma-separated; default all within the prefixes)
+        #[arg(long, value_delimiter = ',')]
+        types: Vec<String>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -644,6 +664,12 @@ fn main() -> ExitCode {
             Command::Node(a) => nodes::node(a).await,
             Command::Fleet(a) => nodes::fleet(a).await,
             Command::Sinks(c) => nodes::sinks(c).await,
+            Command::Grants(crate::GrantsCmd::Set {
+                db,
+                caller,
+                prefixes,
+                types,
+            }) => nodes::grant(&db, &caller, prefixes, types).await,
         }
     });
     drop(telemetry);

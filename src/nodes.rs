@@ -548,3 +548,31 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+pub async fn grant(
+    db: &crate::Db,
+    caller: &str,
+    prefixes: Vec<String>,
+    types: Vec<String>,
+) -> Result<ExitCode> {
+    projections::domain::valid_name("caller", caller).map_err(anyhow::Error::msg)?;
+    if prefixes.iter().any(|p| p.is_empty()) {
+        bail!("--prefixes: empty prefixes would grant everything; name them");
+    }
+    let appender = Appender::start(config(db)?, AppenderConfig::default());
+    let g = gateway::grants::Grant {
+        stream_prefixes: prefixes,
+        types,
+    };
+    gateway::grants::set(&appender, caller, &g).await?;
+    println!(
+        "{caller} may read {:?}{}",
+        g.stream_prefixes,
+        if g.types.is_empty() {
+            String::new()
+        } else {
+            format!(" of types {:?}", g.types)
+        }
+    );
+    Ok(ExitCode::SUCCESS)
+}

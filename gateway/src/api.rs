@@ -1,9 +1,10 @@
 //! The client API (`strata.api.v1`), for holders of an operator certificate.
 
 use crate::api_proto::{
-    api_server, Allocation, CommandStatus, GetCommandRequest, IssueCommandRequest,
-    ListNodesRequest, ListNodesResponse, ListPoolsRequest, ListPoolsResponse, Node, Pool,
-    PoolClass, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest,
+    api_server, subscribe_message, Allocation, CommandStatus, GetCommandRequest,
+    IssueCommandRequest, ListNodesRequest, ListNodesResponse, ListPoolsRequest, ListPoolsResponse,
+    Node, Pool, PoolClass, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest,
+    SubscribeMessage, SubscribedEvent,
 };
 use crate::ca;
 use crate::server::{Shared, Waited};
@@ -102,8 +103,137 @@ impl ApiService {
     }
 }
 
+type EventStream =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<SubscribedEvent, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl api_server::Api for ApiService {
+    type SubscribeStream = EventStream;
+
+    async fn subscribe(
+        &self,
+        req: Request<tonic::Streaming<SubscribeMessage>>,
+    ) -> Result<Response<EventStream>, Status> {
+        let who = operator(&req)?;
+        let mut inbound = req.into_inner();
+        let start = match inbound.message().await? {
+            Some(SubscribeMessage {
+                body: Some(subscribe_message::Body::Start(s)),
+            }) => s,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first message of Subscribe is start",
+                ))
+            }
+        };
+        projections::domain::valid_name("subscription name", &start.name)
+            .map_err(Status::invalid_argument)?;
+        let client = self.db().await?;
+        let grant = crate::grants::get(&client, &who)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?
+            .ok_or_else(|| {
+                Status::permission_denied(format!(
+                    "{who} has no grant to read events (strata grants set)"
+                ))
+            })?;
+        let filter = grant
+            .narrow(&start.stream_prefixes, &start.types)
+            .ok_or_else(|| {
+                Status::permission_denied("the subscription asks for nothing within your grant")
+            })?;
+        let from = match start.from.as_str() {
+            "" => events::Start::Beginning,
+            f => {
+                match f.parse::<events::Start>() {
+                    Ok(s) => s,
+                    Err(_) => {
+                        let t = humantime_rfc3339(f).ok_or_else(|| {
+                            Status::invalid_argument(format!(
+                                "from {f:?}: start, now, a position or an RFC 3339 time"
+                            ))
+                        })?;
+                        let before: Option<i64> = client
+                        .query_one("SELECT min(position) - 1 FROM strata.events WHERE recorded_at >= $1", &[&t])
+                        .await
+                        .map_err(|e| Status::unavailable(e.to_string()))?
+                        .get(0);
+                        match before {
+                            Some(p) => events::Start::After(events::Position(p.max(0) as u64)),
+                            None => events::Start::Now,
+                        }
+                    }
+                }
+            }
+        };
+        let name = format!("api.{who}.{}", start.name);
+        let mut sub = self
+            .shared
+            .reader
+            .subscribe(&name, from)
+            .await
+            .map_err(|e| match e {
+                events::SubscribeError::InUse { .. } => Status::already_exists(format!(
+                    "subscription {:?} is open on another connection",
+                    start.name
+                )),
+                e => Status::unavailable(e.to_string()),
+            })?;
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<SubscribedEvent, Status>>(256);
+        events::task::spawn("api-subscription", async move {
+            // Events outside the filter are acknowledged on the client's
+            // behalf when nothing it was sent is waiting for its ack.
+            let (mut sent, mut acked) = (0u64, 0u64);
+            loop {
+                tokio::select! {
+                    m = inbound.message() => match m {
+                        Ok(Some(SubscribeMessage { body: Some(subscribe_message::Body::Ack(a)) })) => {
+                            acked = acked.max(a.position.min(sent));
+                            sub.ack(events::Position(acked));
+                        }
+                        Ok(Some(_)) => {}
+                        _ => break,
+                    },
+                    e = sub.next() => match e {
+                        Ok(e) => {
+                            if filter.allows(&e.stream, &e.event_type) {
+                                let ev = SubscribedEvent {
+                                    position: e.position.0,
+                                    stream: e.stream.clone(),
+                                    version: e.version,
+                                    r#type: e.event_type.clone(),
+                                    payload: e.payload.clone(),
+                                    metadata: e.metadata.clone(),
+                                    recorded_at_unix_us: events::types::to_pg_time(e.recorded_at)
+                                        + events::types::PG_EPOCH_OFFSET_MICROS,
+                                };
+                                if tx.send(Ok(ev)).await.is_err() {
+                                    break;
+                                }
+                                sent = e.position.0;
+                            } else if acked >= sent {
+                                acked = e.position.0;
+                                sent = e.position.0;
+                                sub.ack(e.position);
+                            }
+                        }
+                        Err(err) => {
+                            let _ = tx.send(Err(Status::unavailable(err.to_string()))).await;
+                            break;
+                        }
+                    },
+                }
+            }
+            let _ = sub.close().await;
+        });
+        let out =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
+            );
+        Ok(Response::new(Box::pin(out)))
+    }
+
     async fn reserve(&self, req: Request<ReserveRequest>) -> Result<Response<Reservation>, Status> {
         let who = operator(&req)?;
         let r = req.into_inner();
@@ -373,4 +503,9 @@ impl api_server::Api for ApiService {
             None => Err(Status::not_found(format!("command {id:?} does not exist"))),
         }
     }
+}
+
+/// Parses an RFC 3339 time such as `2026-11-30T10:00:00Z`.
+fn humantime_rfc3339(s: &str) -> Option<SystemTime> {
+    humantime::parse_rfc3339_weak(s).ok()
 }

@@ -3,6 +3,7 @@
 pub mod api;
 pub mod ca;
 pub mod codec;
+pub mod grants;
 pub mod identity;
 pub mod server;
 

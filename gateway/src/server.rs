@@ -152,6 +152,7 @@ pub(crate) struct Shared {
     ca: Ca,
     pub(crate) db: events::db::Db,
     pub(crate) appender: Appender,
+    pub(crate) reader: Reader,
     stats: Arc<GatewayStats>,
     streams: Arc<Semaphore>,
     pending_hellos: AtomicUsize,
@@ -355,6 +356,7 @@ pub async fn start(
         ca,
         writes,
         config,
+        reader: reader.clone(),
         commands: Mutex::new(Commands::default()),
         waiters: Mutex::new(HashMap::new()),
     });

@@ -948,3 +948,136 @@ async fn xid_and_ecc_conditions_reach_the_pool_and_make_the_device_unschedulable
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_over_the_api_respect_grants_and_resume_after_acks() {
+    use gateway::api_proto::{
+        api_client::ApiClient, subscribe_message, SubscribeAck, SubscribeMessage, SubscribeStart,
+    };
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    for i in 0..5 {
+        for stream in ["pool/p", "other/x"] {
+            r.appender
+                .append(
+                    stream,
+                    ExpectedVersion::Any,
+                    vec![events::NewEvent::new("t.x", &serde_json::json!({ "i": i }))],
+                )
+                .await
+                .unwrap();
+        }
+    }
+    let ca = Ca::load(r.ca_dir.path()).unwrap();
+    let connect = |name: &str| {
+        let (cert, key) = ca.issue_operator(name, 1).unwrap();
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(r.ca_pem()))
+            .identity(Identity::from_pem(cert, key))
+            .domain_name("localhost");
+        let ep = Endpoint::from_shared(url(&gw))
+            .unwrap()
+            .tls_config(tls)
+            .unwrap();
+        async move { ApiClient::new(ep.connect().await.unwrap()) }
+    };
+    let start =
+        |name: &str, prefixes: Vec<String>| {
+            let (tx, rx) = tokio::sync::mpsc::channel::<SubscribeMessage>(16);
+            let first = SubscribeMessage {
+                body: Some(subscribe_message::Body::Start(SubscribeStart {
+                    name: name.into(),
+                    types: vec![],
+                    stream_prefixes: prefixes,
+                    from: "start".into(),
+                })),
+            };
+            tx.try_send(first).unwrap();
+            let out = futures_util::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|m| (m, rx))
+            });
+            (tx, out)
+        };
+    // No grant, no events.
+    let mut bob = connect("bob").await;
+    let (_tx, out) = start("s", vec![]);
+    let err = match bob.subscribe(out).await {
+        Err(s) => s,
+        Ok(resp) => resp.into_inner().message().await.unwrap_err(),
+    };
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+
+    gateway::grants::set(
+        &r.appender,
+        "alice",
+        &gateway::grants::Grant {
+            stream_prefixes: vec!["pool/".into()],
+            types: vec![],
+        },
+    )
+    .await
+    .unwrap();
+    let mut alice = connect("alice").await;
+    // Asking outside the grant is refused.
+    let (_tx, out) = start("s", vec!["other/".into()]);
+    let err = match alice.subscribe(out).await {
+        Err(s) => s,
+        Ok(resp) => resp.into_inner().message().await.unwrap_err(),
+    };
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+
+    // Within it: pool/ events only, in order; ack the third and leave.
+    let (tx, out) = start("s", vec![]);
+    let mut events = alice.subscribe(out).await.unwrap().into_inner();
+    let mut got = Vec::new();
+    while got.len() < 6 {
+        let e = tokio::time::timeout(Duration::from_secs(20), events.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert!(e.stream.starts_with("pool/"), "{e:?}");
+        got.push(e.position);
+    }
+    assert!(got.windows(2).all(|w| w[0] < w[1]));
+    tx.send(SubscribeMessage {
+        body: Some(subscribe_message::Body::Ack(SubscribeAck {
+            position: got[2],
+        })),
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(tx);
+    drop(events);
+    // Back: it resumes after the acknowledged event.
+    let mut again = None;
+    for _ in 0..50 {
+        let (tx, out) = start("s", vec![]);
+        match alice.subscribe(out).await {
+            Ok(resp) => {
+                let mut s = resp.into_inner();
+                match tokio::time::timeout(Duration::from_secs(20), s.message())
+                    .await
+                    .unwrap()
+                {
+                    Ok(Some(e)) => {
+                        again = Some(e.position);
+                        drop(tx);
+                        break;
+                    }
+                    Ok(None) => {}
+                    Err(st) if st.code() == tonic::Code::AlreadyExists => {}
+                    Err(st) => panic!("{st:?}"),
+                }
+            }
+            Err(st) if st.code() == tonic::Code::AlreadyExists => {}
+            Err(st) => panic!("{st:?}"),
+        }
+        // The previous connection's subscription is still closing.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(again, Some(got[3]), "resumed after the last ack");
+    gw.stop().await.unwrap();
+}

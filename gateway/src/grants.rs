@@ -1,0 +1,128 @@
+//! What a client-API caller may read, as events on `grant/<caller>`
+//! (`grant.set` with stream prefixes and event types; `grant.revoked`).
+
+use events::{AppendError, Appender, ExpectedVersion, NewEvent};
+use serde::{Deserialize, Serialize};
+
+pub fn grant_stream(caller: &str) -> String {
+    format!("grant/{caller}")
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    /// Stream prefixes the caller may read; empty means none.
+    pub stream_prefixes: Vec<String>,
+    /// Event types; empty means all types within the prefixes.
+    #[serde(default)]
+    pub types: Vec<String>,
+}
+
+impl Grant {
+    /// The filter a subscription gets: what it asked for, within the grant.
+    /// `None` when the request reaches outside the grant entirely.
+    pub fn narrow(&self, prefixes: &[String], types: &[String]) -> Option<Grant> {
+        let prefixes: Vec<String> = if prefixes.is_empty() {
+            self.stream_prefixes.clone()
+        } else {
+            // A requested prefix is allowed when a granted prefix covers it.
+            prefixes
+                .iter()
+                .filter(|p| {
+                    self.stream_prefixes
+                        .iter()
+                        .any(|g| p.starts_with(g.as_str()))
+                })
+                .cloned()
+                .collect()
+        };
+        let types: Vec<String> = match (types.is_empty(), self.types.is_empty()) {
+            (true, _) => self.types.clone(),
+            (false, true) => types.to_vec(),
+            (false, false) => types
+                .iter()
+                .filter(|t| self.types.contains(t))
+                .cloned()
+                .collect(),
+        };
+        if prefixes.is_empty() || (!types.is_empty() && types.is_empty()) {
+            return None;
+        }
+        if !self.types.is_empty() && types.is_empty() {
+            return None;
+        }
+        Some(Grant {
+            stream_prefixes: prefixes,
+            types,
+        })
+    }
+
+    pub fn allows(&self, stream: &str, event_type: &str) -> bool {
+        self.stream_prefixes
+            .iter()
+            .any(|p| stream.starts_with(p.as_str()))
+            && (self.types.is_empty() || self.types.iter().any(|t| t == event_type))
+    }
+}
+
+pub async fn set(appender: &Appender, caller: &str, grant: &Grant) -> Result<(), AppendError> {
+    let payload = serde_json::to_value(grant).expect("grants serialize");
+    appender
+        .append(
+            &grant_stream(caller),
+            ExpectedVersion::Any,
+            vec![NewEvent::new("grant.set", &payload)],
+        )
+        .await
+        .map(|_| ())
+}
+
+/// The caller's current grant, if any.
+pub async fn get(
+    client: &tokio_postgres::Client,
+    caller: &str,
+) -> Result<Option<Grant>, tokio_postgres::Error> {
+    let row = client
+        .query_opt(
+            "SELECT type, payload::text FROM strata.events WHERE stream = $1 ORDER BY version DESC LIMIT 1",
+            &[&grant_stream(caller)],
+        )
+        .await?;
+    Ok(row.and_then(|r| {
+        let t: &str = r.get(0);
+        (t == "grant.set")
+            .then(|| serde_json::from_str(r.get(1)).ok())
+            .flatten()
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_narrowed_to_the_grant() {
+        let g = Grant {
+            stream_prefixes: vec!["pool/".into()],
+            types: vec![],
+        };
+        assert_eq!(g.narrow(&[], &[]), Some(g.clone()));
+        assert_eq!(g.narrow(&["node/".into()], &[]), None);
+        let n = g
+            .narrow(
+                &["pool/p1".into(), "node/".into()],
+                &["ReservationPlaced".into()],
+            )
+            .unwrap();
+        assert_eq!(n.stream_prefixes, ["pool/p1"]);
+        assert!(n.allows("pool/p1", "ReservationPlaced"));
+        assert!(!n.allows("pool/p2", "ReservationPlaced"));
+        assert!(!n.allows("pool/p1", "NodeJoined"));
+        let typed = Grant {
+            stream_prefixes: vec!["pool/".into()],
+            types: vec!["ReservationPlaced".into()],
+        };
+        assert_eq!(typed.narrow(&[], &["NodeJoined".into()]), None);
+        assert!(!typed.allows("pool/p", "NodeJoined"));
+        assert!(!Grant::default().allows("pool/p", "x"));
+    }
+}
