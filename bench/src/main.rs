@@ -5,6 +5,7 @@
 mod append;
 mod gateway;
 mod placements;
+mod sinks;
 mod util;
 
 use clap::{Parser, Subcommand};
@@ -37,6 +38,11 @@ enum Scenario {
     /// (internal) the gateway process of `gateway` and `spine`
     #[command(hide = true)]
     GatewayServer(gateway::ServerArgs),
+    /// Events delivered to webhook and NATS JetStream sinks: rate, latency, WAL, CPU of 10 sinks vs 1
+    Sinks(sinks::Args),
+    /// (internal) the sinks process of `sinks`
+    #[command(hide = true)]
+    SinksServer(sinks::ServerArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -67,6 +73,8 @@ fn run() -> anyhow::Result<()> {
             Scenario::Gateway(a) => gateway::run_gateway(a).await,
             Scenario::Spine(a) => gateway::run_spine(a).await,
             Scenario::GatewayServer(a) => gateway::server(a).await,
+            Scenario::Sinks(a) => sinks::run(a).await,
+            Scenario::SinksServer(a) => sinks::server(a).await,
         }
     })
 }
