@@ -69,27 +69,37 @@ async fn receiver(rx: Arc<Received>) -> Result<String> {
     let url = format!("http://{}/", listener.local_addr()?);
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else { return };
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
             let rx = rx.clone();
-            let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let rx = rx.clone();
-                async move {
-                    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-                    let now = Instant::now();
-                    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) {
-                        if let Some(events) = v["events"].as_array() {
-                            rx.count.fetch_add(events.len() as u64, Ordering::Relaxed);
-                            let mut at = rx.at.lock().expect("lock");
-                            for e in events {
-                                if let Some(p) = e["position"].as_u64() {
-                                    at.entry(p).or_insert(now);
+            let svc =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let rx = rx.clone();
+                    async move {
+                        let body = req
+                            .into_body()
+                            .collect()
+                            .await
+                            .map(|b| b.to_bytes())
+                            .unwrap_or_default();
+                        let now = Instant::now();
+                        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) {
+                            if let Some(events) = v["events"].as_array() {
+                                rx.count.fetch_add(events.len() as u64, Ordering::Relaxed);
+                                let mut at = rx.at.lock().expect("lock");
+                                for e in events {
+                                    if let Some(p) = e["position"].as_u64() {
+                                        at.entry(p).or_insert(now);
+                                    }
                                 }
                             }
                         }
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                            Bytes::new(),
+                        )))
                     }
-                    Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(Bytes::new())))
-                }
-            });
+                });
             tokio::spawn(async move {
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
@@ -161,7 +171,10 @@ async fn phase(
     secs: u64,
     nats: Option<(&async_nats::jetstream::Context, &str)>,
 ) -> Result<Phase> {
-    let before: Vec<u64> = receivers.iter().map(|r| r.count.load(Ordering::Relaxed)).collect();
+    let before: Vec<u64> = receivers
+        .iter()
+        .map(|r| r.count.load(Ordering::Relaxed))
+        .collect();
     let cpu0 = cpu_s(pid);
     let t0 = Instant::now();
     let committed = offer(appender, rate, secs).await?;
@@ -198,7 +211,11 @@ async fn phase(
         )
         .await?
         .get(0);
-    let got = if nats.is_some() { nats_count } else { delivered(&before) };
+    let got = if nats.is_some() {
+        nats_count
+    } else {
+        delivered(&before)
+    };
     let mut lat = Vec::new();
     if nats.is_none() {
         for r in receivers {
@@ -267,7 +284,16 @@ pub async fn run(args: Args) -> Result<()> {
     // One sink.
     sinks::config::create(&appender, &webhook("w0".into(), &urls[0])).await?;
     wait_workers(1).await;
-    let one = phase(&client, &appender, pid, &receivers[..1], args.rate, secs, None).await?;
+    let one = phase(
+        &client,
+        &appender,
+        pid,
+        &receivers[..1],
+        args.rate,
+        secs,
+        None,
+    )
+    .await?;
     eprintln!(
         "1 webhook sink: {}/{} delivered, {:.0}/s, p50 {:.2} ms, p99 {:.2} ms, sinks CPU {:.2} s, WAL retained {} B",
         one.delivered, one.expected, one.delivered_per_s, one.p50, one.p99, one.cpu_s, one.wal_bytes
@@ -305,7 +331,16 @@ pub async fn run(args: Args) -> Result<()> {
         };
         sinks::config::create(&appender, &nats_sink).await?;
         wait_workers(1).await;
-        let n = phase(&client, &appender, pid, &[], args.rate, secs, Some((&js, &name))).await?;
+        let n = phase(
+            &client,
+            &appender,
+            pid,
+            &[],
+            args.rate,
+            secs,
+            Some((&js, &name)),
+        )
+        .await?;
         eprintln!(
             "1 NATS JetStream sink: {}/{} stored, {:.0}/s, sinks CPU {:.2} s",
             n.delivered, n.expected, n.delivered_per_s, n.cpu_s
@@ -316,14 +351,28 @@ pub async fn run(args: Args) -> Result<()> {
         });
         let _ = js.delete_stream(&name).await;
     } else {
-        eprintln!("no NATS server at {}; skipping the JetStream phase", args.nats);
+        eprintln!(
+            "no NATS server at {}; skipping the JetStream phase",
+            args.nats
+        );
     }
-    let _ = tokio::process::Command::new("kill").args(["-INT", &pid.to_string()]).status().await;
+    let _ = tokio::process::Command::new("kill")
+        .args(["-INT", &pid.to_string()])
+        .status()
+        .await;
     let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
     if one.delivered < one.expected {
-        bail!("the one-sink phase lost events: {}/{}", one.delivered, one.expected);
+        bail!(
+            "the one-sink phase lost events: {}/{}",
+            one.delivered,
+            one.expected
+        );
     }
-    let ratio = if one.cpu_s > 0.0 { ten.cpu_s / one.cpu_s } else { 0.0 };
+    let ratio = if one.cpu_s > 0.0 {
+        ten.cpu_s / one.cpu_s
+    } else {
+        0.0
+    };
     let result = serde_json::json!({
         "bench": "sinks",
         "quick": args.quick,

@@ -28,6 +28,9 @@ pub struct SinksConfig {
     /// After this many batches parked in a row, the sink is paused with a
     /// `sink.alert` event.
     pub pause_after_parked: u32,
+    /// How long a webhook may take to answer before the attempt counts as
+    /// failed.
+    pub request_timeout: Duration,
 }
 
 impl Default for SinksConfig {
@@ -37,6 +40,7 @@ impl Default for SinksConfig {
             backoff_base: Duration::from_millis(200),
             backoff_cap: Duration::from_secs(10),
             pause_after_parked: 3,
+            request_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -271,14 +275,20 @@ async fn worker(
         if !matching.is_empty() {
             let delivered = match &out {
                 Out::Webhook { url, secret } => {
-                    webhook::deliver(
-                        &http,
-                        url,
-                        secret.as_bytes(),
-                        body(&cfg.name, &matching),
+                    let b = body(&cfg.name, &matching);
+                    webhook::with_retries(
                         cfg.max_attempts,
                         config.backoff_base,
                         config.backoff_cap,
+                        || {
+                            webhook::post(
+                                &http,
+                                url,
+                                secret.as_bytes(),
+                                b.clone(),
+                                config.request_timeout,
+                            )
+                        },
                     )
                     .await
                 }

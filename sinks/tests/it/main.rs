@@ -24,6 +24,8 @@ struct Receiver {
     always_fail: AtomicBool,
     bad_signatures: AtomicU32,
     requests: AtomicU32,
+    /// Answer this many requests only after a second.
+    slow_next: AtomicU32,
 }
 
 async fn receiver() -> (String, Arc<Receiver>) {
@@ -41,6 +43,12 @@ async fn receiver() -> (String, Arc<Receiver>) {
                 let s = s.clone();
                 async move {
                     s.requests.fetch_add(1, Ordering::Relaxed);
+                    if s.slow_next
+                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                        .is_ok()
+                    {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
                     let ts: u64 = req.headers()["x-strata-timestamp"]
                         .to_str()
                         .unwrap()
@@ -157,6 +165,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
         backoff_base: Duration::from_millis(10),
         backoff_cap: Duration::from_millis(50),
         pause_after_parked: 3,
+        request_timeout: Duration::from_secs(5),
     };
     let sinks = Sinks::start(cfg.clone(), reader.clone(), sc);
     eventually(30, "history delivered", || async {
@@ -381,4 +390,59 @@ async fn a_nats_sink_stores_each_event_once_in_jetstream() {
     );
     sinks.stop().await;
     let _ = js.delete_stream(&name).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_receiver_times_out_and_the_batch_is_retried() {
+    std::env::set_var("STRATA_TEST_SINK_SECRET", SECRET);
+    let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let cfg: tokio_postgres::Config = url_db.parse().unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let (url, rx) = receiver().await;
+    rx.slow_next.store(2, Ordering::Relaxed);
+    let want = append(&appender, "pool/s", 10).await;
+    let sink = SinkConfig {
+        name: "slow".into(),
+        target: Target::Webhook {
+            url,
+            secret_env: "STRATA_TEST_SINK_SECRET".into(),
+        },
+        filter: Filter {
+            types: vec![],
+            prefixes: vec!["pool/".into()],
+        },
+        start: "start".into(),
+        batch_max: 100,
+        max_attempts: 5,
+    };
+    config::create(&appender, &sink).await.unwrap();
+    let mut rc = ReaderConfig::new(format!("sink_s_{}", std::process::id()));
+    rc.temporary = true;
+    let reader = Reader::start(cfg.clone(), rc);
+    let sinks = Sinks::start(
+        cfg.clone(),
+        reader,
+        SinksConfig {
+            poll: Duration::from_millis(200),
+            backoff_base: Duration::from_millis(10),
+            backoff_cap: Duration::from_millis(50),
+            pause_after_parked: 3,
+            request_timeout: Duration::from_millis(200),
+        },
+    );
+    eventually(30, "delivered after the slow answers", || async {
+        rx.positions.lock().unwrap().len() >= 10
+    })
+    .await;
+    // The slow requests timed out on the sink's side (the receiver may still
+    // have recorded them late), so the batch went again: at least once.
+    let got = rx.positions.lock().unwrap().clone();
+    let distinct: std::collections::BTreeSet<u64> = got.iter().copied().collect();
+    assert_eq!(distinct.into_iter().collect::<Vec<_>>(), want);
+    assert!(
+        rx.requests.load(Ordering::Relaxed) >= 3,
+        "two timed out, then one got through"
+    );
+    assert_eq!(sinks.stats.parked.load(Ordering::Relaxed), 0);
+    sinks.stop().await;
 }
