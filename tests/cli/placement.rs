@@ -534,6 +534,43 @@ fn a_sinks_process_killed_mid_stream_loses_nothing() {
             .spawn()
             .unwrap()
     };
+    // The same events to NATS JetStream: after the kill, stored exactly once.
+    let nats_url =
+        std::env::var("STRATA_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let prefix = format!("strata_k{}", std::process::id());
+    let js_name = format!("STRATA_K{}", std::process::id());
+    let js = rt.block_on(async {
+        let js = async_nats::jetstream::new(
+            async_nats::connect(&nats_url)
+                .await
+                .expect("a NATS server with JetStream (.ci/run starts one)"),
+        );
+        let _ = js.delete_stream(&js_name).await;
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: js_name.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            duplicate_window: std::time::Duration::from_secs(300),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        js
+    });
+    ok(&[
+        "sinks",
+        "create",
+        "kn",
+        "--database-url",
+        &url,
+        "--nats",
+        &nats_url,
+        "--subject-prefix",
+        &prefix,
+        "--prefixes",
+        "load/",
+        "--batch",
+        "50",
+    ]);
     write(0, 1000);
     let mut first = sinks("sinks_a", "a.log");
     wait_for(30, || (seen.lock().unwrap().len() >= 300).then_some(())).expect("delivery started");
@@ -567,6 +604,25 @@ fn a_sinks_process_killed_mid_stream_loses_nothing() {
             seen.lock().unwrap().len()
         )
     });
+    let stored = || {
+        rt.block_on(async {
+            js.get_stream(&js_name)
+                .await
+                .unwrap()
+                .info()
+                .await
+                .unwrap()
+                .state
+                .messages
+        })
+    };
+    wait_for(60, || (stored() >= 1500).then_some(())).expect("every event in JetStream");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        stored(),
+        1500,
+        "each event stored exactly once in JetStream"
+    );
     // In order: after the takeover the second process starts at the last
     // acknowledgement, so the only repeats are one tail, and what arrives
     // never goes backwards except at that one restart.
@@ -579,6 +635,7 @@ fn a_sinks_process_killed_mid_stream_loses_nothing() {
     );
     second.kill().unwrap();
     second.wait().unwrap();
+    let _ = rt.block_on(js.delete_stream(&js_name));
     for slot in ["sinks_a", "sinks_b"] {
         ok(&["slots", "drop", slot, "--database-url", &url, "--force"]);
     }
