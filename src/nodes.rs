@@ -424,8 +424,8 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
             let client = connect(&db).await?;
             let head = events::read::head(&client).await?.0 as i64;
             println!(
-                "{:<20} {:<8} {:>10} {:>8}  TARGET",
-                "SINK", "STATE", "LAG", "PARKED"
+                "{:<20} {:<8} {:>12} {:>10} {:>8}  TARGET",
+                "SINK", "STATE", "LAG EVENTS", "LAG S", "PARKED"
             );
             for s in config::list(&client).await? {
                 let cursor: Option<i64> = client
@@ -449,11 +449,24 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                         subject_prefix,
                     } => format!("{url} {subject_prefix}.>"),
                 };
+                // The age of the oldest event the sink has not acknowledged.
+                let lag_s: Option<f64> = match cursor {
+                    Some(c) if c < head => client
+                        .query_opt(
+                            "SELECT extract(epoch FROM now() - recorded_at)::float8 FROM strata.events WHERE position = $1",
+                            &[&(c + 1)],
+                        )
+                        .await?
+                        .map(|r| r.get(0)),
+                    Some(_) => Some(0.0),
+                    None => None,
+                };
                 println!(
-                    "{:<20} {:<8} {:>10} {:>8}  {url}",
+                    "{:<20} {:<8} {:>12} {:>10} {:>8}  {url}",
                     s.config.name,
                     if s.paused { "paused" } else { "active" },
                     cursor.map_or("not started".into(), |c| (head - c).max(0).to_string()),
+                    lag_s.map_or("-".into(), |l| format!("{l:.1}")),
                     parked
                 );
             }
