@@ -47,6 +47,18 @@ pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
                 .context("ensure partitions")?;
             println!("created {n} partition(s); {months_ahead} month(s) ahead are in place");
         }
+        PartitionsCmd::Seal { db, month } => {
+            let client = connect(&db).await?;
+            let s = projections::seal::seal(&client, &month).await?;
+            println!(
+                "sealed {}: {} rows (positions {} to {}), chain {}",
+                s.partition,
+                s.rows,
+                s.first_position.map_or("-".into(), |p| p.to_string()),
+                s.last_position.map_or("-".into(), |p| p.to_string()),
+                s.chain
+            );
+        }
         PartitionsCmd::List { db } => {
             let client = connect(&db).await?;
             let parts = schema::partitions::list(&client)

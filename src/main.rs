@@ -93,6 +93,20 @@ enum Command {
     /// What an operator certificate may read through the API's Subscribe
     #[command(subcommand)]
     Grants(GrantsCmd),
+    /// Verify sealed history
+    #[command(subcommand)]
+    Audit(AuditCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum AuditCmd {
+    /// Recompute a sealed month and name the first altered, inserted or deleted row (exit 1 if any)
+    Verify {
+        #[command(flatten)]
+        db: Db,
+        /// The month, e.g. 2026-11
+        month: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -560,6 +574,13 @@ pub enum PartitionsCmd {
         #[command(flatten)]
         db: Db,
     },
+    /// Seal a month: a hash chain over its rows in position order, stored for `strata audit verify`
+    Seal {
+        #[command(flatten)]
+        db: Db,
+        /// The month, e.g. 2026-11
+        month: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -664,6 +685,9 @@ fn main() -> ExitCode {
             Command::Node(a) => nodes::node(a).await,
             Command::Fleet(a) => nodes::fleet(a).await,
             Command::Sinks(c) => nodes::sinks(c).await,
+            Command::Audit(AuditCmd::Verify { db, month }) => {
+                nodes::audit_verify(&db, &month).await
+            }
             Command::Grants(crate::GrantsCmd::Set {
                 db,
                 caller,

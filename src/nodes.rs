@@ -589,3 +589,13 @@ pub async fn grant(
     );
     Ok(ExitCode::SUCCESS)
 }
+
+pub async fn audit_verify(db: &crate::Db, month: &str) -> Result<ExitCode> {
+    let client = connect(db).await?;
+    let finding = projections::seal::verify(&client, month).await?;
+    println!("{finding}");
+    Ok(match finding {
+        projections::seal::Finding::Intact { .. } => ExitCode::SUCCESS,
+        _ => ExitCode::from(1),
+    })
+}

@@ -43,6 +43,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "sinks",
         sql: include_str!("../migrations/0005_sinks.sql"),
     },
+    Migration {
+        version: 6,
+        name: "seals",
+        sql: include_str!("../migrations/0006_seals.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

@@ -640,3 +640,46 @@ fn a_sinks_process_killed_mid_stream_loses_nothing() {
         ok(&["slots", "drop", slot, "--database-url", &url, "--force"]);
     }
 }
+
+#[test]
+fn partitions_seal_and_audit_verify() {
+    let url = database();
+    for i in 0..20 {
+        let data = format!("{{\"i\":{i}}}");
+        ok(&[
+            "events",
+            "append",
+            "--database-url",
+            &url,
+            "--stream",
+            "a/1",
+            "--type",
+            "t",
+            "--data",
+            &data,
+        ]);
+    }
+    let rt = rt();
+    let client = rt
+        .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+        .unwrap();
+    let month: String = rt
+        .block_on(client.query_one("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM')", &[]))
+        .unwrap()
+        .get(0);
+    let out = ok(&["partitions", "seal", &month, "--database-url", &url]);
+    assert!(out.contains("20 rows"), "{out}");
+    let err = fails(&["partitions", "seal", &month, "--database-url", &url]);
+    assert!(err.contains("already sealed"), "{err}");
+    assert!(ok(&["audit", "verify", &month, "--database-url", &url]).contains("intact: 20 rows"));
+    rt.block_on(client.execute(
+        "UPDATE strata.events SET payload = '{\"i\": 99}' WHERE position = 7",
+        &[],
+    ))
+    .unwrap();
+    let out = strata(&["audit", "verify", &month, "--database-url", &url]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("position 7 was altered"));
+    let err = fails(&["audit", "verify", "2026-13", "--database-url", &url]);
+    assert!(err.contains("YYYY-MM"), "{err}");
+}

@@ -410,3 +410,62 @@ async fn reservations_expire_after_their_ttl_and_free_their_devices() {
     assert_eq!(placer.stats().view().expired, 1);
     placer.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seals_name_the_first_altered_inserted_or_deleted_row() {
+    use projections::seal::{self, Finding};
+    for case in ["intact", "altered", "inserted", "deleted"] {
+        let (cfg, client) = db().await;
+        let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+        pool(&appender, "s", 3).await;
+        for i in 0..2500u32 {
+            let e = events::NewEvent::new("t.x", &serde_json::json!({ "i": i }));
+            appender
+                .append("audit/x", ExpectedVersion::Any, vec![e])
+                .await
+                .unwrap();
+        }
+        let month: String = client
+            .query_one("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM')", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let sealed = seal::seal(&client, &month).await.unwrap();
+        assert_eq!(sealed.rows, 2504, "{sealed:?}");
+        assert!(seal::seal(&client, &month).await.is_err(), "sealed once");
+        let part = seal::partition_of(&month).unwrap();
+        let want = match case {
+            "intact" => Finding::Intact { rows: 2504 },
+            "altered" => {
+                client
+                    .execute(
+                        &format!("UPDATE strata.{part} SET payload = '{{\"i\": -1}}' WHERE position = 1700"),
+                        &[],
+                    )
+                    .await
+                    .unwrap();
+                Finding::Altered { position: 1700 }
+            }
+            "inserted" => {
+                client
+                    .execute(
+                        "INSERT INTO strata.events (position, stream, version, type, payload, metadata, recorded_at, xid)
+                         VALUES (9999, 'audit/x', 9999, 't.x', '{}', '{}', now(), pg_current_xact_id())",
+                        &[],
+                    )
+                    .await
+                    .unwrap();
+                Finding::Inserted { position: 9999 }
+            }
+            _ => {
+                client
+                    .execute("DELETE FROM strata.events WHERE position = 1200", &[])
+                    .await
+                    .unwrap();
+                Finding::Deleted { position: 1200 }
+            }
+        };
+        assert_eq!(seal::verify(&client, &month).await.unwrap(), want, "{case}");
+    }
+    assert!(projections::seal::partition_of("2026-13").is_err());
+}
