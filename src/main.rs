@@ -469,6 +469,28 @@ pub enum ReplayCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Print a pool as it was at a time: nodes, free and booked GPUs by class, what waited
+    State {
+        #[command(flatten)]
+        db: Db,
+        #[arg(long)]
+        pool: String,
+        /// A time such as 2026-11-30T10:00:00Z
+        #[arg(long)]
+        at: String,
+        /// List every node
+        #[arg(long)]
+        nodes: bool,
+    },
+    /// Print a stream's events (up to a time), as JSON lines
+    Stream {
+        #[command(flatten)]
+        db: Db,
+        stream: String,
+        /// Only events recorded at or before this time (RFC 3339)
+        #[arg(long)]
+        at: Option<String>,
+    },
 }
 
 #[derive(Args, Debug)]

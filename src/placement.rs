@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use events::{Appender, AppenderConfig, Reader, ReaderConfig, Start};
 use placer::client::{self, Outcome};
 use projections::index::Phase;
-use projections::{projector, Index, Request, Shape};
+use projections::{Index, Request, Shape};
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -137,28 +137,55 @@ pub async fn release(db: &Db, id: &str, reason: &str) -> Result<ExitCode> {
 
 /// The index built from the whole log, with progress on a terminal.
 async fn index(db: &Db) -> Result<Index> {
+    index_until(db, None).await
+}
+
+/// The index as it was after `until` (the whole log when `None`).
+async fn index_until(db: &Db, until: Option<u64>) -> Result<Index> {
     let client = connect(db).await?;
     let tty = std::io::stderr().is_terminal();
     let mut index = Index::new();
-    projector::catch_up(
-        &client,
-        &mut index,
-        |v| {
-            eprintln!("warning: the log breaks an invariant: {v}");
-            true
-        },
-        |p| {
-            if tty {
-                eprint!("\rreading the log: position {p}");
+    loop {
+        let page = events::read::after(&client, events::Position(index.position()), 10_000)
+            .await
+            .context("read the log")?;
+        if page.is_empty() {
+            break;
+        }
+        for e in &page {
+            if until.is_some_and(|u| e.position.0 > u) {
+                break;
             }
-        },
-    )
-    .await
-    .context("read the log")?;
+            if let Some(v) = index.apply(e)? {
+                eprintln!("warning: the log breaks an invariant: {v}");
+            }
+        }
+        if tty {
+            eprint!("\rreading the log: position {}", index.position());
+        }
+        if until.is_some_and(|u| index.position() >= u) {
+            break;
+        }
+    }
     if tty {
         eprint!("\r\x1b[K");
     }
     Ok(index)
+}
+
+/// The last position recorded at or before an RFC 3339 time.
+pub async fn position_at(db: &Db, at: &str) -> Result<u64> {
+    let t = humantime::parse_rfc3339_weak(at)
+        .map_err(|_| anyhow::anyhow!("--at {at:?}: a time such as 2026-11-30T10:00:00Z"))?;
+    let client = connect(db).await?;
+    let p: Option<i64> = client
+        .query_one(
+            "SELECT max(position) FROM strata.events WHERE recorded_at <= $1",
+            &[&t],
+        )
+        .await?
+        .get(0);
+    Ok(p.unwrap_or(0) as u64)
 }
 
 struct Counts {
@@ -267,113 +294,149 @@ pub async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
         }
         PoolCmd::Show { db, name, nodes } => {
             let index = index(&db).await?;
-            let Some(p) = index.pool(&name).filter(|p| p.created) else {
-                bail!("pool {name:?} does not exist (see `strata pools`)");
-            };
-            let c = counts(&index, &name);
-            println!("pool {name}: {}", p.description);
-            println!(
-                "  nodes {} ({} schedulable), version {}, live reservations {}, waiting {}",
-                c.nodes, c.schedulable, p.version, c.live, c.pending
-            );
-            for (class, ci) in index.classes(&name) {
-                println!(
-                    "  {class}: {} GPUs, {} free, {} booked; {} nodes with free GPUs",
-                    ci.total,
-                    ci.free,
-                    booked(&index, &name, class),
-                    ci.schedulable_nodes()
-                );
-                let mut by_free: BTreeMap<u32, usize> = BTreeMap::new();
-                for n in p.nodes.keys() {
-                    *by_free.entry(ci.node_free(n)).or_default() += 1;
-                }
-                let summary: Vec<String> = by_free
-                    .iter()
-                    .rev()
-                    .map(|(free, n)| format!("{n} with {free} free"))
-                    .collect();
-                println!("    nodes: {}", summary.join(", "));
-            }
-            if nodes {
-                println!(
-                    "  {:<24} {:>6} {:>6} {:>6}  STATE",
-                    "NODE", "GPUS", "FREE", "BOOKED"
-                );
-                for (n, node) in &p.nodes {
-                    let state = if node.left {
-                        "left".to_string()
-                    } else if let Some(r) = &node.drained {
-                        format!("drained {r}")
-                    } else if let Some(r) = &node.cordoned {
-                        format!("cordoned {r}")
-                    } else if !node.conditions.is_empty() {
-                        format!("unhealthy {}", node.conditions.join(","))
-                    } else {
-                        let sick: Vec<_> = node
-                            .devices
-                            .iter()
-                            .filter(|d| !d.conditions.is_empty())
-                            .map(|d| format!("{}:{}", d.spec.id, d.conditions.join("+")))
-                            .collect();
-                        if sick.is_empty() {
-                            "ready".into()
-                        } else {
-                            format!("ready, unhealthy devices {}", sick.join(" "))
-                        }
-                    };
-                    let free = node
-                        .devices
-                        .iter()
-                        .filter(|d| node.schedulable() && d.free())
-                        .count();
-                    let booked = node
-                        .devices
-                        .iter()
-                        .filter(|d| d.booked_by.is_some())
-                        .count();
-                    println!(
-                        "  {n:<24} {:>6} {free:>6} {booked:>6}  {state}",
-                        node.devices.len()
-                    );
-                }
-            }
-            let waiting: Vec<_> = index
-                .state()
-                .reservations
-                .values()
-                .filter(|r| {
-                    r.request.pool == name && matches!(r.phase, Phase::Pending | Phase::Queued)
-                })
-                .collect();
-            if !waiting.is_empty() {
-                println!("  waiting:");
-                for r in waiting.iter().take(20) {
-                    println!(
-                        "    {} {} x {} ({}) priority {}: {}",
-                        r.request.reservation,
-                        r.request.gpus,
-                        r.request.class,
-                        r.request.shape,
-                        r.request.priority,
-                        if r.reason.is_empty() {
-                            r.phase.name()
-                        } else {
-                            &r.reason
-                        }
-                    );
-                }
-                if waiting.len() > 20 {
-                    println!("    ... and {} more", waiting.len() - 20);
-                }
-            }
+            show_pool(&index, &name, nodes)?;
         }
     }
     Ok(ExitCode::SUCCESS)
 }
 
+/// Prints a pool as `strata pool show` does.
+fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
+    let Some(p) = index.pool(name).filter(|p| p.created) else {
+        bail!("pool {name:?} does not exist (see `strata pools`)");
+    };
+    let c = counts(index, name);
+    println!("pool {name}: {}", p.description);
+    println!(
+        "  nodes {} ({} schedulable), version {}, live reservations {}, waiting {}",
+        c.nodes, c.schedulable, p.version, c.live, c.pending
+    );
+    for (class, ci) in index.classes(name) {
+        println!(
+            "  {class}: {} GPUs, {} free, {} booked; {} nodes with free GPUs",
+            ci.total,
+            ci.free,
+            booked(index, name, class),
+            ci.schedulable_nodes()
+        );
+        let mut by_free: BTreeMap<u32, usize> = BTreeMap::new();
+        for n in p.nodes.keys() {
+            *by_free.entry(ci.node_free(n)).or_default() += 1;
+        }
+        let summary: Vec<String> = by_free
+            .iter()
+            .rev()
+            .map(|(free, n)| format!("{n} with {free} free"))
+            .collect();
+        println!("    nodes: {}", summary.join(", "));
+    }
+    if nodes {
+        println!(
+            "  {:<24} {:>6} {:>6} {:>6}  STATE",
+            "NODE", "GPUS", "FREE", "BOOKED"
+        );
+        for (n, node) in &p.nodes {
+            let state = if node.left {
+                "left".to_string()
+            } else if let Some(r) = &node.drained {
+                format!("drained {r}")
+            } else if let Some(r) = &node.cordoned {
+                format!("cordoned {r}")
+            } else if !node.conditions.is_empty() {
+                format!("unhealthy {}", node.conditions.join(","))
+            } else {
+                let sick: Vec<_> = node
+                    .devices
+                    .iter()
+                    .filter(|d| !d.conditions.is_empty())
+                    .map(|d| format!("{}:{}", d.spec.id, d.conditions.join("+")))
+                    .collect();
+                if sick.is_empty() {
+                    "ready".into()
+                } else {
+                    format!("ready, unhealthy devices {}", sick.join(" "))
+                }
+            };
+            let free = node
+                .devices
+                .iter()
+                .filter(|d| node.schedulable() && d.free())
+                .count();
+            let booked = node
+                .devices
+                .iter()
+                .filter(|d| d.booked_by.is_some())
+                .count();
+            println!(
+                "  {n:<24} {:>6} {free:>6} {booked:>6}  {state}",
+                node.devices.len()
+            );
+        }
+    }
+    let waiting: Vec<_> = index
+        .state()
+        .reservations
+        .values()
+        .filter(|r| r.request.pool == name && matches!(r.phase, Phase::Pending | Phase::Queued))
+        .collect();
+    if !waiting.is_empty() {
+        println!("  waiting:");
+        for r in waiting.iter().take(20) {
+            println!(
+                "    {} {} x {} ({}) priority {}: {}",
+                r.request.reservation,
+                r.request.gpus,
+                r.request.class,
+                r.request.shape,
+                r.request.priority,
+                if r.reason.is_empty() {
+                    r.phase.name()
+                } else {
+                    &r.reason
+                }
+            );
+        }
+        if waiting.len() > 20 {
+            println!("    ... and {} more", waiting.len() - 20);
+        }
+    }
+    Ok(())
+}
+
 pub async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
     match cmd {
+        ReplayCmd::State {
+            db,
+            pool,
+            at,
+            nodes,
+        } => {
+            let until = position_at(&db, &at).await?;
+            let index = index_until(&db, Some(until)).await?;
+            println!("as of {at} (position {until}):");
+            show_pool(&index, &pool, nodes)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        ReplayCmd::Stream { db, stream, at } => {
+            let until = match &at {
+                Some(t) => Some(position_at(&db, t).await?),
+                None => None,
+            };
+            let client = connect(&db).await?;
+            let events = events::read::stream(&client, &stream)
+                .await
+                .context("read the stream")?;
+            if events.is_empty() {
+                bail!("stream {stream:?} has no events");
+            }
+            for e in events
+                .iter()
+                .filter(|e| until.is_none_or(|u| e.position.0 <= u))
+            {
+                println!("{}", e.to_json_line());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         ReplayCmd::Check { db, json } => {
             let client = connect(&db).await?;
             let tty = std::io::stderr().is_terminal();

@@ -173,6 +173,23 @@ fn reserve_release_pools_and_the_replay_check() {
     assert!(show.contains("gpu-n00000"), "{show}");
 
     // Releasing the whole node lets the queued one place.
+    // The moment before the release, for the replays below.
+    let before_release = {
+        let rt = rt();
+        let c = rt
+            .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let t: String = rt
+            .block_on(c.query_one(
+                "SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')",
+                &[],
+            ))
+            .unwrap()
+            .get(0);
+        std::thread::sleep(Duration::from_millis(20));
+        t
+    };
     ok(&["release", "whole", "--database-url", &url]);
     let placed = wait_for(20, || {
         let r = check_json(&url);
@@ -181,6 +198,53 @@ fn reserve_release_pools_and_the_replay_check() {
     .expect("the queued reservation placed after the release");
     assert_eq!(placed["live"], 2);
     assert_eq!(placed["booked_devices"], 16);
+    // The pool as it was before the release: 16 GPUs booked; now 16 again
+    // but with `later` in place of `whole`; the stream of `whole` then and now.
+    let then = ok(&[
+        "replay",
+        "state",
+        "--pool",
+        "gpu",
+        "--at",
+        &before_release,
+        "--database-url",
+        &url,
+    ]);
+    assert!(then.contains("24 GPUs, 8 free, 16 booked"), "{then}");
+    assert!(
+        then.contains("later 8 x H100-80GB"),
+        "later was waiting then: {then}"
+    );
+    let stream = ok(&[
+        "replay",
+        "stream",
+        "reservation/whole",
+        "--database-url",
+        &url,
+    ]);
+    assert_eq!(stream.lines().count(), 2, "{stream}");
+    let stream = ok(&[
+        "replay",
+        "stream",
+        "reservation/whole",
+        "--at",
+        &before_release,
+        "--database-url",
+        &url,
+    ]);
+    assert_eq!(stream.lines().count(), 1, "{stream}");
+    assert!(stream.contains("ReservationRequested"));
+    let err = fails(&[
+        "replay",
+        "state",
+        "--pool",
+        "gpu",
+        "--at",
+        "yesterday",
+        "--database-url",
+        &url,
+    ]);
+    assert!(err.contains("a time such as"), "{err}");
     let err = fails(&["release", "nothing-here", "--database-url", &url]);
     assert!(err.contains("does not exist"), "{err}");
     p.kill().unwrap();
