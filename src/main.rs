@@ -469,6 +469,20 @@ pub enum ReplayCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Rebuild the pool index from history (tables, below the durable head), with progress
+    Run {
+        #[command(flatten)]
+        db: Db,
+        /// Stop after this position or time (RFC 3339); default: everything
+        #[arg(long)]
+        to: Option<String>,
+        /// Write the rebuilt index as an rkyv snapshot file
+        #[arg(long)]
+        snapshot_out: Option<PathBuf>,
+        /// Also build the index live, through a subscription, and compare the two
+        #[arg(long)]
+        compare_live: bool,
+    },
     /// Print a pool as it was at a time: nodes, free and booked GPUs by class, what waited
     State {
         #[command(flatten)]

@@ -234,6 +234,22 @@ fn reserve_release_pools_and_the_replay_check() {
     ]);
     assert_eq!(stream.lines().count(), 1, "{stream}");
     assert!(stream.contains("ReservationRequested"));
+    let snap = dir.path().join("index.snap");
+    let run = ok(&[
+        "replay",
+        "run",
+        "--database-url",
+        &url,
+        "--compare-live",
+        "--snapshot-out",
+        snap.to_str().unwrap(),
+    ]);
+    assert!(
+        run.contains("the live index equals the replayed one"),
+        "{run}"
+    );
+    let state = projections::snapshot::decode(&std::fs::read(&snap).unwrap()).unwrap();
+    assert!(state.pools.contains_key("gpu"));
     let err = fails(&[
         "replay",
         "state",
