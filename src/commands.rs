@@ -47,6 +47,18 @@ pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
                 .context("ensure partitions")?;
             println!("created {n} partition(s); {months_ahead} month(s) ahead are in place");
         }
+        PartitionsCmd::Export { db, month, out } => {
+            let client = connect(&db).await?;
+            let (bytes, rows) = projections::archive::export(&client, &month).await?;
+            let tmp = out.with_extension("tmp");
+            std::fs::write(&tmp, &bytes).with_context(|| format!("write {}", tmp.display()))?;
+            std::fs::rename(&tmp, &out).with_context(|| format!("write {}", out.display()))?;
+            println!(
+                "exported {rows} rows of {month} to {} ({} bytes)",
+                out.display(),
+                bytes.len()
+            );
+        }
         PartitionsCmd::Seal { db, month } => {
             let client = connect(&db).await?;
             let s = projections::seal::seal(&client, &month).await?;

@@ -482,6 +482,9 @@ pub enum ReplayCmd {
         /// Also build the index live, through a subscription, and compare the two
         #[arg(long)]
         compare_live: bool,
+        /// Replay from these partition archives (in order) instead of the database
+        #[arg(long, num_args = 1..)]
+        archive: Vec<PathBuf>,
     },
     /// Print a pool as it was at a time: nodes, free and booked GPUs by class, what waited
     State {
@@ -609,6 +612,15 @@ pub enum PartitionsCmd {
     List {
         #[command(flatten)]
         db: Db,
+    },
+    /// Export a month's rows as an rkyv archive with a checksum (replay it with `replay run --archive`)
+    Export {
+        #[command(flatten)]
+        db: Db,
+        /// The month, e.g. 2026-11
+        month: String,
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Seal a month: a hash chain over its rows in position order, stored for `strata audit verify`
     Seal {

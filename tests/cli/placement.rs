@@ -752,6 +752,44 @@ fn partitions_seal_and_audit_verify() {
     let err = fails(&["partitions", "seal", &month, "--database-url", &url]);
     assert!(err.contains("already sealed"), "{err}");
     assert!(ok(&["audit", "verify", &month, "--database-url", &url]).contains("intact: 20 rows"));
+    // An archive of the month replays to the same position; a damaged one is refused.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("m.archive");
+    let out = ok(&[
+        "partitions",
+        "export",
+        &month,
+        "--database-url",
+        &url,
+        "--out",
+        file.to_str().unwrap(),
+    ]);
+    assert!(out.contains("exported 20 rows"), "{out}");
+    let run = ok(&[
+        "replay",
+        "run",
+        "--database-url",
+        &url,
+        "--archive",
+        file.to_str().unwrap(),
+    ]);
+    assert!(
+        run.contains("from 20 archived events") && run.contains("position 20"),
+        "{run}"
+    );
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&file, bytes).unwrap();
+    let err = fails(&[
+        "replay",
+        "run",
+        "--database-url",
+        &url,
+        "--archive",
+        file.to_str().unwrap(),
+    ]);
+    assert!(err.contains("checksum"), "{err}");
     rt.block_on(client.execute(
         "UPDATE strata.events SET payload = '{\"i\": 99}' WHERE position = 7",
         &[],

@@ -1,0 +1,130 @@
+//! Partition archives: a month's rows as an rkyv archive with a checked
+//! header (magic, format, row count, payload length, checksum), written by
+//! `strata partitions export` and replayed by `strata replay run --archive`.
+
+use crate::seal::{partition_of, SealError};
+use events::{Event, Position};
+use std::time::{Duration, UNIX_EPOCH};
+use tokio_postgres::Client;
+
+const MAGIC: &[u8; 8] = b"STRATAPA";
+const FORMAT: u32 = 1;
+const HEADER: usize = 32;
+
+/// One event row as archived.
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Row {
+    pub position: u64,
+    pub stream: String,
+    pub version: u64,
+    pub event_type: String,
+    pub payload: String,
+    pub metadata: String,
+    /// Microseconds since the Unix epoch.
+    pub recorded_at_us: i64,
+    pub xid: u64,
+}
+
+impl Row {
+    pub fn to_event(&self) -> Event {
+        Event {
+            position: Position(self.position),
+            stream: self.stream.clone(),
+            version: self.version,
+            event_type: self.event_type.clone(),
+            payload: self.payload.clone(),
+            metadata: self.metadata.clone(),
+            recorded_at: UNIX_EPOCH + Duration::from_micros(self.recorded_at_us.max(0) as u64),
+            xid: self.xid,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ArchiveError {
+    #[error(transparent)]
+    Seal(#[from] SealError),
+    #[error("database: {0}")]
+    Database(#[from] tokio_postgres::Error),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("not a partition archive: {0}")]
+    Invalid(String),
+}
+
+fn checksum(bytes: &[u8]) -> [u8; 8] {
+    let d = ring::digest::digest(&ring::digest::SHA256, bytes);
+    d.as_ref()[..8].try_into().expect("8 bytes")
+}
+
+/// Reads a month's rows (position order) and encodes them.
+pub async fn export(client: &Client, month: &str) -> Result<(Vec<u8>, u64), ArchiveError> {
+    let partition = partition_of(month)?;
+    let sql = format!(
+        "SELECT position, stream, version, type, payload::text, metadata::text,
+                (extract(epoch FROM recorded_at) * 1000000)::bigint, xid::text::bigint
+           FROM strata.{partition} WHERE position > $1 ORDER BY position LIMIT 50000"
+    );
+    let mut rows: Vec<Row> = Vec::new();
+    let mut after = -1i64;
+    loop {
+        let page = client.query(&sql, &[&after]).await?;
+        if page.is_empty() {
+            break;
+        }
+        for r in &page {
+            after = r.get(0);
+            rows.push(Row {
+                position: r.get::<_, i64>(0) as u64,
+                stream: r.get(1),
+                version: r.get::<_, i64>(2) as u64,
+                event_type: r.get(3),
+                payload: r.get(4),
+                metadata: r.get(5),
+                recorded_at_us: r.get(6),
+                xid: r.get::<_, i64>(7) as u64,
+            });
+        }
+    }
+    let n = rows.len() as u64;
+    let payload = rkyv::to_bytes::<rkyv::rancor::Error>(&rows).expect("rows serialize");
+    let mut out = Vec::with_capacity(HEADER + payload.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&FORMAT.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&n.to_le_bytes());
+    out.extend_from_slice(&checksum(&payload));
+    out.extend_from_slice(&payload);
+    Ok((out, n))
+}
+
+/// Decodes an archive (validating header, checksum and structure).
+pub fn decode(bytes: &[u8]) -> Result<Vec<Row>, ArchiveError> {
+    if bytes.len() < HEADER || &bytes[..8] != MAGIC {
+        return Err(ArchiveError::Invalid("bad magic or short header".into()));
+    }
+    let format = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if format != FORMAT {
+        return Err(ArchiveError::Invalid(format!(
+            "format {format}, this build reads {FORMAT}"
+        )));
+    }
+    let n = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
+    let payload = &bytes[HEADER..];
+    if checksum(payload) != bytes[24..32] {
+        return Err(ArchiveError::Invalid(
+            "checksum mismatch (altered or truncated)".into(),
+        ));
+    }
+    let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(payload.len());
+    aligned.extend_from_slice(payload);
+    let rows = rkyv::from_bytes::<Vec<Row>, rkyv::rancor::Error>(&aligned)
+        .map_err(|e| ArchiveError::Invalid(format!("archive does not validate: {e}")))?;
+    if rows.len() as u64 != n {
+        return Err(ArchiveError::Invalid(format!(
+            "{} rows, header says {n}",
+            rows.len()
+        )));
+    }
+    Ok(rows)
+}
