@@ -53,11 +53,44 @@ pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
             let tmp = out.with_extension("tmp");
             std::fs::write(&tmp, &bytes).with_context(|| format!("write {}", tmp.display()))?;
             std::fs::rename(&tmp, &out).with_context(|| format!("write {}", out.display()))?;
+            projections::archive::record_export(&client, &month, &out, rows, &bytes).await?;
             println!(
                 "exported {rows} rows of {month} to {} ({} bytes)",
                 out.display(),
                 bytes.len()
             );
+        }
+        PartitionsCmd::Retire {
+            db,
+            older_than,
+            dry_run,
+        } => {
+            let months: u32 = older_than
+                .strip_suffix("mo")
+                .and_then(|m| m.parse().ok())
+                .filter(|m| *m >= 1)
+                .with_context(|| {
+                    format!("--older-than {older_than:?}: a number of months such as 13mo")
+                })?;
+            let client = connect(&db).await?;
+            let done = projections::archive::retire(&client, months, dry_run).await?;
+            let mut refused = 0;
+            for r in &done {
+                match &r.refused {
+                    None if dry_run => println!("{}: would be dropped", r.partition),
+                    None => println!("{}: detached and dropped", r.partition),
+                    Some(why) => {
+                        refused += 1;
+                        println!("{}: kept, {why}", r.partition);
+                    }
+                }
+            }
+            if done.is_empty() {
+                println!("no month is older than {months} months");
+            }
+            if refused > 0 {
+                return Ok(ExitCode::from(1));
+            }
         }
         PartitionsCmd::Seal { db, month } => {
             let client = connect(&db).await?;

@@ -622,6 +622,17 @@ pub enum PartitionsCmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Detach and drop months older than a bound, only those sealed and exported
+    Retire {
+        #[command(flatten)]
+        db: Db,
+        /// e.g. 13mo: months that ended more than 13 months ago
+        #[arg(long)]
+        older_than: String,
+        /// Only say what would be dropped or kept, and why
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Seal a month: a hash chain over its rows in position order, stored for `strata audit verify`
     Seal {
         #[command(flatten)]

@@ -128,3 +128,96 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Row>, ArchiveError> {
     }
     Ok(rows)
 }
+
+/// Records an export (after the file is safely written).
+pub async fn record_export(
+    client: &Client,
+    month: &str,
+    path: &std::path::Path,
+    rows: u64,
+    bytes: &[u8],
+) -> Result<(), ArchiveError> {
+    let partition = partition_of(month)?;
+    let sum: String = ring::digest::digest(&ring::digest::SHA256, bytes)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    client
+        .execute(
+            "INSERT INTO strata.partition_exports (partition, path, rows, checksum) VALUES ($1, $2, $3, $4)",
+            &[&partition, &path.display().to_string(), &(rows as i64), &sum],
+        )
+        .await?;
+    Ok(())
+}
+
+/// A month that retirement considered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retirement {
+    pub partition: String,
+    /// `None` when dropped; otherwise why it was kept.
+    pub refused: Option<String>,
+}
+
+/// Detaches and drops the monthly partitions that ended more than `months`
+/// months ago, each only if it is sealed and exported with the sealed row
+/// count (and still holds exactly those rows). With `dry_run`, only says.
+pub async fn retire(
+    client: &Client,
+    months: u32,
+    dry_run: bool,
+) -> Result<Vec<Retirement>, ArchiveError> {
+    let rows = client
+        .query(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+              WHERE i.inhparent = 'strata.events'::regclass
+                AND c.relname::text < 'events_' || to_char(date_trunc('month', now() AT TIME ZONE 'UTC') - make_interval(months => $1), 'YYYY_MM')
+              ORDER BY 1",
+            &[&(months as i32)],
+        )
+        .await?;
+    let mut out = Vec::new();
+    for r in rows {
+        let partition: String = r.get(0);
+        let sealed: Option<i64> = client
+            .query_opt(
+                "SELECT rows FROM strata.seals WHERE partition = $1",
+                &[&partition],
+            )
+            .await?
+            .map(|r| r.get(0));
+        let exported: Option<i64> = client
+            .query_opt(
+                "SELECT rows FROM strata.partition_exports WHERE partition = $1 ORDER BY exported_at DESC LIMIT 1",
+                &[&partition],
+            )
+            .await?
+            .map(|r| r.get(0));
+        let now_rows: i64 = client
+            .query_one(&format!("SELECT count(*) FROM strata.{partition}"), &[])
+            .await?
+            .get(0);
+        let refused = match (sealed, exported) {
+            (None, _) => Some("not sealed (strata partitions seal)".to_string()),
+            (_, None) => Some("not exported (strata partitions export)".to_string()),
+            (Some(s), Some(e)) if s != e => {
+                Some(format!("sealed with {s} rows but exported with {e}"))
+            }
+            (Some(s), _) if s != now_rows => Some(format!(
+                "sealed with {s} rows but holds {now_rows} now (strata audit verify)"
+            )),
+            _ => None,
+        };
+        if refused.is_none() && !dry_run {
+            client
+                .batch_execute(&format!(
+                    "ALTER TABLE strata.events DETACH PARTITION strata.{partition}; DROP TABLE strata.{partition};"
+                ))
+                .await?;
+        }
+        out.push(Retirement { partition, refused });
+    }
+    Ok(out)
+}

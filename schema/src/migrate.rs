@@ -48,6 +48,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "seals",
         sql: include_str!("../migrations/0006_seals.sql"),
     },
+    Migration {
+        version: 7,
+        name: "exports",
+        sql: include_str!("../migrations/0007_exports.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

@@ -801,3 +801,75 @@ fn partitions_seal_and_audit_verify() {
     let err = fails(&["audit", "verify", "2026-13", "--database-url", &url]);
     assert!(err.contains("YYYY-MM"), "{err}");
 }
+
+#[test]
+fn partitions_retire_only_sealed_and_exported_months() {
+    let url = database();
+    let rt = rt();
+    let client = rt
+        .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+        .unwrap();
+    // An old month with one row in it.
+    rt.block_on(client.batch_execute(
+        "SELECT strata.ensure_partition('2024-01-15T00:00:00Z');
+         INSERT INTO strata.events (position, stream, version, type, payload, metadata, recorded_at, xid)
+         VALUES (1, 'old/x', 1, 't', '{}', '{}', '2024-01-15T00:00:00Z', pg_current_xact_id());",
+    ))
+    .unwrap();
+    let retire = |extra: &[&str]| {
+        let mut args = vec![
+            "partitions",
+            "retire",
+            "--database-url",
+            &url,
+            "--older-than",
+            "13mo",
+        ];
+        args.extend_from_slice(extra);
+        strata(&args)
+    };
+    let out = retire(&[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("events_2024_01: kept, not sealed"));
+    ok(&["partitions", "seal", "2024-01", "--database-url", &url]);
+    let out = retire(&[]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("kept, not exported"));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("2024-01.archive");
+    ok(&[
+        "partitions",
+        "export",
+        "2024-01",
+        "--database-url",
+        &url,
+        "--out",
+        file.to_str().unwrap(),
+    ]);
+    let out = retire(&["--dry-run"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("events_2024_01: would be dropped"));
+    assert!(ok(&["partitions", "list", "--database-url", &url]).contains("events_2024_01"));
+    let out = retire(&[]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("events_2024_01: detached and dropped"));
+    assert!(!ok(&["partitions", "list", "--database-url", &url]).contains("events_2024_01"));
+    // The archive still replays what was dropped.
+    let run = ok(&[
+        "replay",
+        "run",
+        "--database-url",
+        &url,
+        "--archive",
+        file.to_str().unwrap(),
+    ]);
+    assert!(run.contains("from 1 archived events"), "{run}");
+    let err = fails(&[
+        "partitions",
+        "retire",
+        "--database-url",
+        &url,
+        "--older-than",
+        "13",
+    ]);
+    assert!(err.contains("13mo"), "{err}");
+}
