@@ -140,12 +140,7 @@ pub async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
             if !args.is_object() {
                 bail!("--args must be a JSON object");
             }
-            let id = id.unwrap_or_else(|| {
-                let ms = SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis());
-                format!("c-{ms:x}-{:06x}", fastrand::u32(..1 << 24))
-            });
+            let id = id.unwrap_or_else(|| projections::domain::new_id("c"));
             let deadline_ms = (SystemTime::now() + deadline)
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64);

@@ -148,15 +148,7 @@ impl GatewayProcess {
 
     /// CPU seconds used so far (user + system).
     fn cpu_s(&self) -> f64 {
-        std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
-            .ok()
-            .and_then(|s| {
-                let after = s.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
-                let u: f64 = after.get(11)?.parse().ok()?;
-                let k: f64 = after.get(12)?.parse().ok()?;
-                Some((u + k) / 100.0)
-            })
-            .unwrap_or(0.0)
+        util::cpu_seconds(self.pid)
     }
 
     async fn stop(mut self) {

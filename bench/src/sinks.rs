@@ -110,16 +110,6 @@ async fn receiver(rx: Arc<Received>) -> Result<String> {
     Ok(url)
 }
 
-fn cpu_s(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            let f: Vec<&str> = s.rsplit_once(')')?.1.split_whitespace().collect();
-            Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / 100.0)
-        })
-        .unwrap_or(0.0)
-}
-
 struct Phase {
     delivered_per_s: f64,
     p50: f64,
@@ -175,7 +165,7 @@ async fn phase(
         .iter()
         .map(|r| r.count.load(Ordering::Relaxed))
         .collect();
-    let cpu0 = cpu_s(pid);
+    let cpu0 = util::cpu_seconds(pid);
     let t0 = Instant::now();
     let committed = offer(appender, rate, secs).await?;
     let n = committed.len() as u64;
@@ -203,7 +193,7 @@ async fn phase(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let wall = t0.elapsed().as_secs_f64();
-    let cpu = cpu_s(pid) - cpu0;
+    let cpu = util::cpu_seconds(pid) - cpu0;
     let wal_bytes: i64 = client
         .query_one(
             "SELECT coalesce(max(pg_current_wal_lsn() - restart_lsn), 0)::bigint FROM pg_replication_slots WHERE slot_name = 'bench_sinks_server'",

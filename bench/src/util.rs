@@ -100,3 +100,17 @@ pub fn round(v: f64, digits: i32) -> f64 {
     let f = 10f64.powi(digits);
     (v * f).round() / f
 }
+
+/// CPU seconds (user + system) a process has used so far.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            // Fields after the command name, which may contain spaces.
+            let f: Vec<&str> = s.rsplit_once(')')?.1.split_whitespace().collect();
+            let user: f64 = f.get(11)?.parse().ok()?;
+            let system: f64 = f.get(12)?.parse().ok()?;
+            Some((user + system) / 100.0)
+        })
+        .unwrap_or(0.0)
+}

@@ -10,7 +10,7 @@ use crate::ca;
 use crate::server::{Shared, Waited};
 use events::{AppendError, ExpectedVersion};
 use projections::commands::{self, Command};
-use projections::domain::{pool_stream, reservation_stream};
+use projections::domain::reservation_stream;
 use projections::{Fact, Index, Request as PRequest, Shape};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -37,13 +37,6 @@ fn append_status(e: AppendError) -> Status {
         AppendError::TooLarge { .. } => Status::invalid_argument(e.to_string()),
         e => Status::unavailable(e.to_string()),
     }
-}
-
-fn new_id(prefix: &str) -> String {
-    let ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
-    format!("{prefix}-{ms:x}-{:06x}", fastrand::u32(..1 << 24))
 }
 
 fn status_of(t: &commands::Tracked) -> CommandStatus {
@@ -258,7 +251,11 @@ impl api_server::Api for ApiService {
             };
             (shape, r.gpus)
         };
-        let id = if r.id.is_empty() { new_id("r") } else { r.id };
+        let id = if r.id.is_empty() {
+            projections::domain::new_id("r")
+        } else {
+            r.id
+        };
         let request = PRequest {
             reservation: id.clone(),
             pool: r.pool.clone(),
@@ -270,14 +267,9 @@ impl api_server::Api for ApiService {
         };
         request.validate().map_err(Status::invalid_argument)?;
         let client = self.db().await?;
-        let exists = client
-            .query_opt(
-                "SELECT 1 FROM strata.events WHERE stream = $1 AND version = 1 AND type = 'PoolCreated'",
-                &[&pool_stream(&r.pool)],
-            )
+        let exists = projections::domain::pool_exists(&client, &r.pool)
             .await
-            .map_err(|e| Status::unavailable(e.to_string()))?
-            .is_some();
+            .map_err(|e| Status::unavailable(e.to_string()))?;
         if !exists {
             return Err(Status::not_found(format!(
                 "pool {:?} does not exist",
@@ -450,7 +442,11 @@ impl api_server::Api for ApiService {
             serde_json::from_str(&r.args_json)
                 .map_err(|e| Status::invalid_argument(format!("args_json: {e}")))?
         };
-        let id = if r.id.is_empty() { new_id("c") } else { r.id };
+        let id = if r.id.is_empty() {
+            projections::domain::new_id("c")
+        } else {
+            r.id
+        };
         let deadline = if r.deadline_ms == 0 {
             300_000
         } else {

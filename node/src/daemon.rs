@@ -47,6 +47,16 @@ pub struct DaemonConfig {
 }
 
 impl DaemonConfig {
+    /// Full jitter after the `n`th failure in a row: uniform in
+    /// `[0, min(cap, base * 2^n))`.
+    fn backoff(&self, n: u32) -> Duration {
+        let ceiling = self
+            .backoff_base
+            .saturating_mul(1u32 << n.min(16))
+            .min(self.backoff_cap);
+        ceiling.mul_f64(fastrand::f64())
+    }
+
     pub fn new(
         gateways: Vec<String>,
         data_dir: impl Into<PathBuf>,
@@ -304,13 +314,9 @@ pub async fn run(
             Ok(c) => break c,
             Err(DaemonError::Unreachable(why)) => {
                 tries = tries.saturating_add(1);
-                let ceiling = config
-                    .backoff_base
-                    .saturating_mul(1u32 << tries.min(16))
-                    .min(config.backoff_cap);
                 tracing::info!(node = %config.node_id, reason = %why, "cannot join yet; retrying");
                 tokio::select! {
-                    _ = tokio::time::sleep(ceiling.mul_f64(fastrand::f64())) => {}
+                    _ = tokio::time::sleep(config.backoff(tries)) => {}
                     _ = shutdown.changed() => return Ok(()),
                 }
             }
@@ -380,11 +386,7 @@ pub async fn run(
             End::Lost(why) => {
                 failures = failures.saturating_add(1);
                 // Full jitter: uniform in [0, min(cap, base * 2^failures)).
-                let ceiling = config
-                    .backoff_base
-                    .saturating_mul(1u32 << failures.min(16))
-                    .min(config.backoff_cap);
-                let d = ceiling.mul_f64(fastrand::f64());
+                let d = config.backoff(failures);
                 tracing::info!(node = %config.node_id, reason = %why, wait_ms = d.as_millis() as u64, "session lost; reconnecting");
                 d
             }

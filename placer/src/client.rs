@@ -28,21 +28,12 @@ pub enum ClientError {
 
 /// A fresh reservation id: time-ordered, with a random tail.
 pub fn new_id() -> String {
-    let ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
-    format!("r-{ms:x}-{:06x}", fastrand::u32(..1 << 24))
+    projections::domain::new_id("r")
 }
 
 /// Whether a pool has been created.
 pub async fn pool_exists(client: &Client, pool: &str) -> Result<bool, ClientError> {
-    let row = client
-        .query_opt(
-            "SELECT 1 FROM strata.events WHERE stream = $1 AND version = 1 AND type = 'PoolCreated'",
-            &[&pool_stream(pool)],
-        )
-        .await?;
-    Ok(row.is_some())
+    Ok(projections::domain::pool_exists(client, pool).await?)
 }
 
 /// Requests a reservation. It is durable when this returns; a placer holding

@@ -154,6 +154,29 @@ impl Request {
     }
 }
 
+/// A fresh id: `prefix`, the time in milliseconds (hex, so ids sort by
+/// time) and a random tail.
+pub fn new_id(prefix: &str) -> String {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    format!("{prefix}-{ms:x}-{:06x}", fastrand::u32(..1 << 24))
+}
+
+/// Whether a pool has been created.
+pub async fn pool_exists(
+    client: &tokio_postgres::Client,
+    pool: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    Ok(client
+        .query_opt(
+            "SELECT 1 FROM strata.events WHERE stream = $1 AND version = 1 AND type = 'PoolCreated'",
+            &[&pool_stream(pool)],
+        )
+        .await?
+        .is_some())
+}
+
 /// Checks a name used in a stream name or an index key.
 pub fn valid_name(what: &str, name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > 200 {

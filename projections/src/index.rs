@@ -63,6 +63,19 @@ impl Node {
             && self.conditions.is_empty()
     }
 
+    /// The condition list of a device, or of the node itself when `device`
+    /// is `None`; `None` for a device the node does not have.
+    fn conditions_mut(&mut self, device: Option<&str>) -> Option<&mut Vec<String>> {
+        match device {
+            None => Some(&mut self.conditions),
+            Some(id) => self
+                .devices
+                .iter_mut()
+                .find(|d| d.spec.id == id)
+                .map(|d| &mut d.conditions),
+        }
+    }
+
     pub fn device(&self, id: &str) -> Option<(usize, &Device)> {
         self.devices
             .iter()
@@ -800,14 +813,7 @@ impl Index {
                 ..
             } => {
                 self.with_node(&pool, &node, |n| {
-                    let list = match &device {
-                        None => Some(&mut n.conditions),
-                        Some(id) => n
-                            .devices
-                            .iter_mut()
-                            .find(|d| &d.spec.id == id)
-                            .map(|d| &mut d.conditions),
-                    };
+                    let list = n.conditions_mut(device.as_deref());
                     if let Some(list) = list {
                         if !list.contains(&condition) {
                             list.push(condition);
@@ -821,14 +827,7 @@ impl Index {
                 condition,
             } => {
                 self.with_node(&pool, &node, |n| {
-                    let list = match &device {
-                        None => Some(&mut n.conditions),
-                        Some(id) => n
-                            .devices
-                            .iter_mut()
-                            .find(|d| &d.spec.id == id)
-                            .map(|d| &mut d.conditions),
-                    };
+                    let list = n.conditions_mut(device.as_deref());
                     if let Some(list) = list {
                         list.retain(|c| c != &condition);
                     }
