@@ -142,6 +142,28 @@ impl ReplicationConnection {
         config: &Config,
         application_name: &str,
     ) -> Result<Self, ReplicationError> {
+        Self::connect_mode(config, application_name, Some("database"), None).await
+    }
+
+    /// Connects to the first host of `config` as a plain session (no
+    /// replication), with `options` as the startup `options` parameter
+    /// (`-c name=value ...`). For callers that speak the extended query
+    /// protocol themselves with [`Self::write_buf`], [`Self::flush`] and
+    /// [`Self::next_message`].
+    pub async fn connect_session(
+        config: &Config,
+        application_name: &str,
+        options: Option<&str>,
+    ) -> Result<Self, ReplicationError> {
+        Self::connect_mode(config, application_name, None, options).await
+    }
+
+    async fn connect_mode(
+        config: &Config,
+        application_name: &str,
+        replication: Option<&str>,
+        options: Option<&str>,
+    ) -> Result<Self, ReplicationError> {
         let host = config.get_hosts().first().cloned().ok_or_else(|| {
             ReplicationError::Unsupported("the database URL names no host".into())
         })?;
@@ -179,7 +201,8 @@ impl ReplicationConnection {
             rbuf: BytesMut::with_capacity(64 * 1024),
             wbuf: BytesMut::with_capacity(1024),
         };
-        conn.startup(config, application_name).await?;
+        conn.startup(config, application_name, replication, options)
+            .await?;
         Ok(conn)
     }
 
@@ -187,19 +210,26 @@ impl ReplicationConnection {
         &mut self,
         config: &Config,
         application_name: &str,
+        replication: Option<&str>,
+        options: Option<&str>,
     ) -> Result<(), ReplicationError> {
         let user = config
             .get_user()
             .ok_or_else(|| ReplicationError::Unsupported("the database URL names no user".into()))?
             .to_string();
         let dbname = config.get_dbname().unwrap_or(&user).to_string();
-        let params = [
+        let mut params = vec![
             ("user", user.as_str()),
             ("database", dbname.as_str()),
-            ("replication", "database"),
             ("application_name", application_name),
             ("client_encoding", "UTF8"),
         ];
+        if let Some(r) = replication {
+            params.push(("replication", r));
+        }
+        if let Some(o) = options {
+            params.push(("options", o));
+        }
         frontend::startup_message(params.iter().copied(), &mut self.wbuf)
             .map_err(io("encode startup"))?;
         self.flush().await?;
@@ -296,7 +326,25 @@ impl ReplicationConnection {
         }
     }
 
-    async fn flush(&mut self) -> Result<(), ReplicationError> {
+    /// The buffer of frontend messages not yet sent; [`Self::flush`] sends it.
+    pub fn write_buf(&mut self) -> &mut BytesMut {
+        &mut self.wbuf
+    }
+
+    /// The next backend message, or `None` for a COPY data frame (skipped).
+    pub async fn next_message(&mut self) -> Result<Option<Message>, ReplicationError> {
+        let (tag, total) = self.fill_frame("read from postgres").await?;
+        if matches!(tag, b'W' | b'd' | b'c') {
+            self.rbuf.advance(total);
+            return Ok(None);
+        }
+        Message::parse(&mut self.rbuf)
+            .map_err(|e| ReplicationError::Protocol(e.to_string()))?
+            .map(Some)
+            .ok_or_else(|| ReplicationError::Protocol("incomplete message".into()))
+    }
+
+    pub async fn flush(&mut self) -> Result<(), ReplicationError> {
         self.stream
             .write_all(&self.wbuf)
             .await

@@ -18,6 +18,8 @@ pub const CA_CERT: &str = "ca.pem";
 pub const CA_KEY: &str = "ca.key";
 const NODE_URI_PREFIX: &str = "urn:strata:node:";
 const OPERATOR_URI_PREFIX: &str = "urn:strata:operator:";
+/// Auditors of the audit endpoint.
+const AUDITOR_URI_PREFIX: &str = "urn:strata:auditor:";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaError {
@@ -217,6 +219,16 @@ impl Ca {
         Ok((cert.pem(), key.serialize_pem()))
     }
 
+    /// A certificate and key for an auditor of the audit endpoint
+    /// (`urn:strata:auditor:<name>`).
+    pub fn issue_auditor(&self, name: &str, days: i64) -> Result<(String, String), CaError> {
+        let key = KeyPair::generate()?;
+        let mut params = client_params(name, AUDITOR_URI_PREFIX, "auditor name", days)?;
+        params.serial_number = Some(serial());
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok((cert.pem(), key.serialize_pem()))
+    }
+
     /// A client certificate for an operator or a test, signed by this CA
     /// (not recorded anywhere: gateways refuse it for sessions).
     pub fn client_identity(&self, node: &str) -> Result<(String, String), CaError> {
@@ -235,12 +247,19 @@ pub struct NodeIdentity {
 
 /// The operator a client certificate names, if it is an operator's.
 pub fn operator_identity(der: &[u8]) -> Option<String> {
+    uri_identity(der, OPERATOR_URI_PREFIX)
+}
+
+/// The auditor a client certificate names, if it is an auditor's.
+pub fn auditor_identity(der: &[u8]) -> Option<String> {
+    uri_identity(der, AUDITOR_URI_PREFIX)
+}
+
+fn uri_identity(der: &[u8], prefix: &str) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
     let san = cert.subject_alternative_name().ok()??;
     san.value.general_names.iter().find_map(|n| match n {
-        x509_parser::extensions::GeneralName::URI(u) => {
-            u.strip_prefix(OPERATOR_URI_PREFIX).map(str::to_string)
-        }
+        x509_parser::extensions::GeneralName::URI(u) => u.strip_prefix(prefix).map(str::to_string),
         _ => None,
     })
 }

@@ -53,6 +53,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "exports",
         sql: include_str!("../migrations/0007_exports.sql"),
     },
+    Migration {
+        version: 8,
+        name: "audit",
+        sql: include_str!("../migrations/0008_audit.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

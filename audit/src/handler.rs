@@ -1,0 +1,677 @@
+//! pgwire's side: start-up and authentication, then simple and extended
+//! queries, each recorded as an `audit.query` event before it runs.
+
+use crate::accounts;
+use crate::backend::{Backend, BackendError, Column, Outcome, TxChange};
+use crate::split;
+use crate::{AuditConfig, AuditError};
+use async_trait::async_trait;
+use events::{Appender, ExpectedVersion, NewEvent};
+use futures_util::Sink;
+use pgwire::api::auth::driver::AuthOutcome;
+use pgwire::api::auth::mechanism::AuthMechanismFactory;
+use pgwire::api::auth::sasl::scram::{ScramAuth, ScramSecret};
+use pgwire::api::auth::{
+    protocol_negotiation, save_startup_parameters_to_metadata, AuthDriver, AuthSource,
+    DefaultServerParameterProvider, LoginInfo, Password, StartupHandler,
+};
+use pgwire::api::portal::{Format, Portal};
+use pgwire::api::query::{ExtendedQueryHandler, SimpleQueryHandler};
+use pgwire::api::results::{FieldFormat, FieldInfo, QueryResponse, Response, Tag};
+use pgwire::api::stmt::QueryParser;
+use pgwire::api::{ClientInfo, ClientPortalStore, PgWireServerHandlers, METADATA_USER};
+use pgwire::error::{ErrorInfo, PgWireError, PgWireResult};
+use pgwire::messages::data::DataRow;
+use pgwire::messages::{PgWireBackendMessage, PgWireFrontendMessage};
+use std::fmt::Debug;
+use std::sync::Arc;
+use tokio::sync::Mutex;
+use tokio_postgres::types::{Kind, Type};
+
+/// Longest statement text accepted (it is recorded whole).
+pub const MAX_SQL_BYTES: usize = 256 << 10;
+
+/// What every connection shares.
+pub struct Shared {
+    database: tokio_postgres::Config,
+    accounts_db: Mutex<Option<tokio_postgres::Client>>,
+    backend: tokio_postgres::Config,
+    backend_options: String,
+    max_result_bytes: usize,
+    appender: Appender,
+    server_version: String,
+    tls: bool,
+}
+
+impl Shared {
+    pub async fn new(
+        config: &AuditConfig,
+        appender: Appender,
+        tls: bool,
+    ) -> Result<Arc<Shared>, AuditError> {
+        let shared = Shared {
+            database: config.database.clone(),
+            accounts_db: Mutex::new(None),
+            backend: config.backend.clone(),
+            backend_options: format!(
+                "-c default_transaction_read_only=on -c statement_timeout={} -c search_path=audit,strata,pg_catalog -c TimeZone=UTC -c DateStyle=ISO,MDY -c IntervalStyle=postgres",
+                config.statement_timeout.as_millis().max(1)
+            ),
+            max_result_bytes: config.max_result_bytes,
+            appender,
+            server_version: String::new(),
+            tls,
+        };
+        {
+            let guard = shared.accounts().await.map_err(|e| {
+                AuditError::Setup(crate::setup::SetupError::Db {
+                    role: config.role.clone(),
+                    source: e,
+                })
+            })?;
+            let db = guard.as_ref().expect("connected above");
+            crate::setup::ensure_role(db, &config.role, config.statement_timeout).await?;
+        }
+        // The audit role can log in and is as read-only as it should be.
+        let mut probe = shared.open_backend().await?;
+        let version = probe
+            .execute("SHOW server_version", &[], &[], &[], &[])
+            .await?;
+        let server_version = match version.0 {
+            Outcome::Rows { rows, .. } => rows
+                .first()
+                .and_then(|r| r.get(4..))
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default(),
+            _ => String::new(),
+        };
+        Ok(Arc::new(Shared {
+            server_version,
+            ..shared
+        }))
+    }
+
+    async fn open_backend(&self) -> Result<Backend, BackendError> {
+        Backend::connect(&self.backend, &self.backend_options, self.max_result_bytes).await
+    }
+
+    /// The connection for account lookups, made again after a failure.
+    async fn accounts(
+        &self,
+    ) -> Result<tokio::sync::MutexGuard<'_, Option<tokio_postgres::Client>>, tokio_postgres::Error>
+    {
+        let mut guard = self.accounts_db.lock().await;
+        if guard.as_ref().is_none_or(|c| c.is_closed()) {
+            let (client, conn) = self.database.connect(tokio_postgres::NoTls).await?;
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            *guard = Some(client);
+        }
+        Ok(guard)
+    }
+
+    async fn lookup(&self, name: &str) -> PgWireResult<Option<Option<accounts::Verifier>>> {
+        if accounts::check_name(name).is_err() {
+            return Ok(None);
+        }
+        let guard = self.accounts().await.map_err(api)?;
+        let db = guard
+            .as_ref()
+            .ok_or_else(|| api("no accounts connection"))?;
+        accounts::active(db, name).await.map_err(api)
+    }
+}
+
+/// One authenticated auditor's connection.
+pub struct Session {
+    auditor: String,
+    auth: &'static str,
+    client: String,
+    id: String,
+    backend: Mutex<Backend>,
+}
+
+fn api(e: impl ToString) -> PgWireError {
+    PgWireError::ApiError(e.to_string().into())
+}
+
+fn user_error(severity: &str, code: &str, message: String) -> PgWireError {
+    PgWireError::UserError(Box::new(ErrorInfo::new(
+        severity.into(),
+        code.into(),
+        message,
+    )))
+}
+
+fn session<C: ClientInfo>(client: &C) -> PgWireResult<Arc<Session>> {
+    client
+        .session_extensions()
+        .get::<Session>()
+        .ok_or_else(|| api("the connection has no audit session"))
+}
+
+#[derive(Debug)]
+struct AccountSource {
+    shared: Arc<Shared>,
+}
+
+impl Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl AuthSource for AccountSource {
+    async fn get_password(&self, login: &LoginInfo) -> PgWireResult<Password> {
+        Err(PgWireError::InvalidPassword(
+            login.user().unwrap_or_default().to_owned(),
+        ))
+    }
+
+    async fn get_scram_secret(&self, login: &LoginInfo) -> PgWireResult<(ScramSecret, Option<()>)> {
+        let user = login.user().unwrap_or_default();
+        match self.shared.lookup(user).await? {
+            Some(Some(v)) => Ok((v.secret(), None)),
+            // Unknown, revoked or certificate-only: a verifier nothing matches,
+            // so the answer looks like a wrong password.
+            _ => Ok((random_verifier()?, None)),
+        }
+    }
+}
+
+fn random_verifier() -> PgWireResult<ScramSecret> {
+    use ring::rand::SecureRandom;
+    let rng = ring::rand::SystemRandom::new();
+    let mut buf = [0u8; 80];
+    rng.fill(&mut buf).map_err(|_| api("no randomness"))?;
+    Ok(ScramSecret::Verifier {
+        salt: buf[..16].to_vec(),
+        iterations: accounts::ITERATIONS,
+        stored_key: buf[16..48].to_vec(),
+        server_key: buf[48..80].to_vec(),
+    })
+}
+
+pub struct Startup {
+    driver: AuthDriver<DefaultServerParameterProvider>,
+    scram: Arc<dyn AuthMechanismFactory>,
+    shared: Arc<Shared>,
+}
+
+impl Startup {
+    /// Connects the auditor's session as the audit role.
+    async fn open<C: ClientInfo>(
+        &self,
+        client: &C,
+        user: &str,
+        auth: &'static str,
+    ) -> PgWireResult<()> {
+        let backend = self.shared.open_backend().await.map_err(|e| {
+            user_error(
+                "FATAL",
+                "08006",
+                format!("the audit endpoint cannot reach the database: {e}"),
+            )
+        })?;
+        let id = format!(
+            "{:016x}",
+            (fastrand_u64() ^ client.socket_addr().port() as u64)
+        );
+        client.session_extensions().insert(Session {
+            auditor: user.to_string(),
+            auth,
+            client: client.socket_addr().to_string(),
+            id,
+            backend: Mutex::new(backend),
+        });
+        tracing::info!(auditor = user, auth, client = %client.socket_addr(), "auditor connected");
+        Ok(())
+    }
+}
+
+fn fastrand_u64() -> u64 {
+    use ring::rand::SecureRandom;
+    let mut b = [0u8; 8];
+    let _ = ring::rand::SystemRandom::new().fill(&mut b);
+    u64::from_le_bytes(b)
+}
+
+#[async_trait]
+impl StartupHandler for Startup {
+    async fn on_startup<C>(
+        &self,
+        client: &mut C,
+        message: PgWireFrontendMessage,
+    ) -> PgWireResult<()>
+    where
+        C: ClientInfo + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C::Error: Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        match message {
+            PgWireFrontendMessage::Startup(ref startup) => {
+                protocol_negotiation(client, startup).await?;
+                save_startup_parameters_to_metadata(client, startup);
+                let user = client
+                    .metadata()
+                    .get(METADATA_USER)
+                    .cloned()
+                    .ok_or(PgWireError::UserNameRequired)?;
+                let cert = client
+                    .client_certificates()
+                    .and_then(|c| c.first().map(|c| c.as_ref().to_vec()));
+                if let Some(der) = cert {
+                    // The TLS layer already checked that it chains to the CA.
+                    match gateway::ca::auditor_identity(&der) {
+                        Some(named) if named == user => {
+                            if self.shared.lookup(&user).await?.is_none() {
+                                return Err(user_error(
+                                    "FATAL",
+                                    "28000",
+                                    format!("auditor {user:?} is not registered or was revoked"),
+                                ));
+                            }
+                            self.open(client, &user, "certificate").await?;
+                            self.driver.complete_authentication(client, None).await?;
+                        }
+                        Some(named) => {
+                            return Err(user_error(
+                                "FATAL",
+                                "28000",
+                                format!(
+                                    "the client certificate names auditor {named:?}, not {user:?}"
+                                ),
+                            ))
+                        }
+                        None => {
+                            return Err(user_error(
+                                "FATAL",
+                                "28000",
+                                "the client certificate is not an auditor's".into(),
+                            ))
+                        }
+                    }
+                } else {
+                    self.driver
+                        .begin_authentication(client, self.scram.create())
+                        .await?;
+                }
+            }
+            PgWireFrontendMessage::PasswordMessageFamily(message) => {
+                if let AuthOutcome::Authenticated { final_message, .. } =
+                    self.driver.advance_authentication(client, message).await?
+                {
+                    let user = client
+                        .metadata()
+                        .get(METADATA_USER)
+                        .cloned()
+                        .ok_or(PgWireError::UserNameRequired)?;
+                    self.open(client, &user, "scram").await?;
+                    self.driver
+                        .complete_authentication(client, final_message)
+                        .await?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// A statement as Postgres described it at Parse.
+#[derive(Debug, Clone)]
+pub struct Statement {
+    sql: String,
+    params: Vec<u32>,
+    columns: Vec<Column>,
+}
+
+pub struct Parser;
+
+#[async_trait]
+impl QueryParser for Parser {
+    type Statement = Statement;
+
+    async fn parse_sql<C>(
+        &self,
+        client: &C,
+        sql: &str,
+        types: &[Option<Type>],
+    ) -> PgWireResult<Option<Statement>>
+    where
+        C: ClientInfo + Unpin + Send + Sync,
+    {
+        if sql.len() > MAX_SQL_BYTES {
+            return Err(too_long(sql.len()));
+        }
+        let session = session(client)?;
+        let oids: Vec<u32> = types
+            .iter()
+            .map(|t| t.as_ref().map(|t| t.oid()).unwrap_or(0))
+            .collect();
+        let described = session
+            .backend
+            .lock()
+            .await
+            .describe(sql, &oids)
+            .await
+            .map_err(|e| broken(&e))?;
+        match described {
+            Ok(d) => Ok(Some(Statement {
+                sql: sql.to_string(),
+                params: d.params,
+                columns: d.columns,
+            })),
+            Err(e) => Err(PgWireError::UserError(e)),
+        }
+    }
+
+    fn get_parameter_types(&self, stmt: &Statement) -> PgWireResult<Vec<Type>> {
+        Ok(stmt.params.iter().map(|o| type_of(*o)).collect())
+    }
+
+    fn get_result_schema(
+        &self,
+        stmt: &Statement,
+        format: Option<&Format>,
+    ) -> PgWireResult<Vec<FieldInfo>> {
+        Ok(fields(&stmt.columns, format))
+    }
+}
+
+fn too_long(n: usize) -> PgWireError {
+    user_error(
+        "ERROR",
+        "54000",
+        format!(
+            "statement of {n} bytes is longer than the audit endpoint's limit of {} KiB",
+            MAX_SQL_BYTES >> 10
+        ),
+    )
+}
+
+fn broken(e: &BackendError) -> PgWireError {
+    user_error(
+        "FATAL",
+        "08006",
+        format!("the audit session lost its database connection: {e}"),
+    )
+}
+
+fn type_of(oid: u32) -> Type {
+    Type::from_oid(oid)
+        .unwrap_or_else(|| Type::new(format!("oid_{oid}"), oid, Kind::Simple, "pg_catalog".into()))
+}
+
+fn format_at(f: &Format, i: usize) -> FieldFormat {
+    match f {
+        Format::UnifiedText => FieldFormat::Text,
+        Format::UnifiedBinary => FieldFormat::Binary,
+        Format::Individual(v) => match v.len() {
+            1 => FieldFormat::from(v[0]),
+            _ => v
+                .get(i)
+                .map(|c| FieldFormat::from(*c))
+                .unwrap_or(FieldFormat::Text),
+        },
+    }
+}
+
+fn codes(f: &Format) -> Vec<i16> {
+    match f {
+        Format::UnifiedText => vec![],
+        Format::UnifiedBinary => vec![1],
+        Format::Individual(v) => v.clone(),
+    }
+}
+
+fn fields(columns: &[Column], format: Option<&Format>) -> Vec<FieldInfo> {
+    columns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            FieldInfo::new(
+                c.name.clone(),
+                (c.table_oid != 0).then_some(c.table_oid as i32),
+                (c.column_id != 0).then_some(c.column_id),
+                type_of(c.type_oid),
+                format.map(|f| format_at(f, i)).unwrap_or(FieldFormat::Text),
+            )
+            .with_type_size(c.type_size)
+            .with_type_modifier(c.type_modifier)
+        })
+        .collect()
+}
+
+fn response(outcome: Outcome, change: TxChange, format: &Format) -> Response {
+    match outcome {
+        Outcome::Rows { columns, rows, tag } => {
+            let schema = Arc::new(fields(&columns, Some(format)));
+            let n = columns.len() as i16;
+            let rows = rows.into_iter().map(move |data| Ok(DataRow::new(data, n)));
+            let mut q = QueryResponse::new(schema, futures_util::stream::iter(rows));
+            // pgwire appends the row count it sent.
+            let word = tag.split(' ').next().unwrap_or("SELECT").to_string();
+            q.set_command_tag(&word);
+            Response::Query(q)
+        }
+        Outcome::Command { tag } => match change {
+            TxChange::Started => Response::TransactionStart(Tag::new(&tag)),
+            TxChange::Ended => Response::TransactionEnd(Tag::new(&tag)),
+            TxChange::None => Response::Execution(Tag::new(&tag)),
+        },
+        Outcome::Empty => Response::EmptyQuery,
+        Outcome::Error(e) => Response::Error(e),
+    }
+}
+
+pub struct Queries {
+    shared: Arc<Shared>,
+    parser: Arc<Parser>,
+}
+
+impl Queries {
+    /// Records the statement; it runs only if that succeeded.
+    async fn record(
+        &self,
+        s: &Session,
+        protocol: &str,
+        sql: &str,
+        parameters: serde_json::Value,
+    ) -> Result<(), Box<ErrorInfo>> {
+        let payload = serde_json::json!({
+            "auditor": s.auditor,
+            "auth": s.auth,
+            "client": s.client,
+            "session": s.id,
+            "protocol": protocol,
+            "tls": self.shared.tls,
+            "sql": sql,
+            "parameters": parameters,
+        });
+        let stream = format!("auditor/{}", s.auditor);
+        match self
+            .shared
+            .appender
+            .append(
+                &stream,
+                ExpectedVersion::Any,
+                vec![NewEvent::new("audit.query", &payload)],
+            )
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) => Err(Box::new(ErrorInfo::new(
+                "ERROR".into(),
+                "58000".into(),
+                format!("the query was not run: it could not be recorded in the audit log ({e})"),
+            ))),
+        }
+    }
+}
+
+/// Parameters as recorded: text as text, binary as hex, each cut at 1 KiB.
+fn describe_parameters(params: &[Option<bytes::Bytes>], formats: &Format) -> serde_json::Value {
+    const CAP: usize = 1024;
+    params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match p {
+            None => serde_json::Value::Null,
+            Some(b) => {
+                let b = &b[..b.len().min(CAP)];
+                match format_at(formats, i) {
+                    FieldFormat::Text => String::from_utf8_lossy(b).into_owned().into(),
+                    FieldFormat::Binary => {
+                        let mut s = String::with_capacity(2 + 2 * b.len());
+                        s.push_str("\\x");
+                        for x in b {
+                            s.push_str(&format!("{x:02x}"));
+                        }
+                        s.into()
+                    }
+                }
+            }
+        })
+        .collect::<Vec<_>>()
+        .into()
+}
+
+#[async_trait]
+impl SimpleQueryHandler for Queries {
+    async fn do_query<C>(&self, client: &mut C, query: &str) -> PgWireResult<Vec<Response>>
+    where
+        C: ClientInfo + ClientPortalStore + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C::Error: Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        if query.len() > MAX_SQL_BYTES {
+            return Err(too_long(query.len()));
+        }
+        let s = session(client)?;
+        let mut out = Vec::new();
+        for stmt in split::statements(query) {
+            if let Err(e) = self.record(&s, "simple", stmt, serde_json::json!([])).await {
+                out.push(Response::Error(e));
+                break;
+            }
+            let (outcome, change) = s
+                .backend
+                .lock()
+                .await
+                .execute(stmt, &[], &[], &[], &[])
+                .await
+                .map_err(|e| broken(&e))?;
+            let failed = matches!(outcome, Outcome::Error(_));
+            out.push(response(outcome, change, &Format::UnifiedText));
+            if failed {
+                break;
+            }
+        }
+        if out.is_empty() {
+            out.push(Response::EmptyQuery);
+        }
+        Ok(out)
+    }
+}
+
+#[async_trait]
+impl ExtendedQueryHandler for Queries {
+    type Statement = Statement;
+    type QueryParser = Parser;
+
+    fn query_parser(&self) -> Arc<Parser> {
+        self.parser.clone()
+    }
+
+    async fn do_query<C>(
+        &self,
+        client: &mut C,
+        portal: &Portal<Statement>,
+        _max_rows: usize,
+    ) -> PgWireResult<Response>
+    where
+        C: ClientInfo + ClientPortalStore + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C::PortalStore: pgwire::api::store::PortalStore<Statement = Statement>,
+        C::Error: Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        let s = session(client)?;
+        let stmt = &portal.statement.statement;
+        let params = describe_parameters(&portal.parameters, &portal.parameter_format);
+        if let Err(e) = self.record(&s, "extended", &stmt.sql, params).await {
+            return Ok(Response::Error(e));
+        }
+        let (outcome, change) = s
+            .backend
+            .lock()
+            .await
+            .execute(
+                &stmt.sql,
+                &stmt.params,
+                &portal.parameters,
+                &codes(&portal.parameter_format),
+                &codes(&portal.result_column_format),
+            )
+            .await
+            .map_err(|e| broken(&e))?;
+        Ok(response(outcome, change, &portal.result_column_format))
+    }
+}
+
+pub struct Handlers {
+    startup: Arc<Startup>,
+    queries: Arc<Queries>,
+}
+
+impl Handlers {
+    pub fn new(shared: Arc<Shared>, config: &AuditConfig) -> Result<Handlers, AuditError> {
+        let mut params = DefaultServerParameterProvider::default();
+        if !shared.server_version.is_empty() {
+            params.server_version = shared.server_version.clone();
+        }
+        params.is_superuser = false;
+        params.default_transaction_read_only = true;
+        params.search_path = "audit, strata, pg_catalog".into();
+        params.time_zone = "UTC".into();
+        params.date_style = "ISO, MDY".into();
+        params.scram_iterations = accounts::ITERATIONS;
+        let mut scram = ScramAuth::new(Arc::new(AccountSource {
+            shared: shared.clone(),
+        }));
+        scram.set_iterations(accounts::ITERATIONS);
+        if let Some(tls) = &config.tls {
+            // Offers SCRAM-SHA-256-PLUS: the exchange is bound to this TLS channel.
+            scram
+                .configure_certificate(tls.cert_pem.as_bytes())
+                .map_err(|e| AuditError::Tls(e.to_string()))?;
+        }
+        Ok(Handlers {
+            startup: Arc::new(Startup {
+                driver: AuthDriver::new(params),
+                scram: Arc::new(scram),
+                shared: shared.clone(),
+            }),
+            queries: Arc::new(Queries {
+                shared,
+                parser: Arc::new(Parser),
+            }),
+        })
+    }
+}
+
+impl PgWireServerHandlers for Handlers {
+    fn simple_query_handler(&self) -> Arc<impl SimpleQueryHandler> {
+        self.queries.clone()
+    }
+
+    fn extended_query_handler(&self) -> Arc<impl ExtendedQueryHandler> {
+        self.queries.clone()
+    }
+
+    fn startup_handler(&self) -> Arc<impl StartupHandler> {
+        self.startup.clone()
+    }
+}

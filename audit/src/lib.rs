@@ -1,0 +1,185 @@
+//! The audit endpoint: auditors query the event partitions, the seals and the
+//! `audit` views with psql or any Postgres client, read-only, and every query
+//! they run is recorded in the log first.
+//!
+//! ```text
+//!  auditor --pgwire (TLS: SCRAM-SHA-256 or client certificate)--> endpoint
+//!     endpoint --append audit.query on auditor/<name>--> log   (before it runs)
+//!     endpoint --extended protocol, as the audit role, in a READ ONLY txn--> Postgres
+//! ```
+//!
+//! What keeps auditors from writing is Postgres itself, not the endpoint
+//! reading their SQL: the audit role (see [`setup`]) holds SELECT on the audit
+//! set and nothing else, is no member of another role, and defaults to
+//! read-only transactions; every statement runs in a `READ ONLY` transaction
+//! whose snapshot is already taken (see [`backend`]), and one statement at a
+//! time, so no `COMMIT` inside a query string can end it early.
+
+pub mod accounts;
+pub mod backend;
+pub mod handler;
+pub mod setup;
+pub mod split;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_rustls::rustls;
+
+pub use handler::Shared;
+
+/// How the endpoint runs.
+#[derive(Clone)]
+pub struct AuditConfig {
+    /// Strata's own database connection (accounts; the appender writes through its own).
+    pub database: tokio_postgres::Config,
+    /// The connection auditors' statements run on: the audit role.
+    pub backend: tokio_postgres::Config,
+    /// The read-only role (created and granted by [`setup::ensure_role`]).
+    pub role: String,
+    /// Statements running longer are cancelled by Postgres.
+    pub statement_timeout: Duration,
+    /// Largest result returned; a bigger one is refused with advice.
+    pub max_result_bytes: usize,
+    /// TLS: the serving certificate chain, its key, and the CA whose auditor
+    /// certificates are accepted in place of a password.
+    pub tls: Option<TlsFiles>,
+}
+
+#[derive(Clone)]
+pub struct TlsFiles {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub client_ca_pem: Option<String>,
+}
+
+impl AuditConfig {
+    /// Defaults, with the audit role reached at the same server as `database`
+    /// under the role's own name (and no password: for password-protected
+    /// servers pass a `backend` URL with one).
+    pub fn new(database: tokio_postgres::Config) -> AuditConfig {
+        let role = setup::DEFAULT_ROLE.to_string();
+        let mut backend = database.clone();
+        backend.user(&role);
+        backend.password(Vec::<u8>::new());
+        AuditConfig {
+            database,
+            backend,
+            role,
+            statement_timeout: Duration::from_secs(60),
+            max_result_bytes: 256 << 20,
+            tls: None,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuditError {
+    #[error("listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("TLS: {0}")]
+    Tls(String),
+    #[error(transparent)]
+    Setup(#[from] setup::SetupError),
+    #[error("connect as the audit role: {0}")]
+    Backend(#[from] backend::BackendError),
+}
+
+/// A running endpoint.
+pub struct Endpoint {
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Endpoint {
+    pub fn stop(self) {
+        self.task.abort();
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
+/// Checks the audit role, then serves auditors on `listen` until stopped.
+pub async fn start(
+    listen: SocketAddr,
+    config: AuditConfig,
+    appender: events::Appender,
+) -> Result<Endpoint, AuditError> {
+    let acceptor = config.tls.as_ref().map(tls_acceptor).transpose()?;
+    let shared = handler::Shared::new(&config, appender, acceptor.is_some()).await?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| AuditError::Listen {
+            addr: listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| AuditError::Listen {
+        addr: listen,
+        source,
+    })?;
+    let handlers = Arc::new(handler::Handlers::new(shared, &config)?);
+    let task = tokio::spawn(async move {
+        loop {
+            let (socket, peer) = match listener.accept().await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "audit endpoint: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let handlers = handlers.clone();
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                if let Err(e) = pgwire::tokio::process_socket(socket, acceptor, handlers).await {
+                    tracing::debug!(%peer, error = %e, "audit connection ended with an error");
+                }
+            });
+        }
+    });
+    Ok(Endpoint { addr, task })
+}
+
+fn tls_acceptor(files: &TlsFiles) -> Result<pgwire::tokio::TlsAcceptor, AuditError> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_slice_iter(files.cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| AuditError::Tls(format!("serving certificate: {e}")))?;
+    let key = PrivateKeyDer::from_pem_slice(files.key_pem.as_bytes())
+        .map_err(|e| AuditError::Tls(format!("serving key: {e}")))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| AuditError::Tls(e.to_string()))?;
+    let builder = match &files.client_ca_pem {
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in CertificateDer::pem_slice_iter(ca.as_bytes()) {
+                let c = c.map_err(|e| AuditError::Tls(format!("client CA: {e}")))?;
+                roots
+                    .add(c)
+                    .map_err(|e| AuditError::Tls(format!("client CA: {e}")))?;
+            }
+            // A certificate is optional (auditors may use a password), but one
+            // that is presented must chain to the CA.
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
+                    .allow_unauthenticated()
+                    .build()
+                    .map_err(|e| AuditError::Tls(e.to_string()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let config = builder
+        .with_single_cert(certs, key)
+        .map_err(|e| AuditError::Tls(e.to_string()))?;
+    Ok(pgwire::tokio::TlsAcceptor::from(Arc::new(config)))
+}

@@ -1,0 +1,221 @@
+//! Splits a simple-protocol query string into its statements.
+//!
+//! The endpoint runs every statement on its own through the extended
+//! protocol, where Postgres refuses more than one statement per Parse. So a
+//! wrong split can only make Postgres refuse a piece; it can never run two
+//! statements as one (which is what would let a `COMMIT` end the read-only
+//! transaction the endpoint opened). The lexer knows what can hide a `;`:
+//! quoted strings (with `''` and, in `E''` strings, backslash escapes),
+//! quoted identifiers, dollar quotes, line comments and nested block comments.
+
+/// The statements of `sql`, trimmed, empty ones dropped.
+pub fn statements(sql: &str) -> Vec<&str> {
+    let b = sql.as_bytes();
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b';' => {
+                push(&mut out, &sql[start..i]);
+                i += 1;
+                start = i;
+            }
+            b'\'' => {
+                let escapes =
+                    i > 0 && matches!(b[i - 1], b'e' | b'E') && !ident_char_before(b, i - 1);
+                i = skip_quoted(b, i + 1, b'\'', escapes);
+            }
+            b'"' => i = skip_quoted(b, i + 1, b'"', false),
+            b'-' if b.get(i + 1) == Some(&b'-') => {
+                while i < b.len() && b[i] != b'\n' {
+                    i += 1;
+                }
+            }
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                let mut depth = 1;
+                i += 2;
+                while i < b.len() && depth > 0 {
+                    if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+                        depth += 1;
+                        i += 2;
+                    } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
+                        depth -= 1;
+                        i += 2;
+                    } else {
+                        i += 1;
+                    }
+                }
+            }
+            b'$' if !ident_char_before(b, i) => match dollar_tag(b, i) {
+                Some(tag_end) => {
+                    let tag = &b[i..tag_end];
+                    i = tag_end;
+                    loop {
+                        if i >= b.len() {
+                            break;
+                        }
+                        if b[i..].starts_with(tag) {
+                            i += tag.len();
+                            break;
+                        }
+                        i += 1;
+                    }
+                }
+                None => i += 1,
+            },
+            _ => i += 1,
+        }
+    }
+    push(&mut out, &sql[start..]);
+    out
+}
+
+fn push<'a>(out: &mut Vec<&'a str>, s: &'a str) {
+    let t = s.trim();
+    if !t.is_empty() && !only_comments(t) {
+        out.push(t);
+    }
+}
+
+/// True when `s` holds nothing but comments (Postgres answers those with an
+/// empty query; the endpoint drops them).
+fn only_comments(s: &str) -> bool {
+    let mut rest = s.trim_start();
+    loop {
+        if rest.is_empty() {
+            return true;
+        }
+        if let Some(r) = rest.strip_prefix("--") {
+            rest = r
+                .split_once('\n')
+                .map(|(_, r)| r)
+                .unwrap_or("")
+                .trim_start();
+        } else if rest.starts_with("/*") {
+            let inner = statements_block_end(rest.as_bytes());
+            match inner {
+                Some(end) => rest = rest[end..].trim_start(),
+                None => return true,
+            }
+        } else {
+            return false;
+        }
+    }
+}
+
+fn statements_block_end(b: &[u8]) -> Option<usize> {
+    let mut depth = 0;
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+            depth += 1;
+            i += 2;
+        } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
+            depth -= 1;
+            i += 2;
+            if depth == 0 {
+                return Some(i);
+            }
+        } else {
+            i += 1;
+        }
+    }
+    None
+}
+
+fn ident_char_before(b: &[u8], i: usize) -> bool {
+    i > 0 && (b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_' || b[i - 1] == b'$')
+}
+
+/// Skips to just past the closing `quote`; a doubled quote is one character.
+fn skip_quoted(b: &[u8], mut i: usize, quote: u8, escapes: bool) -> usize {
+    while i < b.len() {
+        if escapes && b[i] == b'\\' {
+            i += 2;
+            continue;
+        }
+        if b[i] == quote {
+            if b.get(i + 1) == Some(&quote) {
+                i += 2;
+                continue;
+            }
+            return i + 1;
+        }
+        i += 1;
+    }
+    b.len()
+}
+
+/// The end of a dollar-quote tag (`$$` or `$name$`) starting at `i`.
+fn dollar_tag(b: &[u8], i: usize) -> Option<usize> {
+    let mut j = i + 1;
+    while j < b.len() {
+        match b[j] {
+            b'$' => return Some(j + 1),
+            c if c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80 => {
+                if j == i + 1 && c.is_ascii_digit() {
+                    return None; // $1: a parameter
+                }
+                j += 1;
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::statements;
+
+    #[test]
+    fn splits_on_semicolons_outside_quotes_and_comments() {
+        assert_eq!(
+            statements("select 1; select 2;"),
+            vec!["select 1", "select 2"]
+        );
+        assert_eq!(
+            statements("select ';'; select 2"),
+            vec!["select ';'", "select 2"]
+        );
+        assert_eq!(statements("select 'it''s;'"), vec!["select 'it''s;'"]);
+        assert_eq!(
+            statements(r"select E'a\';b'; x"),
+            vec![r"select E'a\';b'", "x"]
+        );
+        assert_eq!(
+            statements(r#"select 1 as "a;b""#),
+            vec![r#"select 1 as "a;b""#]
+        );
+        assert_eq!(statements("select $$a;b$$; x"), vec!["select $$a;b$$", "x"]);
+        assert_eq!(
+            statements("select $q$a;$$;b$q$"),
+            vec!["select $q$a;$$;b$q$"]
+        );
+        assert_eq!(statements("select $1; x"), vec!["select $1", "x"]);
+        assert_eq!(
+            statements("select 1 -- a;b\n; x"),
+            vec!["select 1 -- a;b", "x"]
+        );
+        assert_eq!(
+            statements("select /* a; /* b; */ c; */ 1"),
+            vec!["select /* a; /* b; */ c; */ 1"]
+        );
+        assert_eq!(statements(" ; ;; "), Vec::<&str>::new());
+        assert_eq!(statements("-- only a comment"), Vec::<&str>::new());
+        assert_eq!(
+            statements("commit; insert into t values (1)"),
+            vec!["commit", "insert into t values (1)"]
+        );
+    }
+
+    #[test]
+    fn never_panics_on_odd_input() {
+        for s in [
+            "'", "\"", "$", "$a", "/*", "--", "E'\\", "$$;", "é;'é'", "\u{0}",
+        ] {
+            let _ = statements(s);
+        }
+    }
+}

@@ -1,0 +1,488 @@
+//! The audit endpoint against a real Postgres, with psql and tokio-postgres
+//! as auditors: SCRAM passwords and client certificates over TLS, the simple
+//! and the extended protocol, refused writes, DDL, side effects and relations
+//! outside the audit set, and every query recorded in the log.
+
+use audit::{AuditConfig, TlsFiles};
+use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+struct Env {
+    url: String,
+    db: tokio_postgres::Client,
+    endpoint: audit::Endpoint,
+    ca_dir: tempfile::TempDir,
+    psql: PathBuf,
+}
+
+static ROLE: AtomicU32 = AtomicU32::new(0);
+
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    c
+}
+
+/// A migrated database with a few events, alice (password) and bob
+/// (certificate only), and an endpoint with TLS from a fresh CA.
+async fn env() -> Env {
+    let cluster = schema::testing::shared_cluster();
+    let url = schema::testing::migrated_database(cluster).await;
+    let db = connect(&url).await;
+    let cfg: tokio_postgres::Config = url.parse().unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    for i in 0..5u64 {
+        appender
+            .append(
+                "pool/a",
+                ExpectedVersion::Exact(i),
+                vec![NewEvent::new("pool.test", &serde_json::json!({ "i": i }))],
+            )
+            .await
+            .unwrap();
+    }
+    audit::accounts::add(&db, "alice", Some("correct horse"))
+        .await
+        .unwrap();
+    audit::accounts::add(&db, "bob", None).await.unwrap();
+    audit::accounts::add(&db, "carol", Some("carols-secret"))
+        .await
+        .unwrap();
+    audit::accounts::revoke(&db, "carol").await.unwrap();
+
+    let ca_dir = tempfile::tempdir().unwrap();
+    gateway::ca::init(ca_dir.path(), "test").unwrap();
+    let ca = gateway::ca::Ca::load(ca_dir.path()).unwrap();
+    let (cert_pem, key_pem) = ca
+        .server_identity(&["localhost".into(), "127.0.0.1".into()])
+        .unwrap();
+    let mut config = AuditConfig::new(cfg.clone());
+    // Roles belong to the cluster: one per test keeps tests apart.
+    let role = format!(
+        "strata_audit_t{}_{}",
+        std::process::id(),
+        ROLE.fetch_add(1, Ordering::Relaxed)
+    );
+    config.backend.user(&role);
+    config.role = role;
+    config.tls = Some(TlsFiles {
+        cert_pem,
+        key_pem,
+        client_ca_pem: Some(ca.cert_pem().to_string()),
+    });
+    let endpoint = audit::start("127.0.0.1:0".parse().unwrap(), config, appender)
+        .await
+        .unwrap();
+    Env {
+        url,
+        db,
+        endpoint,
+        psql: cluster.bindir().join("psql"),
+        ca_dir,
+    }
+}
+
+impl Env {
+    fn auditor_url(&self, user: &str, password: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user={user} password='{password}' dbname=audit sslmode=disable",
+            self.endpoint.addr.port()
+        )
+    }
+
+    async fn auditor(&self, user: &str, password: &str) -> tokio_postgres::Client {
+        connect(&self.auditor_url(user, password)).await
+    }
+
+    async fn recorded(&self, auditor: &str) -> Vec<String> {
+        self.db
+            .query(
+                "SELECT payload->>'sql' FROM strata.events
+                  WHERE stream = $1 AND type = 'audit.query' ORDER BY position",
+                &[&format!("auditor/{auditor}")],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
+    fn psql(&self, conninfo: &str, sql: &str, password: Option<&str>) -> (bool, String, String) {
+        let mut cmd = Command::new(&self.psql);
+        cmd.arg(conninfo)
+            .args(["-X", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-c", sql])
+            .env_remove("PGPASSWORD");
+        if let Some(p) = password {
+            cmd.env("PGPASSWORD", p);
+        }
+        let out = cmd.output().expect("run psql");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    fn tls_conninfo(&self, user: &str, cert: Option<(&Path, &Path)>) -> String {
+        let mut s = format!(
+            "host=127.0.0.1 port={} user={user} dbname=audit sslmode=verify-full sslrootcert={}",
+            self.endpoint.addr.port(),
+            self.ca_dir.path().join("ca.pem").display()
+        );
+        if let Some((c, k)) = cert {
+            s.push_str(&format!(" sslcert={} sslkey={}", c.display(), k.display()));
+        }
+        s
+    }
+}
+
+fn code(e: &tokio_postgres::Error) -> String {
+    e.code().map(|c| c.code().to_string()).unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extended_protocol_reads_the_audit_set_and_is_recorded() {
+    let env = env().await;
+    let a = env.auditor("alice", "correct horse").await;
+
+    // Parameters and results in binary, both ways through the endpoint.
+    let rows = a
+        .query(
+            "SELECT position, version, type, payload FROM strata.events
+              WHERE stream = $1 AND version >= $2 ORDER BY position",
+            &[&"pool/a", &2i64],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 4);
+    let payload: serde_json::Value = rows[0].get(3);
+    assert_eq!(payload, serde_json::json!({ "i": 1 }));
+    assert_eq!(rows[0].get::<_, String>(2), "pool.test");
+
+    // The partitions, the seal tables and the views are readable.
+    let parts = a
+        .query("SELECT partition FROM audit.partitions", &[])
+        .await
+        .unwrap();
+    assert!(!parts.is_empty());
+    let month: String = parts[0].get(0);
+    let n: i64 = a
+        .query_one(&format!("SELECT count(*) FROM strata.{month}"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(n >= 0);
+    a.query("SELECT * FROM strata.seals", &[]).await.unwrap();
+    a.query("SELECT * FROM audit.checkpoints", &[])
+        .await
+        .unwrap();
+
+    // A transaction of the auditor's: one snapshot for both statements.
+    let mut a = a;
+    let tx = a.transaction().await.unwrap();
+    let c1: i64 = tx
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    env.db
+        .batch_execute(
+            "SELECT 1", // the log grows meanwhile through the appender below
+        )
+        .await
+        .unwrap();
+    let app = Appender::start(env.url.parse().unwrap(), AppenderConfig::default());
+    app.append(
+        "pool/a",
+        ExpectedVersion::Any,
+        vec![NewEvent::new("pool.test", &serde_json::json!({ "i": 99 }))],
+    )
+    .await
+    .unwrap();
+    let c2: i64 = tx
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(c1, c2, "one snapshot inside the auditor's transaction");
+    tx.commit().await.unwrap();
+    let c3: i64 = a
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(c3, c1 + 1);
+
+    let recorded = env.recorded("alice").await;
+    assert!(
+        recorded
+            .iter()
+            .any(|s| s.contains("WHERE stream = $1 AND version >= $2")),
+        "{recorded:?}"
+    );
+    let params: serde_json::Value = env
+        .db
+        .query_one(
+            "SELECT payload->'parameters' FROM strata.events
+              WHERE stream = 'auditor/alice' AND payload->>'sql' LIKE '%version >= $2%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(params.as_array().map(Vec::len), Some(2));
+    assert!(recorded.len() >= 8, "{recorded:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_ddl_side_effects_and_other_relations_are_refused() {
+    let env = env().await;
+    let a = env.auditor("alice", "correct horse").await;
+    let before: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+
+    let e = a
+        .execute(
+            "INSERT INTO strata.events (position, stream, version, type, payload)
+             VALUES (100000, 'pool/a', 100, 'forged', '{}')",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert!(["42501", "25006"].contains(&code(&e).as_str()), "{e:?}");
+    let e = a
+        .execute("UPDATE strata.events SET payload = '{}'", &[])
+        .await
+        .unwrap_err();
+    assert!(["42501", "25006"].contains(&code(&e).as_str()), "{e:?}");
+    let e = a
+        .execute("DELETE FROM strata.seals", &[])
+        .await
+        .unwrap_err();
+    assert!(["42501", "25006"].contains(&code(&e).as_str()), "{e:?}");
+    let e = a
+        .batch_execute("CREATE TABLE audit.mine (a int)")
+        .await
+        .unwrap_err();
+    assert!(["42501", "25006"].contains(&code(&e).as_str()), "{e:?}");
+    // Relations outside the audit set.
+    for rel in [
+        "strata.auditors",
+        "strata.join_tokens",
+        "strata.subscriptions",
+        "strata.streams",
+    ] {
+        let e = a
+            .query(&format!("SELECT * FROM {rel}"), &[])
+            .await
+            .unwrap_err();
+        assert_eq!(code(&e), "42501", "{rel}: {e:?}");
+    }
+    // Functions with side effects: refused by privilege, or undone with
+    // the statement's transaction.
+    for f in [
+        "SELECT pg_reload_conf()",
+        "SELECT pg_read_file('postgresql.conf')",
+    ] {
+        let e = a.query(f, &[]).await.unwrap_err();
+        assert_eq!(code(&e), "42501", "{f}: {e:?}");
+    }
+    let oid: u32 = a
+        .query_one("SELECT lo_create(0)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let kept: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM pg_largeobject_metadata WHERE oid = $1",
+            &[&oid],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        kept, 0,
+        "the large object went with the rolled-back transaction"
+    );
+    a.query("SELECT pg_advisory_lock(4242)", &[]).await.unwrap();
+    let held: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(held, 0, "session locks are released after each statement");
+    let e = a
+        .query(
+            "SELECT set_config('transaction_read_only', 'off', true)",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "25001", "{e:?}");
+    // Ending the endpoint's transaction inside a query string buys nothing:
+    // every statement runs on its own, in its own read-only transaction.
+    let e = a
+        .simple_query(
+            "COMMIT; SET default_transaction_read_only = off; SET transaction_read_only = off; \
+             DELETE FROM strata.events",
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        ["42501", "25006", "25001"].contains(&code(&e).as_str()),
+        "{e:?}"
+    );
+    // COPY is not offered; the session goes on.
+    let e = a
+        .simple_query("COPY (SELECT * FROM strata.events) TO STDOUT")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "0A000", "{e:?}");
+    // The session is usable after every refusal.
+    let n: i64 = a
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, before);
+    let after: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(after, before, "nothing was written");
+    // The refused attempts were recorded too.
+    let recorded = env.recorded("alice").await;
+    assert!(recorded
+        .iter()
+        .any(|s| s.starts_with("INSERT INTO strata.events")));
+    assert!(recorded.iter().any(|s| s == "DELETE FROM strata.seals"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passwords_are_checked_and_revoked_auditors_refused() {
+    let env = env().await;
+    for (user, pw) in [
+        ("alice", "wrong"),
+        ("nobody", "x"),
+        ("carol", "carols-secret"),
+        ("bob", ""),
+    ] {
+        let r = tokio_postgres::connect(&env.auditor_url(user, pw), tokio_postgres::NoTls).await;
+        let e = r.err().unwrap_or_else(|| panic!("{user} got in"));
+        assert_eq!(code(&e), "28P01", "{user}: {e:?}");
+    }
+    // Nothing was recorded for them.
+    assert!(env.recorded("carol").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psql_over_tls_with_password_and_with_certificate() {
+    let env = env().await;
+    // SCRAM over TLS, simple protocol, several statements in one string.
+    let (ok, out, err) = env.psql(
+        &env.tls_conninfo("alice", None),
+        "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'; SELECT 'it''s; fine'",
+        Some("correct horse"),
+    );
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().collect::<Vec<_>>(), vec!["5", "it's; fine"]);
+    // psql's own catalog queries work.
+    let (ok, out, err) = env.psql(
+        &env.tls_conninfo("alice", None),
+        "\\dv audit.*",
+        Some("correct horse"),
+    );
+    assert!(ok, "{err}");
+    assert!(out.contains("partitions"), "{out}");
+    // A refused write, with Postgres's own error.
+    let (ok, _, err) = env.psql(
+        &env.tls_conninfo("alice", None),
+        "DELETE FROM strata.events",
+        Some("correct horse"),
+    );
+    assert!(!ok);
+    assert!(
+        err.contains("permission denied") || err.contains("read-only transaction"),
+        "{err}"
+    );
+
+    // A client certificate for bob: no password.
+    let ca = gateway::ca::Ca::load(env.ca_dir.path()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = ca.issue_auditor("bob", 1).unwrap();
+    let (cp, kp) = (dir.path().join("bob.pem"), dir.path().join("bob.key"));
+    std::fs::write(&cp, cert).unwrap();
+    gateway::ca::write_private(&kp, key.as_bytes()).unwrap();
+    let (ok, out, err) = env.psql(
+        &env.tls_conninfo("bob", Some((&cp, &kp))),
+        "SELECT current_user = session_user, count(*) > 0 FROM strata.events",
+        None,
+    );
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "t|t");
+    // bob's certificate does not make him alice.
+    let (ok, _, err) = env.psql(
+        &env.tls_conninfo("alice", Some((&cp, &kp))),
+        "SELECT 1",
+        None,
+    );
+    assert!(!ok);
+    assert!(err.contains("names auditor \"bob\""), "{err}");
+    // An operator's certificate from the same CA is no auditor's.
+    let (cert, key) = ca.issue_operator("ops", 1).unwrap();
+    std::fs::write(&cp, cert).unwrap();
+    gateway::ca::write_private(&kp, key.as_bytes()).unwrap();
+    let (ok, _, err) = env.psql(&env.tls_conninfo("bob", Some((&cp, &kp))), "SELECT 1", None);
+    assert!(!ok);
+    assert!(err.contains("not an auditor's"), "{err}");
+
+    let recorded = env.recorded("bob").await;
+    assert_eq!(
+        recorded,
+        vec!["SELECT current_user = session_user, count(*) > 0 FROM strata.events"]
+    );
+    let auth: String = env
+        .db
+        .query_one(
+            "SELECT payload->>'auth' FROM strata.events WHERE stream = 'auditor/bob'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(auth, "certificate");
+}
