@@ -305,9 +305,18 @@ pub async fn slots(cmd: SlotsCmd) -> Result<ExitCode> {
 /// metrics until Ctrl-C.
 pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     for r in &args.roles {
-        if !["maintenance", "placer", "gateway", "binder", "sinks"].contains(&r.as_str()) {
+        if ![
+            "maintenance",
+            "placer",
+            "gateway",
+            "binder",
+            "sinks",
+            "audit",
+        ]
+        .contains(&r.as_str())
+        {
             bail!(
-                "unknown role {r:?}; this build runs: maintenance, placer, gateway, binder, sinks"
+                "unknown role {r:?}; this build runs: maintenance, placer, gateway, binder, sinks, audit"
             );
         }
     }
@@ -405,6 +414,11 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         args.roles.iter().any(|r| r == "sinks").then(|| {
             sinks::Sinks::start(cfg.clone(), reader.clone(), sinks::SinksConfig::default())
         });
+    let audit = if args.roles.iter().any(|r| r == "audit") {
+        Some(start_audit(&args, &cfg).await?)
+    } else {
+        None
+    };
     let mut report = tokio::time::interval(Duration::from_secs(10));
     report.tick().await;
     let ctrl_c = tokio::signal::ctrl_c();
@@ -418,6 +432,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
             _ = report.tick() => {
                 if gateway.as_ref().is_some_and(|g| g.is_finished())
                     || binder.as_ref().is_some_and(|b| b.is_finished())
+                    || audit.as_ref().is_some_and(|a| a.is_finished())
                 {
                     break;
                 }
@@ -443,6 +458,9 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         }
     }
     tracing::info!("stopping");
+    if let Some(a) = audit {
+        a.stop();
+    }
     if let Some(g) = gateway {
         g.stop().await.context("the gateway failed")?;
     }
@@ -456,6 +474,50 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         p.stop().await.context("the placer failed")?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The audit endpoint, with TLS from the CA folder when there is one.
+async fn start_audit(args: &ServeArgs, cfg: &tokio_postgres::Config) -> Result<audit::Endpoint> {
+    let mut ac = audit::AuditConfig::new(cfg.clone());
+    audit::setup::check_role(&args.audit_role)?;
+    ac.role = args.audit_role.clone();
+    ac.backend = match &args.audit_database_url {
+        Some(u) => u.parse().context("--audit-database-url")?,
+        None => {
+            let mut b = cfg.clone();
+            b.user(&ac.role);
+            b.password(Vec::<u8>::new());
+            b
+        }
+    };
+    ac.statement_timeout = args.audit_statement_timeout;
+    ac.max_result_bytes = args.audit_max_result_mib.max(1) << 20;
+    if args.ca_dir.join(gateway::ca::CA_KEY).exists() {
+        let ca = gateway::ca::Ca::load(&args.ca_dir)?;
+        let (cert_pem, key_pem) = ca.server_identity(&args.tls_names)?;
+        ac.tls = Some(audit::TlsFiles {
+            cert_pem,
+            key_pem,
+            client_ca_pem: Some(ca.cert_pem().to_string()),
+        });
+    } else {
+        tracing::warn!(ca_dir = %args.ca_dir.display(),
+            "audit: no CA there, so no TLS: auditors log in with SCRAM passwords over plain TCP, and certificates are not available");
+    }
+    let tls = ac.tls.is_some();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let endpoint = audit::start(args.audit_listen, ac, appender)
+        .await
+        .context("start the audit endpoint")?;
+    eprintln!(
+        "audit endpoint listening on {} ({}); connect with: psql \"host={} port={} user=<auditor> dbname=audit{}\"",
+        endpoint.addr,
+        if tls { "TLS" } else { "no TLS" },
+        endpoint.addr.ip(),
+        endpoint.addr.port(),
+        if tls { " sslmode=require" } else { "" }
+    );
+    Ok(endpoint)
 }
 
 /// `strata_<host>` in the characters a slot name allows.

@@ -36,7 +36,7 @@ enum Command {
     /// Run Strata on this machine with a private PostgreSQL under .strata/
     Dev(DevArgs),
     /// Run Strata's long-running services against a database
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Apply the schema migrations the database does not have yet
     Migrate(DbOnly),
     /// Create and inspect the monthly partitions of the event table
@@ -93,7 +93,7 @@ enum Command {
     /// What an operator certificate may read through the API's Subscribe
     #[command(subcommand)]
     Grants(GrantsCmd),
-    /// Verify sealed history
+    /// Verify sealed history; manage the auditors of the audit endpoint
     #[command(subcommand)]
     Audit(AuditCmd),
 }
@@ -106,6 +106,36 @@ pub enum AuditCmd {
         db: Db,
         /// The month, e.g. 2026-11
         month: String,
+    },
+    /// Auditors who may connect to the audit endpoint (`serve --roles audit`)
+    #[command(subcommand)]
+    Users(AuditUsersCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum AuditUsersCmd {
+    /// Add an auditor, or set a new password and lift a revocation
+    Add {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+        /// Read the password from standard input (one line); only its SCRAM-SHA-256 verifier is stored
+        #[arg(long, conflicts_with = "certificate_only")]
+        password_stdin: bool,
+        /// No password: the auditor logs in with a certificate from `strata ca issue-auditor`
+        #[arg(long)]
+        certificate_only: bool,
+    },
+    /// List auditors
+    List {
+        #[command(flatten)]
+        db: Db,
+    },
+    /// Refuse an auditor's new connections from now on
+    Revoke {
+        #[command(flatten)]
+        db: Db,
+        name: String,
     },
 }
 
@@ -229,6 +259,21 @@ pub enum CaCmd {
         /// The region's name, in the CA's subject
         #[arg(long, default_value = "default")]
         region: String,
+    },
+    /// Issue an auditor certificate for the audit endpoint (log in without a password)
+    IssueAuditor {
+        /// The CA's folder
+        #[arg(long, default_value = "ca")]
+        dir: PathBuf,
+        /// The auditor's name (as in `strata audit users add`)
+        #[arg(long)]
+        name: String,
+        /// Where to write auditor.pem, auditor.key and ca.pem
+        #[arg(long)]
+        out: PathBuf,
+        /// Validity in days
+        #[arg(long, default_value_t = 90)]
+        days: i64,
     },
     /// Issue an operator certificate for the client API (strata.api.v1 on every gateway)
     IssueOperator {
@@ -545,7 +590,7 @@ pub struct DevArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub db: Db,
-    /// Roles to run, comma-separated. maintenance: partitions ahead and the replication reader; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks
+    /// Roles to run, comma-separated. maintenance: partitions ahead, seals of closed months and checkpoints of the open one, the replication reader; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks; audit: the Postgres-protocol endpoint for auditors
     #[arg(long, value_delimiter = ',', default_value = "maintenance")]
     pub roles: Vec<String>,
     /// Serve Prometheus metrics at this address
@@ -596,6 +641,21 @@ pub struct ServeArgs {
     /// gateway: heartbeat interval told to nodes; three missed make a node unreachable
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub heartbeat: std::time::Duration,
+    /// audit: where auditors connect with psql or any Postgres client (TLS from --ca-dir when it exists)
+    #[arg(long, default_value = "127.0.0.1:6543")]
+    pub audit_listen: SocketAddr,
+    /// audit: the read-only database role auditors' statements run as (created and granted at start)
+    #[arg(long, default_value = "strata_audit")]
+    pub audit_role: String,
+    /// audit: connection string for the audit role (default: the database URL with the role's name and no password)
+    #[arg(long, env = "STRATA_AUDIT_DATABASE_URL", value_name = "URL")]
+    pub audit_database_url: Option<String>,
+    /// audit: statements running longer are cancelled
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub audit_statement_timeout: std::time::Duration,
+    /// audit: largest result returned, in MiB
+    #[arg(long, default_value_t = 256)]
+    pub audit_max_result_mib: usize,
 }
 
 #[derive(Subcommand, Debug)]
@@ -727,7 +787,7 @@ fn main() -> ExitCode {
     let result = rt.block_on(async move {
         match cli.command {
             Command::Dev(args) => dev::run(args).await,
-            Command::Serve(args) => commands::serve(args).await,
+            Command::Serve(args) => commands::serve(*args).await,
             Command::Migrate(a) => commands::migrate(&a.db).await,
             Command::Partitions(c) => commands::partitions(c).await,
             Command::Events(c) => commands::events(c).await,
@@ -747,6 +807,7 @@ fn main() -> ExitCode {
             Command::Audit(AuditCmd::Verify { db, month }) => {
                 nodes::audit_verify(&db, &month).await
             }
+            Command::Audit(AuditCmd::Users(c)) => nodes::audit_users(c).await,
             Command::Grants(crate::GrantsCmd::Set {
                 db,
                 caller,

@@ -1,7 +1,10 @@
 //! `strata ca`, `tokens`, `nodes`, `commands`, `node` and `fleet`.
 
 use crate::commands::{config, connect};
-use crate::{CaCmd, CommandsCmd, FleetArgs, NodeArgs, NodesCmd, ParkedCmd, SinksCmd, TokensCmd};
+use crate::{
+    AuditUsersCmd, CaCmd, CommandsCmd, FleetArgs, NodeArgs, NodesCmd, ParkedCmd, SinksCmd,
+    TokensCmd,
+};
 use anyhow::{bail, Context, Result};
 use events::{Appender, AppenderConfig};
 use node::daemon::{self, DaemonConfig, DaemonStats};
@@ -19,6 +22,31 @@ pub fn ca(cmd: CaCmd) -> Result<ExitCode> {
                 "created the node CA: {} (give it to nodes with their join tokens) and {} (private; gateways sign with it)",
                 cert.display(),
                 dir.join(gateway::ca::CA_KEY).display()
+            );
+        }
+        CaCmd::IssueAuditor {
+            dir,
+            name,
+            out,
+            days,
+        } => {
+            if !(1..=3650).contains(&days) {
+                bail!("--days must be 1 to 3650");
+            }
+            audit::accounts::check_name(&name)?;
+            let ca = gateway::ca::Ca::load(&dir)?;
+            let (cert, key) = ca.issue_auditor(&name, days)?;
+            std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
+            gateway::ca::write_private(&out.join("auditor.key"), key.as_bytes())?;
+            std::fs::write(out.join("auditor.pem"), cert)?;
+            std::fs::write(out.join("ca.pem"), ca.cert_pem())?;
+            println!(
+                "wrote {} and {} (private) for auditor {name}, valid {days} days; psql: sslmode=verify-full sslrootcert={} sslcert={} sslkey={}",
+                out.join("auditor.pem").display(),
+                out.join("auditor.key").display(),
+                out.join("ca.pem").display(),
+                out.join("auditor.pem").display(),
+                out.join("auditor.key").display()
             );
         }
         CaCmd::IssueOperator {
@@ -42,6 +70,66 @@ pub fn ca(cmd: CaCmd) -> Result<ExitCode> {
                 out.join("operator.pem").display(),
                 out.join("operator.key").display()
             );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
+    match cmd {
+        AuditUsersCmd::Add {
+            db,
+            name,
+            password_stdin,
+            certificate_only,
+        } => {
+            if !password_stdin && !certificate_only {
+                bail!("give --password-stdin (a password login) or --certificate-only (log in with `strata ca issue-auditor`)");
+            }
+            let password = if password_stdin {
+                let mut line = String::new();
+                std::io::stdin()
+                    .read_line(&mut line)
+                    .context("read the password from standard input")?;
+                let p = line.trim_end_matches(['\r', '\n']).to_string();
+                if p.is_empty() {
+                    bail!("the password read from standard input is empty");
+                }
+                Some(p)
+            } else {
+                None
+            };
+            let client = connect(&db).await?;
+            audit::accounts::add(&client, &name, password.as_deref()).await?;
+            println!(
+                "auditor {name} can connect to the audit endpoint ({})",
+                if password.is_some() {
+                    "SCRAM-SHA-256 password"
+                } else {
+                    "certificate"
+                }
+            );
+        }
+        AuditUsersCmd::List { db } => {
+            let client = connect(&db).await?;
+            let list = audit::accounts::list(&client).await?;
+            println!("{:<24} {:<9} {:<20} REVOKED", "NAME", "PASSWORD", "CREATED");
+            for a in list {
+                println!(
+                    "{:<24} {:<9} {:<20} {}",
+                    a.name,
+                    if a.has_password { "yes" } else { "no" },
+                    humantime::format_rfc3339_seconds(a.created_at),
+                    a.revoked_at
+                        .map(|t| humantime::format_rfc3339_seconds(t).to_string())
+                        .unwrap_or_else(|| "-".into())
+                );
+            }
+        }
+        AuditUsersCmd::Revoke { db, name } => {
+            let client = connect(&db).await?;
+            audit::accounts::revoke(&client, &name).await?;
+            println!("auditor {name} revoked: new connections are refused");
         }
     }
     Ok(ExitCode::SUCCESS)

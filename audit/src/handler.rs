@@ -300,14 +300,24 @@ impl StartupHandler for Startup {
                 }
             }
             PgWireFrontendMessage::PasswordMessageFamily(message) => {
-                if let AuthOutcome::Authenticated { final_message, .. } =
-                    self.driver.advance_authentication(client, message).await?
-                {
-                    let user = client
-                        .metadata()
-                        .get(METADATA_USER)
-                        .cloned()
-                        .ok_or(PgWireError::UserNameRequired)?;
+                let user = client
+                    .metadata()
+                    .get(METADATA_USER)
+                    .cloned()
+                    .ok_or(PgWireError::UserNameRequired)?;
+                let outcome = match self.driver.advance_authentication(client, message).await {
+                    Err(PgWireError::InvalidPassword(_)) => {
+                        tracing::info!(auditor = %user, client = %client.socket_addr(), "auditor refused: password authentication failed");
+                        // Unknown, revoked and wrong password look the same.
+                        return Err(user_error(
+                            "FATAL",
+                            "28P01",
+                            format!("password authentication failed for auditor {user:?}"),
+                        ));
+                    }
+                    other => other?,
+                };
+                if let AuthOutcome::Authenticated { final_message, .. } = outcome {
                     self.open(client, &user, "scram").await?;
                     self.driver
                         .complete_authentication(client, final_message)

@@ -1,0 +1,184 @@
+//! `strata serve --roles audit` as a real process, with auditors managed by
+//! `strata audit users` and `strata ca issue-auditor`, and psql as the client.
+
+use super::{database, ok};
+use std::io::Write;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn add_with_password(url: &str, name: &str, password: &str) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "audit",
+            "users",
+            "add",
+            name,
+            "--password-stdin",
+            "--database-url",
+            url,
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    writeln!(child.stdin.take().unwrap(), "{password}").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("SCRAM-SHA-256"));
+}
+
+fn psql(conninfo: &str, sql: &str, password: Option<&str>) -> (bool, String, String) {
+    let bindir = schema::testing::shared_cluster().bindir().to_path_buf();
+    let mut cmd = Command::new(bindir.join("psql"));
+    cmd.arg(conninfo)
+        .args(["-X", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-c", sql])
+        .env_remove("PGPASSWORD");
+    if let Some(p) = password {
+        cmd.env("PGPASSWORD", p);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+struct Server(Child);
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve(url: &str, port: u16, ca: &Path, log: &Path) -> Server {
+    let listen = format!("127.0.0.1:{port}");
+    Server(
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args([
+                "serve",
+                "--roles",
+                "audit",
+                "--database-url",
+                url,
+                "--audit-listen",
+                &listen,
+                "--ca-dir",
+                ca.to_str().unwrap(),
+                "--slot",
+                "audit_cli",
+            ])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+#[test]
+fn serve_audit_with_psql_passwords_certificates_and_revocation() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca");
+    ok(&["ca", "init", "--dir", ca.to_str().unwrap()]);
+    add_with_password(&url, "dana", "dana pass 1");
+    ok(&[
+        "audit",
+        "users",
+        "add",
+        "erin",
+        "--certificate-only",
+        "--database-url",
+        &url,
+    ]);
+    let erin = dir.path().join("erin");
+    let out = ok(&[
+        "ca",
+        "issue-auditor",
+        "--dir",
+        ca.to_str().unwrap(),
+        "--name",
+        "erin",
+        "--out",
+        erin.to_str().unwrap(),
+    ]);
+    assert!(out.contains("sslcert="), "{out}");
+    let list = ok(&["audit", "users", "list", "--database-url", &url]);
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("dana") && l.contains("yes")),
+        "{list}"
+    );
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("erin") && l.contains("no")),
+        "{list}"
+    );
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let log = dir.path().join("audit.log");
+    let _server = serve(&url, port, &ca, &log);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the audit endpoint did not start: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let tls = format!(
+        "host=127.0.0.1 port={port} dbname=audit sslmode=verify-full sslrootcert={}",
+        ca.join("ca.pem").display()
+    );
+    let (okay, out, err) = psql(
+        &format!("{tls} user=dana"),
+        "SELECT count(*) >= 0 FROM strata.events",
+        Some("dana pass 1"),
+    );
+    assert!(okay, "{err}");
+    assert_eq!(out.trim(), "t");
+    let (okay, out, err) = psql(
+        &format!(
+            "{tls} user=erin sslcert={} sslkey={}",
+            erin.join("auditor.pem").display(),
+            erin.join("auditor.key").display()
+        ),
+        "SELECT auditor, auth FROM audit.queries ORDER BY position",
+        None,
+    );
+    assert!(okay, "{err}");
+    // dana's query, then erin's own (recorded before it ran).
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        vec!["dana|scram", "erin|certificate"]
+    );
+    let (okay, _, err) = psql(
+        &format!("{tls} user=dana"),
+        "TRUNCATE strata.events",
+        Some("dana pass 1"),
+    );
+    assert!(!okay);
+    assert!(
+        err.contains("permission denied") || err.contains("read-only"),
+        "{err}"
+    );
+
+    ok(&["audit", "users", "revoke", "dana", "--database-url", &url]);
+    let (okay, _, err) = psql(&format!("{tls} user=dana"), "SELECT 1", Some("dana pass 1"));
+    assert!(!okay);
+    assert!(err.contains("password authentication failed"), "{err}");
+}
