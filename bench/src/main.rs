@@ -5,6 +5,7 @@
 mod append;
 mod gateway;
 mod placements;
+mod replay;
 mod sinks;
 mod util;
 
@@ -40,6 +41,8 @@ enum Scenario {
     GatewayServer(gateway::ServerArgs),
     /// Events delivered to webhook and NATS JetStream sinks: rate, latency, WAL, CPU of 10 sinks vs 1
     Sinks(sinks::Args),
+    /// Rebuilding the pool index from history: from PostgreSQL against COPY binary of the same rows, and from archives
+    Replay(replay::Args),
     /// (internal) the sinks process of `sinks`
     #[command(hide = true)]
     SinksServer(sinks::ServerArgs),
@@ -75,6 +78,7 @@ fn run() -> anyhow::Result<()> {
             Scenario::GatewayServer(a) => gateway::server(a).await,
             Scenario::Sinks(a) => sinks::run(a).await,
             Scenario::SinksServer(a) => sinks::server(a).await,
+            Scenario::Replay(a) => replay::run(a).await,
         }
     })
 }

@@ -12,11 +12,14 @@ pub mod commands;
 pub mod domain;
 pub mod index;
 pub mod projector;
+pub mod replay;
 pub mod seal;
 pub mod snapshot;
 pub mod testing;
+pub mod views;
 
 pub use domain::{Allocation, DeviceSpec, Fact, Request, Shape};
 pub use index::{ApplyError, Index, Phase, State, Violation};
 pub use projector::Projector;
 pub use snapshot::SnapshotStore;
+pub use views::{NodesView, Projection, ReservationsView};
