@@ -4,6 +4,7 @@ mod commands;
 mod dev;
 mod nodes;
 mod placement;
+mod replay;
 mod telemetry;
 
 use clap::{Args, Parser, Subcommand};
@@ -516,20 +517,33 @@ pub enum ReplayCmd {
     },
     /// Rebuild the pool index from history (tables, below the durable head), with progress
     Run {
-        #[command(flatten)]
-        db: Db,
-        /// Stop after this position or time (RFC 3339); default: everything
+        /// PostgreSQL connection string (not needed with --archive)
+        #[arg(long, env = "STRATA_DATABASE_URL", value_name = "URL")]
+        database_url: Option<String>,
+        /// What to rebuild
+        #[arg(long, value_enum, default_value = "pool-index")]
+        projection: replay::Which,
+        /// Report the window after this position or time (RFC 3339): the state before it is rebuilt first (or taken from --snapshot-in), then the window's events are replayed and counted by type
+        #[arg(long)]
+        from: Option<String>,
+        /// Stop after this position or time (RFC 3339); default: everything durable
         #[arg(long)]
         to: Option<String>,
-        /// Write the rebuilt index as an rkyv snapshot file
+        /// pool-index: start from this snapshot (at or before --from)
+        #[arg(long)]
+        snapshot_in: Option<PathBuf>,
+        /// pool-index: write the rebuilt index as an rkyv snapshot file
         #[arg(long)]
         snapshot_out: Option<PathBuf>,
-        /// Also build the index live, through a subscription, and compare the two
+        /// Also build the projection live, through a subscription, and compare the two (exit 1 if they differ)
         #[arg(long)]
         compare_live: bool,
         /// Replay from these partition archives (in order) instead of the database
         #[arg(long, num_args = 1..)]
         archive: Vec<PathBuf>,
+        /// Print the result as JSON (nodes and reservations: one object per line)
+        #[arg(long)]
+        json: bool,
     },
     /// Print a pool as it was at a time: nodes, free and booked GPUs by class, what waited
     State {

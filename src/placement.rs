@@ -143,34 +143,14 @@ async fn index(db: &Db) -> Result<Index> {
 /// The index as it was after `until` (the whole log when `None`).
 async fn index_until(db: &Db, until: Option<u64>) -> Result<Index> {
     let client = connect(db).await?;
-    let tty = std::io::stderr().is_terminal();
-    let mut index = Index::new();
-    loop {
-        let page = events::read::after(&client, events::Position(index.position()), 10_000)
-            .await
-            .context("read the log")?;
-        if page.is_empty() {
-            break;
-        }
-        for e in &page {
-            if until.is_some_and(|u| e.position.0 > u) {
-                break;
-            }
-            if let Some(v) = index.apply(e)? {
-                eprintln!("warning: the log breaks an invariant: {v}");
-            }
-        }
-        if tty {
-            eprint!("\rreading the log: position {}", index.position());
-        }
-        if until.is_some_and(|u| index.position() >= u) {
-            break;
-        }
-    }
-    if tty {
-        eprint!("\r\x1b[K");
-    }
-    Ok(index)
+    let progress = std::sync::Arc::new(projections::replay::Progress::default());
+    let display = crate::replay::progress_display("reading the log".into(), progress.clone());
+    let index = projections::replay::from_postgres(&client, Index::new(), until, progress, |v| {
+        eprintln!("warning: the log breaks an invariant: {v}")
+    })
+    .await;
+    crate::replay::stop_display(display);
+    index.context("read the log")
 }
 
 /// The last position recorded at or before an RFC 3339 time.
@@ -406,100 +386,28 @@ fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
 pub async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
     match cmd {
         ReplayCmd::Run {
-            archive,
-            snapshot_out,
-            ..
-        } if !archive.is_empty() => {
-            let started = std::time::Instant::now();
-            let mut index = Index::new();
-            let mut n = 0u64;
-            for path in &archive {
-                let bytes =
-                    std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
-                let rows = projections::archive::decode(&bytes)
-                    .with_context(|| format!("load {}", path.display()))?;
-                for r in &rows {
-                    if let Some(v) = index.apply(&r.to_event())? {
-                        eprintln!("warning: the archive breaks an invariant: {v}");
-                    }
-                }
-                n += rows.len() as u64;
-            }
-            let secs = started.elapsed().as_secs_f64();
-            println!(
-                "rebuilt the pool index from {n} archived events in {secs:.2} s ({:.0} events/s); position {}",
-                n as f64 / secs.max(1e-9),
-                index.position()
-            );
-            if let Some(path) = snapshot_out {
-                std::fs::write(&path, projections::snapshot::encode(index.state()))
-                    .with_context(|| format!("write {}", path.display()))?;
-                println!("wrote {}", path.display());
-            }
-            Ok(ExitCode::SUCCESS)
-        }
-        ReplayCmd::Run {
-            db,
+            database_url,
+            projection,
+            from,
             to,
+            snapshot_in,
             snapshot_out,
             compare_live,
-            ..
+            archive,
+            json,
         } => {
-            let until = match &to {
-                None => None,
-                Some(t) => match t.parse::<u64>() {
-                    Ok(p) => Some(p),
-                    Err(_) => Some(position_at(&db, t).await?),
-                },
-            };
-            let client = connect(&db).await?;
-            let head = events::read::head(&client).await?.0;
-            let target = until.unwrap_or(head).min(head);
-            let started = std::time::Instant::now();
-            let index = index_until(&db, Some(target)).await?;
-            let secs = started.elapsed().as_secs_f64();
-            println!(
-                "rebuilt the pool index from {} events in {secs:.2} s ({:.0} events/s); position {}",
-                index.position(),
-                index.position() as f64 / secs.max(1e-9),
-                index.position()
-            );
-            let r = projections::check::verify(&index)?;
-            println!(
-                "{} pools, {} nodes, {} devices ({} booked), {} live and {} waiting reservations",
-                r.pools, r.nodes, r.devices, r.booked_devices, r.live, r.pending
-            );
-            if let Some(path) = snapshot_out {
-                std::fs::write(&path, projections::snapshot::encode(index.state()))
-                    .with_context(|| format!("write {}", path.display()))?;
-                println!("wrote {}", path.display());
-            }
-            if compare_live {
-                if until.is_some() {
-                    bail!("--compare-live compares the whole log; leave out --to");
-                }
-                let mut rc = ReaderConfig::new(format!("strata_replay_{}", std::process::id()));
-                rc.temporary = true;
-                rc.owner = "strata replay run --compare-live".into();
-                let reader = Reader::start(config(&db)?, rc);
-                let mut live = projections::Projector::start(&reader, None).await?;
-                while live.index.position() < index.position() {
-                    live.step().await?;
-                }
-                if live.index == index {
-                    println!(
-                        "the live index equals the replayed one at position {}",
-                        index.position()
-                    );
-                } else {
-                    println!(
-                        "the live index DIFFERS from the replayed one at position {}",
-                        index.position()
-                    );
-                    return Ok(ExitCode::from(1));
-                }
-            }
-            Ok(ExitCode::SUCCESS)
+            crate::replay::run(crate::replay::RunArgs {
+                db: database_url.map(|database_url| Db { database_url }),
+                projection,
+                from,
+                to,
+                snapshot_in,
+                snapshot_out,
+                compare_live,
+                archive,
+                json,
+            })
+            .await
         }
         ReplayCmd::State {
             db,

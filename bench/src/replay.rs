@@ -51,6 +51,9 @@ struct Generator {
     versions: std::collections::HashMap<String, u64>,
     index: Index,
     buf: Vec<u8>,
+    /// One time for every row (the index keeps placement times).
+    at: std::time::SystemTime,
+    at_text: String,
 }
 
 impl Generator {
@@ -65,7 +68,7 @@ impl Generator {
             event_type: event_type.to_string(),
             payload: payload.to_string(),
             metadata: "{}".into(),
-            recorded_at: std::time::SystemTime::now(),
+            recorded_at: self.at,
             xid: 0,
         };
         if let Some(v) = self.index.apply(&e).expect("generated in order") {
@@ -76,12 +79,13 @@ impl Generator {
         // escape backslashes for COPY text anyway.
         let _ = writeln!(
             self.buf,
-            "{}\t{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}",
             self.position,
             stream,
             e.version,
             event_type,
-            payload.replace('\\', "\\\\")
+            payload.replace('\\', "\\\\"),
+            self.at_text
         );
     }
 
@@ -93,14 +97,23 @@ impl Generator {
 
 async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
     let sink = db
-        .copy_in("COPY strata.events (position, stream, version, type, payload) FROM STDIN")
+        .copy_in(
+            "COPY strata.events (position, stream, version, type, payload, recorded_at) FROM STDIN",
+        )
         .await?;
     futures_util::pin_mut!(sink);
+    // Whole microseconds, as PostgreSQL stores them.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_micros(now.as_micros() as u64);
     let mut g = Generator {
         position: 0,
         versions: Default::default(),
         index: Index::new(),
         buf: Vec::with_capacity(2 << 20),
+        at,
+        at_text: humantime::format_rfc3339_micros(at).to_string(),
     };
     for p in 0..POOLS {
         g.fact(
@@ -185,7 +198,10 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
         g.push(
             &format!("node/n{node}"),
             "node.status",
-            &format!("{{\"node\":\"n{node}\",\"status\":\"ready\",\"gpus_busy\":{}}}", i % 8),
+            &format!(
+                "{{\"node\":\"n{node}\",\"status\":\"ready\",\"gpus_busy\":{}}}",
+                i % 8
+            ),
         );
         i += 1;
         if g.buf.len() >= 1 << 20 {
@@ -205,7 +221,11 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
         sink.send(Bytes::from(std::mem::take(&mut g.buf))).await?;
     }
     sink.as_mut().finish().await?;
-    eprintln!("\rloaded {} events in {:.1} s", g.position, started.elapsed().as_secs_f64());
+    eprintln!(
+        "\rloaded {} events in {:.1} s",
+        g.position,
+        started.elapsed().as_secs_f64()
+    );
     db.execute(
         "UPDATE strata.log_head SET last_position = $1",
         &[&(g.position as i64)],
@@ -214,10 +234,10 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
     db.batch_execute(
         "INSERT INTO strata.streams (stream, version)
          SELECT stream, max(version) FROM strata.events GROUP BY stream
-         ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version;
-         VACUUM ANALYZE strata.events;",
+         ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version",
     )
     .await?;
+    db.batch_execute("VACUUM ANALYZE strata.events").await?;
     Ok(g.index)
 }
 
@@ -310,17 +330,48 @@ pub async fn run(args: Args) -> Result<()> {
         .iter()
         .map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0))
         .sum();
+    {
+        let bytes = std::fs::read(&files[0])?;
+        let archive = projections::archive::Archive::open(&bytes)?;
+        let rows = archive.rows()?;
+        let t = Instant::now();
+        let evs: Vec<events::Event> = rows.iter().map(|r| r.to_event()).collect();
+        let t_ev = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let parsed: Vec<_> = evs
+            .iter()
+            .map(|e| Fact::parse(&e.event_type, &e.payload))
+            .collect();
+        let t_parse = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let mut index = Index::new();
+        for (e, p) in evs.iter().zip(parsed) {
+            index.apply_parsed(e, p)?;
+        }
+        let t_apply = t.elapsed().as_secs_f64();
+        eprintln!("breakdown for {} rows: to_event {t_ev:.2} s, parse {t_parse:.2} s, apply {t_apply:.2} s", evs.len());
+    }
+    let (mut load_s, mut apply_s) = (Vec::new(), Vec::new());
     for _ in 0..args.repeat {
         let t = Instant::now();
         let mut index = Index::new();
+        let (mut l, mut a) = (0.0, 0.0);
         for f in &files {
+            let t0 = Instant::now();
             let bytes = std::fs::read(f)?;
-            let rows = projections::archive::decode(&bytes)?;
-            index = replay::from_rows(index, &rows, None, &Progress::default(), |v| {
+            let archive = projections::archive::Archive::open(&bytes)?;
+            let rows = archive.rows()?;
+            l += t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            index = replay::from_archive(index, rows, None, &Progress::default(), |v| {
                 eprintln!("violation: {v}")
             })?;
+            a += t1.elapsed().as_secs_f64();
         }
         archive.push(n as f64 / t.elapsed().as_secs_f64());
+        load_s.push(l);
+        apply_s.push(a);
+        eprintln!("archive: load and validate {l:.2} s, apply {a:.2} s");
         if index != expected {
             bail!("the index replayed from archives differs from the one built while loading");
         }

@@ -98,6 +98,77 @@ pub async fn export(client: &Client, month: &str) -> Result<(Vec<u8>, u64), Arch
     Ok((out, n))
 }
 
+impl ArchivedRow {
+    /// The event, read straight from the archive.
+    pub fn to_event(&self) -> Event {
+        let us = self.recorded_at_us.to_native();
+        Event {
+            position: Position(self.position.to_native()),
+            stream: self.stream.as_str().to_string(),
+            version: self.version.to_native(),
+            event_type: self.event_type.as_str().to_string(),
+            payload: self.payload.as_str().to_string(),
+            metadata: self.metadata.as_str().to_string(),
+            recorded_at: UNIX_EPOCH + Duration::from_micros(us.max(0) as u64),
+            xid: self.xid.to_native(),
+        }
+    }
+}
+
+/// An archive read into memory with its header and checksum checked; its
+/// rows are read in place ([`Archive::rows`]), not copied out.
+pub struct Archive {
+    bytes: rkyv::util::AlignedVec<16>,
+    rows: u64,
+}
+
+impl Archive {
+    pub fn open(bytes: &[u8]) -> Result<Archive, ArchiveError> {
+        let (n, payload) = check_header(bytes)?;
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(payload.len());
+        aligned.extend_from_slice(payload);
+        Ok(Archive {
+            bytes: aligned,
+            rows: n,
+        })
+    }
+
+    /// The rows, after validating the archive's structure.
+    pub fn rows(&self) -> Result<&rkyv::vec::ArchivedVec<ArchivedRow>, ArchiveError> {
+        let rows =
+            rkyv::access::<rkyv::vec::ArchivedVec<ArchivedRow>, rkyv::rancor::Error>(&self.bytes)
+                .map_err(|e| ArchiveError::Invalid(format!("archive does not validate: {e}")))?;
+        if rows.len() as u64 != self.rows {
+            return Err(ArchiveError::Invalid(format!(
+                "{} rows, header says {}",
+                rows.len(),
+                self.rows
+            )));
+        }
+        Ok(rows)
+    }
+}
+
+fn check_header(bytes: &[u8]) -> Result<(u64, &[u8]), ArchiveError> {
+    if bytes.len() < HEADER || &bytes[..8] != MAGIC {
+        return Err(ArchiveError::Invalid("bad magic or short header".into()));
+    }
+    let format = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if format != FORMAT {
+        return Err(ArchiveError::Invalid(format!(
+            "format {format}, this build reads {FORMAT}"
+        )));
+    }
+    let n = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
+    let payload = &bytes[HEADER..];
+    if checksum(payload) != bytes[24..32] {
+        return Err(ArchiveError::Invalid(
+            "checksum mismatch (altered or truncated)".into(),
+        ));
+    }
+    Ok((n, payload))
+}
+
 /// Decodes an archive (validating header, checksum and structure).
 pub fn decode(bytes: &[u8]) -> Result<Vec<Row>, ArchiveError> {
     if bytes.len() < HEADER || &bytes[..8] != MAGIC {

@@ -362,13 +362,19 @@ impl Fact {
     /// Reads a fact from an event: `Ok(None)` for event types that are not
     /// facts, an error for a fact whose payload does not parse.
     pub fn parse(event_type: &str, payload: &str) -> Result<Option<Fact>, String> {
-        if !FACT_TYPES.contains(&event_type) {
+        // Facts are CamelCase; the other events (node.*, command.*, ...) are not.
+        if !event_type.starts_with(|c: char| c.is_ascii_uppercase())
+            || !FACT_TYPES.contains(&event_type)
+        {
             return Ok(None);
         }
-        let text = format!(
-            "{{\"type\":{},\"payload\":{payload}}}",
-            serde_json::json!(event_type)
-        );
+        // The type is one of FACT_TYPES: a bare identifier, nothing to escape.
+        let mut text = String::with_capacity(payload.len() + event_type.len() + 24);
+        text.push_str("{\"type\":\"");
+        text.push_str(event_type);
+        text.push_str("\",\"payload\":");
+        text.push_str(payload);
+        text.push('}');
         serde_json::from_str(&text)
             .map(Some)
             .map_err(|e| format!("malformed {event_type} payload: {e}"))

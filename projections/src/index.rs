@@ -660,6 +660,20 @@ impl Index {
     /// refused. A fact that breaks an invariant is applied as far as it can
     /// be and reported as a [`Violation`].
     pub fn apply(&mut self, event: &Event) -> Result<Option<Violation>, ApplyError> {
+        if event.position.0 <= self.state.position {
+            return Ok(None);
+        }
+        let parsed = Fact::parse(&event.event_type, &event.payload);
+        self.apply_parsed(event, parsed)
+    }
+
+    /// [`Index::apply`] with the event's fact already parsed
+    /// ([`Fact::parse`]), so a replay can parse on another thread.
+    pub fn apply_parsed(
+        &mut self,
+        event: &Event,
+        parsed: Result<Option<Fact>, String>,
+    ) -> Result<Option<Violation>, ApplyError> {
         let p = event.position.0;
         if p <= self.state.position {
             return Ok(None);
@@ -681,17 +695,21 @@ impl Index {
         };
         // The pool's version follows its stream, whatever the event is.
         if let Some(pool) = pool_of(&event.stream) {
-            let entry = self
-                .state
-                .pools
-                .entry(pool.to_string())
-                .or_insert_with(|| Pool {
-                    name: pool.to_string(),
-                    ..Pool::default()
-                });
-            entry.version = event.version;
+            match self.state.pools.get_mut(pool) {
+                Some(entry) => entry.version = event.version,
+                None => {
+                    self.state.pools.insert(
+                        pool.to_string(),
+                        Pool {
+                            name: pool.to_string(),
+                            version: event.version,
+                            ..Pool::default()
+                        },
+                    );
+                }
+            }
         }
-        let fact = match Fact::parse(&event.event_type, &event.payload) {
+        let fact = match parsed {
             Ok(Some(f)) => f,
             Ok(None) => return Ok(None),
             Err(e) => {

@@ -7,9 +7,10 @@
 //! on the reading task and handed in batches to a thread that applies them,
 //! so decoding and applying run side by side.
 
-use crate::archive::Row;
+use crate::archive::ArchivedRow;
+use crate::domain::Fact;
 use crate::index::{ApplyError, Violation};
-use crate::views::Projection;
+use crate::views::{Parsed, Projection};
 use bytes::{Buf, BytesMut};
 use events::{Event, Position};
 use futures_util::StreamExt;
@@ -194,26 +195,47 @@ pub fn copy_sql(after: u64, until: u64) -> String {
 fn applier<P: Projection>(
     mut projection: P,
     progress: Arc<Progress>,
-    mut rx: tokio::sync::mpsc::Receiver<Vec<Event>>,
+    mut rx: tokio::sync::mpsc::Receiver<Vec<(Event, Parsed)>>,
     mut on_violation: impl FnMut(Violation) + Send + 'static,
 ) -> std::thread::JoinHandle<Result<P, ApplyError>> {
     std::thread::Builder::new()
         .name("replay-apply".into())
         .spawn(move || {
             while let Some(batch) = rx.blocking_recv() {
-                for e in &batch {
-                    if let Some(v) = projection.apply(e)? {
-                        progress.violations.fetch_add(1, Ordering::Relaxed);
-                        on_violation(v);
-                    }
-                }
-                progress
-                    .applied
-                    .fetch_add(batch.len() as u64, Ordering::Relaxed);
+                let n = batch.len() as u64;
+                apply_batch(&mut projection, batch, &progress, &mut on_violation)?;
+                progress.applied.fetch_add(n, Ordering::Relaxed);
             }
             Ok(projection)
         })
         .expect("spawn the replay thread")
+}
+
+fn apply_batch<P: Projection>(
+    projection: &mut P,
+    batch: Vec<(Event, Parsed)>,
+    progress: &Progress,
+    on_violation: &mut impl FnMut(Violation),
+) -> Result<(), ApplyError> {
+    for (e, parsed) in batch {
+        if let Some(v) = projection.apply_parsed(&e, parsed)? {
+            progress.violations.fetch_add(1, Ordering::Relaxed);
+            on_violation(v);
+        }
+    }
+    Ok(())
+}
+
+/// Parses the facts of a batch of events (on the reading side, so the
+/// applying side only applies).
+fn parsed(batch: Vec<Event>) -> Vec<(Event, Parsed)> {
+    batch
+        .into_iter()
+        .map(|e| {
+            let p = Fact::parse(&e.event_type, &e.payload);
+            (e, p)
+        })
+        .collect()
 }
 
 async fn join<P: Send + 'static>(
@@ -243,7 +265,7 @@ pub async fn from_postgres<P: Projection>(
     if until <= after {
         return Ok(projection);
     }
-    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<Event>>(8);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<(Event, Parsed)>>(8);
     let handle = applier(projection, progress.clone(), rx, on_violation);
     let read = async {
         let stream = client.copy_out(&copy_sql(after, until)).await?;
@@ -257,7 +279,9 @@ pub async fn from_postgres<P: Projection>(
                     .read
                     .fetch_add(batch.len() as u64, Ordering::Relaxed);
                 let full = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
-                tx.send(full).await.map_err(|_| ReplayError::Stopped)?;
+                tx.send(parsed(full))
+                    .await
+                    .map_err(|_| ReplayError::Stopped)?;
             }
         }
         if !decoder.finished() {
@@ -267,7 +291,9 @@ pub async fn from_postgres<P: Projection>(
             .read
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
         if !batch.is_empty() {
-            tx.send(batch).await.map_err(|_| ReplayError::Stopped)?;
+            tx.send(parsed(batch))
+                .await
+                .map_err(|_| ReplayError::Stopped)?;
         }
         Ok::<(), ReplayError>(())
     };
@@ -278,28 +304,47 @@ pub async fn from_postgres<P: Projection>(
     projection
 }
 
-/// Replays archived rows (up to `until`) into `projection`.
-pub fn from_rows<P: Projection>(
+/// Replays archived rows (up to `until`) into `projection`: one thread
+/// reads rows out of the archive and parses their facts, this one applies.
+pub fn from_archive<P: Projection>(
     mut projection: P,
-    rows: &[Row],
+    rows: &[ArchivedRow],
     until: Option<u64>,
     progress: &Progress,
     mut on_violation: impl FnMut(Violation),
 ) -> Result<P, ReplayError> {
-    for r in rows {
-        if until.is_some_and(|u| r.position > u) {
-            break;
+    let after = projection.position();
+    let until = until.unwrap_or(u64::MAX);
+    let start = rows.partition_point(|r| r.position.to_native() <= after);
+    let end = rows.partition_point(|r| r.position.to_native() <= until);
+    let rows = &rows[start..end.max(start)];
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(Event, Parsed)>>(8);
+        s.spawn(move || {
+            for chunk in rows.chunks(BATCH) {
+                let batch = chunk
+                    .iter()
+                    .map(|r| {
+                        let e = r.to_event();
+                        let p = Fact::parse(&e.event_type, &e.payload);
+                        (e, p)
+                    })
+                    .collect();
+                progress
+                    .read
+                    .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                if tx.send(batch).is_err() {
+                    return;
+                }
+            }
+        });
+        for batch in rx {
+            let n = batch.len() as u64;
+            apply_batch(&mut projection, batch, progress, &mut on_violation)?;
+            progress.applied.fetch_add(n, Ordering::Relaxed);
         }
-        if r.position <= projection.position() {
-            continue;
-        }
-        if let Some(v) = projection.apply(&r.to_event())? {
-            progress.violations.fetch_add(1, Ordering::Relaxed);
-            on_violation(v);
-        }
-        progress.applied.fetch_add(1, Ordering::Relaxed);
-    }
-    Ok(projection)
+        Ok(projection)
+    })
 }
 
 /// The time a position was recorded at, for display.
@@ -313,7 +358,10 @@ pub fn system_time_us(t: SystemTime) -> i64 {
 mod tests {
     use super::*;
 
-    fn encode(rows: &[(i64, &str, i64, &str, &str, &str, i64, i64)]) -> Vec<u8> {
+    /// position, stream, version, type, payload, metadata, recorded_at, xid
+    type TestRow<'a> = (i64, &'a str, i64, &'a str, &'a str, &'a str, i64, i64);
+
+    fn encode(rows: &[TestRow<'_>]) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(SIGNATURE);
         b.extend_from_slice(&0u32.to_be_bytes());
@@ -341,7 +389,16 @@ mod tests {
     fn decodes_rows_split_at_any_byte() {
         let data = encode(&[
             (1, "pool/a", 1, "PoolCreated", "{}", "{}", 1_000_000, 7),
-            (2, "pool/a", 2, "NodeJoined", "{\"node\":\"n\"}", "{}", 2_000_000, 8),
+            (
+                2,
+                "pool/a",
+                2,
+                "NodeJoined",
+                "{\"node\":\"n\"}",
+                "{}",
+                2_000_000,
+                8,
+            ),
         ]);
         for cut in 0..data.len() {
             let mut d = CopyDecoder::default();
@@ -370,6 +427,8 @@ mod tests {
             }
         }
         let mut d = CopyDecoder::default();
-        assert!(d.push(b"PGCOPX\n\xff\r\n\0\0\0\0\0\0\0\0\0", &mut Vec::new()).is_err());
+        assert!(d
+            .push(b"PGCOPX\n\xff\r\n\0\0\0\0\0\0\0\0\0", &mut Vec::new())
+            .is_err());
     }
 }

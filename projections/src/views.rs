@@ -9,15 +9,32 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// State folded from events strictly in position order.
 pub trait Projection: Send + 'static {
-    /// Applies one event; an event at or below the applied position is skipped,
-    /// a gap is an error.
-    fn apply(&mut self, event: &Event) -> Result<Option<Violation>, ApplyError>;
+    /// Applies one event whose fact was parsed with [`Fact::parse`]; an
+    /// event at or below the applied position is skipped, a gap is an error.
+    fn apply_parsed(
+        &mut self,
+        event: &Event,
+        parsed: Parsed,
+    ) -> Result<Option<Violation>, ApplyError>;
+
+    fn apply(&mut self, event: &Event) -> Result<Option<Violation>, ApplyError> {
+        let parsed = Fact::parse(&event.event_type, &event.payload);
+        self.apply_parsed(event, parsed)
+    }
+
     fn position(&self) -> u64;
 }
 
+/// An event's fact, parsed ([`Fact::parse`]).
+pub type Parsed = Result<Option<Fact>, String>;
+
 impl Projection for Index {
-    fn apply(&mut self, event: &Event) -> Result<Option<Violation>, ApplyError> {
-        Index::apply(self, event)
+    fn apply_parsed(
+        &mut self,
+        event: &Event,
+        parsed: Parsed,
+    ) -> Result<Option<Violation>, ApplyError> {
+        Index::apply_parsed(self, event, parsed)
     }
 
     fn position(&self) -> u64 {
@@ -43,8 +60,8 @@ fn step(position: &mut u64, event: &Event) -> Result<bool, ApplyError> {
     Ok(true)
 }
 
-fn parse(event: &Event) -> Result<Option<Fact>, Violation> {
-    Fact::parse(&event.event_type, &event.payload).map_err(|message| Violation {
+fn violation(event: &Event, parsed: Parsed) -> Result<Option<Fact>, Violation> {
+    parsed.map_err(|message| Violation {
         position: event.position.0,
         stream: event.stream.clone(),
         event_type: event.event_type.clone(),
@@ -74,14 +91,18 @@ pub struct NodesView {
 }
 
 impl Projection for NodesView {
-    fn apply(&mut self, event: &Event) -> Result<Option<Violation>, ApplyError> {
+    fn apply_parsed(
+        &mut self,
+        event: &Event,
+        parsed: Parsed,
+    ) -> Result<Option<Violation>, ApplyError> {
         if !step(&mut self.position, event)? {
             return Ok(None);
         }
         let Some(pool) = event.stream.strip_prefix("pool/") else {
             return Ok(None);
         };
-        let fact = match parse(event) {
+        let fact = match violation(event, parsed) {
             Ok(Some(f)) => f,
             Ok(None) => return Ok(None),
             Err(v) => return Ok(Some(v)),
@@ -209,11 +230,15 @@ impl ReservationsView {
 }
 
 impl Projection for ReservationsView {
-    fn apply(&mut self, event: &Event) -> Result<Option<Violation>, ApplyError> {
+    fn apply_parsed(
+        &mut self,
+        event: &Event,
+        parsed: Parsed,
+    ) -> Result<Option<Violation>, ApplyError> {
         if !step(&mut self.position, event)? {
             return Ok(None);
         }
-        let fact = match parse(event) {
+        let fact = match violation(event, parsed) {
             Ok(Some(f)) => f,
             Ok(None) => return Ok(None),
             Err(v) => return Ok(Some(v)),

@@ -1,0 +1,486 @@
+//! `strata replay run`: a projection rebuilt from the log or from partition
+//! archives, with progress, a window (`--from`, `--to`), a snapshot out and
+//! a comparison with the same projection built live.
+
+use crate::commands::{config, connect};
+use crate::Db;
+use anyhow::{bail, Context, Result};
+use events::{Event, Reader, ReaderConfig, Start};
+use projections::replay::{self, Progress};
+use projections::views::Parsed;
+use projections::{ApplyError, Index, NodesView, Projection, ReservationsView, Violation};
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Which {
+    /// The pool index the placer plans against
+    PoolIndex,
+    /// One row per node: pool, devices, cordon, drain, open health conditions
+    Nodes,
+    /// One row per reservation ever requested, with its state
+    Reservations,
+}
+
+pub struct RunArgs {
+    pub db: Option<Db>,
+    pub projection: Which,
+    pub from: Option<String>,
+    pub to: Option<String>,
+    pub snapshot_in: Option<PathBuf>,
+    pub snapshot_out: Option<PathBuf>,
+    pub compare_live: bool,
+    pub archive: Vec<PathBuf>,
+    pub json: bool,
+}
+
+/// Counts what a window of the log held, around any projection.
+struct Window<P> {
+    inner: P,
+    /// Count events only after this position.
+    from: u64,
+    by_type: BTreeMap<String, u64>,
+}
+
+impl<P: Projection> Projection for Window<P> {
+    fn apply_parsed(
+        &mut self,
+        event: &Event,
+        parsed: Parsed,
+    ) -> Result<Option<Violation>, ApplyError> {
+        let fresh = event.position.0 > self.inner.position();
+        let r = self.inner.apply_parsed(event, parsed)?;
+        if fresh && event.position.0 > self.from {
+            match self.by_type.get_mut(&event.event_type) {
+                Some(n) => *n += 1,
+                None => {
+                    self.by_type.insert(event.event_type.clone(), 1);
+                }
+            }
+        }
+        Ok(r)
+    }
+
+    fn position(&self) -> u64 {
+        self.inner.position()
+    }
+}
+
+/// Shows progress on stderr: a bar on a terminal, a line every 5 s otherwise.
+pub(crate) fn progress_display(
+    label: String,
+    progress: Arc<Progress>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let tty = std::io::stderr().is_terminal();
+        let started = Instant::now();
+        let every = if tty {
+            Duration::from_millis(200)
+        } else {
+            Duration::from_secs(5)
+        };
+        let mut tick = tokio::time::interval(every);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let done = progress.applied.load(Ordering::Relaxed);
+            let total = progress
+                .target
+                .load(Ordering::Relaxed)
+                .saturating_sub(progress.start.load(Ordering::Relaxed));
+            let secs = started.elapsed().as_secs_f64();
+            let rate = done as f64 / secs.max(1e-9);
+            let eta = if rate > 0.0 && total > done {
+                format!("{:.0} s", (total - done) as f64 / rate)
+            } else {
+                "-".into()
+            };
+            let pct = if total > 0 {
+                100.0 * done as f64 / total as f64
+            } else {
+                0.0
+            };
+            let width = 30usize;
+            let filled = ((pct / 100.0) * width as f64) as usize;
+            let line = format!(
+                "{label} [{}{}] {done}/{total} events ({pct:.0}%), {rate:.0} events/s, ETA {eta}",
+                "#".repeat(filled.min(width)),
+                " ".repeat(width - filled.min(width)),
+            );
+            if tty {
+                eprint!("\r\x1b[K{line}");
+            } else {
+                eprintln!("{line}");
+            }
+        }
+    })
+}
+
+pub(crate) fn stop_display(h: tokio::task::JoinHandle<()>) {
+    h.abort();
+    if std::io::stderr().is_terminal() {
+        eprint!("\r\x1b[K");
+    }
+}
+
+async fn resolve(db: &Db, what: &str, v: &str) -> Result<u64> {
+    match v.parse::<u64>() {
+        Ok(p) => Ok(p),
+        Err(_) => crate::placement::position_at(db, v)
+            .await
+            .with_context(|| format!("{what} {v:?}: a position or an RFC 3339 time")),
+    }
+}
+
+/// Replays into `projection` from the database or the archives, up to `until`.
+async fn replay_into<P: Projection>(
+    db: Option<&Db>,
+    archives: &[projections::archive::Archive],
+    projection: P,
+    until: Option<u64>,
+    label: &str,
+    violations: Arc<std::sync::Mutex<Vec<Violation>>>,
+) -> Result<P> {
+    let progress = Arc::new(Progress::default());
+    let display = progress_display(label.to_string(), progress.clone());
+    let on_violation = {
+        let v = violations.clone();
+        move |x: Violation| {
+            let mut v = v.lock().expect("violations");
+            if v.len() < 100 {
+                v.push(x);
+            }
+        }
+    };
+    let result = if archives.is_empty() {
+        let db = db.context("give --database-url, or --archive files to replay from")?;
+        let client = connect(db).await?;
+        replay::from_postgres(&client, projection, until, progress.clone(), on_violation)
+            .await
+            .context("replay from the database")
+    } else {
+        let mut p = projection;
+        let mut f = on_violation;
+        let total: u64 = archives
+            .iter()
+            .map(|a| a.rows().map(|r| r.len() as u64).unwrap_or(0))
+            .sum();
+        progress.start.store(p.position(), Ordering::Relaxed);
+        progress.target.store(
+            p.position() + total.min(until.unwrap_or(u64::MAX)),
+            Ordering::Relaxed,
+        );
+        for a in archives {
+            let rows = a.rows()?;
+            p = replay::from_archive(p, rows, until, &progress, &mut f)?;
+        }
+        Ok(p)
+    };
+    stop_display(display);
+    result
+}
+
+pub async fn run(args: RunArgs) -> Result<ExitCode> {
+    let db = args.db.as_ref();
+    let need_db = |what: &str| {
+        db.with_context(|| format!("{what} needs --database-url (or STRATA_DATABASE_URL)"))
+    };
+    let from = match &args.from {
+        Some(v) => Some(match v.parse::<u64>() {
+            Ok(p) => p,
+            Err(_) => resolve(need_db("--from as a time")?, "--from", v).await?,
+        }),
+        None => None,
+    };
+    let to = match &args.to {
+        Some(v) => Some(match v.parse::<u64>() {
+            Ok(p) => p,
+            Err(_) => resolve(need_db("--to as a time")?, "--to", v).await?,
+        }),
+        None => None,
+    };
+    if let (Some(f), Some(t)) = (from, to) {
+        if f > t {
+            bail!("--from {f} is after --to {t}");
+        }
+    }
+    if args.compare_live && (to.is_some() || !args.archive.is_empty()) {
+        bail!(
+            "--compare-live compares the whole log in the database; leave out --to and --archive"
+        );
+    }
+    if args.projection != Which::PoolIndex
+        && (args.snapshot_in.is_some() || args.snapshot_out.is_some())
+    {
+        bail!("--snapshot-in and --snapshot-out are for --projection pool-index");
+    }
+    let mut archives = Vec::new();
+    for path in &args.archive {
+        let bytes = std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
+        let a = projections::archive::Archive::open(&bytes)
+            .with_context(|| format!("load {}", path.display()))?;
+        a.rows()
+            .with_context(|| format!("load {}", path.display()))?;
+        archives.push(a);
+    }
+    let source = if archives.is_empty() {
+        "the log".to_string()
+    } else {
+        format!("{} archive(s)", archives.len())
+    };
+    let violations = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let started = Instant::now();
+    let exit = match args.projection {
+        Which::PoolIndex => {
+            let start = match &args.snapshot_in {
+                Some(path) => {
+                    let bytes =
+                        std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
+                    let state = projections::snapshot::decode(&bytes)
+                        .with_context(|| format!("load {}", path.display()))?;
+                    let index = Index::from_state(state);
+                    if from.is_some_and(|f| index.position() > f) {
+                        bail!(
+                            "the snapshot is at position {}, after --from {}",
+                            index.position(),
+                            from.unwrap_or(0)
+                        );
+                    }
+                    eprintln!(
+                        "starting from {} at position {}",
+                        path.display(),
+                        index.position()
+                    );
+                    index
+                }
+                None => Index::new(),
+            };
+            let w = run_window(db, &archives, start, from, to, &violations).await?;
+            let index = w.inner;
+            report_window(&source, from, index.position(), &w.by_type, started);
+            let r = projections::check::verify(&index)?;
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "projection": "pool-index", "position": index.position(),
+                        "pools": r.pools, "nodes": r.nodes, "devices": r.devices,
+                        "booked_devices": r.booked_devices, "live": r.live, "pending": r.pending,
+                    })
+                );
+            } else {
+                println!(
+                    "{} pools, {} nodes, {} devices ({} booked), {} live and {} waiting reservations",
+                    r.pools, r.nodes, r.devices, r.booked_devices, r.live, r.pending
+                );
+            }
+            if let Some(path) = &args.snapshot_out {
+                std::fs::write(path, projections::snapshot::encode(index.state()))
+                    .with_context(|| format!("write {}", path.display()))?;
+                println!("wrote {}", path.display());
+            }
+            if args.compare_live {
+                let live = live_index(need_db("--compare-live")?, index.position()).await?;
+                compared(live == index, index.position())
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Which::Nodes => {
+            let w = run_window(db, &archives, NodesView::default(), from, to, &violations).await?;
+            report_window(&source, from, w.inner.position, &w.by_type, started);
+            let view = w.inner;
+            print_nodes(&view, args.json);
+            if args.compare_live {
+                let live = live_view(
+                    need_db("--compare-live")?,
+                    NodesView::default(),
+                    view.position,
+                )
+                .await?;
+                compared(live == view, view.position)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Which::Reservations => {
+            let w = run_window(
+                db,
+                &archives,
+                ReservationsView::default(),
+                from,
+                to,
+                &violations,
+            )
+            .await?;
+            report_window(&source, from, w.inner.position, &w.by_type, started);
+            let view = w.inner;
+            print_reservations(&view, args.json);
+            if args.compare_live {
+                let live = live_view(
+                    need_db("--compare-live")?,
+                    ReservationsView::default(),
+                    view.position,
+                )
+                .await?;
+                compared(live == view, view.position)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+    };
+    let v = violations.lock().expect("violations");
+    for x in v.iter().take(10) {
+        eprintln!("warning: the log breaks an invariant: {x}");
+    }
+    if v.len() > 10 {
+        eprintln!("warning: ... and more ({} kept)", v.len());
+    }
+    Ok(exit)
+}
+
+fn compared(equal: bool, position: u64) -> ExitCode {
+    if equal {
+        println!("the live projection equals the replayed one at position {position}");
+        ExitCode::SUCCESS
+    } else {
+        println!("the live projection DIFFERS from the replayed one at position {position}");
+        ExitCode::from(1)
+    }
+}
+
+/// Rebuilds up to `from` (if given), then replays the window `(from, to]`,
+/// counting its events by type.
+async fn run_window<P: Projection>(
+    db: Option<&Db>,
+    archives: &[projections::archive::Archive],
+    start: P,
+    from: Option<u64>,
+    to: Option<u64>,
+    violations: &Arc<std::sync::Mutex<Vec<Violation>>>,
+) -> Result<Window<P>> {
+    let mut p = start;
+    if let Some(f) = from {
+        if p.position() < f {
+            p = replay_into(
+                db,
+                archives,
+                p,
+                Some(f),
+                "state before --from",
+                violations.clone(),
+            )
+            .await?;
+        }
+    }
+    let w = Window {
+        inner: p,
+        from: from.unwrap_or(0),
+        by_type: BTreeMap::new(),
+    };
+    replay_into(db, archives, w, to, "replaying", violations.clone()).await
+}
+
+fn report_window(
+    source: &str,
+    from: Option<u64>,
+    position: u64,
+    by_type: &BTreeMap<String, u64>,
+    started: Instant,
+) {
+    let n: u64 = by_type.values().sum();
+    let secs = started.elapsed().as_secs_f64();
+    match from {
+        Some(f) => println!(
+            "replayed {n} events from {source}, positions {} to {position}, in {secs:.2} s",
+            f + 1
+        ),
+        None => println!(
+            "replayed {n} events from {source} to position {position} in {secs:.2} s ({:.0} events/s)",
+            n as f64 / secs.max(1e-9)
+        ),
+    }
+    if from.is_some() {
+        for (t, c) in by_type {
+            println!("  {c:>10}  {t}");
+        }
+    }
+}
+
+fn print_nodes(view: &NodesView, json: bool) {
+    if json {
+        for (name, row) in &view.nodes {
+            let mut v = serde_json::to_value(row).unwrap_or_default();
+            v["node"] = name.clone().into();
+            println!("{v}");
+        }
+        return;
+    }
+    let mut by_pool: BTreeMap<&str, (u64, u64, u64, u64)> = BTreeMap::new();
+    for row in view.nodes.values() {
+        let e = by_pool.entry(row.pool.as_str()).or_default();
+        e.0 += u64::from(!row.left);
+        e.1 += u64::from(!row.left && (row.cordoned || row.drained));
+        e.2 += u64::from(!row.left && !row.conditions.is_empty());
+        e.3 += u64::from(row.left);
+    }
+    println!(
+        "{:<24} {:>7} {:>9} {:>9} {:>6}",
+        "POOL", "NODES", "CORDONED", "UNHEALTHY", "LEFT"
+    );
+    for (pool, (n, c, u, l)) in by_pool {
+        println!("{pool:<24} {n:>7} {c:>9} {u:>9} {l:>6}");
+    }
+}
+
+fn print_reservations(view: &ReservationsView, json: bool) {
+    if json {
+        for (id, row) in &view.reservations {
+            let mut v = serde_json::to_value(row).unwrap_or_default();
+            v["reservation"] = id.clone().into();
+            println!("{v}");
+        }
+        return;
+    }
+    println!("{:<14} {:>10}", "STATE", "RESERVATIONS");
+    for (state, n) in view.counts() {
+        let name = serde_json::to_value(state)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        println!("{name:<14} {n:>10}");
+    }
+}
+
+/// The pool index as the placer builds it: through a subscription.
+async fn live_index(db: &Db, position: u64) -> Result<Index> {
+    let mut rc = ReaderConfig::new(format!("strata_replay_{}", std::process::id()));
+    rc.temporary = true;
+    rc.owner = "strata replay run --compare-live".into();
+    let reader = Reader::start(config(db)?, rc);
+    let mut live = projections::Projector::start(&reader, None).await?;
+    while live.index.position() < position {
+        live.step().await?;
+    }
+    Ok(live.index)
+}
+
+/// A view folded from a subscription from the first event.
+async fn live_view<P: Projection>(db: &Db, mut view: P, position: u64) -> Result<P> {
+    let mut rc = ReaderConfig::new(format!("strata_replay_{}", std::process::id()));
+    rc.temporary = true;
+    rc.owner = "strata replay run --compare-live".into();
+    let reader = Reader::start(config(db)?, rc);
+    let mut sub = reader.subscribe_ephemeral(Start::Beginning).await?;
+    while view.position() < position {
+        let e = sub.next().await?;
+        view.apply(&e)?;
+        sub.ack(e.position);
+    }
+    Ok(view)
+}
