@@ -209,7 +209,7 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
             sink.send(chunk).await?;
             g.buf.reserve(2 << 20);
         }
-        if i % 200_000 == 0 {
+        if i.is_multiple_of(200_000) {
             eprint!(
                 "\rloading the log: {} events ({:.0}/s)",
                 g.position,
