@@ -414,6 +414,9 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         args.roles.iter().any(|r| r == "sinks").then(|| {
             sinks::Sinks::start(cfg.clone(), reader.clone(), sinks::SinksConfig::default())
         });
+    if args.roles.iter().any(|r| r == "maintenance") {
+        spawn_sealer(cfg.clone(), args.seal_every, args.seal_grace);
+    }
     let audit = if args.roles.iter().any(|r| r == "audit") {
         Some(start_audit(&args, &cfg).await?)
     } else {
@@ -474,6 +477,52 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         p.stop().await.context("the placer failed")?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Seals months once they have closed (and nothing that began before the
+/// end is still running) and takes running checkpoints of the open month,
+/// every `every`. Several processes may run it; one at a time does the work.
+pub fn spawn_sealer(cfg: tokio_postgres::Config, every: Duration, grace: Duration) {
+    events::task::spawn("sealer", async move {
+        let mut tick = tokio::time::interval(every.max(Duration::from_secs(1)));
+        let mut client = None;
+        loop {
+            tick.tick().await;
+            if client
+                .as_ref()
+                .is_none_or(|c: &tokio_postgres::Client| c.is_closed())
+            {
+                match events::db::connect(&cfg, "strata-sealer").await {
+                    Ok(c) => client = Some(c),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "sealer: cannot connect; trying again later");
+                        continue;
+                    }
+                }
+            }
+            let Some(c) = client.as_ref() else { continue };
+            match projections::seal::maintain(c, grace).await {
+                Ok(done) => {
+                    for s in &done.sealed {
+                        tracing::info!(partition = %s.partition, rows = s.rows, chain = %s.chain, "sealed a closed month");
+                    }
+                    if let Some(cp) = &done.checkpoint {
+                        tracing::debug!(
+                            position = cp.last_position,
+                            rows = cp.rows,
+                            "checkpoint of the open month"
+                        );
+                    }
+                    for (month, why) in &done.refused {
+                        tracing::error!(%month, %why, "NOT sealing a closed month: it changed after a checkpoint");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "sealing or checkpointing failed; trying again later")
+                }
+            }
+        }
+    });
 }
 
 /// The audit endpoint, with TLS from the CA folder when there is one.

@@ -96,6 +96,11 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     let mut rc = ReaderConfig::new("strata_dev");
     rc.owner = "strata dev".into();
     let reader = Reader::start(cfg.clone(), rc);
+    crate::commands::spawn_sealer(
+        cfg.clone(),
+        Duration::from_secs(60),
+        Duration::from_secs(600),
+    );
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
 
     // A demo pool whose nodes are simulated daemons joining through a

@@ -655,6 +655,12 @@ pub struct ServeArgs {
     /// gateway: heartbeat interval told to nodes; three missed make a node unreachable
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub heartbeat: std::time::Duration,
+    /// maintenance: how often closed months are sealed and the open month checkpointed
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    pub seal_every: std::time::Duration,
+    /// maintenance: how long after a month ends it is sealed (late commits land first)
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    pub seal_grace: std::time::Duration,
     /// audit: where auditors connect with psql or any Postgres client (TLS from --ca-dir when it exists)
     #[arg(long, default_value = "127.0.0.1:6543")]
     pub audit_listen: SocketAddr,

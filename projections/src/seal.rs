@@ -23,6 +23,12 @@ pub enum SealError {
     AlreadySealed(String, String),
     #[error("partition {0} has no seal (strata partitions seal)")]
     NotSealed(String),
+    #[error("partition {partition} was altered after the checkpoint at position {last_position} (taken {taken_at}): a row at or before it differs; refusing to seal; `strata audit verify` names the range")]
+    CheckpointBroken {
+        partition: String,
+        last_position: u64,
+        taken_at: String,
+    },
     #[error("database: {0}")]
     Database(#[from] tokio_postgres::Error),
 }
@@ -54,10 +60,29 @@ pub struct Seal {
 /// What verification found.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub enum Finding {
-    Intact { rows: u64 },
-    Altered { position: u64 },
-    Inserted { position: u64 },
-    Deleted { position: u64 },
+    Intact {
+        rows: u64,
+    },
+    Altered {
+        position: u64,
+    },
+    Inserted {
+        position: u64,
+    },
+    Deleted {
+        position: u64,
+    },
+    /// The open month no longer matches a running checkpoint: a row with a
+    /// position in `(after, up_to]` was altered, inserted or deleted.
+    CheckpointBroken {
+        after: u64,
+        up_to: u64,
+    },
+    /// The open month matches all its checkpoints.
+    CheckpointsIntact {
+        rows: u64,
+        checkpoints: u64,
+    },
 }
 
 impl std::fmt::Display for Finding {
@@ -73,6 +98,14 @@ impl std::fmt::Display for Finding {
             Finding::Deleted { position } => {
                 write!(f, "the row at position {position} was deleted")
             }
+            Finding::CheckpointBroken { after, up_to } => write!(
+                f,
+                "the month no longer matches its running checkpoint: a row with a position after {after} and at most {up_to} was altered, inserted or deleted"
+            ),
+            Finding::CheckpointsIntact { rows, checkpoints } => write!(
+                f,
+                "not sealed yet (the month is open): {rows} rows match its {checkpoints} running checkpoint(s)"
+            ),
         }
     }
 }
@@ -96,17 +129,29 @@ async fn exists(client: &Client, partition: &str) -> Result<bool, SealError> {
 async fn digests(
     client: &Client,
     partition: &str,
+    each: impl FnMut(u64, [u8; 32]),
+) -> Result<u64, SealError> {
+    digests_between(client, partition, -1, i64::MAX, each).await
+}
+
+/// Rows with `after < position <= up_to`, digested in position order.
+async fn digests_between(
+    client: &Client,
+    partition: &str,
+    after: i64,
+    up_to: i64,
     mut each: impl FnMut(u64, [u8; 32]),
 ) -> Result<u64, SealError> {
     let sql = format!(
         "SELECT position, stream, version::text, type, payload::text, metadata::text,
                 recorded_at::text, xid::text
-           FROM strata.{partition} WHERE position > $1 ORDER BY position LIMIT 10000"
+           FROM strata.{partition} WHERE position > $1 AND position <= $2
+          ORDER BY position LIMIT 10000"
     );
-    let mut after = -1i64;
+    let mut after = after;
     let mut n = 0u64;
     loop {
-        let rows = client.query(&sql, &[&after]).await?;
+        let rows = client.query(&sql, &[&after, &up_to]).await?;
         if rows.is_empty() {
             return Ok(n);
         }
@@ -148,11 +193,28 @@ pub async fn seal(client: &Client, month: &str) -> Result<Seal, SealError> {
     {
         return Err(SealError::AlreadySealed(partition, r.get(0)));
     }
+    let checkpoints = load_checkpoints(client, &partition).await?;
+    let mut next_checkpoint = 0usize;
+    let mut broken: Option<usize> = None;
     let mut chain = [0u8; 32];
     let mut segments: Vec<(Vec<i64>, Vec<u8>, [u8; 32])> = Vec::new();
     let (mut positions, mut short) = (Vec::new(), Vec::new());
     let (mut first, mut last) = (None, None);
     let rows = digests(client, &partition, |p, d| {
+        // The chain must pass through every checkpoint taken while the month
+        // was open: the first checkpoint whose position is passed without a
+        // match is broken.
+        while broken.is_none() && next_checkpoint < checkpoints.len() {
+            let c = &checkpoints[next_checkpoint];
+            if p > c.last_position {
+                if last.unwrap_or(0) != c.last_position || chain != c.chain {
+                    broken = Some(next_checkpoint);
+                }
+                next_checkpoint += 1;
+            } else {
+                break;
+            }
+        }
         link(&mut chain, &d);
         first.get_or_insert(p);
         last = Some(p);
@@ -169,6 +231,19 @@ pub async fn seal(client: &Client, month: &str) -> Result<Seal, SealError> {
     .await?;
     if !positions.is_empty() {
         segments.push((positions, short, chain));
+    }
+    for (i, c) in checkpoints.iter().enumerate().skip(next_checkpoint) {
+        if broken.is_none() && (last != Some(c.last_position) || chain != c.chain) {
+            broken = Some(i);
+        }
+    }
+    if let Some(i) = broken {
+        let c = &checkpoints[i];
+        return Err(SealError::CheckpointBroken {
+            partition,
+            last_position: c.last_position,
+            taken_at: c.taken_at.clone(),
+        });
     }
     client
         .execute(
@@ -200,16 +275,147 @@ pub async fn seal(client: &Client, month: &str) -> Result<Seal, SealError> {
     })
 }
 
-/// Recomputes a sealed partition and names the first difference.
+/// A running checkpoint of an open month's chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub last_position: u64,
+    pub rows: u64,
+    pub chain: [u8; 32],
+    pub taken_at: String,
+}
+
+async fn load_checkpoints(client: &Client, partition: &str) -> Result<Vec<Checkpoint>, SealError> {
+    Ok(client
+        .query(
+            "SELECT last_position, rows, chain, taken_at::text FROM strata.seal_checkpoints
+              WHERE partition = $1 ORDER BY last_position",
+            &[&partition],
+        )
+        .await?
+        .iter()
+        .map(|r| {
+            let mut chain = [0u8; 32];
+            let c: Vec<u8> = r.get(2);
+            if c.len() == 32 {
+                chain.copy_from_slice(&c);
+            }
+            Checkpoint {
+                last_position: r.get::<_, i64>(0) as u64,
+                rows: r.get::<_, i64>(1) as u64,
+                chain,
+                taken_at: r.get(3),
+            }
+        })
+        .collect())
+}
+
+/// Extends the open month's chain over the rows committed since its last
+/// checkpoint (up to the durable head) and records a checkpoint if any were
+/// added. Returns the checkpoint written, if any.
+pub async fn checkpoint(client: &Client, month: &str) -> Result<Option<Checkpoint>, SealError> {
+    let partition = partition_of(month)?;
+    if !exists(client, &partition).await? {
+        return Err(SealError::NoPartition(partition));
+    }
+    let head = events::read::head(client).await?.0 as i64;
+    let last = load_checkpoints(client, &partition).await?.pop();
+    let (mut chain, mut rows, after) = match &last {
+        Some(c) => (c.chain, c.rows, c.last_position as i64),
+        None => ([0u8; 32], 0, -1),
+    };
+    let mut last_position = None;
+    let n = digests_between(client, &partition, after, head, |p, d| {
+        link(&mut chain, &d);
+        last_position = Some(p);
+    })
+    .await?;
+    let Some(last_position) = last_position else {
+        return Ok(None);
+    };
+    rows += n;
+    let r = client
+        .query_one(
+            "INSERT INTO strata.seal_checkpoints (partition, last_position, rows, chain)
+             VALUES ($1, $2, $3, $4)
+             ON CONFLICT (partition, last_position) DO UPDATE SET last_position = EXCLUDED.last_position
+             RETURNING taken_at::text",
+            &[&partition, &(last_position as i64), &(rows as i64), &chain.to_vec()],
+        )
+        .await?;
+    Ok(Some(Checkpoint {
+        last_position,
+        rows,
+        chain,
+        taken_at: r.get(0),
+    }))
+}
+
+/// Recomputes an open month's chain and checks it against every checkpoint.
+async fn verify_checkpoints(
+    client: &Client,
+    partition: &str,
+    checkpoints: &[Checkpoint],
+) -> Result<Finding, SealError> {
+    let mut chain = [0u8; 32];
+    let mut i = 0usize;
+    let mut prev = 0u64;
+    let mut last = 0u64;
+    let mut result: Option<Finding> = None;
+    let up_to = checkpoints
+        .last()
+        .map(|c| c.last_position as i64)
+        .unwrap_or(0);
+    let rows = digests_between(client, partition, -1, up_to, |p, d| {
+        while result.is_none() && i < checkpoints.len() && p > checkpoints[i].last_position {
+            let c = &checkpoints[i];
+            if last != c.last_position || chain != c.chain {
+                result = Some(Finding::CheckpointBroken {
+                    after: prev,
+                    up_to: c.last_position,
+                });
+            }
+            prev = c.last_position;
+            i += 1;
+        }
+        link(&mut chain, &d);
+        last = p;
+    })
+    .await?;
+    if let Some(f) = result {
+        return Ok(f);
+    }
+    for c in &checkpoints[i..] {
+        if last != c.last_position || chain != c.chain {
+            return Ok(Finding::CheckpointBroken {
+                after: prev,
+                up_to: c.last_position,
+            });
+        }
+        prev = c.last_position;
+    }
+    Ok(Finding::CheckpointsIntact {
+        rows,
+        checkpoints: checkpoints.len() as u64,
+    })
+}
+
+/// Recomputes a sealed partition and names the first difference; an open
+/// month is checked against its running checkpoints.
 pub async fn verify(client: &Client, month: &str) -> Result<Finding, SealError> {
     let partition = partition_of(month)?;
-    let seal = client
+    let Some(seal) = client
         .query_opt(
             "SELECT rows, chain FROM strata.seals WHERE partition = $1",
             &[&partition],
         )
         .await?
-        .ok_or_else(|| SealError::NotSealed(partition.clone()))?;
+    else {
+        let checkpoints = load_checkpoints(client, &partition).await?;
+        if checkpoints.is_empty() {
+            return Err(SealError::NotSealed(partition));
+        }
+        return verify_checkpoints(client, &partition, &checkpoints).await;
+    };
     let sealed_chain: Vec<u8> = seal.get(1);
     let mut sealed: BTreeMap<u64, [u8; 8]> = BTreeMap::new();
     for r in client
@@ -254,7 +460,9 @@ pub async fn verify(client: &Client, month: &str) -> Result<Finding, SealError> 
         Finding::Altered { position }
         | Finding::Inserted { position }
         | Finding::Deleted { position } => *position,
-        Finding::Intact { .. } => u64::MAX,
+        Finding::Intact { .. }
+        | Finding::CheckpointBroken { .. }
+        | Finding::CheckpointsIntact { .. } => u64::MAX,
     };
     findings.sort_by_key(pos);
     if let Some(f) = findings.into_iter().next() {
@@ -268,4 +476,96 @@ pub async fn verify(client: &Client, month: &str) -> Result<Finding, SealError> 
         });
     }
     Ok(Finding::Intact { rows })
+}
+
+/// Months whose partitions exist, closed at least `grace` before `now`, not
+/// sealed yet; each as `YYYY-MM` with its end.
+pub async fn unsealed_closed_months(
+    client: &Client,
+    grace: std::time::Duration,
+) -> Result<Vec<String>, SealError> {
+    let grace_s = grace.as_secs_f64();
+    Ok(client
+        .query(
+            "SELECT to_char(lower_bound AT TIME ZONE 'UTC', 'YYYY-MM') FROM (
+               SELECT c.relname,
+                      (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \\(''([^'']+)''\\)'))[1]::timestamptz AS upper_bound,
+                      (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \\(''([^'']+)''\\)'))[1]::timestamptz AS lower_bound
+                 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                WHERE i.inhparent = 'strata.events'::regclass) p
+              WHERE upper_bound + make_interval(secs => $1) <= now()
+                AND NOT EXISTS (SELECT 1 FROM strata.seals s WHERE s.partition = p.relname)
+                -- nothing that started before the month ended is still running
+                AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a
+                                 WHERE a.xact_start < p.upper_bound
+                                   AND a.backend_type = 'client backend'
+                                   AND a.pid <> pg_backend_pid())
+              ORDER BY 1",
+            &[&grace_s],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// The month `now` is in, as `YYYY-MM` (UTC).
+pub async fn current_month(client: &Client) -> Result<String, SealError> {
+    Ok(client
+        .query_one("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM')", &[])
+        .await?
+        .get(0))
+}
+
+/// What one maintenance pass did.
+#[derive(Debug, Default)]
+pub struct Maintained {
+    pub sealed: Vec<Seal>,
+    pub checkpoint: Option<Checkpoint>,
+    /// Months that could not be sealed, with why (a broken checkpoint, say).
+    pub refused: Vec<(String, String)>,
+}
+
+/// Seals every month that closed at least `grace` ago and takes a
+/// checkpoint of the open one. One process at a time does it (an advisory
+/// lock); others return at once with nothing done.
+pub async fn maintain(
+    client: &Client,
+    grace: std::time::Duration,
+) -> Result<Maintained, SealError> {
+    const LOCK: i64 = 0x5374_7261_7461_5345;
+    let got: bool = client
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&LOCK])
+        .await?
+        .get(0);
+    if !got {
+        return Ok(Maintained::default());
+    }
+    let result = async {
+        let mut done = Maintained::default();
+        for month in unsealed_closed_months(client, grace).await? {
+            // The last rows of the month go into a final checkpoint first,
+            // so the seal is checked against everything seen while open.
+            match seal(client, &month).await {
+                Ok(s) => done.sealed.push(s),
+                Err(SealError::AlreadySealed(..)) => {}
+                Err(e @ SealError::CheckpointBroken { .. }) => {
+                    done.refused.push((month, e.to_string()))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let open = current_month(client).await?;
+        match checkpoint(client, &open).await {
+            Ok(c) => done.checkpoint = c,
+            Err(SealError::NoPartition(_)) => {}
+            Err(e) => return Err(e),
+        }
+        Ok(done)
+    }
+    .await;
+    let _ = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&LOCK])
+        .await;
+    result
 }

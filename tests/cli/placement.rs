@@ -1,7 +1,7 @@
 //! Reservations end to end: placer processes, the client commands, a placer
 //! killed with SIGKILL, and the replay check.
 
-use super::{database, fails, ok, strata};
+use super::{append_args, database, fails, ok, strata};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -948,4 +948,86 @@ fn partitions_retire_only_sealed_and_exported_months() {
         "13",
     ]);
     assert!(err.contains("13mo"), "{err}");
+}
+
+#[test]
+fn the_maintenance_role_seals_closed_months_and_checkpoints_the_open_one() {
+    let url = database();
+    let rt = rt();
+    let month: String = rt.block_on(async {
+        let c = events::db::connect(&url.parse().unwrap(), "t")
+            .await
+            .unwrap();
+        // A row in a month long closed, written as a late appender would.
+        c.batch_execute(
+            "SELECT strata.ensure_partition('2024-01-15T00:00:00Z');
+             UPDATE strata.log_head SET last_position = 1;
+             INSERT INTO strata.events (position, stream, version, type, payload, recorded_at)
+             VALUES (1, 'old/x', 1, 't', '{}', '2024-01-15T00:00:00Z');",
+        )
+        .await
+        .unwrap();
+        c.query_one("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM')", &[])
+            .await
+            .unwrap()
+            .get(0)
+    });
+    for i in 0..3 {
+        ok(&append_args(
+            &url,
+            "now/x",
+            "t",
+            &format!("{{\"i\":{i}}}"),
+            &[],
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("m.log");
+    let mut server = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "serve",
+            "--roles",
+            "maintenance",
+            "--database-url",
+            &url,
+            "--seal-every",
+            "1s",
+            "--seal-grace",
+            "0s",
+            "--slot",
+            "sealer_cli",
+        ])
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let sealed = wait_for(60, || {
+        let out = strata(&["audit", "verify", "2024-01", "--database-url", &url]);
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    });
+    let open = wait_for(30, || {
+        let out = strata(&["audit", "verify", &month, "--database-url", &url]);
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    });
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let logs = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        sealed
+            .as_deref()
+            .is_some_and(|s| s.contains("intact: 1 rows")),
+        "{sealed:?}\n{logs}"
+    );
+    assert!(logs.contains("sealed a closed month"), "{logs}");
+    assert!(
+        open.as_deref()
+            .is_some_and(|s| s.contains("3 rows match its 1 running checkpoint")),
+        "{open:?}\n{logs}"
+    );
 }

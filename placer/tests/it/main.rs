@@ -8,6 +8,7 @@ use placer::{plan, Placer, PlacerConfig};
 use projections::domain::pool_stream;
 use projections::{check, projector, Fact, Index, Projector, Request, Shape, SnapshotStore};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::{Client, Config};
 
@@ -468,4 +469,120 @@ async fn seals_name_the_first_altered_inserted_or_deleted_row() {
         assert_eq!(seal::verify(&client, &month).await.unwrap(), want, "{case}");
     }
     assert!(projections::seal::partition_of("2026-13").is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_months_keep_checkpoints_and_closed_months_are_sealed_against_them() {
+    use projections::seal::{self, Finding, SealError};
+    let (cfg, client) = db().await;
+    // A month long closed (2024-01) and the open one, written through the
+    // appender with its clock set.
+    let jan = std::time::UNIX_EPOCH + Duration::from_secs(1_704_067_200 + 86_400); // 2024-01-02
+    schema::partitions::ensure(&client, 1, jan).await.unwrap();
+    let mut old_cfg = AppenderConfig::default();
+    old_cfg.clock = Some(Arc::new(move || jan));
+    let old = Appender::start(cfg.clone(), old_cfg);
+    let now = Appender::start(cfg.clone(), AppenderConfig::default());
+    let put = |a: &Appender, n: u32, tag: &'static str| {
+        let a = a.clone();
+        async move {
+            for i in 0..n {
+                a.append(
+                    "audit/x",
+                    ExpectedVersion::Any,
+                    vec![events::NewEvent::new(tag, &serde_json::json!({ "i": i }))],
+                )
+                .await
+                .unwrap();
+            }
+        }
+    };
+    put(&old, 30, "t.jan").await;
+    // The closed month was checkpointed while it was open.
+    let c1 = seal::checkpoint(&client, "2024-01").await.unwrap().unwrap();
+    assert_eq!((c1.rows, c1.last_position), (30, 30));
+    put(&old, 10, "t.jan").await;
+    put(&now, 20, "t.now").await;
+    let month = seal::current_month(&client).await.unwrap();
+    let open1 = seal::checkpoint(&client, &month).await.unwrap().unwrap();
+    assert_eq!(open1.rows, 20);
+    assert!(
+        seal::checkpoint(&client, &month).await.unwrap().is_none(),
+        "nothing new"
+    );
+    put(&now, 5, "t.now").await;
+    let open2 = seal::checkpoint(&client, &month).await.unwrap().unwrap();
+    assert_eq!(open2.rows, 25);
+    assert_eq!(
+        seal::verify(&client, &month).await.unwrap(),
+        Finding::CheckpointsIntact {
+            rows: 25,
+            checkpoints: 2
+        }
+    );
+    // An open-month row altered behind a checkpoint is found, with its range.
+    let part = seal::partition_of(&month).unwrap();
+    let target = open1.last_position + 2;
+    client
+        .execute(
+            &format!(
+                "UPDATE strata.{part} SET payload = '{{\"i\": -1}}' WHERE position = {target}"
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        seal::verify(&client, &month).await.unwrap(),
+        Finding::CheckpointBroken {
+            after: open1.last_position,
+            up_to: open2.last_position
+        }
+    );
+
+    // A second closed month, altered after its checkpoint.
+    let feb = std::time::UNIX_EPOCH + Duration::from_secs(1_706_745_600 + 86_400); // 2024-02-02
+    schema::partitions::ensure(&client, 1, feb).await.unwrap();
+    let mut feb_cfg = AppenderConfig::default();
+    feb_cfg.clock = Some(Arc::new(move || feb));
+    let febs = Appender::start(cfg.clone(), feb_cfg);
+    put(&febs, 10, "t.feb").await;
+    let cf = seal::checkpoint(&client, "2024-02").await.unwrap().unwrap();
+    client
+        .execute(
+            &format!(
+                "DELETE FROM strata.events_2024_02 WHERE position = {}",
+                cf.last_position - 3
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    // Maintenance seals the month that matches its checkpoint and refuses
+    // the other.
+    let done = seal::maintain(&client, Duration::ZERO).await.unwrap();
+    let sealed: Vec<&str> = done.sealed.iter().map(|s| s.partition.as_str()).collect();
+    assert!(sealed.contains(&"events_2024_01"), "{done:?}");
+    assert_eq!(
+        done.sealed
+            .iter()
+            .find(|s| s.partition == "events_2024_01")
+            .unwrap()
+            .rows,
+        40
+    );
+    assert_eq!(
+        seal::verify(&client, "2024-01").await.unwrap(),
+        Finding::Intact { rows: 40 }
+    );
+    assert!(
+        done.refused
+            .iter()
+            .any(|(m, why)| m == "2024-02" && why.contains("altered after the checkpoint")),
+        "{done:?}"
+    );
+    assert!(matches!(
+        seal::seal(&client, "2024-02").await,
+        Err(SealError::CheckpointBroken { .. })
+    ));
 }
