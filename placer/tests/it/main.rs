@@ -479,8 +479,10 @@ async fn open_months_keep_checkpoints_and_closed_months_are_sealed_against_them(
     // appender with its clock set.
     let jan = std::time::UNIX_EPOCH + Duration::from_secs(1_704_067_200 + 86_400); // 2024-01-02
     schema::partitions::ensure(&client, 1, jan).await.unwrap();
-    let mut old_cfg = AppenderConfig::default();
-    old_cfg.clock = Some(Arc::new(move || jan));
+    let old_cfg = AppenderConfig {
+        clock: Some(Arc::new(move || jan)),
+        ..AppenderConfig::default()
+    };
     let old = Appender::start(cfg.clone(), old_cfg);
     let now = Appender::start(cfg.clone(), AppenderConfig::default());
     let put = |a: &Appender, n: u32, tag: &'static str| {
@@ -543,8 +545,10 @@ async fn open_months_keep_checkpoints_and_closed_months_are_sealed_against_them(
     // A second closed month, altered after its checkpoint.
     let feb = std::time::UNIX_EPOCH + Duration::from_secs(1_706_745_600 + 86_400); // 2024-02-02
     schema::partitions::ensure(&client, 1, feb).await.unwrap();
-    let mut feb_cfg = AppenderConfig::default();
-    feb_cfg.clock = Some(Arc::new(move || feb));
+    let feb_cfg = AppenderConfig {
+        clock: Some(Arc::new(move || feb)),
+        ..AppenderConfig::default()
+    };
     let febs = Appender::start(cfg.clone(), feb_cfg);
     put(&febs, 10, "t.feb").await;
     let cf = seal::checkpoint(&client, "2024-02").await.unwrap().unwrap();
