@@ -145,9 +145,14 @@ async fn index_until(db: &Db, until: Option<u64>) -> Result<Index> {
     let client = connect(db).await?;
     let progress = std::sync::Arc::new(projections::replay::Progress::default());
     let display = crate::replay::progress_display("reading the log".into(), progress.clone());
-    let index = projections::replay::from_postgres(&client, Index::new(), until, progress, |v| {
-        eprintln!("warning: the log breaks an invariant: {v}")
-    })
+    let index = projections::replay::from_postgres(
+        &config(db)?,
+        &client,
+        Index::new(),
+        until,
+        progress,
+        |v| eprintln!("warning: the log breaks an invariant: {v}"),
+    )
     .await;
     crate::replay::stop_display(display);
     index.context("read the log")

@@ -160,9 +160,16 @@ async fn replay_into<P: Projection>(
     let result = if archives.is_empty() {
         let db = db.context("give --database-url, or --archive files to replay from")?;
         let client = connect(db).await?;
-        replay::from_postgres(&client, projection, until, progress.clone(), on_violation)
-            .await
-            .context("replay from the database")
+        replay::from_postgres(
+            &config(db)?,
+            &client,
+            projection,
+            until,
+            progress.clone(),
+            on_violation,
+        )
+        .await
+        .context("replay from the database")
     } else {
         let mut p = projection;
         let mut f = on_violation;

@@ -18,7 +18,7 @@
 use crate::util::{self, round};
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::SinkExt;
 use projections::replay::{self, Progress};
 use projections::{DeviceSpec, Fact, Index, Request, Shape};
 use std::sync::Arc;
@@ -241,18 +241,24 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
     Ok(g.index)
 }
 
-/// The baseline: the replay's COPY, rows received and counted.
-async fn copy_only(db: &tokio_postgres::Client, n: u64) -> Result<f64> {
+/// The baseline: the replay's COPY over the same kind of connection, rows
+/// received and counted (one CopyData message per row).
+async fn copy_only(cfg: &tokio_postgres::Config, n: u64) -> Result<f64> {
     let t = Instant::now();
-    let stream = db.copy_out(&replay::copy_sql(0, n)).await?;
-    futures_util::pin_mut!(stream);
+    let mut conn =
+        events::replication::ReplicationConnection::connect_session(cfg, "bench-copy", None)
+            .await?;
+    conn.copy_out_start(&replay::copy_sql(0, n)).await?;
     let mut bytes = 0usize;
     let mut chunks = 0u64;
-    while let Some(c) = stream.next().await {
-        let c = c?;
-        bytes += c.len();
-        chunks += 1;
-    }
+    while conn
+        .copy_data(|c| {
+            bytes += c.len();
+            chunks += 1;
+            Ok::<(), events::replication::ReplicationError>(())
+        })
+        .await?
+    {}
     let secs = t.elapsed().as_secs_f64();
     if chunks < n {
         bail!("COPY returned {chunks} chunks for {n} rows ({bytes} bytes)");
@@ -280,12 +286,14 @@ pub async fn run(args: Args) -> Result<()> {
     eprintln!("log: {n} events, {size}");
 
     // Warm the cache once (both readers then find the same pages in memory).
-    copy_only(&db, n).await?;
+    copy_only(&cfg, n).await?;
     let (mut copy, mut pg, mut archive) = (Vec::new(), Vec::new(), Vec::new());
     for round_no in 0..args.repeat {
-        copy.push(copy_only(&db, n).await?);
+        copy.push(copy_only(&cfg, n).await?);
         let t = Instant::now();
+        let cpu0 = util::cpu_seconds(std::process::id());
         let index = replay::from_postgres(
+            &cfg,
             &db,
             Index::new(),
             None,
@@ -294,6 +302,13 @@ pub async fn run(args: Args) -> Result<()> {
         )
         .await?;
         pg.push(n as f64 / t.elapsed().as_secs_f64());
+        let cpu = util::cpu_seconds(std::process::id()) - cpu0;
+        eprintln!(
+            "replay client CPU {:.2} s ({:.2} us/event), wall {:.2} s",
+            cpu,
+            cpu * 1e6 / n as f64,
+            t.elapsed().as_secs_f64()
+        );
         if index != expected {
             bail!("the index replayed from PostgreSQL differs from the one built while loading");
         }
@@ -349,6 +364,19 @@ pub async fn run(args: Args) -> Result<()> {
             index.apply_parsed(e, p)?;
         }
         let t_apply = t.elapsed().as_secs_f64();
+        if std::env::var_os("STRATA_BENCH_APPLY_ONLY").is_some() {
+            for _ in 0..5 {
+                let parsed: Vec<_> = evs
+                    .iter()
+                    .map(|e| Fact::parse(&e.event_type, &e.payload))
+                    .collect();
+                let mut index = Index::new();
+                for (e, p) in evs.iter().zip(parsed) {
+                    index.apply_parsed(e, p)?;
+                }
+            }
+            return Ok(());
+        }
         eprintln!("breakdown for {} rows: to_event {t_ev:.2} s, parse {t_parse:.2} s, apply {t_apply:.2} s", evs.len());
     }
     let (mut load_s, mut apply_s) = (Vec::new(), Vec::new());

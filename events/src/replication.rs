@@ -344,6 +344,101 @@ impl ReplicationConnection {
             .ok_or_else(|| ReplicationError::Protocol("incomplete message".into()))
     }
 
+    /// Starts `COPY ... TO STDOUT` (a plain session); read its data with
+    /// [`Self::copy_data`].
+    pub async fn copy_out_start(&mut self, sql: &str) -> Result<(), ReplicationError> {
+        frontend::query(sql, &mut self.wbuf).map_err(io("encode COPY"))?;
+        self.flush().await?;
+        loop {
+            match self.next_message().await? {
+                Some(Message::CopyOutResponse(_)) => return Ok(()),
+                Some(Message::ErrorResponse(body)) => {
+                    let e = server_error("COPY", &body);
+                    // Drain to ReadyForQuery so the connection stays usable.
+                    while !matches!(self.next_message().await?, Some(Message::ReadyForQuery(_))) {}
+                    return Err(e);
+                }
+                Some(Message::ReadyForQuery(_)) => {
+                    return Err(ReplicationError::Protocol(
+                        "the statement did not start a COPY".into(),
+                    ))
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Hands every complete CopyData payload in the buffer to `f` (reading
+    /// from the socket when none is complete). Returns `false` once the COPY
+    /// has ended (CopyDone, CommandComplete and ReadyForQuery read). Whole
+    /// buffers are processed at a time, without a copy per row.
+    pub async fn copy_data<E: From<ReplicationError>>(
+        &mut self,
+        mut f: impl FnMut(&[u8]) -> Result<(), E>,
+    ) -> Result<bool, E> {
+        loop {
+            let mut used = 0usize;
+            let mut progressed = false;
+            loop {
+                let rest = &self.rbuf[used..];
+                if rest.len() < 5 {
+                    break;
+                }
+                let tag = rest[0];
+                let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+                if len < 4 || len + 1 > MAX_FRAME {
+                    return Err(
+                        ReplicationError::Protocol(format!("COPY frame of {len} bytes")).into(),
+                    );
+                }
+                if rest.len() < len + 1 {
+                    break;
+                }
+                if tag != b'd' {
+                    break;
+                }
+                f(&rest[5..len + 1])?;
+                used += len + 1;
+                progressed = true;
+            }
+            self.rbuf.advance(used);
+            if progressed {
+                return Ok(true);
+            }
+            // Not a complete CopyData frame: another message, or more bytes.
+            if self.rbuf.len() >= 5 && self.rbuf[0] != b'd' {
+                let len =
+                    u32::from_be_bytes([self.rbuf[1], self.rbuf[2], self.rbuf[3], self.rbuf[4]])
+                        as usize;
+                if self.rbuf.len() >= len + 1 {
+                    match self.next_message().await? {
+                        Some(Message::ReadyForQuery(_)) => return Ok(false),
+                        Some(Message::ErrorResponse(body)) => {
+                            let e = server_error("COPY", &body);
+                            while !matches!(
+                                self.next_message().await?,
+                                Some(Message::ReadyForQuery(_))
+                            ) {}
+                            return Err(e.into());
+                        }
+                        _ => continue,
+                    }
+                }
+            }
+            if self.rbuf.capacity() - self.rbuf.len() < 64 * 1024 {
+                self.rbuf.reserve(256 * 1024);
+            }
+            let n = self
+                .stream
+                .read_buf(&mut self.rbuf)
+                .await
+                .map_err(io("read COPY data"))?;
+            if n == 0 {
+                return Err(ReplicationError::Closed.into());
+            }
+        }
+    }
+
     pub async fn flush(&mut self) -> Result<(), ReplicationError> {
         self.stream
             .write_all(&self.wbuf)

@@ -238,6 +238,31 @@ mod tests {
             w
         }
 
+        /// Like [`World::new`], but odd nodes have no NVLink islands and
+        /// every third node also has devices of another class, so both the
+        /// island path and the in-place booking path of the index run.
+        fn mixed(nodes: u32) -> World {
+            let mut w = World {
+                log: Log::new(),
+                index: Index::new(),
+            };
+            w.pool(&Fact::PoolCreated {
+                description: String::new(),
+            });
+            for n in 0..nodes {
+                let node = format!("n{n:02}");
+                let mut d = devices(&node, C, 8, if n % 2 == 0 { 4 } else { 0 });
+                if n % 3 == 0 {
+                    for mut extra in devices(&node, "L40S", 2, 0) {
+                        extra.id = format!("x{}", extra.id);
+                        d.push(extra);
+                    }
+                }
+                w.pool(&Fact::NodeJoined { node, devices: d });
+            }
+            w
+        }
+
         fn pool(&mut self, fact: &Fact) -> Option<projections::Violation> {
             let e = self.log.push(&pool_stream("p"), fact);
             self.index.apply(&e).unwrap()
@@ -548,8 +573,20 @@ mod tests {
     /// never produces an invalid placement, and bookings stay consistent.
     #[test]
     fn random_runs_keep_the_index_consistent() {
-        let mut rng = fastrand::Rng::with_seed(7);
-        let mut w = World::new(12);
+        for seed in [7, 8] {
+            random_run(
+                seed,
+                if seed == 7 {
+                    World::new(12)
+                } else {
+                    World::mixed(12)
+                },
+            );
+        }
+    }
+
+    fn random_run(seed: u64, mut w: World) {
+        let mut rng = fastrand::Rng::with_seed(seed);
         let mut live: Vec<String> = Vec::new();
         let mut placed = 0;
         for step in 0..600 {

@@ -99,6 +99,22 @@ pub async fn export(client: &Client, month: &str) -> Result<(Vec<u8>, u64), Arch
 }
 
 impl ArchivedRow {
+    /// The event without its payload and metadata (for a projection that
+    /// takes the fact parsed from [`ArchivedRow::payload`]).
+    pub fn to_event_without_payload(&self) -> Event {
+        let us = self.recorded_at_us.to_native();
+        Event {
+            position: Position(self.position.to_native()),
+            stream: self.stream.as_str().to_string(),
+            version: self.version.to_native(),
+            event_type: self.event_type.as_str().to_string(),
+            payload: String::new(),
+            metadata: String::new(),
+            recorded_at: UNIX_EPOCH + Duration::from_micros(us.max(0) as u64),
+            xid: self.xid.to_native(),
+        }
+    }
+
     /// The event, read straight from the archive.
     pub fn to_event(&self) -> Event {
         let us = self.recorded_at_us.to_native();

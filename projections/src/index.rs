@@ -445,8 +445,8 @@ impl Index {
         };
         let schedulable = node.schedulable();
         // (class, devices, free); (class, island, devices, free indexes).
-        let mut per_class: Vec<(&str, u32, u32)> = Vec::with_capacity(1);
-        let mut per_island: Vec<(&str, &str, u32, Vec<u32>)> = Vec::with_capacity(2);
+        let mut per_class: Vec<(&str, u32, u32)> = Vec::new();
+        let mut per_island: Vec<(&str, &str, u32, Vec<u32>)> = Vec::new();
         for (i, d) in node.devices.iter().enumerate() {
             if !d.present {
                 continue;
@@ -551,14 +551,23 @@ impl Index {
         let Some(r) = self.state.reservations.get(id) else {
             return;
         };
-        let q = self.queues.entry(r.request.pool.clone()).or_default();
-        let k = key(r);
+        let queued = matches!(r.phase, Phase::Pending | Phase::Queued);
+        let expiring = r.expires_at_ms.is_some() && r.phase.is_live();
+        if !queued && !r.release_requested && !expiring {
+            // Placed or active, nothing to release or expire: in no queue.
+            return;
+        }
+        let q = match self.queues.get_mut(&r.request.pool) {
+            Some(q) => q,
+            None => self.queues.entry(r.request.pool.clone()).or_default(),
+        };
         let set = match r.phase {
             Phase::Pending => Some(&mut q.pending),
             Phase::Queued => Some(&mut q.queued),
             _ => None,
         };
         if let Some(set) = set {
+            let k = key(r);
             if add {
                 set.insert(k);
             } else {
@@ -609,6 +618,98 @@ impl Index {
         Some(r)
     }
 
+    /// [`Index::with_node`] for a change of bookings only (`f` sets or clears
+    /// `booked_by`, nothing else): the node's derived contribution is moved
+    /// by the change in free devices per class, in place, without taking it
+    /// out and putting it back. Nodes on NVLink islands, and nodes of more
+    /// than 64 devices, take the general path.
+    fn rebook<R>(&mut self, pool: &str, node: &str, f: impl FnOnce(&mut Node) -> R) -> Option<R> {
+        let n = self.state.pools.get(pool)?.nodes.get(node)?;
+        if n.left || n.devices.len() > 64 || n.devices.iter().any(|d| d.spec.island.is_some()) {
+            return self.with_node(pool, node, f);
+        }
+        let free_mask = |n: &Node| -> u64 {
+            let schedulable = n.schedulable();
+            n.devices
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| schedulable && d.free())
+                .fold(0u64, |m, (i, _)| m | 1 << i)
+        };
+        let before = free_mask(n);
+        let n = self
+            .state
+            .pools
+            .get_mut(pool)
+            .and_then(|p| p.nodes.get_mut(node))
+            .expect("checked above");
+        let r = f(n);
+        let n = &self.state.pools[pool].nodes[node];
+        let after = free_mask(n);
+        if before == after {
+            return Some(r);
+        }
+        let Some(classes) = self.classes.get_mut(pool) else {
+            return Some(r);
+        };
+        // Each class whose free count changed: old and new counts.
+        let changed = before ^ after;
+        for (i, d) in n.devices.iter().enumerate() {
+            if changed & (1 << i) == 0 || !d.present {
+                continue;
+            }
+            let class = d.spec.class.as_str();
+            // Handle a class once: at its first changed device.
+            if n.devices[..i]
+                .iter()
+                .enumerate()
+                .any(|(j, e)| changed & (1 << j) != 0 && e.present && e.spec.class == class)
+            {
+                continue;
+            }
+            let of_class = n
+                .devices
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.present && e.spec.class == class)
+                .fold(0u64, |m, (j, _)| m | 1 << j);
+            let old = (before & of_class).count_ones();
+            let new = (after & of_class).count_ones();
+            let Some(c) = classes.get_mut(class) else {
+                continue;
+            };
+            c.free = c.free + new as u64 - old as u64;
+            let name = if old > 0 {
+                let taken = c.by_free.get_mut(&old).and_then(|set| set.take(node));
+                if c.by_free.get(&old).is_some_and(|set| set.is_empty()) {
+                    c.by_free.remove(&old);
+                }
+                taken
+            } else {
+                None
+            };
+            match (old > 0, new > 0) {
+                (true, true) => {
+                    if let Some(v) = c.node_free.get_mut(node) {
+                        *v = new;
+                    }
+                }
+                (true, false) => {
+                    c.node_free.remove(node);
+                }
+                (false, true) => {
+                    c.node_free.insert(node.to_string(), new);
+                }
+                (false, false) => {}
+            }
+            if new > 0 {
+                let name = name.unwrap_or_else(|| node.to_string());
+                c.by_free.entry(new).or_default().insert(name);
+            }
+        }
+        Some(r)
+    }
+
     fn with_reservation<R>(
         &mut self,
         id: &str,
@@ -628,7 +729,7 @@ impl Index {
     /// alone and returned.
     pub fn book(&mut self, pool: &str, alloc: &Allocation, reservation: &str) -> Vec<String> {
         let mut refused = Vec::new();
-        let done = self.with_node(pool, &alloc.node, |node| {
+        let done = self.rebook(pool, &alloc.node, |node| {
             for id in &alloc.devices {
                 match node.devices.iter_mut().find(|d| &d.spec.id == id) {
                     Some(d) if d.booked_by.is_none() => d.booked_by = Some(reservation.to_string()),
@@ -644,7 +745,7 @@ impl Index {
 
     /// Frees the devices of an allocation booked by `reservation`.
     pub fn unbook(&mut self, pool: &str, alloc: &Allocation, reservation: &str) {
-        self.with_node(pool, &alloc.node, |node| {
+        self.rebook(pool, &alloc.node, |node| {
             for id in &alloc.devices {
                 if let Some(d) = node.devices.iter_mut().find(|d| &d.spec.id == id) {
                     if d.booked_by.as_deref() == Some(reservation) {
@@ -1027,22 +1128,23 @@ impl Index {
         let Some(p) = self.state.pools.get(pool) else {
             return Some(format!("pool {pool:?} does not exist"));
         };
+        // Checked without allocating: this runs for every placement applied.
         let mut count = 0u32;
-        let mut islands = BTreeSet::new();
-        let mut nodes = BTreeSet::new();
-        for a in allocations {
+        // The one island every device shares so far: None before the first
+        // device, Some(None) once devices disagree or one has no island.
+        let mut island: Option<Option<&str>> = None;
+        for (i, a) in allocations.iter().enumerate() {
             let Some(node) = p.nodes.get(&a.node) else {
                 return Some(format!("node {:?} is not in pool {pool:?}", a.node));
             };
             if !node.schedulable() {
                 return Some(format!("node {:?} is not schedulable", a.node));
             }
-            if !nodes.insert(&a.node) {
+            if allocations[..i].iter().any(|b| b.node == a.node) {
                 return Some(format!("node {:?} appears twice", a.node));
             }
-            let mut seen = BTreeSet::new();
-            for d in &a.devices {
-                if !seen.insert(d) {
+            for (j, d) in a.devices.iter().enumerate() {
+                if a.devices[..j].contains(d) {
                     return Some(format!("device {}/{d} appears twice", a.node));
                 }
                 let Some((_, dev)) = node.device(d) else {
@@ -1070,7 +1172,12 @@ impl Index {
                         a.node
                     ));
                 }
-                islands.insert(dev.spec.island.clone());
+                let this = dev.spec.island.as_deref();
+                island = match island {
+                    None => Some(this),
+                    Some(Some(i)) if this == Some(i) => Some(Some(i)),
+                    Some(_) => Some(None),
+                };
                 count += 1;
             }
         }
@@ -1086,7 +1193,7 @@ impl Index {
                 "shape node spread over {} nodes",
                 allocations.len()
             )),
-            Shape::Island if islands.len() != 1 || islands.contains(&None) => {
+            Shape::Island if !matches!(island, Some(Some(_))) => {
                 Some("shape island not within one NVLink island".into())
             }
             Shape::Gang {

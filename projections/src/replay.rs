@@ -12,8 +12,8 @@ use crate::domain::Fact;
 use crate::index::{ApplyError, Violation};
 use crate::views::{Parsed, Projection};
 use bytes::{Buf, BytesMut};
+use events::replication::{ReplicationConnection, ReplicationError};
 use events::{Event, Position};
-use futures_util::StreamExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -26,6 +26,8 @@ pub const BATCH: usize = 4096;
 pub enum ReplayError {
     #[error("database: {0}")]
     Db(#[from] tokio_postgres::Error),
+    #[error("database: {0}")]
+    Connection(#[from] ReplicationError),
     #[error("COPY data: {0}")]
     Decode(String),
     #[error(transparent)]
@@ -49,7 +51,10 @@ pub struct Progress {
 }
 
 /// Decodes PostgreSQL's binary COPY format, rows of
-/// `position, stream, version, type, payload, metadata, recorded_at, xid`.
+/// `position, stream, version, type, payload, metadata, recorded_at, xid`,
+/// into events with their facts parsed straight from the buffer. A
+/// projection reads the parsed fact, so the event's `payload` and
+/// `metadata` are left empty (no copy is made of them).
 #[derive(Default)]
 pub struct CopyDecoder {
     buf: BytesMut,
@@ -63,7 +68,30 @@ const PG_EPOCH: u64 = 946_684_800;
 
 impl CopyDecoder {
     /// Takes a chunk of COPY data; appends every complete row to `out`.
-    pub fn push(&mut self, chunk: &[u8], out: &mut Vec<Event>) -> Result<(), ReplayError> {
+    pub fn push(
+        &mut self,
+        chunk: &[u8],
+        out: &mut Vec<(Event, Parsed)>,
+    ) -> Result<(), ReplayError> {
+        if self.header && self.buf.is_empty() {
+            // The common case: whole rows in the chunk, read in place.
+            let mut at = 0;
+            while !self.done {
+                match tuple(&chunk[at..])? {
+                    Some((Some(e), n)) => {
+                        out.push(e);
+                        at += n;
+                    }
+                    Some((None, n)) => {
+                        self.done = true;
+                        at += n;
+                    }
+                    None => break,
+                }
+            }
+            self.buf.extend_from_slice(&chunk[at..]);
+            return Ok(());
+        }
         self.buf.extend_from_slice(chunk);
         if !self.header {
             if self.buf.len() < SIGNATURE.len() + 8 {
@@ -126,7 +154,7 @@ fn bad(what: &str) -> ReplayError {
 /// One tuple: `Some((Some(event), bytes))`, the trailer `Some((None, 2))`,
 /// or `None` when the buffer does not hold a whole tuple yet.
 #[allow(clippy::type_complexity)]
-fn tuple(b: &[u8]) -> Result<Option<(Option<Event>, usize)>, ReplayError> {
+fn tuple(b: &[u8]) -> Result<Option<(Option<(Event, Parsed)>, usize)>, ReplayError> {
     if b.len() < 2 {
         return Ok(None);
     }
@@ -154,10 +182,10 @@ fn tuple(b: &[u8]) -> Result<Option<(Option<Event>, usize)>, ReplayError> {
     let text = |r: &std::ops::Range<usize>, what| -> Result<String, ReplayError> {
         String::from_utf8(b[r.clone()].to_vec()).map_err(|_| bad(what))
     };
-    let jsonb = |r: &std::ops::Range<usize>, what| -> Result<String, ReplayError> {
+    let jsonb = |r: &std::ops::Range<usize>, what| -> Result<&str, ReplayError> {
         let s = &b[r.clone()];
         match s.split_first() {
-            Some((1, rest)) => String::from_utf8(rest.to_vec()).map_err(|_| bad(what)),
+            Some((1, rest)) => std::str::from_utf8(rest).map_err(|_| bad(what)),
             _ => Err(bad(what)),
         }
     };
@@ -169,17 +197,20 @@ fn tuple(b: &[u8]) -> Result<Option<(Option<Event>, usize)>, ReplayError> {
         base.checked_sub(Duration::from_micros(us.unsigned_abs()))
     }
     .ok_or_else(|| bad("recorded_at"))?;
+    let event_type = text(&f[3], "type")?;
+    let parsed = Fact::parse(&event_type, jsonb(&f[4], "payload")?);
+    jsonb(&f[5], "metadata")?;
     let e = Event {
         position: Position(int8(&f[0], "position")? as u64),
         stream: text(&f[1], "stream")?,
         version: int8(&f[2], "version")? as u64,
-        event_type: text(&f[3], "type")?,
-        payload: jsonb(&f[4], "payload")?,
-        metadata: jsonb(&f[5], "metadata")?,
+        event_type,
+        payload: String::new(),
+        metadata: String::new(),
         recorded_at,
         xid: int8(&f[7], "xid")? as u64,
     };
-    Ok(Some((Some(e), at)))
+    Ok(Some((Some((e, parsed)), at)))
 }
 
 /// The statement that reads positions `(after, until]` in order.
@@ -226,18 +257,6 @@ fn apply_batch<P: Projection>(
     Ok(())
 }
 
-/// Parses the facts of a batch of events (on the reading side, so the
-/// applying side only applies).
-fn parsed(batch: Vec<Event>) -> Vec<(Event, Parsed)> {
-    batch
-        .into_iter()
-        .map(|e| {
-            let p = Fact::parse(&e.event_type, &e.payload);
-            (e, p)
-        })
-        .collect()
-}
-
 async fn join<P: Send + 'static>(
     h: std::thread::JoinHandle<Result<P, ApplyError>>,
 ) -> Result<P, ReplayError> {
@@ -249,8 +268,11 @@ async fn join<P: Send + 'static>(
 }
 
 /// Replays positions after the projection's own up to `until` (at most the
-/// durable head) from Postgres into `projection`.
+/// durable head) from Postgres into `projection`. `client` reads the head;
+/// the rows come over a connection of its own to `db`, read in whole
+/// buffers.
 pub async fn from_postgres<P: Projection>(
+    db: &tokio_postgres::Config,
     client: &Client,
     projection: P,
     until: Option<u64>,
@@ -268,20 +290,23 @@ pub async fn from_postgres<P: Projection>(
     let (tx, rx) = tokio::sync::mpsc::channel::<Vec<(Event, Parsed)>>(8);
     let handle = applier(projection, progress.clone(), rx, on_violation);
     let read = async {
-        let stream = client.copy_out(&copy_sql(after, until)).await?;
-        futures_util::pin_mut!(stream);
+        let mut conn = ReplicationConnection::connect_session(db, "strata-replay", None).await?;
+        conn.copy_out_start(&copy_sql(after, until)).await?;
         let mut decoder = CopyDecoder::default();
         let mut batch = Vec::with_capacity(BATCH);
-        while let Some(chunk) = stream.next().await {
-            decoder.push(&chunk?, &mut batch)?;
+        loop {
+            let more = conn
+                .copy_data(|chunk| decoder.push(chunk, &mut batch))
+                .await?;
+            if !more {
+                break;
+            }
             if batch.len() >= BATCH {
                 progress
                     .read
                     .fetch_add(batch.len() as u64, Ordering::Relaxed);
                 let full = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
-                tx.send(parsed(full))
-                    .await
-                    .map_err(|_| ReplayError::Stopped)?;
+                tx.send(full).await.map_err(|_| ReplayError::Stopped)?;
             }
         }
         if !decoder.finished() {
@@ -291,9 +316,7 @@ pub async fn from_postgres<P: Projection>(
             .read
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
         if !batch.is_empty() {
-            tx.send(parsed(batch))
-                .await
-                .map_err(|_| ReplayError::Stopped)?;
+            tx.send(batch).await.map_err(|_| ReplayError::Stopped)?;
         }
         Ok::<(), ReplayError>(())
     };
@@ -325,9 +348,10 @@ pub fn from_archive<P: Projection>(
                 let batch = chunk
                     .iter()
                     .map(|r| {
-                        let e = r.to_event();
-                        let p = Fact::parse(&e.event_type, &e.payload);
-                        (e, p)
+                        // The fact is parsed in place; payload and metadata
+                        // are not copied (see CopyDecoder).
+                        let p = Fact::parse(r.event_type.as_str(), r.payload.as_str());
+                        (r.to_event_without_payload(), p)
                     })
                     .collect();
                 progress
@@ -407,9 +431,15 @@ mod tests {
             d.push(&data[cut..], &mut out).unwrap();
             assert!(d.finished());
             assert_eq!(out.len(), 2);
-            assert_eq!(out[1].payload, "{\"node\":\"n\"}");
+            assert!(
+                matches!(&out[1].1, Err(e) if e.contains("NodeJoined")),
+                "{:?}",
+                out[1].1
+            );
+            assert!(matches!(&out[0].1, Ok(Some(Fact::PoolCreated { .. }))));
+            assert_eq!(out[1].0.stream, "pool/a");
             assert_eq!(
-                out[0].recorded_at,
+                out[0].0.recorded_at,
                 UNIX_EPOCH + Duration::from_secs(PG_EPOCH + 1)
             );
         }
