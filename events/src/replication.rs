@@ -410,7 +410,7 @@ impl ReplicationConnection {
                 let len =
                     u32::from_be_bytes([self.rbuf[1], self.rbuf[2], self.rbuf[3], self.rbuf[4]])
                         as usize;
-                if self.rbuf.len() >= len + 1 {
+                if self.rbuf.len() > len {
                     match self.next_message().await? {
                         Some(Message::ReadyForQuery(_)) => return Ok(false),
                         Some(Message::ErrorResponse(body)) => {
