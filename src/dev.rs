@@ -16,6 +16,51 @@ const DEV_GATEWAY_PORT: u16 = 57443;
 const DEMO_POOL: &str = "demo";
 const DEMO_CLASS: &str = "H100-80GB";
 
+const DEV_AUDIT_PORT: u16 = 56543;
+
+/// The audit endpoint with an auditor `dev` whose password is kept (0600) in
+/// the data folder.
+async fn start_audit(
+    cfg: &tokio_postgres::Config,
+    client: &tokio_postgres::Client,
+    data_dir: &std::path::Path,
+    ca_dir: &std::path::Path,
+    appender: Appender,
+) -> Result<(audit::Endpoint, String)> {
+    let path = data_dir.join("auditor-password");
+    let password = match std::fs::read_to_string(&path) {
+        Ok(p) if !p.trim().is_empty() => p.trim().to_string(),
+        _ => {
+            let p: String = std::iter::repeat_with(fastrand::alphanumeric)
+                .take(20)
+                .collect();
+            gateway::ca::write_private(&path, p.as_bytes())?;
+            p
+        }
+    };
+    audit::accounts::add(client, "dev", Some(&password)).await?;
+    let ca = gateway::ca::Ca::load(ca_dir)?;
+    let (cert_pem, key_pem) = ca.server_identity(&["localhost".into(), "127.0.0.1".into()])?;
+    let mut ac = audit::AuditConfig::new(cfg.clone());
+    ac.tls = Some(audit::TlsFiles {
+        cert_pem,
+        key_pem,
+        client_ca_pem: Some(ca.cert_pem().to_string()),
+    });
+    let port = if std::net::TcpListener::bind(("127.0.0.1", DEV_AUDIT_PORT)).is_ok() {
+        DEV_AUDIT_PORT
+    } else {
+        0
+    };
+    let endpoint = audit::start(
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        ac,
+        appender,
+    )
+    .await?;
+    Ok((endpoint, password))
+}
+
 pub async fn run(args: DevArgs) -> Result<ExitCode> {
     let mut cluster = None;
     let url = match &args.database_url {
@@ -128,6 +173,17 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
         .await
         .context("start the gateway")?;
     let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let audit = start_audit(&cfg, &client, &args.data_dir, &ca_dir, appender.clone()).await;
+    match &audit {
+        Ok((endpoint, password)) => {
+            println!(
+                "  audit:     PGPASSWORD='{password}' psql 'host=127.0.0.1 port={} user=dev dbname=audit sslmode=require'",
+                endpoint.addr.port()
+            );
+            println!("             (read-only: event partitions, seals, audit.* views; every query is recorded)");
+        }
+        Err(e) => println!("  audit:     off ({e:#})"),
+    }
     let ca_pem = std::fs::read_to_string(ca_dir.join(gateway::ca::CA_CERT))?;
     let (stop_fleet, fleet_rx) = tokio::sync::watch::channel(false);
     let gateways = [format!("https://{}", gw.addr)];
@@ -222,6 +278,9 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     let _ = stop_fleet.send(true);
     for t in fleet_tasks {
         let _ = t.await;
+    }
+    if let Ok((endpoint, _)) = audit {
+        endpoint.stop();
     }
     if let Err(e) = gw.stop().await {
         tracing::warn!(error = %e, "the gateway stopped with an error");

@@ -345,7 +345,8 @@ pub async fn run(args: Args) -> Result<()> {
         .iter()
         .map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0))
         .sum();
-    {
+    // Where the time goes, on one thread with the events in memory.
+    let breakdown = {
         let bytes = std::fs::read(&files[0])?;
         let archive = projections::archive::Archive::open(&bytes)?;
         let rows = archive.rows()?;
@@ -364,21 +365,14 @@ pub async fn run(args: Args) -> Result<()> {
             index.apply_parsed(e, p)?;
         }
         let t_apply = t.elapsed().as_secs_f64();
-        if std::env::var_os("STRATA_BENCH_APPLY_ONLY").is_some() {
-            for _ in 0..5 {
-                let parsed: Vec<_> = evs
-                    .iter()
-                    .map(|e| Fact::parse(&e.event_type, &e.payload))
-                    .collect();
-                let mut index = Index::new();
-                for (e, p) in evs.iter().zip(parsed) {
-                    index.apply_parsed(e, p)?;
-                }
-            }
-            return Ok(());
-        }
-        eprintln!("breakdown for {} rows: to_event {t_ev:.2} s, parse {t_parse:.2} s, apply {t_apply:.2} s", evs.len());
-    }
+
+        eprintln!("one thread, events in memory ({} rows): rows to events {t_ev:.2} s, parse {t_parse:.2} s, apply {t_apply:.2} s", evs.len());
+        serde_json::json!({
+            "rows_to_events_per_s": round(evs.len() as f64 / t_ev, 0),
+            "parse_per_s": round(evs.len() as f64 / t_parse, 0),
+            "apply_per_s": round(evs.len() as f64 / t_apply, 0),
+        })
+    };
     let (mut load_s, mut apply_s) = (Vec::new(), Vec::new());
     for _ in 0..args.repeat {
         let t = Instant::now();
@@ -422,6 +416,10 @@ pub async fn run(args: Args) -> Result<()> {
             "replay_archive_per_s": archive.iter().map(|v| round(*v, 0)).collect::<Vec<_>>(),
         },
         "projection": "pool-index",
+        "single_thread_breakdown": breakdown,
+        "archive_load_s": load_s.iter().map(|v| round(*v, 3)).collect::<Vec<_>>(),
+        "archive_apply_s": apply_s.iter().map(|v| round(*v, 3)).collect::<Vec<_>>(),
+        "transport": "COPY (SELECT ... ORDER BY position) TO STDOUT (FORMAT binary) over the same raw protocol connection for the baseline and the replay",
         "live_reservations": LIVE,
         "nodes": NODES,
         "machine": util::machine(&pg_version),
