@@ -519,6 +519,11 @@ fn dev_starts_a_private_postgres_shows_the_log_and_stops() {
         stdout.contains("psql 'postgres://postgres@127.0.0.1:"),
         "{stdout}"
     );
+    // The audit endpoint runs, with a dev auditor.
+    assert!(
+        stdout.contains("audit:     PGPASSWORD='") && stdout.contains("user=dev dbname=audit"),
+        "{stdout}"
+    );
     let report = stdout
         .lines()
         .find(|l| l.starts_with("appended"))
