@@ -262,35 +262,26 @@ pub enum CaCmd {
         region: String,
     },
     /// Issue an auditor certificate for the audit endpoint (log in without a password)
-    IssueAuditor {
-        /// The CA's folder
-        #[arg(long, default_value = "ca")]
-        dir: PathBuf,
-        /// The auditor's name (as in `strata audit users add`)
-        #[arg(long)]
-        name: String,
-        /// Where to write auditor.pem, auditor.key and ca.pem
-        #[arg(long)]
-        out: PathBuf,
-        /// Validity in days
-        #[arg(long, default_value_t = 90)]
-        days: i64,
-    },
+    IssueAuditor(IssueArgs),
     /// Issue an operator certificate for the client API (strata.api.v1 on every gateway)
-    IssueOperator {
-        /// The CA's folder
-        #[arg(long, default_value = "ca")]
-        dir: PathBuf,
-        /// The operator's name
-        #[arg(long)]
-        name: String,
-        /// Where to write operator.pem and operator.key
-        #[arg(long)]
-        out: PathBuf,
-        /// Validity in days
-        #[arg(long, default_value_t = 90)]
-        days: i64,
-    },
+    IssueOperator(IssueArgs),
+}
+
+/// A client certificate from the CA.
+#[derive(Args, Debug)]
+pub struct IssueArgs {
+    /// The CA's folder
+    #[arg(long, default_value = "ca")]
+    dir: PathBuf,
+    /// The name it certifies (an auditor as in `strata audit users add`, or an operator)
+    #[arg(long)]
+    name: String,
+    /// Where to write the certificate and key (auditor.pem/.key or operator.pem/.key) and ca.pem
+    #[arg(long)]
+    out: PathBuf,
+    /// Validity in days
+    #[arg(long, default_value_t = 90)]
+    days: i64,
 }
 
 #[derive(Subcommand, Debug)]
@@ -515,36 +506,8 @@ pub enum ReplayCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Rebuild the pool index from history (tables, below the durable head), with progress
-    Run {
-        /// PostgreSQL connection string (not needed with --archive)
-        #[arg(long, env = "STRATA_DATABASE_URL", value_name = "URL")]
-        database_url: Option<String>,
-        /// What to rebuild
-        #[arg(long, value_enum, default_value = "pool-index")]
-        projection: replay::Which,
-        /// Report the window after this position or time (RFC 3339): the state before it is rebuilt first (or taken from --snapshot-in), then the window's events are replayed and counted by type
-        #[arg(long)]
-        from: Option<String>,
-        /// Stop after this position or time (RFC 3339); default: everything durable
-        #[arg(long)]
-        to: Option<String>,
-        /// pool-index: start from this snapshot (at or before --from)
-        #[arg(long)]
-        snapshot_in: Option<PathBuf>,
-        /// pool-index: write the rebuilt index as an rkyv snapshot file
-        #[arg(long)]
-        snapshot_out: Option<PathBuf>,
-        /// Also build the projection live, through a subscription, and compare the two (exit 1 if they differ)
-        #[arg(long)]
-        compare_live: bool,
-        /// Replay from these partition archives (in order) instead of the database
-        #[arg(long, num_args = 1..)]
-        archive: Vec<PathBuf>,
-        /// Print the result as JSON (nodes and reservations: one object per line)
-        #[arg(long)]
-        json: bool,
-    },
+    /// Rebuild a projection (pool index, nodes, reservations) from history or archives, with progress; optionally a window, a snapshot, a comparison with the live projection
+    Run(replay::RunArgs),
     /// Print a pool as it was at a time: nodes, free and booked GPUs by class, what waited
     State {
         #[command(flatten)]

@@ -2,8 +2,8 @@
 
 use crate::commands::{config, connect};
 use crate::{
-    AuditUsersCmd, CaCmd, CommandsCmd, FleetArgs, NodeArgs, NodesCmd, ParkedCmd, SinksCmd,
-    TokensCmd,
+    AuditUsersCmd, CaCmd, CommandsCmd, FleetArgs, IssueArgs, NodeArgs, NodesCmd, ParkedCmd,
+    SinksCmd, TokensCmd,
 };
 use anyhow::{bail, Context, Result};
 use events::{Appender, AppenderConfig};
@@ -24,55 +24,49 @@ pub fn ca(cmd: CaCmd) -> Result<ExitCode> {
                 dir.join(gateway::ca::CA_KEY).display()
             );
         }
-        CaCmd::IssueAuditor {
-            dir,
-            name,
-            out,
-            days,
-        } => {
-            if !(1..=3650).contains(&days) {
-                bail!("--days must be 1 to 3650");
-            }
-            audit::accounts::check_name(&name)?;
-            let ca = gateway::ca::Ca::load(&dir)?;
-            let (cert, key) = ca.issue_auditor(&name, days)?;
-            std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
-            gateway::ca::write_private(&out.join("auditor.key"), key.as_bytes())?;
-            std::fs::write(out.join("auditor.pem"), cert)?;
-            std::fs::write(out.join("ca.pem"), ca.cert_pem())?;
+        CaCmd::IssueAuditor(a) => {
+            audit::accounts::check_name(&a.name)?;
+            let out = issue(&a, "auditor", |ca| ca.issue_auditor(&a.name, a.days))?;
             println!(
-                "wrote {} and {} (private) for auditor {name}, valid {days} days; psql: sslmode=verify-full sslrootcert={} sslcert={} sslkey={}",
-                out.join("auditor.pem").display(),
-                out.join("auditor.key").display(),
+                "psql: sslmode=verify-full sslrootcert={} sslcert={} sslkey={}",
                 out.join("ca.pem").display(),
                 out.join("auditor.pem").display(),
                 out.join("auditor.key").display()
             );
         }
-        CaCmd::IssueOperator {
-            dir,
-            name,
-            out,
-            days,
-        } => {
-            if !(1..=3650).contains(&days) {
-                bail!("--days must be 1 to 3650");
-            }
-            projections::domain::valid_name("operator name", &name).map_err(anyhow::Error::msg)?;
-            let ca = gateway::ca::Ca::load(&dir)?;
-            let (cert, key) = ca.issue_operator(&name, days)?;
-            std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
-            gateway::ca::write_private(&out.join("operator.key"), key.as_bytes())?;
-            std::fs::write(out.join("operator.pem"), cert)?;
-            std::fs::write(out.join("ca.pem"), ca.cert_pem())?;
-            println!(
-                "wrote {} and {} (private) for operator {name}, valid {days} days",
-                out.join("operator.pem").display(),
-                out.join("operator.key").display()
-            );
+        CaCmd::IssueOperator(a) => {
+            projections::domain::valid_name("operator name", &a.name)
+                .map_err(anyhow::Error::msg)?;
+            issue(&a, "operator", |ca| ca.issue_operator(&a.name, a.days))?;
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Writes `<kind>.pem`, `<kind>.key` (private) and `ca.pem` under `--out`.
+fn issue(
+    a: &IssueArgs,
+    kind: &str,
+    sign: impl FnOnce(&gateway::ca::Ca) -> Result<(String, String), gateway::ca::CaError>,
+) -> Result<std::path::PathBuf> {
+    if !(1..=3650).contains(&a.days) {
+        bail!("--days must be 1 to 3650");
+    }
+    let ca = gateway::ca::Ca::load(&a.dir)?;
+    let (cert, key) = sign(&ca)?;
+    let out = &a.out;
+    std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
+    gateway::ca::write_private(&out.join(format!("{kind}.key")), key.as_bytes())?;
+    std::fs::write(out.join(format!("{kind}.pem")), cert)?;
+    std::fs::write(out.join("ca.pem"), ca.cert_pem())?;
+    println!(
+        "wrote {} and {} (private) for {kind} {}, valid {} days",
+        out.join(format!("{kind}.pem")).display(),
+        out.join(format!("{kind}.key")).display(),
+        a.name,
+        a.days
+    );
+    Ok(out.clone())
 }
 
 pub async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {

@@ -390,30 +390,7 @@ fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
 
 pub async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
     match cmd {
-        ReplayCmd::Run {
-            database_url,
-            projection,
-            from,
-            to,
-            snapshot_in,
-            snapshot_out,
-            compare_live,
-            archive,
-            json,
-        } => {
-            crate::replay::run(crate::replay::RunArgs {
-                db: database_url.map(|database_url| Db { database_url }),
-                projection,
-                from,
-                to,
-                snapshot_in,
-                snapshot_out,
-                compare_live,
-                archive,
-                json,
-            })
-            .await
-        }
+        ReplayCmd::Run(args) => crate::replay::run(args).await,
         ReplayCmd::State {
             db,
             pool,

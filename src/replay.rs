@@ -27,15 +27,35 @@ pub enum Which {
     Reservations,
 }
 
+/// `strata replay run`.
+#[derive(clap::Args, Debug)]
 pub struct RunArgs {
-    pub db: Option<Db>,
+    /// PostgreSQL connection string (not needed with --archive)
+    #[arg(long, env = "STRATA_DATABASE_URL", value_name = "URL")]
+    pub database_url: Option<String>,
+    /// What to rebuild
+    #[arg(long, value_enum, default_value = "pool-index")]
     pub projection: Which,
+    /// Report the window after this position or time (RFC 3339): the state before it is rebuilt first (or taken from --snapshot-in), then the window's events are replayed and counted by type
+    #[arg(long)]
     pub from: Option<String>,
+    /// Stop after this position or time (RFC 3339); default: everything durable
+    #[arg(long)]
     pub to: Option<String>,
+    /// pool-index: start from this snapshot (at or before --from)
+    #[arg(long)]
     pub snapshot_in: Option<PathBuf>,
+    /// pool-index: write the rebuilt index as an rkyv snapshot file
+    #[arg(long)]
     pub snapshot_out: Option<PathBuf>,
+    /// Also build the projection live, through a subscription, and compare the two (exit 1 if they differ)
+    #[arg(long)]
     pub compare_live: bool,
+    /// Replay from these partition archives (in order) instead of the database
+    #[arg(long, num_args = 1..)]
     pub archive: Vec<PathBuf>,
+    /// Print the result as JSON (nodes and reservations: one object per line)
+    #[arg(long)]
     pub json: bool,
 }
 
@@ -193,7 +213,11 @@ async fn replay_into<P: Projection>(
 }
 
 pub async fn run(args: RunArgs) -> Result<ExitCode> {
-    let db = args.db.as_ref();
+    let db = args
+        .database_url
+        .clone()
+        .map(|database_url| Db { database_url });
+    let db = db.as_ref();
     let need_db = |what: &str| {
         db.with_context(|| format!("{what} needs --database-url (or STRATA_DATABASE_URL)"))
     };

@@ -33,19 +33,7 @@ pub fn statements(sql: &str) -> Vec<&str> {
                 }
             }
             b'/' if b.get(i + 1) == Some(&b'*') => {
-                let mut depth = 1;
-                i += 2;
-                while i < b.len() && depth > 0 {
-                    if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
-                        depth += 1;
-                        i += 2;
-                    } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
-                        depth -= 1;
-                        i += 2;
-                    } else {
-                        i += 1;
-                    }
-                }
+                i += block_comment_len(&b[i..]).unwrap_or(b.len() - i);
             }
             b'$' if !ident_char_before(b, i) => match dollar_tag(b, i) {
                 Some(tag_end) => {
@@ -93,8 +81,7 @@ fn only_comments(s: &str) -> bool {
                 .unwrap_or("")
                 .trim_start();
         } else if rest.starts_with("/*") {
-            let inner = statements_block_end(rest.as_bytes());
-            match inner {
+            match block_comment_len(rest.as_bytes()) {
                 Some(end) => rest = rest[end..].trim_start(),
                 None => return true,
             }
@@ -104,7 +91,9 @@ fn only_comments(s: &str) -> bool {
     }
 }
 
-fn statements_block_end(b: &[u8]) -> Option<usize> {
+/// The length of the (nested) block comment `b` starts with, or `None` if
+/// it does not end.
+fn block_comment_len(b: &[u8]) -> Option<usize> {
     let mut depth = 0;
     let mut i = 0;
     while i < b.len() {

@@ -223,25 +223,29 @@ mod tests {
     impl World {
         /// A pool of `nodes` nodes with 8 GPUs in two islands of 4.
         fn new(nodes: u32) -> World {
-            let mut w = World {
-                log: Log::new(),
-                index: Index::new(),
-            };
-            w.pool(&Fact::PoolCreated {
-                description: String::new(),
-            });
-            for n in 0..nodes {
-                let node = format!("n{n:02}");
-                let devices = devices(&node, C, 8, 4);
-                w.pool(&Fact::NodeJoined { node, devices });
-            }
-            w
+            World::build(nodes, |_, node| devices(node, C, 8, 4))
         }
 
         /// Like [`World::new`], but odd nodes have no NVLink islands and
         /// every third node also has devices of another class, so both the
         /// island path and the in-place booking path of the index run.
         fn mixed(nodes: u32) -> World {
+            World::build(nodes, |n, node| {
+                let mut d = devices(node, C, 8, if n % 2 == 0 { 4 } else { 0 });
+                if n % 3 == 0 {
+                    for mut extra in devices(node, "L40S", 2, 0) {
+                        extra.id = format!("x{}", extra.id);
+                        d.push(extra);
+                    }
+                }
+                d
+            })
+        }
+
+        fn build(
+            nodes: u32,
+            devices_of: impl Fn(u32, &str) -> Vec<projections::DeviceSpec>,
+        ) -> World {
             let mut w = World {
                 log: Log::new(),
                 index: Index::new(),
@@ -251,14 +255,8 @@ mod tests {
             });
             for n in 0..nodes {
                 let node = format!("n{n:02}");
-                let mut d = devices(&node, C, 8, if n % 2 == 0 { 4 } else { 0 });
-                if n % 3 == 0 {
-                    for mut extra in devices(&node, "L40S", 2, 0) {
-                        extra.id = format!("x{}", extra.id);
-                        d.push(extra);
-                    }
-                }
-                w.pool(&Fact::NodeJoined { node, devices: d });
+                let devices = devices_of(n, &node);
+                w.pool(&Fact::NodeJoined { node, devices });
             }
             w
         }

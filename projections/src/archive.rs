@@ -117,16 +117,10 @@ impl ArchivedRow {
 
     /// The event, read straight from the archive.
     pub fn to_event(&self) -> Event {
-        let us = self.recorded_at_us.to_native();
         Event {
-            position: Position(self.position.to_native()),
-            stream: self.stream.as_str().to_string(),
-            version: self.version.to_native(),
-            event_type: self.event_type.as_str().to_string(),
             payload: self.payload.as_str().to_string(),
             metadata: self.metadata.as_str().to_string(),
-            recorded_at: UNIX_EPOCH + Duration::from_micros(us.max(0) as u64),
-            xid: self.xid.to_native(),
+            ..self.to_event_without_payload()
         }
     }
 }

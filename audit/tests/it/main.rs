@@ -141,6 +141,18 @@ impl Env {
     }
 }
 
+/// Events on pool/a, as `client` sees them.
+async fn pool_a(client: &impl tokio_postgres::GenericClient) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 fn code(e: &tokio_postgres::Error) -> String {
     e.code().map(|c| c.code().to_string()).unwrap_or_default()
 }
@@ -185,14 +197,7 @@ async fn extended_protocol_reads_the_audit_set_and_is_recorded() {
     // A transaction of the auditor's: one snapshot for both statements.
     let mut a = a;
     let tx = a.transaction().await.unwrap();
-    let c1: i64 = tx
-        .query_one(
-            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let c1 = pool_a(&tx).await;
     env.db
         .batch_execute(
             "SELECT 1", // the log grows meanwhile through the appender below
@@ -207,24 +212,10 @@ async fn extended_protocol_reads_the_audit_set_and_is_recorded() {
     )
     .await
     .unwrap();
-    let c2: i64 = tx
-        .query_one(
-            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let c2 = pool_a(&tx).await;
     assert_eq!(c1, c2, "one snapshot inside the auditor's transaction");
     tx.commit().await.unwrap();
-    let c3: i64 = a
-        .query_one(
-            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let c3 = pool_a(&a).await;
     assert_eq!(c3, c1 + 1);
 
     let recorded = env.recorded("alice").await;
@@ -365,14 +356,7 @@ async fn writes_ddl_side_effects_and_other_relations_are_refused() {
         .unwrap_err();
     assert_eq!(code(&e), "0A000", "{e:?}");
     // The session is usable after every refusal.
-    let n: i64 = a
-        .query_one(
-            "SELECT count(*) FROM strata.events WHERE stream = 'pool/a'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let n = pool_a(&a).await;
     assert_eq!(n, before);
     let after: i64 = env
         .db
