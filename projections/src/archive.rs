@@ -181,22 +181,7 @@ fn check_header(bytes: &[u8]) -> Result<(u64, &[u8]), ArchiveError> {
 
 /// Decodes an archive (validating header, checksum and structure).
 pub fn decode(bytes: &[u8]) -> Result<Vec<Row>, ArchiveError> {
-    if bytes.len() < HEADER || &bytes[..8] != MAGIC {
-        return Err(ArchiveError::Invalid("bad magic or short header".into()));
-    }
-    let format = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-    if format != FORMAT {
-        return Err(ArchiveError::Invalid(format!(
-            "format {format}, this build reads {FORMAT}"
-        )));
-    }
-    let n = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
-    let payload = &bytes[HEADER..];
-    if checksum(payload) != bytes[24..32] {
-        return Err(ArchiveError::Invalid(
-            "checksum mismatch (altered or truncated)".into(),
-        ));
-    }
+    let (n, payload) = check_header(bytes)?;
     let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(payload.len());
     aligned.extend_from_slice(payload);
     let rows = rkyv::from_bytes::<Vec<Row>, rkyv::rancor::Error>(&aligned)
