@@ -24,6 +24,7 @@ use pgwire::error::{ErrorInfo, PgWireError, PgWireResult};
 use pgwire::messages::data::DataRow;
 use pgwire::messages::{PgWireBackendMessage, PgWireFrontendMessage};
 use std::fmt::Debug;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::sync::Mutex;
 use tokio_postgres::types::{Kind, Type};
@@ -31,8 +32,70 @@ use tokio_postgres::types::{Kind, Type};
 /// Longest statement text accepted (it is recorded whole).
 pub const MAX_SQL_BYTES: usize = 256 << 10;
 
+/// Counters of the endpoint, on `/metrics`.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub sessions: AtomicU64,
+    pub logins: AtomicU64,
+    pub logins_refused: AtomicU64,
+    pub statements: AtomicU64,
+    pub statement_errors: AtomicU64,
+    pub unrecorded: AtomicU64,
+}
+
+impl Stats {
+    fn render(&self, out: &mut String) {
+        use std::fmt::Write;
+        for (name, help, kind, v) in [
+            (
+                "strata_audit_sessions",
+                "auditor sessions open",
+                "gauge",
+                &self.sessions,
+            ),
+            (
+                "strata_audit_logins_total",
+                "auditors logged in",
+                "counter",
+                &self.logins,
+            ),
+            (
+                "strata_audit_logins_refused_total",
+                "logins refused (password, certificate, revoked)",
+                "counter",
+                &self.logins_refused,
+            ),
+            (
+                "strata_audit_statements_total",
+                "auditor statements run (each recorded first)",
+                "counter",
+                &self.statements,
+            ),
+            (
+                "strata_audit_statement_errors_total",
+                "auditor statements PostgreSQL refused or failed",
+                "counter",
+                &self.statement_errors,
+            ),
+            (
+                "strata_audit_unrecorded_total",
+                "statements not run because recording them failed",
+                "counter",
+                &self.unrecorded,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
+    }
+}
+
 /// What every connection shares.
 pub struct Shared {
+    pub stats: Arc<Stats>,
     database: tokio_postgres::Config,
     accounts_db: Mutex<Option<tokio_postgres::Client>>,
     backend: tokio_postgres::Config,
@@ -49,7 +112,15 @@ impl Shared {
         appender: Appender,
         tls: bool,
     ) -> Result<Arc<Shared>, AuditError> {
+        let stats = Arc::new(Stats::default());
+        let weak = Arc::downgrade(&stats);
+        events::metrics::global().register(Arc::new(move |out: &mut String| {
+            if let Some(s) = weak.upgrade() {
+                s.render(out);
+            }
+        }));
         let shared = Shared {
+            stats,
             database: config.database.clone(),
             accounts_db: Mutex::new(None),
             backend: config.backend.clone(),
@@ -125,11 +196,18 @@ impl Shared {
 
 /// One authenticated auditor's connection.
 pub struct Session {
+    stats: Arc<Stats>,
     auditor: String,
     auth: &'static str,
     client: String,
     id: String,
     backend: Mutex<Backend>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.stats.sessions.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 fn api(e: impl ToString) -> PgWireError {
@@ -219,7 +297,10 @@ impl Startup {
             "{:016x}",
             (fastrand_u64() ^ client.socket_addr().port() as u64)
         );
+        self.shared.stats.sessions.fetch_add(1, Ordering::Relaxed);
+        self.shared.stats.logins.fetch_add(1, Ordering::Relaxed);
         client.session_extensions().insert(Session {
+            stats: self.shared.stats.clone(),
             auditor: user.to_string(),
             auth,
             client: client.socket_addr().to_string(),
@@ -263,10 +344,17 @@ impl StartupHandler for Startup {
                     .client_certificates()
                     .and_then(|c| c.first().map(|c| c.as_ref().to_vec()));
                 if let Some(der) = cert {
+                    let refused = || {
+                        self.shared
+                            .stats
+                            .logins_refused
+                            .fetch_add(1, Ordering::Relaxed);
+                    };
                     // The TLS layer already checked that it chains to the CA.
                     match gateway::ca::auditor_identity(&der) {
                         Some(named) if named == user => {
                             if self.shared.lookup(&user).await?.is_none() {
+                                refused();
                                 return Err(user_error(
                                     "FATAL",
                                     "28000",
@@ -277,20 +365,22 @@ impl StartupHandler for Startup {
                             self.driver.complete_authentication(client, None).await?;
                         }
                         Some(named) => {
+                            refused();
                             return Err(user_error(
                                 "FATAL",
                                 "28000",
                                 format!(
                                     "the client certificate names auditor {named:?}, not {user:?}"
                                 ),
-                            ))
+                            ));
                         }
                         None => {
+                            refused();
                             return Err(user_error(
                                 "FATAL",
                                 "28000",
                                 "the client certificate is not an auditor's".into(),
-                            ))
+                            ));
                         }
                     }
                 } else {
@@ -307,6 +397,10 @@ impl StartupHandler for Startup {
                     .ok_or(PgWireError::UserNameRequired)?;
                 let outcome = match self.driver.advance_authentication(client, message).await {
                     Err(PgWireError::InvalidPassword(_)) => {
+                        self.shared
+                            .stats
+                            .logins_refused
+                            .fetch_add(1, Ordering::Relaxed);
                         tracing::info!(auditor = %user, client = %client.socket_addr(), "auditor refused: password authentication failed");
                         // Unknown, revoked and wrong password look the same.
                         return Err(user_error(
@@ -455,7 +549,10 @@ fn fields(columns: &[Column], format: Option<&Format>) -> Vec<FieldInfo> {
         .collect()
 }
 
-fn response(outcome: Outcome, change: TxChange, format: &Format) -> Response {
+fn response(stats: &Stats, outcome: Outcome, change: TxChange, format: &Format) -> Response {
+    if matches!(outcome, Outcome::Error(_)) {
+        stats.statement_errors.fetch_add(1, Ordering::Relaxed);
+    }
     match outcome {
         Outcome::Rows { columns, rows, tag } => {
             let schema = Arc::new(fields(&columns, Some(format)));
@@ -512,12 +609,20 @@ impl Queries {
             )
             .await
         {
-            Ok(_) => Ok(()),
-            Err(e) => Err(Box::new(ErrorInfo::new(
-                "ERROR".into(),
-                "58000".into(),
-                format!("the query was not run: it could not be recorded in the audit log ({e})"),
-            ))),
+            Ok(_) => {
+                self.shared.stats.statements.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                self.shared.stats.unrecorded.fetch_add(1, Ordering::Relaxed);
+                Err(Box::new(ErrorInfo::new(
+                    "ERROR".into(),
+                    "58000".into(),
+                    format!(
+                        "the query was not run: it could not be recorded in the audit log ({e})"
+                    ),
+                )))
+            }
         }
     }
 }
@@ -575,7 +680,12 @@ impl SimpleQueryHandler for Queries {
                 .await
                 .map_err(|e| broken(&e))?;
             let failed = matches!(outcome, Outcome::Error(_));
-            out.push(response(outcome, change, &Format::UnifiedText));
+            out.push(response(
+                &self.shared.stats,
+                outcome,
+                change,
+                &Format::UnifiedText,
+            ));
             if failed {
                 break;
             }
@@ -627,7 +737,12 @@ impl ExtendedQueryHandler for Queries {
             )
             .await
             .map_err(|e| broken(&e))?;
-        Ok(response(outcome, change, &portal.result_column_format))
+        Ok(response(
+            &self.shared.stats,
+            outcome,
+            change,
+            &portal.result_column_format,
+        ))
     }
 }
 

@@ -92,6 +92,8 @@ pub enum AuditError {
 /// A running endpoint.
 pub struct Endpoint {
     pub addr: SocketAddr,
+    /// The counters also rendered on `/metrics`.
+    pub stats: Arc<handler::Stats>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -123,6 +125,7 @@ pub async fn start(
         addr: listen,
         source,
     })?;
+    let stats = shared.stats.clone();
     let handlers = Arc::new(handler::Handlers::new(shared, &config)?);
     let task = tokio::spawn(async move {
         loop {
@@ -143,7 +146,7 @@ pub async fn start(
             });
         }
     });
-    Ok(Endpoint { addr, task })
+    Ok(Endpoint { addr, stats, task })
 }
 
 fn tls_acceptor(files: &TlsFiles) -> Result<pgwire::tokio::TlsAcceptor, AuditError> {

@@ -389,8 +389,28 @@ async fn passwords_are_checked_and_revoked_auditors_refused() {
         let e = r.err().unwrap_or_else(|| panic!("{user} got in"));
         assert_eq!(code(&e), "28P01", "{user}: {e:?}");
     }
-    // Nothing was recorded for them.
+    // Nothing was recorded for them; the refusals are counted.
     assert!(env.recorded("carol").await.is_empty());
+    use std::sync::atomic::Ordering::Relaxed;
+    let stats = &env.endpoint.stats;
+    assert_eq!(stats.logins_refused.load(Relaxed), 4);
+    assert_eq!(stats.logins.load(Relaxed), 0);
+    let a = env.auditor("alice", "correct horse").await;
+    a.simple_query("SELECT 1; SELECT * FROM strata.auditors")
+        .await
+        .unwrap_err();
+    assert_eq!(stats.logins.load(Relaxed), 1);
+    assert_eq!(stats.sessions.load(Relaxed), 1);
+    assert_eq!(stats.statements.load(Relaxed), 2);
+    assert_eq!(stats.statement_errors.load(Relaxed), 1);
+    drop(a);
+    for _ in 0..100 {
+        if stats.sessions.load(Relaxed) == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(stats.sessions.load(Relaxed), 0, "the session closed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
