@@ -939,6 +939,16 @@ fn partitions_retire_only_sealed_and_exported_months() {
         file.to_str().unwrap(),
     ]);
     assert!(run.contains("replayed 1 events from 1 archive(s)"), "{run}");
+    // An archive needs no database.
+    let run = ok(&[
+        "replay",
+        "run",
+        "--projection",
+        "reservations",
+        "--archive",
+        file.to_str().unwrap(),
+    ]);
+    assert!(run.contains("replayed 1 events from 1 archive(s)"), "{run}");
     let err = fails(&[
         "partitions",
         "retire",
