@@ -541,6 +541,7 @@ async fn start_audit(args: &ServeArgs, cfg: &tokio_postgres::Config) -> Result<a
     };
     ac.statement_timeout = args.audit_statement_timeout;
     ac.max_result_bytes = args.audit_max_result_mib.max(1) << 20;
+    ac.max_sessions = args.audit_max_sessions;
     if args.ca_dir.join(gateway::ca::CA_KEY).exists() {
         let ca = gateway::ca::Ca::load(&args.ca_dir)?;
         let (cert_pem, key_pem) = ca.server_identity(&args.tls_names)?;

@@ -639,6 +639,9 @@ pub struct ServeArgs {
     /// audit: largest result returned, in MiB
     #[arg(long, default_value_t = 256)]
     pub audit_max_result_mib: usize,
+    /// audit: most auditor sessions at once (each holds a PostgreSQL connection)
+    #[arg(long, default_value_t = 32)]
+    pub audit_max_sessions: u64,
 }
 
 #[derive(Subcommand, Debug)]

@@ -101,6 +101,7 @@ pub struct Shared {
     backend: tokio_postgres::Config,
     backend_options: String,
     max_result_bytes: usize,
+    max_sessions: u64,
     appender: Appender,
     server_version: String,
     tls: bool,
@@ -129,6 +130,7 @@ impl Shared {
                 config.statement_timeout.as_millis().max(1)
             ),
             max_result_bytes: config.max_result_bytes,
+            max_sessions: config.max_sessions.max(1),
             appender,
             server_version: String::new(),
             tls,
@@ -286,21 +288,39 @@ impl Startup {
         user: &str,
         auth: &'static str,
     ) -> PgWireResult<()> {
-        let backend = self.shared.open_backend().await.map_err(|e| {
-            user_error(
+        let stats = &self.shared.stats;
+        // Take a place first (atomically), give it back if the session fails.
+        if stats.sessions.fetch_add(1, Ordering::Relaxed) >= self.shared.max_sessions {
+            stats.sessions.fetch_sub(1, Ordering::Relaxed);
+            stats.logins_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(user_error(
                 "FATAL",
-                "08006",
-                format!("the audit endpoint cannot reach the database: {e}"),
-            )
-        })?;
+                "53300",
+                format!(
+                    "the audit endpoint holds its limit of {} sessions (--audit-max-sessions); try again later",
+                    self.shared.max_sessions
+                ),
+            ));
+        }
+        let backend = match self.shared.open_backend().await {
+            Ok(b) => b,
+            Err(e) => {
+                stats.sessions.fetch_sub(1, Ordering::Relaxed);
+                return Err(user_error(
+                    "FATAL",
+                    "08006",
+                    format!("the audit endpoint cannot reach the database: {e}"),
+                ));
+            }
+        };
         let id = format!(
             "{:016x}",
             (fastrand_u64() ^ client.socket_addr().port() as u64)
         );
-        self.shared.stats.sessions.fetch_add(1, Ordering::Relaxed);
-        self.shared.stats.logins.fetch_add(1, Ordering::Relaxed);
+        stats.logins.fetch_add(1, Ordering::Relaxed);
+        // From here the session's Drop gives the place back.
         client.session_extensions().insert(Session {
-            stats: self.shared.stats.clone(),
+            stats: stats.clone(),
             auditor: user.to_string(),
             auth,
             client: client.socket_addr().to_string(),

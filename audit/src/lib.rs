@@ -42,6 +42,8 @@ pub struct AuditConfig {
     pub statement_timeout: Duration,
     /// Largest result returned; a bigger one is refused with advice.
     pub max_result_bytes: usize,
+    /// Most auditor sessions at once (each holds a PostgreSQL connection).
+    pub max_sessions: u64,
     /// TLS: the serving certificate chain, its key, and the CA whose auditor
     /// certificates are accepted in place of a password.
     pub tls: Option<TlsFiles>,
@@ -69,6 +71,7 @@ impl AuditConfig {
             role,
             statement_timeout: Duration::from_secs(60),
             max_result_bytes: 256 << 20,
+            max_sessions: 32,
             tls: None,
         }
     }

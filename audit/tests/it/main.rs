@@ -30,6 +30,10 @@ async fn connect(url: &str) -> tokio_postgres::Client {
 /// A migrated database with a few events, alice (password) and bob
 /// (certificate only), and an endpoint with TLS from a fresh CA.
 async fn env() -> Env {
+    env_with(|_| {}).await
+}
+
+async fn env_with(adjust: impl FnOnce(&mut AuditConfig)) -> Env {
     let cluster = schema::testing::shared_cluster();
     let url = schema::testing::migrated_database(cluster).await;
     let db = connect(&url).await;
@@ -74,6 +78,7 @@ async fn env() -> Env {
         key_pem,
         client_ca_pem: Some(ca.cert_pem().to_string()),
     });
+    adjust(&mut config);
     let endpoint = audit::start("127.0.0.1:0".parse().unwrap(), config, appender)
         .await
         .unwrap();
@@ -411,6 +416,40 @@ async fn passwords_are_checked_and_revoked_auditors_refused() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert_eq!(stats.sessions.load(Relaxed), 0, "the session closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_beyond_the_limit_are_refused() {
+    let env = env_with(|c| c.max_sessions = 2).await;
+    let a = env.auditor("alice", "correct horse").await;
+    let b = env.auditor("alice", "correct horse").await;
+    let e = tokio_postgres::connect(
+        &env.auditor_url("alice", "correct horse"),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .err()
+    .expect("a third session is refused");
+    assert_eq!(code(&e), "53300", "{e:?}");
+    drop(a);
+    // A place frees up once a session ends.
+    let mut third = None;
+    for _ in 0..100 {
+        if let Ok(c) = tokio_postgres::connect(
+            &env.auditor_url("alice", "correct horse"),
+            tokio_postgres::NoTls,
+        )
+        .await
+        {
+            third = Some(c);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let (c, conn) = third.expect("a session after one ended");
+    tokio::spawn(conn);
+    assert_eq!(pool_a(&c).await, 5);
+    assert_eq!(pool_a(&b).await, 5);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
