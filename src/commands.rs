@@ -49,11 +49,11 @@ pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
         }
         PartitionsCmd::Export { db, month, out } => {
             let client = connect(&db).await?;
-            let (bytes, rows) = projections::archive::export(&client, &month).await?;
+            let (bytes, rows) = ::replay::archive::export(&client, &month).await?;
             let tmp = out.with_extension("tmp");
             std::fs::write(&tmp, &bytes).with_context(|| format!("write {}", tmp.display()))?;
             std::fs::rename(&tmp, &out).with_context(|| format!("write {}", out.display()))?;
-            projections::archive::record_export(&client, &month, &out, rows, &bytes).await?;
+            ::replay::archive::record_export(&client, &month, &out, rows, &bytes).await?;
             println!(
                 "exported {rows} rows of {month} to {} ({} bytes)",
                 out.display(),
@@ -73,7 +73,7 @@ pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
                     format!("--older-than {older_than:?}: a number of months such as 13mo")
                 })?;
             let client = connect(&db).await?;
-            let done = projections::archive::retire(&client, months, dry_run).await?;
+            let done = ::replay::archive::retire(&client, months, dry_run).await?;
             let mut refused = 0;
             for r in &done {
                 match &r.refused {
@@ -94,7 +94,7 @@ pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
         }
         PartitionsCmd::Seal { db, month } => {
             let client = connect(&db).await?;
-            let s = projections::seal::seal(&client, &month).await?;
+            let s = ::replay::seal::seal(&client, &month).await?;
             println!(
                 "sealed {}: {} rows (positions {} to {}), chain {}",
                 s.partition,
@@ -501,7 +501,7 @@ pub fn spawn_sealer(cfg: tokio_postgres::Config, every: Duration, grace: Duratio
                 }
             }
             let Some(c) = client.as_ref() else { continue };
-            match projections::seal::maintain(c, grace).await {
+            match ::replay::seal::maintain(c, grace).await {
                 Ok(done) => {
                     for s in &done.sealed {
                         tracing::info!(partition = %s.partition, rows = s.rows, chain = %s.chain, "sealed a closed month");
@@ -526,9 +526,12 @@ pub fn spawn_sealer(cfg: tokio_postgres::Config, every: Duration, grace: Duratio
 }
 
 /// The audit endpoint, with TLS from the CA folder when there is one.
-async fn start_audit(args: &ServeArgs, cfg: &tokio_postgres::Config) -> Result<audit::Endpoint> {
-    let mut ac = audit::AuditConfig::new(cfg.clone());
-    audit::setup::check_role(&args.audit_role)?;
+async fn start_audit(
+    args: &ServeArgs,
+    cfg: &tokio_postgres::Config,
+) -> Result<::replay::audit::Endpoint> {
+    let mut ac = ::replay::audit::AuditConfig::new(cfg.clone());
+    ::replay::audit::setup::check_role(&args.audit_role)?;
     ac.role = args.audit_role.clone();
     ac.backend = match &args.audit_database_url {
         Some(u) => u.parse().context("--audit-database-url")?,
@@ -545,7 +548,7 @@ async fn start_audit(args: &ServeArgs, cfg: &tokio_postgres::Config) -> Result<a
     if args.ca_dir.join(gateway::ca::CA_KEY).exists() {
         let ca = gateway::ca::Ca::load(&args.ca_dir)?;
         let (cert_pem, key_pem) = ca.server_identity(&args.tls_names)?;
-        ac.tls = Some(audit::TlsFiles {
+        ac.tls = Some(::replay::audit::TlsFiles {
             cert_pem,
             key_pem,
             client_ca_pem: Some(ca.cert_pem().to_string()),
@@ -556,7 +559,7 @@ async fn start_audit(args: &ServeArgs, cfg: &tokio_postgres::Config) -> Result<a
     }
     let tls = ac.tls.is_some();
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    let endpoint = audit::start(args.audit_listen, ac, appender)
+    let endpoint = ::replay::audit::start(args.audit_listen, ac, appender)
         .await
         .context("start the audit endpoint")?;
     eprintln!(

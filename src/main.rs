@@ -4,7 +4,7 @@ mod commands;
 mod dev;
 mod nodes;
 mod placement;
-mod replay;
+mod replay_cmd;
 mod telemetry;
 
 use clap::{Args, Parser, Subcommand};
@@ -507,7 +507,7 @@ pub enum ReplayCmd {
         json: bool,
     },
     /// Rebuild a projection (pool index, nodes, reservations) from history or archives, with progress; optionally a window, a snapshot, a comparison with the live projection
-    Run(replay::RunArgs),
+    Run(replay_cmd::RunArgs),
     /// Print a pool as it was at a time: nodes, free and booked GPUs by class, what waited
     State {
         #[command(flatten)]

@@ -25,7 +25,7 @@ pub fn ca(cmd: CaCmd) -> Result<ExitCode> {
             );
         }
         CaCmd::IssueAuditor(a) => {
-            audit::accounts::check_name(&a.name)?;
+            ::replay::audit::accounts::check_name(&a.name)?;
             let out = issue(&a, "auditor", |ca| ca.issue_auditor(&a.name, a.days))?;
             println!(
                 "psql: sslmode=verify-full sslrootcert={} sslcert={} sslkey={}",
@@ -94,7 +94,7 @@ pub async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
                 None
             };
             let client = connect(&db).await?;
-            audit::accounts::add(&client, &name, password.as_deref()).await?;
+            ::replay::audit::accounts::add(&client, &name, password.as_deref()).await?;
             println!(
                 "auditor {name} can connect to the audit endpoint ({})",
                 if password.is_some() {
@@ -106,7 +106,7 @@ pub async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
         }
         AuditUsersCmd::List { db } => {
             let client = connect(&db).await?;
-            let list = audit::accounts::list(&client).await?;
+            let list = ::replay::audit::accounts::list(&client).await?;
             println!("{:<24} {:<9} {:<20} REVOKED", "NAME", "PASSWORD", "CREATED");
             for a in list {
                 println!(
@@ -122,7 +122,7 @@ pub async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
         }
         AuditUsersCmd::Revoke { db, name } => {
             let client = connect(&db).await?;
-            audit::accounts::revoke(&client, &name).await?;
+            ::replay::audit::accounts::revoke(&client, &name).await?;
             println!("auditor {name} revoked: new connections are refused");
         }
     }
@@ -669,11 +669,11 @@ pub async fn grant(
 
 pub async fn audit_verify(db: &crate::Db, month: &str) -> Result<ExitCode> {
     let client = connect(db).await?;
-    let finding = projections::seal::verify(&client, month).await?;
+    let finding = ::replay::seal::verify(&client, month).await?;
     println!("{finding}");
     Ok(match finding {
-        projections::seal::Finding::Intact { .. }
-        | projections::seal::Finding::CheckpointsIntact { .. } => ExitCode::SUCCESS,
+        ::replay::seal::Finding::Intact { .. }
+        | ::replay::seal::Finding::CheckpointsIntact { .. } => ExitCode::SUCCESS,
         _ => ExitCode::from(1),
     })
 }

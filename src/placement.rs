@@ -143,9 +143,9 @@ async fn index(db: &Db) -> Result<Index> {
 /// The index as it was after `until` (the whole log when `None`).
 async fn index_until(db: &Db, until: Option<u64>) -> Result<Index> {
     let client = connect(db).await?;
-    let progress = std::sync::Arc::new(projections::replay::Progress::default());
-    let display = crate::replay::progress_display("reading the log".into(), progress.clone());
-    let index = projections::replay::from_postgres(
+    let progress = std::sync::Arc::new(::replay::rebuild::Progress::default());
+    let display = crate::replay_cmd::progress_display("reading the log".into(), progress.clone());
+    let index = ::replay::rebuild::from_postgres(
         &config(db)?,
         &client,
         Index::new(),
@@ -154,7 +154,7 @@ async fn index_until(db: &Db, until: Option<u64>) -> Result<Index> {
         |v| eprintln!("warning: the log breaks an invariant: {v}"),
     )
     .await;
-    crate::replay::stop_display(display);
+    crate::replay_cmd::stop_display(display);
     index.context("read the log")
 }
 
@@ -390,7 +390,7 @@ fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
 
 pub async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
     match cmd {
-        ReplayCmd::Run(args) => crate::replay::run(args).await,
+        ReplayCmd::Run(args) => crate::replay_cmd::run(args).await,
         ReplayCmd::State {
             db,
             pool,

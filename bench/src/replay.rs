@@ -16,10 +16,10 @@
 //! Each replayed index must equal the one built while generating the log.
 
 use crate::util::{self, round};
+use ::replay::rebuild::{self, Progress};
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use futures_util::SinkExt;
-use projections::replay::{self, Progress};
 use projections::{DeviceSpec, Fact, Index, Request, Shape};
 use std::sync::Arc;
 use std::time::Instant;
@@ -248,7 +248,7 @@ async fn copy_only(cfg: &tokio_postgres::Config, n: u64) -> Result<f64> {
     let mut conn =
         events::replication::ReplicationConnection::connect_session(cfg, "bench-copy", None)
             .await?;
-    conn.copy_out_start(&replay::copy_sql(0, n)).await?;
+    conn.copy_out_start(&rebuild::copy_sql(0, n)).await?;
     let mut bytes = 0usize;
     let mut chunks = 0u64;
     while conn
@@ -292,7 +292,7 @@ pub async fn run(args: Args) -> Result<()> {
         copy.push(copy_only(&cfg, n).await?);
         let t = Instant::now();
         let cpu0 = util::cpu_seconds(std::process::id());
-        let index = replay::from_postgres(
+        let index = rebuild::from_postgres(
             &cfg,
             &db,
             Index::new(),
@@ -333,7 +333,7 @@ pub async fn run(args: Args) -> Result<()> {
         .collect();
     let mut files = Vec::new();
     for m in &months {
-        let (bytes, rows) = projections::archive::export(&db, m).await?;
+        let (bytes, rows) = ::replay::archive::export(&db, m).await?;
         if rows == 0 {
             continue;
         }
@@ -348,7 +348,7 @@ pub async fn run(args: Args) -> Result<()> {
     // Where the time goes, on one thread with the events in memory.
     let breakdown = {
         let bytes = std::fs::read(&files[0])?;
-        let archive = projections::archive::Archive::open(&bytes)?;
+        let archive = ::replay::archive::Archive::open(&bytes)?;
         let rows = archive.rows()?;
         let t = Instant::now();
         let evs: Vec<events::Event> = rows.iter().map(|r| r.to_event()).collect();
@@ -381,11 +381,11 @@ pub async fn run(args: Args) -> Result<()> {
         for f in &files {
             let t0 = Instant::now();
             let bytes = std::fs::read(f)?;
-            let archive = projections::archive::Archive::open(&bytes)?;
+            let archive = ::replay::archive::Archive::open(&bytes)?;
             let rows = archive.rows()?;
             l += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            index = replay::from_archive(index, rows, None, &Progress::default(), |v| {
+            index = rebuild::from_archive(index, rows, None, &Progress::default(), |v| {
                 eprintln!("violation: {v}")
             })?;
             a += t1.elapsed().as_secs_f64();

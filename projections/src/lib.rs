@@ -6,14 +6,11 @@
 //! [`snapshot`] and resumed from one plus the events after it.
 //! [`check`] replays the log and verifies the placement invariants.
 
-pub mod archive;
 pub mod check;
 pub mod commands;
 pub mod domain;
 pub mod index;
 pub mod projector;
-pub mod replay;
-pub mod seal;
 pub mod snapshot;
 pub mod testing;
 pub mod views;

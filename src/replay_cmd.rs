@@ -4,9 +4,9 @@
 
 use crate::commands::{config, connect};
 use crate::Db;
+use ::replay::rebuild::{self, Progress};
 use anyhow::{bail, Context, Result};
 use events::{Event, Reader, ReaderConfig, Start};
-use projections::replay::{self, Progress};
 use projections::views::Parsed;
 use projections::{ApplyError, Index, NodesView, Projection, ReservationsView, Violation};
 use std::collections::BTreeMap;
@@ -160,7 +160,7 @@ async fn resolve(db: &Db, what: &str, v: &str) -> Result<u64> {
 /// Replays into `projection` from the database or the archives, up to `until`.
 async fn replay_into<P: Projection>(
     db: Option<&Db>,
-    archives: &[projections::archive::Archive],
+    archives: &[::replay::archive::Archive],
     projection: P,
     until: Option<u64>,
     label: &str,
@@ -180,7 +180,7 @@ async fn replay_into<P: Projection>(
     let result = if archives.is_empty() {
         let db = db.context("give --database-url, or --archive files to replay from")?;
         let client = connect(db).await?;
-        replay::from_postgres(
+        rebuild::from_postgres(
             &config(db)?,
             &client,
             projection,
@@ -204,7 +204,7 @@ async fn replay_into<P: Projection>(
         );
         for a in archives {
             let rows = a.rows()?;
-            p = replay::from_archive(p, rows, until, &progress, &mut f)?;
+            p = rebuild::from_archive(p, rows, until, &progress, &mut f)?;
         }
         Ok(p)
     };
@@ -253,7 +253,7 @@ pub async fn run(args: RunArgs) -> Result<ExitCode> {
     let mut archives = Vec::new();
     for path in &args.archive {
         let bytes = std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
-        let a = projections::archive::Archive::open(&bytes)
+        let a = ::replay::archive::Archive::open(&bytes)
             .with_context(|| format!("load {}", path.display()))?;
         a.rows()
             .with_context(|| format!("load {}", path.display()))?;
@@ -389,7 +389,7 @@ fn compared(equal: bool, position: u64) -> ExitCode {
 /// counting its events by type.
 async fn run_window<P: Projection>(
     db: Option<&Db>,
-    archives: &[projections::archive::Archive],
+    archives: &[::replay::archive::Archive],
     start: P,
     from: Option<u64>,
     to: Option<u64>,

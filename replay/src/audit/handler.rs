@@ -1,10 +1,10 @@
 //! pgwire's side: start-up and authentication, then simple and extended
 //! queries, each recorded as an `audit.query` event before it runs.
 
-use crate::accounts;
-use crate::backend::{Backend, BackendError, Column, Outcome, TxChange};
-use crate::split;
-use crate::{AuditConfig, AuditError};
+use crate::audit::accounts;
+use crate::audit::backend::{Backend, BackendError, Column, Outcome, TxChange};
+use crate::audit::split;
+use crate::audit::{AuditConfig, AuditError};
 use async_trait::async_trait;
 use events::{Appender, ExpectedVersion, NewEvent};
 use futures_util::Sink;
@@ -137,13 +137,13 @@ impl Shared {
         };
         {
             let guard = shared.accounts().await.map_err(|e| {
-                AuditError::Setup(crate::setup::SetupError::Db {
+                AuditError::Setup(crate::audit::setup::SetupError::Db {
                     role: config.role.clone(),
                     source: e,
                 })
             })?;
             let db = guard.as_ref().expect("connected above");
-            crate::setup::ensure_role(db, &config.role, config.statement_timeout).await?;
+            crate::audit::setup::ensure_role(db, &config.role, config.statement_timeout).await?;
         }
         // The audit role can log in and is as read-only as it should be.
         let mut probe = shared.open_backend().await?;
@@ -332,6 +332,22 @@ impl Startup {
     }
 }
 
+/// The auditor a client certificate names (`urn:strata:auditor:<name>`
+/// among its subject alternative names), if any.
+fn auditor_identity(der: &[u8]) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    let san = cert.subject_alternative_name().ok()??;
+    san.value.general_names.iter().find_map(|n| match n {
+        x509_parser::extensions::GeneralName::URI(u) => {
+            u.strip_prefix(AUDITOR_URI_PREFIX).map(str::to_string)
+        }
+        _ => None,
+    })
+}
+
+/// As the region CA writes it (`strata ca issue-auditor`).
+const AUDITOR_URI_PREFIX: &str = "urn:strata:auditor:";
+
 fn fastrand_u64() -> u64 {
     use ring::rand::SecureRandom;
     let mut b = [0u8; 8];
@@ -371,7 +387,7 @@ impl StartupHandler for Startup {
                             .fetch_add(1, Ordering::Relaxed);
                     };
                     // The TLS layer already checked that it chains to the CA.
-                    match gateway::ca::auditor_identity(&der) {
+                    match auditor_identity(&der) {
                         Some(named) if named == user => {
                             if self.shared.lookup(&user).await?.is_none() {
                                 refused();

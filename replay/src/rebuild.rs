@@ -8,12 +8,11 @@
 //! so decoding and applying run side by side.
 
 use crate::archive::ArchivedRow;
-use crate::domain::Fact;
-use crate::index::{ApplyError, Violation};
-use crate::views::{Parsed, Projection};
 use bytes::{Buf, BytesMut};
 use events::replication::{ReplicationConnection, ReplicationError};
 use events::{Event, Position};
+use projections::views::{Parsed, Projection};
+use projections::{ApplyError, Fact, Violation};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

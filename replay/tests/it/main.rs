@@ -3,8 +3,10 @@
 //! and the extended protocol, refused writes, DDL, side effects and relations
 //! outside the audit set, and every query recorded in the log.
 
-use audit::{AuditConfig, TlsFiles};
+mod seals;
+
 use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent};
+use replay::audit::{AuditConfig, TlsFiles};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -12,7 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 struct Env {
     url: String,
     db: tokio_postgres::Client,
-    endpoint: audit::Endpoint,
+    endpoint: replay::audit::Endpoint,
     ca_dir: tempfile::TempDir,
     psql: PathBuf,
 }
@@ -49,14 +51,16 @@ async fn env_with(adjust: impl FnOnce(&mut AuditConfig)) -> Env {
             .await
             .unwrap();
     }
-    audit::accounts::add(&db, "alice", Some("correct horse"))
+    replay::audit::accounts::add(&db, "alice", Some("correct horse"))
         .await
         .unwrap();
-    audit::accounts::add(&db, "bob", None).await.unwrap();
-    audit::accounts::add(&db, "carol", Some("carols-secret"))
+    replay::audit::accounts::add(&db, "bob", None)
         .await
         .unwrap();
-    audit::accounts::revoke(&db, "carol").await.unwrap();
+    replay::audit::accounts::add(&db, "carol", Some("carols-secret"))
+        .await
+        .unwrap();
+    replay::audit::accounts::revoke(&db, "carol").await.unwrap();
 
     let ca_dir = tempfile::tempdir().unwrap();
     gateway::ca::init(ca_dir.path(), "test").unwrap();
@@ -79,7 +83,7 @@ async fn env_with(adjust: impl FnOnce(&mut AuditConfig)) -> Env {
         client_ca_pem: Some(ca.cert_pem().to_string()),
     });
     adjust(&mut config);
-    let endpoint = audit::start("127.0.0.1:0".parse().unwrap(), config, appender)
+    let endpoint = replay::audit::start("127.0.0.1:0".parse().unwrap(), config, appender)
         .await
         .unwrap();
     Env {

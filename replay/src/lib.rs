@@ -1,0 +1,9 @@
+//! Operator replay and audit: projections rebuilt from history at the speed
+//! of `COPY` ([`rebuild`]), partition archives ([`archive`]), seals and
+//! running checkpoints of monthly partitions ([`seal`]), and the read-only
+//! PostgreSQL-protocol endpoint for auditors ([`audit`]).
+
+pub mod archive;
+pub mod audit;
+pub mod rebuild;
+pub mod seal;
