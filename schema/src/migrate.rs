@@ -58,11 +58,6 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "audit",
         sql: include_str!("../migrations/0008_audit.sql"),
     },
-    Migration {
-        version: 9,
-        name: "stream_collation",
-        sql: include_str!("../migrations/0009_stream_collation.sql"),
-    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).
