@@ -143,6 +143,10 @@ pub struct Subscription {
     delivered: u64,
     /// Times the subscription switched from the table to the live stream.
     attachments: u64,
+    /// A message taken from the live stream whose handling (a gap read) had
+    /// not finished: `next` may be cancelled at that await (a `select!`
+    /// polling it beside timers), and the message must not be lost with it.
+    pending: Option<Live>,
 }
 
 const PAGE: i64 = 5000;
@@ -266,6 +270,7 @@ impl Reader {
             page: PAGE,
             delivered: 0,
             attachments: 1,
+            pending: None,
         }
     }
 }
@@ -484,8 +489,15 @@ impl Subscription {
                 self.catch_up().await?;
                 continue;
             }
-            let rx = self.rx.as_mut().expect("live");
-            match rx.recv().await {
+            let msg = match self.pending.take() {
+                Some(m) => Some(m),
+                None => self.rx.as_mut().expect("live").recv().await,
+            };
+            // Kept until handled: if this future is dropped while the gap
+            // is read, the next call handles the message again (handling
+            // changes nothing before its reads complete).
+            self.pending = msg.clone();
+            match msg {
                 None => {
                     tracing::info!(subscription = %self.name, at = %self.fetched, "dropped by the live stream; reading the table");
                     self.rx = None;
@@ -501,6 +513,7 @@ impl Subscription {
                     }
                 }
             }
+            self.pending = None;
         }
     }
 
