@@ -352,18 +352,29 @@ impl ReplicationConnection {
         loop {
             match self.next_message().await? {
                 Some(Message::CopyOutResponse(_)) => return Ok(()),
-                Some(Message::ErrorResponse(body)) => {
-                    let e = server_error("COPY", &body);
-                    // Drain to ReadyForQuery so the connection stays usable.
-                    while !matches!(self.next_message().await?, Some(Message::ReadyForQuery(_))) {}
-                    return Err(e);
-                }
+                Some(Message::ErrorResponse(body)) => return Err(self.failed_copy(&body).await),
                 Some(Message::ReadyForQuery(_)) => {
                     return Err(ReplicationError::Protocol(
                         "the statement did not start a COPY".into(),
                     ))
                 }
                 _ => {}
+            }
+        }
+    }
+
+    /// The server's error for a COPY, after reading on to ReadyForQuery so
+    /// the connection stays usable.
+    async fn failed_copy(
+        &mut self,
+        body: &postgres_protocol::message::backend::ErrorResponseBody,
+    ) -> ReplicationError {
+        let e = server_error("COPY", body);
+        loop {
+            match self.next_message().await {
+                Ok(Some(Message::ReadyForQuery(_))) => return e,
+                Ok(_) => {}
+                Err(read) => return read,
             }
         }
     }
@@ -414,12 +425,7 @@ impl ReplicationConnection {
                     match self.next_message().await? {
                         Some(Message::ReadyForQuery(_)) => return Ok(false),
                         Some(Message::ErrorResponse(body)) => {
-                            let e = server_error("COPY", &body);
-                            while !matches!(
-                                self.next_message().await?,
-                                Some(Message::ReadyForQuery(_))
-                            ) {}
-                            return Err(e.into());
+                            return Err(self.failed_copy(&body).await.into())
                         }
                         _ => continue,
                     }

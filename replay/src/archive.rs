@@ -25,21 +25,6 @@ pub struct Row {
     pub xid: u64,
 }
 
-impl Row {
-    pub fn to_event(&self) -> Event {
-        Event {
-            position: Position(self.position),
-            stream: self.stream.clone(),
-            version: self.version,
-            event_type: self.event_type.clone(),
-            payload: self.payload.clone(),
-            metadata: self.metadata.clone(),
-            recorded_at: UNIX_EPOCH + Duration::from_micros(self.recorded_at_us.max(0) as u64),
-            xid: self.xid,
-        }
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum ArchiveError {
     #[error(transparent)]
@@ -177,22 +162,6 @@ fn check_header(bytes: &[u8]) -> Result<(u64, &[u8]), ArchiveError> {
         ));
     }
     Ok((n, payload))
-}
-
-/// Decodes an archive (validating header, checksum and structure).
-pub fn decode(bytes: &[u8]) -> Result<Vec<Row>, ArchiveError> {
-    let (n, payload) = check_header(bytes)?;
-    let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(payload.len());
-    aligned.extend_from_slice(payload);
-    let rows = rkyv::from_bytes::<Vec<Row>, rkyv::rancor::Error>(&aligned)
-        .map_err(|e| ArchiveError::Invalid(format!("archive does not validate: {e}")))?;
-    if rows.len() as u64 != n {
-        return Err(ArchiveError::Invalid(format!(
-            "{} rows, header says {n}",
-            rows.len()
-        )));
-    }
-    Ok(rows)
 }
 
 /// Records an export (after the file is safely written).

@@ -15,7 +15,7 @@ use projections::views::{Parsed, Projection};
 use projections::{ApplyError, Fact, Violation};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 use tokio_postgres::Client;
 
 /// Events handed to the applying thread at a time.
@@ -38,8 +38,6 @@ pub enum ReplayError {
 /// Counters a progress display reads while a replay runs.
 #[derive(Debug, Default)]
 pub struct Progress {
-    /// Events read from the source.
-    pub read: AtomicU64,
     /// Events applied.
     pub applied: AtomicU64,
     /// The position replay runs to.
@@ -74,21 +72,8 @@ impl CopyDecoder {
     ) -> Result<(), ReplayError> {
         if self.header && self.buf.is_empty() {
             // The common case: whole rows in the chunk, read in place.
-            let mut at = 0;
-            while !self.done {
-                match tuple(&chunk[at..])? {
-                    Some((Some(e), n)) => {
-                        out.push(e);
-                        at += n;
-                    }
-                    Some((None, n)) => {
-                        self.done = true;
-                        at += n;
-                    }
-                    None => break,
-                }
-            }
-            self.buf.extend_from_slice(&chunk[at..]);
+            let used = self.rows(chunk, out)?;
+            self.buf.extend_from_slice(&chunk[used..]);
             return Ok(());
         }
         self.buf.extend_from_slice(chunk);
@@ -106,20 +91,31 @@ impl CopyDecoder {
             self.buf.advance(19 + ext);
             self.header = true;
         }
+        let buf = std::mem::take(&mut self.buf);
+        let used = self.rows(&buf, out)?;
+        self.buf = buf;
+        self.buf.advance(used);
+        Ok(())
+    }
+
+    /// Decodes the whole rows at the start of `b` (and the trailer); returns
+    /// the bytes they took.
+    fn rows(&mut self, b: &[u8], out: &mut Vec<(Event, Parsed)>) -> Result<usize, ReplayError> {
+        let mut at = 0;
         while !self.done {
-            match tuple(&self.buf)? {
+            match tuple(&b[at..])? {
                 Some((Some(e), n)) => {
                     out.push(e);
-                    self.buf.advance(n);
+                    at += n;
                 }
                 Some((None, n)) => {
                     self.done = true;
-                    self.buf.advance(n);
+                    at += n;
                 }
                 None => break,
             }
         }
-        Ok(())
+        Ok(at)
     }
 
     /// True once the trailer was read and nothing is left over.
@@ -301,9 +297,6 @@ pub async fn from_postgres<P: Projection>(
                 break;
             }
             if batch.len() >= BATCH {
-                progress
-                    .read
-                    .fetch_add(batch.len() as u64, Ordering::Relaxed);
                 let full = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
                 tx.send(full).await.map_err(|_| ReplayError::Stopped)?;
             }
@@ -311,9 +304,6 @@ pub async fn from_postgres<P: Projection>(
         if !decoder.finished() {
             return Err(ReplayError::Decode("the COPY data ended early".into()));
         }
-        progress
-            .read
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
         if !batch.is_empty() {
             tx.send(batch).await.map_err(|_| ReplayError::Stopped)?;
         }
@@ -353,9 +343,6 @@ pub fn from_archive<P: Projection>(
                         (r.to_event_without_payload(), p)
                     })
                     .collect();
-                progress
-                    .read
-                    .fetch_add(chunk.len() as u64, Ordering::Relaxed);
                 if tx.send(batch).is_err() {
                     return;
                 }
@@ -368,13 +355,6 @@ pub fn from_archive<P: Projection>(
         }
         Ok(projection)
     })
-}
-
-/// The time a position was recorded at, for display.
-pub fn system_time_us(t: SystemTime) -> i64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_micros() as i64)
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -178,6 +178,52 @@ fn link(chain: &mut [u8; 32], d: &[u8; 32]) {
     chain.copy_from_slice(ctx.finish().as_ref());
 }
 
+/// Follows a chain being recomputed past the checkpoints taken of it and
+/// finds the first one it does not pass through.
+struct CheckpointWalk<'a> {
+    checkpoints: &'a [Checkpoint],
+    next: usize,
+    broken: Option<usize>,
+}
+
+impl<'a> CheckpointWalk<'a> {
+    fn new(checkpoints: &'a [Checkpoint]) -> Self {
+        CheckpointWalk {
+            checkpoints,
+            next: 0,
+            broken: None,
+        }
+    }
+
+    /// Before the row at `position` is linked: every checkpoint below it must
+    /// equal the chain so far (`last`: the last position linked, 0 for none).
+    fn before_row(&mut self, position: u64, last: u64, chain: &[u8; 32]) {
+        while self.broken.is_none()
+            && self.next < self.checkpoints.len()
+            && position > self.checkpoints[self.next].last_position
+        {
+            self.check(last, chain);
+        }
+    }
+
+    /// After the last row: the checkpoints left must equal the final chain.
+    /// Returns the index of the first broken checkpoint.
+    fn finish(mut self, last: u64, chain: &[u8; 32]) -> Option<usize> {
+        while self.broken.is_none() && self.next < self.checkpoints.len() {
+            self.check(last, chain);
+        }
+        self.broken
+    }
+
+    fn check(&mut self, last: u64, chain: &[u8; 32]) {
+        let c = &self.checkpoints[self.next];
+        if last != c.last_position || chain != &c.chain {
+            self.broken = Some(self.next);
+        }
+        self.next += 1;
+    }
+}
+
 /// Seals a partition (refuses to seal one twice).
 pub async fn seal(client: &Client, month: &str) -> Result<Seal, SealError> {
     let partition = partition_of(month)?;
@@ -194,27 +240,15 @@ pub async fn seal(client: &Client, month: &str) -> Result<Seal, SealError> {
         return Err(SealError::AlreadySealed(partition, r.get(0)));
     }
     let checkpoints = load_checkpoints(client, &partition).await?;
-    let mut next_checkpoint = 0usize;
-    let mut broken: Option<usize> = None;
+    let mut walk = CheckpointWalk::new(&checkpoints);
     let mut chain = [0u8; 32];
     let mut segments: Vec<(Vec<i64>, Vec<u8>, [u8; 32])> = Vec::new();
     let (mut positions, mut short) = (Vec::new(), Vec::new());
     let (mut first, mut last) = (None, None);
     let rows = digests(client, &partition, |p, d| {
         // The chain must pass through every checkpoint taken while the month
-        // was open: the first checkpoint whose position is passed without a
-        // match is broken.
-        while broken.is_none() && next_checkpoint < checkpoints.len() {
-            let c = &checkpoints[next_checkpoint];
-            if p > c.last_position {
-                if last.unwrap_or(0) != c.last_position || chain != c.chain {
-                    broken = Some(next_checkpoint);
-                }
-                next_checkpoint += 1;
-            } else {
-                break;
-            }
-        }
+        // was open.
+        walk.before_row(p, last.unwrap_or(0), &chain);
         link(&mut chain, &d);
         first.get_or_insert(p);
         last = Some(p);
@@ -232,12 +266,7 @@ pub async fn seal(client: &Client, month: &str) -> Result<Seal, SealError> {
     if !positions.is_empty() {
         segments.push((positions, short, chain));
     }
-    for (i, c) in checkpoints.iter().enumerate().skip(next_checkpoint) {
-        if broken.is_none() && (last != Some(c.last_position) || chain != c.chain) {
-            broken = Some(i);
-        }
-    }
-    if let Some(i) = broken {
+    if let Some(i) = walk.finish(last.unwrap_or(0), &chain) {
         let c = &checkpoints[i];
         return Err(SealError::CheckpointBroken {
             partition,
@@ -357,41 +386,24 @@ async fn verify_checkpoints(
     checkpoints: &[Checkpoint],
 ) -> Result<Finding, SealError> {
     let mut chain = [0u8; 32];
-    let mut i = 0usize;
-    let mut prev = 0u64;
     let mut last = 0u64;
-    let mut result: Option<Finding> = None;
+    let mut walk = CheckpointWalk::new(checkpoints);
     let up_to = checkpoints
         .last()
         .map(|c| c.last_position as i64)
         .unwrap_or(0);
     let rows = digests_between(client, partition, -1, up_to, |p, d| {
-        while result.is_none() && i < checkpoints.len() && p > checkpoints[i].last_position {
-            let c = &checkpoints[i];
-            if last != c.last_position || chain != c.chain {
-                result = Some(Finding::CheckpointBroken {
-                    after: prev,
-                    up_to: c.last_position,
-                });
-            }
-            prev = c.last_position;
-            i += 1;
-        }
+        walk.before_row(p, last, &chain);
         link(&mut chain, &d);
         last = p;
     })
     .await?;
-    if let Some(f) = result {
-        return Ok(f);
-    }
-    for c in &checkpoints[i..] {
-        if last != c.last_position || chain != c.chain {
-            return Ok(Finding::CheckpointBroken {
-                after: prev,
-                up_to: c.last_position,
-            });
-        }
-        prev = c.last_position;
+    if let Some(i) = walk.finish(last, &chain) {
+        // Something at a position after the checkpoint before it changed.
+        return Ok(Finding::CheckpointBroken {
+            after: i.checked_sub(1).map_or(0, |j| checkpoints[j].last_position),
+            up_to: checkpoints[i].last_position,
+        });
     }
     Ok(Finding::CheckpointsIntact {
         rows,
@@ -479,7 +491,8 @@ pub async fn verify(client: &Client, month: &str) -> Result<Finding, SealError> 
 }
 
 /// Months whose partitions exist, closed at least `grace` before `now`, not
-/// sealed yet; each as `YYYY-MM` with its end.
+/// sealed yet, as `YYYY-MM`. A partition's month is in its name
+/// (`strata.partition_name`), as `retire` reads it too.
 pub async fn unsealed_closed_months(
     client: &Client,
     grace: std::time::Duration,
@@ -487,12 +500,13 @@ pub async fn unsealed_closed_months(
     let grace_s = grace.as_secs_f64();
     Ok(client
         .query(
-            "SELECT to_char(lower_bound AT TIME ZONE 'UTC', 'YYYY-MM') FROM (
-               SELECT c.relname,
-                      (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \\(''([^'']+)''\\)'))[1]::timestamptz AS upper_bound,
-                      (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \\(''([^'']+)''\\)'))[1]::timestamptz AS lower_bound
+            "SELECT month FROM (
+               SELECT c.relname, replace(substr(c.relname, 8), '_', '-') AS month,
+                      (to_date(substr(c.relname, 8), 'YYYY_MM') + interval '1 month')
+                          AT TIME ZONE 'UTC' AS upper_bound
                  FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-                WHERE i.inhparent = 'strata.events'::regclass) p
+                WHERE i.inhparent = 'strata.events'::regclass
+                  AND c.relname ~ '^events_[0-9]{4}_[0-9]{2}$') p
               WHERE upper_bound + make_interval(secs => $1) <= now()
                 AND NOT EXISTS (SELECT 1 FROM strata.seals s WHERE s.partition = p.relname)
                 -- nothing that started before the month ended is still running

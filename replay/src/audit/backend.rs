@@ -77,6 +77,7 @@ pub struct Backend {
 
 const OPEN: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1";
 const CLOSE: &str = "ROLLBACK; SELECT pg_advisory_unlock_all()";
+const UNLOCK: &str = "SELECT pg_advisory_unlock_all()";
 
 impl Backend {
     pub async fn connect(
@@ -91,10 +92,6 @@ impl Backend {
             in_client_tx: false,
             max_result_bytes,
         })
-    }
-
-    pub fn in_transaction(&self) -> bool {
-        self.in_client_tx
     }
 
     /// Parses `sql` (one statement) and describes its parameters and columns.
@@ -231,37 +228,24 @@ impl Backend {
                 ),
             )));
         }
-        let change = if self.in_client_tx {
-            if status == b'I' {
-                self.in_client_tx = false;
-                self.simple("SELECT pg_advisory_unlock_all()").await?;
-                TxChange::Ended
-            } else {
-                TxChange::None
-            }
-        } else {
-            let began = matches!(&outcome, Outcome::Command { tag } if tag == "BEGIN" || tag == "START TRANSACTION");
-            if began && status == b'T' {
-                self.in_client_tx = true;
-                TxChange::Started
-            } else {
-                if status != b'I' {
-                    self.simple(CLOSE).await?;
-                } else {
-                    self.simple("SELECT pg_advisory_unlock_all()").await?;
-                }
-                TxChange::None
-            }
+        let began = matches!(&outcome, Outcome::Command { tag } if tag == "BEGIN" || tag == "START TRANSACTION");
+        let change = match (self.in_client_tx, status) {
+            (true, b'I') => TxChange::Ended,
+            (false, b'T') if began => TxChange::Started,
+            _ => TxChange::None,
         };
-        Ok((outcome, change))
-    }
-
-    /// Ends whatever the auditor left open (their session is closing).
-    pub async fn close(&mut self) {
-        if self.in_client_tx {
-            let _ = self.simple(CLOSE).await;
-            self.in_client_tx = false;
+        self.in_client_tx = match change {
+            TxChange::Started => true,
+            TxChange::Ended => false,
+            TxChange::None => self.in_client_tx,
+        };
+        if !self.in_client_tx {
+            // Out of the auditor's transaction: end ours (if the statement
+            // left it open) and drop any session advisory lock it took.
+            self.simple(if status == b'I' { UNLOCK } else { CLOSE })
+                .await?;
         }
+        Ok((outcome, change))
     }
 
     /// Runs the endpoint's own statements; an error is a failure of the session.

@@ -175,11 +175,7 @@ impl Shared {
     {
         let mut guard = self.accounts_db.lock().await;
         if guard.as_ref().is_none_or(|c| c.is_closed()) {
-            let (client, conn) = self.database.connect(tokio_postgres::NoTls).await?;
-            tokio::spawn(async move {
-                let _ = conn.await;
-            });
-            *guard = Some(client);
+            *guard = Some(events::db::connect(&self.database, "audit-accounts").await?);
         }
         Ok(guard)
     }
@@ -313,10 +309,7 @@ impl Startup {
                 ));
             }
         };
-        let id = format!(
-            "{:016x}",
-            (fastrand_u64() ^ client.socket_addr().port() as u64)
-        );
+        let id = projections::domain::new_id("as");
         stats.logins.fetch_add(1, Ordering::Relaxed);
         // From here the session's Drop gives the place back.
         client.session_extensions().insert(Session {
@@ -347,13 +340,6 @@ fn auditor_identity(der: &[u8]) -> Option<String> {
 
 /// As the region CA writes it (`strata ca issue-auditor`).
 const AUDITOR_URI_PREFIX: &str = "urn:strata:auditor:";
-
-fn fastrand_u64() -> u64 {
-    use ring::rand::SecureRandom;
-    let mut b = [0u8; 8];
-    let _ = ring::rand::SystemRandom::new().fill(&mut b);
-    u64::from_le_bytes(b)
-}
 
 #[async_trait]
 impl StartupHandler for Startup {

@@ -27,8 +27,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_rustls::rustls;
 
-pub use handler::Shared;
-
 /// How the endpoint runs.
 #[derive(Clone)]
 pub struct AuditConfig {
