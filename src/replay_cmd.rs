@@ -4,6 +4,7 @@
 
 use crate::commands::{config, connect};
 use crate::Db;
+use ::replay::archive::ArchivedRow;
 use ::replay::rebuild::{self, Progress};
 use anyhow::{bail, Context, Result};
 use events::{Event, Reader, ReaderConfig, Start};
@@ -148,28 +149,40 @@ pub(crate) fn stop_display(h: tokio::task::JoinHandle<()>) {
     }
 }
 
-async fn resolve(db: &Db, what: &str, v: &str) -> Result<u64> {
-    match v.parse::<u64>() {
-        Ok(p) => Ok(p),
-        Err(_) => crate::placement::position_at(db, v)
-            .await
-            .with_context(|| format!("{what} {v:?}: a position or an RFC 3339 time")),
+/// A position, or the last position recorded at a time (which needs the database).
+async fn resolve(db: Option<&Db>, what: &str, v: Option<&str>) -> Result<Option<u64>> {
+    let Some(v) = v else { return Ok(None) };
+    if let Ok(p) = v.parse::<u64>() {
+        return Ok(Some(p));
     }
+    let db = db.with_context(|| {
+        format!("{what} as a time needs --database-url (or STRATA_DATABASE_URL)")
+    })?;
+    crate::placement::position_at(db, v)
+        .await
+        .with_context(|| format!("{what} {v:?}: a position or an RFC 3339 time"))
+        .map(Some)
+}
+
+/// Where a run reads from and what it collects, shared by its phases.
+struct Source<'a> {
+    db: Option<&'a Db>,
+    /// Archive rows, validated once when loaded.
+    archives: Vec<&'a [ArchivedRow]>,
+    violations: Arc<std::sync::Mutex<Vec<Violation>>>,
 }
 
 /// Replays into `projection` from the database or the archives, up to `until`.
 async fn replay_into<P: Projection>(
-    db: Option<&Db>,
-    archives: &[::replay::archive::Archive],
+    src: &Source<'_>,
     projection: P,
     until: Option<u64>,
     label: &str,
-    violations: Arc<std::sync::Mutex<Vec<Violation>>>,
 ) -> Result<P> {
     let progress = Arc::new(Progress::default());
     let display = progress_display(label.to_string(), progress.clone());
     let on_violation = {
-        let v = violations.clone();
+        let v = src.violations.clone();
         move |x: Violation| {
             let mut v = v.lock().expect("violations");
             if v.len() < 100 {
@@ -177,8 +190,10 @@ async fn replay_into<P: Projection>(
             }
         }
     };
-    let result = if archives.is_empty() {
-        let db = db.context("give --database-url, or --archive files to replay from")?;
+    let result = if src.archives.is_empty() {
+        let db = src
+            .db
+            .context("give --database-url, or --archive files to replay from")?;
         let client = connect(db).await?;
         rebuild::from_postgres(
             &config(db)?,
@@ -193,17 +208,13 @@ async fn replay_into<P: Projection>(
     } else {
         let mut p = projection;
         let mut f = on_violation;
-        let total: u64 = archives
-            .iter()
-            .map(|a| a.rows().map(|r| r.len() as u64).unwrap_or(0))
-            .sum();
+        let total: u64 = src.archives.iter().map(|r| r.len() as u64).sum();
         progress.start.store(p.position(), Ordering::Relaxed);
         progress.target.store(
             p.position() + total.min(until.unwrap_or(u64::MAX)),
             Ordering::Relaxed,
         );
-        for a in archives {
-            let rows = a.rows()?;
+        for rows in &src.archives {
             p = rebuild::from_archive(p, rows, until, &progress, &mut f)?;
         }
         Ok(p)
@@ -221,20 +232,8 @@ pub async fn run(args: RunArgs) -> Result<ExitCode> {
     let need_db = |what: &str| {
         db.with_context(|| format!("{what} needs --database-url (or STRATA_DATABASE_URL)"))
     };
-    let from = match &args.from {
-        Some(v) => Some(match v.parse::<u64>() {
-            Ok(p) => p,
-            Err(_) => resolve(need_db("--from as a time")?, "--from", v).await?,
-        }),
-        None => None,
-    };
-    let to = match &args.to {
-        Some(v) => Some(match v.parse::<u64>() {
-            Ok(p) => p,
-            Err(_) => resolve(need_db("--to as a time")?, "--to", v).await?,
-        }),
-        None => None,
-    };
+    let from = resolve(db, "--from", args.from.as_deref()).await?;
+    let to = resolve(db, "--to", args.to.as_deref()).await?;
     if let (Some(f), Some(t)) = (from, to) {
         if f > t {
             bail!("--from {f} is after --to {t}");
@@ -250,21 +249,30 @@ pub async fn run(args: RunArgs) -> Result<ExitCode> {
     {
         bail!("--snapshot-in and --snapshot-out are for --projection pool-index");
     }
-    let mut archives = Vec::new();
+    let mut loaded = Vec::new();
     for path in &args.archive {
         let bytes = std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
         let a = ::replay::archive::Archive::open(&bytes)
             .with_context(|| format!("load {}", path.display()))?;
-        a.rows()
-            .with_context(|| format!("load {}", path.display()))?;
-        archives.push(a);
+        loaded.push((path, a));
     }
-    let source = if archives.is_empty() {
+    let mut archives = Vec::new();
+    for (path, a) in &loaded {
+        let rows = a
+            .rows()
+            .with_context(|| format!("load {}", path.display()))?;
+        archives.push(rows.as_slice());
+    }
+    let src = Source {
+        db,
+        archives,
+        violations: Arc::new(std::sync::Mutex::new(Vec::new())),
+    };
+    let label = if src.archives.is_empty() {
         "the log".to_string()
     } else {
-        format!("{} archive(s)", archives.len())
+        format!("{} archive(s)", src.archives.len())
     };
-    let violations = Arc::new(std::sync::Mutex::new(Vec::new()));
     let started = Instant::now();
     let exit = match args.projection {
         Which::PoolIndex => {
@@ -291,9 +299,9 @@ pub async fn run(args: RunArgs) -> Result<ExitCode> {
                 }
                 None => Index::new(),
             };
-            let w = run_window(db, &archives, start, from, to, &violations).await?;
+            let w = run_window(&src, start, from, to).await?;
             let index = w.inner;
-            report_window(&source, from, index.position(), &w.by_type, started);
+            report_window(&label, from, index.position(), &w.by_type, started);
             let r = projections::check::verify(&index)?;
             if args.json {
                 println!(
@@ -323,48 +331,17 @@ pub async fn run(args: RunArgs) -> Result<ExitCode> {
             }
         }
         Which::Nodes => {
-            let w = run_window(db, &archives, NodesView::default(), from, to, &violations).await?;
-            report_window(&source, from, w.inner.position, &w.by_type, started);
-            let view = w.inner;
+            let view: NodesView = view(&src, from, to, &label, started).await?;
             print_nodes(&view, args.json);
-            if args.compare_live {
-                let live = live_view(
-                    need_db("--compare-live")?,
-                    NodesView::default(),
-                    view.position,
-                )
-                .await?;
-                compared(live == view, view.position)
-            } else {
-                ExitCode::SUCCESS
-            }
+            compare_view(&args, need_db, view).await?
         }
         Which::Reservations => {
-            let w = run_window(
-                db,
-                &archives,
-                ReservationsView::default(),
-                from,
-                to,
-                &violations,
-            )
-            .await?;
-            report_window(&source, from, w.inner.position, &w.by_type, started);
-            let view = w.inner;
+            let view: ReservationsView = view(&src, from, to, &label, started).await?;
             print_reservations(&view, args.json);
-            if args.compare_live {
-                let live = live_view(
-                    need_db("--compare-live")?,
-                    ReservationsView::default(),
-                    view.position,
-                )
-                .await?;
-                compared(live == view, view.position)
-            } else {
-                ExitCode::SUCCESS
-            }
+            compare_view(&args, need_db, view).await?
         }
     };
+    let violations = src.violations;
     let v = violations.lock().expect("violations");
     for x in v.iter().take(10) {
         eprintln!("warning: the log breaks an invariant: {x}");
@@ -388,25 +365,15 @@ fn compared(equal: bool, position: u64) -> ExitCode {
 /// Rebuilds up to `from` (if given), then replays the window `(from, to]`,
 /// counting its events by type.
 async fn run_window<P: Projection>(
-    db: Option<&Db>,
-    archives: &[::replay::archive::Archive],
+    src: &Source<'_>,
     start: P,
     from: Option<u64>,
     to: Option<u64>,
-    violations: &Arc<std::sync::Mutex<Vec<Violation>>>,
 ) -> Result<Window<P>> {
     let mut p = start;
     if let Some(f) = from {
         if p.position() < f {
-            p = replay_into(
-                db,
-                archives,
-                p,
-                Some(f),
-                "state before --from",
-                violations.clone(),
-            )
-            .await?;
+            p = replay_into(src, p, Some(f), "state before --from").await?;
         }
     }
     let w = Window {
@@ -414,7 +381,33 @@ async fn run_window<P: Projection>(
         from: from.unwrap_or(0),
         by_type: BTreeMap::new(),
     };
-    replay_into(db, archives, w, to, "replaying", violations.clone()).await
+    replay_into(src, w, to, "replaying").await
+}
+
+/// The nodes or reservations view, rebuilt and reported.
+async fn view<P: Projection + Default>(
+    src: &Source<'_>,
+    from: Option<u64>,
+    to: Option<u64>,
+    label: &str,
+    started: Instant,
+) -> Result<P> {
+    let w = run_window(src, P::default(), from, to).await?;
+    report_window(label, from, w.inner.position(), &w.by_type, started);
+    Ok(w.inner)
+}
+
+/// With `--compare-live`: the view built through a subscription, compared.
+async fn compare_view<'a, P: Projection + Default + PartialEq>(
+    args: &RunArgs,
+    need_db: impl Fn(&str) -> Result<&'a Db>,
+    view: P,
+) -> Result<ExitCode> {
+    if !args.compare_live {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let live = live_view(need_db("--compare-live")?, P::default(), view.position()).await?;
+    Ok(compared(live == view, view.position()))
 }
 
 fn report_window(
@@ -488,12 +481,17 @@ fn print_reservations(view: &ReservationsView, json: bool) {
     }
 }
 
-/// The pool index as the placer builds it: through a subscription.
-async fn live_index(db: &Db, position: u64) -> Result<Index> {
+/// A reader of its own (a temporary slot) for `--compare-live`.
+fn live_reader(db: &Db) -> Result<Reader> {
     let mut rc = ReaderConfig::new(format!("strata_replay_{}", std::process::id()));
     rc.temporary = true;
     rc.owner = "strata replay run --compare-live".into();
-    let reader = Reader::start(config(db)?, rc);
+    Ok(Reader::start(config(db)?, rc))
+}
+
+/// The pool index as the placer builds it: through a subscription.
+async fn live_index(db: &Db, position: u64) -> Result<Index> {
+    let reader = live_reader(db)?;
     let mut live = projections::Projector::start(&reader, None).await?;
     while live.index.position() < position {
         live.step().await?;
@@ -503,10 +501,7 @@ async fn live_index(db: &Db, position: u64) -> Result<Index> {
 
 /// A view folded from a subscription from the first event.
 async fn live_view<P: Projection>(db: &Db, mut view: P, position: u64) -> Result<P> {
-    let mut rc = ReaderConfig::new(format!("strata_replay_{}", std::process::id()));
-    rc.temporary = true;
-    rc.owner = "strata replay run --compare-live".into();
-    let reader = Reader::start(config(db)?, rc);
+    let reader = live_reader(db)?;
     let mut sub = reader.subscribe_ephemeral(Start::Beginning).await?;
     while view.position() < position {
         let e = sub.next().await?;
