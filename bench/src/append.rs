@@ -38,6 +38,10 @@ pub struct Args {
     /// Measure only the append phases (no lag or decode)
     #[arg(long)]
     appends_only: bool,
+    /// Concurrent writers of the append phases (comma-separated);
+    /// `append_ratio` needs 256 among them
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 16, 256])]
+    writers: Vec<usize>,
 }
 
 pub async fn run(args: Args) -> Result<()> {
@@ -46,6 +50,11 @@ pub async fn run(args: Args) -> Result<()> {
         .backlog
         .unwrap_or(if args.quick { 200_000 } else { 1_000_000 });
     let reps = if args.quick { 1 } else { 3 };
+    if !args.appends_only && !args.writers.contains(&256) {
+        anyhow::bail!(
+            "--writers must include 256 (append_ratio is measured there), or pass --appends-only"
+        );
+    }
     eprintln!("starting a private PostgreSQL (fsync on) ...");
     let cluster = tokio::task::spawn_blocking(util::cluster).await??;
     let recvlogical = cluster.bindir().join("pg_recvlogical");
@@ -76,7 +85,7 @@ pub async fn run(args: Args) -> Result<()> {
     );
     let mut levels = serde_json::Map::new();
     let mut rate_256 = 0.0;
-    for writers in [1usize, 16, 256] {
+    for &writers in &args.writers {
         let mut rates = Vec::new();
         let mut lat = Vec::new();
         for _ in 0..reps {
