@@ -265,6 +265,28 @@ pub enum CaCmd {
     IssueAuditor(IssueArgs),
     /// Issue an operator certificate for the client API (strata.api.v1 on every gateway)
     IssueOperator(IssueArgs),
+    /// Revoke an operator's or auditor's certificate before it expires: gateways
+    /// refuse its API calls within seconds, the audit endpoint its logins
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["cert", "serial"])))]
+    Revoke {
+        #[command(flatten)]
+        db: Db,
+        /// The certificate (PEM), e.g. operator.pem; its holder is named in the log
+        #[arg(long)]
+        cert: Option<PathBuf>,
+        /// Its serial in hex, when the file is gone (as `strata ca revoked` and
+        /// `openssl x509 -serial` print it; colons allowed)
+        #[arg(long)]
+        serial: Option<String>,
+        /// Why, kept with the revocation and in the log
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// List revoked certificates, newest first
+    Revoked {
+        #[command(flatten)]
+        db: Db,
+    },
 }
 
 /// A client certificate from the CA.
@@ -783,7 +805,7 @@ fn main() -> ExitCode {
             Command::Pools { db } => placement::pools(&db).await,
             Command::Pool(c) => placement::pool(c).await,
             Command::Replay(c) => placement::replay(c).await,
-            Command::Ca(c) => nodes::ca(c),
+            Command::Ca(c) => nodes::ca(c).await,
             Command::Tokens(c) => nodes::tokens(c).await,
             Command::Nodes(c) => nodes::nodes(c).await,
             Command::Commands(c) => nodes::commands(c).await,

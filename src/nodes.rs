@@ -14,8 +14,68 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub fn ca(cmd: CaCmd) -> Result<ExitCode> {
+pub async fn ca(cmd: CaCmd) -> Result<ExitCode> {
     match cmd {
+        CaCmd::Revoke {
+            db,
+            cert,
+            serial,
+            reason,
+        } => {
+            use gateway::revocation;
+            let presented =
+                match &cert {
+                    Some(path) => {
+                        let pem = std::fs::read_to_string(path)
+                            .with_context(|| format!("read {}", path.display()))?;
+                        Some(revocation::presented_pem(&pem).with_context(|| {
+                            format!("read the certificate in {}", path.display())
+                        })?)
+                    }
+                    None => None,
+                };
+            let serial = match (&presented, &serial) {
+                (Some(p), _) => p.serial.clone(),
+                (None, Some(s)) => revocation::parse_serial(s)?,
+                (None, None) => bail!("give --cert or --serial"),
+            };
+            if let Some(p) = &presented {
+                if p.kind.is_none() {
+                    bail!(
+                        "{} is not an operator's or an auditor's certificate (nodes are revoked with `strata nodes revoke`)",
+                        cert.as_deref().unwrap_or_else(|| std::path::Path::new("?")).display()
+                    );
+                }
+            }
+            let client = connect(&db).await?;
+            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            let who = presented
+                .as_ref()
+                .and_then(|p| Some(format!("{} {}", p.kind?, p.name.as_deref()?)))
+                .unwrap_or_else(|| "certificate".into());
+            if revocation::revoke(&client, &appender, &serial, presented.as_ref(), &reason).await? {
+                println!("revoked the {who} (serial {serial}); gateways refuse it within {} s, the audit endpoint at once", gateway::revocation::Revoked::RELOAD.as_secs());
+            } else {
+                println!("the {who} (serial {serial}) was already revoked");
+            }
+        }
+        CaCmd::Revoked { db } => {
+            let client = connect(&db).await?;
+            let list = gateway::revocation::list(&client).await?;
+            if list.is_empty() {
+                println!("no certificates are revoked");
+            }
+            for r in list {
+                println!(
+                    "{:<34} {:<9} {:<24} revoked {}  {}",
+                    r.serial,
+                    r.kind.as_deref().unwrap_or("-"),
+                    r.name.as_deref().unwrap_or("-"),
+                    humantime::format_rfc3339_seconds(r.revoked_at),
+                    r.reason
+                );
+            }
+        }
         CaCmd::Init { dir, region } => {
             let cert = gateway::ca::init(&dir, &region)?;
             println!(
@@ -57,10 +117,13 @@ fn issue(
     let out = &a.out;
     std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
     gateway::ca::write_private(&out.join(format!("{kind}.key")), key.as_bytes())?;
-    std::fs::write(out.join(format!("{kind}.pem")), cert)?;
+    std::fs::write(out.join(format!("{kind}.pem")), &cert)?;
     std::fs::write(out.join("ca.pem"), ca.cert_pem())?;
+    let serial = gateway::revocation::presented_pem(&cert)
+        .map(|p| p.serial)
+        .unwrap_or_default();
     println!(
-        "wrote {} and {} (private) for {kind} {}, valid {} days",
+        "wrote {} and {} (private) for {kind} {}, valid {} days, serial {serial} (`strata ca revoke --serial` revokes it)",
         out.join(format!("{kind}.pem")).display(),
         out.join(format!("{kind}.key")).display(),
         a.name,

@@ -6,8 +6,8 @@ use crate::api_proto::{
     Node, Pool, PoolClass, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest,
     SubscribeMessage, SubscribedEvent,
 };
-use crate::ca;
 use crate::server::{Shared, Waited};
+use crate::{ca, revocation};
 use events::{AppendError, ExpectedVersion};
 use projections::commands::{self, Command};
 use projections::domain::reservation_stream;
@@ -21,14 +21,32 @@ pub(crate) struct ApiService {
     pub(crate) shared: Arc<Shared>,
 }
 
-fn operator<T>(req: &Request<T>) -> Result<String, Status> {
+/// The operator a caller's certificate names; refused if it names none or
+/// was revoked (`strata ca revoke`).
+async fn operator<T>(shared: &Shared, req: &Request<T>) -> Result<String, Status> {
     let certs = req
         .peer_certs()
         .ok_or_else(|| Status::unauthenticated("the API needs an operator certificate"))?;
-    certs
+    let der = certs
         .first()
-        .and_then(|c| ca::operator_identity(c.as_ref()))
-        .ok_or_else(|| Status::permission_denied("this certificate is not an operator's"))
+        .ok_or_else(|| Status::unauthenticated("the API needs an operator certificate"))?;
+    let who = ca::operator_identity(der.as_ref())
+        .ok_or_else(|| Status::permission_denied("this certificate is not an operator's"))?;
+    let serial = revocation::presented(der.as_ref())
+        .map_err(|e| Status::permission_denied(e.to_string()))?
+        .serial;
+    let client = shared
+        .db
+        .get()
+        .await
+        .map_err(|e| Status::unavailable(format!("database: {e}")))?;
+    match shared.revoked.check(&client, &serial).await {
+        Ok(false) => Ok(who),
+        Ok(true) => Err(Status::permission_denied(format!(
+            "the certificate of operator {who} (serial {serial}) is revoked"
+        ))),
+        Err(e) => Err(Status::unavailable(e)),
+    }
 }
 
 fn append_status(e: AppendError) -> Status {
@@ -107,7 +125,7 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<tonic::Streaming<SubscribeMessage>>,
     ) -> Result<Response<EventStream>, Status> {
-        let who = operator(&req)?;
+        let who = operator(&self.shared, &req).await?;
         let mut inbound = req.into_inner();
         let start = match inbound.message().await? {
             Some(SubscribeMessage {
@@ -228,7 +246,7 @@ impl api_server::Api for ApiService {
     }
 
     async fn reserve(&self, req: Request<ReserveRequest>) -> Result<Response<Reservation>, Status> {
-        let who = operator(&req)?;
+        let who = operator(&self.shared, &req).await?;
         let r = req.into_inner();
         let (shape, gpus) = if r.nodes > 0 || r.gpus_per_node > 0 {
             (
@@ -334,7 +352,7 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
-        let who = operator(&req)?;
+        let who = operator(&self.shared, &req).await?;
         let r = req.into_inner();
         projections::domain::valid_name("reservation id", &r.id)
             .map_err(Status::invalid_argument)?;
@@ -367,7 +385,7 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<ListPoolsRequest>,
     ) -> Result<Response<ListPoolsResponse>, Status> {
-        operator(&req)?;
+        operator(&self.shared, &req).await?;
         let client = self.db().await?;
         let index = projections::projector::build(&client, Index::new())
             .await
@@ -403,7 +421,7 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
-        operator(&req)?;
+        operator(&self.shared, &req).await?;
         let pool = req.into_inner().pool;
         let client = self.db().await?;
         let rows = client
@@ -434,7 +452,7 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<IssueCommandRequest>,
     ) -> Result<Response<CommandStatus>, Status> {
-        let who = operator(&req)?;
+        let who = operator(&self.shared, &req).await?;
         let r = req.into_inner();
         let args: serde_json::Value = if r.args_json.is_empty() {
             serde_json::json!({})
@@ -492,7 +510,7 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<GetCommandRequest>,
     ) -> Result<Response<CommandStatus>, Status> {
-        operator(&req)?;
+        operator(&self.shared, &req).await?;
         let id = req.into_inner().id;
         match self.command(&id).await? {
             Some(t) => Ok(Response::new(status_of(&t))),

@@ -250,6 +250,16 @@ pub fn operator_identity(der: &[u8]) -> Option<String> {
     uri_identity(der, OPERATOR_URI_PREFIX)
 }
 
+/// The auditor a client certificate names, if it is an auditor's.
+pub fn auditor_identity(der: &[u8]) -> Option<String> {
+    uri_identity(der, AUDITOR_URI_PREFIX)
+}
+
+/// A serial as stored and compared: lowercase hex without leading zero bytes.
+pub fn serial_hex(raw: &[u8]) -> String {
+    hex(raw)
+}
+
 fn uri_identity(der: &[u8], prefix: &str) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
     let san = cert.subject_alternative_name().ok()??;

@@ -5,6 +5,7 @@ pub mod ca;
 pub mod codec;
 pub mod grants;
 pub mod identity;
+pub mod revocation;
 pub mod server;
 
 pub mod proto {

@@ -164,6 +164,8 @@ pub(crate) struct Shared {
     /// API callers waiting for a reservation's (`r:<id>`) or a command's
     /// (`c:<id>`) outcome.
     waiters: Mutex<HashMap<String, Vec<oneshot::Sender<Waited>>>>,
+    /// Revoked client certificates (operators of the client API).
+    pub(crate) revoked: crate::revocation::Revoked,
 }
 
 /// What an API caller waited for.
@@ -359,6 +361,7 @@ pub async fn start(
         reader: reader.clone(),
         commands: Mutex::new(Commands::default()),
         waiters: Mutex::new(HashMap::new()),
+        revoked: Default::default(),
     });
     // Follow commands from now, then load the ones still open (an event seen
     // twice is applied once).

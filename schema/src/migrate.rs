@@ -58,6 +58,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "audit",
         sql: include_str!("../migrations/0008_audit.sql"),
     },
+    Migration {
+        version: 9,
+        name: "certificate_revocations",
+        sql: include_str!("../migrations/0009_certificate_revocations.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

@@ -1,7 +1,7 @@
 //! `strata serve --roles audit` as a real process, with auditors managed by
 //! `strata audit users` and `strata ca issue-auditor`, and psql as the client.
 
-use super::{database, ok};
+use super::{database, fails, ok};
 use std::io::Write;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -112,6 +112,10 @@ fn serve_audit_with_psql_passwords_certificates_and_revocation() {
         erin.to_str().unwrap(),
     ]);
     assert!(out.contains("sslcert="), "{out}");
+    assert!(
+        out.contains(&format!("serial {}", out_issue_serial(&erin))),
+        "{out}"
+    );
     let list = ok(&["audit", "users", "list", "--database-url", &url]);
     assert!(
         list.lines()
@@ -181,4 +185,68 @@ fn serve_audit_with_psql_passwords_certificates_and_revocation() {
     let (okay, _, err) = psql(&format!("{tls} user=dana"), "SELECT 1", Some("dana pass 1"));
     assert!(!okay);
     assert!(err.contains("password authentication failed"), "{err}");
+
+    // Revoking erin's certificate (not her account) refuses its logins.
+    assert!(out_issue_serial(&erin).len() >= 2);
+    let cert = erin.join("auditor.pem");
+    let out = ok(&[
+        "ca",
+        "revoke",
+        "--cert",
+        cert.to_str().unwrap(),
+        "--reason",
+        "key leaked",
+        "--database-url",
+        &url,
+    ]);
+    assert!(out.contains("revoked the auditor erin"), "{out}");
+    let out = ok(&[
+        "ca",
+        "revoke",
+        "--serial",
+        &out_issue_serial(&erin),
+        "--database-url",
+        &url,
+    ]);
+    assert!(out.contains("already revoked"), "{out}");
+    let listed = ok(&["ca", "revoked", "--database-url", &url]);
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.contains("auditor") && l.contains("erin") && l.ends_with("key leaked")),
+        "{listed}"
+    );
+    let (okay, _, err) = psql(
+        &format!(
+            "{tls} user=erin sslcert={} sslkey={}",
+            cert.display(),
+            erin.join("auditor.key").display()
+        ),
+        "SELECT 1",
+        None,
+    );
+    assert!(!okay);
+    assert!(err.contains("is revoked"), "{err}");
+    let err = fails(&["ca", "revoke", "--serial", "xyz", "--database-url", &url]);
+    assert!(err.contains("not 1 to 20 bytes of hex"), "{err}");
+    let err = fails(&["ca", "revoke", "--database-url", &url]);
+    assert!(err.contains("--cert") && err.contains("--serial"), "{err}");
+    let err = fails(&[
+        "ca",
+        "revoke",
+        "--cert",
+        ca.join("ca.pem").to_str().unwrap(),
+        "--database-url",
+        &url,
+    ]);
+    assert!(
+        err.contains("not an operator's or an auditor's certificate"),
+        "{err}"
+    );
+}
+
+/// The serial of the certificate under `dir`, as `strata ca revoked` prints it.
+fn out_issue_serial(dir: &Path) -> String {
+    let pem = std::fs::read_to_string(dir.join("auditor.pem")).unwrap();
+    ::gateway::revocation::presented_pem(&pem).unwrap().serial
 }

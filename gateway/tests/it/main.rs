@@ -759,6 +759,7 @@ async fn the_client_api_serves_operators_only() {
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
 
     let (cert, key) = ca.issue_operator("alice", 1).unwrap();
+    let alice = gateway::revocation::presented_pem(&cert).unwrap();
     let mut api = client(cert, key).await;
     let placed = api
         .reserve(ReserveRequest {
@@ -870,6 +871,54 @@ async fn the_client_api_serves_operators_only() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound);
+
+    // A revoked operator certificate is refused on the connection already
+    // open, within the reload interval; another certificate of the same
+    // operator is not affected.
+    let (cert2, key2) = ca.issue_operator("alice", 1).unwrap();
+    let mut api2 = client(cert2, key2).await;
+    assert!(gateway::revocation::revoke(
+        &r.client,
+        &r.appender,
+        &alice.serial,
+        Some(&alice),
+        "laptop lost"
+    )
+    .await
+    .unwrap());
+    assert!(
+        !gateway::revocation::revoke(&r.client, &r.appender, &alice.serial, None, "again")
+            .await
+            .unwrap()
+    );
+    let refused = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match api.list_pools(ListPoolsRequest {}).await {
+                Err(e) => break e,
+                Ok(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    })
+    .await
+    .expect("the revoked certificate is refused within 10 s");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("revoked"), "{refused:?}");
+    api2.list_pools(ListPoolsRequest {}).await.unwrap();
+    let listed = gateway::revocation::list(&r.client).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        (
+            listed[0].kind.as_deref(),
+            listed[0].name.as_deref(),
+            listed[0].reason.as_str()
+        ),
+        (Some("operator"), Some("alice"), "laptop lost")
+    );
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'operator/alice' AND type = 'certificate.revoked'")
+            .await,
+        1
+    );
     placer.stop().await.unwrap();
     n.stop().await.unwrap();
     gw.stop().await.unwrap();

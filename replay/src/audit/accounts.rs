@@ -188,3 +188,18 @@ pub async fn active(
         }
     }))
 }
+
+/// Whether the certificate with this serial (lowercase hex without leading
+/// zero bytes) was revoked with `strata ca revoke`.
+pub async fn certificate_revoked(
+    db: &impl GenericClient,
+    serial: &str,
+) -> Result<bool, AccountError> {
+    Ok(db
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM strata.revoked_certificates WHERE serial = $1)",
+            &[&serial],
+        )
+        .await?
+        .get(0))
+}

@@ -190,6 +190,15 @@ impl Shared {
             .ok_or_else(|| api("no accounts connection"))?;
         accounts::active(db, name).await.map_err(api)
     }
+
+    /// Whether a client certificate was revoked (by its serial).
+    async fn certificate_revoked(&self, serial: &str) -> PgWireResult<bool> {
+        let guard = self.accounts().await.map_err(api)?;
+        let db = guard
+            .as_ref()
+            .ok_or_else(|| api("no accounts connection"))?;
+        accounts::certificate_revoked(db, serial).await.map_err(api)
+    }
 }
 
 /// One authenticated auditor's connection.
@@ -326,16 +335,24 @@ impl Startup {
 }
 
 /// The auditor a client certificate names (`urn:strata:auditor:<name>`
-/// among its subject alternative names), if any.
-fn auditor_identity(der: &[u8]) -> Option<String> {
+/// among its subject alternative names), if any, with the certificate's
+/// serial (lowercase hex without leading zero bytes, as the CA stores it).
+fn auditor_identity(der: &[u8]) -> Option<(String, String)> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
     let san = cert.subject_alternative_name().ok()??;
-    san.value.general_names.iter().find_map(|n| match n {
+    let name = san.value.general_names.iter().find_map(|n| match n {
         x509_parser::extensions::GeneralName::URI(u) => {
             u.strip_prefix(AUDITOR_URI_PREFIX).map(str::to_string)
         }
         _ => None,
-    })
+    })?;
+    let raw = cert.raw_serial();
+    let start = raw
+        .iter()
+        .position(|b| *b != 0)
+        .unwrap_or(raw.len().saturating_sub(1));
+    let serial = raw[start..].iter().map(|b| format!("{b:02x}")).collect();
+    Some((name, serial))
 }
 
 /// As the region CA writes it (`strata ca issue-auditor`).
@@ -374,7 +391,7 @@ impl StartupHandler for Startup {
                     };
                     // The TLS layer already checked that it chains to the CA.
                     match auditor_identity(&der) {
-                        Some(named) if named == user => {
+                        Some((named, serial)) if named == user => {
                             if self.shared.lookup(&user).await?.is_none() {
                                 refused();
                                 return Err(user_error(
@@ -383,10 +400,18 @@ impl StartupHandler for Startup {
                                     format!("auditor {user:?} is not registered or was revoked"),
                                 ));
                             }
+                            if self.shared.certificate_revoked(&serial).await? {
+                                refused();
+                                return Err(user_error(
+                                    "FATAL",
+                                    "28000",
+                                    format!("this certificate of auditor {user:?} (serial {serial}) is revoked"),
+                                ));
+                            }
                             self.open(client, &user, "certificate").await?;
                             self.driver.complete_authentication(client, None).await?;
                         }
-                        Some(named) => {
+                        Some((named, _)) => {
                             refused();
                             return Err(user_error(
                                 "FATAL",
