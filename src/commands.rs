@@ -410,10 +410,22 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     } else {
         None
     };
-    let sink_role =
-        args.roles.iter().any(|r| r == "sinks").then(|| {
-            sinks::Sinks::start(cfg.clone(), reader.clone(), sinks::SinksConfig::default())
-        });
+    let sink_role = if args.roles.iter().any(|r| r == "sinks") {
+        // Refuse an unusable CA file now rather than in the background.
+        sinks::webhook::client(args.webhook_ca.as_deref())
+            .map_err(anyhow::Error::msg)
+            .context("--webhook-ca")?;
+        Some(sinks::Sinks::start(
+            cfg.clone(),
+            reader.clone(),
+            sinks::SinksConfig {
+                webhook_ca: args.webhook_ca.clone(),
+                ..sinks::SinksConfig::default()
+            },
+        ))
+    } else {
+        None
+    };
     if args.roles.iter().any(|r| r == "maintenance") {
         spawn_sealer(cfg.clone(), args.seal_every, args.seal_grace);
     }

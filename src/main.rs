@@ -164,7 +164,7 @@ pub enum SinksCmd {
         #[command(flatten)]
         db: Db,
         name: String,
-        /// A webhook: the receiver's URL (http://)
+        /// A webhook: the receiver's URL (http:// or https://)
         #[arg(long, conflicts_with = "nats", requires = "secret_env")]
         webhook: Option<String>,
         /// The environment variable (in the sinks processes) holding the webhook's HMAC secret
@@ -247,6 +247,9 @@ pub enum ParkedCmd {
         #[command(flatten)]
         db: Db,
         name: String,
+        /// PEM certificates to trust for an https:// webhook besides the system's roots
+        #[arg(long, env = "STRATA_WEBHOOK_CA", value_name = "FILE")]
+        webhook_ca: Option<PathBuf>,
     },
 }
 
@@ -664,6 +667,9 @@ pub struct ServeArgs {
     /// audit: most auditor sessions at once (each holds a PostgreSQL connection)
     #[arg(long, default_value_t = 32)]
     pub audit_max_sessions: u64,
+    /// sinks: PEM certificates to trust for https:// webhooks besides the system's roots (a private CA)
+    #[arg(long, env = "STRATA_WEBHOOK_CA", value_name = "FILE")]
+    pub webhook_ca: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]

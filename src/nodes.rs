@@ -677,7 +677,11 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 );
             }
         }
-        SinksCmd::Parked(ParkedCmd::Replay { db, name }) => {
+        SinksCmd::Parked(ParkedCmd::Replay {
+            db,
+            name,
+            webhook_ca,
+        }) => {
             let client = connect(&db).await?;
             let sink = config::list(&client)
                 .await?
@@ -688,7 +692,9 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 Target::Webhook { url, secret_env } => {
                     let secret = std::env::var(secret_env)
                         .with_context(|| format!("the sink's secret: set {secret_env} here"))?;
-                    sinks::parked::replay(&client, &name, url, secret.as_bytes()).await
+                    let http = sinks::webhook::client(webhook_ca.as_deref())
+                        .map_err(anyhow::Error::msg)?;
+                    sinks::parked::replay(&client, &http, &name, url, secret.as_bytes()).await
                 }
                 Target::Nats {
                     url,

@@ -109,10 +109,15 @@ impl SinkConfig {
                 }
             }
             Target::Webhook { url, secret_env } => {
-                if !url.starts_with("http://") {
-                    return Err(format!(
-                        "webhook url {url:?}: this build delivers to http:// URLs"
-                    ));
+                match url.parse::<hyper::Uri>() {
+                    Ok(u)
+                        if matches!(u.scheme_str(), Some("http" | "https"))
+                            && u.host().is_some() => {}
+                    _ => {
+                        return Err(format!(
+                            "webhook url {url:?}: use http://host[:port]/path or https://host[:port]/path"
+                        ))
+                    }
                 }
                 if secret_env.is_empty() {
                     return Err(

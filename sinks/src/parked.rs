@@ -67,11 +67,11 @@ pub async fn list(
 /// stops at the first batch that fails again.
 pub async fn replay(
     client: &tokio_postgres::Client,
+    http: &webhook::HttpClient,
     sink: &str,
     url: &str,
     secret: &[u8],
 ) -> Result<u64, String> {
-    let http = webhook::client();
     let mut done = 0u64;
     loop {
         let rows = client
@@ -94,7 +94,7 @@ pub async fn replay(
         }
         body.push_str("]}");
         webhook::deliver(
-            &http,
+            http,
             url,
             secret,
             body.into(),

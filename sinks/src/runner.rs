@@ -31,6 +31,9 @@ pub struct SinksConfig {
     /// How long a webhook may take to answer before the attempt counts as
     /// failed.
     pub request_timeout: Duration,
+    /// PEM certificates trusted for https:// webhooks besides the system's
+    /// roots (a private CA).
+    pub webhook_ca: Option<std::path::PathBuf>,
 }
 
 impl Default for SinksConfig {
@@ -41,6 +44,7 @@ impl Default for SinksConfig {
             backoff_cap: Duration::from_secs(10),
             pause_after_parked: 3,
             request_timeout: Duration::from_secs(10),
+            webhook_ca: None,
         }
     }
 }
@@ -99,7 +103,13 @@ async fn run(
     mut stop: oneshot::Receiver<()>,
 ) {
     let store = events::db::Db::new(db);
-    let http = webhook::client();
+    let http = match webhook::client(config.webhook_ca.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "sinks cannot deliver to webhooks; stopping");
+            return;
+        }
+    };
     let mut workers: HashMap<String, Worker> = HashMap::new();
     let mut tick = tokio::time::interval(config.poll);
     loop {

@@ -4,17 +4,73 @@
 //! `X-Strata-Signature: sha256=<hex HMAC-SHA256 over "<timestamp>.<body>">`.
 //! Any 2xx answer is delivery; anything else (or no answer in time) is
 //! retried with exponential backoff and full jitter.
+//!
+//! `https://` receivers are checked against the system's trusted roots and,
+//! where the sinks process is given one (`--webhook-ca`), a CA file of its
+//! own (rustls on ring); `http://` is delivered in the clear.
 
 use bytes::Bytes;
 use http_body_util::Full;
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+pub type HttpClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
-pub fn client() -> HttpClient {
-    Client::builder(TokioExecutor::new()).build_http()
+/// A client for `http://` and `https://` webhooks. TLS trusts the system's
+/// roots and the PEM certificates in `extra_ca`, if given; an unreadable or
+/// empty file is an error.
+pub fn client(extra_ca: Option<&Path>) -> Result<HttpClient, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    let (added, _) = roots.add_parsable_certificates(native.certs);
+    if let Some(path) = extra_ca {
+        let pem = std::fs::read(path).map_err(|e| format!("read {}: {e}", path.display()))?;
+        let mut n = 0;
+        for cert in CertificateDer::pem_slice_iter(&pem) {
+            let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            n += 1;
+        }
+        if n == 0 {
+            return Err(format!("{} holds no PEM certificate", path.display()));
+        }
+    } else if added == 0 {
+        tracing::debug!("no trusted roots on this system: https:// webhooks need --webhook-ca");
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| format!("TLS: {e}"))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .build();
+    Ok(Client::builder(TokioExecutor::new()).build(https))
+}
+
+/// An error with its causes, which is where hyper keeps the useful part
+/// (a refused connection, a certificate that did not verify).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
 }
 
 /// Signs a body the way receivers check it.
@@ -75,7 +131,7 @@ pub async fn post(
         .map_err(|e| format!("bad request: {e}"))?;
     match tokio::time::timeout(timeout, client.request(req)).await {
         Err(_) => Err(format!("no answer in {timeout:?}")),
-        Ok(Err(e)) => Err(format!("request failed: {e}")),
+        Ok(Err(e)) => Err(format!("request failed: {}", chain(&e))),
         Ok(Ok(resp)) if resp.status().is_success() => Ok(()),
         Ok(Ok(resp)) => Err(format!("answered {}", resp.status())),
     }

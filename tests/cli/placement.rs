@@ -476,6 +476,19 @@ fn sinks_commands_define_list_pause_and_refuse_bad_input() {
     ]);
     assert!(err.contains("http://"), "{err}");
     let err = fails(&[
+        "serve",
+        "--roles",
+        "sinks",
+        "--database-url",
+        &url,
+        "--webhook-ca",
+        "/nonexistent/ca.pem",
+    ]);
+    assert!(
+        err.contains("--webhook-ca") && err.contains("/nonexistent/ca.pem"),
+        "{err}"
+    );
+    let err = fails(&[
         "sinks",
         "create",
         "bad name",

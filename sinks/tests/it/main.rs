@@ -29,8 +29,19 @@ struct Receiver {
 }
 
 async fn receiver() -> (String, Arc<Receiver>) {
+    receiver_on(None).await
+}
+
+/// A receiver; over TLS (`https://localhost:PORT/hook`) with `tls`.
+async fn receiver_on(tls: Option<tokio_rustls::TlsAcceptor>) -> (String, Arc<Receiver>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    let url = match &tls {
+        None => format!("http://{}/hook", listener.local_addr().unwrap()),
+        Some(_) => format!(
+            "https://localhost:{}/hook",
+            listener.local_addr().unwrap().port()
+        ),
+    };
     let state = Arc::new(Receiver::default());
     let s = state.clone();
     tokio::spawn(async move {
@@ -39,6 +50,7 @@ async fn receiver() -> (String, Arc<Receiver>) {
                 return;
             };
             let s = s.clone();
+            let tls = tls.clone();
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let s = s.clone();
                 async move {
@@ -87,13 +99,58 @@ async fn receiver() -> (String, Arc<Receiver>) {
                 }
             });
             tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
+                let http = hyper::server::conn::http1::Builder::new();
+                match tls {
+                    None => {
+                        let _ = http
+                            .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                            .await;
+                    }
+                    Some(tls) => {
+                        // A client that does not trust the certificate ends here.
+                        if let Ok(stream) = tls.accept(stream).await {
+                            let _ = http
+                                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                                .await;
+                        }
+                    }
+                }
             });
         }
     });
     (url, state)
+}
+
+/// A webhook sink from the start of the log, taking the streams under `prefix`.
+fn webhook_sink(
+    name: &str,
+    url: &str,
+    secret_env: &str,
+    prefix: &str,
+    batch_max: usize,
+    max_attempts: u32,
+) -> SinkConfig {
+    SinkConfig {
+        name: name.into(),
+        target: Target::Webhook {
+            url: url.into(),
+            secret_env: secret_env.into(),
+        },
+        filter: Filter {
+            types: vec![],
+            prefixes: vec![prefix.into()],
+        },
+        start: "start".into(),
+        batch_max,
+        max_attempts,
+    }
+}
+
+/// A replication reader whose slot goes with it.
+fn temporary_reader(cfg: &tokio_postgres::Config, tag: &str) -> Reader {
+    let mut rc = ReaderConfig::new(format!("sink_{tag}_{}", std::process::id()));
+    rc.temporary = true;
+    Reader::start(cfg.clone(), rc)
 }
 
 async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)
@@ -139,33 +196,19 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     // History before the sink exists, on two streams; the sink takes pool/ only.
     let mut want = append(&appender, "pool/a", 30).await;
     append(&appender, "other/b", 10).await;
-    let sink = SinkConfig {
-        name: "hook".into(),
-        target: Target::Webhook {
-            url: url.clone(),
-            secret_env: "STRATA_TEST_SINK_SECRET".into(),
-        },
-        filter: Filter {
-            types: vec![],
-            prefixes: vec!["pool/".into()],
-        },
-        start: "start".into(),
-        batch_max: 7,
-        max_attempts: 3,
-    };
+    let sink = webhook_sink("hook", &url, "STRATA_TEST_SINK_SECRET", "pool/", 7, 3);
     config::create(&appender, &sink).await.unwrap();
     let err = config::create(&appender, &sink).await.unwrap_err();
     assert!(err.to_string().contains("already exists"), "{err}");
     rx.fail_next.store(2, Ordering::Relaxed);
-    let mut rc = ReaderConfig::new(format!("sink_t_{}", std::process::id()));
-    rc.temporary = true;
-    let reader = Reader::start(cfg.clone(), rc);
+    let reader = temporary_reader(&cfg, "t");
     let sc = SinksConfig {
         poll: Duration::from_millis(200),
         backoff_base: Duration::from_millis(10),
         backoff_cap: Duration::from_millis(50),
         pause_after_parked: 3,
         request_timeout: Duration::from_secs(5),
+        webhook_ca: None,
     };
     let sinks = Sinks::start(cfg.clone(), reader.clone(), sc);
     eventually(30, "history delivered", || async {
@@ -205,7 +248,8 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     let p = parked::list(&client, "hook").await.unwrap();
     assert_eq!(p.iter().map(|x| x.position).collect::<Vec<_>>(), stuck);
     assert!(p[0].error.contains("500"), "{p:?}");
-    let n = parked::replay(&client, "hook", &url, SECRET.as_bytes())
+    let http = webhook::client(None).unwrap();
+    let n = parked::replay(&client, &http, "hook", &url, SECRET.as_bytes())
         .await
         .unwrap();
     assert_eq!(n, 5);
@@ -401,24 +445,9 @@ async fn a_slow_receiver_times_out_and_the_batch_is_retried() {
     let (url, rx) = receiver().await;
     rx.slow_next.store(2, Ordering::Relaxed);
     let want = append(&appender, "pool/s", 10).await;
-    let sink = SinkConfig {
-        name: "slow".into(),
-        target: Target::Webhook {
-            url,
-            secret_env: "STRATA_TEST_SINK_SECRET".into(),
-        },
-        filter: Filter {
-            types: vec![],
-            prefixes: vec!["pool/".into()],
-        },
-        start: "start".into(),
-        batch_max: 100,
-        max_attempts: 5,
-    };
+    let sink = webhook_sink("slow", &url, "STRATA_TEST_SINK_SECRET", "pool/", 100, 5);
     config::create(&appender, &sink).await.unwrap();
-    let mut rc = ReaderConfig::new(format!("sink_s_{}", std::process::id()));
-    rc.temporary = true;
-    let reader = Reader::start(cfg.clone(), rc);
+    let reader = temporary_reader(&cfg, "s");
     let sinks = Sinks::start(
         cfg.clone(),
         reader,
@@ -428,6 +457,7 @@ async fn a_slow_receiver_times_out_and_the_batch_is_retried() {
             backoff_cap: Duration::from_millis(50),
             pause_after_parked: 3,
             request_timeout: Duration::from_millis(200),
+            webhook_ca: None,
         },
     );
     eventually(30, "delivered after the slow answers", || async {
@@ -444,5 +474,97 @@ async fn a_slow_receiver_times_out_and_the_batch_is_retried() {
         "two timed out, then one got through"
     );
     assert_eq!(sinks.stats.parked.load(Ordering::Relaxed), 0);
+    sinks.stop().await;
+}
+
+/// A CA (PEM) and a TLS acceptor for `localhost` with a certificate it signed.
+fn private_ca() -> (String, tokio_rustls::TlsAcceptor) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls_pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+        .unwrap();
+    (
+        ca_cert.pem(),
+        tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_sink_delivers_over_https_when_it_trusts_the_receivers_ca() {
+    std::env::set_var("STRATA_TEST_TLS_SINK_SECRET", SECRET);
+    let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let cfg: tokio_postgres::Config = url_db.parse().unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let (ca_pem, acceptor) = private_ca();
+    let (url, rx) = receiver_on(Some(acceptor)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca_pem).unwrap();
+
+    // Without the CA the receiver's certificate is not trusted: nothing is
+    // delivered, and the error says why.
+    let body = Bytes::from_static(b"{}");
+    let untrusting = webhook::client(None).unwrap();
+    let err = webhook::post(
+        &untrusting,
+        &url,
+        SECRET.as_bytes(),
+        body.clone(),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_lowercase().contains("certificate"), "{err}");
+    assert_eq!(rx.requests.load(Ordering::Relaxed), 0);
+    let empty = dir.path().join("empty.pem");
+    std::fs::write(&empty, "").unwrap();
+    assert!(webhook::client(Some(&empty))
+        .unwrap_err()
+        .contains("no PEM certificate"));
+    assert!(webhook::client(Some(&dir.path().join("missing.pem"))).is_err());
+
+    let want = append(&appender, "pool/tls", 12).await;
+    let sink = webhook_sink(
+        "tls-hook",
+        &url,
+        "STRATA_TEST_TLS_SINK_SECRET",
+        "pool/tls",
+        5,
+        3,
+    );
+    config::create(&appender, &sink).await.unwrap();
+    let reader = temporary_reader(&cfg, "tls");
+    let sinks = Sinks::start(
+        cfg.clone(),
+        reader,
+        SinksConfig {
+            poll: Duration::from_millis(200),
+            webhook_ca: Some(ca_file),
+            ..SinksConfig::default()
+        },
+    );
+    eventually(30, "delivered over https", || async {
+        rx.positions.lock().unwrap().len() >= want.len()
+    })
+    .await;
+    assert_eq!(*rx.positions.lock().unwrap(), want);
+    assert_eq!(rx.bad_signatures.load(Ordering::Relaxed), 0);
     sinks.stop().await;
 }
