@@ -24,6 +24,11 @@ pub(crate) struct ApiService {
 /// The operator a caller's certificate names; refused if it names none or
 /// was revoked (`strata ca revoke`).
 async fn operator<T>(shared: &Shared, req: &Request<T>) -> Result<String, Status> {
+    Ok(caller(shared, req).await?.0)
+}
+
+/// The operator a caller's certificate names, and its serial.
+async fn caller<T>(shared: &Shared, req: &Request<T>) -> Result<(String, String), Status> {
     let certs = req
         .peer_certs()
         .ok_or_else(|| Status::unauthenticated("the API needs an operator certificate"))?;
@@ -40,8 +45,19 @@ async fn operator<T>(shared: &Shared, req: &Request<T>) -> Result<String, Status
         .get()
         .await
         .map_err(|e| Status::unavailable(format!("database: {e}")))?;
-    match shared.revoked.check(&client, &serial).await {
-        Ok(false) => Ok(who),
+    still_valid(shared, &client, &who, &serial).await?;
+    Ok((who, serial))
+}
+
+/// Refuses a certificate that was revoked since (or before) it was presented.
+async fn still_valid(
+    shared: &Shared,
+    client: &tokio_postgres::Client,
+    who: &str,
+    serial: &str,
+) -> Result<(), Status> {
+    match shared.revoked.check(client, serial).await {
+        Ok(false) => Ok(()),
         Ok(true) => Err(Status::permission_denied(format!(
             "the certificate of operator {who} (serial {serial}) is revoked"
         ))),
@@ -125,7 +141,7 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<tonic::Streaming<SubscribeMessage>>,
     ) -> Result<Response<EventStream>, Status> {
-        let who = operator(&self.shared, &req).await?;
+        let (who, serial) = caller(&self.shared, &req).await?;
         let mut inbound = req.into_inner();
         let start = match inbound.message().await? {
             Some(SubscribeMessage {
@@ -191,12 +207,31 @@ impl api_server::Api for ApiService {
                 e => Status::unavailable(e.to_string()),
             })?;
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<SubscribedEvent, Status>>(256);
+        let shared = self.shared.clone();
         events::task::spawn("api-subscription", async move {
             // Events outside the filter are acknowledged on the client's
             // behalf when nothing it was sent is waiting for its ack.
             let (mut sent, mut acked) = (0u64, 0u64);
+            // The certificate is checked again as often as revocations are
+            // reloaded: a revoked operator's stream ends.
+            let mut recheck = tokio::time::interval(crate::revocation::Revoked::RELOAD);
+            recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
+                    _ = recheck.tick() => {
+                        let verdict = match shared.db.get().await {
+                            Ok(client) => still_valid(&shared, &client, &who, &serial).await,
+                            Err(e) => Err(Status::unavailable(format!("database: {e}"))),
+                        };
+                        // Only a revocation ends the stream; a database
+                        // that is briefly away does not.
+                        if let Err(status) = verdict {
+                            if status.code() == tonic::Code::PermissionDenied {
+                                let _ = tx.send(Err(status)).await;
+                                break;
+                            }
+                        }
+                    }
                     m = inbound.message() => match m {
                         Ok(Some(SubscribeMessage { body: Some(subscribe_message::Body::Ack(a)) })) => {
                             acked = acked.max(a.position.min(sent));

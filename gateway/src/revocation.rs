@@ -6,8 +6,9 @@
 //! client API checks the serial of every caller against [`Revoked`], a set
 //! reloaded from the table at most every [`Revoked::RELOAD`], so a revocation
 //! takes effect on every gateway within that time, for calls on connections
-//! already open too (a Subscribe stream is checked when it starts). The
-//! audit endpoint checks the table at every certificate login.
+//! already open too; a running Subscribe stream is checked at the same
+//! interval and ends. The audit endpoint checks the table at every
+//! certificate login.
 
 use crate::ca;
 use events::{Appender, ExpectedVersion, NewEvent};

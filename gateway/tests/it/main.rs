@@ -1019,8 +1019,7 @@ async fn subscriptions_over_the_api_respect_grants_and_resume_after_acks() {
         }
     }
     let ca = Ca::load(r.ca_dir.path()).unwrap();
-    let connect = |name: &str| {
-        let (cert, key) = ca.issue_operator(name, 1).unwrap();
+    let connect_as = |cert: String, key: String| {
         let tls = ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(r.ca_pem()))
             .identity(Identity::from_pem(cert, key))
@@ -1030,6 +1029,10 @@ async fn subscriptions_over_the_api_respect_grants_and_resume_after_acks() {
             .tls_config(tls)
             .unwrap();
         async move { ApiClient::new(ep.connect().await.unwrap()) }
+    };
+    let connect = |name: &str| {
+        let (cert, key) = ca.issue_operator(name, 1).unwrap();
+        connect_as(cert, key)
     };
     let start =
         |name: &str, prefixes: Vec<String>| {
@@ -1128,5 +1131,49 @@ async fn subscriptions_over_the_api_respect_grants_and_resume_after_acks() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(again, Some(got[3]), "resumed after the last ack");
+
+    // Revoking an operator's certificate ends the stream it has open.
+    gateway::grants::set(
+        &r.appender,
+        "carol",
+        &gateway::grants::Grant {
+            stream_prefixes: vec!["pool/".into()],
+            types: vec![],
+        },
+    )
+    .await
+    .unwrap();
+    let (cert, key) = ca.issue_operator("carol", 1).unwrap();
+    let carol_cert = gateway::revocation::presented_pem(&cert).unwrap();
+    let mut carol = connect_as(cert, key).await;
+    let (_tx, out) = start("c", vec![]);
+    let mut stream = carol.subscribe(out).await.unwrap().into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(20), stream.message())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first.is_some());
+    gateway::revocation::revoke(
+        &r.client,
+        &r.appender,
+        &carol_cert.serial,
+        Some(&carol_cert),
+        "left",
+    )
+    .await
+    .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the stream ended without saying why"),
+                Err(status) => break status,
+            }
+        }
+    })
+    .await
+    .expect("the revoked operator's stream ends within 10 s");
+    assert_eq!(ended.code(), tonic::Code::PermissionDenied, "{ended:?}");
+    assert!(ended.message().contains("revoked"), "{ended:?}");
     gw.stop().await.unwrap();
 }
