@@ -11,7 +11,7 @@ use crate::{ca, revocation};
 use events::{AppendError, ExpectedVersion};
 use projections::commands::{self, Command};
 use projections::domain::reservation_stream;
-use projections::{Fact, Index, Request as PRequest, Shape};
+use projections::{Fact, Request as PRequest, Shape};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
@@ -422,9 +422,20 @@ impl api_server::Api for ApiService {
     ) -> Result<Response<ListPoolsResponse>, Status> {
         operator(&self.shared, &req).await?;
         let client = self.db().await?;
-        let index = projections::projector::build(&client, Index::new())
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+        // Only the events since the previous call are read (all of them on
+        // the first); one caller at a time brings the index up to date.
+        let mut index = self.shared.pools.lock().await;
+        projections::projector::catch_up(
+            &client,
+            &mut index,
+            |v| {
+                tracing::warn!(violation = %v, "the log breaks an invariant");
+                true
+            },
+            |_| {},
+        )
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
         let mut pools = Vec::new();
         for p in index.state().pools.values().filter(|p| p.created) {
             let q = index.queues(&p.name);

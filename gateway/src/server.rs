@@ -166,6 +166,9 @@ pub(crate) struct Shared {
     waiters: Mutex<HashMap<String, Vec<oneshot::Sender<Waited>>>>,
     /// Revoked client certificates (operators of the client API).
     pub(crate) revoked: crate::revocation::Revoked,
+    /// The pool index ListPools answers from: built from the log on the
+    /// first call, then brought up to date from where it stopped.
+    pub(crate) pools: tokio::sync::Mutex<projections::Index>,
 }
 
 /// What an API caller waited for.
@@ -362,6 +365,7 @@ pub async fn start(
         commands: Mutex::new(Commands::default()),
         waiters: Mutex::new(HashMap::new()),
         revoked: Default::default(),
+        pools: tokio::sync::Mutex::new(projections::Index::new()),
     });
     // Follow commands from now, then load the ones still open (an event seen
     // twice is applied once).

@@ -807,6 +807,27 @@ async fn the_client_api_serves_operators_only() {
     assert_eq!(pools.len(), 1);
     assert_eq!(pools[0].classes[0].total, 8);
     assert_eq!(pools[0].live, 1);
+    // The next call reads only what was appended since: a new pool.
+    r.appender
+        .append(
+            "pool/q",
+            ExpectedVersion::NoStream,
+            vec![Fact::PoolCreated {
+                description: String::new(),
+            }
+            .to_event()],
+        )
+        .await
+        .unwrap();
+    let again = api
+        .list_pools(ListPoolsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .pools;
+    let names: Vec<&str> = again.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["p", "q"]);
+    assert_eq!((again[0].classes[0].total, again[0].live), (8, 1));
     let nodes = api
         .list_nodes(ListNodesRequest { pool: "p".into() })
         .await
