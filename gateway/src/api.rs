@@ -8,10 +8,10 @@ use crate::api_proto::{
 };
 use crate::server::{Shared, Waited};
 use crate::{ca, revocation};
-use events::{AppendError, ExpectedVersion};
+use events::AppendError;
 use projections::commands::{self, Command};
-use projections::domain::reservation_stream;
-use projections::{Fact, Request as PRequest, Shape};
+use projections::requests::{self, RequestError};
+use projections::{Request as PRequest, Shape};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
@@ -62,6 +62,16 @@ async fn still_valid(
             "the certificate of operator {who} (serial {serial}) is revoked"
         ))),
         Err(e) => Err(Status::unavailable(e)),
+    }
+}
+
+fn request_status(e: RequestError) -> Status {
+    match e {
+        RequestError::Invalid(m) => Status::invalid_argument(m),
+        RequestError::NoSuchPool(_) | RequestError::NotFound(_) => Status::not_found(e.to_string()),
+        RequestError::Exists(_) => Status::already_exists(e.to_string()),
+        RequestError::Append(e) => append_status(e),
+        RequestError::Database(e) => Status::unavailable(format!("database: {e}")),
     }
 }
 
@@ -318,44 +328,20 @@ impl api_server::Api for ApiService {
             priority: r.priority,
             ttl_ms: (r.ttl_ms > 0).then_some(r.ttl_ms),
         };
-        request.validate().map_err(Status::invalid_argument)?;
         let client = self.db().await?;
-        let exists = projections::domain::pool_exists(&client, &r.pool)
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
-        if !exists {
-            return Err(Status::not_found(format!(
-                "pool {:?} does not exist",
-                r.pool
-            )));
-        }
         // Listen before asking, so the outcome cannot slip past.
         let key = format!("r:{id}");
         let rx = (r.wait_ms > 0).then(|| self.shared.add_waiter(&key));
-        let event = Fact::ReservationRequested(request)
-            .to_event()
-            .with_metadata(&serde_json::json!({ "operator": who }));
-        match self
-            .shared
-            .appender
-            .append(
-                &reservation_stream(&id),
-                ExpectedVersion::NoStream,
-                vec![event],
-            )
-            .await
-        {
-            Ok(_) => {}
-            Err(AppendError::VersionConflict { .. }) => {
-                self.shared.forget_waiter(&key);
-                return Err(Status::already_exists(format!(
-                    "reservation {id:?} already exists"
-                )));
-            }
-            Err(e) => {
-                self.shared.forget_waiter(&key);
-                return Err(append_status(e));
-            }
+        let asked = requests::reserve(
+            &client,
+            &self.shared.appender,
+            &request,
+            Some(&serde_json::json!({ "operator": who })),
+        )
+        .await;
+        if let Err(e) = asked {
+            self.shared.forget_waiter(&key);
+            return Err(request_status(e));
         }
         let mut out = Reservation {
             id: id.clone(),
@@ -389,31 +375,15 @@ impl api_server::Api for ApiService {
     ) -> Result<Response<ReleaseResponse>, Status> {
         let who = operator(&self.shared, &req).await?;
         let r = req.into_inner();
-        projections::domain::valid_name("reservation id", &r.id)
-            .map_err(Status::invalid_argument)?;
-        let event = Fact::ReleaseRequested {
-            reservation: r.id.clone(),
-            reason: r.reason,
-        }
-        .to_event()
-        .with_metadata(&serde_json::json!({ "operator": who }));
-        match self
-            .shared
-            .appender
-            .append(
-                &reservation_stream(&r.id),
-                ExpectedVersion::StreamExists,
-                vec![event],
-            )
-            .await
-        {
-            Ok(_) => Ok(Response::new(ReleaseResponse {})),
-            Err(AppendError::VersionConflict { .. }) => Err(Status::not_found(format!(
-                "reservation {:?} does not exist",
-                r.id
-            ))),
-            Err(e) => Err(append_status(e)),
-        }
+        requests::release(
+            &self.shared.appender,
+            &r.id,
+            &r.reason,
+            Some(&serde_json::json!({ "operator": who })),
+        )
+        .await
+        .map_err(request_status)?;
+        Ok(Response::new(ReleaseResponse {}))
     }
 
     async fn list_pools(

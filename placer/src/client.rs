@@ -2,9 +2,23 @@
 //! outcome. `strata reserve` and `strata release` are thin shells over these.
 
 use events::{AppendError, Appender, ExpectedVersion, SubscribeError, Subscription};
-use projections::domain::{pool_stream, reservation_stream, valid_name};
+use projections::domain::{pool_stream, valid_name};
+use projections::requests::{self, RequestError};
 use projections::{Allocation, DeviceSpec, Fact, Request};
 use tokio_postgres::Client;
+
+impl From<RequestError> for ClientError {
+    fn from(e: RequestError) -> Self {
+        match e {
+            RequestError::Invalid(m) => ClientError::Invalid(m),
+            RequestError::NoSuchPool(p) => ClientError::NoSuchPool(p),
+            RequestError::Exists(r) => ClientError::Exists(r),
+            RequestError::NotFound(r) => ClientError::NotFound(r),
+            RequestError::Append(e) => ClientError::Append(e),
+            RequestError::Database(e) => ClientError::Database(e),
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -43,47 +57,13 @@ pub async fn reserve(
     appender: &Appender,
     request: &Request,
 ) -> Result<(), ClientError> {
-    request.validate().map_err(ClientError::Invalid)?;
-    if !pool_exists(client, &request.pool).await? {
-        return Err(ClientError::NoSuchPool(request.pool.clone()));
-    }
-    let fact = Fact::ReservationRequested(request.clone());
-    match appender
-        .append(
-            &reservation_stream(&request.reservation),
-            ExpectedVersion::NoStream,
-            vec![fact.to_event()],
-        )
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(AppendError::VersionConflict { .. }) => {
-            Err(ClientError::Exists(request.reservation.clone()))
-        }
-        Err(e) => Err(e.into()),
-    }
+    Ok(requests::reserve(client, appender, request, None).await?)
 }
 
 /// Asks for a reservation to be released (or cancelled, if not placed yet).
 /// The pool's placer frees its devices in its next batch.
 pub async fn release(appender: &Appender, id: &str, reason: &str) -> Result<(), ClientError> {
-    valid_name("reservation id", id).map_err(ClientError::Invalid)?;
-    let fact = Fact::ReleaseRequested {
-        reservation: id.to_string(),
-        reason: reason.to_string(),
-    };
-    match appender
-        .append(
-            &reservation_stream(id),
-            ExpectedVersion::StreamExists,
-            vec![fact.to_event()],
-        )
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(AppendError::VersionConflict { .. }) => Err(ClientError::NotFound(id.to_string())),
-        Err(e) => Err(e.into()),
-    }
+    Ok(requests::release(appender, id, reason, None).await?)
 }
 
 /// How a reservation ended up.

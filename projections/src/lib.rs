@@ -11,6 +11,7 @@ pub mod commands;
 pub mod domain;
 pub mod index;
 pub mod projector;
+pub mod requests;
 pub mod snapshot;
 pub mod testing;
 pub mod views;

@@ -1,0 +1,88 @@
+//! Asking for a reservation and for its release: the events every client
+//! writes (the CLI, the client API on the gateways, tests), with the same
+//! checks and the same answers.
+
+use crate::domain::{pool_exists, reservation_stream, valid_name};
+use crate::{Fact, Request};
+use events::{AppendError, Appender, ExpectedVersion};
+use tokio_postgres::Client;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("invalid reservation: {0}")]
+    Invalid(String),
+    #[error("pool {0:?} does not exist (see `strata pools`)")]
+    NoSuchPool(String),
+    #[error("reservation {0:?} already exists")]
+    Exists(String),
+    #[error("reservation {0:?} does not exist")]
+    NotFound(String),
+    #[error(transparent)]
+    Append(AppendError),
+    #[error("read the log: {0}")]
+    Database(#[from] tokio_postgres::Error),
+}
+
+/// Requests a reservation (`ReservationRequested` on its own new stream, with
+/// `metadata` such as who asked). It is durable when this returns; a placer
+/// holding the pool places it, queues it or declares it unschedulable.
+pub async fn reserve(
+    client: &Client,
+    appender: &Appender,
+    request: &Request,
+    metadata: Option<&serde_json::Value>,
+) -> Result<(), RequestError> {
+    request.validate().map_err(RequestError::Invalid)?;
+    if !pool_exists(client, &request.pool).await? {
+        return Err(RequestError::NoSuchPool(request.pool.clone()));
+    }
+    let mut event = Fact::ReservationRequested(request.clone()).to_event();
+    if let Some(m) = metadata {
+        event = event.with_metadata(m);
+    }
+    match appender
+        .append(
+            &reservation_stream(&request.reservation),
+            ExpectedVersion::NoStream,
+            vec![event],
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(AppendError::VersionConflict { .. }) => {
+            Err(RequestError::Exists(request.reservation.clone()))
+        }
+        Err(e) => Err(RequestError::Append(e)),
+    }
+}
+
+/// Asks for a reservation to be released (or cancelled, if not placed yet).
+/// The pool's placer frees its devices in its next batch.
+pub async fn release(
+    appender: &Appender,
+    id: &str,
+    reason: &str,
+    metadata: Option<&serde_json::Value>,
+) -> Result<(), RequestError> {
+    valid_name("reservation id", id).map_err(RequestError::Invalid)?;
+    let mut event = Fact::ReleaseRequested {
+        reservation: id.to_string(),
+        reason: reason.to_string(),
+    }
+    .to_event();
+    if let Some(m) = metadata {
+        event = event.with_metadata(m);
+    }
+    match appender
+        .append(
+            &reservation_stream(id),
+            ExpectedVersion::StreamExists,
+            vec![event],
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(AppendError::VersionConflict { .. }) => Err(RequestError::NotFound(id.to_string())),
+        Err(e) => Err(RequestError::Append(e)),
+    }
+}
