@@ -348,8 +348,6 @@ struct Conn {
     client: Client,
     bump: Statement,
     insert: Statement,
-    /// The WAL flush barrier (see `read::flush_barrier`), prepared.
-    barrier: Statement,
 }
 
 struct Flusher {
@@ -427,20 +425,11 @@ impl Flusher {
                 }
             });
             // The statements' shapes do not depend on their arrays' contents:
-            // plan them once instead of per execution. Commits are
-            // synchronous unless an append says otherwise for its own
-            // transaction (SET LOCAL), so the barrier waits for the flush
-            // whatever the database's default.
+            // plan them once instead of per execution.
             client
-                .batch_execute(
-                    "SET plan_cache_mode = force_generic_plan; SET synchronous_commit TO on",
-                )
+                .batch_execute("SET plan_cache_mode = force_generic_plan")
                 .await
                 .map_err(db_err("configure the append connection"))?;
-            let barrier = client
-                .prepare(crate::read::FLUSH_BARRIER_INSERT)
-                .await
-                .map_err(db_err("prepare the flush barrier"))?;
             let bump = client
                 .prepare_typed(BUMP_SQL, &[Type::TEXT_ARRAY, Type::INT8_ARRAY])
                 .await
@@ -464,7 +453,6 @@ impl Flusher {
                 client,
                 bump,
                 insert,
-                barrier,
             });
         }
         Ok(self.conn.as_ref().expect("connected above"))
@@ -654,10 +642,10 @@ impl Flusher {
         // transaction is aborted and COMMIT only rolls it back.
         //
         // The commit is asynchronous: it releases the log head at once (no
-        // WAL flush inside the lock). The flush barrier sent behind it runs
-        // in a transaction of its own and returns once the commit is
-        // durable, while the other flusher already holds the log head. Once
-        // COMMIT is sent, a failure leaves the outcome unknown.
+        // WAL flush inside the lock). The flush barrier that follows in the
+        // same message runs in a transaction of its own and returns once the
+        // commit is durable, while the other flusher already holds the log
+        // head. Once COMMIT is sent, a failure leaves the outcome unknown.
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
             &n,
             &streams,
@@ -667,16 +655,15 @@ impl Flusher {
             &metas,
             &recorded_at,
         ];
-        let (inserted, committed, flushed) = tokio::join!(
+        let (inserted, committed) = tokio::join!(
             conn.client.query_one(&conn.insert, &params),
-            conn.client.batch_execute("COMMIT"),
-            conn.client.execute(&conn.barrier, &[])
+            conn.client.batch_execute(&COMMIT_AND_FLUSH)
         );
         let row = match inserted {
             Ok(row) => row,
             Err(e) => return Err(db_err("insert events")(e)),
         };
-        if let Err(e) = committed.and(flushed.map(|_| ())) {
+        if let Err(e) = committed {
             return Err(AppendError::OutcomeUnknown(format!(
                 "commit or WAL flush failed: {e}"
             )));
@@ -702,6 +689,11 @@ impl Flusher {
         Ok(Attempt::Committed(outs))
     }
 }
+
+/// The append's asynchronous commit followed by the flush barrier, sent as
+/// one message.
+static COMMIT_AND_FLUSH: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("COMMIT; {}", crate::read::FLUSH_BARRIER_SQL));
 
 /// Wraps a database error with what was being done.
 fn db_err(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> AppendError {

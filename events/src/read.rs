@@ -47,19 +47,10 @@ pub async fn flush_barrier(client: &Client) -> Result<(), tokio_postgres::Error>
     client.batch_execute(FLUSH_BARRIER_SQL).await
 }
 
-macro_rules! barrier_insert {
-    () => {
-        "INSERT INTO strata.flush_barriers AS b (pid) VALUES (pg_backend_pid()) \
-         ON CONFLICT (pid) DO UPDATE SET n = b.n + 1"
-    };
-}
-
 /// The statements of [`flush_barrier`].
-const FLUSH_BARRIER_SQL: &str = concat!("SET synchronous_commit TO on; ", barrier_insert!());
-
-/// The barrier's write alone, for a connection whose commits are
-/// synchronous already (the appender prepares it).
-pub const FLUSH_BARRIER_INSERT: &str = barrier_insert!();
+pub const FLUSH_BARRIER_SQL: &str = "SET synchronous_commit TO on; \
+    INSERT INTO strata.flush_barriers AS b (pid) VALUES (pg_backend_pid()) \
+    ON CONFLICT (pid) DO UPDATE SET n = b.n + 1";
 
 /// The highest position whose events are committed and durable: every
 /// position up to it is visible to any new snapshot and survives a crash.
