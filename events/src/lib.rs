@@ -34,6 +34,16 @@ pub use reader::{Reader, ReaderConfig};
 pub use subscription::{Start, SubscribeError, Subscription};
 pub use types::{Event, ExpectedVersion, Lsn, NewEvent, Position, Txn};
 
+/// Lowercase hex of `bytes` (digests, serials, tokens).
+pub fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
 /// Whether an error is worth retrying.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {

@@ -74,7 +74,7 @@ fn hex(bytes: &[u8]) -> String {
         .iter()
         .position(|b| *b != 0)
         .unwrap_or(bytes.len().saturating_sub(1));
-    bytes[start..].iter().map(|b| format!("{b:02x}")).collect()
+    events::hex(&bytes[start..])
 }
 
 /// Creates the CA under `dir`: `ca.pem` (the certificate, 0644) and `ca.key`

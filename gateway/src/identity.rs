@@ -48,10 +48,7 @@ pub async fn create_token(
     let mut bytes = [0u8; 32];
     ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
         .expect("system randomness");
-    let token = format!(
-        "stj_{}",
-        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    );
+    let token = format!("stj_{}", events::hex(&bytes));
     client
         .execute(
             "INSERT INTO strata.join_tokens (hash, pool, expires_at) VALUES ($1, $2, now() + $3::text::interval)",

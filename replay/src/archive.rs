@@ -173,11 +173,7 @@ pub async fn record_export(
     bytes: &[u8],
 ) -> Result<(), ArchiveError> {
     let partition = partition_of(month)?;
-    let sum: String = ring::digest::digest(&ring::digest::SHA256, bytes)
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let sum = events::hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref());
     let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     client
         .execute(

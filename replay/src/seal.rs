@@ -110,9 +110,7 @@ impl std::fmt::Display for Finding {
     }
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
+use events::hex;
 
 async fn exists(client: &Client, partition: &str) -> Result<bool, SealError> {
     Ok(client

@@ -81,13 +81,7 @@ pub fn signature(secret: &[u8], timestamp: u64, body: &[u8]) -> String {
     ctx.update(b".");
     ctx.update(body);
     let tag = ctx.sign();
-    format!(
-        "sha256={}",
-        tag.as_ref()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    )
+    format!("sha256={}", events::hex(tag.as_ref()))
 }
 
 /// Checks a signature (for receivers, and the tests).

@@ -351,7 +351,7 @@ fn auditor_identity(der: &[u8]) -> Option<(String, String)> {
         .iter()
         .position(|b| *b != 0)
         .unwrap_or(raw.len().saturating_sub(1));
-    let serial = raw[start..].iter().map(|b| format!("{b:02x}")).collect();
+    let serial = events::hex(&raw[start..]);
     Some((name, serial))
 }
 
@@ -686,14 +686,7 @@ fn describe_parameters(params: &[Option<bytes::Bytes>], formats: &Format) -> ser
                 let b = &b[..b.len().min(CAP)];
                 match format_at(formats, i) {
                     FieldFormat::Text => String::from_utf8_lossy(b).into_owned().into(),
-                    FieldFormat::Binary => {
-                        let mut s = String::with_capacity(2 + 2 * b.len());
-                        s.push_str("\\x");
-                        for x in b {
-                            s.push_str(&format!("{x:02x}"));
-                        }
-                        s.into()
-                    }
+                    FieldFormat::Binary => format!("\\x{}", events::hex(b)).into(),
                 }
             }
         })
