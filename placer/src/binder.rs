@@ -4,7 +4,9 @@
 //! On every `ReservationPlaced` it issues one `allocation.bind` command per
 //! node of the placement (id `bind:<reservation>:<node>`, appended with
 //! `NoStream`, so issuing twice is harmless); when every node of a placement
-//! has reported its bind as succeeded it appends `ReservationActive`. On a
+//! has reported its bind as succeeded it appends `ReservationActive`, at the
+//! version of the reservation's stream its index has seen: a binder that lost
+//! its lease, or missed an event, conflicts instead of activating twice. On a
 //! release or an expiry it issues `allocation.release` to the same nodes.
 //! Started, it first catches up on the log and re-issues what a previous
 //! binder may not have.
@@ -19,6 +21,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
+
+/// What `reservation_stream` puts before a reservation's id.
+const RESERVATION_PREFIX: &str = "reservation/";
 
 /// How long a bind or release command may wait for its node.
 pub const COMMAND_DEADLINE: Duration = Duration::from_secs(120);
@@ -115,6 +120,11 @@ struct State {
     binds: HashMap<String, (String, String)>,
     /// Reservation -> nodes whose bind has not succeeded yet.
     waiting: HashMap<String, BTreeSet<String>>,
+    /// Reservation -> the version of its stream as this binder's index has
+    /// it: `ReservationActive` is appended at exactly that version, so a
+    /// binder that lost its lease (or missed an event) cannot mark a
+    /// reservation active twice or after it changed.
+    versions: HashMap<String, u64>,
 }
 
 impl State {
@@ -209,6 +219,7 @@ async fn held(
     let mut state = State {
         binds: HashMap::new(),
         waiting: HashMap::new(),
+        versions: HashMap::new(),
     };
     // Placements not active yet: (re)issue their binds and learn which
     // already succeeded.
@@ -219,6 +230,21 @@ async fn held(
         .filter(|r| r.phase == Phase::Placed)
         .map(|r| r.request.reservation.clone())
         .collect();
+    let placed_streams: Vec<String> = placed.iter().map(|id| reservation_stream(id)).collect();
+    for row in client
+        .query(
+            "SELECT stream, max(version) FROM strata.events
+              WHERE stream = ANY($1) AND position <= $2 GROUP BY stream",
+            &[&placed_streams, &(index.position() as i64)],
+        )
+        .await?
+    {
+        let stream: String = row.get(0);
+        let version: i64 = row.get(1);
+        if let Some(id) = stream.strip_prefix(RESERVATION_PREFIX) {
+            state.versions.insert(id.to_string(), version as u64);
+        }
+    }
     for id in &placed {
         state.expect_binds(&index, id, &appender, &stats);
     }
@@ -256,7 +282,19 @@ async fn held(
             e = sub.next() => e?,
         };
         sub.ack(e.position);
+        // A reservation's own stream holds its request, release requests and
+        // activation; placements and endings are on the pool's stream.
+        if let Some(id) = e.stream.strip_prefix(RESERVATION_PREFIX) {
+            state.versions.insert(id.to_string(), e.version);
+        }
         match e.event_type.as_str() {
+            "ReservationUnschedulable" => {
+                if let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload) {
+                    if let Some(id) = f.reservation() {
+                        state.versions.remove(id);
+                    }
+                }
+            }
             "ReservationReleased" | "ReservationExpired" => {
                 let id = Fact::parse(&e.event_type, &e.payload)
                     .ok()
@@ -280,6 +318,7 @@ async fn held(
                 }
                 if let Some(id) = id {
                     state.waiting.remove(&id);
+                    state.versions.remove(&id);
                 }
             }
             _ => {}
@@ -339,10 +378,14 @@ async fn bound(
     let fact = Fact::ReservationActive {
         reservation: reservation.to_string(),
     };
+    let expected = match state.versions.get(reservation) {
+        Some(v) => ExpectedVersion::Exact(*v),
+        None => ExpectedVersion::StreamExists,
+    };
     match appender
         .append(
             &reservation_stream(reservation),
-            ExpectedVersion::StreamExists,
+            expected,
             vec![fact.to_event()],
         )
         .await
@@ -350,6 +393,10 @@ async fn bound(
         Ok(_) => {
             stats.activated.fetch_add(1, Ordering::Relaxed);
         }
+        Err(AppendError::VersionConflict { .. }) => tracing::info!(
+            %reservation,
+            "the reservation changed since this binder saw it (another binder activated it, or it is being released); not marking it active"
+        ),
         Err(e) => tracing::warn!(%reservation, error = %e, "could not mark the reservation active"),
     }
 }

@@ -733,10 +733,6 @@ async fn the_client_api_serves_operators_only() {
         r.appender.clone(),
         placer::PlacerConfig::new("api-test"),
     );
-    // Two binders: one holds the lease and works, the other waits.
-    let binders: Vec<_> = (0..2)
-        .map(|_| placer::binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone()))
-        .collect();
     let ca = Ca::load(r.ca_dir.path()).unwrap();
     let client = |cert: String, key: String| {
         let tls = ClientTlsConfig::new()
@@ -776,6 +772,12 @@ async fn the_client_api_serves_operators_only() {
     assert_eq!(placed.state, "placed", "{placed:?}");
     assert_eq!(placed.allocations[0].node, "n1");
     assert_eq!(placed.allocations[0].devices.len(), 2);
+    // Two binders, started after the placement (so the one that takes the
+    // lease finds it while starting up, with its stream's version): one
+    // holds the lease and works, the other waits.
+    let binders: Vec<_> = (0..2)
+        .map(|_| placer::binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone()))
+        .collect();
     let err = api
         .reserve(ReserveRequest {
             pool: "nope".into(),
