@@ -7,37 +7,28 @@ use projections::requests::{self, RequestError};
 use projections::{Allocation, DeviceSpec, Fact, Request};
 use tokio_postgres::Client;
 
-impl From<RequestError> for ClientError {
-    fn from(e: RequestError) -> Self {
-        match e {
-            RequestError::Invalid(m) => ClientError::Invalid(m),
-            RequestError::NoSuchPool(p) => ClientError::NoSuchPool(p),
-            RequestError::Exists(r) => ClientError::Exists(r),
-            RequestError::NotFound(r) => ClientError::NotFound(r),
-            RequestError::Append(e) => ClientError::Append(e),
-            RequestError::Database(e) => ClientError::Database(e),
-        }
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("pool {0:?} already exists")]
     PoolExists(String),
-    #[error("invalid reservation: {0}")]
-    Invalid(String),
-    #[error("pool {0:?} does not exist (see `strata pools`)")]
-    NoSuchPool(String),
-    #[error("reservation {0:?} already exists")]
-    Exists(String),
-    #[error("reservation {0:?} does not exist")]
-    NotFound(String),
+    /// Refused or failed as any client's request would be
+    /// (`projections::requests`).
     #[error(transparent)]
-    Append(#[from] AppendError),
-    #[error("read the log: {0}")]
-    Database(#[from] tokio_postgres::Error),
+    Request(#[from] RequestError),
     #[error(transparent)]
     Subscribe(#[from] SubscribeError),
+}
+
+impl From<AppendError> for ClientError {
+    fn from(e: AppendError) -> Self {
+        ClientError::Request(e.into())
+    }
+}
+
+impl From<tokio_postgres::Error> for ClientError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        ClientError::Request(e.into())
+    }
 }
 
 /// A fresh reservation id: time-ordered, with a random tail.
@@ -112,7 +103,7 @@ pub async fn create_pool(
     pool: &str,
     description: &str,
 ) -> Result<(), ClientError> {
-    valid_name("pool", pool).map_err(ClientError::Invalid)?;
+    valid_name("pool", pool).map_err(RequestError::Invalid)?;
     let fact = Fact::PoolCreated {
         description: description.to_string(),
     };
@@ -142,7 +133,7 @@ pub async fn join_nodes(
     for chunk in nodes.chunks(500) {
         let mut events = Vec::with_capacity(chunk.len());
         for (node, devices) in chunk {
-            valid_name("node", node).map_err(ClientError::Invalid)?;
+            valid_name("node", node).map_err(RequestError::Invalid)?;
             events.push(
                 Fact::NodeJoined {
                     node: node.clone(),
@@ -155,8 +146,8 @@ pub async fn join_nodes(
             .append(&pool_stream(pool), ExpectedVersion::StreamExists, events)
             .await
             .map_err(|e| match e {
-                AppendError::VersionConflict { .. } => ClientError::NoSuchPool(pool.to_string()),
-                e => e.into(),
+                AppendError::VersionConflict { .. } => RequestError::NoSuchPool(pool.to_string()),
+                e => RequestError::Append(e),
             })?;
         done += chunk.len();
         progress(done);

@@ -18,7 +18,7 @@ pub enum RequestError {
     #[error("reservation {0:?} does not exist")]
     NotFound(String),
     #[error(transparent)]
-    Append(AppendError),
+    Append(#[from] AppendError),
     #[error("read the log: {0}")]
     Database(#[from] tokio_postgres::Error),
 }

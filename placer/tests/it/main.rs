@@ -6,6 +6,7 @@ use events::{Appender, AppenderConfig, ExpectedVersion, Reader, ReaderConfig};
 use placer::client::{self, Outcome};
 use placer::{plan, Placer, PlacerConfig};
 use projections::domain::pool_stream;
+use projections::requests::RequestError;
 use projections::{check, projector, Fact, Index, Projector, Request, Shape, SnapshotStore};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -167,11 +168,20 @@ async fn placements_flow_through_the_log_and_rebuilt_indexes_match() {
     let err = client::release(&appender, "never-made", "")
         .await
         .unwrap_err();
-    assert!(matches!(err, client::ClientError::NotFound(_)), "{err}");
+    assert!(
+        matches!(err, client::ClientError::Request(RequestError::NotFound(_))),
+        "{err}"
+    );
     let err = client::reserve(&client, &appender, &request("x", "nope", 1, Shape::Any))
         .await
         .unwrap_err();
-    assert!(matches!(err, client::ClientError::NoSuchPool(_)), "{err}");
+    assert!(
+        matches!(
+            err,
+            client::ClientError::Request(RequestError::NoSuchPool(_))
+        ),
+        "{err}"
+    );
 
     let end = head(&client).await;
     follow(&mut live, end).await;
