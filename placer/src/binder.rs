@@ -14,16 +14,13 @@
 use events::lease::{Lease, LeaseError};
 use events::{AppendError, Appender, ExpectedVersion, Reader, Start};
 use projections::commands::{self, Command};
-use projections::domain::reservation_stream;
+use projections::domain::{reservation_of, reservation_stream};
 use projections::{projector, Fact, Index, Phase};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
-
-/// What `reservation_stream` puts before a reservation's id.
-const RESERVATION_PREFIX: &str = "reservation/";
 
 /// How long a bind or release command may wait for its node.
 pub const COMMAND_DEADLINE: Duration = Duration::from_secs(120);
@@ -241,7 +238,7 @@ async fn held(
     {
         let stream: String = row.get(0);
         let version: i64 = row.get(1);
-        if let Some(id) = stream.strip_prefix(RESERVATION_PREFIX) {
+        if let Some(id) = reservation_of(&stream) {
             state.versions.insert(id.to_string(), version as u64);
         }
     }
@@ -284,7 +281,7 @@ async fn held(
         sub.ack(e.position);
         // A reservation's own stream holds its request, release requests and
         // activation; placements and endings are on the pool's stream.
-        if let Some(id) = e.stream.strip_prefix(RESERVATION_PREFIX) {
+        if let Some(id) = reservation_of(&e.stream) {
             state.versions.insert(id.to_string(), e.version);
         }
         match e.event_type.as_str() {

@@ -21,6 +21,11 @@ pub fn reservation_stream(id: &str) -> String {
     format!("reservation/{id}")
 }
 
+/// The reservation whose stream `stream` is, if it is one.
+pub fn reservation_of(stream: &str) -> Option<&str> {
+    stream.strip_prefix("reservation/")
+}
+
 /// One GPU as a node reports it.
 #[derive(
     Debug,
