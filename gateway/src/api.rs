@@ -6,8 +6,8 @@ use crate::api_proto::{
     Node, Pool, PoolClass, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest,
     SubscribeMessage, SubscribedEvent,
 };
+use crate::revocation;
 use crate::server::{Shared, Waited};
-use crate::{ca, revocation};
 use events::AppendError;
 use projections::commands::{self, Command};
 use projections::requests::{self, RequestError};
@@ -35,28 +35,19 @@ async fn caller<T>(shared: &Shared, req: &Request<T>) -> Result<(String, String)
     let der = certs
         .first()
         .ok_or_else(|| Status::unauthenticated("the API needs an operator certificate"))?;
-    let who = ca::operator_identity(der.as_ref())
-        .ok_or_else(|| Status::permission_denied("this certificate is not an operator's"))?;
-    let serial = revocation::presented(der.as_ref())
-        .map_err(|e| Status::permission_denied(e.to_string()))?
-        .serial;
-    let client = shared
-        .db
-        .get()
-        .await
-        .map_err(|e| Status::unavailable(format!("database: {e}")))?;
-    still_valid(shared, &client, &who, &serial).await?;
-    Ok((who, serial))
+    let not_operator = || Status::permission_denied("this certificate is not an operator's");
+    let presented = revocation::presented(der.as_ref()).map_err(|_| not_operator())?;
+    let who = match (presented.kind, presented.name) {
+        (Some("operator"), Some(name)) => name,
+        _ => return Err(not_operator()),
+    };
+    still_valid(shared, &who, &presented.serial).await?;
+    Ok((who, presented.serial))
 }
 
 /// Refuses a certificate that was revoked since (or before) it was presented.
-async fn still_valid(
-    shared: &Shared,
-    client: &tokio_postgres::Client,
-    who: &str,
-    serial: &str,
-) -> Result<(), Status> {
-    match shared.revoked.check(client, serial).await {
+async fn still_valid(shared: &Shared, who: &str, serial: &str) -> Result<(), Status> {
+    match shared.revoked.check(&shared.db, serial).await {
         Ok(false) => Ok(()),
         Ok(true) => Err(Status::permission_denied(format!(
             "the certificate of operator {who} (serial {serial}) is revoked"
@@ -229,13 +220,9 @@ impl api_server::Api for ApiService {
             loop {
                 tokio::select! {
                     _ = recheck.tick() => {
-                        let verdict = match shared.db.get().await {
-                            Ok(client) => still_valid(&shared, &client, &who, &serial).await,
-                            Err(e) => Err(Status::unavailable(format!("database: {e}"))),
-                        };
                         // Only a revocation ends the stream; a database
                         // that is briefly away does not.
-                        if let Err(status) = verdict {
+                        if let Err(status) = still_valid(&shared, &who, &serial).await {
                             if status.code() == tonic::Code::PermissionDenied {
                                 let _ = tx.send(Err(status)).await;
                                 break;

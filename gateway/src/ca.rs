@@ -68,8 +68,9 @@ fn serial() -> SerialNumber {
     SerialNumber::from_slice(&bytes)
 }
 
-/// Lowercase hex of a serial, without leading zero bytes (as DER has it).
-fn hex(bytes: &[u8]) -> String {
+/// A serial as stored and compared: lowercase hex without leading zero
+/// bytes (as DER has it).
+pub fn serial_hex(bytes: &[u8]) -> String {
     let start = bytes
         .iter()
         .position(|b| *b != 0)
@@ -169,7 +170,7 @@ impl Ca {
             .map_err(|e| CaError::Invalid(format!("not a certificate signing request: {e}")))?;
         let mut params = client_params(node, NODE_URI_PREFIX, "node id", days)?;
         let serial = serial();
-        let serial_hex = hex(serial.as_ref());
+        let serial_hex = serial_hex(serial.as_ref());
         params.serial_number = Some(serial);
         let cert = params.signed_by(&csr.public_key, &self.issuer)?;
         Ok(Signed {
@@ -245,27 +246,28 @@ pub struct NodeIdentity {
     pub serial: String,
 }
 
-/// The operator a client certificate names, if it is an operator's.
-pub fn operator_identity(der: &[u8]) -> Option<String> {
-    uri_identity(der, OPERATOR_URI_PREFIX)
-}
-
-/// The auditor a client certificate names, if it is an auditor's.
-pub fn auditor_identity(der: &[u8]) -> Option<String> {
-    uri_identity(der, AUDITOR_URI_PREFIX)
-}
-
-/// A serial as stored and compared: lowercase hex without leading zero bytes.
-pub fn serial_hex(raw: &[u8]) -> String {
-    hex(raw)
-}
-
-fn uri_identity(der: &[u8], prefix: &str) -> Option<String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+/// Who a client certificate names among its URIs: `("operator", name)` for
+/// `urn:strata:operator:<name>`, else `("auditor", name)` for
+/// `urn:strata:auditor:<name>`.
+pub fn holder(
+    cert: &x509_parser::certificate::X509Certificate<'_>,
+) -> Option<(&'static str, String)> {
     let san = cert.subject_alternative_name().ok()??;
-    san.value.general_names.iter().find_map(|n| match n {
-        x509_parser::extensions::GeneralName::URI(u) => u.strip_prefix(prefix).map(str::to_string),
-        _ => None,
+    let uris = || {
+        san.value.general_names.iter().filter_map(|n| match n {
+            x509_parser::extensions::GeneralName::URI(u) => Some(*u),
+            _ => None,
+        })
+    };
+    [
+        ("operator", OPERATOR_URI_PREFIX),
+        ("auditor", AUDITOR_URI_PREFIX),
+    ]
+    .into_iter()
+    .find_map(|(kind, prefix)| {
+        uris()
+            .find_map(|u| u.strip_prefix(prefix))
+            .map(|name| (kind, name.to_string()))
     })
 }
 
@@ -296,7 +298,7 @@ pub fn node_identity(der: &[u8]) -> Result<NodeIdentity, String> {
     }
     Ok(NodeIdentity {
         node,
-        serial: hex(cert.tbs_certificate.raw_serial()),
+        serial: serial_hex(cert.tbs_certificate.raw_serial()),
     })
 }
 
@@ -337,7 +339,7 @@ mod tests {
             let id = node_identity(&rustls_pem(&signed.certificate_pem)).unwrap();
             assert_eq!(id.serial, signed.serial);
         }
-        assert_eq!(hex(&[0, 0, 0x1f]), "1f");
+        assert_eq!(serial_hex(&[0, 0, 0x1f]), "1f");
         assert!(ca.sign_node("n", "garbage", 1).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }

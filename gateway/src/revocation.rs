@@ -55,11 +55,7 @@ pub fn presented_pem(pem: &str) -> Result<Presented, RevocationError> {
 pub fn presented(der: &[u8]) -> Result<Presented, RevocationError> {
     let (_, cert) = x509_parser::parse_x509_certificate(der)
         .map_err(|e| RevocationError::Invalid(format!("not an X.509 certificate: {e}")))?;
-    let (kind, name) = match (ca::operator_identity(der), ca::auditor_identity(der)) {
-        (Some(n), _) => (Some("operator"), Some(n)),
-        (None, Some(n)) => (Some("auditor"), Some(n)),
-        (None, None) => (None, None),
-    };
+    let (kind, name) = ca::holder(&cert).unzip();
     let secs = cert.validity().not_after.timestamp().max(0) as u64;
     Ok(Presented {
         serial: ca::serial_hex(cert.raw_serial()),
@@ -185,9 +181,9 @@ impl Revoked {
     pub const RELOAD: Duration = Duration::from_secs(2);
     pub const STALE: Duration = Duration::from_secs(60);
 
-    /// Whether `serial` is revoked, reloading through `client` if the set is
-    /// old.
-    pub async fn check(&self, client: &Client, serial: &str) -> Result<bool, String> {
+    /// Whether `serial` is revoked, reloading from `db` if the set is old (a
+    /// fresh set needs no connection).
+    pub async fn check(&self, db: &events::db::Db, serial: &str) -> Result<bool, String> {
         if let Some(set) = self.fresh(Self::RELOAD) {
             return Ok(set.contains(serial));
         }
@@ -196,10 +192,15 @@ impl Revoked {
         if let Some(set) = self.fresh(Self::RELOAD) {
             return Ok(set.contains(serial));
         }
-        match client
-            .query("SELECT serial FROM strata.revoked_certificates", &[])
-            .await
-        {
+        let loaded = match db.get().await {
+            Ok(client) => {
+                client
+                    .query("SELECT serial FROM strata.revoked_certificates", &[])
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        match loaded {
             Ok(rows) => {
                 let set: Arc<HashSet<String>> = Arc::new(rows.iter().map(|r| r.get(0)).collect());
                 *self.state.lock().expect("revocations lock") = Some((Instant::now(), set.clone()));
