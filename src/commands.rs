@@ -411,18 +411,17 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         None
     };
     let sink_role = if args.roles.iter().any(|r| r == "sinks") {
-        // Refuse an unusable CA file now rather than in the background.
-        sinks::webhook::client(args.webhook_ca.as_deref())
-            .map_err(anyhow::Error::msg)
-            .context("--webhook-ca")?;
-        Some(sinks::Sinks::start(
+        let sinks = sinks::Sinks::start(
             cfg.clone(),
             reader.clone(),
             sinks::SinksConfig {
                 webhook_ca: args.webhook_ca.clone(),
                 ..sinks::SinksConfig::default()
             },
-        ))
+        )
+        .map_err(anyhow::Error::msg)
+        .context("--webhook-ca")?;
+        Some(sinks)
     } else {
         None
     };

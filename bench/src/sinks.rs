@@ -50,7 +50,7 @@ pub async fn server(args: ServerArgs) -> Result<()> {
         poll: Duration::from_millis(200),
         ..sinks::SinksConfig::default()
     };
-    let s = sinks::Sinks::start(cfg, reader, sc);
+    let s = sinks::Sinks::start(cfg, reader, sc).map_err(anyhow::Error::msg)?;
     println!("running");
     tokio::signal::ctrl_c().await?;
     s.stop().await;

@@ -66,15 +66,21 @@ pub struct Sinks {
 }
 
 impl Sinks {
-    pub fn start(db: tokio_postgres::Config, reader: Reader, config: SinksConfig) -> Sinks {
+    /// Starts delivering. Fails only if `config.webhook_ca` cannot be used.
+    pub fn start(
+        db: tokio_postgres::Config,
+        reader: Reader,
+        config: SinksConfig,
+    ) -> Result<Sinks, String> {
+        let http = webhook::client(config.webhook_ca.as_deref())?;
         let stats = Arc::new(SinkStats::default());
         let (stop, rx) = oneshot::channel();
-        let task = events::task::spawn("sinks", run(db, reader, config, stats.clone(), rx));
-        Sinks {
+        let task = events::task::spawn("sinks", run(db, reader, config, http, stats.clone(), rx));
+        Ok(Sinks {
             stats,
             stop: Some(stop),
             task,
-        }
+        })
     }
 
     pub fn is_finished(&self) -> bool {
@@ -99,17 +105,11 @@ async fn run(
     db: tokio_postgres::Config,
     reader: Reader,
     config: SinksConfig,
+    http: webhook::HttpClient,
     stats: Arc<SinkStats>,
     mut stop: oneshot::Receiver<()>,
 ) {
     let store = events::db::Db::new(db);
-    let http = match webhook::client(config.webhook_ca.as_deref()) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(error = %e, "sinks cannot deliver to webhooks; stopping");
-            return;
-        }
-    };
     let mut workers: HashMap<String, Worker> = HashMap::new();
     let mut tick = tokio::time::interval(config.poll);
     loop {

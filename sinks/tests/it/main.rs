@@ -210,7 +210,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
         request_timeout: Duration::from_secs(5),
         webhook_ca: None,
     };
-    let sinks = Sinks::start(cfg.clone(), reader.clone(), sc);
+    let sinks = Sinks::start(cfg.clone(), reader.clone(), sc).unwrap();
     eventually(30, "history delivered", || async {
         rx.positions.lock().unwrap().len() == 30
     })
@@ -377,7 +377,8 @@ async fn a_nats_sink_stores_each_event_once_in_jetstream() {
             poll: Duration::from_millis(200),
             ..SinksConfig::default()
         },
-    );
+    )
+    .unwrap();
     let count = |s: &mut async_nats::jetstream::stream::Stream| {
         let s = s.clone();
         async move {
@@ -459,7 +460,8 @@ async fn a_slow_receiver_times_out_and_the_batch_is_retried() {
             request_timeout: Duration::from_millis(200),
             webhook_ca: None,
         },
-    );
+    )
+    .unwrap();
     eventually(30, "delivered after the slow answers", || async {
         rx.positions.lock().unwrap().len() >= 10
     })
@@ -559,7 +561,8 @@ async fn a_webhook_sink_delivers_over_https_when_it_trusts_the_receivers_ca() {
             webhook_ca: Some(ca_file),
             ..SinksConfig::default()
         },
-    );
+    )
+    .unwrap();
     eventually(30, "delivered over https", || async {
         rx.positions.lock().unwrap().len() >= want.len()
     })
