@@ -23,30 +23,27 @@ pub async fn ca(cmd: CaCmd) -> Result<ExitCode> {
             reason,
         } => {
             use gateway::revocation;
-            let presented =
-                match &cert {
-                    Some(path) => {
-                        let pem = std::fs::read_to_string(path)
-                            .with_context(|| format!("read {}", path.display()))?;
-                        Some(revocation::presented_pem(&pem).with_context(|| {
-                            format!("read the certificate in {}", path.display())
-                        })?)
+            let presented = match &cert {
+                Some(path) => {
+                    let pem = std::fs::read_to_string(path)
+                        .with_context(|| format!("read {}", path.display()))?;
+                    let p = revocation::presented_pem(&pem)
+                        .with_context(|| format!("read the certificate in {}", path.display()))?;
+                    if p.kind.is_none() {
+                        bail!(
+                            "{} is not an operator's or an auditor's certificate (nodes are revoked with `strata nodes revoke`)",
+                            path.display()
+                        );
                     }
-                    None => None,
-                };
+                    Some(p)
+                }
+                None => None,
+            };
             let serial = match (&presented, &serial) {
                 (Some(p), _) => p.serial.clone(),
                 (None, Some(s)) => revocation::parse_serial(s)?,
                 (None, None) => bail!("give --cert or --serial"),
             };
-            if let Some(p) = &presented {
-                if p.kind.is_none() {
-                    bail!(
-                        "{} is not an operator's or an auditor's certificate (nodes are revoked with `strata nodes revoke`)",
-                        cert.as_deref().unwrap_or_else(|| std::path::Path::new("?")).display()
-                    );
-                }
-            }
             let client = connect(&db).await?;
             let appender = Appender::start(config(&db)?, AppenderConfig::default());
             let who = presented

@@ -115,11 +115,7 @@ pub async fn run(args: Args) -> Result<()> {
         levels.insert(format!("ack_p99_ms_{writers}"), round(p99, 3).into());
     }
     let ratio_per_rep: Vec<f64> = ratios.iter().map(|r| round(*r, 3)).collect();
-    let append_ratio = if ratios.is_empty() {
-        0.0
-    } else {
-        util::median(&mut ratios)
-    };
+    let append_ratio = util::median(&mut ratios);
     levels.insert(
         "append_ratio_per_repetition".into(),
         serde_json::json!(ratio_per_rep),
