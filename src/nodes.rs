@@ -44,13 +44,16 @@ pub async fn ca(cmd: CaCmd) -> Result<ExitCode> {
                 (None, Some(s)) => revocation::parse_serial(s)?,
                 (None, None) => bail!("give --cert or --serial"),
             };
-            let client = connect(&db).await?;
-            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            let mut client = connect(&db).await?;
             let who = presented
                 .as_ref()
                 .and_then(|p| Some(format!("{} {}", p.kind?, p.name.as_deref()?)))
                 .unwrap_or_else(|| "certificate".into());
-            if revocation::revoke(&client, &appender, &serial, presented.as_ref(), &reason).await? {
+            let target = match &presented {
+                Some(p) => revocation::Target::Certificate(p),
+                None => revocation::Target::Serial(&serial),
+            };
+            if revocation::revoke(&mut client, target, &reason).await? {
                 println!("revoked the {who} (serial {serial}); gateways refuse it within {} s, the audit endpoint at once", gateway::revocation::Revoked::RELOAD.as_secs());
             } else {
                 println!("the {who} (serial {serial}) was already revoked");
@@ -237,9 +240,8 @@ pub async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
             }
         }
         NodesCmd::Revoke { db, node, reason } => {
-            let client = connect(&db).await?;
-            let appender = Appender::start(config(&db)?, AppenderConfig::default());
-            let n = gateway::identity::revoke(&client, &appender, &node, &reason).await?;
+            let mut client = connect(&db).await?;
+            let n = gateway::identity::revoke(&mut client, &node, &reason).await?;
             println!("revoked {n} certificate(s) of node {node}; gateways refuse its new sessions");
         }
     }

@@ -221,6 +221,94 @@ impl Appender {
     }
 }
 
+/// Appends inside the caller's open transaction, so that the events commit or
+/// roll back with whatever else the transaction writes: a row and the event
+/// recording its change cannot part. Validated like [`Appender::append_batch`]
+/// (with `config`'s limits); streams are locked in name order, then the log
+/// head, whose row lock is held until the caller's transaction ends, so keep
+/// the rest of it short. On a version conflict nothing of this call is kept
+/// (it runs under a savepoint) and the transaction stays usable. The events
+/// are durable when the caller's commit is (with `synchronous_commit` on).
+pub async fn append_in(
+    tx: &impl tokio_postgres::GenericClient,
+    appends: Vec<StreamAppend>,
+    config: &AppenderConfig,
+) -> Result<Vec<Appended>, AppendError> {
+    let total = validate(&appends, config)?;
+    let mut order: Vec<&StreamAppend> = appends.iter().collect();
+    order.sort_by(|a, b| a.stream.cmp(&b.stream));
+    let names: Vec<&str> = order.iter().map(|a| a.stream.as_str()).collect();
+    let adds: Vec<i64> = order.iter().map(|a| a.events.len() as i64).collect();
+    tx.batch_execute("SAVEPOINT strata_append")
+        .await
+        .map_err(db_err("begin an append"))?;
+    let rows = match tx
+        .query(BUMP_SQL, &[&names, &adds])
+        .await
+        .map_err(db_err("lock and bump stream versions"))
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            let _ = tx
+                .batch_execute("ROLLBACK TO SAVEPOINT strata_append")
+                .await;
+            return Err(e);
+        }
+    };
+    let mut before: BTreeMap<String, u64> = BTreeMap::new();
+    for row in rows {
+        let new: i64 = row.get(1);
+        before.insert(row.get(0), new.max(0) as u64);
+    }
+    for a in &appends {
+        let after = before.get(&a.stream).copied().unwrap_or(0);
+        let actual = after.saturating_sub(a.events.len() as u64);
+        if !a.expected.admits(actual) {
+            tx.batch_execute("ROLLBACK TO SAVEPOINT strata_append")
+                .await
+                .map_err(db_err("roll back a conflicting append"))?;
+            return Err(AppendError::VersionConflict {
+                stream: a.stream.clone(),
+                expected: a.expected,
+                actual,
+            });
+        }
+    }
+    let mut rows = Rows::with_capacity(total);
+    for a in &appends {
+        rows.push(a, before[&a.stream] - a.events.len() as u64);
+    }
+    let recorded_at = config.clock.as_ref().map(|c| c());
+    let row = tx.query_one(INSERT_SQL, &rows.params(&recorded_at)).await;
+    let row = match row {
+        Ok(row) => row,
+        Err(e) => {
+            let _ = tx
+                .batch_execute("ROLLBACK TO SAVEPOINT strata_append")
+                .await;
+            return Err(db_err("insert events")(e));
+        }
+    };
+    tx.batch_execute("RELEASE SAVEPOINT strata_append")
+        .await
+        .map_err(db_err("finish an append"))?;
+    let base: i64 = row.get(0);
+    let mut next = base as u64 + 1;
+    Ok(appends
+        .iter()
+        .map(|a| {
+            let first = next;
+            next += a.events.len() as u64;
+            Appended {
+                stream: a.stream.clone(),
+                version: before[&a.stream],
+                first_position: Position(first),
+                last_position: Position(next - 1),
+            }
+        })
+        .collect())
+}
+
 const MAX_STREAM_LEN: usize = 256;
 const MAX_TYPE_LEN: usize = 128;
 
@@ -376,6 +464,59 @@ WITH head AS (
              WITH ORDINALITY AS e(stream, version, type, payload, metadata, ord)
 )
 SELECT h.base FROM head h";
+
+/// The event insert's parameters: one array entry per event.
+struct Rows<'a> {
+    n: i64,
+    streams: Vec<&'a str>,
+    versions: Vec<i64>,
+    types: Vec<&'a str>,
+    payloads: Vec<Json<&'a RawValue>>,
+    metas: Vec<Json<&'a RawValue>>,
+}
+
+impl<'a> Rows<'a> {
+    fn with_capacity(n: usize) -> Self {
+        Rows {
+            n: 0,
+            streams: Vec::with_capacity(n),
+            versions: Vec::with_capacity(n),
+            types: Vec::with_capacity(n),
+            payloads: Vec::with_capacity(n),
+            metas: Vec::with_capacity(n),
+        }
+    }
+
+    /// Adds `a`'s events, numbered on from its stream's version `from`.
+    fn push(&mut self, a: &'a StreamAppend, from: u64) {
+        let empty = empty_object();
+        for (j, e) in a.events.iter().enumerate() {
+            self.streams.push(a.stream.as_str());
+            self.versions.push((from + 1 + j as u64) as i64);
+            self.types.push(e.event_type.as_str());
+            self.payloads.push(Json(&*e.payload));
+            self.metas
+                .push(Json(e.metadata.as_deref().unwrap_or(empty)));
+        }
+        self.n += a.events.len() as i64;
+    }
+
+    /// The parameters of [`INSERT_SQL`].
+    fn params<'b>(
+        &'b self,
+        recorded_at: &'b Option<SystemTime>,
+    ) -> [&'b (dyn tokio_postgres::types::ToSql + Sync); 7] {
+        [
+            &self.n,
+            &self.streams,
+            &self.versions,
+            &self.types,
+            &self.payloads,
+            &self.metas,
+            recorded_at,
+        ]
+    }
+}
 
 /// Outcome of one attempt at committing a batch.
 enum Attempt {
@@ -619,24 +760,12 @@ impl Flusher {
         }
         // Every request passes: insert the events with their versions.
         let total: usize = reqs.iter().map(|r| r.events).sum();
-        let mut streams = Vec::with_capacity(total);
-        let mut versions = Vec::with_capacity(total);
-        let mut types = Vec::with_capacity(total);
-        let mut payloads = Vec::with_capacity(total);
-        let mut metas = Vec::with_capacity(total);
-        let empty = empty_object();
+        let mut rows = Rows::with_capacity(total);
         for (r, plan) in reqs.iter().zip(&planned) {
             for (a, (from, _)) in r.appends.iter().zip(plan) {
-                for (j, e) in a.events.iter().enumerate() {
-                    streams.push(a.stream.as_str());
-                    versions.push((from + 1 + j as u64) as i64);
-                    types.push(e.event_type.as_str());
-                    payloads.push(Json(&*e.payload));
-                    metas.push(Json(e.metadata.as_deref().unwrap_or(empty)));
-                }
+                rows.push(a, *from);
             }
         }
-        let n = total as i64;
         // The insert and the commit go out together, so no round trip to us
         // happens while the log head is held. If the insert fails, the
         // transaction is aborted and COMMIT only rolls it back.
@@ -646,15 +775,7 @@ impl Flusher {
         // same message runs in a transaction of its own and returns once the
         // commit is durable, while the other flusher already holds the log
         // head. Once COMMIT is sent, a failure leaves the outcome unknown.
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
-            &n,
-            &streams,
-            &versions,
-            &types,
-            &payloads,
-            &metas,
-            &recorded_at,
-        ];
+        let params = rows.params(&recorded_at);
         let (inserted, committed) = tokio::join!(
             conn.client.query_one(&conn.insert, &params),
             conn.client.batch_execute(&COMMIT_AND_FLUSH)

@@ -144,20 +144,17 @@ pub async fn lookup(
     }))
 }
 
-/// Revokes every certificate of a node. Returns how many were revoked now.
-pub async fn revoke(
-    client: &Client,
-    appender: &Appender,
-    node: &str,
-    reason: &str,
-) -> Result<u64, IdentityError> {
-    let n = client
+/// Revokes every certificate of a node, in one transaction with the
+/// `node.revoked` event that records it. Returns how many were revoked now.
+pub async fn revoke(client: &mut Client, node: &str, reason: &str) -> Result<u64, IdentityError> {
+    let tx = client.transaction().await?;
+    let n = tx
         .execute(
             "UPDATE strata.node_certificates SET revoked_at = now() WHERE node = $1 AND revoked_at IS NULL",
             &[&node],
         )
         .await?;
-    let known: i64 = client
+    let known: i64 = tx
         .query_one(
             "SELECT count(*) FROM strata.node_certificates WHERE node = $1",
             &[&node],
@@ -167,15 +164,20 @@ pub async fn revoke(
     if known == 0 {
         return Err(IdentityError::UnknownNode(node.to_string()));
     }
-    appender
-        .append(
-            &node_stream(node),
-            ExpectedVersion::Any,
-            vec![NewEvent::new(
-                "node.revoked",
-                &serde_json::json!({ "node": node, "reason": reason, "certificates": n }),
-            )],
-        )
-        .await?;
+    let event = NewEvent::new(
+        "node.revoked",
+        &serde_json::json!({ "node": node, "reason": reason, "certificates": n }),
+    );
+    events::append::append_in(
+        &tx,
+        vec![events::StreamAppend {
+            stream: node_stream(node),
+            expected: ExpectedVersion::Any,
+            events: vec![event],
+        }],
+        &events::AppenderConfig::default(),
+    )
+    .await?;
+    tx.commit().await?;
     Ok(n)
 }

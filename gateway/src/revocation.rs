@@ -11,7 +11,7 @@
 //! certificate login.
 
 use crate::ca;
-use events::{Appender, ExpectedVersion, NewEvent};
+use events::{AppenderConfig, ExpectedVersion, NewEvent, StreamAppend};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -98,28 +98,32 @@ pub struct Revocation {
     pub revoked_at: SystemTime,
 }
 
-/// Revokes a certificate: by its contents (`cert`, which names its holder in
-/// the log) or by its serial alone. Returns false if it was revoked already.
+/// Which certificate [`revoke`] revokes.
+#[derive(Debug, Clone, Copy)]
+pub enum Target<'a> {
+    /// The certificate itself: its holder is recorded and named in the log.
+    Certificate(&'a Presented),
+    /// Its serial alone, in hex (as `strata ca revoked` and issuing print it).
+    Serial(&'a str),
+}
+
+/// Revokes a certificate. The revocation and its `certificate.revoked` event
+/// commit in one transaction: neither is ever kept without the other. Returns
+/// false if it was revoked already.
 pub async fn revoke(
-    client: &Client,
-    appender: &Appender,
-    serial: &str,
-    cert: Option<&Presented>,
+    client: &mut Client,
+    target: Target<'_>,
     reason: &str,
 ) -> Result<bool, RevocationError> {
-    let serial = parse_serial(serial)?;
-    if let Some(c) = cert {
-        if c.serial != serial {
-            return Err(RevocationError::Invalid(format!(
-                "the certificate's serial is {}, not {serial}",
-                c.serial
-            )));
-        }
-    }
+    let (serial, cert) = match target {
+        Target::Certificate(c) => (parse_serial(&c.serial)?, Some(c)),
+        Target::Serial(s) => (parse_serial(s)?, None),
+    };
     let kind = cert.and_then(|c| c.kind);
     let name = cert.and_then(|c| c.name.clone());
     let not_after = cert.map(|c| c.not_after);
-    let n = client
+    let tx = client.transaction().await?;
+    let n = tx
         .execute(
             "INSERT INTO strata.revoked_certificates (serial, kind, name, not_after, reason)
              VALUES ($1, $2, $3, $4, $5) ON CONFLICT (serial) DO NOTHING",
@@ -133,16 +137,21 @@ pub async fn revoke(
         (Some(k), Some(n)) => format!("{k}/{n}"),
         _ => format!("certificate/{serial}"),
     };
-    appender
-        .append(
-            &stream,
-            ExpectedVersion::Any,
-            vec![NewEvent::new(
-                "certificate.revoked",
-                &serde_json::json!({ "serial": serial, "kind": kind, "name": name, "reason": reason }),
-            )],
-        )
-        .await?;
+    let event = NewEvent::new(
+        "certificate.revoked",
+        &serde_json::json!({ "serial": serial, "kind": kind, "name": name, "reason": reason }),
+    );
+    events::append::append_in(
+        &tx,
+        vec![StreamAppend {
+            stream,
+            expected: ExpectedVersion::Any,
+            events: vec![event],
+        }],
+        &AppenderConfig::default(),
+    )
+    .await?;
+    tx.commit().await?;
     Ok(true)
 }
 

@@ -443,3 +443,102 @@ async fn the_flush_barrier_returns_only_after_earlier_commits_are_flushed() {
         );
     }
 }
+
+#[tokio::test]
+async fn append_in_commits_and_rolls_back_with_the_callers_transaction() {
+    let (cfg, mut client) = db().await;
+    let a = appender(&cfg);
+    let limits = AppenderConfig::default();
+    a.append("s/a", ExpectedVersion::NoStream, vec![ev(1)])
+        .await
+        .unwrap();
+    client
+        .batch_execute("CREATE TABLE side (x int)")
+        .await
+        .unwrap();
+    let two = |stream: &str, expected, n| StreamAppend {
+        stream: stream.into(),
+        expected,
+        events: (0..n).map(ev).collect(),
+    };
+
+    // Rolled back: neither the row nor the events nor the version bumps stay,
+    // and the next append takes the next position, leaving no gap.
+    let tx = client.transaction().await.unwrap();
+    tx.batch_execute("INSERT INTO side VALUES (1)")
+        .await
+        .unwrap();
+    let out = events::append::append_in(
+        &tx,
+        vec![
+            two("s/b", ExpectedVersion::NoStream, 2),
+            two("s/a", ExpectedVersion::Exact(1), 1),
+        ],
+        &limits,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        out.iter()
+            .map(|o| (
+                o.stream.as_str(),
+                o.version,
+                o.first_position.0,
+                o.last_position.0
+            ))
+            .collect::<Vec<_>>(),
+        [("s/b", 2, 2, 3), ("s/a", 2, 4, 4)]
+    );
+    tx.rollback().await.unwrap();
+    let next = a
+        .append("s/a", ExpectedVersion::Exact(1), vec![ev(2)])
+        .await
+        .unwrap();
+    assert_eq!((next.version, next.last_position.0), (2, 2));
+
+    // A conflict undoes only that call: the transaction goes on and commits
+    // its row with the events of a second call.
+    let tx = client.transaction().await.unwrap();
+    let err =
+        events::append::append_in(&tx, vec![two("s/a", ExpectedVersion::Exact(5), 1)], &limits)
+            .await
+            .unwrap_err();
+    assert!(
+        matches!(&err, AppendError::VersionConflict { stream, actual: 2, .. } if stream == "s/a"),
+        "{err:?}"
+    );
+    let err = events::append::append_in(&tx, vec![two("s/c", ExpectedVersion::Any, 0)], &limits)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AppendError::Invalid(_)), "{err:?}");
+    tx.batch_execute("INSERT INTO side VALUES (2)")
+        .await
+        .unwrap();
+    let out =
+        events::append::append_in(&tx, vec![two("s/a", ExpectedVersion::Exact(2), 1)], &limits)
+            .await
+            .unwrap();
+    assert_eq!((out[0].version, out[0].last_position.0), (3, 3));
+    tx.commit().await.unwrap();
+
+    let side: Vec<i32> = client
+        .query("SELECT x FROM side ORDER BY x", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(side, [2]);
+    let versions: Vec<u64> = events::read::stream(&client, "s/a")
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.version)
+        .collect();
+    assert_eq!(versions, [1, 2, 3]);
+    assert!(events::read::stream(&client, "s/b")
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(table_positions(&client).await, [1, 2, 3]);
+}

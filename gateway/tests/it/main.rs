@@ -287,9 +287,8 @@ async fn wrong_ca_revoked_and_impersonating_nodes_are_refused() {
     })
     .await;
     // Revoked while connected: the live session ends and the daemon stops.
-    let revoked = identity::revoke(&r.client, &r.appender, "n1", "test")
-        .await
-        .unwrap();
+    let mut own = events::db::connect(&r.cfg, "revoke").await.unwrap();
+    let revoked = identity::revoke(&mut own, "n1", "test").await.unwrap();
     assert_eq!(revoked, 1);
     let err = tokio::time::timeout(Duration::from_secs(20), n.task)
         .await
@@ -900,17 +899,15 @@ async fn the_client_api_serves_operators_only() {
     // operator is not affected.
     let (cert2, key2) = ca.issue_operator("alice", 1).unwrap();
     let mut api2 = client(cert2, key2).await;
-    assert!(gateway::revocation::revoke(
-        &r.client,
-        &r.appender,
-        &alice.serial,
-        Some(&alice),
-        "laptop lost"
-    )
-    .await
-    .unwrap());
+    use gateway::revocation::Target;
+    let mut own = events::db::connect(&r.cfg, "revoke").await.unwrap();
     assert!(
-        !gateway::revocation::revoke(&r.client, &r.appender, &alice.serial, None, "again")
+        gateway::revocation::revoke(&mut own, Target::Certificate(&alice), "laptop lost")
+            .await
+            .unwrap()
+    );
+    assert!(
+        !gateway::revocation::revoke(&mut own, Target::Serial(&alice.serial), "again")
             .await
             .unwrap()
     );
@@ -1176,11 +1173,10 @@ async fn subscriptions_over_the_api_respect_grants_and_resume_after_acks() {
         .unwrap()
         .unwrap();
     assert!(first.is_some());
+    let mut own = events::db::connect(&r.cfg, "revoke").await.unwrap();
     gateway::revocation::revoke(
-        &r.client,
-        &r.appender,
-        &carol_cert.serial,
-        Some(&carol_cert),
+        &mut own,
+        gateway::revocation::Target::Certificate(&carol_cert),
         "left",
     )
     .await
