@@ -79,16 +79,27 @@ pub async fn run(args: Args) -> Result<()> {
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
     let mut lats: Vec<Vec<Duration>> = vec![Vec::new(); args.writers.len()];
     let mut ratios = Vec::new();
+    // CPU per row or append (whole machine, and this process's share).
+    let mut raw_cpu = Vec::new();
+    let mut strata_cpu = Vec::new();
     for rep in 0..reps {
         single.push(raw_single(&cfg, 16, secs).await?);
-        let m = raw_multirow(&cfg, "raw_events", 4, 64, secs).await?;
+        let raw = raw_multirow(&cfg, "raw_events", 4, 64, secs).await?;
+        let m = raw.rate;
         multi.push(m);
-        multi_partitioned.push(raw_multirow(&cfg, "raw_partitioned", 4, 64, secs).await?);
+        raw_cpu.push(raw.cpu_per_event());
+        multi_partitioned.push(
+            raw_multirow(&cfg, "raw_partitioned", 4, 64, secs)
+                .await?
+                .rate,
+        );
         for (k, &writers) in args.writers.iter().enumerate() {
-            let (rate, l) = strata_appends(&appender, writers, secs).await?;
+            let (phase, l) = strata_appends(&appender, writers, secs).await?;
+            let rate = phase.rate;
             rates[k].push(rate);
             lats[k].extend(l);
             if writers == 256 {
+                strata_cpu.push(phase.cpu_per_event());
                 ratios.push(rate / m);
                 eprintln!(
                     "repetition {}: raw 64-row INSERT x4 {m:.0} rows/s, Strata 256 writers {rate:.0} appends/s: ratio {:.3}",
@@ -113,6 +124,23 @@ pub async fn run(args: Args) -> Result<()> {
         levels.insert(format!("appends_per_s_{writers}"), round(rate, 0).into());
         levels.insert(format!("ack_p50_ms_{writers}"), round(p50, 3).into());
         levels.insert(format!("ack_p99_ms_{writers}"), round(p99, 3).into());
+    }
+    if !strata_cpu.is_empty() {
+        let (raw_us, raw_client) = medians(&raw_cpu);
+        let (strata_us, strata_client) = medians(&strata_cpu);
+        eprintln!(
+            "cpu: raw {raw_us:.1} us per row ({raw_client:.1} in the client), Strata {strata_us:.1} us per append ({strata_client:.1} in the writers and appender)"
+        );
+        levels.insert(
+            "cpu_us_per_event".into(),
+            serde_json::json!({
+                "raw_multirow_row": round(raw_us, 2),
+                "raw_multirow_row_client": round(raw_client, 2),
+                "strata_append_256": round(strata_us, 2),
+                "strata_append_256_client": round(strata_client, 2),
+                "note": "busy CPU time of the whole machine per event during the phase; client: the benchmark process (load generator, and for Strata the appender too)",
+            }),
+        );
     }
     let ratio_per_rep: Vec<f64> = ratios.iter().map(|r| round(*r, 3)).collect();
     let append_ratio = util::median(&mut ratios);
@@ -203,6 +231,37 @@ fn payload(i: u64) -> serde_json::Value {
 }
 
 async fn raw_single(cfg: &Config, clients: usize, secs: Duration) -> Result<f64> {
+    Ok(raw_single_phase(cfg, clients, secs).await?.rate)
+}
+
+/// The medians of (machine, own) CPU microseconds per event.
+fn medians(v: &[(f64, f64)]) -> (f64, f64) {
+    let mut machine: Vec<f64> = v.iter().map(|c| c.0).collect();
+    let mut own: Vec<f64> = v.iter().map(|c| c.1).collect();
+    (util::median(&mut machine), util::median(&mut own))
+}
+
+/// A measured phase: events per second and the CPU it used.
+pub(crate) struct Phase {
+    pub rate: f64,
+    pub cpu: util::CpuUse,
+}
+
+impl Phase {
+    /// Microseconds of CPU per event: the whole machine, and this process.
+    fn cpu_per_event(&self) -> (f64, f64) {
+        let per = |cores: f64| {
+            if self.rate > 0.0 {
+                cores * 1e6 / self.rate
+            } else {
+                0.0
+            }
+        };
+        (per(self.cpu.busy_cores), per(self.cpu.own_cores))
+    }
+}
+
+async fn raw_single_phase(cfg: &Config, clients: usize, secs: Duration) -> Result<Phase> {
     let count = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
@@ -232,7 +291,7 @@ pub(crate) async fn raw_multirow(
     clients: usize,
     rows: usize,
     secs: Duration,
-) -> Result<f64> {
+) -> Result<Phase> {
     let count = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut sql = format!("INSERT INTO {table} (stream, version, type, payload) VALUES ");
@@ -280,16 +339,23 @@ async fn timed(
     stop: Arc<AtomicBool>,
     tasks: Vec<tokio::task::JoinHandle<Result<()>>>,
     secs: Duration,
-) -> Result<f64> {
+) -> Result<Phase> {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (c0, t0) = (count.load(Ordering::Relaxed), Instant::now());
+    let cpu = util::CpuMeter::start();
     tokio::time::sleep(secs).await;
     let (c1, t1) = (count.load(Ordering::Relaxed), Instant::now());
+    let used = cpu.stop();
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await??;
     }
-    Ok((c1 - c0) as f64 / (t1 - t0).as_secs_f64())
+    let rate = (c1 - c0) as f64 / (t1 - t0).as_secs_f64();
+    eprintln!(
+        "  {rate:.0}/s, cores busy {:.2} (client {:.2})",
+        used.busy_cores, used.own_cores
+    );
+    Ok(Phase { rate, cpu: used })
 }
 
 static RUN: AtomicU64 = AtomicU64::new(0);
@@ -299,7 +365,7 @@ async fn strata_appends(
     appender: &Appender,
     writers: usize,
     secs: Duration,
-) -> Result<(f64, Vec<Duration>)> {
+) -> Result<(Phase, Vec<Duration>)> {
     let count = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let measuring = Arc::new(AtomicBool::new(false));
@@ -336,14 +402,21 @@ async fn strata_appends(
     tokio::time::sleep(Duration::from_millis(300)).await;
     measuring.store(true, Ordering::Relaxed);
     let (c0, t0) = (count.load(Ordering::Relaxed), Instant::now());
+    let cpu = util::CpuMeter::start();
     tokio::time::sleep(secs).await;
     let (c1, t1) = (count.load(Ordering::Relaxed), Instant::now());
+    let used = cpu.stop();
     stop.store(true, Ordering::Relaxed);
+    let rate = (c1 - c0) as f64 / (t1 - t0).as_secs_f64();
+    eprintln!(
+        "  {writers} writers: {rate:.0}/s, cores busy {:.2} (writers and appender {:.2})",
+        used.busy_cores, used.own_cores
+    );
     let mut lat = Vec::new();
     for t in tasks {
         lat.extend(t.await??);
     }
-    Ok(((c1 - c0) as f64 / (t1 - t0).as_secs_f64(), lat))
+    Ok((Phase { rate, cpu: used }, lat))
 }
 
 /// Offers `rate` events/s (open loop, 1 ms ticks) and measures, per event,

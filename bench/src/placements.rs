@@ -297,7 +297,11 @@ pub async fn run(args: Args) -> Result<()> {
     prepare_raw(&client).await?;
     let mut raw = Vec::new();
     for _ in 0..reps {
-        raw.push(raw_multirow(&cfg, "raw_events", 4, 64, raw_secs).await?);
+        raw.push(
+            raw_multirow(&cfg, "raw_events", 4, 64, raw_secs)
+                .await?
+                .rate,
+        );
     }
     let raw_multirow = util::median(&mut raw);
     eprintln!("raw: 64-row INSERT x4 {raw_multirow:.0} rows/s");

@@ -114,3 +114,58 @@ pub fn cpu_seconds(pid: u32) -> f64 {
         })
         .unwrap_or(0.0)
 }
+
+/// Busy and total CPU time of the whole machine so far (all cores, seconds),
+/// from /proc/stat; idle and iowait count as not busy.
+fn machine_cpu() -> (f64, f64) {
+    std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|s| {
+            let v: Vec<f64> = s
+                .lines()
+                .next()?
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            let total: f64 = v.iter().take(8).sum();
+            let idle = v.get(3)? + v.get(4)?;
+            Some(((total - idle) / 100.0, total / 100.0))
+        })
+        .unwrap_or((0.0, 0.0))
+}
+
+/// Where the cores went during a phase: started by [`CpuMeter::start`].
+pub struct CpuMeter {
+    machine: (f64, f64),
+    own: f64,
+    at: std::time::Instant,
+}
+
+/// Cores busy during a phase: the whole machine and this process (the load
+/// generator and, for Strata's phases, the appender); the rest is PostgreSQL
+/// and whatever else ran.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuUse {
+    pub busy_cores: f64,
+    pub own_cores: f64,
+}
+
+impl CpuMeter {
+    pub fn start() -> CpuMeter {
+        CpuMeter {
+            machine: machine_cpu(),
+            own: cpu_seconds(std::process::id()),
+            at: std::time::Instant::now(),
+        }
+    }
+
+    pub fn stop(&self) -> CpuUse {
+        let secs = self.at.elapsed().as_secs_f64().max(1e-9);
+        let (busy, _) = machine_cpu();
+        CpuUse {
+            busy_cores: (busy - self.machine.0) / secs,
+            own_cores: (cpu_seconds(std::process::id()) - self.own) / secs,
+        }
+    }
+}
