@@ -5,7 +5,7 @@
 //! is one statement, so a token is spent exactly once.
 
 use crate::ca::Signed;
-use events::{Appender, ExpectedVersion, NewEvent};
+use events::{ExpectedVersion, NewEvent};
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -58,16 +58,17 @@ pub async fn create_token(
     Ok(token)
 }
 
-/// Spends a token and records the certificate signed with it. Returns the
-/// token's pool.
+/// Spends a token and records the certificate signed with it, in one
+/// transaction with the `node.certificate_issued` event: a token is never
+/// spent without the log saying so. Returns the token's pool.
 pub async fn redeem(
-    client: &Client,
-    appender: &Appender,
+    client: &mut Client,
     token: &str,
     node: &str,
     signed: &Signed,
 ) -> Result<String, IdentityError> {
-    let row = client
+    let tx = client.transaction().await?;
+    let row = tx
         .query_opt(
             "WITH t AS (
                 UPDATE strata.join_tokens SET used_at = now(), used_by = $2
@@ -80,16 +81,16 @@ pub async fn redeem(
         )
         .await?;
     let pool: String = row.ok_or(IdentityError::BadToken)?.get(0);
-    appender
-        .append(
-            &node_stream(node),
-            ExpectedVersion::Any,
-            vec![NewEvent::new(
-                "node.certificate_issued",
-                &serde_json::json!({ "node": node, "pool": pool, "serial": signed.serial }),
-            )],
-        )
-        .await?;
+    append_one(
+        &tx,
+        node_stream(node),
+        NewEvent::new(
+            "node.certificate_issued",
+            &serde_json::json!({ "node": node, "pool": pool, "serial": signed.serial }),
+        ),
+    )
+    .await?;
+    tx.commit().await?;
     Ok(pool)
 }
 
@@ -144,6 +145,22 @@ pub async fn lookup(
     }))
 }
 
+/// Appends one event to `stream`, whatever its version, in `tx`.
+pub(crate) async fn append_one(
+    tx: &tokio_postgres::Transaction<'_>,
+    stream: String,
+    event: NewEvent,
+) -> Result<(), events::AppendError> {
+    let append = events::StreamAppend {
+        stream,
+        expected: ExpectedVersion::Any,
+        events: vec![event],
+    };
+    events::append::append_in(tx, vec![append], &events::AppenderConfig::default())
+        .await
+        .map(|_| ())
+}
+
 /// Revokes every certificate of a node, in one transaction with the
 /// `node.revoked` event that records it. Returns how many were revoked now.
 pub async fn revoke(client: &mut Client, node: &str, reason: &str) -> Result<u64, IdentityError> {
@@ -164,18 +181,13 @@ pub async fn revoke(client: &mut Client, node: &str, reason: &str) -> Result<u64
     if known == 0 {
         return Err(IdentityError::UnknownNode(node.to_string()));
     }
-    let event = NewEvent::new(
-        "node.revoked",
-        &serde_json::json!({ "node": node, "reason": reason, "certificates": n }),
-    );
-    events::append::append_in(
+    append_one(
         &tx,
-        vec![events::StreamAppend {
-            stream: node_stream(node),
-            expected: ExpectedVersion::Any,
-            events: vec![event],
-        }],
-        &events::AppenderConfig::default(),
+        node_stream(node),
+        NewEvent::new(
+            "node.revoked",
+            &serde_json::json!({ "node": node, "reason": reason, "certificates": n }),
+        ),
     )
     .await?;
     tx.commit().await?;

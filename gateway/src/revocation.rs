@@ -11,7 +11,7 @@
 //! certificate login.
 
 use crate::ca;
-use events::{AppenderConfig, ExpectedVersion, NewEvent, StreamAppend};
+use events::NewEvent;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -141,16 +141,7 @@ pub async fn revoke(
         "certificate.revoked",
         &serde_json::json!({ "serial": serial, "kind": kind, "name": name, "reason": reason }),
     );
-    events::append::append_in(
-        &tx,
-        vec![StreamAppend {
-            stream,
-            expected: ExpectedVersion::Any,
-            events: vec![event],
-        }],
-        &AppenderConfig::default(),
-    )
-    .await?;
+    crate::identity::append_one(&tx, stream, event).await?;
     tx.commit().await?;
     Ok(true)
 }

@@ -169,6 +169,9 @@ pub(crate) struct Shared {
     /// The pool index ListPools answers from: built from the log on the
     /// first call, then brought up to date from where it stopped.
     pub(crate) pools: tokio::sync::Mutex<projections::Index>,
+    /// The connection joins run their transactions on (one at a time: a
+    /// join is rare and short), made when first needed or after it closed.
+    joins: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
 }
 
 /// What an API caller waited for.
@@ -366,6 +369,7 @@ pub async fn start(
         waiters: Mutex::new(HashMap::new()),
         revoked: Default::default(),
         pools: tokio::sync::Mutex::new(projections::Index::new()),
+        joins: tokio::sync::Mutex::new(None),
     });
     // Follow commands from now, then load the ones still open (an event seen
     // twice is applied once).
@@ -460,24 +464,21 @@ impl join_server::Join for JoinService {
                 self.shared.config.certificate_days,
             )
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let client = self
-            .shared
-            .db
-            .get()
+        let mut conn = self.shared.joins.lock().await;
+        if conn.as_ref().is_none_or(|c| c.is_closed()) {
+            *conn = Some(
+                events::db::connect(&self.shared.db.config, "join-connection")
+                    .await
+                    .map_err(|e| Status::unavailable(format!("database: {e}")))?,
+            );
+        }
+        let client = conn.as_mut().expect("connected above");
+        let pool = identity::redeem(client, &req.token, &req.node_id, &signed)
             .await
-            .map_err(|e| Status::unavailable(format!("database: {e}")))?;
-        let pool = identity::redeem(
-            &client,
-            &self.shared.appender,
-            &req.token,
-            &req.node_id,
-            &signed,
-        )
-        .await
-        .map_err(|e| match e {
-            identity::IdentityError::BadToken => Status::permission_denied(e.to_string()),
-            e => Status::unavailable(e.to_string()),
-        })?;
+            .map_err(|e| match e {
+                identity::IdentityError::BadToken => Status::permission_denied(e.to_string()),
+                e => Status::unavailable(e.to_string()),
+            })?;
         self.shared.stats.joins.fetch_add(1, Ordering::Relaxed);
         tracing::info!(node = %req.node_id, %pool, serial = %signed.serial, "node joined");
         Ok(Response::new(JoinResponse {
