@@ -641,7 +641,7 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
             );
         }
         SinksCmd::Reset { db, name, to } => {
-            let client = connect(&db).await?;
+            let mut client = connect(&db).await?;
             let position = match to.parse::<u64>() {
                 Ok(p) => p,
                 Err(_) => {
@@ -659,8 +659,7 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                     (first.unwrap_or(head + 1) - 1).max(0) as u64
                 }
             };
-            let appender = Appender::start(config(&db)?, AppenderConfig::default());
-            config::reset(&client, &appender, &name, position).await?;
+            config::reset(&mut client, &name, position).await?;
             println!("sink {name} now stands at position {position}; it delivers what follows when resumed");
         }
         SinksCmd::Parked(ParkedCmd::List { db, name }) => {

@@ -236,10 +236,10 @@ pub async fn list(client: &tokio_postgres::Client) -> Result<Vec<SinkState>, Sin
 /// Moves a paused sink's cursor: it delivers again from the event after
 /// `to` when resumed (backwards replays history, forwards skips). Refused
 /// while the sink runs, or while its last worker still holds the
-/// subscription.
+/// subscription. The cursor and its `sink.reset` event commit together, and
+/// only if the sink's stream is still at the version found paused.
 pub async fn reset(
-    client: &tokio_postgres::Client,
-    appender: &Appender,
+    client: &mut tokio_postgres::Client,
     name: &str,
     to: u64,
 ) -> Result<(), SinkError> {
@@ -266,23 +266,31 @@ pub async fn reset(
             "sink {name:?} is still being stopped; try again in a moment"
         )));
     }
-    client
-        .execute(
-            "INSERT INTO strata.subscriptions (name, position) VALUES ($1, $2)
-             ON CONFLICT (name) DO UPDATE SET position = $2, updated_at = now()",
-            &[&subscription, &(to as i64)],
-        )
-        .await?;
-    appender
-        .append(
-            &sink_stream(name),
-            ExpectedVersion::StreamExists,
-            vec![NewEvent::new(
-                "sink.reset",
-                &serde_json::json!({ "name": name, "to": to }),
-            )],
-        )
-        .await?;
+    let tx = client.transaction().await?;
+    tx.execute(
+        "INSERT INTO strata.subscriptions (name, position) VALUES ($1, $2)
+         ON CONFLICT (name) DO UPDATE SET position = $2, updated_at = now()",
+        &[&subscription, &(to as i64)],
+    )
+    .await?;
+    let append = events::StreamAppend {
+        stream: sink_stream(name),
+        expected: ExpectedVersion::Exact(sink.version),
+        events: vec![NewEvent::new(
+            "sink.reset",
+            &serde_json::json!({ "name": name, "to": to }),
+        )],
+    };
+    match events::append::append_in(&tx, vec![append], &events::AppenderConfig::default()).await {
+        Ok(_) => {}
+        Err(AppendError::VersionConflict { .. }) => {
+            return Err(SinkError::Invalid(format!(
+                "sink {name:?} changed while it was being reset; look at it again and retry"
+            )))
+        }
+        Err(e) => return Err(e.into()),
+    }
+    tx.commit().await?;
     Ok(())
 }
 
