@@ -115,9 +115,10 @@ pub fn cpu_seconds(pid: u32) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Busy and total CPU time of the whole machine so far (all cores, seconds),
-/// from /proc/stat; idle and iowait count as not busy.
-fn machine_cpu() -> (f64, f64) {
+/// Busy CPU time of the whole machine so far (all cores, seconds), from
+/// /proc/stat: busy is user, nice, system, irq and softirq time; idle,
+/// iowait and steal (time the hypervisor gave to others) are not.
+fn machine_busy() -> f64 {
     std::fs::read_to_string("/proc/stat")
         .ok()
         .and_then(|s| {
@@ -129,15 +130,15 @@ fn machine_cpu() -> (f64, f64) {
                 .filter_map(|x| x.parse().ok())
                 .collect();
             let total: f64 = v.iter().take(8).sum();
-            let idle = v.get(3)? + v.get(4)?;
-            Some(((total - idle) / 100.0, total / 100.0))
+            let not_busy = v.get(3)? + v.get(4)? + v.get(7)?;
+            Some((total - not_busy) / 100.0)
         })
-        .unwrap_or((0.0, 0.0))
+        .unwrap_or(0.0)
 }
 
 /// Where the cores went during a phase: started by [`CpuMeter::start`].
 pub struct CpuMeter {
-    machine: (f64, f64),
+    machine: f64,
     own: f64,
     at: std::time::Instant,
 }
@@ -154,7 +155,7 @@ pub struct CpuUse {
 impl CpuMeter {
     pub fn start() -> CpuMeter {
         CpuMeter {
-            machine: machine_cpu(),
+            machine: machine_busy(),
             own: cpu_seconds(std::process::id()),
             at: std::time::Instant::now(),
         }
@@ -162,9 +163,9 @@ impl CpuMeter {
 
     pub fn stop(&self) -> CpuUse {
         let secs = self.at.elapsed().as_secs_f64().max(1e-9);
-        let (busy, _) = machine_cpu();
+        let busy = machine_busy();
         CpuUse {
-            busy_cores: (busy - self.machine.0) / secs,
+            busy_cores: (busy - self.machine) / secs,
             own_cores: (cpu_seconds(std::process::id()) - self.own) / secs,
         }
     }
