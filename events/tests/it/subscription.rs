@@ -1,5 +1,6 @@
 use crate::{appender, db, ev, eventually, reader, reader_config, table_positions, take};
 use events::{ExpectedVersion, Reader, Start, StreamAppend};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -62,24 +63,7 @@ async fn a_subscription_created_under_concurrent_writes_sees_exactly_the_committ
     let (cfg, client) = db().await;
     let a = appender(&cfg);
     let stop = Arc::new(AtomicBool::new(false));
-    let mut writers = Vec::new();
-    for w in 0..8 {
-        let (a, stop) = (a.clone(), stop.clone());
-        writers.push(tokio::spawn(async move {
-            let mut i = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let n = 1 + (i % 4) as usize;
-                a.append(
-                    &format!("w/{w}"),
-                    ExpectedVersion::Any,
-                    (0..n).map(|k| ev(i + k as u64)).collect(),
-                )
-                .await
-                .unwrap();
-                i += 1;
-            }
-        }));
-    }
+    let writers = spawn_writers(&a, 8, &stop);
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Created while the writers run.
     let r = reader(&cfg);
@@ -93,7 +77,46 @@ async fn a_subscription_created_under_concurrent_writes_sees_exactly_the_committ
     for w in writers {
         w.await.unwrap();
     }
-    let table = table_positions(&client).await;
+    assert_rest_is_committed_sequence(&mut sub, got, &client).await;
+    assert!(sub.is_live());
+}
+
+/// `n` writers appending one to four events at a time to streams `w/<i>`
+/// until `stop`.
+fn spawn_writers(
+    a: &events::Appender,
+    n: usize,
+    stop: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|w| {
+            let (a, stop) = (a.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let n = 1 + (i % 4) as usize;
+                    a.append(
+                        &format!("w/{w}"),
+                        ExpectedVersion::Any,
+                        (0..n).map(|k| ev(i + k as u64)).collect(),
+                    )
+                    .await
+                    .unwrap();
+                    i += 1;
+                }
+            })
+        })
+        .collect()
+}
+
+/// Takes the rest from `sub` and checks that, after `got`, it delivered
+/// exactly the table's positions: nothing lost, nothing twice.
+async fn assert_rest_is_committed_sequence(
+    sub: &mut events::Subscription,
+    mut got: Vec<u64>,
+    client: &tokio_postgres::Client,
+) {
+    let table = table_positions(client).await;
     while got.len() < table.len() {
         let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
             .await
@@ -105,7 +128,6 @@ async fn a_subscription_created_under_concurrent_writes_sees_exactly_the_committ
         got, table,
         "delivered sequence must equal the committed sequence"
     );
-    assert!(sub.is_live());
 }
 
 #[tokio::test]
@@ -372,4 +394,49 @@ async fn a_named_subscription_is_held_by_one_reader_at_a_time() {
         .await
         .unwrap();
     assert_eq!(take(&mut taken, 1).await, [2]);
+}
+
+/// Polls `fut` at most `polls` times, with a short sleep between polls so
+/// that its I/O can progress, and drops it unfinished after that.
+async fn poll_at_most<F: Future>(fut: F, polls: usize) -> Option<F::Output> {
+    let mut fut = std::pin::pin!(fut);
+    for _ in 0..polls {
+        let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx))).await;
+        if let std::task::Poll::Ready(out) = polled {
+            return Some(out);
+        }
+        tokio::time::sleep(Duration::from_micros(300)).await;
+    }
+    None
+}
+
+#[tokio::test]
+async fn next_dropped_at_any_await_loses_and_repeats_nothing() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = spawn_writers(&a, 4, &stop);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // History, the hand-off to the live stream and the live stream itself,
+    // with `next` dropped after one to four polls most of the time: at a
+    // table read, a gap fill, a wait for the live stream.
+    let r = reader(&cfg);
+    let mut sub = r.subscribe("cancelled", Start::Beginning).await.unwrap();
+    let mut got = Vec::new();
+    let mut dropped = 0u32;
+    let deadline = Instant::now() + Duration::from_millis(2000);
+    let mut k = 0usize;
+    while Instant::now() < deadline {
+        k += 1;
+        match poll_at_most(sub.next(), 1 + k % 4).await {
+            Some(e) => got.push(e.unwrap().position.0),
+            None => dropped += 1,
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await.unwrap();
+    }
+    assert!(dropped > 10, "only {dropped} calls were dropped unfinished");
+    assert_rest_is_committed_sequence(&mut sub, got, &client).await;
 }
