@@ -39,9 +39,9 @@ pub async fn ca(cmd: CaCmd) -> Result<ExitCode> {
                 }
                 None => None,
             };
-            let serial = match (&presented, &serial) {
-                (Some(p), _) => p.serial.clone(),
-                (None, Some(s)) => revocation::parse_serial(s)?,
+            let (serial, target) = match (&presented, &serial) {
+                (Some(p), _) => (p.serial.clone(), revocation::Target::Certificate(p)),
+                (None, Some(s)) => (revocation::parse_serial(s)?, revocation::Target::Serial(s)),
                 (None, None) => bail!("give --cert or --serial"),
             };
             let mut client = connect(&db).await?;
@@ -49,10 +49,6 @@ pub async fn ca(cmd: CaCmd) -> Result<ExitCode> {
                 .as_ref()
                 .and_then(|p| Some(format!("{} {}", p.kind?, p.name.as_deref()?)))
                 .unwrap_or_else(|| "certificate".into());
-            let target = match &presented {
-                Some(p) => revocation::Target::Certificate(p),
-                None => revocation::Target::Serial(&serial),
-            };
             if revocation::revoke(&mut client, target, &reason).await? {
                 println!("revoked the {who} (serial {serial}); gateways refuse it within {} s, the audit endpoint at once", gateway::revocation::Revoked::RELOAD.as_secs());
             } else {

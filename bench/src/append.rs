@@ -83,7 +83,7 @@ pub async fn run(args: Args) -> Result<()> {
     let mut raw_cpu = Vec::new();
     let mut strata_cpu = Vec::new();
     for rep in 0..reps {
-        single.push(raw_single(&cfg, 16, secs).await?);
+        single.push(raw_single(&cfg, 16, secs).await?.rate);
         let raw = raw_multirow(&cfg, "raw_events", 4, 64, secs).await?;
         let m = raw.rate;
         multi.push(m);
@@ -230,10 +230,6 @@ fn payload(i: u64) -> serde_json::Value {
     serde_json::json!({ "node": format!("n-{}", i % 10_000), "gpu": i % 8, "seq": i })
 }
 
-async fn raw_single(cfg: &Config, clients: usize, secs: Duration) -> Result<f64> {
-    Ok(raw_single_phase(cfg, clients, secs).await?.rate)
-}
-
 /// The medians of (machine, own) CPU microseconds per event.
 fn medians(v: &[(f64, f64)]) -> (f64, f64) {
     let mut machine: Vec<f64> = v.iter().map(|c| c.0).collect();
@@ -261,7 +257,7 @@ impl Phase {
     }
 }
 
-async fn raw_single_phase(cfg: &Config, clients: usize, secs: Duration) -> Result<Phase> {
+async fn raw_single(cfg: &Config, clients: usize, secs: Duration) -> Result<Phase> {
     let count = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();

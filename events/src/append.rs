@@ -309,6 +309,23 @@ pub async fn append_in(
         .collect())
 }
 
+/// [`append_in`] for one stream, with the default limits: the in-transaction
+/// counterpart of [`Appender::append`].
+pub async fn append_one_in(
+    tx: &impl tokio_postgres::GenericClient,
+    stream: String,
+    expected: ExpectedVersion,
+    events: Vec<NewEvent>,
+) -> Result<Appended, AppendError> {
+    let append = StreamAppend {
+        stream,
+        expected,
+        events,
+    };
+    let mut out = append_in(tx, vec![append], &AppenderConfig::default()).await?;
+    out.pop().ok_or(AppendError::Closed)
+}
+
 const MAX_STREAM_LEN: usize = 256;
 const MAX_TYPE_LEN: usize = 128;
 

@@ -5,6 +5,7 @@
 //! is one statement, so a token is spent exactly once.
 
 use crate::ca::Signed;
+use events::append::append_one_in;
 use events::{ExpectedVersion, NewEvent};
 use std::time::Duration;
 use tokio_postgres::Client;
@@ -81,13 +82,14 @@ pub async fn redeem(
         )
         .await?;
     let pool: String = row.ok_or(IdentityError::BadToken)?.get(0);
-    append_one(
+    append_one_in(
         &tx,
         node_stream(node),
-        NewEvent::new(
+        ExpectedVersion::Any,
+        vec![NewEvent::new(
             "node.certificate_issued",
             &serde_json::json!({ "node": node, "pool": pool, "serial": signed.serial }),
-        ),
+        )],
     )
     .await?;
     tx.commit().await?;
@@ -145,22 +147,6 @@ pub async fn lookup(
     }))
 }
 
-/// Appends one event to `stream`, whatever its version, in `tx`.
-pub(crate) async fn append_one(
-    tx: &tokio_postgres::Transaction<'_>,
-    stream: String,
-    event: NewEvent,
-) -> Result<(), events::AppendError> {
-    let append = events::StreamAppend {
-        stream,
-        expected: ExpectedVersion::Any,
-        events: vec![event],
-    };
-    events::append::append_in(tx, vec![append], &events::AppenderConfig::default())
-        .await
-        .map(|_| ())
-}
-
 /// Revokes every certificate of a node, in one transaction with the
 /// `node.revoked` event that records it. Returns how many were revoked now.
 pub async fn revoke(client: &mut Client, node: &str, reason: &str) -> Result<u64, IdentityError> {
@@ -181,13 +167,14 @@ pub async fn revoke(client: &mut Client, node: &str, reason: &str) -> Result<u64
     if known == 0 {
         return Err(IdentityError::UnknownNode(node.to_string()));
     }
-    append_one(
+    append_one_in(
         &tx,
         node_stream(node),
-        NewEvent::new(
+        ExpectedVersion::Any,
+        vec![NewEvent::new(
             "node.revoked",
             &serde_json::json!({ "node": node, "reason": reason, "certificates": n }),
-        ),
+        )],
     )
     .await?;
     tx.commit().await?;

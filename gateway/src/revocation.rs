@@ -11,7 +11,7 @@
 //! certificate login.
 
 use crate::ca;
-use events::NewEvent;
+use events::{ExpectedVersion, NewEvent};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -141,7 +141,7 @@ pub async fn revoke(
         "certificate.revoked",
         &serde_json::json!({ "serial": serial, "kind": kind, "name": name, "reason": reason }),
     );
-    crate::identity::append_one(&tx, stream, event).await?;
+    events::append::append_one_in(&tx, stream, ExpectedVersion::Any, vec![event]).await?;
     tx.commit().await?;
     Ok(true)
 }

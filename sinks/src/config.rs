@@ -273,15 +273,9 @@ pub async fn reset(
         &[&subscription, &(to as i64)],
     )
     .await?;
-    let append = events::StreamAppend {
-        stream: sink_stream(name),
-        expected: ExpectedVersion::Exact(sink.version),
-        events: vec![NewEvent::new(
-            "sink.reset",
-            &serde_json::json!({ "name": name, "to": to }),
-        )],
-    };
-    match events::append::append_in(&tx, vec![append], &events::AppenderConfig::default()).await {
+    let event = NewEvent::new("sink.reset", &serde_json::json!({ "name": name, "to": to }));
+    let expected = ExpectedVersion::Exact(sink.version);
+    match events::append::append_one_in(&tx, sink_stream(name), expected, vec![event]).await {
         Ok(_) => {}
         Err(AppendError::VersionConflict { .. }) => {
             return Err(SinkError::Invalid(format!(
