@@ -10,6 +10,10 @@
 //! queue, so a bad event never reaches a transaction. A flusher takes whatever
 //! is queued (up to `max_batch_events`) and commits it as one transaction; each
 //! caller is answered after that commit returned, i.e. after its WAL flush.
+//! While another flusher is committing, a flusher with a small batch waits
+//! (at most `batch_linger`) until it holds its share of the events in flight:
+//! callers answered a moment ago come back within microseconds, and one batch
+//! of a hundred events costs far less than many of a few.
 //!
 //! Progress: a stream's version is the count of its events; `strata.streams`
 //! holds it and is bumped under its row lock. Positions come from
@@ -22,6 +26,7 @@ use crate::types::{ExpectedVersion, NewEvent, Position};
 use crate::ErrorKind;
 use serde_json::value::RawValue;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{mpsc, oneshot, Mutex};
@@ -119,6 +124,11 @@ pub struct AppenderConfig {
     pub connections: usize,
     /// Appends that may wait in the queue before callers are slowed down.
     pub queue_capacity: usize,
+    /// Longest a flusher waits for more appends while another flusher is
+    /// committing, before it commits a batch smaller than its share of the
+    /// appends in flight. Larger batches cost less per event; the wait ends
+    /// early as soon as the share is there or the other flusher is done.
+    pub batch_linger: Duration,
     /// Where `recorded_at` comes from; `None` uses the database's `now()`.
     pub clock: Option<Clock>,
 }
@@ -131,6 +141,7 @@ impl std::fmt::Debug for AppenderConfig {
             .field("max_events_per_append", &self.max_events_per_append)
             .field("connections", &self.connections)
             .field("queue_capacity", &self.queue_capacity)
+            .field("batch_linger", &self.batch_linger)
             .finish()
     }
 }
@@ -143,6 +154,7 @@ impl Default for AppenderConfig {
             max_events_per_append: 10_000,
             connections: 2,
             queue_capacity: 16_384,
+            batch_linger: Duration::from_millis(1),
             clock: None,
         }
     }
@@ -153,6 +165,53 @@ struct Request {
     events: usize,
     started: Instant,
     reply: oneshot::Sender<Result<Vec<Appended>, AppendError>>,
+    _counted: InFlight,
+}
+
+/// What the flushers share to size their batches: how many events callers
+/// have in flight (queued or being committed), and a signal each time a
+/// flusher finishes a batch.
+struct Pace {
+    in_flight: AtomicUsize,
+    busy: AtomicUsize,
+    finished: tokio::sync::watch::Sender<u64>,
+}
+
+/// Marks a flusher busy committing a batch; when dropped, the flusher is
+/// idle again and waiting flushers are told.
+struct Busy(Arc<Pace>);
+
+impl Busy {
+    fn start(pace: Arc<Pace>) -> Busy {
+        pace.busy.fetch_add(1, Relaxed);
+        Busy(pace)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Relaxed);
+        self.0.finished.send_modify(|n| *n += 1);
+    }
+}
+
+/// Counts a request's events in flight until it is answered or dropped.
+struct InFlight {
+    pace: Arc<Pace>,
+    events: usize,
+}
+
+impl InFlight {
+    fn count(pace: Arc<Pace>, events: usize) -> InFlight {
+        pace.in_flight.fetch_add(events, Relaxed);
+        InFlight { pace, events }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.pace.in_flight.fetch_sub(self.events, Relaxed);
+    }
 }
 
 /// Appends events with group commit. Cheap to clone; all clones share the
@@ -161,6 +220,7 @@ struct Request {
 pub struct Appender {
     tx: mpsc::Sender<Request>,
     config: Arc<AppenderConfig>,
+    pace: Arc<Pace>,
 }
 
 impl Appender {
@@ -170,15 +230,21 @@ impl Appender {
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let rx = Arc::new(Mutex::new(rx));
         let config = Arc::new(config);
+        let pace = Arc::new(Pace {
+            in_flight: Default::default(),
+            busy: Default::default(),
+            finished: tokio::sync::watch::channel(0).0,
+        });
         for _ in 0..config.connections.max(1) {
             let flusher = Flusher {
                 db: db.clone(),
                 config: config.clone(),
                 conn: None,
+                pace: pace.clone(),
             };
             crate::task::spawn("append-flusher", flusher.run(rx.clone()));
         }
-        Appender { tx, config }
+        Appender { tx, config, pace }
     }
 
     /// Appends `events` to `stream` if it is at `expected`.
@@ -211,6 +277,7 @@ impl Appender {
             events,
             started: Instant::now(),
             reply,
+            _counted: InFlight::count(self.pace.clone(), events),
         };
         async move {
             self.tx.send(req).await.map_err(|_| AppendError::Closed)?;
@@ -459,6 +526,7 @@ struct Flusher {
     db: Config,
     config: Arc<AppenderConfig>,
     conn: Option<Conn>,
+    pace: Arc<Pace>,
 }
 
 const BUMP_SQL: &str = "
@@ -545,26 +613,66 @@ enum Attempt {
 impl Flusher {
     async fn run(mut self, rx: Arc<Mutex<mpsc::Receiver<Request>>>) {
         loop {
-            let batch = {
-                let mut rx = rx.lock().await;
-                let Some(first) = rx.recv().await else { return };
-                let mut n = first.events;
-                let mut batch = vec![first];
-                while n < self.config.max_batch_events {
-                    match rx.try_recv() {
-                        Ok(r) => {
-                            n += r.events;
-                            batch.push(r);
-                        }
-                        Err(_) => break,
-                    }
-                }
-                batch
+            let Some((batch, busy)) = self.take_batch(&rx).await else {
+                return;
             };
             let events: usize = batch.iter().map(|r| r.events).sum();
             let span = tracing::info_span!("append.batch", requests = batch.len(), events);
             self.flush(batch).instrument(span).await;
+            drop(busy);
         }
+    }
+
+    /// Takes the next batch: whatever is queued, and, while another flusher
+    /// is committing, more as it arrives until this batch holds its share of
+    /// the events in flight (so that callers answered a moment ago join it
+    /// instead of trickling into many small batches), the other flusher
+    /// finishes, or `batch_linger` has passed. `None` once the appender is
+    /// gone. The returned guard marks this flusher busy until dropped.
+    async fn take_batch(
+        &self,
+        rx: &Mutex<mpsc::Receiver<Request>>,
+    ) -> Option<(Vec<Request>, Busy)> {
+        let mut finished = self.pace.finished.subscribe();
+        let mut rx = rx.lock().await;
+        let first = rx.recv().await?;
+        let max = self.config.max_batch_events;
+        let share = self.config.connections.max(1);
+        let mut n = first.events;
+        let mut batch = vec![first];
+        let linger = tokio::time::sleep(self.config.batch_linger);
+        tokio::pin!(linger);
+        loop {
+            while n < max {
+                match rx.try_recv() {
+                    Ok(r) => {
+                        n += r.events;
+                        batch.push(r);
+                    }
+                    Err(_) => break,
+                }
+            }
+            if n >= max
+                || self.pace.busy.load(Relaxed) == 0
+                || n * share >= self.pace.in_flight.load(Relaxed)
+            {
+                break;
+            }
+            tokio::select! {
+                r = rx.recv() => match r {
+                    Some(r) => {
+                        n += r.events;
+                        batch.push(r);
+                    }
+                    None => break,
+                },
+                _ = finished.changed() => {}
+                _ = &mut linger => break,
+            }
+        }
+        // Busy before the queue is released: the next flusher to look sees
+        // this batch as one being committed.
+        Some((batch, Busy::start(self.pace.clone())))
     }
 
     async fn connect(&mut self) -> Result<&Conn, AppendError> {
@@ -634,10 +742,8 @@ impl Flusher {
                 Ok(Attempt::Committed(outs)) => {
                     let m = metrics::global();
                     let n: usize = reqs.iter().map(|r| r.events).sum();
-                    m.append_events
-                        .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-                    m.append_transactions
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    m.append_events.fetch_add(n as u64, Relaxed);
+                    m.append_transactions.fetch_add(1, Relaxed);
                     m.append_batch_size.observe(n as f64);
                     for (i, out) in idx.into_iter().zip(outs) {
                         let req = live[i].take().expect("live");
@@ -650,7 +756,7 @@ impl Flusher {
                 Ok(Attempt::Conflicts(conflicts)) => {
                     metrics::global()
                         .append_conflicts
-                        .fetch_add(conflicts.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                        .fetch_add(conflicts.len() as u64, Relaxed);
                     // A conflict is judged against versions that other
                     // batches may have committed a moment ago; answer once
                     // those are durable too.

@@ -288,6 +288,79 @@ async fn group_commit_coalesces_64_concurrent_writers() {
 }
 
 #[tokio::test]
+async fn a_flusher_waiting_for_its_share_does_not_wait_on_a_stuck_one() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    a.append("held", ExpectedVersion::NoStream, vec![ev(0)])
+        .await
+        .unwrap();
+    // Another session holds the stream's row: the batch appending to it
+    // stays in its flusher, which counts as busy, with 50 events in flight.
+    let mut locker = events::db::connect(&cfg, "locker").await.unwrap();
+    let tx = locker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM strata.streams WHERE stream = 'held' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let held = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            a.append(
+                "held",
+                ExpectedVersion::Exact(1),
+                (1..=50).map(ev).collect(),
+            )
+            .await
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%strata.streams%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the batch for the held stream never blocked"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A one-event append is far below half of the 51 events in flight; it
+    // must still be committed by the other flusher, not wait for the stuck
+    // one.
+    for v in 0..3u64 {
+        let out = tokio::time::timeout(
+            Duration::from_secs(5),
+            a.append("free", ExpectedVersion::Exact(v), vec![ev(100 + v)]),
+        )
+        .await
+        .expect("an append waited for a stuck flusher")
+        .unwrap();
+        assert_eq!(out.version, v + 1);
+    }
+    assert!(
+        !held.is_finished(),
+        "the held stream's row was released early"
+    );
+    tx.rollback().await.unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(10), held)
+        .await
+        .expect("the held batch was not committed after the lock was released")
+        .unwrap()
+        .unwrap();
+    assert_eq!(out.version, 51);
+}
+
+#[tokio::test]
 async fn racing_writers_on_one_stream_never_fork_it() {
     let (cfg, client) = db().await;
     let a = appender(&cfg);
