@@ -35,6 +35,11 @@ pub struct Args {
     /// Committing connections of the appender
     #[arg(long, default_value_t = AppenderConfig::default().connections)]
     connections: usize,
+    /// Longest a flusher waits for its share of the appends in flight while
+    /// another commits, in microseconds (even 0 lets the tasks already woken
+    /// run first: a timer fires on the runtime's next turn at the earliest)
+    #[arg(long, default_value_t = AppenderConfig::default().batch_linger.as_micros() as u64)]
+    batch_linger_us: u64,
     /// Measure only the append phases (no lag or decode)
     #[arg(long)]
     appends_only: bool,
@@ -67,6 +72,7 @@ pub async fn run(args: Args) -> Result<()> {
         cfg.clone(),
         AppenderConfig {
             connections: args.connections,
+            batch_linger: Duration::from_micros(args.batch_linger_us),
             ..AppenderConfig::default()
         },
     );
