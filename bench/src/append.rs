@@ -284,7 +284,8 @@ async fn raw_single(cfg: &Config, clients: usize, secs: Duration) -> Result<Phas
             anyhow::Ok(())
         }));
     }
-    timed(count, stop, tasks, secs).await
+    let (phase, _) = timed(count, stop, None, tasks, secs, "", "client").await?;
+    Ok(phase)
 }
 
 pub(crate) async fn raw_multirow(
@@ -332,32 +333,43 @@ pub(crate) async fn raw_multirow(
             anyhow::Ok(())
         }));
     }
-    timed(count, stop, tasks, secs).await
+    let (phase, _) = timed(count, stop, None, tasks, secs, "", "client").await?;
+    Ok(phase)
 }
 
-/// Lets `tasks` run for `secs` after a short warm-up and returns count/s.
-async fn timed(
+/// Lets `tasks` run for `secs` after a short warm-up (`measuring`, if
+/// given, is set when the measured window opens), prints the rate and the
+/// cores busy (`label` before it, `own` naming this process's share) and
+/// returns the phase with what each task returned.
+async fn timed<T>(
     count: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
-    tasks: Vec<tokio::task::JoinHandle<Result<()>>>,
+    measuring: Option<&AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Result<T>>>,
     secs: Duration,
-) -> Result<Phase> {
+    label: &str,
+    own: &str,
+) -> Result<(Phase, Vec<T>)> {
     tokio::time::sleep(Duration::from_millis(300)).await;
+    if let Some(m) = measuring {
+        m.store(true, Ordering::Relaxed);
+    }
     let (c0, t0) = (count.load(Ordering::Relaxed), Instant::now());
     let cpu = util::CpuMeter::start();
     tokio::time::sleep(secs).await;
     let (c1, t1) = (count.load(Ordering::Relaxed), Instant::now());
     let used = cpu.stop();
     stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await??;
-    }
     let rate = (c1 - c0) as f64 / (t1 - t0).as_secs_f64();
     eprintln!(
-        "  {rate:.0}/s, cores busy {:.2} (client {:.2})",
+        "  {label}{rate:.0}/s, cores busy {:.2} ({own} {:.2})",
         used.busy_cores, used.own_cores
     );
-    Ok(Phase { rate, cpu: used })
+    let mut outs = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        outs.push(t.await??);
+    }
+    Ok((Phase { rate, cpu: used }, outs))
 }
 
 static RUN: AtomicU64 = AtomicU64::new(0);
@@ -401,24 +413,18 @@ async fn strata_appends(
             anyhow::Ok(lat)
         }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    measuring.store(true, Ordering::Relaxed);
-    let (c0, t0) = (count.load(Ordering::Relaxed), Instant::now());
-    let cpu = util::CpuMeter::start();
-    tokio::time::sleep(secs).await;
-    let (c1, t1) = (count.load(Ordering::Relaxed), Instant::now());
-    let used = cpu.stop();
-    stop.store(true, Ordering::Relaxed);
-    let rate = (c1 - c0) as f64 / (t1 - t0).as_secs_f64();
-    eprintln!(
-        "  {writers} writers: {rate:.0}/s, cores busy {:.2} (writers and appender {:.2})",
-        used.busy_cores, used.own_cores
-    );
-    let mut lat = Vec::new();
-    for t in tasks {
-        lat.extend(t.await??);
-    }
-    Ok((Phase { rate, cpu: used }, lat))
+    let label = format!("{writers} writers: ");
+    let (phase, lats) = timed(
+        count,
+        stop,
+        Some(&measuring),
+        tasks,
+        secs,
+        &label,
+        "writers and appender",
+    )
+    .await?;
+    Ok((phase, lats.into_iter().flatten().collect()))
 }
 
 /// Offers `rate` events/s (open loop, 1 ms ticks) and measures, per event,
