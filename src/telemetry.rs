@@ -136,6 +136,12 @@ fn register(meter: &Meter) {
         || events::metrics::global().append_events.load(Relaxed),
     );
     counter(
+        "strata.append.in_events",
+        "{event}",
+        "Events written inside callers' own transactions (counted when written)",
+        || events::metrics::global().append_in_events.load(Relaxed),
+    );
+    counter(
         "strata.append.transactions",
         "{transaction}",
         "Group-commit transactions committed",

@@ -334,6 +334,7 @@ pub async fn append_in(
             tx.batch_execute("ROLLBACK TO SAVEPOINT strata_append")
                 .await
                 .map_err(db_err("roll back a conflicting append"))?;
+            metrics::global().append_conflicts.fetch_add(1, Relaxed);
             return Err(AppendError::VersionConflict {
                 stream: a.stream.clone(),
                 expected: a.expected,
@@ -359,6 +360,9 @@ pub async fn append_in(
     tx.batch_execute("RELEASE SAVEPOINT strata_append")
         .await
         .map_err(db_err("finish an append"))?;
+    metrics::global()
+        .append_in_events
+        .fetch_add(total as u64, Relaxed);
     let base: i64 = row.get(0);
     let mut next = base as u64 + 1;
     Ok(appends

@@ -76,6 +76,9 @@ pub struct SubscriptionLag {
 #[derive(Debug)]
 pub struct Metrics {
     pub append_events: AtomicU64,
+    /// Events written by `append_in` inside callers' own transactions,
+    /// counted when written (they commit or roll back with the caller's).
+    pub append_in_events: AtomicU64,
     pub append_transactions: AtomicU64,
     pub append_conflicts: AtomicU64,
     pub append_batch_size: Histogram,
@@ -114,6 +117,7 @@ pub fn global() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(|| Metrics {
         append_events: AtomicU64::new(0),
+        append_in_events: AtomicU64::new(0),
         append_transactions: AtomicU64::new(0),
         append_conflicts: AtomicU64::new(0),
         append_batch_size: Histogram::new(SIZE_BOUNDS),
@@ -177,6 +181,12 @@ impl Metrics {
             "strata_append_events_total",
             "Events appended and committed.",
             self.append_events.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "strata_append_in_events_total",
+            "Events written inside callers' own transactions (counted when written; they commit or roll back with the caller's).",
+            self.append_in_events.load(Relaxed),
         );
         counter(
             &mut out,

@@ -24,7 +24,7 @@ fn value(text: &str, series: &str) -> f64 {
 
 #[tokio::test]
 async fn the_prometheus_endpoint_shows_appends_batches_replication_and_subscription_lag() {
-    let (cfg, _client) = db().await;
+    let (cfg, mut client) = db().await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(events::metrics::serve(listener));
@@ -40,7 +40,33 @@ async fn the_prometheus_endpoint_shows_appends_batches_replication_and_subscript
             .unwrap();
     }
     take(&mut sub, 20).await;
+    // Appends inside a caller's transaction count on their own, and their
+    // conflicts with the rest.
+    let before = get(port, "/metrics").await;
+    let tx = client.transaction().await.unwrap();
+    let three = |expected| {
+        vec![events::StreamAppend {
+            stream: "m/in".into(),
+            expected,
+            events: (0..3).map(ev).collect(),
+        }]
+    };
+    let limits = events::AppenderConfig::default();
+    events::append::append_in(&tx, three(ExpectedVersion::NoStream), &limits)
+        .await
+        .unwrap();
+    events::append::append_in(&tx, three(ExpectedVersion::NoStream), &limits)
+        .await
+        .unwrap_err();
+    tx.commit().await.unwrap();
     let text = get(port, "/metrics").await;
+    for (series, at_least) in [
+        ("strata_append_in_events_total", 3.0),
+        ("strata_append_conflicts_total", 1.0),
+    ] {
+        let grew = value(&text, series) - value(&before, series);
+        assert!(grew >= at_least, "{series} grew by {grew}");
+    }
     assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
     assert!(value(&text, "strata_append_events_total") >= 20.0);
     assert!(value(&text, "strata_append_batch_size_count") >= 1.0);
