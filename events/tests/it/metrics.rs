@@ -44,18 +44,11 @@ async fn the_prometheus_endpoint_shows_appends_batches_replication_and_subscript
     // conflicts with the rest.
     let before = get(port, "/metrics").await;
     let tx = client.transaction().await.unwrap();
-    let three = |expected| {
-        vec![events::StreamAppend {
-            stream: "m/in".into(),
-            expected,
-            events: (0..3).map(ev).collect(),
-        }]
-    };
-    let limits = events::AppenderConfig::default();
-    events::append::append_in(&tx, three(ExpectedVersion::NoStream), &limits)
+    let three = || (0..3).map(ev).collect();
+    events::append::append_one_in(&tx, "m/in".into(), ExpectedVersion::NoStream, three())
         .await
         .unwrap();
-    events::append::append_in(&tx, three(ExpectedVersion::NoStream), &limits)
+    events::append::append_one_in(&tx, "m/in".into(), ExpectedVersion::NoStream, three())
         .await
         .unwrap_err();
     tx.commit().await.unwrap();
