@@ -338,7 +338,7 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
             let Some(id) = e.stream.strip_prefix("command/") else {
                 continue;
             };
-            let map = match e.event_type.as_str() {
+            let map = match projections::domain::canonical_type(&e.event_type) {
                 commands::ISSUED => &l2,
                 commands::ACKED => &a2,
                 _ => continue,
@@ -497,7 +497,7 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
     let t = Instant::now();
     loop {
         let joined: i64 = client
-            .query_one("SELECT count(*) FROM strata.events WHERE stream = 'pool/spine' AND type = 'NodeJoined'", &[])
+            .query_one("SELECT count(*) FROM strata.events WHERE stream = 'pool/spine' AND type = 'node.joined'", &[])
             .await?
             .get(0);
         if joined >= args.nodes as i64 {
@@ -532,9 +532,9 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
     let watcher = tokio::spawn(async move {
         while let Ok(e) = sub.next().await {
             sub.ack(e.position);
-            let map = match e.event_type.as_str() {
-                "ReservationPlaced" => &p2,
-                "ReservationActive" => &a2,
+            let map = match projections::domain::canonical_type(&e.event_type) {
+                "reservation.placed" => &p2,
+                "reservation.activated" => &a2,
                 _ => continue,
             };
             if let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload) {

@@ -6,7 +6,7 @@
 //! outcomes. Phases, in order, each on what the previous left free:
 //!
 //! 1. latency: 1-GPU requests at a fixed offered rate; each request's
-//!    `ReservationRequested` commit to its `ReservationPlaced` seen by the
+//!    `reservation.requested` commit to its `reservation.placed` seen by the
 //!    watching subscription;
 //! 2. throughput, 1-GPU requests: as many as the generator can offer;
 //! 3. throughput, a mix of 1, 2, 4 and 8 GPUs and 2-node gangs of 8.

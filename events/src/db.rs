@@ -42,4 +42,10 @@ impl Db {
         *slot = Some(c.clone());
         Ok(c)
     }
+
+    /// Forgets the current connection (one that stopped answering), so the
+    /// next [`Db::get`] connects afresh.
+    pub async fn reset(&self) {
+        self.client.lock().await.take();
+    }
 }

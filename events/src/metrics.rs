@@ -88,6 +88,8 @@ pub struct Metrics {
     pub replication_lag_bytes: Gauge,
     pub replication_lag_seconds: Gauge,
     pub subscriptions: Mutex<BTreeMap<String, SubscriptionLag>>,
+    /// Restarts of supervised tasks after a failure, by task name.
+    task_restarts: Mutex<BTreeMap<&'static str, u64>>,
     /// Renderers added by other parts of the process (the placer's counters).
     extra: Renderers,
 }
@@ -127,11 +129,32 @@ pub fn global() -> &'static Metrics {
         replication_lag_bytes: Gauge::default(),
         replication_lag_seconds: Gauge::default(),
         subscriptions: Mutex::new(BTreeMap::new()),
+        task_restarts: Mutex::new(BTreeMap::new()),
         extra: Renderers::default(),
     })
 }
 
 impl Metrics {
+    /// Counts one restart of the supervised task `task`.
+    pub fn count_restart(&self, task: &'static str) {
+        *self
+            .task_restarts
+            .lock()
+            .expect("metrics lock")
+            .entry(task)
+            .or_default() += 1;
+    }
+
+    /// How often the supervised task `task` was restarted.
+    pub fn restarts(&self, task: &str) -> u64 {
+        self.task_restarts
+            .lock()
+            .expect("metrics lock")
+            .get(task)
+            .copied()
+            .unwrap_or(0)
+    }
+
     pub fn set_subscription_lag(&self, name: &str, lag: SubscriptionLag) {
         if let Ok(mut m) = self.subscriptions.lock() {
             match m.get_mut(name) {
@@ -255,6 +278,19 @@ impl Metrics {
                 "strata_subscription_lag_seconds{{subscription=\"{}\"}} {}",
                 escape(name),
                 lag.seconds
+            );
+        }
+        let restarts = self
+            .task_restarts
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default();
+        let _ = writeln!(out, "# HELP strata_task_restarts_total Supervised tasks started again after a failure.\n# TYPE strata_task_restarts_total counter");
+        for (task, n) in &restarts {
+            let _ = writeln!(
+                out,
+                "strata_task_restarts_total{{task=\"{}\"}} {n}",
+                escape(task)
             );
         }
         let extra = self.extra.0.lock().map(|v| v.clone()).unwrap_or_default();

@@ -60,7 +60,13 @@ impl Grant {
         self.stream_prefixes
             .iter()
             .any(|p| stream.starts_with(p.as_str()))
-            && (self.types.is_empty() || self.types.iter().any(|t| t == event_type))
+            && (self.types.is_empty() || {
+                // A grant names current types; old events carry old names.
+                let event_type = projections::domain::canonical_type(event_type);
+                self.types
+                    .iter()
+                    .any(|t| projections::domain::canonical_type(t) == event_type)
+            })
     }
 }
 
@@ -110,19 +116,21 @@ mod tests {
         let n = g
             .narrow(
                 &["pool/p1".into(), "node/".into()],
-                &["ReservationPlaced".into()],
+                &["reservation.placed".into()],
             )
             .unwrap();
         assert_eq!(n.stream_prefixes, ["pool/p1"]);
+        assert!(n.allows("pool/p1", "reservation.placed"));
+        assert!(!n.allows("pool/p2", "reservation.placed"));
+        // Events written under an old name are granted by the new one.
         assert!(n.allows("pool/p1", "ReservationPlaced"));
-        assert!(!n.allows("pool/p2", "ReservationPlaced"));
-        assert!(!n.allows("pool/p1", "NodeJoined"));
+        assert!(!n.allows("pool/p1", "node.joined"));
         let typed = Grant {
             stream_prefixes: vec!["pool/".into()],
-            types: vec!["ReservationPlaced".into()],
+            types: vec!["reservation.placed".into()],
         };
-        assert_eq!(typed.narrow(&[], &["NodeJoined".into()]), None);
-        assert!(!typed.allows("pool/p", "NodeJoined"));
+        assert_eq!(typed.narrow(&[], &["node.joined".into()]), None);
+        assert!(!typed.allows("pool/p", "node.joined"));
         assert!(!Grant::default().allows("pool/p", "x"));
     }
 }

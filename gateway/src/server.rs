@@ -1250,11 +1250,11 @@ async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscription) {
                     continue;
                 }
                 if e.stream.starts_with("pool/") {
-                    let outcome = match e.event_type.as_str() {
-                        "ReservationPlaced" => Some("placed"),
-                        "ReservationUnschedulable" => Some("unschedulable"),
-                        "ReservationReleased" => Some("released"),
-                        "ReservationExpired" => Some("expired"),
+                    let outcome = match projections::domain::canonical_type(&e.event_type) {
+                        "reservation.placed" => Some("placed"),
+                        "reservation.rejected" => Some("unschedulable"),
+                        "reservation.released" => Some("released"),
+                        "reservation.expired" => Some("expired"),
                         _ => None,
                     };
                     if let (Some(state), Ok(Some(fact))) = (outcome, Fact::parse(&e.event_type, &e.payload)) {

@@ -1,10 +1,10 @@
 //! The binder: turns placements into node commands and bound placements
 //! into active reservations.
 //!
-//! On every `ReservationPlaced` it issues one `allocation.bind` command per
+//! On every `reservation.placed` it issues one `allocation.bind` command per
 //! node of the placement (id `bind:<reservation>:<node>`, appended with
 //! `NoStream`, so issuing twice is harmless); when every node of a placement
-//! has reported its bind as succeeded it appends `ReservationActive`, at the
+//! has reported its bind as succeeded it appends `reservation.activated`, at the
 //! version of the reservation's stream its index has seen: a binder that lost
 //! its lease, or missed an event, conflicts instead of activating twice. On a
 //! release or an expiry it issues `allocation.release` to the same nodes.
@@ -12,14 +12,15 @@
 //! binder may not have.
 
 use events::lease::{Lease, LeaseError};
-use events::{AppendError, Appender, ExpectedVersion, Reader, Start};
+use events::task::Backoff;
+use events::{AppendError, Appender, ErrorKind, ExpectedVersion, Reader, Start};
 use projections::commands::{self, Command};
 use projections::domain::{reservation_of, reservation_stream};
 use projections::{projector, Fact, Index, Phase};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
 
 /// How long a bind or release command may wait for its node.
@@ -31,6 +32,8 @@ pub struct BinderStats {
     pub releases_issued: AtomicU64,
     pub activated: AtomicU64,
     pub bind_failures: AtomicU64,
+    /// Times the binder failed and started again.
+    pub restarts: AtomicU64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +48,8 @@ pub enum BinderError {
     Apply(#[from] projections::ApplyError),
     #[error(transparent)]
     Lease(#[from] LeaseError),
+    #[error("renew the binder lease: no answer within {0:?}")]
+    Stalled(Duration),
 }
 
 pub struct Binder {
@@ -91,22 +96,36 @@ fn deadline() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Issues a command in the background; one issued before is fine.
+/// Issues a command in the background; one issued before is fine. A
+/// transient failure (the database restarting) is retried with backoff until
+/// the command's deadline; a binder started later issues whatever is still
+/// missing from the log.
 fn issue(appender: &Appender, command: Command, counter: Arc<BinderStats>, release: bool) {
     let appender = appender.clone();
-    tokio::spawn(async move {
-        match commands::issue(&appender, &command).await {
-            Ok(()) => {
-                let c = if release {
-                    &counter.releases_issued
-                } else {
-                    &counter.binds_issued
-                };
-                c.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(AppendError::VersionConflict { .. }) => {}
-            Err(e) => {
-                tracing::warn!(command = %command.id, error = %e, "could not issue a command")
+    events::task::spawn("binder-issue", async move {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let give_up = Instant::now() + COMMAND_DEADLINE;
+        loop {
+            match commands::issue(&appender, &command).await {
+                Ok(()) => {
+                    let c = if release {
+                        &counter.releases_issued
+                    } else {
+                        &counter.binds_issued
+                    };
+                    c.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                Err(AppendError::VersionConflict { .. }) => return,
+                Err(e) if e.kind() == ErrorKind::Transient && Instant::now() < give_up => {
+                    let delay = backoff.next_delay();
+                    tracing::warn!(command = %command.id, error = %e, delay_ms = delay.as_millis() as u64, "could not issue a command; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+                Err(e) => {
+                    tracing::error!(command = %command.id, error = %e, "could not issue a command; giving up");
+                    return;
+                }
             }
         }
     });
@@ -118,7 +137,7 @@ struct State {
     /// Reservation -> nodes whose bind has not succeeded yet.
     waiting: HashMap<String, BTreeSet<String>>,
     /// Reservation -> the version of its stream as this binder's index has
-    /// it: `ReservationActive` is appended at exactly that version, so a
+    /// it: `reservation.activated` is appended at exactly that version, so a
     /// binder that lost its lease (or missed an event) cannot mark a
     /// reservation active twice or after it changed.
     versions: HashMap<String, u64>,
@@ -170,32 +189,59 @@ async fn run(
     mut stop: oneshot::Receiver<()>,
 ) -> Result<(), BinderError> {
     let holder = crate::service::default_holder();
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    // Supervised: whatever fails (the database restarting, the lease lost, a
+    // read cut short), the binder lets go, waits and starts again from the
+    // log. It ends only when told to stop.
     loop {
-        // Wait for the lease (another binder may hold it).
-        let lease = loop {
-            let client = events::db::connect(&db, "binder-lease").await?;
-            if let Some(l) = Lease::acquire(&client, LEASE, &holder, LEASE_TTL).await? {
-                break l;
-            }
-            tokio::select! {
-                _ = &mut stop => return Ok(()),
-                _ = tokio::time::sleep(LEASE_TTL / 3) => {}
-            }
+        let began = Instant::now();
+        let error = match attempt(&db, &reader, &appender, &stats, &mut stop, &holder).await {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
         };
-        tracing::info!(%holder, epoch = lease.epoch, "binder lease taken");
-        match held(&db, &reader, &appender, &stats, &mut stop, &lease).await {
-            Ok(()) => {
-                if let Ok(c) = events::db::connect(&db, "binder-lease").await {
-                    let _ = lease.release(&c).await;
-                }
-                return Ok(());
-            }
-            Err(BinderError::Lease(LeaseError::Lost { .. })) => {
-                tracing::warn!("the binder lease was lost; waiting to take it again");
-            }
-            Err(e) => return Err(e),
+        if began.elapsed() > Duration::from_secs(30) {
+            backoff.reset();
+        }
+        let delay = backoff.next_delay();
+        if matches!(error, BinderError::Lease(LeaseError::Lost { .. })) {
+            tracing::warn!(error = %error, "the binder lease was lost; waiting to take it again");
+        } else {
+            stats.restarts.fetch_add(1, Ordering::Relaxed);
+            events::task::restarted("binder", &error, delay);
+        }
+        tokio::select! {
+            _ = &mut stop => return Ok(()),
+            _ = tokio::time::sleep(delay) => {}
         }
     }
+}
+
+/// Waits for the binder lease (another binder may hold it), then works
+/// while holding it. `Ok` only when stopped.
+async fn attempt(
+    db: &tokio_postgres::Config,
+    reader: &Reader,
+    appender: &Appender,
+    stats: &Arc<BinderStats>,
+    stop: &mut oneshot::Receiver<()>,
+    holder: &str,
+) -> Result<(), BinderError> {
+    let client = events::db::connect(db, "binder-lease").await?;
+    let lease = loop {
+        if let Some(l) = Lease::acquire(&client, LEASE, holder, LEASE_TTL).await? {
+            break l;
+        }
+        tokio::select! {
+            _ = &mut *stop => return Ok(()),
+            _ = tokio::time::sleep(LEASE_TTL / 3) => {}
+        }
+    };
+    tracing::info!(%holder, epoch = lease.epoch, "binder lease taken");
+    let result = held(db, reader, appender, stats, stop, &lease).await;
+    if result.is_ok() {
+        let _ = lease.release(&client).await;
+    }
+    result
 }
 
 /// Works while holding the lease; returns when stopped or the lease is lost.
@@ -273,31 +319,25 @@ async fn held(
         let e = tokio::select! {
             _ = &mut *stop => return Ok(()),
             _ = renew.tick() => {
-                lease.renew(&client).await?;
+                // A renewal that does not answer in time counts as lost: the
+                // binder stops acting before its lease can run out.
+                match tokio::time::timeout(LEASE_TTL / 3, lease.renew(&client)).await {
+                    Ok(r) => r?,
+                    Err(_) => return Err(BinderError::Stalled(LEASE_TTL / 3)),
+                }
                 continue;
             }
             e = sub.next() => e?,
         };
         sub.ack(e.position);
-        // A reservation's own stream holds its request, release requests and
-        // activation; placements and endings are on the pool's stream.
-        if let Some(id) = reservation_of(&e.stream) {
-            state.versions.insert(id.to_string(), e.version);
-        }
-        match e.event_type.as_str() {
-            "ReservationUnschedulable" => {
-                if let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload) {
-                    if let Some(id) = f.reservation() {
-                        state.versions.remove(id);
-                    }
-                }
-            }
-            "ReservationReleased" | "ReservationExpired" => {
-                let id = Fact::parse(&e.event_type, &e.payload)
-                    .ok()
-                    .flatten()
-                    .and_then(|f| f.reservation().map(str::to_string));
-                if let Some(r) = id.as_deref().and_then(|id| index.reservation(id)) {
+        let fact = Fact::parse(&e.event_type, &e.payload).ok().flatten();
+        match &fact {
+            Some(
+                Fact::ReservationReleased { reservation }
+                | Fact::ReservationExpired { reservation },
+            ) => {
+                // Before the index forgets the reservation's allocations.
+                if let Some(r) = index.reservation(reservation) {
                     for a in &r.allocations {
                         issue(
                             &appender,
@@ -313,24 +353,33 @@ async fn held(
                         );
                     }
                 }
-                if let Some(id) = id {
-                    state.waiting.remove(&id);
-                    state.versions.remove(&id);
-                }
+                state.waiting.remove(reservation);
+                state.versions.remove(reservation);
+            }
+            Some(Fact::ReservationUnschedulable { reservation, .. }) => {
+                state.versions.remove(reservation);
             }
             _ => {}
         }
         if let Some(v) = index.apply(&e)? {
             tracing::warn!(violation = %v, "the log breaks an invariant");
         }
-        match e.event_type.as_str() {
-            "ReservationPlaced" => {
-                if let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload) {
-                    if let Some(id) = f.reservation() {
-                        state.expect_binds(&index, id, &appender, &stats);
-                    }
-                }
+        // A reservation's own stream holds its request, release requests,
+        // activation and end (`reservation.ended`, committed with the
+        // terminal fact on the pool's stream). Its version is the life
+        // cycle's fence: remembered while the reservation lives, forgotten
+        // once it ended.
+        if let Some(id) = reservation_of(&e.stream) {
+            if index.reservation(id).is_some() {
+                state.versions.insert(id.to_string(), e.version);
+            } else {
+                state.versions.remove(id);
             }
+        }
+        if let Some(Fact::ReservationPlaced { reservation, .. }) = &fact {
+            state.expect_binds(&index, reservation, &appender, &stats);
+        }
+        match e.event_type.as_str() {
             commands::SUCCEEDED | commands::FAILED | commands::EXPIRED => {
                 let cmd = e.stream.trim_start_matches("command/");
                 if let Some((res, node)) = state.binds.get(cmd).cloned() {

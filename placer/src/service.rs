@@ -17,10 +17,12 @@
 //! from happening in the normal case, and spreads pools over placers.
 
 use crate::plan::{self, Plan};
+use events::db::Db;
 use events::lease::{Lease, LeaseError};
-use events::{AppendError, Appended, Appender, ExpectedVersion, Reader};
+use events::task::Backoff;
+use events::{AppendError, Appended, Appender, ExpectedVersion, Reader, StreamAppend};
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use projections::domain::{pool_stream, Fact};
+use projections::domain::{pool_stream, reservation_stream, Fact};
 use projections::projector::ProjectError;
 use projections::{Index, Projector, SnapshotStore};
 use std::collections::{BTreeSet, HashMap};
@@ -30,7 +32,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
-use tokio_postgres::Client;
 
 /// How a placer runs.
 #[derive(Debug, Clone)]
@@ -271,6 +272,10 @@ impl Placer {
 
 struct PoolWork {
     lease: Option<Lease>,
+    /// When the request behind the lease's last acquisition or renewal was
+    /// sent. The database's clock started the lease's time to live after
+    /// that, so the lease is surely held until this plus the TTL.
+    renewed: Instant,
     inflight: bool,
     /// Plan only once the index has the pool at this version.
     wait_version: u64,
@@ -280,9 +285,10 @@ struct PoolWork {
 }
 
 impl PoolWork {
-    fn new(lease: Option<Lease>) -> PoolWork {
+    fn new(lease: Option<Lease>, renewed: Instant) -> PoolWork {
         PoolWork {
             lease,
+            renewed,
             inflight: false,
             wait_version: 0,
             tried_epoch: u64::MAX,
@@ -314,10 +320,13 @@ async fn run(
     stats: Arc<Stats>,
     mut stop: oneshot::Receiver<()>,
 ) -> Result<(), PlacerError> {
-    let client = events::db::connect(&db, "placer-leases").await?;
-    let mut proj = Projector::start(&reader, config.snapshots.clone())
-        .await?
-        .snapshot_every(config.snapshot_every);
+    // Leases go through a connection made again whenever it closed (the
+    // database restarted), so upkeep resumes by itself once it is back.
+    let leases = Db::new(db);
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    let Some(mut proj) = start_projector(&reader, &config, &mut stop, &mut backoff).await else {
+        return Ok(());
+    };
     let mut work: HashMap<String, PoolWork> = HashMap::new();
     let mut commits: FuturesUnordered<CommitFuture> = FuturesUnordered::new();
     let mut upkeep = tokio::time::interval((config.lease_ttl / 3).max(Duration::from_millis(50)));
@@ -326,25 +335,44 @@ async fn run(
     clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let member = format!("placer/{}", config.holder);
     tracing::info!(holder = %config.holder, from = proj.started_at, "placer started");
-    let result: Result<(), PlacerError> = loop {
+    loop {
         tokio::select! {
             biased;
-            _ = &mut stop => break Ok(()),
+            _ = &mut stop => break,
             Some(done) = commits.next(), if !commits.is_empty() => {
                 on_commit(&mut work, done, &stats);
             }
             e = proj.step() => {
                 match e {
-                    Err(e) => break Err(e.into()),
+                    Err(e) => {
+                        // Supervised: the index is rebuilt (from the newest
+                        // snapshot and the log) and placement goes on.
+                        let delay = backoff.next_delay();
+                        events::task::restarted("placer-projector", &e, delay);
+                        tokio::select! {
+                            _ = &mut stop => break,
+                            _ = tokio::time::sleep(delay) => {}
+                        }
+                        match start_projector(&reader, &config, &mut stop, &mut backoff).await {
+                            Some(p) => proj = p,
+                            None => break,
+                        }
+                    }
                     // A new pool: look for its lease now, not at the next tick.
-                    Ok(e) if e.event_type == "PoolCreated" => upkeep.reset_immediately(),
+                    Ok(e) if projections::domain::canonical_type(&e.event_type) == "pool.created" => upkeep.reset_immediately(),
                     Ok(_) => {}
                 }
                 stats.position.store(proj.index.position(), Ordering::Relaxed);
             }
             _ = upkeep.tick() => {
-                if let Err(e) = upkeep_leases(&client, &member, &config, &proj.index, &mut work, &stats).await {
-                    tracing::warn!(error = %e, "lease upkeep failed; retrying");
+                let limit = (config.lease_ttl / 3).max(Duration::from_millis(50));
+                match tokio::time::timeout(limit, upkeep_leases(&leases, &member, &config, &proj.index, &mut work, &stats)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::warn!(error = %e, "lease upkeep failed; retrying"),
+                    Err(_) => {
+                        tracing::warn!(limit_ms = limit.as_millis() as u64, "lease upkeep got no answer in time; reconnecting");
+                        leases.reset().await;
+                    }
                 }
                 if let Err(e) = proj.maybe_snapshot() {
                     tracing::warn!(error = %e, "could not write an index snapshot");
@@ -352,25 +380,71 @@ async fn run(
             }
             _ = clock.tick() => {}
         }
+        drop_unrenewed(&mut work, config.lease_ttl, &stats);
         plan_ready(&mut proj.index, &mut work, &appender, &mut commits, &config);
-    };
+    }
     // Let commits in flight land, then give the pools back.
     while let Some(done) = commits.next().await {
         on_commit(&mut work, done, &stats);
     }
-    for (_, w) in work.drain() {
-        if let Some(lease) = w.lease {
-            let _ = lease.release(&client).await;
+    if let Ok(client) = leases.get().await {
+        for (_, w) in work.drain() {
+            if let Some(lease) = w.lease {
+                let _ = lease.release(&client).await;
+            }
+        }
+        let _ = client
+            .execute(
+                "UPDATE strata.leases SET expires_at = now() WHERE name = $1",
+                &[&member],
+            )
+            .await;
+    }
+    stats.pools_held.store(0, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Starts the placer's projector, retrying with backoff until it starts;
+/// `None` if told to stop first.
+async fn start_projector(
+    reader: &Reader,
+    config: &PlacerConfig,
+    stop: &mut oneshot::Receiver<()>,
+    backoff: &mut Backoff,
+) -> Option<Projector> {
+    loop {
+        match Projector::start(reader, config.snapshots.clone()).await {
+            Ok(p) => return Some(p.snapshot_every(config.snapshot_every)),
+            Err(e) => {
+                let delay = backoff.next_delay();
+                events::task::restarted("placer-projector", &e, delay);
+                tokio::select! {
+                    _ = &mut *stop => return None,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
         }
     }
-    let _ = client
-        .execute(
-            "UPDATE strata.leases SET expires_at = now() WHERE name = $1",
-            &[&member],
-        )
-        .await;
-    stats.pools_held.store(0, Ordering::Relaxed);
-    result
+}
+
+/// Stops placing every pool whose lease could not be renewed for half its
+/// time to live: the lease may run out soon and another placer take the
+/// pool. Upkeep takes the pool again once the database answers (or another
+/// placer does). Correctness never rested on the lease (the pool's version
+/// fences every batch); this keeps two placers from contending for a pool.
+fn drop_unrenewed(work: &mut HashMap<String, PoolWork>, ttl: Duration, stats: &Stats) {
+    let before = work.len();
+    work.retain(|pool, w| {
+        let keep = w.lease.is_none() || w.renewed.elapsed() < ttl / 2;
+        if !keep {
+            tracing::warn!(%pool, "could not renew the pool's lease in time; stopped placing it");
+            stats.leases_lost.fetch_add(1, Ordering::Relaxed);
+        }
+        keep
+    });
+    if work.len() != before {
+        stats.pools_held.store(work.len() as u64, Ordering::Relaxed);
+    }
 }
 
 fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stats) {
@@ -514,13 +588,16 @@ fn plan_ready(
             continue;
         }
         w.inflight = true;
-        let events: Vec<_> = facts.iter().map(Fact::to_event).collect();
+        let appends = batch_appends(&pool_stream(pool), version, &facts);
         let appender = appender.clone();
         let pool = pool.clone();
         commits.push(Box::pin(async move {
-            let result = appender
-                .append(&pool_stream(&pool), ExpectedVersion::Exact(version), events)
-                .await;
+            let result = appender.append_batch(appends).await.and_then(|mut out| {
+                // The pool's stream is the batch's first.
+                (!out.is_empty())
+                    .then(|| out.swap_remove(0))
+                    .ok_or(AppendError::Closed)
+            });
             Committed {
                 pool,
                 plan_counts: counts,
@@ -531,10 +608,44 @@ fn plan_ready(
     }
 }
 
+/// The appends of one batch: its facts on the pool's stream at the version
+/// the plan saw, then, for every reservation the batch ends, a
+/// `reservation.ended` on the reservation's own stream (with no version
+/// check: the pool's version already fences the batch). All commit in one
+/// transaction, so a reservation's end moves its stream's version, and any
+/// writer of its life cycle that appends at a version seen before the end
+/// (the binder's activation) conflicts.
+fn batch_appends(pool_stream: &str, version: u64, facts: &[Fact]) -> Vec<StreamAppend> {
+    let mut appends = vec![StreamAppend {
+        stream: pool_stream.to_string(),
+        expected: ExpectedVersion::Exact(version),
+        events: facts.iter().map(Fact::to_event).collect(),
+    }];
+    for fact in facts {
+        let outcome = match fact {
+            Fact::ReservationReleased { .. } => "released",
+            Fact::ReservationExpired { .. } => "expired",
+            Fact::ReservationUnschedulable { .. } => "rejected",
+            _ => continue,
+        };
+        let reservation = fact.reservation().expect("a reservation fact").to_string();
+        appends.push(StreamAppend {
+            stream: reservation_stream(&reservation),
+            expected: ExpectedVersion::Any,
+            events: vec![Fact::ReservationEnded {
+                reservation,
+                outcome: outcome.to_string(),
+            }
+            .to_event()],
+        });
+    }
+    appends
+}
+
 /// Renews held leases, then takes or gives back pools so that each live
 /// placer holds about its share.
 async fn upkeep_leases(
-    client: &Client,
+    leases: &Db,
     member: &str,
     config: &PlacerConfig,
     index: &Index,
@@ -551,17 +662,20 @@ async fn upkeep_leases(
         .collect();
     if config.unleased {
         for p in pools {
-            work.entry(p).or_insert_with(|| PoolWork::new(None));
+            work.entry(p)
+                .or_insert_with(|| PoolWork::new(None, Instant::now()));
         }
         stats.pools_held.store(work.len() as u64, Ordering::Relaxed);
         return Ok(());
     }
+    let client = &*leases.get().await?;
     Lease::acquire(client, member, &config.holder, config.lease_ttl).await?;
     let mut lost = Vec::new();
-    for (pool, w) in work.iter() {
+    for (pool, w) in work.iter_mut() {
         if let Some(lease) = &w.lease {
+            let sent = Instant::now();
             match lease.renew(client).await {
-                Ok(()) => {}
+                Ok(()) => w.renewed = sent,
                 Err(LeaseError::Lost { .. }) => lost.push(pool.clone()),
                 Err(e) => return Err(e.into()),
             }
@@ -600,6 +714,7 @@ async fn upkeep_leases(
             if work.len() >= share {
                 break;
             }
+            let sent = Instant::now();
             if let Some(lease) = Lease::acquire(
                 client,
                 &format!("pool/{pool}"),
@@ -610,7 +725,7 @@ async fn upkeep_leases(
             {
                 tracing::info!(pool = %pool, epoch = lease.epoch, "took the pool's lease");
                 stats.leases_acquired.fetch_add(1, Ordering::Relaxed);
-                work.insert(pool.clone(), PoolWork::new(Some(lease)));
+                work.insert(pool.clone(), PoolWork::new(Some(lease), sent));
             }
         }
     } else if work.len() > share {

@@ -1,6 +1,10 @@
 //! The facts of pools, nodes and reservations, as they are written to the
-//! log. Each fact is one event: its variant name is the event type and its
-//! fields are the JSON payload, so auditors can read them with plain SQL.
+//! log. Each fact is one event: its variant's serde name is the event type
+//! (`noun.verb_past`, like every event type: `reservation.placed`,
+//! `node.joined`) and its fields are the JSON payload, so auditors can read
+//! them with plain SQL. Facts written before that convention carry CamelCase
+//! names (`ReservationPlaced`); [`canonical_type`] reads them as the new
+//! names, and is the only place that knows the old ones.
 //!
 //! Streams: everything that changes what can be placed in a pool (its nodes,
 //! their inventory, health and cordons, and every placement, release and
@@ -175,8 +179,8 @@ pub async fn pool_exists(
 ) -> Result<bool, tokio_postgres::Error> {
     Ok(client
         .query_opt(
-            "SELECT 1 FROM strata.events WHERE stream = $1 AND version = 1 AND type = 'PoolCreated'",
-            &[&pool_stream(pool)],
+            "SELECT 1 FROM strata.events WHERE stream = $1 AND version = 1 AND type = ANY($2)",
+            &[&pool_stream(pool), &stored_types("pool.created")],
         )
         .await?
         .is_some())
@@ -219,36 +223,40 @@ pub struct Allocation {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", content = "payload")]
 pub enum Fact {
+    #[serde(rename = "pool.created")]
     PoolCreated {
         #[serde(default)]
         description: String,
     },
+    #[serde(rename = "pool.updated")]
     PoolUpdated {
         #[serde(default)]
         description: String,
     },
     /// A node joined the pool with this inventory (joining again replaces it).
+    #[serde(rename = "node.joined")]
     NodeJoined {
         node: String,
         devices: Vec<DeviceSpec>,
     },
     /// The node's inventory now is this. Devices that are gone become
     /// unschedulable; bookings on them stay until released.
+    #[serde(rename = "node.inventory_reported")]
     InventoryReported {
         node: String,
         devices: Vec<DeviceSpec>,
     },
-    NodeLeft {
-        node: String,
-    },
+    #[serde(rename = "node.left")]
+    NodeLeft { node: String },
+    #[serde(rename = "node.cordoned")]
     NodeCordoned {
         node: String,
         #[serde(default)]
         reason: String,
     },
-    NodeUncordoned {
-        node: String,
-    },
+    #[serde(rename = "node.uncordoned")]
+    NodeUncordoned { node: String },
+    #[serde(rename = "node.drained")]
     NodeDrained {
         node: String,
         #[serde(default)]
@@ -256,6 +264,7 @@ pub enum Fact {
     },
     /// A health condition (an XID or ECC error, say) on a device, or on the
     /// whole node when `device` is absent. Unschedulable until cleared.
+    #[serde(rename = "health.raised")]
     HealthRaised {
         node: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -264,6 +273,7 @@ pub enum Fact {
         #[serde(default)]
         detail: String,
     },
+    #[serde(rename = "health.cleared")]
     HealthCleared {
         node: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -271,86 +281,147 @@ pub enum Fact {
         condition: String,
     },
     /// On the reservation's stream.
+    #[serde(rename = "reservation.requested")]
     ReservationRequested(Request),
     /// Waiting for capacity (written once, when it first does not fit).
-    ReservationQueued {
-        reservation: String,
-        reason: String,
-    },
+    #[serde(rename = "reservation.queued")]
+    ReservationQueued { reservation: String, reason: String },
+    #[serde(rename = "reservation.placed")]
     ReservationPlaced {
         reservation: String,
         allocations: Vec<Allocation>,
     },
     /// Can never fit the pool as it is; terminal.
-    ReservationUnschedulable {
-        reservation: String,
-        reason: String,
-    },
+    #[serde(rename = "reservation.rejected")]
+    ReservationUnschedulable { reservation: String, reason: String },
     /// On the reservation's stream: the workload runs.
-    ReservationActive {
-        reservation: String,
-    },
+    #[serde(rename = "reservation.activated")]
+    ReservationActive { reservation: String },
     /// On the reservation's stream: the client wants it released (or
     /// cancelled, if it is not placed yet).
+    #[serde(rename = "reservation.release_requested")]
     ReleaseRequested {
         reservation: String,
         #[serde(default)]
         reason: String,
     },
     /// Terminal; frees its devices.
-    ReservationReleased {
-        reservation: String,
-    },
+    #[serde(rename = "reservation.released")]
+    ReservationReleased { reservation: String },
     /// Terminal; its time ran out and its devices are free.
-    ReservationExpired {
+    #[serde(rename = "reservation.expired")]
+    ReservationExpired { reservation: String },
+    /// On the reservation's stream, committed with the terminal fact on the
+    /// pool's stream (`reservation.released`, `.expired`, `.rejected`): the
+    /// reservation's life cycle is over, and how. It moves the reservation
+    /// stream's version, which every other writer of the life cycle appends
+    /// against (the binder's activation above all), so nothing of the life
+    /// cycle can commit after its end.
+    #[serde(rename = "reservation.ended")]
+    ReservationEnded {
         reservation: String,
+        /// The terminal fact's name: `released`, `expired` or `rejected`.
+        outcome: String,
     },
 }
 
-/// Every event type this module reads.
+/// Every event type this module reads, as it is written now.
 pub const FACT_TYPES: &[&str] = &[
-    "PoolCreated",
-    "PoolUpdated",
-    "NodeJoined",
-    "InventoryReported",
-    "NodeLeft",
-    "NodeCordoned",
-    "NodeUncordoned",
-    "NodeDrained",
-    "HealthRaised",
-    "HealthCleared",
-    "ReservationRequested",
-    "ReservationQueued",
-    "ReservationPlaced",
-    "ReservationUnschedulable",
-    "ReservationActive",
-    "ReleaseRequested",
-    "ReservationReleased",
-    "ReservationExpired",
+    "pool.created",
+    "pool.updated",
+    "node.joined",
+    "node.inventory_reported",
+    "node.left",
+    "node.cordoned",
+    "node.uncordoned",
+    "node.drained",
+    "health.raised",
+    "health.cleared",
+    "reservation.requested",
+    "reservation.queued",
+    "reservation.placed",
+    "reservation.rejected",
+    "reservation.activated",
+    "reservation.release_requested",
+    "reservation.released",
+    "reservation.expired",
+    "reservation.ended",
 ];
+
+/// The names facts were written under before every event type followed
+/// `noun.verb_past`, with the name each is read as now. Events in the log
+/// keep the name they were written with; [`canonical_type`] is the one place
+/// that reads an old name as the new one.
+pub const LEGACY_FACT_TYPES: &[(&str, &str)] = &[
+    ("PoolCreated", "pool.created"),
+    ("PoolUpdated", "pool.updated"),
+    ("NodeJoined", "node.joined"),
+    ("InventoryReported", "node.inventory_reported"),
+    ("NodeLeft", "node.left"),
+    ("NodeCordoned", "node.cordoned"),
+    ("NodeUncordoned", "node.uncordoned"),
+    ("NodeDrained", "node.drained"),
+    ("HealthRaised", "health.raised"),
+    ("HealthCleared", "health.cleared"),
+    ("ReservationRequested", "reservation.requested"),
+    ("ReservationQueued", "reservation.queued"),
+    ("ReservationPlaced", "reservation.placed"),
+    ("ReservationUnschedulable", "reservation.rejected"),
+    ("ReservationActive", "reservation.activated"),
+    ("ReleaseRequested", "reservation.release_requested"),
+    ("ReservationReleased", "reservation.released"),
+    ("ReservationExpired", "reservation.expired"),
+];
+
+/// The current name of an event type: a fact's old name read as its new
+/// one (see [`LEGACY_FACT_TYPES`]), every other type as it is.
+pub fn canonical_type(event_type: &str) -> &str {
+    // Old names are CamelCase; no current type starts with a capital.
+    if !event_type.starts_with(|c: char| c.is_ascii_uppercase()) {
+        return event_type;
+    }
+    LEGACY_FACT_TYPES
+        .iter()
+        .find(|(old, _)| *old == event_type)
+        .map_or(event_type, |(_, new)| new)
+}
+
+/// Every name, old and new, under which a fact of type `event_type` (a
+/// current name) may be in the log: for SQL that filters by type.
+pub fn stored_types(event_type: &str) -> Vec<String> {
+    let mut out = vec![event_type.to_string()];
+    out.extend(
+        LEGACY_FACT_TYPES
+            .iter()
+            .filter(|(_, new)| *new == event_type)
+            .map(|(old, _)| old.to_string()),
+    );
+    out
+}
 
 impl Fact {
     /// The event type this fact is written as.
     pub fn event_type(&self) -> &'static str {
         match self {
-            Fact::PoolCreated { .. } => "PoolCreated",
-            Fact::PoolUpdated { .. } => "PoolUpdated",
-            Fact::NodeJoined { .. } => "NodeJoined",
-            Fact::InventoryReported { .. } => "InventoryReported",
-            Fact::NodeLeft { .. } => "NodeLeft",
-            Fact::NodeCordoned { .. } => "NodeCordoned",
-            Fact::NodeUncordoned { .. } => "NodeUncordoned",
-            Fact::NodeDrained { .. } => "NodeDrained",
-            Fact::HealthRaised { .. } => "HealthRaised",
-            Fact::HealthCleared { .. } => "HealthCleared",
-            Fact::ReservationRequested(_) => "ReservationRequested",
-            Fact::ReservationQueued { .. } => "ReservationQueued",
-            Fact::ReservationPlaced { .. } => "ReservationPlaced",
-            Fact::ReservationUnschedulable { .. } => "ReservationUnschedulable",
-            Fact::ReservationActive { .. } => "ReservationActive",
-            Fact::ReleaseRequested { .. } => "ReleaseRequested",
-            Fact::ReservationReleased { .. } => "ReservationReleased",
-            Fact::ReservationExpired { .. } => "ReservationExpired",
+            Fact::PoolCreated { .. } => "pool.created",
+            Fact::PoolUpdated { .. } => "pool.updated",
+            Fact::NodeJoined { .. } => "node.joined",
+            Fact::InventoryReported { .. } => "node.inventory_reported",
+            Fact::NodeLeft { .. } => "node.left",
+            Fact::NodeCordoned { .. } => "node.cordoned",
+            Fact::NodeUncordoned { .. } => "node.uncordoned",
+            Fact::NodeDrained { .. } => "node.drained",
+            Fact::HealthRaised { .. } => "health.raised",
+            Fact::HealthCleared { .. } => "health.cleared",
+            Fact::ReservationRequested(_) => "reservation.requested",
+            Fact::ReservationQueued { .. } => "reservation.queued",
+            Fact::ReservationPlaced { .. } => "reservation.placed",
+            Fact::ReservationUnschedulable { .. } => "reservation.rejected",
+            Fact::ReservationActive { .. } => "reservation.activated",
+            Fact::ReleaseRequested { .. } => "reservation.release_requested",
+            Fact::ReservationReleased { .. } => "reservation.released",
+            Fact::ReservationExpired { .. } => "reservation.expired",
+            Fact::ReservationEnded { .. } => "reservation.ended",
         }
     }
 
@@ -367,13 +438,11 @@ impl Fact {
     /// Reads a fact from an event: `Ok(None)` for event types that are not
     /// facts, an error for a fact whose payload does not parse.
     pub fn parse(event_type: &str, payload: &str) -> Result<Option<Fact>, String> {
-        // Facts are CamelCase; the other events (node.*, command.*, ...) are not.
-        if !event_type.starts_with(|c: char| c.is_ascii_uppercase())
-            || !FACT_TYPES.contains(&event_type)
-        {
+        let event_type = canonical_type(event_type);
+        if !FACT_TYPES.contains(&event_type) {
             return Ok(None);
         }
-        // The type is one of FACT_TYPES: a bare identifier, nothing to escape.
+        // The type is one of FACT_TYPES: dotted lower case, nothing to escape.
         let mut text = String::with_capacity(payload.len() + event_type.len() + 24);
         text.push_str("{\"type\":\"");
         text.push_str(event_type);
@@ -395,7 +464,8 @@ impl Fact {
             | Fact::ReservationActive { reservation }
             | Fact::ReleaseRequested { reservation, .. }
             | Fact::ReservationReleased { reservation }
-            | Fact::ReservationExpired { reservation } => Some(reservation),
+            | Fact::ReservationExpired { reservation }
+            | Fact::ReservationEnded { reservation, .. } => Some(reservation),
             _ => None,
         }
     }
@@ -447,10 +517,46 @@ mod tests {
     }
 
     #[test]
+    fn facts_written_under_their_old_names_read_as_the_new_ones() {
+        for (old, new) in LEGACY_FACT_TYPES {
+            assert!(FACT_TYPES.contains(new), "{new}");
+            assert_eq!(canonical_type(old), *new);
+            assert!(stored_types(new).iter().any(|t| t == old), "{new}");
+        }
+        for t in FACT_TYPES {
+            assert_eq!(canonical_type(t), *t);
+            let (noun, verb) = t.split_once('.').expect("noun.verb_past");
+            assert!(!noun.is_empty() && !verb.is_empty(), "{t}");
+            assert!(
+                t.chars()
+                    .all(|c| c.is_ascii_lowercase() || c == '.' || c == '_'),
+                "{t}"
+            );
+        }
+        let old = Fact::parse(
+            "ReservationPlaced",
+            r#"{"reservation":"r1","allocations":[]}"#,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(old.event_type(), "reservation.placed");
+        assert_eq!(
+            Some(old),
+            Fact::parse(
+                "reservation.placed",
+                r#"{"reservation":"r1","allocations":[]}"#
+            )
+            .unwrap()
+        );
+        assert_eq!(canonical_type("command.issued"), "command.issued");
+        assert_eq!(canonical_type("Unknown"), "Unknown");
+    }
+
+    #[test]
     fn unknown_types_are_not_facts_and_bad_payloads_are_errors() {
         assert_eq!(Fact::parse("dev.tick", "{}").unwrap(), None);
-        let err = Fact::parse("NodeLeft", "{\"nod\":1}").unwrap_err();
-        assert!(err.contains("malformed NodeLeft"), "{err}");
+        let err = Fact::parse("node.left", "{\"nod\":1}").unwrap_err();
+        assert!(err.contains("malformed node.left"), "{err}");
     }
 
     #[test]

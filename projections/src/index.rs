@@ -32,7 +32,7 @@ pub struct State {
 #[derive(Debug, Clone, PartialEq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Pool {
     pub name: String,
-    /// Whether `PoolCreated` was seen.
+    /// Whether `pool.created` was seen.
     pub created: bool,
     pub description: String,
     /// The version of the pool's stream: the fence placements commit against.
@@ -833,6 +833,7 @@ impl Index {
             Fact::ReservationRequested(_)
                 | Fact::ReservationActive { .. }
                 | Fact::ReleaseRequested { .. }
+                | Fact::ReservationEnded { .. }
         );
         let pool = match (&on_pool, pool_fact) {
             (Some(p), true) => p.clone(),
@@ -874,7 +875,10 @@ impl Index {
                         .nodes
                         .insert(node.clone(), Node::default());
                 }
-                let joined = event.event_type == "NodeJoined";
+                let joined = matches!(
+                    crate::domain::canonical_type(&event.event_type),
+                    "node.joined"
+                );
                 self.with_node(&pool, &node, |n| {
                     if joined {
                         n.left = false;
@@ -995,6 +999,16 @@ impl Index {
                 ok.unwrap_or_else(|| {
                     Err(format!("unknown reservation {reservation:?} became active"))
                 })?;
+            }
+            Fact::ReservationEnded { reservation, .. } => {
+                // Committed after the terminal fact on the pool's stream, in
+                // the same transaction: by now the reservation is gone.
+                if let Some(r) = self.state.reservations.get(&reservation) {
+                    return Err(format!(
+                        "reservation {reservation:?} ended while {}, before its terminal fact",
+                        r.phase.name()
+                    ));
+                }
             }
             Fact::ReservationQueued {
                 reservation,

@@ -23,7 +23,7 @@ pub enum RequestError {
     Database(#[from] tokio_postgres::Error),
 }
 
-/// Requests a reservation (`ReservationRequested` on its own new stream, with
+/// Requests a reservation (`reservation.requested` on its own new stream, with
 /// `metadata` such as who asked). It is durable when this returns; a placer
 /// holding the pool places it, queues it or declares it unschedulable.
 pub async fn reserve(

@@ -411,7 +411,7 @@ mod tests {
             assert!(d.finished());
             assert_eq!(out.len(), 2);
             assert!(
-                matches!(&out[1].1, Err(e) if e.contains("NodeJoined")),
+                matches!(&out[1].1, Err(e) if e.contains("node.joined")),
                 "{:?}",
                 out[1].1
             );

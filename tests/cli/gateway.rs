@@ -151,7 +151,7 @@ fn a_gateway_killed_mid_command_hands_its_node_over_and_the_command_runs_once() 
         || {
             !query(
                 &url,
-                "SELECT 1::text FROM strata.events WHERE stream = 'pool/p' AND type = 'NodeJoined'",
+                "SELECT 1::text FROM strata.events WHERE stream = 'pool/p' AND type = 'node.joined'",
             )
             .is_empty()
         },

@@ -222,7 +222,15 @@ fn reserve_release_pools_and_the_replay_check() {
         "--database-url",
         &url,
     ]);
-    assert_eq!(stream.lines().count(), 2, "{stream}");
+    // Requested, release requested, and its end, committed with the release.
+    assert_eq!(stream.lines().count(), 3, "{stream}");
+    assert!(
+        stream
+            .lines()
+            .last()
+            .is_some_and(|l| l.contains("reservation.ended") && l.contains("released")),
+        "{stream}"
+    );
     let stream = ok(&[
         "replay",
         "stream",
@@ -233,7 +241,7 @@ fn reserve_release_pools_and_the_replay_check() {
         &url,
     ]);
     assert_eq!(stream.lines().count(), 1, "{stream}");
-    assert!(stream.contains("ReservationRequested"));
+    assert!(stream.contains("reservation.requested"));
     let snap = dir.path().join("index.snap");
     let run = ok(&[
         "replay",
@@ -300,9 +308,9 @@ fn reserve_release_pools_and_the_replay_check() {
         "--database-url",
         &url,
     ]);
-    assert!(window.contains("ReservationReleased"), "{window}");
+    assert!(window.contains("reservation.released"), "{window}");
     assert!(
-        !window.contains("NodeJoined"),
+        !window.contains("node.joined"),
         "joins were before the window: {window}"
     );
     let err = fails(&[
@@ -356,7 +364,7 @@ fn reserve_release_pools_and_the_replay_check() {
         "--stream",
         "pool/gpu",
         "--type",
-        "ReservationPlaced",
+        "reservation.placed",
         "--data",
         &bad,
     ]);
@@ -446,7 +454,7 @@ fn placers_split_pools_and_a_killed_one_hands_them_over() {
     assert_eq!(report["pending"], 0);
     let placed: i64 = rt
         .block_on(client.query_one(
-            "SELECT count(*) FROM strata.events WHERE type = 'ReservationPlaced'",
+            "SELECT count(*) FROM strata.events WHERE type = 'reservation.placed'",
             &[],
         ))
         .unwrap()
@@ -513,7 +521,7 @@ fn sinks_commands_define_list_pause_and_refuse_bad_input() {
         "--prefixes",
         "pool/",
         "--types",
-        "ReservationPlaced",
+        "reservation.placed",
     ]);
     let err = fails(&[
         "sinks",

@@ -146,7 +146,7 @@ async fn a_node_joins_holds_a_session_and_sends_only_changed_inventory() {
     .await;
     eventually(20, "the inventory reaches the pool stream", || async {
         r.count(
-            "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'NodeJoined'",
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'node.joined'",
         )
         .await
             == 1
@@ -155,7 +155,7 @@ async fn a_node_joins_holds_a_session_and_sends_only_changed_inventory() {
     let payload: serde_json::Value = r
         .client
         .query_one(
-            "SELECT payload FROM strata.events WHERE type = 'NodeJoined'",
+            "SELECT payload FROM strata.events WHERE type = 'node.joined'",
             &[],
         )
         .await
@@ -211,7 +211,7 @@ async fn a_node_joins_holds_a_session_and_sends_only_changed_inventory() {
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
-        r.count("SELECT count(*) FROM strata.events WHERE type = 'NodeJoined'")
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
             .await,
         1,
         "an unchanged section is not sent again"
@@ -721,7 +721,7 @@ async fn the_client_api_serves_operators_only() {
     c.ca_pem = Some(r.ca_pem());
     let n = start(c);
     eventually(20, "n1's inventory is in the pool", || async {
-        r.count("SELECT count(*) FROM strata.events WHERE type = 'NodeJoined'")
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
             .await
             == 1
     })
@@ -867,7 +867,7 @@ async fn the_client_api_serves_operators_only() {
 
     // The placement is bound on n1 and becomes active once, by one binder.
     eventually(20, "api-1 becomes active", || async {
-        r.count("SELECT count(*) FROM strata.events WHERE stream = 'reservation/api-1' AND type = 'ReservationActive'").await == 1
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'reservation/api-1' AND type = 'reservation.activated'").await == 1
     })
     .await;
     let activated: Vec<u64> = binders
@@ -959,7 +959,7 @@ async fn xid_and_ecc_conditions_reach_the_pool_and_make_the_device_unschedulable
     c.ca_pem = Some(r.ca_pem());
     let n = start(c);
     eventually(20, "n1's inventory is in the pool", || async {
-        r.count("SELECT count(*) FROM strata.events WHERE type = 'NodeJoined'")
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
             .await
             == 1
     })
@@ -978,7 +978,7 @@ async fn xid_and_ecc_conditions_reach_the_pool_and_make_the_device_unschedulable
     });
     eventually(20, "both conditions are in the pool stream", || async {
         r.count(
-            "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'HealthRaised'",
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'health.raised'",
         )
         .await
             == 2

@@ -272,7 +272,7 @@ async fn two_placers_forced_onto_one_pool_never_double_book() {
         if r.booked_devices == 48 && r.live + r.pending == 110 && r.pending > 0 {
             let queued: i64 = client
                 .query_one(
-                    "SELECT count(*) FROM strata.events WHERE type = 'ReservationQueued'",
+                    "SELECT count(*) FROM strata.events WHERE type = 'reservation.queued'",
                     &[],
                 )
                 .await
@@ -288,7 +288,7 @@ async fn two_placers_forced_onto_one_pool_never_double_book() {
     let report = report.expect("the pool filled up and the rest was queued");
     let placed: i64 = client
         .query_one(
-            "SELECT count(*) FROM strata.events WHERE type = 'ReservationPlaced'",
+            "SELECT count(*) FROM strata.events WHERE type = 'reservation.placed'",
             &[],
         )
         .await
@@ -418,5 +418,287 @@ async fn reservations_expire_after_their_ttl_and_free_their_devices() {
     let report = check::check(&client, |_| {}).await.unwrap();
     assert_eq!((report.booked_devices, report.live), (0, 0));
     assert_eq!(placer.stats().view().expired, 1);
+    placer.stop().await.unwrap();
+}
+
+/// The version of a stream as the table has it.
+async fn stream_version(client: &Client, stream: &str) -> u64 {
+    client
+        .query_opt(
+            "SELECT version FROM strata.streams WHERE stream = $1",
+            &[&stream],
+        )
+        .await
+        .unwrap()
+        .map_or(0, |r| r.get::<_, i64>(0) as u64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_activation_racing_a_release_or_an_expiry_conflicts_instead_of_landing_after_the_end() {
+    // A binder activates a reservation at the version of its stream that it
+    // has seen. If the reservation was released (or expired) in between, its
+    // end must have moved that version, so the late activation conflicts
+    // instead of landing after the end.
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "fence", 2).await;
+    let reader = reader(&cfg);
+    let placer = Placer::start(
+        cfg.clone(),
+        reader.clone(),
+        appender.clone(),
+        PlacerConfig::new("fence"),
+    );
+    let mut sub = reader
+        .subscribe_ephemeral(events::Start::Now)
+        .await
+        .unwrap();
+    let activate = |id: &str, seen: u64| {
+        let appender = appender.clone();
+        let id = id.to_string();
+        async move {
+            appender
+                .append(
+                    &projections::domain::reservation_stream(&id),
+                    ExpectedVersion::Exact(seen),
+                    vec![Fact::ReservationActive { reservation: id }.to_event()],
+                )
+                .await
+        }
+    };
+
+    // Released: the binder saw the release request, not yet the release.
+    client::reserve(&client, &appender, &request("rel", "fence", 8, Shape::Node))
+        .await
+        .unwrap();
+    assert!(matches!(
+        wait_for(&mut sub, "rel").await,
+        Outcome::Placed(_)
+    ));
+    client::release(&appender, "rel", "done").await.unwrap();
+    let seen = stream_version(&client, "reservation/rel").await;
+    assert_eq!(wait_for(&mut sub, "rel").await, Outcome::Released);
+    let late = activate("rel", seen).await;
+    assert!(
+        matches!(late, Err(events::AppendError::VersionConflict { .. })),
+        "an activation after the release was accepted: {late:?}"
+    );
+
+    // Expired: the binder saw the request only.
+    let mut r = request("ttl", "fence", 8, Shape::Node);
+    r.ttl_ms = Some(200);
+    client::reserve(&client, &appender, &r).await.unwrap();
+    assert!(matches!(
+        wait_for(&mut sub, "ttl").await,
+        Outcome::Placed(_)
+    ));
+    let seen = stream_version(&client, "reservation/ttl").await;
+    assert_eq!(wait_for(&mut sub, "ttl").await, Outcome::Expired);
+    let late = activate("ttl", seen).await;
+    assert!(
+        matches!(late, Err(events::AppendError::VersionConflict { .. })),
+        "an activation after the expiry was accepted: {late:?}"
+    );
+
+    // The log's own check agrees, and each end is on the reservation's stream.
+    let report = check::check(&client, |_| {}).await.unwrap();
+    assert_eq!((report.live, report.booked_devices), (0, 0));
+    let ended: Vec<String> = client
+        .query(
+            "SELECT payload->>'outcome' FROM strata.events WHERE type = 'reservation.ended' ORDER BY position",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(ended, ["released", "expired"]);
+    placer.stop().await.unwrap();
+}
+
+/// Answers every `allocation.bind` as its node would (through the command's
+/// log), retrying through database restarts: the node's side of a bind,
+/// which these tests do not exercise.
+fn answer_binds(reader: Reader, appender: Appender) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut sub = reader
+            .subscribe_ephemeral(events::Start::Beginning)
+            .await
+            .unwrap();
+        loop {
+            let Ok(e) = sub.next().await else { return };
+            sub.ack(e.position);
+            if e.event_type != projections::commands::ISSUED
+                || !e.payload.contains("allocation.bind")
+            {
+                continue;
+            }
+            let id = e.stream.trim_start_matches("command/").to_string();
+            for _ in 0..100 {
+                match projections::commands::transition(
+                    &appender,
+                    &id,
+                    e.version,
+                    projections::commands::SUCCEEDED,
+                    &serde_json::json!({"detail": "bound"}),
+                )
+                .await
+                {
+                    Ok(_) | Err(events::AppendError::VersionConflict { .. }) => break,
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        }
+    })
+}
+
+/// Events of `event_type` on `stream`, counted on a fresh connection (the
+/// server may have restarted since the last one).
+async fn count_on(cfg: &Config, stream: &str, event_type: &str) -> Option<i64> {
+    let client = events::db::connect(cfg, "test-count").await.ok()?;
+    client
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream = $1 AND type = $2",
+            &[&stream, &event_type],
+        )
+        .await
+        .ok()
+        .map(|r| r.get(0))
+}
+
+/// Waits until `stream` has an event of `event_type`; the time it took.
+async fn until_on(cfg: &Config, stream: &str, event_type: &str, secs: u64) -> Duration {
+    let t = std::time::Instant::now();
+    while count_on(cfg, stream, event_type).await.unwrap_or(0) == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "no {event_type} on {stream} within {secs} s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    t.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placer_and_binder_survive_a_postgres_crash_restart() {
+    let mut cluster = schema::testing::temp_cluster(&[]).unwrap();
+    let url = schema::testing::migrated_database(&cluster).await;
+    let cfg: Config = url.parse().unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "crash", 2).await;
+    let reader = reader(&cfg);
+    let mut pc = PlacerConfig::new("crash-placer");
+    pc.lease_ttl = Duration::from_secs(2);
+    let placer = Placer::start(cfg.clone(), reader.clone(), appender.clone(), pc);
+    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let node = answer_binds(reader.clone(), appender.clone());
+    let client = events::db::connect(&cfg, "test").await.unwrap();
+    client::reserve(
+        &client,
+        &appender,
+        &request("before", "crash", 8, Shape::Node),
+    )
+    .await
+    .unwrap();
+    until_on(&cfg, "reservation/before", "reservation.activated", 30).await;
+
+    // A crash: every server process ends at once, then crash recovery.
+    tokio::task::block_in_place(|| {
+        cluster.crash();
+        cluster.restart()
+    })
+    .unwrap();
+    let back = std::time::Instant::now();
+    loop {
+        let Ok(client) = events::db::connect(&cfg, "test").await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        match client::reserve(
+            &client,
+            &appender,
+            &request("after", "crash", 8, Shape::Node),
+        )
+        .await
+        {
+            Ok(()) => break,
+            Err(e) => {
+                assert!(
+                    back.elapsed() < Duration::from_secs(30),
+                    "no reservation after the restart: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    until_on(&cfg, "reservation/after", "reservation.activated", 30).await;
+    let recovered = back.elapsed();
+    eprintln!("placed and active again {recovered:?} after the restart");
+
+    // Both leases are renewed again, as the table has them: the placer's
+    // pool and the binder's (neither holder kept working on a dead
+    // connection, nor stopped).
+    let restarted_at: std::time::SystemTime = events::db::connect(&cfg, "test")
+        .await
+        .unwrap()
+        .query_one("SELECT pg_postmaster_start_time()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let t = std::time::Instant::now();
+    loop {
+        let client = events::db::connect(&cfg, "test").await.unwrap();
+        let renewed: i64 = client
+            .query_one(
+                "SELECT count(*) FROM strata.leases
+                  WHERE name IN ('binder', 'pool/crash') AND renewed_at > $1 AND expires_at > now()",
+                &[&restarted_at],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if renewed == 2 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the leases were not renewed after the restart: {:?}",
+            client
+                .query(
+                    "SELECT name, holder, renewed_at::text, expires_at::text FROM strata.leases",
+                    &[]
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (
+                    r.get::<_, String>(0),
+                    r.get::<_, String>(1),
+                    r.get::<_, String>(2),
+                    r.get::<_, String>(3)
+                ))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!placer.is_finished(), "the placer stopped");
+    assert!(!binder.is_finished(), "the binder stopped");
+    let client = events::db::connect(&cfg, "test").await.unwrap();
+    // And placement goes on after them: a release, then a new reservation.
+    client::release(&appender, "before", "done").await.unwrap();
+    until_on(&cfg, "reservation/before", "reservation.ended", 30).await;
+    client::reserve(
+        &client,
+        &appender,
+        &request("later", "crash", 8, Shape::Node),
+    )
+    .await
+    .unwrap();
+    until_on(&cfg, "reservation/later", "reservation.activated", 30).await;
+    let report = check::check(&client, |_| {}).await.unwrap();
+    assert_eq!((report.live, report.booked_devices), (2, 16));
+    node.abort();
+    binder.stop().await.unwrap();
     placer.stop().await.unwrap();
 }
