@@ -7,7 +7,7 @@ use crate::api_proto::{
     SubscribeMessage, SubscribedEvent,
 };
 use crate::revocation;
-use crate::server::{Shared, Waited};
+use crate::state::{Shared, Waited};
 use events::AppendError;
 use projections::commands::{self, Command};
 use projections::requests::{self, RequestError};

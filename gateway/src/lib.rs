@@ -1,12 +1,18 @@
 //! The gateway: joins, mutual-TLS node sessions, node events into the log.
 
+pub mod admission;
 pub mod api;
 pub mod ca;
 pub mod codec;
+pub mod dispatch;
 pub mod grants;
 pub mod identity;
+pub mod join;
 pub mod revocation;
 pub mod server;
+pub mod session;
+pub mod state;
+pub mod writer;
 
 pub mod proto {
     tonic::include_proto!("strata.node.v1");

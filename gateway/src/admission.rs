@@ -1,0 +1,59 @@
+//! Who may open a session now: a token bucket for new sessions, a cap on
+//! open sessions and on sessions waiting for their Hello. Every refusal is
+//! `RESOURCE_EXHAUSTED` with a jittered `retry-after-ms` in its metadata,
+//! which daemons obey.
+
+use crate::state::Shared;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::OwnedSemaphorePermit;
+use tonic::Status;
+
+pub(crate) fn pushback(reason: &str, base_ms: u32) -> Status {
+    // Full jitter around the base: [base/2, 3*base/2).
+    let ms = base_ms / 2 + fastrand::u32(0..base_ms.max(1));
+    let mut s = Status::resource_exhausted(format!("{reason}; retry in {ms} ms"));
+    if let Ok(v) = ms.to_string().parse() {
+        s.metadata_mut().insert("retry-after-ms", v);
+    }
+    s
+}
+
+impl Shared {
+    pub(crate) fn admit(&self) -> Result<OwnedSemaphorePermit, Status> {
+        {
+            let mut b = self.bucket.lock().expect("bucket lock");
+            let now = Instant::now();
+            let rate = self.config.handshakes_per_second.max(0.001);
+            b.tokens =
+                (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(rate.max(1.0));
+            b.last = now;
+            if b.tokens < 1.0 {
+                self.stats.refused_admission.fetch_add(1, Ordering::Relaxed);
+                return Err(pushback("too many new sessions per second", 1000));
+            }
+            b.tokens -= 1.0;
+        }
+        let permit = self.streams.clone().try_acquire_owned().map_err(|_| {
+            self.stats.refused_admission.fetch_add(1, Ordering::Relaxed);
+            pushback("this gateway holds its maximum of sessions", 5000)
+        })?;
+        let pending = self.pending_hellos.fetch_add(1, Ordering::AcqRel);
+        if pending >= self.config.max_pending_hellos {
+            self.pending_hellos.fetch_sub(1, Ordering::AcqRel);
+            self.stats.refused_admission.fetch_add(1, Ordering::Relaxed);
+            return Err(pushback("too many sessions waiting for their Hello", 1000));
+        }
+        Ok(permit)
+    }
+}
+
+/// Counts a session as waiting for its Hello until dropped.
+pub(crate) struct PendingHello(pub(crate) Arc<Shared>);
+
+impl Drop for PendingHello {
+    fn drop(&mut self) {
+        self.0.pending_hellos.fetch_sub(1, Ordering::AcqRel);
+    }
+}

@@ -1,0 +1,217 @@
+//! Commands from the log to the sessions holding their nodes: the
+//! dispatcher follows command events (and reservation outcomes, for API
+//! callers waiting on them), pushes new commands to the node's session,
+//! ends revoked nodes' sessions and expires overdue commands.
+
+use crate::proto::{gateway_message, GatewayMessage};
+use crate::state::{Shared, Waited};
+use events::AppendError;
+use projections::commands::{self, CommandState};
+use projections::Fact;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tonic::Status;
+
+pub(crate) fn to_message(c: &commands::Command) -> GatewayMessage {
+    GatewayMessage {
+        body: Some(gateway_message::Body::Command(crate::proto::Command {
+            id: c.id.clone(),
+            kind: c.kind.clone(),
+            args_json: c.args.to_string(),
+            deadline_unix_ms: c.deadline_ms as i64,
+        })),
+    }
+}
+
+/// Moves a command of `node` to its next state, at the version the gateway
+/// knows; a command of another node is refused, one that is already
+/// terminal (a result sent again after a reconnect) is left alone.
+pub(crate) async fn command_transition(
+    shared: &Shared,
+    node: &str,
+    id: &str,
+    event_type: &str,
+    payload: serde_json::Value,
+) -> Result<(), Status> {
+    let target = CommandState::from_event_type(event_type).expect("a command event");
+    for _ in 0..3 {
+        let version = {
+            let cmds = shared.commands.lock().expect("commands lock");
+            match cmds.by_id.get(id) {
+                None => {
+                    tracing::debug!(%node, command = %id, "a report for a command this gateway does not know (finished, or not yet seen)");
+                    return Ok(());
+                }
+                Some(t) if t.command.node != node => {
+                    shared
+                        .stats
+                        .refused_identity
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Err(Status::permission_denied(format!(
+                        "command {id} is for node {}, not {node}",
+                        t.command.node
+                    )));
+                }
+                Some(t) if t.state.is_terminal() || t.state == target => return Ok(()),
+                Some(t) => t.version,
+            }
+        };
+        match commands::transition(&shared.appender, id, version, event_type, &payload).await {
+            Ok(v) => {
+                let mut cmds = shared.commands.lock().expect("commands lock");
+                if let Some(t) = cmds.by_id.get_mut(id) {
+                    if v > t.version {
+                        t.version = v;
+                        t.state = target;
+                    }
+                }
+                if target.is_terminal() {
+                    shared
+                        .stats
+                        .commands_finished
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                return Ok(());
+            }
+            Err(AppendError::VersionConflict { actual, .. }) => {
+                // Another write landed first (an expiry, another gateway):
+                // wait for the subscription to catch up, then look again.
+                let deadline = Instant::now() + Duration::from_secs(2);
+                while Instant::now() < deadline {
+                    let seen = shared
+                        .commands
+                        .lock()
+                        .expect("commands lock")
+                        .by_id
+                        .get(id)
+                        .is_none_or(|t| t.version >= actual);
+                    if seen {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            Err(e) => {
+                return Err(Status::unavailable(format!(
+                    "record the command's state: {e}"
+                )))
+            }
+        }
+    }
+    Err(Status::unavailable("the command's state kept moving"))
+}
+
+/// Follows command events: tracks their state, pushes new ones to the node's
+/// session if this gateway holds it, and expires overdue ones.
+pub(crate) async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscription) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            e = sub.next() => {
+                let e = match e {
+                    Ok(e) => e,
+                    Err(err) => {
+                        tracing::error!(error = %err, "the gateway's command subscription failed");
+                        return;
+                    }
+                };
+                sub.ack(e.position);
+                if e.event_type == "node.revoked" {
+                    // A revoked node's live session ends now, not at its
+                    // next reconnect.
+                    if let Some(node) = e.stream.strip_prefix("node/") {
+                        let gone = shared.sessions.lock().expect("sessions lock").remove(node);
+                        if let Some(s) = gone {
+                            shared.stats.refused_identity.fetch_add(1, Ordering::Relaxed);
+                            let _ = s.tx.try_send(Err(Status::permission_denied(format!(
+                                "the certificate of node {node} is revoked"
+                            ))));
+                            tracing::info!(%node, "ended the session of a revoked node");
+                        }
+                    }
+                    continue;
+                }
+                if e.stream.starts_with("pool/") {
+                    let outcome = match projections::domain::canonical_type(&e.event_type) {
+                        "reservation.placed" => Some("placed"),
+                        "reservation.rejected" => Some("unschedulable"),
+                        "reservation.released" => Some("released"),
+                        "reservation.expired" => Some("expired"),
+                        _ => None,
+                    };
+                    if let (Some(state), Ok(Some(fact))) = (outcome, Fact::parse(&e.event_type, &e.payload)) {
+                        if let Some(id) = fact.reservation() {
+                            let (reason, allocations) = match &fact {
+                                Fact::ReservationPlaced { allocations, .. } => (String::new(), allocations.clone()),
+                                Fact::ReservationUnschedulable { reason, .. } => (reason.clone(), Vec::new()),
+                                _ => (String::new(), Vec::new()),
+                            };
+                            shared.notify(&format!("r:{id}"), || Waited::Reservation {
+                                state: state.to_string(),
+                                reason: reason.clone(),
+                                allocations: allocations.clone(),
+                            });
+                        }
+                    }
+                    continue;
+                }
+                if !e.stream.starts_with("command/") {
+                    continue;
+                }
+                let push = {
+                    let mut cmds = shared.commands.lock().expect("commands lock");
+                    let changed = cmds.apply(&e);
+                    let id = e.stream.trim_start_matches("command/");
+                    let push = (changed.is_some() && e.event_type == commands::ISSUED)
+                        .then(|| cmds.by_id.get(id).map(|t| t.command.clone()))
+                        .flatten();
+                    // Terminal commands are no longer needed here.
+                    if cmds.by_id.get(id).is_some_and(|t| t.state.is_terminal()) {
+                        if let Some(t) = cmds.by_id.remove(id) {
+                            shared.notify(&format!("c:{id}"), || Waited::Command(t.clone()));
+                        }
+                    }
+                    push
+                };
+                if let Some(c) = push {
+                    let tx = shared
+                        .sessions
+                        .lock()
+                        .expect("sessions lock")
+                        .get(&c.node)
+                        .filter(|s| !s.closed)
+                        .map(|s| s.tx.clone());
+                    if let Some(tx) = tx {
+                        if tx.try_send(Ok(to_message(&c))).is_ok() {
+                            shared.stats.commands_dispatched.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            shared.stats.command_drops.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(node = %c.node, command = %c.id, "the session's queue is full; the command is sent again when the node reconnects");
+                        }
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                let overdue: Vec<(String, u64)> = shared
+                    .commands
+                    .lock()
+                    .expect("commands lock")
+                    .by_id
+                    .values()
+                    .filter(|t| !t.state.is_terminal() && t.command.deadline_ms + 1000 < now)
+                    .map(|t| (t.command.id.clone(), t.version))
+                    .collect();
+                for (id, version) in overdue {
+                    let payload = serde_json::json!({ "id": id, "gateway": shared.config.id });
+                    if commands::transition(&shared.appender, &id, version, commands::EXPIRED, &payload).await.is_ok() {
+                        shared.stats.commands_finished.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! The Join service: a one-time token and a CSR become a node certificate.
+
+use crate::identity::{self};
+use crate::proto::{join_server, JoinRequest, JoinResponse};
+use crate::state::Shared;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+pub(crate) struct JoinService {
+    pub(crate) shared: Arc<Shared>,
+}
+
+#[tonic::async_trait]
+impl join_server::Join for JoinService {
+    async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinResponse>, Status> {
+        let req = req.into_inner();
+        projections::domain::valid_name("node id", &req.node_id)
+            .map_err(Status::invalid_argument)?;
+        let signed = self
+            .shared
+            .ca
+            .sign_node(
+                &req.node_id,
+                &req.csr_pem,
+                self.shared.config.certificate_days,
+            )
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let mut conn = self.shared.joins.lock().await;
+        if conn.as_ref().is_none_or(|c| c.is_closed()) {
+            *conn = Some(
+                events::db::connect(&self.shared.db.config, "join-connection")
+                    .await
+                    .map_err(|e| Status::unavailable(format!("database: {e}")))?,
+            );
+        }
+        let client = conn.as_mut().expect("connected above");
+        let pool = identity::redeem(client, &req.token, &req.node_id, &signed)
+            .await
+            .map_err(|e| match e {
+                identity::IdentityError::BadToken => Status::permission_denied(e.to_string()),
+                e => Status::unavailable(e.to_string()),
+            })?;
+        self.shared.stats.joins.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(node = %req.node_id, %pool, serial = %signed.serial, "node joined");
+        Ok(Response::new(JoinResponse {
+            certificate_pem: signed.certificate_pem,
+            ca_pem: self.shared.ca.cert_pem().to_string(),
+            pool,
+        }))
+    }
+}

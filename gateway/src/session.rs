@@ -1,0 +1,542 @@
+//! One node's session: the Session service checks the node's certificate,
+//! then Hello, Welcome, the inventory sections wanted, heartbeats, status
+//! and health reports, command acks and results. The sweeper marks nodes
+//! unreachable after three missed heartbeats.
+//!
+//! Ownership: a session is opened by appending `node.session_opened` to the
+//! node's stream at the version the gateway read; the resulting version is
+//! the session's epoch. Every later write for the node goes to that stream
+//! with the exact version this session last wrote, so once another gateway
+//! opens a newer session the older owner's writes are refused (and it closes
+//! its session). Heartbeats stay in memory; only transitions
+//! (`node.unreachable`, `node.reachable`) and statuses that changed are
+//! written.
+
+use crate::admission::PendingHello;
+use crate::ca::{self};
+use crate::dispatch::{command_transition, to_message};
+use crate::identity::{self, node_stream};
+use crate::proto::{
+    gateway_message, node_message, session_server, GatewayMessage, NodeMessage, Welcome,
+};
+use crate::state::{Outbox, Reply, SessionEntry, Shared, Write};
+use events::{AppendError, ExpectedVersion, NewEvent};
+use futures_util::Stream;
+use projections::commands::{self};
+use projections::domain::pool_stream;
+use projections::{DeviceSpec, Fact};
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tonic::{Request, Response, Status, Streaming};
+
+pub(crate) struct SessionService {
+    pub(crate) shared: Arc<Shared>,
+}
+
+pub(crate) type Outbound = Pin<Box<dyn Stream<Item = Result<GatewayMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl session_server::Session for SessionService {
+    type OpenStream = Outbound;
+
+    async fn open(
+        &self,
+        req: Request<Streaming<NodeMessage>>,
+    ) -> Result<Response<Outbound>, Status> {
+        let shared = self.shared.clone();
+        let refuse = |s: Status| {
+            shared
+                .stats
+                .refused_identity
+                .fetch_add(1, Ordering::Relaxed);
+            s
+        };
+        let certs = req.peer_certs().ok_or_else(|| {
+            refuse(Status::unauthenticated(
+                "a session needs a node certificate",
+            ))
+        })?;
+        let cert = certs.first().ok_or_else(|| {
+            refuse(Status::unauthenticated(
+                "a session needs a node certificate",
+            ))
+        })?;
+        let id =
+            ca::node_identity(cert.as_ref()).map_err(|e| refuse(Status::unauthenticated(e)))?;
+        let permit = shared.admit()?;
+        let pending = PendingHello(shared.clone());
+        let client = shared
+            .db
+            .get()
+            .await
+            .map_err(|e| Status::unavailable(format!("database: {e}")))?;
+        let record = identity::lookup(&client, &id.serial)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        let record = match record {
+            None => {
+                return Err(refuse(Status::permission_denied(
+                    "this certificate was not issued to a node of this region",
+                )))
+            }
+            Some(r) if r.revoked => {
+                return Err(refuse(Status::permission_denied(format!(
+                    "the certificate of node {} is revoked",
+                    r.node
+                ))))
+            }
+            Some(r) if r.expired => {
+                return Err(refuse(Status::permission_denied(
+                    "the certificate has expired; join again",
+                )))
+            }
+            Some(r) if r.node != id.node => {
+                return Err(refuse(Status::permission_denied(
+                    "the certificate's node disagrees with its record",
+                )))
+            }
+            Some(r) => r,
+        };
+        let (tx, rx) = mpsc::channel(64);
+        let tx = Outbox(tx);
+        events::task::spawn(
+            "gateway-session",
+            session(
+                shared,
+                id.node,
+                record.pool,
+                req.into_inner(),
+                tx,
+                permit,
+                pending,
+            ),
+        );
+        let out =
+            futures_util::stream::unfold(rx, |mut rx: mpsc::Receiver<Box<Reply>>| async move {
+                rx.recv().await.map(|m| (*m, rx))
+            });
+        Ok(Response::new(Box::pin(out)))
+    }
+}
+
+/// What the node is told when its stream broke: a message that did not
+/// decode or was too large is the node's fault, and says so.
+pub(crate) fn refusal(status: Status) -> Status {
+    match status.code() {
+        tonic::Code::Internal | tonic::Code::Unknown => {
+            Status::invalid_argument(format!("malformed message: {}", status.message()))
+        }
+        _ => status,
+    }
+}
+
+pub(crate) async fn session(
+    shared: Arc<Shared>,
+    node: String,
+    pool: String,
+    mut inbound: Streaming<NodeMessage>,
+    tx: Outbox,
+    _permit: OwnedSemaphorePermit,
+    pending: PendingHello,
+) {
+    let first = tokio::time::timeout(Duration::from_secs(10), inbound.message()).await;
+    let hello = match first {
+        Ok(Ok(Some(NodeMessage {
+            body: Some(node_message::Body::Hello(h)),
+        }))) => h,
+        Ok(Err(status)) => {
+            tracing::debug!(%node, %status, "session ended before its Hello");
+            let _ = tx.send(Err(refusal(status))).await;
+            return;
+        }
+        _ => {
+            let _ = tx
+                .send(Err(Status::invalid_argument(
+                    "the first message of a session must be Hello",
+                )))
+                .await;
+            return;
+        }
+    };
+    drop(pending);
+    if hello.node_id != node {
+        shared
+            .stats
+            .refused_identity
+            .fetch_add(1, Ordering::Relaxed);
+        let _ = tx
+            .send(Err(Status::permission_denied(format!(
+                "this session's certificate names node {node:?}; it may not speak for {:?}",
+                hello.node_id
+            ))))
+            .await;
+        return;
+    }
+    // Take ownership: append at the version read; the new version is the epoch.
+    // The long-lived session task stays small: futures that run once (or
+    // now and then) are boxed instead of living in its state machine.
+    let epoch = match Box::pin(open_session(&shared, &node, &hello)).await {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::warn!(%node, error = %e, "could not open the session");
+            let _ = tx
+                .send(Err(Status::unavailable(format!("open the session: {e}"))))
+                .await;
+            return;
+        }
+    };
+    let want = match Box::pin(wanted_sections(&shared, &node, &hello.section_hashes)).await {
+        Ok(w) => w,
+        Err(e) => {
+            let _ = tx
+                .send(Err(Status::unavailable(format!("database: {e}"))))
+                .await;
+            return;
+        }
+    };
+    drop(hello);
+    {
+        let mut sessions = shared.sessions.lock().expect("sessions lock");
+        sessions.insert(
+            node.clone(),
+            SessionEntry {
+                epoch,
+                version: epoch,
+                last_heartbeat: Instant::now(),
+                reachable: true,
+                status: None,
+                closed: false,
+                tx: tx.clone(),
+            },
+        );
+        shared.stats.sessions.store(
+            sessions.values().filter(|s| !s.closed).count() as u64,
+            Ordering::Relaxed,
+        );
+    }
+    shared.stats.sessions_opened.fetch_add(1, Ordering::Relaxed);
+    let welcome = GatewayMessage {
+        body: Some(gateway_message::Body::Welcome(Welcome {
+            epoch,
+            heartbeat_seconds: shared.config.heartbeat.as_secs().max(1) as u32,
+            want_sections: want,
+        })),
+    };
+    if tx.send(Ok(welcome)).await.is_err() {
+        return;
+    }
+    // Commands issued while the node was away.
+    let pending: Vec<GatewayMessage> = {
+        let cmds = shared.commands.lock().expect("commands lock");
+        let mut open: Vec<_> = cmds
+            .by_id
+            .values()
+            .filter(|t| t.command.node == node && !t.state.is_terminal())
+            .collect();
+        open.sort_by_key(|t| t.command.deadline_ms);
+        open.into_iter().map(|t| to_message(&t.command)).collect()
+    };
+    for m in pending {
+        if tx.send(Ok(m)).await.is_err() {
+            return;
+        }
+    }
+    tracing::debug!(%node, epoch, "session open");
+    loop {
+        let msg = match inbound.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(status) => {
+                tracing::debug!(%node, %status, "session stream ended with an error");
+                let _ = tx.send(Err(refusal(status))).await;
+                break;
+            }
+        };
+        if let Err(status) = Box::pin(handle(&shared, &node, &pool, epoch, msg)).await {
+            let _ = tx.send(Err(status)).await;
+            break;
+        }
+    }
+    let mut sessions = shared.sessions.lock().expect("sessions lock");
+    if let Some(s) = sessions.get_mut(&node) {
+        if s.epoch == epoch {
+            s.closed = true;
+        }
+    }
+    shared.stats.sessions.store(
+        sessions.values().filter(|s| !s.closed).count() as u64,
+        Ordering::Relaxed,
+    );
+}
+
+pub(crate) async fn open_session(
+    shared: &Shared,
+    node: &str,
+    hello: &crate::proto::Hello,
+) -> Result<u64, AppendError> {
+    let stream = node_stream(node);
+    for _ in 0..5 {
+        let client = shared
+            .db
+            .get()
+            .await
+            .map_err(|e| AppendError::OutcomeUnknown(e.to_string()))?;
+        let version: i64 = client
+            .query_opt(
+                "SELECT version FROM strata.streams WHERE stream = $1",
+                &[&stream],
+            )
+            .await
+            .map_err(|e| AppendError::OutcomeUnknown(e.to_string()))?
+            .map_or(0, |r| r.get(0));
+        let event = NewEvent::new(
+            "node.session_opened",
+            &serde_json::json!({
+                "node": node,
+                "gateway": shared.config.id,
+                "generation": hello.generation,
+                "agent_version": hello.agent_version,
+            }),
+        );
+        match shared
+            .write(Write {
+                stream: stream.clone(),
+                session: None,
+                expected: ExpectedVersion::Exact(version as u64),
+                events: vec![event],
+                done: None,
+            })
+            .await
+        {
+            Ok(v) => return Ok(v),
+            Err(AppendError::VersionConflict { .. }) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(AppendError::Invalid(
+        "the node's stream kept moving while opening its session".into(),
+    ))
+}
+
+pub(crate) async fn wanted_sections(
+    shared: &Shared,
+    node: &str,
+    offered: &HashMap<String, String>,
+) -> Result<Vec<String>, tokio_postgres::Error> {
+    let client = shared.db.get().await?;
+    let known: HashMap<String, String> = client
+        .query(
+            "SELECT section, hash FROM strata.node_sections WHERE node = $1",
+            &[&node],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let mut want: Vec<String> = offered
+        .iter()
+        .filter(|(name, hash)| known.get(*name) != Some(*hash))
+        .map(|(name, _)| name.clone())
+        .collect();
+    want.sort();
+    Ok(want)
+}
+
+pub(crate) async fn handle(
+    shared: &Arc<Shared>,
+    node: &str,
+    pool: &str,
+    epoch: u64,
+    msg: NodeMessage,
+) -> Result<(), Status> {
+    let Some(body) = msg.body else {
+        return Err(Status::invalid_argument("an empty message"));
+    };
+    match body {
+        node_message::Body::Hello(_) => {
+            return Err(Status::invalid_argument("Hello is sent once, first"));
+        }
+        node_message::Body::Heartbeat(_) => {
+            let became_reachable = {
+                let mut sessions = shared.sessions.lock().expect("sessions lock");
+                match sessions.get_mut(node) {
+                    Some(s) if s.epoch == epoch => {
+                        s.last_heartbeat = Instant::now();
+                        !std::mem::replace(&mut s.reachable, true)
+                    }
+                    _ => {
+                        return Err(Status::aborted(
+                            "a newer session for this node replaced this one",
+                        ))
+                    }
+                }
+            };
+            if became_reachable {
+                shared.stats.transitions.fetch_add(1, Ordering::Relaxed);
+                shared.session_write(
+                    node,
+                    NewEvent::new("node.reachable", &serde_json::json!({ "node": node })),
+                );
+            }
+        }
+        node_message::Body::Status(s) => {
+            let changed = {
+                let mut sessions = shared.sessions.lock().expect("sessions lock");
+                match sessions.get_mut(node) {
+                    Some(e) if e.epoch == epoch => {
+                        let new = Some((s.state.clone(), s.detail.clone()));
+                        if e.status != new {
+                            e.status = new;
+                            true
+                        } else {
+                            false
+                        }
+                    }
+                    _ => false,
+                }
+            };
+            if changed {
+                shared.session_write(
+                    node,
+                    NewEvent::new(
+                        "node.status",
+                        &serde_json::json!({ "node": node, "state": s.state, "detail": s.detail }),
+                    ),
+                );
+            }
+        }
+        node_message::Body::Inventory(section) => {
+            let mut devices = Vec::with_capacity(section.devices.len());
+            for d in section.devices {
+                if d.id.is_empty() || d.class.is_empty() {
+                    return Err(Status::invalid_argument("a device needs an id and a class"));
+                }
+                devices.push(DeviceSpec {
+                    id: d.id,
+                    class: d.class,
+                    memory_mb: d.memory_mb,
+                    island: (!d.island.is_empty()).then_some(d.island),
+                    pci: (!d.pci.is_empty()).then_some(d.pci),
+                    numa: Some(d.numa),
+                });
+            }
+            let fact = Fact::NodeJoined {
+                node: node.to_string(),
+                devices,
+            };
+            let (shared, node, name, hash) =
+                (shared.clone(), node.to_string(), section.name, section.hash);
+            let stream = pool_stream(pool);
+            tokio::spawn(async move {
+                let r = shared
+                    .write(Write {
+                        stream,
+                        session: None,
+                        expected: ExpectedVersion::StreamExists,
+                        events: vec![fact.to_event()],
+                        done: None,
+                    })
+                    .await;
+                match r {
+                    Ok(_) => {
+                        if let Ok(c) = shared.db.get().await {
+                            let _ = c
+                                .execute(
+                                    "INSERT INTO strata.node_sections (node, section, hash) VALUES ($1, $2, $3)
+                                     ON CONFLICT (node, section) DO UPDATE SET hash = $3, updated_at = now()",
+                                    &[&node, &name, &hash],
+                                )
+                                .await;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(%node, error = %e, "could not write the node's inventory")
+                    }
+                }
+            });
+        }
+        node_message::Body::Health(h) => {
+            let device = (!h.device.is_empty()).then_some(h.device);
+            let fact = if h.cleared {
+                Fact::HealthCleared {
+                    node: node.to_string(),
+                    device,
+                    condition: h.condition,
+                }
+            } else {
+                Fact::HealthRaised {
+                    node: node.to_string(),
+                    device,
+                    condition: h.condition,
+                    detail: h.detail,
+                }
+            };
+            shared.write_later(Write {
+                stream: pool_stream(pool),
+                session: None,
+                expected: ExpectedVersion::StreamExists,
+                events: vec![fact.to_event()],
+                done: None,
+            });
+        }
+        node_message::Body::Ack(a) => {
+            let payload = serde_json::json!({
+                "id": a.command_id, "node": node, "gateway": shared.config.id,
+            });
+            command_transition(shared, node, &a.command_id, commands::ACKED, payload).await?;
+        }
+        node_message::Body::Result(r) => {
+            let output: serde_json::Value =
+                serde_json::from_str(&r.output_json).unwrap_or(serde_json::Value::Null);
+            let t = if r.ok {
+                commands::SUCCEEDED
+            } else {
+                commands::FAILED
+            };
+            let payload = serde_json::json!({
+                "id": r.command_id, "node": node, "detail": r.detail, "output": output,
+            });
+            command_transition(shared, node, &r.command_id, t, payload).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Marks nodes unreachable after three missed heartbeats and forgets closed
+/// sessions once that is written.
+pub(crate) async fn sweeper(shared: Arc<Shared>) {
+    let period = (shared.config.heartbeat / 2).max(Duration::from_millis(100));
+    let mut tick = tokio::time::interval(period);
+    loop {
+        tick.tick().await;
+        let limit = shared.config.heartbeat * 3;
+        let mut lost = Vec::new();
+        {
+            let mut sessions = shared.sessions.lock().expect("sessions lock");
+            sessions.retain(|node, s| {
+                if s.reachable && s.last_heartbeat.elapsed() > limit {
+                    s.reachable = false;
+                    lost.push((node.clone(), s.epoch, s.version));
+                }
+                !s.closed || s.reachable
+            });
+        }
+        for (node, epoch, version) in lost {
+            shared.stats.transitions.fetch_add(1, Ordering::Relaxed);
+            shared.write_later(Write {
+                stream: node_stream(&node),
+                session: Some((node.clone(), epoch)),
+                expected: ExpectedVersion::Exact(version),
+                events: vec![NewEvent::new(
+                    "node.unreachable",
+                    &serde_json::json!({ "node": node }),
+                )],
+                done: None,
+            });
+        }
+    }
+}

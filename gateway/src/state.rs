@@ -1,0 +1,217 @@
+//! What every part of a gateway shares: its configuration, counters, the
+//! sessions it holds, the queue of writes, the commands it follows and the
+//! API callers waiting for outcomes.
+
+use crate::ca::{self, Ca};
+use crate::proto::GatewayMessage;
+use events::{AppendError, Appender, ExpectedVersion, NewEvent, Reader};
+use projections::commands::{self, Commands};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tonic::Status;
+
+/// How a gateway runs.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// This gateway's name in the log.
+    pub id: String,
+    pub listen: SocketAddr,
+    /// The region's node CA (`strata ca init`).
+    pub ca_dir: PathBuf,
+    /// DNS names and IP addresses for the serving certificate.
+    pub names: Vec<String>,
+    pub max_streams: usize,
+    pub handshakes_per_second: f64,
+    pub max_pending_hellos: usize,
+    /// The heartbeat interval nodes are told; a node is unreachable after
+    /// three missed.
+    pub heartbeat: Duration,
+    /// Largest message accepted, in bytes.
+    pub max_message_bytes: usize,
+    /// Validity of node certificates signed at join, in days.
+    pub certificate_days: i64,
+}
+
+impl GatewayConfig {
+    pub fn new(id: impl Into<String>, listen: SocketAddr, ca_dir: impl Into<PathBuf>) -> Self {
+        GatewayConfig {
+            id: id.into(),
+            listen,
+            ca_dir: ca_dir.into(),
+            names: vec!["localhost".into(), "127.0.0.1".into()],
+            max_streams: 20_000,
+            handshakes_per_second: 2_000.0,
+            max_pending_hellos: 1_000,
+            heartbeat: Duration::from_secs(10),
+            max_message_bytes: 1 << 20,
+            certificate_days: 365,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error(transparent)]
+    Ca(#[from] ca::CaError),
+    #[error("listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("serve: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("database: {0}")]
+    Database(#[from] tokio_postgres::Error),
+    #[error("follow commands: {0}")]
+    Commands(String),
+}
+
+/// Counters of a running gateway.
+#[derive(Debug, Default)]
+pub struct GatewayStats {
+    pub sessions: AtomicU64,
+    pub sessions_opened: AtomicU64,
+    pub refused_admission: AtomicU64,
+    pub refused_identity: AtomicU64,
+    pub joins: AtomicU64,
+    pub batches: AtomicU64,
+    pub events_written: AtomicU64,
+    pub fenced: AtomicU64,
+    pub write_errors: AtomicU64,
+    pub transitions: AtomicU64,
+    pub commands_dispatched: AtomicU64,
+    pub commands_finished: AtomicU64,
+    /// Commands that could not be queued to a live session (sent again on
+    /// reconnect).
+    pub command_drops: AtomicU64,
+}
+
+pub(crate) struct Bucket {
+    pub(crate) tokens: f64,
+    pub(crate) last: Instant,
+}
+
+/// A node's session as this gateway knows it.
+pub(crate) struct SessionEntry {
+    pub(crate) epoch: u64,
+    /// The node stream's version after this session's last write.
+    pub(crate) version: u64,
+    pub(crate) last_heartbeat: Instant,
+    pub(crate) reachable: bool,
+    pub(crate) status: Option<(String, String)>,
+    /// When the session's stream ended (the entry stays until the node is
+    /// written unreachable, or a new session replaces it).
+    pub(crate) closed: bool,
+    pub(crate) tx: Outbox,
+}
+
+/// One write for the writer task.
+pub(crate) struct Write {
+    pub(crate) stream: String,
+    /// For writes fenced by a session: (node, epoch).
+    pub(crate) session: Option<(String, u64)>,
+    pub(crate) expected: ExpectedVersion,
+    pub(crate) events: Vec<NewEvent>,
+    pub(crate) done: Option<oneshot::Sender<Result<u64, AppendError>>>,
+}
+
+pub(crate) struct Shared {
+    pub(crate) config: GatewayConfig,
+    pub(crate) ca: Ca,
+    pub(crate) db: events::db::Db,
+    pub(crate) appender: Appender,
+    pub(crate) reader: Reader,
+    pub(crate) stats: Arc<GatewayStats>,
+    pub(crate) streams: Arc<Semaphore>,
+    pub(crate) pending_hellos: AtomicUsize,
+    pub(crate) bucket: Mutex<Bucket>,
+    pub(crate) sessions: Mutex<HashMap<String, SessionEntry>>,
+    pub(crate) writes: mpsc::Sender<Write>,
+    /// Commands not yet terminal, as the log says.
+    pub(crate) commands: Mutex<Commands>,
+    /// API callers waiting for a reservation's (`r:<id>`) or a command's
+    /// (`c:<id>`) outcome.
+    pub(crate) waiters: Mutex<HashMap<String, Vec<oneshot::Sender<Waited>>>>,
+    /// Revoked client certificates (operators of the client API).
+    pub(crate) revoked: crate::revocation::Revoked,
+    /// The pool index ListPools answers from: built from the log on the
+    /// first call, then brought up to date from where it stopped.
+    pub(crate) pools: tokio::sync::Mutex<projections::Index>,
+    /// The connection joins run their transactions on (one at a time: a
+    /// join is rare and short), made when first needed or after it closed.
+    pub(crate) joins: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
+}
+
+/// What an API caller waited for.
+pub(crate) enum Waited {
+    Reservation {
+        state: String,
+        reason: String,
+        allocations: Vec<projections::Allocation>,
+    },
+    Command(commands::Tracked),
+}
+
+impl Shared {
+    pub(crate) fn add_waiter(&self, key: &str) -> oneshot::Receiver<Waited> {
+        let (tx, rx) = oneshot::channel();
+        self.waiters
+            .lock()
+            .expect("waiters lock")
+            .entry(key.to_string())
+            .or_default()
+            .push(tx);
+        rx
+    }
+
+    pub(crate) fn forget_waiter(&self, key: &str) {
+        let mut w = self.waiters.lock().expect("waiters lock");
+        if let Some(v) = w.get_mut(key) {
+            v.retain(|tx| !tx.is_closed());
+            if v.is_empty() {
+                w.remove(key);
+            }
+        }
+    }
+
+    pub(crate) fn notify(&self, key: &str, make: impl Fn() -> Waited) {
+        let waiting = self.waiters.lock().expect("waiters lock").remove(key);
+        for tx in waiting.into_iter().flatten() {
+            let _ = tx.send(make());
+        }
+    }
+
+    pub(crate) fn session_nodes(&self) -> std::collections::HashSet<String> {
+        self.sessions
+            .lock()
+            .expect("sessions lock")
+            .iter()
+            .filter(|(_, s)| !s.closed)
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+}
+
+pub(crate) type Reply = Result<GatewayMessage, Status>;
+
+/// A session's outgoing queue. Items are boxed: a queue block holds 32 slots
+/// whatever the capacity, and an unboxed `Status` is about 200 bytes, which
+/// at 10,000 sessions is 60 MiB of mostly empty slots.
+#[derive(Clone)]
+pub(crate) struct Outbox(pub(crate) mpsc::Sender<Box<Reply>>);
+
+impl Outbox {
+    pub(crate) async fn send(&self, r: Reply) -> Result<(), ()> {
+        self.0.send(Box::new(r)).await.map_err(|_| ())
+    }
+
+    pub(crate) fn try_send(&self, r: Reply) -> Result<(), ()> {
+        self.0.try_send(Box::new(r)).map_err(|_| ())
+    }
+}
