@@ -124,6 +124,10 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
                 println!("expired {id}");
                 Ok(ExitCode::from(2))
             }
+            Outcome::Failed(reason) => {
+                println!("failed {id}: {reason}");
+                Ok(ExitCode::from(2))
+            }
         },
     }
 }

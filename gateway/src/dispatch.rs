@@ -5,6 +5,7 @@
 
 use crate::proto::{gateway_message, GatewayMessage};
 use crate::state::{Shared, Waited};
+use events::task::Backoff;
 use events::AppendError;
 use projections::commands::{self, CommandState};
 use projections::Fact;
@@ -104,7 +105,77 @@ pub(crate) async fn command_transition(
 
 /// Follows command events: tracks their state, pushes new ones to the node's
 /// session if this gateway holds it, and expires overdue ones.
+///
+/// Supervised: when its subscription fails, it subscribes again after a
+/// backoff, reloads the open commands from the table and pushes them again
+/// to the sessions it holds (a node runs a command id at most once, so a
+/// command pushed twice is acked and not run again).
 pub(crate) async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscription) {
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    loop {
+        let started = Instant::now();
+        let mut error = follow(&shared, &mut sub).await;
+        if started.elapsed() > Duration::from_secs(30) {
+            backoff.reset();
+        }
+        loop {
+            let delay = backoff.next_delay();
+            events::task::restarted("gateway-commands", &error, delay);
+            tokio::time::sleep(delay).await;
+            match resubscribe(&shared).await {
+                Ok(s) => {
+                    sub = s;
+                    break;
+                }
+                Err(e) => error = e,
+            }
+        }
+    }
+}
+
+/// A new subscription from now, then the open commands from the table (an
+/// event seen twice is applied once), pushed again to the sessions held.
+async fn resubscribe(shared: &Shared) -> Result<events::Subscription, String> {
+    let sub = shared
+        .reader
+        .subscribe_ephemeral(events::Start::Now)
+        .await
+        .map_err(|e| format!("subscribe to commands: {e}"))?;
+    let client = shared
+        .db
+        .get()
+        .await
+        .map_err(|e| format!("connect to postgres: {e}"))?;
+    let open = commands::open(&client)
+        .await
+        .map_err(|e| format!("read the open commands: {e}"))?;
+    let mut push = Vec::new();
+    {
+        let mut cmds = shared.commands.lock().expect("commands lock");
+        for t in open {
+            push.push(t.command.clone());
+            match cmds.by_id.get_mut(&t.command.id) {
+                Some(known) if known.version >= t.version => {}
+                Some(known) => *known = t,
+                None => {
+                    cmds.by_id.insert(t.command.id.clone(), t);
+                }
+            }
+        }
+    }
+    let sessions = shared.sessions.lock().expect("sessions lock");
+    for c in push {
+        if let Some(s) = sessions.get(&c.node).filter(|s| !s.closed) {
+            if s.tx.try_send(Ok(to_message(&c))).is_err() {
+                shared.stats.command_drops.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    Ok(sub)
+}
+
+/// Follows the subscription until it fails; the failure.
+async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tokio::select! {
@@ -113,7 +184,7 @@ pub(crate) async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscriptio
                     Ok(e) => e,
                     Err(err) => {
                         tracing::error!(error = %err, "the gateway's command subscription failed");
-                        return;
+                        return format!("follow commands: {err}");
                     }
                 };
                 sub.ack(e.position);
@@ -138,13 +209,15 @@ pub(crate) async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscriptio
                         "reservation.rejected" => Some("unschedulable"),
                         "reservation.released" => Some("released"),
                         "reservation.expired" => Some("expired"),
+                        "reservation.failed" => Some("failed"),
                         _ => None,
                     };
                     if let (Some(state), Ok(Some(fact))) = (outcome, Fact::parse(&e.event_type, &e.payload)) {
                         if let Some(id) = fact.reservation() {
                             let (reason, allocations) = match &fact {
                                 Fact::ReservationPlaced { allocations, .. } => (String::new(), allocations.clone()),
-                                Fact::ReservationUnschedulable { reason, .. } => (reason.clone(), Vec::new()),
+                                Fact::ReservationUnschedulable { reason, .. }
+                                | Fact::ReservationFailed { reason, .. } => (reason.clone(), Vec::new()),
                                 _ => (String::new(), Vec::new()),
                             };
                             shared.notify(&format!("r:{id}"), || Waited::Reservation {

@@ -5,8 +5,10 @@
 //! is one statement, so a token is spent exactly once.
 
 use crate::ca::Signed;
-use events::append::append_one_in;
-use events::{ExpectedVersion, NewEvent};
+use events::append::{append_in, append_one_in};
+use events::{AppenderConfig, ExpectedVersion, NewEvent, StreamAppend};
+use projections::domain::pool_stream;
+use projections::Fact;
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -167,16 +169,39 @@ pub async fn revoke(client: &mut Client, node: &str, reason: &str) -> Result<u64
     if known == 0 {
         return Err(IdentityError::UnknownNode(node.to_string()));
     }
-    append_one_in(
-        &tx,
-        node_stream(node),
-        ExpectedVersion::Any,
-        vec![NewEvent::new(
+    // The node leaves every pool it joined, in the same transaction: no
+    // placement goes to it from now on, and the placer ends the live
+    // reservations on it (`reservation.failed`, `node_revoked`).
+    let pools: Vec<String> = tx
+        .query(
+            "SELECT DISTINCT pool FROM strata.node_certificates WHERE node = $1",
+            &[&node],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut appends = vec![StreamAppend {
+        stream: node_stream(node),
+        expected: ExpectedVersion::Any,
+        events: vec![NewEvent::new(
             "node.revoked",
             &serde_json::json!({ "node": node, "reason": reason, "certificates": n }),
         )],
-    )
-    .await?;
+    }];
+    for pool in pools {
+        appends.push(StreamAppend {
+            stream: pool_stream(&pool),
+            expected: ExpectedVersion::StreamExists,
+            events: vec![Fact::NodeLeft {
+                node: node.to_string(),
+                reason: "revoked".into(),
+            }
+            .to_event()],
+        });
+    }
+    // One call: its streams are locked in name order, then the log head.
+    append_in(&tx, appends, &AppenderConfig::default()).await?;
     tx.commit().await?;
     Ok(n)
 }

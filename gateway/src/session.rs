@@ -179,7 +179,7 @@ pub(crate) async fn session(
     // Take ownership: append at the version read; the new version is the epoch.
     // The long-lived session task stays small: futures that run once (or
     // now and then) are boxed instead of living in its state machine.
-    let epoch = match Box::pin(open_session(&shared, &node, &hello)).await {
+    let epoch = match Box::pin(open_session(&shared, &node, &pool, &hello)).await {
         Ok(e) => e,
         Err(e) => {
             tracing::warn!(%node, error = %e, "could not open the session");
@@ -204,6 +204,7 @@ pub(crate) async fn session(
         sessions.insert(
             node.clone(),
             SessionEntry {
+                pool: pool.clone(),
                 epoch,
                 version: epoch,
                 last_heartbeat: Instant::now(),
@@ -276,6 +277,7 @@ pub(crate) async fn session(
 pub(crate) async fn open_session(
     shared: &Shared,
     node: &str,
+    pool: &str,
     hello: &crate::proto::Hello,
 ) -> Result<u64, AppendError> {
     let stream = node_stream(node);
@@ -293,6 +295,29 @@ pub(crate) async fn open_session(
             .await
             .map_err(|e| AppendError::OutcomeUnknown(e.to_string()))?
             .map_or(0, |r| r.get(0));
+        // A node the region lost contact with is back: its pool hears it in
+        // the same transaction that opens the session.
+        let lost: bool = client
+            .query_opt(
+                "SELECT type FROM strata.events WHERE stream = $1
+                    AND type IN ('node.unreachable', 'node.reachable')
+                  ORDER BY version DESC LIMIT 1",
+                &[&stream],
+            )
+            .await
+            .map_err(|e| AppendError::OutcomeUnknown(e.to_string()))?
+            .is_some_and(|r| r.get::<_, String>(0) == "node.unreachable");
+        let also = if lost {
+            vec![(
+                pool_stream(pool),
+                Fact::NodeContactRestored {
+                    node: node.to_string(),
+                }
+                .to_event(),
+            )]
+        } else {
+            Vec::new()
+        };
         let event = NewEvent::new(
             "node.session_opened",
             &serde_json::json!({
@@ -304,11 +329,12 @@ pub(crate) async fn open_session(
         );
         match shared
             .write(Write {
-                stream: stream.clone(),
-                session: None,
-                expected: ExpectedVersion::Exact(version as u64),
-                events: vec![event],
-                done: None,
+                also,
+                ..Write::plain(
+                    stream.clone(),
+                    ExpectedVersion::Exact(version as u64),
+                    vec![event],
+                )
             })
             .await
         {
@@ -377,10 +403,19 @@ pub(crate) async fn handle(
             };
             if became_reachable {
                 shared.stats.transitions.fetch_add(1, Ordering::Relaxed);
-                shared.session_write(
-                    node,
-                    NewEvent::new("node.reachable", &serde_json::json!({ "node": node })),
-                );
+                shared
+                    .session_write(
+                        node,
+                        NewEvent::new("node.reachable", &serde_json::json!({ "node": node })),
+                        vec![(
+                            pool_stream(pool),
+                            Fact::NodeContactRestored {
+                                node: node.to_string(),
+                            }
+                            .to_event(),
+                        )],
+                    )
+                    .await;
             }
         }
         node_message::Body::Status(s) => {
@@ -400,13 +435,16 @@ pub(crate) async fn handle(
                 }
             };
             if changed {
-                shared.session_write(
-                    node,
-                    NewEvent::new(
-                        "node.status",
-                        &serde_json::json!({ "node": node, "state": s.state, "detail": s.detail }),
-                    ),
-                );
+                shared
+                    .session_write(
+                        node,
+                        NewEvent::new(
+                            "node.status",
+                            &serde_json::json!({ "node": node, "state": s.state, "detail": s.detail }),
+                        ),
+                        Vec::new(),
+                    )
+                    .await;
             }
         }
         node_message::Body::Inventory(section) => {
@@ -433,13 +471,11 @@ pub(crate) async fn handle(
             let stream = pool_stream(pool);
             tokio::spawn(async move {
                 let r = shared
-                    .write(Write {
+                    .write(Write::plain(
                         stream,
-                        session: None,
-                        expected: ExpectedVersion::StreamExists,
-                        events: vec![fact.to_event()],
-                        done: None,
-                    })
+                        ExpectedVersion::StreamExists,
+                        vec![fact.to_event()],
+                    ))
                     .await;
                 match r {
                     Ok(_) => {
@@ -475,13 +511,15 @@ pub(crate) async fn handle(
                     detail: h.detail,
                 }
             };
-            shared.write_later(Write {
-                stream: pool_stream(pool),
-                session: None,
-                expected: ExpectedVersion::StreamExists,
-                events: vec![fact.to_event()],
-                done: None,
-            });
+            // Waits for room in the write queue: a node that reports faster
+            // than the log takes it is held back, never dropped.
+            shared
+                .queue(Write::plain(
+                    pool_stream(pool),
+                    ExpectedVersion::StreamExists,
+                    vec![fact.to_event()],
+                ))
+                .await;
         }
         node_message::Body::Ack(a) => {
             let payload = serde_json::json!({
@@ -520,23 +558,30 @@ pub(crate) async fn sweeper(shared: Arc<Shared>) {
             sessions.retain(|node, s| {
                 if s.reachable && s.last_heartbeat.elapsed() > limit {
                     s.reachable = false;
-                    lost.push((node.clone(), s.epoch, s.version));
+                    lost.push((node.clone(), s.pool.clone(), s.epoch, s.version));
                 }
                 !s.closed || s.reachable
             });
         }
-        for (node, epoch, version) in lost {
+        for (node, pool, epoch, version) in lost {
             shared.stats.transitions.fetch_add(1, Ordering::Relaxed);
-            shared.write_later(Write {
-                stream: node_stream(&node),
-                session: Some((node.clone(), epoch)),
-                expected: ExpectedVersion::Exact(version),
-                events: vec![NewEvent::new(
-                    "node.unreachable",
-                    &serde_json::json!({ "node": node }),
-                )],
-                done: None,
-            });
+            // The pool hears it in the same transaction, fenced by the same
+            // session: a gateway whose session was replaced cannot mark the
+            // node lost.
+            let contact = Fact::NodeContactLost { node: node.clone() }.to_event();
+            shared
+                .queue(Write {
+                    stream: node_stream(&node),
+                    session: Some((node.clone(), epoch)),
+                    expected: ExpectedVersion::Exact(version),
+                    events: vec![NewEvent::new(
+                        "node.unreachable",
+                        &serde_json::json!({ "node": node }),
+                    )],
+                    also: vec![(pool_stream(&pool), contact)],
+                    done: None,
+                })
+                .await;
         }
     }
 }

@@ -84,6 +84,8 @@ pub struct GatewayStats {
     pub events_written: AtomicU64,
     pub fenced: AtomicU64,
     pub write_errors: AtomicU64,
+    /// Batches written again after a transient failure.
+    pub write_retries: AtomicU64,
     pub transitions: AtomicU64,
     pub commands_dispatched: AtomicU64,
     pub commands_finished: AtomicU64,
@@ -99,6 +101,8 @@ pub(crate) struct Bucket {
 
 /// A node's session as this gateway knows it.
 pub(crate) struct SessionEntry {
+    /// The pool the node's certificate was issued for.
+    pub(crate) pool: String,
     pub(crate) epoch: u64,
     /// The node stream's version after this session's last write.
     pub(crate) version: u64,
@@ -114,11 +118,37 @@ pub(crate) struct SessionEntry {
 /// One write for the writer task.
 pub(crate) struct Write {
     pub(crate) stream: String,
-    /// For writes fenced by a session: (node, epoch).
+    /// For writes fenced by a session: (node, epoch). Such a write expects
+    /// the version the session last wrote as of when its batch is sent (so
+    /// two writes queued at once do not fence each other); `expected` is
+    /// used only once the session is gone from this gateway.
     pub(crate) session: Option<(String, u64)>,
     pub(crate) expected: ExpectedVersion,
     pub(crate) events: Vec<NewEvent>,
+    /// Events for other streams that commit with this write or not at all
+    /// (the pool fact recording the region's contact with the node), with
+    /// no version check of their own.
+    pub(crate) also: Vec<(String, NewEvent)>,
     pub(crate) done: Option<oneshot::Sender<Result<u64, AppendError>>>,
+}
+
+impl Write {
+    /// A write with no session fence and nothing else attached.
+    pub(crate) fn plain(stream: String, expected: ExpectedVersion, events: Vec<NewEvent>) -> Write {
+        Write {
+            stream,
+            session: None,
+            expected,
+            events,
+            also: Vec::new(),
+            done: None,
+        }
+    }
+
+    /// Whether the write touches `stream`.
+    pub(crate) fn touches(&self, stream: &str) -> bool {
+        self.stream == stream || self.also.iter().any(|(s, _)| s == stream)
+    }
 }
 
 pub(crate) struct Shared {

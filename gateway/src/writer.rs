@@ -1,16 +1,32 @@
 //! Every session's events into the log: one writer task appends everything
 //! queued in one I/O turn as one transaction (`append_batch`).
+//!
+//! ```text
+//!  sessions, sweeper --queue (bounded: a full queue holds the session back)--> writer
+//!  writer: batch --append_batch--> ok: versions to the sessions, answers
+//!                               \-> version conflict: that stream's writers are fenced, the rest retried
+//!                               \-> transient error: the same batch again, after backoff
+//!                               \-> outcome unknown: the table says whether it committed
+//!                               \-> a definite error: each write alone, so one bad write fails alone
+//! ```
+//!
+//! Nothing accepted is dropped: a write leaves the writer committed, fenced
+//! (a newer session owns the node), or, after a definite error of its own,
+//! answered with that error and counted in `write_errors`.
 
 use crate::identity::node_stream;
 use crate::state::{Shared, Write};
-use events::{AppendError, ExpectedVersion, NewEvent, StreamAppend};
-use std::collections::HashMap;
+use events::task::Backoff;
+use events::{AppendError, Appended, ErrorKind, ExpectedVersion, NewEvent, StreamAppend};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 impl Shared {
+    /// Queues a write and waits for its outcome.
     pub(crate) async fn write(&self, w: Write) -> Result<u64, AppendError> {
         let (tx, rx) = oneshot::channel();
         let w = Write {
@@ -23,16 +39,23 @@ impl Shared {
         rx.await.unwrap_or(Err(AppendError::Closed))
     }
 
-    /// Queues a write without waiting for it.
-    pub(crate) fn write_later(&self, w: Write) {
-        if self.writes.try_send(w).is_err() {
+    /// Queues a write without waiting for its outcome; waits for room in the
+    /// queue (backpressure on whoever writes), never drops it.
+    pub(crate) async fn queue(&self, w: Write) {
+        if self.writes.send(w).await.is_err() {
             self.stats.write_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("the gateway's write queue is full; an event was dropped");
+            tracing::error!("the gateway's writer has stopped; an event was not written");
         }
     }
 
-    /// A write fenced by the node's current session, if this gateway holds it.
-    pub(crate) fn session_write(&self, node: &str, event: NewEvent) {
+    /// A write fenced by the node's current session, if this gateway holds
+    /// it, with `also` committed in the same transaction.
+    pub(crate) async fn session_write(
+        &self,
+        node: &str,
+        event: NewEvent,
+        also: Vec<(String, NewEvent)>,
+    ) {
         let (expected, epoch) = {
             let sessions = self.sessions.lock().expect("sessions lock");
             match sessions.get(node) {
@@ -40,118 +63,278 @@ impl Shared {
                 None => return,
             }
         };
-        self.write_later(Write {
+        self.queue(Write {
             stream: node_stream(node),
             session: Some((node.to_string(), epoch)),
             expected,
             events: vec![event],
+            also,
             done: None,
-        });
+        })
+        .await;
     }
+}
+
+/// What one attempt at a batch came to.
+enum Attempt {
+    Committed(Vec<Appended>),
+    Conflict(AppendError),
+    Failed(AppendError),
 }
 
 /// Appends everything queued in one I/O turn as one transaction.
 pub(crate) async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Write>) {
-    while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < 4096 {
-            match rx.try_recv() {
-                Ok(w) => batch.push(w),
-                Err(_) => break,
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
+    // Batches still to write: normally one; after a definite error, each
+    // write of the failed batch alone.
+    let mut todo: VecDeque<Vec<Write>> = VecDeque::new();
+    loop {
+        if todo.is_empty() {
+            let Some(first) = rx.recv().await else { return };
+            let mut batch = vec![first];
+            while batch.len() < 4096 {
+                match rx.try_recv() {
+                    Ok(w) => batch.push(w),
+                    Err(_) => break,
+                }
+            }
+            todo.push_back(batch);
+        }
+        let Some(mut batch) = todo.pop_front() else {
+            continue;
+        };
+        fence_superseded(&shared, &mut batch);
+        if batch.is_empty() {
+            continue;
+        }
+        let appends = appends_of(&shared, &batch);
+        let attempt = match shared.appender.append_batch(appends.clone()).await {
+            Ok(done) => Attempt::Committed(done),
+            Err(e @ AppendError::VersionConflict { .. }) => Attempt::Conflict(e),
+            Err(AppendError::OutcomeUnknown(why)) => match committed(&shared, &appends).await {
+                Some(done) => Attempt::Committed(done),
+                None => Attempt::Failed(AppendError::OutcomeUnknown(why)),
+            },
+            Err(e) => Attempt::Failed(e),
+        };
+        match attempt {
+            Attempt::Committed(done) => {
+                backoff.reset();
+                committed_batch(&shared, batch, &appends, &done);
+            }
+            Attempt::Conflict(AppendError::VersionConflict {
+                stream,
+                expected,
+                actual,
+            }) => {
+                // That stream moved: its writers are fenced. The rest is
+                // written without them.
+                let (fenced, rest): (Vec<Write>, Vec<Write>) =
+                    batch.into_iter().partition(|w| w.touches(&stream));
+                for w in fenced {
+                    fence(&shared, &w);
+                    if let Some(done) = w.done {
+                        let _ = done.send(Err(AppendError::VersionConflict {
+                            stream: stream.clone(),
+                            expected,
+                            actual,
+                        }));
+                    }
+                }
+                if !rest.is_empty() {
+                    todo.push_front(rest);
+                }
+            }
+            Attempt::Conflict(_) => unreachable!("only conflicts are classified so"),
+            Attempt::Failed(e) if e.kind() == ErrorKind::Transient => {
+                // The database restarting, a connection lost: the same batch
+                // again, and whatever queues behind it waits.
+                let delay = backoff.next_delay();
+                shared.stats.write_retries.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, writes = batch.len(), delay_ms = delay.as_millis() as u64, "a batch of node events failed; retrying");
+                tokio::time::sleep(delay).await;
+                todo.push_front(batch);
+            }
+            Attempt::Failed(e) if batch.len() > 1 => {
+                // A definite error (a malformed event): find the write it
+                // belongs to by writing each alone.
+                tracing::warn!(error = %e, writes = batch.len(), "a batch of node events was refused; writing them one by one");
+                for w in batch.into_iter().rev() {
+                    todo.push_front(vec![w]);
+                }
+            }
+            Attempt::Failed(e) => {
+                shared.stats.write_errors.fetch_add(1, Ordering::Relaxed);
+                for w in batch {
+                    tracing::error!(error = %e, stream = %w.stream, "a node event was refused");
+                    if let Some(done) = w.done {
+                        let _ = done.send(Err(e.clone()));
+                    }
+                }
             }
         }
-        while !batch.is_empty() {
-            // One StreamAppend per stream, in first-seen order.
-            let mut order: Vec<String> = Vec::new();
-            let mut by_stream: HashMap<String, StreamAppend> = HashMap::new();
-            for w in &batch {
-                let a = by_stream.entry(w.stream.clone()).or_insert_with(|| {
-                    order.push(w.stream.clone());
-                    StreamAppend {
-                        stream: w.stream.clone(),
-                        expected: w.expected,
-                        events: Vec::new(),
-                    }
-                });
-                a.events.extend(w.events.iter().cloned());
+    }
+}
+
+/// Answers, as fenced, the session writes whose session this gateway has
+/// since replaced with a newer one for the same node, and takes them out.
+fn fence_superseded(shared: &Shared, batch: &mut Vec<Write>) {
+    let superseded: Vec<usize> = {
+        let sessions = shared.sessions.lock().expect("sessions lock");
+        batch
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| {
+                w.session.as_ref().is_some_and(|(node, epoch)| {
+                    sessions.get(node).is_some_and(|s| s.epoch > *epoch)
+                })
+            })
+            .map(|(i, _)| i)
+            .collect()
+    };
+    for i in superseded.into_iter().rev() {
+        let w = batch.remove(i);
+        shared.stats.fenced.fetch_add(1, Ordering::Relaxed);
+        if let Some(done) = w.done {
+            let _ = done.send(Err(AppendError::Invalid(
+                "a newer session for the node replaced this one".into(),
+            )));
+        }
+    }
+}
+
+/// One `StreamAppend` per stream, in first-seen order. A session write
+/// expects the version its session holds now; attached events add to their
+/// stream with no check of their own.
+fn appends_of(shared: &Shared, batch: &[Write]) -> Vec<StreamAppend> {
+    let sessions = shared.sessions.lock().expect("sessions lock");
+    let mut order: Vec<String> = Vec::new();
+    let mut by_stream: HashMap<String, StreamAppend> = HashMap::new();
+    let mut add = |stream: &str, expected: ExpectedVersion, events: &[NewEvent]| {
+        let a = by_stream.entry(stream.to_string()).or_insert_with(|| {
+            order.push(stream.to_string());
+            StreamAppend {
+                stream: stream.to_string(),
+                expected,
+                events: Vec::new(),
             }
-            let appends: Vec<StreamAppend> =
-                order.iter().filter_map(|s| by_stream.remove(s)).collect();
-            let events: u64 = appends.iter().map(|a| a.events.len() as u64).sum();
-            match shared.appender.append_batch(appends).await {
-                Ok(done) => {
-                    shared.stats.batches.fetch_add(1, Ordering::Relaxed);
-                    shared
-                        .stats
-                        .events_written
-                        .fetch_add(events, Ordering::Relaxed);
-                    let versions: HashMap<&str, u64> = done
-                        .iter()
-                        .map(|a| (a.stream.as_str(), a.version))
-                        .collect();
-                    {
-                        let mut sessions = shared.sessions.lock().expect("sessions lock");
-                        for w in &batch {
-                            if let Some((node, epoch)) = &w.session {
-                                if let (Some(s), Some(v)) =
-                                    (sessions.get_mut(node), versions.get(w.stream.as_str()))
-                                {
-                                    if s.epoch == *epoch {
-                                        s.version = *v;
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    for w in batch.drain(..) {
-                        if let Some(done) = w.done {
-                            let _ = done
-                                .send(Ok(versions.get(w.stream.as_str()).copied().unwrap_or(0)));
-                        }
-                    }
-                }
-                Err(AppendError::VersionConflict {
-                    stream,
-                    expected,
-                    actual,
-                }) => {
-                    // That stream moved: its writer is fenced. Drop its
-                    // writes and commit the rest.
-                    let (fenced, rest): (Vec<Write>, Vec<Write>) =
-                        batch.drain(..).partition(|w| w.stream == stream);
-                    batch = rest;
-                    for w in fenced {
-                        if let Some((node, epoch)) = &w.session {
-                            shared.stats.fenced.fetch_add(1, Ordering::Relaxed);
-                            let mut sessions = shared.sessions.lock().expect("sessions lock");
-                            if sessions.get(node).is_some_and(|s| s.epoch == *epoch) {
-                                if let Some(s) = sessions.remove(node) {
-                                    tracing::info!(%node, epoch, "fenced: a newer session for the node exists elsewhere");
-                                    let _ = s.tx.try_send(Err(Status::aborted(
-                                        "a newer session for this node was opened on another gateway",
-                                    )));
-                                }
-                            }
-                        }
-                        if let Some(done) = w.done {
-                            let _ = done.send(Err(AppendError::VersionConflict {
-                                stream: stream.clone(),
-                                expected,
-                                actual,
-                            }));
-                        }
-                    }
-                }
-                Err(e) => {
-                    shared.stats.write_errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(error = %e, writes = batch.len(), "a batch of node events failed");
-                    for w in batch.drain(..) {
-                        if let Some(done) = w.done {
-                            let _ = done.send(Err(e.clone()));
-                        }
+        });
+        a.events.extend(events.iter().cloned());
+    };
+    for w in batch {
+        let expected = match &w.session {
+            Some((node, epoch)) => match sessions.get(node) {
+                Some(s) if s.epoch == *epoch => ExpectedVersion::Exact(s.version),
+                _ => w.expected,
+            },
+            None => w.expected,
+        };
+        add(&w.stream, expected, &w.events);
+        for (stream, event) in &w.also {
+            add(stream, ExpectedVersion::Any, std::slice::from_ref(event));
+        }
+    }
+    order.iter().filter_map(|s| by_stream.remove(s)).collect()
+}
+
+/// After an append whose outcome is unknown (the connection broke while it
+/// committed): whether it committed, from the streams' versions in the
+/// table. A batch commits whole, so one stream it expected at an exact
+/// version tells: past it by the batch's events, committed; still at it,
+/// not. `None` when the table cannot tell (no exact expectation, or the
+/// database is not answering yet): the batch is then written again, and
+/// its facts are ones the index applies idempotently (inventory, health,
+/// contact).
+async fn committed(shared: &Shared, appends: &[StreamAppend]) -> Option<Vec<Appended>> {
+    let (probe, expected) = appends.iter().find_map(|a| match a.expected {
+        ExpectedVersion::Exact(v) => Some((a, v)),
+        _ => None,
+    })?;
+    let client = shared.db.get().await.ok()?;
+    let names: Vec<&str> = appends.iter().map(|a| a.stream.as_str()).collect();
+    let versions: HashMap<String, u64> = client
+        .query(
+            "SELECT stream, version FROM strata.streams WHERE stream = ANY($1)",
+            &[&names],
+        )
+        .await
+        .ok()?
+        .iter()
+        .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1) as u64))
+        .collect();
+    let now = versions.get(&probe.stream).copied().unwrap_or(0);
+    if now != expected + probe.events.len() as u64 {
+        return None;
+    }
+    tracing::info!(stream = %probe.stream, version = now, "a batch whose commit was in doubt had committed");
+    // Positions are not known here; nothing downstream of the writer reads
+    // them.
+    Some(
+        appends
+            .iter()
+            .map(|a| Appended {
+                stream: a.stream.clone(),
+                version: versions.get(&a.stream).copied().unwrap_or(0),
+                first_position: events::Position(0),
+                last_position: events::Position(0),
+            })
+            .collect(),
+    )
+}
+
+/// A committed batch: the sessions learn their streams' new versions, and
+/// every write is answered.
+fn committed_batch(
+    shared: &Shared,
+    batch: Vec<Write>,
+    appends: &[StreamAppend],
+    done: &[Appended],
+) {
+    let events: u64 = appends.iter().map(|a| a.events.len() as u64).sum();
+    shared.stats.batches.fetch_add(1, Ordering::Relaxed);
+    shared
+        .stats
+        .events_written
+        .fetch_add(events, Ordering::Relaxed);
+    let versions: HashMap<&str, u64> = done
+        .iter()
+        .map(|a| (a.stream.as_str(), a.version))
+        .collect();
+    {
+        let mut sessions = shared.sessions.lock().expect("sessions lock");
+        for w in &batch {
+            if let Some((node, epoch)) = &w.session {
+                if let (Some(s), Some(v)) =
+                    (sessions.get_mut(node), versions.get(w.stream.as_str()))
+                {
+                    if s.epoch == *epoch {
+                        s.version = *v;
                     }
                 }
             }
+        }
+    }
+    for w in batch {
+        if let Some(done) = w.done {
+            let _ = done.send(Ok(versions.get(w.stream.as_str()).copied().unwrap_or(0)));
+        }
+    }
+}
+
+/// A session write refused by its stream's version: a newer session for
+/// the node exists elsewhere, so this gateway's session ends.
+fn fence(shared: &Shared, w: &Write) {
+    let Some((node, epoch)) = &w.session else {
+        return;
+    };
+    shared.stats.fenced.fetch_add(1, Ordering::Relaxed);
+    let mut sessions = shared.sessions.lock().expect("sessions lock");
+    if sessions.get(node).is_some_and(|s| s.epoch == *epoch) {
+        if let Some(s) = sessions.remove(node) {
+            tracing::info!(%node, epoch, "fenced: a newer session for the node exists elsewhere");
+            let _ = s.tx.try_send(Err(Status::aborted(
+                "a newer session for this node was opened on another gateway",
+            )));
         }
     }
 }

@@ -334,7 +334,8 @@ async fn held(
         match &fact {
             Some(
                 Fact::ReservationReleased { reservation }
-                | Fact::ReservationExpired { reservation },
+                | Fact::ReservationExpired { reservation }
+                | Fact::ReservationFailed { reservation, .. },
             ) => {
                 // Before the index forgets the reservation's allocations.
                 if let Some(r) = index.reservation(reservation) {

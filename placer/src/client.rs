@@ -64,6 +64,8 @@ pub enum Outcome {
     Unschedulable(String),
     Released,
     Expired,
+    /// A node it was on left, was revoked or was lost (the reason).
+    Failed(String),
 }
 
 /// Waits on a subscription (started before the request was made) for the
@@ -92,6 +94,7 @@ pub async fn wait(
             Fact::ReservationQueued { reason, .. } => on_queued(&reason),
             Fact::ReservationReleased { .. } => return Ok(Outcome::Released),
             Fact::ReservationExpired { .. } => return Ok(Outcome::Expired),
+            Fact::ReservationFailed { reason, .. } => return Ok(Outcome::Failed(reason)),
             _ => {}
         }
     }

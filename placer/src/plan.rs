@@ -561,7 +561,13 @@ mod tests {
     #[test]
     fn a_gap_is_refused() {
         let mut w = World::new(1);
-        let mut e = w.log.push("pool/p", &Fact::NodeLeft { node: "n00".into() });
+        let mut e = w.log.push(
+            "pool/p",
+            &Fact::NodeLeft {
+                node: "n00".into(),
+                reason: String::new(),
+            },
+        );
         e.position = events::Position(e.position.0 + 2);
         let err = w.index.apply(&e).unwrap_err();
         assert!(err.to_string().contains("never arrived"), "{err}");

@@ -50,6 +50,10 @@ pub struct PlacerConfig {
     /// Where index snapshots are kept, if anywhere.
     pub snapshots: Option<SnapshotStore>,
     pub snapshot_every: Duration,
+    /// How long a node may stay out of contact (`node.contact_lost`) before
+    /// the live reservations on it fail (`reservation.failed`, `node_lost`).
+    /// Reservations on a node that left or was revoked fail at once.
+    pub node_lost_after: Duration,
 }
 
 impl PlacerConfig {
@@ -62,6 +66,7 @@ impl PlacerConfig {
             unleased: false,
             snapshots: None,
             snapshot_every: Duration::from_secs(60),
+            node_lost_after: Duration::from_secs(120),
         }
     }
 }
@@ -81,6 +86,8 @@ pub struct Stats {
     pub unschedulable: AtomicU64,
     pub released: AtomicU64,
     pub expired: AtomicU64,
+    /// Reservations ended because a node of theirs left or was lost.
+    pub failed: AtomicU64,
     /// Batches refused because the pool stream moved (replanned).
     pub conflicts: AtomicU64,
     /// Batches that failed otherwise (retried).
@@ -102,6 +109,7 @@ pub struct StatsView {
     pub unschedulable: u64,
     pub released: u64,
     pub expired: u64,
+    pub failed: u64,
     pub conflicts: u64,
     pub errors: u64,
     pub pools_held: u64,
@@ -117,7 +125,7 @@ impl Stats {
         use std::fmt::Write;
         let v = self.view();
         let h = events::metrics::escape(holder);
-        let rows: [(&str, &str, &str, u64); 9] = [
+        let rows: [(&str, &str, &str, u64); 10] = [
             (
                 "strata_placer_batches_total",
                 "counter",
@@ -155,6 +163,12 @@ impl Stats {
                 v.expired,
             ),
             (
+                "strata_placer_failed_total",
+                "counter",
+                "Reservations ended because a node of theirs left, was revoked or was lost.",
+                v.failed,
+            ),
+            (
                 "strata_placer_conflicts_total",
                 "counter",
                 "Batches refused by the pool version fence and replanned.",
@@ -190,6 +204,7 @@ impl Stats {
             unschedulable: l(&self.unschedulable),
             released: l(&self.released),
             expired: l(&self.expired),
+            failed: l(&self.failed),
             conflicts: l(&self.conflicts),
             errors: l(&self.errors),
             pools_held: l(&self.pools_held),
@@ -299,7 +314,7 @@ impl PoolWork {
 
 struct Committed {
     pool: String,
-    plan_counts: [u64; 5],
+    plan_counts: [u64; 6],
     retried_queued_at: Option<u64>,
     result: Result<Appended, AppendError>,
 }
@@ -458,7 +473,7 @@ fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stat
             if let Some(epoch) = done.retried_queued_at {
                 w.tried_epoch = epoch;
             }
-            let [placed, queued, unschedulable, released, expired] = done.plan_counts;
+            let [placed, queued, unschedulable, released, expired, failed] = done.plan_counts;
             stats.batches.fetch_add(1, Ordering::Relaxed);
             stats.placed.fetch_add(placed, Ordering::Relaxed);
             stats.queued.fetch_add(queued, Ordering::Relaxed);
@@ -467,6 +482,7 @@ fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stat
                 .fetch_add(unschedulable, Ordering::Relaxed);
             stats.released.fetch_add(released, Ordering::Relaxed);
             stats.expired.fetch_add(expired, Ordering::Relaxed);
+            stats.failed.fetch_add(failed, Ordering::Relaxed);
         }
         Err(AppendError::VersionConflict { actual, .. }) => {
             // Someone else wrote to the pool: replan once the index has it.
@@ -505,7 +521,13 @@ fn plan_ready(
         }
         let retry_queued = !q.queued.is_empty() && p.capacity_epoch != w.tried_epoch;
         let expiry_due = q.expiries.first().is_some_and(|(at, _)| *at <= now_ms);
-        if q.pending.is_empty() && !retry_queued && q.releases.is_empty() && !expiry_due {
+        let failures = failures_due(p, q, config.node_lost_after, now_ms, max);
+        if q.pending.is_empty()
+            && !retry_queued
+            && q.releases.is_empty()
+            && !expiry_due
+            && failures.is_empty()
+        {
             continue;
         }
         let (version, epoch) = (p.version, p.capacity_epoch);
@@ -517,6 +539,11 @@ fn plan_ready(
             .filter(|(_, id)| !q.releases.contains(id))
             .take(max)
             .map(|(_, id)| id.clone())
+            .collect();
+        // A reservation ends once: released or expired before it fails.
+        let failures: Vec<(String, String, &str)> = failures
+            .into_iter()
+            .filter(|(id, _, _)| !q.releases.contains(id) && !expiries.contains(id))
             .collect();
         let mut keys: Vec<_> = q
             .pending
@@ -547,6 +574,7 @@ fn plan_ready(
             unschedulable.len() as u64,
             releases.len() as u64,
             expiries.len() as u64,
+            failures.len() as u64,
         ];
         let mut facts: Vec<Fact> = Vec::new();
         facts.extend(
@@ -559,6 +587,13 @@ fn plan_ready(
                 .into_iter()
                 .map(|reservation| Fact::ReservationExpired { reservation }),
         );
+        facts.extend(failures.into_iter().map(|(reservation, node, reason)| {
+            Fact::ReservationFailed {
+                reservation,
+                node,
+                reason: reason.to_string(),
+            }
+        }));
         facts.extend(placed.into_iter().map(|(reservation, allocations)| {
             Fact::ReservationPlaced {
                 reservation,
@@ -608,6 +643,41 @@ fn plan_ready(
     }
 }
 
+/// Live reservations that must end because a node of theirs is troubled:
+/// it left (`node_left`), was revoked (`node_revoked`), or has been out of
+/// contact for `lost_after` (`node_lost`). At most `max`, each once, as
+/// (reservation, node, reason).
+fn failures_due(
+    pool: &projections::index::Pool,
+    queues: &projections::index::Queues,
+    lost_after: Duration,
+    now_ms: u64,
+    max: usize,
+) -> Vec<(String, String, &'static str)> {
+    let mut out: Vec<(String, String, &'static str)> = Vec::new();
+    let lost_after = lost_after.as_millis() as u64;
+    for name in &queues.troubled {
+        let Some(node) = pool.nodes.get(name) else {
+            continue;
+        };
+        let reason = match (node.left, node.unreachable_since_ms) {
+            (true, _) if node.left_reason == "revoked" => "node_revoked",
+            (true, _) => "node_left",
+            (false, Some(since)) if since.saturating_add(lost_after) <= now_ms => "node_lost",
+            _ => continue,
+        };
+        for id in node.bookings() {
+            if out.len() >= max {
+                return out;
+            }
+            if !out.iter().any(|(r, _, _)| r == id) {
+                out.push((id.to_string(), name.clone(), reason));
+            }
+        }
+    }
+    out
+}
+
 /// The appends of one batch: its facts on the pool's stream at the version
 /// the plan saw, then, for every reservation the batch ends, a
 /// `reservation.ended` on the reservation's own stream (with no version
@@ -626,6 +696,7 @@ fn batch_appends(pool_stream: &str, version: u64, facts: &[Fact]) -> Vec<StreamA
             Fact::ReservationReleased { .. } => "released",
             Fact::ReservationExpired { .. } => "expired",
             Fact::ReservationUnschedulable { .. } => "rejected",
+            Fact::ReservationFailed { .. } => "failed",
             _ => continue,
         };
         let reservation = fact.reservation().expect("a reservation fact").to_string();

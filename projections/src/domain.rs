@@ -246,8 +246,24 @@ pub enum Fact {
         node: String,
         devices: Vec<DeviceSpec>,
     },
+    /// The node is gone from the pool (it left, or its certificate was
+    /// revoked: `reason` says which). Its capacity goes with it; live
+    /// reservations on it are ended by the placer (`reservation.failed`).
     #[serde(rename = "node.left")]
-    NodeLeft { node: String },
+    NodeLeft {
+        node: String,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reason: String,
+    },
+    /// The region lost contact with the node (its session went silent past
+    /// the gateway's grace period), committed with `node.unreachable` on the
+    /// node's stream. Nothing new is placed on it; live reservations on it
+    /// end once it stays out of contact past the placer's bound.
+    #[serde(rename = "node.contact_lost")]
+    NodeContactLost { node: String },
+    /// Contact with the node is back (a heartbeat, or a new session).
+    #[serde(rename = "node.contact_restored")]
+    NodeContactRestored { node: String },
     #[serde(rename = "node.cordoned")]
     NodeCordoned {
         node: String,
@@ -311,6 +327,15 @@ pub enum Fact {
     /// Terminal; its time ran out and its devices are free.
     #[serde(rename = "reservation.expired")]
     ReservationExpired { reservation: String },
+    /// Terminal: a node it was placed on left the pool, was revoked or stayed
+    /// out of contact too long (`reason`: `node_left`, `node_revoked`,
+    /// `node_lost`); its devices are free.
+    #[serde(rename = "reservation.failed")]
+    ReservationFailed {
+        reservation: String,
+        node: String,
+        reason: String,
+    },
     /// On the reservation's stream, committed with the terminal fact on the
     /// pool's stream (`reservation.released`, `.expired`, `.rejected`): the
     /// reservation's life cycle is over, and how. It moves the reservation
@@ -320,7 +345,8 @@ pub enum Fact {
     #[serde(rename = "reservation.ended")]
     ReservationEnded {
         reservation: String,
-        /// The terminal fact's name: `released`, `expired` or `rejected`.
+        /// The terminal fact's name: `released`, `expired`, `rejected` or
+        /// `failed`.
         outcome: String,
     },
 }
@@ -332,6 +358,8 @@ pub const FACT_TYPES: &[&str] = &[
     "node.joined",
     "node.inventory_reported",
     "node.left",
+    "node.contact_lost",
+    "node.contact_restored",
     "node.cordoned",
     "node.uncordoned",
     "node.drained",
@@ -345,6 +373,7 @@ pub const FACT_TYPES: &[&str] = &[
     "reservation.release_requested",
     "reservation.released",
     "reservation.expired",
+    "reservation.failed",
     "reservation.ended",
 ];
 
@@ -408,6 +437,8 @@ impl Fact {
             Fact::NodeJoined { .. } => "node.joined",
             Fact::InventoryReported { .. } => "node.inventory_reported",
             Fact::NodeLeft { .. } => "node.left",
+            Fact::NodeContactLost { .. } => "node.contact_lost",
+            Fact::NodeContactRestored { .. } => "node.contact_restored",
             Fact::NodeCordoned { .. } => "node.cordoned",
             Fact::NodeUncordoned { .. } => "node.uncordoned",
             Fact::NodeDrained { .. } => "node.drained",
@@ -421,6 +452,7 @@ impl Fact {
             Fact::ReleaseRequested { .. } => "reservation.release_requested",
             Fact::ReservationReleased { .. } => "reservation.released",
             Fact::ReservationExpired { .. } => "reservation.expired",
+            Fact::ReservationFailed { .. } => "reservation.failed",
             Fact::ReservationEnded { .. } => "reservation.ended",
         }
     }
@@ -465,6 +497,7 @@ impl Fact {
             | Fact::ReleaseRequested { reservation, .. }
             | Fact::ReservationReleased { reservation }
             | Fact::ReservationExpired { reservation }
+            | Fact::ReservationFailed { reservation, .. }
             | Fact::ReservationEnded { reservation, .. } => Some(reservation),
             _ => None,
         }

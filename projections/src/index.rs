@@ -50,17 +50,37 @@ pub struct Node {
     pub cordoned: Option<String>,
     pub drained: Option<String>,
     pub left: bool,
+    /// Why it left (`revoked`, or empty for a plain leave).
+    pub left_reason: String,
     /// Node-wide health conditions.
     pub conditions: Vec<String>,
+    /// Unix milliseconds of the `node.contact_lost` in force, if contact is
+    /// lost.
+    pub unreachable_since_ms: Option<u64>,
 }
 
 impl Node {
     /// Whether new placements may land on the node.
     pub fn schedulable(&self) -> bool {
         !self.left
+            && self.unreachable_since_ms.is_none()
             && self.cordoned.is_none()
             && self.drained.is_none()
             && self.conditions.is_empty()
+    }
+
+    /// Whether live reservations on the node may have to end: it left, or
+    /// the region lost contact with it.
+    pub fn troubled(&self) -> bool {
+        self.left || self.unreachable_since_ms.is_some()
+    }
+
+    /// Reservations holding devices of the node.
+    pub fn bookings(&self) -> BTreeSet<&str> {
+        self.devices
+            .iter()
+            .filter_map(|d| d.booked_by.as_deref())
+            .collect()
     }
 
     /// The condition list of a device, or of the node itself when `device`
@@ -305,6 +325,9 @@ pub struct Queues {
     pub releases: BTreeSet<String>,
     /// Live reservations by expiry (unix ms).
     pub expiries: BTreeSet<(u64, String)>,
+    /// Nodes that left or are out of contact (see [`Node::troubled`]): where
+    /// the placer looks for reservations to end.
+    pub troubled: BTreeSet<String>,
 }
 
 impl Queues {
@@ -436,6 +459,17 @@ impl Index {
         else {
             return;
         };
+        if node.troubled() {
+            let q = match self.queues.get_mut(pool) {
+                Some(q) => q,
+                None => self.queues.entry(pool.to_string()).or_default(),
+            };
+            if add {
+                q.troubled.insert(node_name.to_string());
+            } else {
+                q.troubled.remove(node_name);
+            }
+        }
         if node.left {
             return;
         }
@@ -882,6 +916,7 @@ impl Index {
                 self.with_node(&pool, &node, |n| {
                     if joined {
                         n.left = false;
+                        n.left_reason.clear();
                     }
                     let mut old: Vec<Device> = std::mem::take(&mut n.devices);
                     for spec in devices {
@@ -913,8 +948,21 @@ impl Index {
                 });
                 bump_capacity(self);
             }
-            Fact::NodeLeft { node } => {
-                self.with_node(&pool, &node, |n| n.left = true);
+            Fact::NodeLeft { node, reason } => {
+                self.with_node(&pool, &node, |n| {
+                    n.left = true;
+                    n.left_reason = reason;
+                });
+            }
+            Fact::NodeContactLost { node } => {
+                let since = millis(event.recorded_at);
+                self.with_node(&pool, &node, |n| {
+                    n.unreachable_since_ms.get_or_insert(since);
+                });
+            }
+            Fact::NodeContactRestored { node } => {
+                self.with_node(&pool, &node, |n| n.unreachable_since_ms = None);
+                bump_capacity(self);
             }
             Fact::NodeCordoned { node, reason } => {
                 self.with_node(&pool, &node, |n| n.cordoned = Some(reason));
@@ -1044,6 +1092,18 @@ impl Index {
                 self.check_in_pool(&reservation, &pool)?;
                 self.terminate(&pool, &reservation);
                 bump_capacity(self);
+            }
+            Fact::ReservationFailed { reservation, .. } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let phase = self.state.reservations[&reservation].phase;
+                self.terminate(&pool, &reservation);
+                bump_capacity(self);
+                if !phase.is_live() {
+                    return Err(format!(
+                        "reservation {reservation:?} failed while {}",
+                        phase.name()
+                    ));
+                }
             }
             Fact::ReservationExpired { reservation } => {
                 self.check_in_pool(&reservation, &pool)?;

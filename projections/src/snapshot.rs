@@ -10,7 +10,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 const MAGIC: &[u8; 8] = b"STRATAIX";
-const FORMAT: u32 = 1;
+// 2: nodes record contact lost and why they left.
+const FORMAT: u32 = 2;
 const HEADER: usize = 40;
 
 #[derive(Debug, thiserror::Error)]

@@ -78,6 +78,8 @@ pub struct NodeRow {
     pub cordoned: bool,
     pub drained: bool,
     pub left: bool,
+    /// Out of contact with the region (`node.contact_lost` in force).
+    pub unreachable: bool,
     /// Open health conditions, as `condition` or `device:condition`.
     pub conditions: BTreeSet<String>,
     pub last_position: u64,
@@ -116,7 +118,9 @@ impl Projection for NodesView {
         match &fact {
             Fact::NodeJoined { node, .. }
             | Fact::InventoryReported { node, .. }
-            | Fact::NodeLeft { node }
+            | Fact::NodeLeft { node, .. }
+            | Fact::NodeContactLost { node }
+            | Fact::NodeContactRestored { node }
             | Fact::NodeCordoned { node, .. }
             | Fact::NodeUncordoned { node }
             | Fact::NodeDrained { node, .. }
@@ -131,7 +135,13 @@ impl Projection for NodesView {
                 r.classes = devices.into_iter().map(|d| d.class).collect();
                 r.left = false;
             }
-            Fact::NodeLeft { node } => self.nodes.get_mut(&node).expect("touched").left = true,
+            Fact::NodeLeft { node, .. } => self.nodes.get_mut(&node).expect("touched").left = true,
+            Fact::NodeContactLost { node } => {
+                self.nodes.get_mut(&node).expect("touched").unreachable = true
+            }
+            Fact::NodeContactRestored { node } => {
+                self.nodes.get_mut(&node).expect("touched").unreachable = false
+            }
             Fact::NodeCordoned { node, .. } => {
                 self.nodes.get_mut(&node).expect("touched").cordoned = true
             }
@@ -197,6 +207,8 @@ pub enum ReservationState {
     Released,
     Expired,
     Unschedulable,
+    /// Ended because a node it was on left or was lost.
+    Failed,
 }
 
 /// One reservation as the log tells it.
@@ -279,6 +291,7 @@ impl Projection for ReservationsView {
             Fact::ReservationReleased { .. } => ReservationState::Released,
             Fact::ReservationExpired { .. } => ReservationState::Expired,
             Fact::ReservationUnschedulable { .. } => ReservationState::Unschedulable,
+            Fact::ReservationFailed { .. } => ReservationState::Failed,
             _ => row.state,
         };
         Ok(None)

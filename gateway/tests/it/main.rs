@@ -24,7 +24,12 @@ struct Region {
 }
 
 async fn region() -> Region {
-    let url = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    region_on(schema::testing::shared_cluster()).await
+}
+
+/// A region on a cluster of the test's own (one it may crash).
+async fn region_on(cluster: &schema::Cluster) -> Region {
+    let url = schema::testing::migrated_database(cluster).await;
     let cfg: Config = url.parse().unwrap();
     let client = events::db::connect(&cfg, "test").await.unwrap();
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
@@ -1194,5 +1199,216 @@ async fn subscriptions_over_the_api_respect_grants_and_resume_after_acks() {
     .expect("the revoked operator's stream ends within 10 s");
     assert_eq!(ended.code(), tonic::Code::PermissionDenied, "{ended:?}");
     assert!(ended.message().contains("revoked"), "{ended:?}");
+    gw.stop().await.unwrap();
+}
+
+/// The node a reservation was placed on, once it is (from the table).
+async fn placed_on(r: &Region, id: &str) -> Option<String> {
+    r.client
+        .query_opt(
+            "SELECT payload->'allocations'->0->>'node' FROM strata.events
+              WHERE type = 'reservation.placed' AND payload->>'reservation' = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .map(|row| row.get(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fail() {
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = std::collections::HashMap::new();
+    let mut configs = std::collections::HashMap::new();
+    for name in ["n1", "n2"] {
+        let mut c = config(vec![url(&gw)], dir.path(), name);
+        c.token = Some(r.token().await);
+        c.ca_pem = Some(r.ca_pem());
+        configs.insert(name, c.clone());
+        nodes.insert(name, start(c));
+    }
+    eventually(20, "both nodes joined the pool", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
+            .await
+            == 2
+    })
+    .await;
+    let mut pc = placer::PlacerConfig::new("lifecycle");
+    pc.node_lost_after = Duration::from_secs(1);
+    let placer = placer::Placer::start(r.cfg.clone(), r.reader(), r.appender.clone(), pc);
+    let binder = placer::binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone());
+    let whole = |id: &str| projections::Request {
+        reservation: id.into(),
+        pool: "p".into(),
+        class: "H100-80GB".into(),
+        gpus: 8,
+        shape: projections::Shape::Node,
+        priority: 0,
+        ttl_ms: None,
+    };
+    for id in ["a", "b"] {
+        placer::client::reserve(&r.client, &r.appender, &whole(id))
+            .await
+            .unwrap();
+    }
+    for id in ["a", "b"] {
+        let sql = format!("SELECT count(*) FROM strata.events WHERE stream = 'reservation/{id}' AND type = 'reservation.activated'");
+        eventually(20, "both reservations are active", || async {
+            r.count(&sql).await == 1
+        })
+        .await;
+    }
+    let on_a = placed_on(&r, "a").await.unwrap();
+    let on_b = placed_on(&r, "b").await.unwrap();
+    assert_ne!(on_a, on_b);
+
+    // The daemon of a's node dies: its heartbeats stop, the gateway marks
+    // it lost in the pool, and a fails once it stays lost past the bound.
+    nodes.remove(on_a.as_str()).unwrap().stop().await.unwrap();
+    let lost = format!(
+        "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'node.contact_lost' AND payload->>'node' = '{on_a}'"
+    );
+    eventually(20, "the pool hears the node is lost", || async {
+        r.count(&lost).await == 1
+    })
+    .await;
+    eventually(20, "a fails with node_lost", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'reservation.failed' AND payload->>'reservation' = 'a' AND payload->>'reason' = 'node_lost'").await == 1
+    })
+    .await;
+    // Its node is free now, but out of contact: a new request waits.
+    placer::client::reserve(&r.client, &r.appender, &whole("c"))
+        .await
+        .unwrap();
+    eventually(20, "c is queued", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'reservation.queued' AND payload->>'reservation' = 'c'").await == 1
+    })
+    .await;
+
+    // b's node is revoked: it leaves the pool, b fails at once.
+    let mut admin = events::db::connect(&r.cfg, "admin").await.unwrap();
+    identity::revoke(&mut admin, &on_b, "stolen").await.unwrap();
+    eventually(20, "b fails with node_revoked", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'reservation.failed' AND payload->>'reservation' = 'b' AND payload->>'reason' = 'node_revoked'").await == 1
+    })
+    .await;
+    let report = projections::check::check(&r.client, |_| {}).await.unwrap();
+    assert_eq!((report.live, report.booked_devices), (0, 0), "{report:?}");
+    assert_eq!(
+        placed_on(&r, "c").await,
+        None,
+        "c went to a lost or revoked node"
+    );
+
+    // The dead node comes back: contact is restored in the pool, c is placed
+    // there, and a's binding is released on the node.
+    nodes.insert(on_a.as_str(), start(configs[on_a.as_str()].clone()));
+    eventually(20, "c is placed on the node that came back", || async {
+        placed_on(&r, "c").await.as_deref() == Some(on_a.as_str())
+    })
+    .await;
+    let released = format!(
+        "SELECT count(*) FROM strata.events WHERE stream = 'command/release:a:{on_a}' AND type = 'command.succeeded'"
+    );
+    let t = std::time::Instant::now();
+    while r.count(&released).await != 1 {
+        if t.elapsed() > Duration::from_secs(20) {
+            let rows = r
+                .client
+                .query("SELECT stream, type, payload::text FROM strata.events WHERE stream LIKE 'command/%a%' ORDER BY position", &[])
+                .await
+                .unwrap();
+            let rows: Vec<(String, String, String)> = rows
+                .iter()
+                .map(|x| (x.get(0), x.get(1), x.get(2)))
+                .collect();
+            panic!("a's binding was not released on its node: {rows:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    projections::check::check(&r.client, |_| {}).await.unwrap();
+    binder.stop().await.unwrap();
+    placer.stop().await.unwrap();
+    for (name, n) in nodes {
+        let stopped = n.stop().await;
+        if name == on_b {
+            // The revoked node's daemon was refused and ended by itself.
+            assert!(stopped.unwrap_err().to_string().contains("revoked"));
+        } else {
+            stopped.unwrap();
+        }
+    }
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_events_sent_while_postgres_is_down_are_written_once_it_is_back() {
+    use node::gpu::{GpuBackend, HealthChange};
+    let mut cluster = schema::testing::temp_cluster(&[]).unwrap();
+    let r = region_on(&cluster).await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fake = Arc::new(FakeGpus::parse("8xH100-80GB", "n1").unwrap());
+    let gpus: Vec<String> = fake
+        .inventory()
+        .unwrap()
+        .iter()
+        .map(|d| d.id.clone())
+        .collect();
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    c.backend = fake.clone();
+    c.health_poll = Duration::from_millis(100);
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c);
+    eventually(20, "n1's inventory is in the pool", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
+            .await
+            == 1
+    })
+    .await;
+
+    // Postgres dies; the node reports five conditions meanwhile.
+    tokio::task::block_in_place(|| cluster.crash());
+    let sent = n.stats.health_reports.load(Ordering::Relaxed);
+    for gpu in &gpus[..5] {
+        fake.inject(HealthChange {
+            device: Some(gpu.clone()),
+            condition: "XID-79".into(),
+            detail: "fell off the bus".into(),
+            cleared: false,
+        });
+    }
+    eventually(20, "the node sent its reports", || async {
+        n.stats.health_reports.load(Ordering::Relaxed) >= sent + 5
+    })
+    .await;
+    eventually(20, "the gateway's writer is retrying them", || async {
+        gw.stats.write_retries.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+
+    // Back: every report is written, none twice, nothing counted as lost.
+    tokio::task::block_in_place(|| cluster.restart()).unwrap();
+    let count = || async {
+        let Ok(client) = events::db::connect(&r.cfg, "test-count").await else {
+            return -1;
+        };
+        client
+            .query_one(
+                "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'health.raised'",
+                &[],
+            )
+            .await
+            .map_or(-1, |row| row.get::<_, i64>(0))
+    };
+    eventually(30, "all five conditions are in the pool stream", || async {
+        count().await == 5
+    })
+    .await;
+    assert_eq!(gw.stats.write_errors.load(Ordering::Relaxed), 0);
+    n.stop().await.unwrap();
     gw.stop().await.unwrap();
 }
