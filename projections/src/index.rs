@@ -1093,26 +1093,18 @@ impl Index {
                 self.terminate(&pool, &reservation);
                 bump_capacity(self);
             }
-            Fact::ReservationFailed { reservation, .. } => {
+            Fact::ReservationExpired { reservation }
+            | Fact::ReservationFailed { reservation, .. } => {
+                // Only a live reservation can run out of time or lose a node.
                 self.check_in_pool(&reservation, &pool)?;
                 let phase = self.state.reservations[&reservation].phase;
                 self.terminate(&pool, &reservation);
                 bump_capacity(self);
                 if !phase.is_live() {
                     return Err(format!(
-                        "reservation {reservation:?} failed while {}",
-                        phase.name()
-                    ));
-                }
-            }
-            Fact::ReservationExpired { reservation } => {
-                self.check_in_pool(&reservation, &pool)?;
-                let phase = self.state.reservations[&reservation].phase;
-                self.terminate(&pool, &reservation);
-                bump_capacity(self);
-                if !phase.is_live() {
-                    return Err(format!(
-                        "reservation {reservation:?} expired while {}",
+                        "reservation {reservation:?} {} while {}",
+                        crate::domain::canonical_type(&event.event_type)
+                            .trim_start_matches("reservation."),
                         phase.name()
                     ));
                 }

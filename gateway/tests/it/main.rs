@@ -955,20 +955,8 @@ async fn xid_and_ecc_conditions_reach_the_pool_and_make_the_device_unschedulable
     let r = region().await;
     let gw = r.gateway("gw-a", |_| {}).await;
     let dir = tempfile::tempdir().unwrap();
-    let fake = Arc::new(FakeGpus::parse("8xH100-80GB", "n1").unwrap());
+    let (n, fake) = joined_with_fake_gpus(&r, &gw, dir.path()).await;
     let gpu3 = fake.inventory().unwrap()[3].id.clone();
-    let mut c = config(vec![url(&gw)], dir.path(), "n1");
-    c.backend = fake.clone();
-    c.health_poll = Duration::from_millis(100);
-    c.token = Some(r.token().await);
-    c.ca_pem = Some(r.ca_pem());
-    let n = start(c);
-    eventually(20, "n1's inventory is in the pool", || async {
-        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
-            .await
-            == 1
-    })
-    .await;
     fake.inject(HealthChange {
         device: Some(gpu3.clone()),
         condition: "XID-79".into(),
@@ -1202,6 +1190,29 @@ async fn subscriptions_over_the_api_respect_grants_and_resume_after_acks() {
     gw.stop().await.unwrap();
 }
 
+/// Node n1 on fake GPUs whose health the test injects (polled every 100
+/// ms), joined through `gw`.
+async fn joined_with_fake_gpus(
+    r: &Region,
+    gw: &Running,
+    dir: &std::path::Path,
+) -> (Node, Arc<FakeGpus>) {
+    let fake = Arc::new(FakeGpus::parse("8xH100-80GB", "n1").unwrap());
+    let mut c = config(vec![url(gw)], dir, "n1");
+    c.backend = fake.clone();
+    c.health_poll = Duration::from_millis(100);
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c);
+    eventually(20, "n1's inventory is in the pool", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
+            .await
+            == 1
+    })
+    .await;
+    (n, fake)
+}
+
 /// The node a reservation was placed on, once it is (from the table).
 async fn placed_on(r: &Region, id: &str) -> Option<String> {
     r.client
@@ -1350,25 +1361,13 @@ async fn node_events_sent_while_postgres_is_down_are_written_once_it_is_back() {
     let r = region_on(&cluster).await;
     let gw = r.gateway("gw-a", |_| {}).await;
     let dir = tempfile::tempdir().unwrap();
-    let fake = Arc::new(FakeGpus::parse("8xH100-80GB", "n1").unwrap());
+    let (n, fake) = joined_with_fake_gpus(&r, &gw, dir.path()).await;
     let gpus: Vec<String> = fake
         .inventory()
         .unwrap()
         .iter()
         .map(|d| d.id.clone())
         .collect();
-    let mut c = config(vec![url(&gw)], dir.path(), "n1");
-    c.backend = fake.clone();
-    c.health_poll = Duration::from_millis(100);
-    c.token = Some(r.token().await);
-    c.ca_pem = Some(r.ca_pem());
-    let n = start(c);
-    eventually(20, "n1's inventory is in the pool", || async {
-        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
-            .await
-            == 1
-    })
-    .await;
 
     // Postgres dies; the node reports five conditions meanwhile.
     tokio::task::block_in_place(|| cluster.crash());
