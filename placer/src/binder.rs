@@ -1,15 +1,24 @@
 //! The binder: turns placements into node commands and bound placements
 //! into active reservations.
 //!
-//! On every `reservation.placed` it issues one `allocation.bind` command per
-//! node of the placement (id `bind:<reservation>:<node>`, appended with
-//! `NoStream`, so issuing twice is harmless); when every node of a placement
-//! has reported its bind as succeeded it appends `reservation.activated`, at the
-//! version of the reservation's stream its index has seen: a binder that lost
-//! its lease, or missed an event, conflicts instead of activating twice. On a
-//! release or an expiry it issues `allocation.release` to the same nodes.
-//! Started, it first catches up on the log and re-issues what a previous
-//! binder may not have.
+//! ```text
+//!  reservation.placed --> allocation.bind per node (id bind:<reservation>:<node>, NoStream)
+//!  command.succeeded for every node --> reservation.activated at Exact(version seen of reservation/<id>)
+//!  reservation.released | .expired | .failed --> allocation.release per node
+//! ```
+//!
+//! Progress: the binder follows the log with its own index (built from the
+//! table at start, then an ephemeral subscription), and remembers the
+//! version of each live reservation's stream. The activation is appended at
+//! exactly that version: a binder that lost its lease, missed an event, or
+//! raced the reservation's end (`reservation.ended` moves that stream's
+//! version in the same transaction as the terminal fact) conflicts instead
+//! of activating twice or after the end. Issuing a command twice is a
+//! harmless conflict. Started, it first catches up on the log and re-issues
+//! what a previous binder may not have.
+//!
+//! Supervised: whatever fails, the binder lets go of its lease, waits a
+//! backoff and starts again from the log.
 
 use events::lease::{Lease, LeaseError};
 use events::task::Backoff;
