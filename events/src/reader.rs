@@ -128,6 +128,11 @@ pub(crate) struct Inner {
     pub invalidations: AtomicU64,
     /// Times the slot was found ahead of what this reader acknowledged.
     pub slot_ahead: AtomicU64,
+    /// Named subscriptions this process holds, until their lease is let go:
+    /// a second open of a name held here is refused at once, and one right
+    /// after a drop waits for the lease's release.
+    pub(crate) held:
+        std::sync::Mutex<std::collections::HashMap<String, Arc<crate::subscription::Cursor>>>,
 }
 
 /// A handle on the process's replication reader. Cheap to clone; the reader
@@ -163,6 +168,7 @@ impl Reader {
             sessions: AtomicU64::new(0),
             invalidations: AtomicU64::new(0),
             slot_ahead: AtomicU64::new(0),
+            held: std::sync::Mutex::new(std::collections::HashMap::new()),
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         crate::task::spawn("replication-reader", run(inner.clone(), rx, stop_rx));

@@ -116,7 +116,7 @@ fn db(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SubscribeE
     move |source| SubscribeError::Database { context, source }
 }
 
-struct Cursor {
+pub(crate) struct Cursor {
     acked: AtomicU64,
     durable: Arc<AtomicU64>,
     notify: Notify,
@@ -165,9 +165,19 @@ impl Reader {
         {
             return Err(SubscribeError::InvalidName(name.to_string()));
         }
+        self.not_held_here(name).await?;
         let client = self.client().await.map_err(db("connect to postgres"))?;
         let lease_name = format!("subscription/{name}");
-        let holder = format!("{}#{}", self.inner.config.slot, std::process::id());
+        // One holder per open, not per process: a second open of a name
+        // held in this process (a gateway serving two callers) is refused
+        // like one from elsewhere, instead of taking the lease over.
+        static OPENS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let holder = format!(
+            "{}#{}#{}",
+            self.inner.config.slot,
+            std::process::id(),
+            OPENS.fetch_add(1, Ordering::Relaxed)
+        );
         let ttl = self.inner.config.subscription_lease_ttl;
         let lease = match Lease::acquire(&client, &lease_name, &holder, ttl).await {
             Ok(Some(lease)) => lease,
@@ -242,6 +252,35 @@ impl Reader {
         Ok(self.open(&format!("ephemeral-{}", fastrand::u32(..)), pos, None))
     }
 
+    /// Refuses a name this process holds in a live subscription; waits
+    /// (briefly) for the lease of one just dropped or closed to be let go.
+    async fn not_held_here(&self, name: &str) -> Result<(), SubscribeError> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let held = self
+                .inner
+                .held
+                .lock()
+                .expect("held lock")
+                .get(name)
+                .cloned();
+            let Some(cursor) = held else {
+                return Ok(());
+            };
+            if !cursor.closed.load(Ordering::Acquire) || Instant::now() >= deadline {
+                return Err(SubscribeError::InUse {
+                    name: name.to_string(),
+                    holder: cursor
+                        .lease
+                        .as_ref()
+                        .map_or_else(|| "this process".into(), |l| l.holder.clone()),
+                    expires_in: cursor.lease.as_ref().map_or(0.0, |l| l.ttl.as_secs_f64()),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     fn open(&self, name: &str, pos: Position, lease: Option<Lease>) -> Subscription {
         let persisted = lease.is_some();
         let shared = Arc::new(Cursor {
@@ -253,6 +292,11 @@ impl Reader {
             lost: std::sync::atomic::AtomicBool::new(false),
         });
         if persisted {
+            self.inner
+                .held
+                .lock()
+                .expect("held lock")
+                .insert(name.to_string(), shared.clone());
             crate::task::spawn(
                 "subscription-cursor",
                 persist(shared.clone(), self.clone(), name.to_string()),
@@ -287,8 +331,19 @@ async fn start_position(
 }
 
 /// Stores acknowledged cursors every 100 ms (or when poked) until the
-/// subscription is dropped, then once more.
+/// subscription is dropped, then once more; then the process no longer
+/// holds the name.
 async fn persist(cur: Arc<Cursor>, reader: Reader, name: String) {
+    keep_cursor(&cur, &reader, &name).await;
+    let mut held = reader.inner.held.lock().expect("held lock");
+    if held.get(&name).is_some_and(|c| Arc::ptr_eq(c, &cur)) {
+        held.remove(&name);
+    }
+}
+
+async fn keep_cursor(cur: &Arc<Cursor>, reader: &Reader, name: &str) {
+    let name = name.to_string();
+    let (cur, reader) = (cur.clone(), reader.clone());
     let mut renewed = Instant::now();
     loop {
         let closed = cur.closed.load(Ordering::Acquire);

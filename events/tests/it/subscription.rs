@@ -396,6 +396,40 @@ async fn a_named_subscription_is_held_by_one_reader_at_a_time() {
     assert_eq!(take(&mut taken, 1).await, [2]);
 }
 
+#[tokio::test]
+async fn a_second_open_of_a_held_name_in_the_same_process_is_refused() {
+    // One process (a gateway) serves two callers asking for the same name:
+    // the second is refused, and the first keeps its lease and its cursor.
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    a.append("x", ExpectedVersion::Any, vec![ev(1), ev(2)])
+        .await
+        .unwrap();
+    let r = reader(&cfg);
+    let mut held = r.subscribe("twice", Start::Beginning).await.unwrap();
+    let err = match r.subscribe("twice", Start::Beginning).await {
+        Err(e) => e,
+        Ok(_) => panic!("the same name was opened twice in one process"),
+    };
+    assert!(matches!(err, events::SubscribeError::InUse { .. }), "{err}");
+    assert_eq!(take(&mut held, 2).await, [1, 2]);
+    held.ack(events::Position(2));
+    held.flush_acks().await.unwrap();
+    let cursor: i64 = client
+        .query_one(
+            "SELECT position FROM strata.subscriptions WHERE name = 'twice'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(cursor, 2, "the first holder's cursor was stored");
+    held.close().await.unwrap();
+    // Closed: the name is free again.
+    let again = r.subscribe("twice", Start::Beginning).await.unwrap();
+    again.close().await.unwrap();
+}
+
 /// Polls `fut` at most `polls` times, with a short sleep between polls so
 /// that its I/O can progress, and drops it unfinished after that.
 async fn poll_at_most<F: Future>(fut: F, polls: usize) -> Option<F::Output> {

@@ -1106,6 +1106,14 @@ async fn subscriptions_over_the_api_respect_grants_and_resume_after_acks() {
         got.push(e.position);
     }
     assert!(got.windows(2).all(|w| w[0] < w[1]));
+    // A second caller stream under the same name, while this one is open,
+    // is refused: events are never delivered to two streams at once.
+    let (_second_tx, out) = start("s", vec![]);
+    let err = match alice.subscribe(out).await {
+        Err(s) => s,
+        Ok(resp) => resp.into_inner().message().await.unwrap_err(),
+    };
+    assert_eq!(err.code(), tonic::Code::AlreadyExists, "{err:?}");
     tx.send(SubscribeMessage {
         body: Some(subscribe_message::Body::Ack(SubscribeAck {
             position: got[2],
