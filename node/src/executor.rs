@@ -5,6 +5,14 @@
 //! seen again is not run again: its recorded result is reported, or, if it
 //! was started and never finished (the daemon died while running it), it is
 //! reported failed as interrupted. The log keeps the newest 10,000 ids.
+//!
+//! Bindings: `allocation.bind` writes `allocations/<reservation>.json`,
+//! `allocation.release` removes it and leaves `<reservation>.released`, so a
+//! bind that arrives after its reservation's release (the daemon runs each
+//! command in its own task, and the two can cross) is refused instead of
+//! binding devices the log has freed. Both hold one lock while they touch
+//! the folder. Tombstones older than two days are pruned: by then the bind
+//! has long expired.
 
 use crate::gpu::GpuBackend;
 use serde::{Deserialize, Serialize};
@@ -13,6 +21,35 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 const KEEP: usize = 10_000;
+
+/// Bind and release of the same reservation never interleave.
+static BINDINGS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// How long a release's tombstone is kept.
+const TOMBSTONE_AGE: std::time::Duration = std::time::Duration::from_secs(2 * 24 * 3600);
+
+fn tombstone(allocations: &Path, reservation: &str) -> PathBuf {
+    allocations.join(format!("{reservation}.released"))
+}
+
+/// Removes tombstones older than [`TOMBSTONE_AGE`].
+fn prune_tombstones(allocations: &Path) {
+    let Ok(entries) = std::fs::read_dir(allocations) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > TOMBSTONE_AGE);
+        if old && path.extension().is_some_and(|x| x == "released") {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
 
 /// A command's result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -216,6 +253,12 @@ impl Executor {
                     }
                 }
                 let dir = allocations;
+                let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
+                if tombstone(dir, reservation).exists() {
+                    return fail(format!(
+                        "reservation {reservation} was released before its bind arrived; nothing bound"
+                    ));
+                }
                 let body = serde_json::json!({"reservation": reservation, "devices": bound});
                 let written = std::fs::create_dir_all(dir).and_then(|_| {
                     std::fs::write(dir.join(format!("{reservation}.json")), body.to_string())
@@ -234,6 +277,14 @@ impl Executor {
                 else {
                     return fail("allocation.release needs a reservation".into());
                 };
+                let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
+                // The tombstone first: from now on no bind of it lands.
+                let marked = std::fs::create_dir_all(allocations)
+                    .and_then(|_| std::fs::write(tombstone(allocations, reservation), b""));
+                if let Err(e) = marked {
+                    return fail(format!("record the release: {e}"));
+                }
+                prune_tombstones(allocations);
                 let path = allocations.join(format!("{reservation}.json"));
                 match std::fs::remove_file(&path) {
                     Ok(()) => Outcome {
@@ -330,6 +381,41 @@ mod tests {
             )
             .ok
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_bind_that_arrives_after_its_release_is_refused() {
+        // The daemon runs each command in its own task, so a reservation's
+        // release can run before its bind: the bind must not leave a
+        // binding behind.
+        let dir = std::env::temp_dir().join(format!("strata-exec-order-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let gpus = FakeGpus::parse("8xH100-80GB", "n").unwrap();
+        let allocations = dir.join("allocations");
+        let release = Executor::run(
+            &allocations,
+            &gpus,
+            "allocation.release",
+            &serde_json::json!({"reservation": "r9"}),
+        );
+        assert!(release.ok, "{release:?}");
+        let bind = Executor::run(
+            &allocations,
+            &gpus,
+            "allocation.bind",
+            &serde_json::json!({"reservation": "r9", "devices": ["gpu0"]}),
+        );
+        assert!(!bind.ok && bind.detail.contains("released"), "{bind:?}");
+        assert!(!allocations.join("r9.json").exists());
+        // Another reservation binds as usual.
+        let other = Executor::run(
+            &allocations,
+            &gpus,
+            "allocation.bind",
+            &serde_json::json!({"reservation": "r10", "devices": ["gpu0"]}),
+        );
+        assert!(other.ok, "{other:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

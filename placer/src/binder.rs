@@ -32,8 +32,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
 
-/// How long a bind or release command may wait for its node.
+/// How long a bind command may wait for its node.
 pub const COMMAND_DEADLINE: Duration = Duration::from_secs(120);
+
+/// How long a release may wait for its node: a release is always safe to
+/// run late (a reservation is never bound again once it ended), so a node
+/// that comes back within a day drops the binding it still holds.
+pub const RELEASE_DEADLINE: Duration = Duration::from_secs(24 * 3600);
 
 #[derive(Debug, Default)]
 pub struct BinderStats {
@@ -99,10 +104,18 @@ fn release_id(reservation: &str, node: &str) -> String {
     format!("release:{reservation}:{node}")
 }
 
-fn deadline() -> u64 {
-    (SystemTime::now() + COMMAND_DEADLINE)
+fn deadline_in(after: Duration) -> u64 {
+    (SystemTime::now() + after)
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn deadline() -> u64 {
+    deadline_in(COMMAND_DEADLINE)
+}
+
+fn release_deadline() -> u64 {
+    deadline_in(RELEASE_DEADLINE)
 }
 
 /// Issues a command in the background; one issued before is fine. A
@@ -300,6 +313,7 @@ async fn held(
     for id in &placed {
         state.expect_binds(&index, id, &appender, &stats);
     }
+    release_ended(&client, &index, &appender, &stats).await?;
     let streams: Vec<String> = state
         .binds
         .keys()
@@ -356,7 +370,7 @@ async fn held(
                                 node: a.node.clone(),
                                 kind: "allocation.release".into(),
                                 args: serde_json::json!({"reservation": r.request.reservation}),
-                                deadline_ms: deadline(),
+                                deadline_ms: release_deadline(),
                             },
                             stats.clone(),
                             true,
@@ -405,6 +419,64 @@ async fn held(
             _ => {}
         }
     }
+}
+
+/// Releases, on their nodes, the bindings of reservations that ended while
+/// no binder ran (or before this one saw the end): every bind command in the
+/// log without its release, whose reservation is no longer live in the
+/// index, gets its release. The log decides, not what a binder happened to
+/// see.
+async fn release_ended(
+    client: &tokio_postgres::Client,
+    index: &Index,
+    appender: &Appender,
+    stats: &Arc<BinderStats>,
+) -> Result<(), BinderError> {
+    // `bind:<reservation>:<node>` and `release:<reservation>:<node>` share
+    // their suffix (13 characters of `command/bind:`).
+    let rows = client
+        .query(
+            "SELECT i.payload->'args'->>'reservation', i.payload->>'node'
+               FROM strata.streams b
+               JOIN strata.events i ON i.stream = b.stream AND i.version = 1
+              WHERE b.stream LIKE 'command/bind:%'
+                AND NOT EXISTS (SELECT 1 FROM strata.streams r
+                                 WHERE r.stream = 'command/release:' || substr(b.stream, 14))",
+            &[],
+        )
+        .await?;
+    let mut released = 0;
+    for row in rows {
+        let (Some(reservation), Some(node)) = (
+            row.get::<_, Option<String>>(0),
+            row.get::<_, Option<String>>(1),
+        ) else {
+            continue;
+        };
+        if index.reservation(&reservation).is_some() {
+            continue;
+        }
+        released += 1;
+        issue(
+            appender,
+            Command {
+                id: release_id(&reservation, &node),
+                node: node.clone(),
+                kind: "allocation.release".into(),
+                args: serde_json::json!({ "reservation": reservation }),
+                deadline_ms: release_deadline(),
+            },
+            stats.clone(),
+            true,
+        );
+    }
+    if released > 0 {
+        tracing::info!(
+            released,
+            "releasing the bindings of reservations that ended while no binder ran"
+        );
+    }
+    Ok(())
 }
 
 /// A node bound its part; when all have, the reservation is active.

@@ -421,18 +421,6 @@ async fn reservations_expire_after_their_ttl_and_free_their_devices() {
     placer.stop().await.unwrap();
 }
 
-/// The version of a stream as the table has it.
-async fn stream_version(client: &Client, stream: &str) -> u64 {
-    client
-        .query_opt(
-            "SELECT version FROM strata.streams WHERE stream = $1",
-            &[&stream],
-        )
-        .await
-        .unwrap()
-        .map_or(0, |r| r.get::<_, i64>(0) as u64)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_activation_racing_a_release_or_an_expiry_conflicts_instead_of_landing_after_the_end() {
     // A binder activates a reservation at the version of its stream that it
@@ -475,8 +463,20 @@ async fn an_activation_racing_a_release_or_an_expiry_conflicts_instead_of_landin
         wait_for(&mut sub, "rel").await,
         Outcome::Placed(_)
     ));
-    client::release(&appender, "rel", "done").await.unwrap();
-    let seen = stream_version(&client, "reservation/rel").await;
+    // The version a binder has seen: the one the release request made.
+    let seen = appender
+        .append(
+            "reservation/rel",
+            ExpectedVersion::StreamExists,
+            vec![Fact::ReleaseRequested {
+                reservation: "rel".into(),
+                reason: "done".into(),
+            }
+            .to_event()],
+        )
+        .await
+        .unwrap()
+        .version;
     assert_eq!(wait_for(&mut sub, "rel").await, Outcome::Released);
     let late = activate("rel", seen).await;
     assert!(
@@ -492,7 +492,8 @@ async fn an_activation_racing_a_release_or_an_expiry_conflicts_instead_of_landin
         wait_for(&mut sub, "ttl").await,
         Outcome::Placed(_)
     ));
-    let seen = stream_version(&client, "reservation/ttl").await;
+    // The binder saw the request: version 1.
+    let seen = 1;
     assert_eq!(wait_for(&mut sub, "ttl").await, Outcome::Expired);
     let late = activate("ttl", seen).await;
     assert!(
@@ -698,6 +699,70 @@ async fn placer_and_binder_survive_a_postgres_crash_restart() {
     until_on(&cfg, "reservation/later", "reservation.activated", 30).await;
     let report = check::check(&client, |_| {}).await.unwrap();
     assert_eq!((report.live, report.booked_devices), (2, 16));
+    node.abort();
+    binder.stop().await.unwrap();
+    placer.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binder_started_after_releases_sends_them_to_the_nodes() {
+    // Reservations released (or expired) while no binder runs: the next
+    // binder finds their bindings in the log and releases them on the node.
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "leak", 2).await;
+    let reader = reader(&cfg);
+    let placer = Placer::start(
+        cfg.clone(),
+        reader.clone(),
+        appender.clone(),
+        PlacerConfig::new("leak"),
+    );
+    let node = answer_binds(reader.clone(), appender.clone());
+    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let mut sub = reader
+        .subscribe_ephemeral(events::Start::Now)
+        .await
+        .unwrap();
+    for id in ["l1", "l2"] {
+        client::reserve(&client, &appender, &request(id, "leak", 8, Shape::Node))
+            .await
+            .unwrap();
+        until_on(
+            &cfg,
+            &format!("reservation/{id}"),
+            "reservation.activated",
+            30,
+        )
+        .await;
+    }
+    binder.stop().await.unwrap();
+    // No binder runs while both are released.
+    client::release(&appender, "l1", "done").await.unwrap();
+    client::release(&appender, "l2", "done").await.unwrap();
+    for id in ["l1", "l2"] {
+        loop {
+            if wait_for(&mut sub, id).await == Outcome::Released {
+                break;
+            }
+        }
+    }
+    let releases = "SELECT count(*) FROM strata.events WHERE stream LIKE 'command/release:%' AND type = 'command.issued'";
+    let issued: i64 = client.query_one(releases, &[]).await.unwrap().get(0);
+    assert_eq!(issued, 0, "no binder ran");
+    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let t = std::time::Instant::now();
+    loop {
+        let issued: i64 = client.query_one(releases, &[]).await.unwrap().get(0);
+        if issued == 2 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the new binder issued {issued} of 2 releases"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     node.abort();
     binder.stop().await.unwrap();
     placer.stop().await.unwrap();
