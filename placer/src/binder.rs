@@ -153,9 +153,22 @@ fn issue(appender: &Appender, command: Command, counter: Arc<BinderStats>, relea
     });
 }
 
+/// Attempts at binding one reservation on one node before it is given up.
+pub const BIND_ATTEMPTS: u32 = 5;
+
+/// The id of attempt `n` at binding `reservation` on `node`: the first is
+/// `bind:<reservation>:<node>`, later ones `rebind:<n>:<reservation>:<node>`.
+fn attempt_id(reservation: &str, node: &str, n: u32) -> String {
+    if n == 0 {
+        bind_id(reservation, node)
+    } else {
+        format!("rebind:{n}:{reservation}:{node}")
+    }
+}
+
 struct State {
-    /// Bind command id -> (reservation, node).
-    binds: HashMap<String, (String, String)>,
+    /// Bind command id -> (reservation, node, attempt).
+    binds: HashMap<String, (String, String, u32)>,
     /// Reservation -> nodes whose bind has not succeeded yet.
     waiting: HashMap<String, BTreeSet<String>>,
     /// Reservation -> the version of its stream as this binder's index has
@@ -166,6 +179,40 @@ struct State {
 }
 
 impl State {
+    /// Issues attempt `n` at binding `reservation`'s devices on `node`.
+    fn issue_bind(
+        &mut self,
+        index: &Index,
+        reservation: &str,
+        node: &str,
+        n: u32,
+        appender: &Appender,
+        stats: &Arc<BinderStats>,
+    ) {
+        let Some(a) = index
+            .reservation(reservation)
+            .and_then(|r| r.allocations.iter().find(|a| a.node == node))
+        else {
+            return;
+        };
+        let cmd = attempt_id(reservation, node, n);
+        self.binds
+            .insert(cmd.clone(), (reservation.to_string(), node.to_string(), n));
+        issue(
+            appender,
+            Command {
+                id: cmd,
+                node: node.to_string(),
+                kind: "allocation.bind".into(),
+                args: serde_json::json!({"reservation": reservation, "devices": a.devices}),
+                deadline_ms: deadline(),
+            },
+            stats.clone(),
+            false,
+        );
+    }
+
+    /// A placement's binds: the first attempt on each of its nodes.
     fn expect_binds(
         &mut self,
         index: &Index,
@@ -176,26 +223,51 @@ impl State {
         let Some(r) = index.reservation(id) else {
             return;
         };
-        let mut nodes = BTreeSet::new();
-        for a in &r.allocations {
-            let cmd = bind_id(id, &a.node);
-            self.binds
-                .insert(cmd.clone(), (id.to_string(), a.node.clone()));
-            nodes.insert(a.node.clone());
-            issue(
-                appender,
-                Command {
-                    id: cmd,
-                    node: a.node.clone(),
-                    kind: "allocation.bind".into(),
-                    args: serde_json::json!({"reservation": id, "devices": a.devices}),
-                    deadline_ms: deadline(),
-                },
-                stats.clone(),
-                false,
-            );
+        let nodes: BTreeSet<String> = r.allocations.iter().map(|a| a.node.clone()).collect();
+        for node in &nodes {
+            self.issue_bind(index, id, node, 0, appender, stats);
         }
         self.waiting.insert(id.to_string(), nodes);
+    }
+
+    /// Attempt `n` at a bind did not succeed. The node never answered
+    /// (`command.expired`): try again, and the node gets it when its session
+    /// is back (or the placer fails the reservation once the node stays
+    /// lost). The node refused it, or every attempt went unanswered: the
+    /// binding can never happen, so the reservation is released, with the
+    /// reason.
+    async fn bind_missed(
+        &mut self,
+        index: &Index,
+        appender: &Appender,
+        stats: &Arc<BinderStats>,
+        (reservation, node, n): (String, String, u32),
+        outcome: &str,
+        detail: &str,
+    ) {
+        stats.bind_failures.fetch_add(1, Ordering::Relaxed);
+        if index.reservation(&reservation).map(|r| r.phase) != Some(Phase::Placed) {
+            return;
+        }
+        if outcome == commands::EXPIRED && n + 1 < BIND_ATTEMPTS {
+            tracing::warn!(%reservation, %node, attempt = n + 1, "a bind went unanswered; trying again");
+            self.issue_bind(index, &reservation, &node, n + 1, appender, stats);
+            return;
+        }
+        let reason = if outcome == commands::EXPIRED {
+            format!("node {node} did not answer {BIND_ATTEMPTS} binds")
+        } else {
+            format!("node {node} could not bind it: {detail}")
+        };
+        tracing::warn!(%reservation, %node, %reason, "a bind failed; releasing the reservation");
+        self.waiting.remove(&reservation);
+        let meta = serde_json::json!({ "by": "binder" });
+        match projections::requests::release(appender, &reservation, &reason, Some(&meta)).await {
+            Ok(()) => {}
+            Err(e) => {
+                tracing::error!(%reservation, error = %e, "could not ask for the release of a reservation whose bind failed")
+            }
+        }
     }
 }
 
@@ -310,27 +382,8 @@ async fn held(
             state.versions.insert(id.to_string(), version as u64);
         }
     }
-    for id in &placed {
-        state.expect_binds(&index, id, &appender, &stats);
-    }
+    resume_binds(&client, &mut state, &index, &placed, &appender, &stats).await?;
     release_ended(&client, &index, &appender, &stats).await?;
-    let streams: Vec<String> = state
-        .binds
-        .keys()
-        .map(|c| commands::command_stream(c))
-        .collect();
-    for row in client
-        .query(
-            "SELECT stream FROM strata.events WHERE stream = ANY($1) AND type = 'command.succeeded'",
-            &[&streams],
-        )
-        .await?
-    {
-        let stream: String = row.get(0);
-        if let Some((res, node)) = state.binds.get(stream.trim_start_matches("command/")).cloned() {
-            bound(&mut state, &index, &appender, &stats, &res, &node).await;
-        }
-    }
     tracing::info!(
         position = index.position(),
         placed = placed.len(),
@@ -406,19 +459,99 @@ async fn held(
         match e.event_type.as_str() {
             commands::SUCCEEDED | commands::FAILED | commands::EXPIRED => {
                 let cmd = e.stream.trim_start_matches("command/");
-                if let Some((res, node)) = state.binds.get(cmd).cloned() {
+                if let Some((res, node, n)) = state.binds.remove(cmd) {
                     if e.event_type == commands::SUCCEEDED {
                         bound(&mut state, &index, &appender, &stats, &res, &node).await;
                     } else {
-                        stats.bind_failures.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(reservation = %res, %node, outcome = %e.event_type, "a bind did not succeed; the reservation stays placed");
-                        state.binds.remove(cmd);
+                        let detail = serde_json::from_str::<serde_json::Value>(&e.payload)
+                            .ok()
+                            .and_then(|v| v["detail"].as_str().map(str::to_string))
+                            .unwrap_or_default();
+                        state
+                            .bind_missed(
+                                &index,
+                                &appender,
+                                &stats,
+                                (res, node, n),
+                                &e.event_type,
+                                &detail,
+                            )
+                            .await;
                     }
                 }
             }
             _ => {}
         }
     }
+}
+
+/// Placements not active yet, as the log has their binds: a node that bound
+/// any attempt counts as bound; the latest attempt still open is waited
+/// for; one that ended without success is handled as missed (tried again or
+/// given up); a node with no attempt yet gets its first.
+async fn resume_binds(
+    client: &tokio_postgres::Client,
+    state: &mut State,
+    index: &Index,
+    placed: &[String],
+    appender: &Appender,
+    stats: &Arc<BinderStats>,
+) -> Result<(), BinderError> {
+    let mut pairs: Vec<(String, String)> = Vec::new();
+    for id in placed {
+        if let Some(r) = index.reservation(id) {
+            let nodes: BTreeSet<String> = r.allocations.iter().map(|a| a.node.clone()).collect();
+            pairs.extend(nodes.iter().map(|n| (id.clone(), n.clone())));
+            state.waiting.insert(id.clone(), nodes);
+        }
+    }
+    let streams: Vec<String> = pairs
+        .iter()
+        .flat_map(|(r, n)| {
+            (0..BIND_ATTEMPTS).map(move |i| commands::command_stream(&attempt_id(r, n, i)))
+        })
+        .collect();
+    // Each attempt's last event and its detail.
+    let mut last: HashMap<String, (String, String)> = HashMap::new();
+    for row in client
+        .query(
+            "SELECT DISTINCT ON (stream) stream, type, coalesce(payload->>'detail', '')
+               FROM strata.events WHERE stream = ANY($1) ORDER BY stream, version DESC",
+            &[&streams],
+        )
+        .await?
+    {
+        let stream: String = row.get(0);
+        last.insert(
+            stream.trim_start_matches("command/").to_string(),
+            (row.get(1), row.get(2)),
+        );
+    }
+    for (res, node) in pairs {
+        let attempts: Vec<(u32, &(String, String))> = (0..BIND_ATTEMPTS)
+            .filter_map(|i| last.get(&attempt_id(&res, &node, i)).map(|l| (i, l)))
+            .collect();
+        if attempts.iter().any(|(_, (t, _))| t == commands::SUCCEEDED) {
+            bound(state, index, appender, stats, &res, &node).await;
+            continue;
+        }
+        match attempts.last() {
+            None => state.issue_bind(index, &res, &node, 0, appender, stats),
+            Some((n, (t, detail))) if t == commands::FAILED || t == commands::EXPIRED => {
+                let (t, detail) = (t.clone(), detail.clone());
+                state
+                    .bind_missed(index, appender, stats, (res, node, *n), &t, &detail)
+                    .await
+            }
+            Some((n, _)) => {
+                // Still open: wait for it (issuing it again is a no-op).
+                state
+                    .binds
+                    .insert(attempt_id(&res, &node, *n), (res.clone(), node.clone(), *n));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Releases, on their nodes, the bindings of reservations that ended while
@@ -488,7 +621,6 @@ async fn bound(
     reservation: &str,
     node: &str,
 ) {
-    state.binds.remove(&bind_id(reservation, node));
     let done = match state.waiting.get_mut(reservation) {
         Some(nodes) => {
             nodes.remove(node);

@@ -522,6 +522,18 @@ async fn an_activation_racing_a_release_or_an_expiry_conflicts_instead_of_landin
 /// log), retrying through database restarts: the node's side of a bind,
 /// which these tests do not exercise.
 fn answer_binds(reader: Reader, appender: Appender) -> tokio::task::JoinHandle<()> {
+    answer_binds_with(reader, appender, |_| projections::commands::SUCCEEDED)
+}
+
+/// [`answer_binds`] with the outcome `answer` picks for each command id:
+/// `command.succeeded`, `command.failed` (the node refused it) or
+/// `command.expired` (as the gateway records a command the node never
+/// answered).
+fn answer_binds_with(
+    reader: Reader,
+    appender: Appender,
+    answer: impl Fn(&str) -> &'static str + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut sub = reader
             .subscribe_ephemeral(events::Start::Beginning)
@@ -536,13 +548,14 @@ fn answer_binds(reader: Reader, appender: Appender) -> tokio::task::JoinHandle<(
                 continue;
             }
             let id = e.stream.trim_start_matches("command/").to_string();
+            let outcome = answer(&id);
             for _ in 0..100 {
                 match projections::commands::transition(
                     &appender,
                     &id,
                     e.version,
-                    projections::commands::SUCCEEDED,
-                    &serde_json::json!({"detail": "bound"}),
+                    outcome,
+                    &serde_json::json!({"detail": "device gpu9 is not on this node"}),
                 )
                 .await
                 {
@@ -763,6 +776,78 @@ async fn a_binder_started_after_releases_sends_them_to_the_nodes() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    node.abort();
+    binder.stop().await.unwrap();
+    placer.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_bind_is_tried_again_and_a_refused_one_releases_its_reservation() {
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "binds", 2).await;
+    let reader = reader(&cfg);
+    let placer = Placer::start(
+        cfg.clone(),
+        reader.clone(),
+        appender.clone(),
+        PlacerConfig::new("binds"),
+    );
+    let node = answer_binds_with(reader.clone(), appender.clone(), |id| {
+        if id.starts_with("bind:slow:") {
+            projections::commands::EXPIRED
+        } else if id.starts_with("bind:bad:") {
+            projections::commands::FAILED
+        } else {
+            projections::commands::SUCCEEDED
+        }
+    });
+    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    for id in ["slow", "bad"] {
+        client::reserve(&client, &appender, &request(id, "binds", 8, Shape::Node))
+            .await
+            .unwrap();
+    }
+    // The first bind expired; the second attempt bound it.
+    until_on(&cfg, "reservation/slow", "reservation.activated", 30).await;
+    let retried: i64 = client
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream LIKE 'command/rebind:1:slow:%' AND type = 'command.succeeded'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(retried, 1);
+    // The node refused the other: it is released, and says why.
+    until_on(&cfg, "reservation/bad", "reservation.ended", 30).await;
+    let reason: String = client
+        .query_one(
+            "SELECT payload->>'reason' FROM strata.events WHERE stream = 'reservation/bad' AND type = 'reservation.release_requested'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        reason.contains("could not bind it: device gpu9"),
+        "{reason}"
+    );
+    let report = check::check(&client, |_| {}).await.unwrap();
+    assert_eq!((report.live, report.booked_devices), (1, 8));
+
+    // A binder started now reads the attempts from the log: slow is bound.
+    binder.stop().await.unwrap();
+    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let activated: i64 = client
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE stream = 'reservation/slow' AND type = 'reservation.activated'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(activated, 1);
     node.abort();
     binder.stop().await.unwrap();
     placer.stop().await.unwrap();
