@@ -330,7 +330,8 @@ pub enum NodesCmd {
         #[command(flatten)]
         db: Db,
     },
-    /// Revoke every certificate of a node: gateways refuse its sessions
+    /// Revoke every certificate of a node: gateways refuse its sessions, it
+    /// leaves its pool, and its live reservations fail (node_revoked)
     Revoke {
         #[command(flatten)]
         db: Db,
@@ -338,6 +339,60 @@ pub enum NodesCmd {
         #[arg(long, default_value = "")]
         reason: String,
     },
+    /// Take a node out of placement: nothing new goes to it; its live
+    /// reservations stay
+    Cordon {
+        #[command(flatten)]
+        target: NodeTarget,
+        /// Why, for `strata pool show --nodes` and the log
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Let placements go to a node again (lifts a cordon and a drain)
+    Uncordon {
+        #[command(flatten)]
+        target: NodeTarget,
+    },
+    /// Empty a node: nothing new goes to it, and its live reservations fail
+    /// (node_drained) now, or once --wait has passed (those with a shorter
+    /// TTL end by themselves first)
+    Drain {
+        #[command(flatten)]
+        target: NodeTarget,
+        /// Why, for `strata pool show --nodes` and the log
+        #[arg(long, default_value = "")]
+        reason: String,
+        /// Let live reservations run this long before ending them
+        #[arg(long, value_parser = humantime::parse_duration)]
+        wait: Option<std::time::Duration>,
+    },
+    /// Clear a health condition the node no longer has, so its GPUs can be
+    /// placed on again
+    ClearHealth {
+        #[command(flatten)]
+        target: NodeTarget,
+        /// The condition, as `strata pool show --nodes` lists it (e.g. XID-79)
+        #[arg(long)]
+        condition: String,
+        /// The device it is on (the whole node when omitted)
+        #[arg(long)]
+        device: Option<String>,
+    },
+}
+
+/// The node whose standing changes.
+#[derive(clap::Args, Debug)]
+pub struct NodeTarget {
+    #[command(flatten)]
+    pub db: Db,
+    /// The node's id
+    pub node: String,
+    /// Its pool (found from its certificate or the log when omitted)
+    #[arg(long)]
+    pub pool: Option<String>,
+    /// Print the change as JSON
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -607,6 +662,10 @@ pub struct ServeArgs {
     /// placer: pool lease time to live; a dead placer's pools move after this
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     pub lease_ttl: std::time::Duration,
+    /// placer: how long a node may stay out of contact before its live
+    /// reservations fail (node_lost); a revoked or drained node's fail at once
+    #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
+    pub node_lost_after: std::time::Duration,
     /// placer: only these pools (comma-separated; default all)
     #[arg(long, value_delimiter = ',')]
     pub pools: Vec<String>,

@@ -2,13 +2,14 @@
 
 use crate::commands::{config, connect};
 use crate::{
-    AuditUsersCmd, CaCmd, CommandsCmd, FleetArgs, IssueArgs, NodeArgs, NodesCmd, ParkedCmd,
-    SinksCmd, TokensCmd,
+    AuditUsersCmd, CaCmd, CommandsCmd, FleetArgs, IssueArgs, NodeArgs, NodeTarget, NodesCmd,
+    ParkedCmd, SinksCmd, TokensCmd,
 };
 use anyhow::{bail, Context, Result};
 use events::{Appender, AppenderConfig};
 use node::daemon::{self, DaemonConfig, DaemonStats};
 use node::gpu::{FakeGpus, GpuBackend, NvmlGpus};
+use projections::standing::Change;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -238,10 +239,78 @@ pub async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
         NodesCmd::Revoke { db, node, reason } => {
             let mut client = connect(&db).await?;
             let n = gateway::identity::revoke(&mut client, &node, &reason).await?;
-            println!("revoked {n} certificate(s) of node {node}; gateways refuse its new sessions");
+            println!("revoked {n} certificate(s) of node {node}; gateways refuse its new sessions, and it left its pool");
         }
+        NodesCmd::Cordon { target, reason } => {
+            standing(target, Change::Cordon { reason }).await?;
+        }
+        NodesCmd::Uncordon { target } => standing(target, Change::Uncordon).await?,
+        NodesCmd::Drain {
+            target,
+            reason,
+            wait,
+        } => standing(target, Change::Drain { reason, wait }).await?,
+        NodesCmd::ClearHealth {
+            target,
+            condition,
+            device,
+        } => standing(target, Change::ClearHealth { device, condition }).await?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Changes a node's standing and says what follows from it.
+async fn standing(target: NodeTarget, change: Change) -> Result<()> {
+    let client = connect(&target.db).await?;
+    let appender = Appender::start(config(&target.db)?, AppenderConfig::default());
+    let who = whoami();
+    let meta = serde_json::json!({ "operator": who });
+    let pool = projections::standing::change(
+        &client,
+        &appender,
+        target.pool.as_deref(),
+        &target.node,
+        &change,
+        Some(&meta),
+    )
+    .await?;
+    let node = &target.node;
+    let (what, follows) = match &change {
+        Change::Cordon { .. } => (
+            "cordoned",
+            "nothing new is placed on it; its live reservations stay".to_string(),
+        ),
+        Change::Uncordon => ("uncordoned", "it takes placements again".to_string()),
+        Change::Drain { wait: None, .. } => (
+            "drained",
+            "nothing new is placed on it; its live reservations end now".to_string(),
+        ),
+        Change::Drain { wait: Some(w), .. } => (
+            "drained",
+            format!(
+                "nothing new is placed on it; its live reservations end in {}",
+                humantime::format_duration(*w)
+            ),
+        ),
+        Change::ClearHealth { .. } => (
+            "cleared",
+            "the condition no longer keeps its GPUs out of placement".to_string(),
+        ),
+    };
+    if target.json {
+        println!(
+            "{}",
+            serde_json::json!({ "node": node, "pool": pool, "change": what, "operator": who })
+        );
+    } else {
+        println!("{what} node {node} in pool {pool}: {follows}");
+    }
+    Ok(())
+}
+
+/// Who runs this command, as the log records it.
+fn whoami() -> String {
+    std::env::var("USER").unwrap_or_else(|_| "cli".into())
 }
 
 fn print_command(t: &projections::commands::Tracked) {

@@ -289,6 +289,12 @@ pub async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Unix milliseconds as an RFC 3339 time (seconds).
+fn ms_time(ms: u64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
+        .to_string()
+}
+
 /// Prints a pool as `strata pool show` does.
 fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
     let Some(p) = index.pool(name).filter(|p| p.created) else {
@@ -326,9 +332,17 @@ fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
         );
         for (n, node) in &p.nodes {
             let state = if node.left {
-                "left".to_string()
+                match node.left_reason.as_str() {
+                    "" => "left".to_string(),
+                    why => format!("left ({why})"),
+                }
+            } else if let Some(since) = node.unreachable_since_ms {
+                format!("unreachable since {}", ms_time(since))
             } else if let Some(r) = &node.drained {
-                format!("drained {r}")
+                match node.drain_deadline_ms {
+                    Some(at) => format!("draining {r} (live reservations end at {})", ms_time(at)),
+                    None => format!("drained {r}"),
+                }
             } else if let Some(r) = &node.cordoned {
                 format!("cordoned {r}")
             } else if !node.conditions.is_empty() {

@@ -3,14 +3,15 @@
 use crate::api_proto::{
     api_server, subscribe_message, Allocation, CommandStatus, GetCommandRequest,
     IssueCommandRequest, ListNodesRequest, ListNodesResponse, ListPoolsRequest, ListPoolsResponse,
-    Node, Pool, PoolClass, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest,
-    SubscribeMessage, SubscribedEvent,
+    Node, NodeStandingRequest, NodeStandingResponse, Pool, PoolClass, ReleaseRequest,
+    ReleaseResponse, Reservation, ReserveRequest, SubscribeMessage, SubscribedEvent,
 };
 use crate::revocation;
 use crate::state::{Shared, Waited};
 use events::AppendError;
 use projections::commands::{self, Command};
 use projections::requests::{self, RequestError};
+use projections::standing::Change;
 use projections::{Request as PRequest, Shape};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -59,7 +60,9 @@ async fn still_valid(shared: &Shared, who: &str, serial: &str) -> Result<(), Sta
 fn request_status(e: RequestError) -> Status {
     match e {
         RequestError::Invalid(m) => Status::invalid_argument(m),
-        RequestError::NoSuchPool(_) | RequestError::NotFound(_) => Status::not_found(e.to_string()),
+        RequestError::NoSuchPool(_) | RequestError::NotFound(_) | RequestError::NoSuchNode(_) => {
+            Status::not_found(e.to_string())
+        }
         RequestError::Exists(_) => Status::already_exists(e.to_string()),
         RequestError::Append(e) => append_status(e),
         RequestError::Database(e) => Status::unavailable(format!("database: {e}")),
@@ -92,6 +95,28 @@ fn status_of(t: &commands::Tracked) -> CommandStatus {
 }
 
 impl ApiService {
+    /// Changes a node's standing for an operator; the operator is recorded.
+    async fn standing(
+        &self,
+        req: Request<NodeStandingRequest>,
+        change: Change,
+    ) -> Result<Response<NodeStandingResponse>, Status> {
+        let who = operator(&self.shared, &req).await?;
+        let r = req.into_inner();
+        let client = self.db().await?;
+        let pool = projections::standing::change(
+            &client,
+            &self.shared.appender,
+            (!r.pool.is_empty()).then_some(r.pool.as_str()),
+            &r.node,
+            &change,
+            Some(&serde_json::json!({ "operator": who })),
+        )
+        .await
+        .map_err(request_status)?;
+        Ok(Response::new(NodeStandingResponse { pool }))
+    }
+
     async fn db(&self) -> Result<Arc<tokio_postgres::Client>, Status> {
         self.shared
             .db
@@ -449,6 +474,45 @@ impl api_server::Api for ApiService {
             })
             .collect();
         Ok(Response::new(ListNodesResponse { nodes }))
+    }
+
+    async fn cordon_node(
+        &self,
+        req: Request<NodeStandingRequest>,
+    ) -> Result<Response<NodeStandingResponse>, Status> {
+        let reason = req.get_ref().reason.clone();
+        self.standing(req, Change::Cordon { reason }).await
+    }
+
+    async fn uncordon_node(
+        &self,
+        req: Request<NodeStandingRequest>,
+    ) -> Result<Response<NodeStandingResponse>, Status> {
+        self.standing(req, Change::Uncordon).await
+    }
+
+    async fn drain_node(
+        &self,
+        req: Request<NodeStandingRequest>,
+    ) -> Result<Response<NodeStandingResponse>, Status> {
+        let r = req.get_ref();
+        let change = Change::Drain {
+            reason: r.reason.clone(),
+            wait: (r.drain_wait_ms > 0).then(|| Duration::from_millis(r.drain_wait_ms)),
+        };
+        self.standing(req, change).await
+    }
+
+    async fn clear_node_health(
+        &self,
+        req: Request<NodeStandingRequest>,
+    ) -> Result<Response<NodeStandingResponse>, Status> {
+        let r = req.get_ref();
+        let change = Change::ClearHealth {
+            device: (!r.device.is_empty()).then(|| r.device.clone()),
+            condition: r.condition.clone(),
+        };
+        self.standing(req, change).await
     }
 
     async fn issue_command(

@@ -644,8 +644,9 @@ fn plan_ready(
 }
 
 /// Live reservations that must end because a node of theirs is troubled:
-/// it left (`node_left`), was revoked (`node_revoked`), or has been out of
-/// contact for `lost_after` (`node_lost`). At most `max`, each once, as
+/// it left (`node_left`), was revoked (`node_revoked`), has been out of
+/// contact for `lost_after` (`node_lost`), or was drained and its wait is
+/// over (`node_drained`). At most `max`, each once, as
 /// (reservation, node, reason).
 fn failures_due(
     pool: &projections::index::Pool,
@@ -660,11 +661,20 @@ fn failures_due(
         let Some(node) = pool.nodes.get(name) else {
             continue;
         };
-        let reason = match (node.left, node.unreachable_since_ms) {
-            (true, _) if node.left_reason == "revoked" => "node_revoked",
-            (true, _) => "node_left",
-            (false, Some(since)) if since.saturating_add(lost_after) <= now_ms => "node_lost",
-            _ => continue,
+        let lost = node
+            .unreachable_since_ms
+            .is_some_and(|since| since.saturating_add(lost_after) <= now_ms);
+        let drained = node.drained.is_some() && node.drain_deadline_ms.unwrap_or(0) <= now_ms;
+        let reason = if node.left && node.left_reason == "revoked" {
+            "node_revoked"
+        } else if node.left {
+            "node_left"
+        } else if lost {
+            "node_lost"
+        } else if drained {
+            "node_drained"
+        } else {
+            continue;
         };
         for id in node.bookings() {
             if out.len() >= max {

@@ -272,11 +272,16 @@ pub enum Fact {
     },
     #[serde(rename = "node.uncordoned")]
     NodeUncordoned { node: String },
+    /// No new placements; the node's live reservations fail
+    /// (`node_drained`) at `deadline_ms` (unix milliseconds), at once
+    /// without one. Lifted by `node.uncordoned`.
     #[serde(rename = "node.drained")]
     NodeDrained {
         node: String,
         #[serde(default)]
         reason: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        deadline_ms: Option<u64>,
     },
     /// A health condition (an XID or ECC error, say) on a device, or on the
     /// whole node when `device` is absent. Unschedulable until cleared.
@@ -329,7 +334,7 @@ pub enum Fact {
     ReservationExpired { reservation: String },
     /// Terminal: a node it was placed on left the pool, was revoked or stayed
     /// out of contact too long (`reason`: `node_left`, `node_revoked`,
-    /// `node_lost`); its devices are free.
+    /// `node_lost`, `node_drained`); its devices are free.
     #[serde(rename = "reservation.failed")]
     ReservationFailed {
         reservation: String,

@@ -49,6 +49,9 @@ pub struct Node {
     pub devices: Vec<Device>,
     pub cordoned: Option<String>,
     pub drained: Option<String>,
+    /// When a drain ends the node's live reservations (unix ms); at once
+    /// when `None`.
+    pub drain_deadline_ms: Option<u64>,
     pub left: bool,
     /// Why it left (`revoked`, or empty for a plain leave).
     pub left_reason: String,
@@ -69,10 +72,10 @@ impl Node {
             && self.conditions.is_empty()
     }
 
-    /// Whether live reservations on the node may have to end: it left, or
-    /// the region lost contact with it.
+    /// Whether live reservations on the node may have to end: it left, is
+    /// drained, or the region lost contact with it.
     pub fn troubled(&self) -> bool {
-        self.left || self.unreachable_since_ms.is_some()
+        self.left || self.drained.is_some() || self.unreachable_since_ms.is_some()
     }
 
     /// Reservations holding devices of the node.
@@ -325,7 +328,8 @@ pub struct Queues {
     pub releases: BTreeSet<String>,
     /// Live reservations by expiry (unix ms).
     pub expiries: BTreeSet<(u64, String)>,
-    /// Nodes that left or are out of contact (see [`Node::troubled`]): where
+    /// Nodes that left, are drained or are out of contact (see
+    /// [`Node::troubled`]): where
     /// the placer looks for reservations to end.
     pub troubled: BTreeSet<String>,
 }
@@ -967,13 +971,21 @@ impl Index {
             Fact::NodeCordoned { node, reason } => {
                 self.with_node(&pool, &node, |n| n.cordoned = Some(reason));
             }
-            Fact::NodeDrained { node, reason } => {
-                self.with_node(&pool, &node, |n| n.drained = Some(reason));
+            Fact::NodeDrained {
+                node,
+                reason,
+                deadline_ms,
+            } => {
+                self.with_node(&pool, &node, |n| {
+                    n.drained = Some(reason);
+                    n.drain_deadline_ms = deadline_ms;
+                });
             }
             Fact::NodeUncordoned { node } => {
                 self.with_node(&pool, &node, |n| {
                     n.cordoned = None;
                     n.drained = None;
+                    n.drain_deadline_ms = None;
                 });
                 bump_capacity(self);
             }

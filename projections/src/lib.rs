@@ -13,6 +13,7 @@ pub mod index;
 pub mod projector;
 pub mod requests;
 pub mod snapshot;
+pub mod standing;
 pub mod testing;
 pub mod views;
 

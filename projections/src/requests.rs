@@ -17,6 +17,8 @@ pub enum RequestError {
     Exists(String),
     #[error("reservation {0:?} does not exist")]
     NotFound(String),
+    #[error("node {0:?} is in no pool (see `strata pool show --nodes`)")]
+    NoSuchNode(String),
     #[error(transparent)]
     Append(#[from] AppendError),
     #[error("read the log: {0}")]

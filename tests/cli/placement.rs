@@ -1062,3 +1062,153 @@ fn the_maintenance_role_seals_closed_months_and_checkpoints_the_open_one() {
         "{open:?}\n{logs}"
     );
 }
+
+#[test]
+fn operators_cordon_drain_uncordon_and_clear_health() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    ok(&["pool", "create", "gpu", "--database-url", &url]);
+    ok(&[
+        "pool",
+        "seed",
+        "gpu",
+        "--database-url",
+        &url,
+        "--nodes",
+        "2",
+    ]);
+    let mut p = placer(&url, "ops", &dir.path().join("ops.log"));
+    let rt = rt();
+    let client = rt
+        .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+        .unwrap();
+    let count = |sql: &str| -> i64 { rt.block_on(client.query_one(sql, &[])).unwrap().get(0) };
+    let nodes = |url: &str| ok(&["pool", "show", "gpu", "--nodes", "--database-url", url]);
+
+    // Cordoned: nothing new goes there.
+    let out = ok(&[
+        "nodes",
+        "cordon",
+        "gpu-n00000",
+        "--reason",
+        "maintenance",
+        "--database-url",
+        &url,
+    ]);
+    assert!(
+        out.contains("cordoned node gpu-n00000 in pool gpu"),
+        "{out}"
+    );
+    assert!(nodes(&url).contains("cordoned maintenance"));
+    let out = ok(&reserve_args(
+        &url,
+        &["--gpus", "8", "--shape", "node", "--id", "first", "--wait"],
+    ));
+    assert!(out.contains("gpu-n00001"), "{out}");
+    let out = strata(&reserve_args(
+        &url,
+        &[
+            "--gpus",
+            "8",
+            "--shape",
+            "node",
+            "--id",
+            "second",
+            "--wait",
+            "--timeout",
+            "2s",
+        ],
+    ));
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "second waits: the only free node is cordoned"
+    );
+
+    // Uncordoned: the waiting one is placed there.
+    let out = ok(&[
+        "nodes",
+        "uncordon",
+        "gpu-n00000",
+        "--json",
+        "--database-url",
+        &url,
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (v["pool"].as_str(), v["change"].as_str()),
+        (Some("gpu"), Some("uncordoned"))
+    );
+    wait_for(20, || {
+        (count("SELECT count(*) FROM strata.events WHERE type = 'reservation.placed' AND payload->>'reservation' = 'second'") == 1).then_some(())
+    })
+    .expect("second was placed once the node was uncordoned");
+
+    // Drained: its live reservation fails, and the pool says why.
+    ok(&[
+        "nodes",
+        "drain",
+        "gpu-n00001",
+        "--reason",
+        "rma",
+        "--database-url",
+        &url,
+    ]);
+    wait_for(20, || {
+        (count("SELECT count(*) FROM strata.events WHERE type = 'reservation.failed' AND payload->>'reservation' = 'first' AND payload->>'reason' = 'node_drained'") == 1).then_some(())
+    })
+    .expect("first failed with node_drained");
+    assert!(nodes(&url).contains("drained rma"));
+    // A drain with a wait lets the live reservation run until then.
+    let out = ok(&[
+        "nodes",
+        "drain",
+        "gpu-n00000",
+        "--wait",
+        "1h",
+        "--database-url",
+        &url,
+    ]);
+    assert!(out.contains("end in 1h"), "{out}");
+    assert!(nodes(&url).contains("draining"), "{}", nodes(&url));
+    assert_eq!(count("SELECT count(*) FROM strata.events WHERE type = 'reservation.failed' AND payload->>'reservation' = 'second'"), 0);
+
+    // A condition the node no longer has is cleared.
+    ok(&["nodes", "uncordon", "gpu-n00001", "--database-url", &url]);
+    ok(&append_args(
+        &url,
+        "pool/gpu",
+        "health.raised",
+        r#"{"node":"gpu-n00001","condition":"XID-79"}"#,
+        &[],
+    ));
+    assert!(nodes(&url).contains("unhealthy XID-79"), "{}", nodes(&url));
+    ok(&[
+        "nodes",
+        "clear-health",
+        "gpu-n00001",
+        "--condition",
+        "XID-79",
+        "--database-url",
+        &url,
+    ]);
+    let shown = nodes(&url);
+    let line = shown.lines().find(|l| l.contains("gpu-n00001")).unwrap();
+    assert!(line.ends_with("ready"), "{shown}");
+    // Who asked is in the log.
+    assert_eq!(count("SELECT count(*) FROM strata.events WHERE type = 'node.cordoned' AND metadata ? 'operator'"), 1);
+
+    let err = fails(&["nodes", "cordon", "no-such-node", "--database-url", &url]);
+    assert!(err.contains("is in no pool"), "{err}");
+    assert_eq!(check_json(&url)["live"], 1);
+    p.kill().unwrap();
+    p.wait().unwrap();
+    ok(&[
+        "slots",
+        "drop",
+        "placer_ops",
+        "--database-url",
+        &url,
+        "--force",
+    ]);
+}

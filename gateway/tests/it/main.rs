@@ -842,6 +842,22 @@ async fn the_client_api_serves_operators_only() {
         .nodes;
     assert_eq!(nodes.len(), 1);
     assert!(nodes[0].session_here && !nodes[0].revoked, "{nodes:?}");
+    // A node's standing: cordoned and uncordoned, the operator recorded.
+    let standing = |node: &str| NodeStandingRequest {
+        node: node.into(),
+        reason: "firmware".into(),
+        ..Default::default()
+    };
+    let done = api.cordon_node(standing("n1")).await.unwrap().into_inner();
+    assert_eq!(done.pool, "p");
+    api.uncordon_node(standing("n1")).await.unwrap();
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type IN ('node.cordoned', 'node.uncordoned') AND metadata->>'operator' = 'alice'")
+            .await,
+        2
+    );
+    let err = api.drain_node(standing("nowhere")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
 
     let done = api
         .issue_command(IssueCommandRequest {

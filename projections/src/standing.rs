@@ -1,0 +1,126 @@
+//! An operator's say over a node's standing in its pool: cordon it (no new
+//! placements), uncordon it (placements again, a drain lifted too), drain it
+//! (no new placements, and its live reservations end: at once, or when a
+//! wait runs out) and clear a health condition the node no longer has. Each
+//! is one fact on the pool's stream, so the pool's version fences it like
+//! any other change of what can be placed. The CLI and the client API both
+//! come through here.
+
+use crate::domain::{pool_stream, stored_types, valid_name};
+use crate::requests::RequestError;
+use crate::Fact;
+use events::{Appender, ExpectedVersion};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio_postgres::Client;
+
+/// A change of a node's standing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    Cordon {
+        reason: String,
+    },
+    Uncordon,
+    /// Live reservations on the node fail (`node_drained`) once `wait` has
+    /// passed; at once without one.
+    Drain {
+        reason: String,
+        wait: Option<Duration>,
+    },
+    /// A condition of the node (`device: None`) or of one of its devices.
+    ClearHealth {
+        device: Option<String>,
+        condition: String,
+    },
+}
+
+impl Change {
+    fn fact(&self, node: &str) -> Fact {
+        let node = node.to_string();
+        match self {
+            Change::Cordon { reason } => Fact::NodeCordoned {
+                node,
+                reason: reason.clone(),
+            },
+            Change::Uncordon => Fact::NodeUncordoned { node },
+            Change::Drain { reason, wait } => Fact::NodeDrained {
+                node,
+                reason: reason.clone(),
+                deadline_ms: wait.map(|w| {
+                    (SystemTime::now() + w)
+                        .duration_since(UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64)
+                }),
+            },
+            Change::ClearHealth { device, condition } => Fact::HealthCleared {
+                node,
+                device: device.clone(),
+                condition: condition.clone(),
+            },
+        }
+    }
+}
+
+/// The pool a node is in: the one its certificate was issued for, or, for
+/// a node without one (seeded), the pool it last joined, from the log.
+pub async fn pool_of_node(client: &Client, node: &str) -> Result<String, RequestError> {
+    if let Some(row) = client
+        .query_opt(
+            "SELECT pool FROM strata.node_certificates WHERE node = $1 ORDER BY issued_at DESC LIMIT 1",
+            &[&node],
+        )
+        .await?
+    {
+        return Ok(row.get(0));
+    }
+    let row = client
+        .query_opt(
+            "SELECT stream FROM strata.events WHERE type = ANY($1) AND payload->>'node' = $2
+              ORDER BY position DESC LIMIT 1",
+            &[&stored_types("node.joined"), &node],
+        )
+        .await?;
+    row.and_then(|r| {
+        r.get::<_, String>(0)
+            .strip_prefix("pool/")
+            .map(str::to_string)
+    })
+    .ok_or_else(|| RequestError::NoSuchNode(node.to_string()))
+}
+
+/// Changes `node`'s standing in `pool` (looked up when `None`), recording
+/// `metadata` (who asked). Returns the pool.
+pub async fn change(
+    client: &Client,
+    appender: &Appender,
+    pool: Option<&str>,
+    node: &str,
+    change: &Change,
+    metadata: Option<&serde_json::Value>,
+) -> Result<String, RequestError> {
+    valid_name("node", node).map_err(RequestError::Invalid)?;
+    if let Change::ClearHealth { condition, .. } = change {
+        if condition.is_empty() {
+            return Err(RequestError::Invalid("name the condition to clear".into()));
+        }
+    }
+    let pool = match pool {
+        Some(p) => p.to_string(),
+        None => pool_of_node(client, node).await?,
+    };
+    let mut event = change.fact(node).to_event();
+    if let Some(m) = metadata {
+        event = event.with_metadata(m);
+    }
+    match appender
+        .append(
+            &pool_stream(&pool),
+            ExpectedVersion::StreamExists,
+            vec![event],
+        )
+        .await
+    {
+        Ok(_) => Ok(pool),
+        Err(events::AppendError::VersionConflict { .. }) => Err(RequestError::NoSuchPool(pool)),
+        Err(e) => Err(RequestError::Append(e)),
+    }
+}
