@@ -4,6 +4,7 @@ pub mod admission;
 pub mod api;
 pub mod ca;
 pub mod codec;
+pub mod damping;
 pub mod dispatch;
 pub mod grants;
 pub mod identity;

@@ -14,6 +14,7 @@
 
 use crate::admission::PendingHello;
 use crate::ca::{self};
+use crate::damping::Verdict;
 use crate::dispatch::{command_transition, to_message};
 use crate::identity::{self, node_stream};
 use crate::proto::{
@@ -212,6 +213,7 @@ pub(crate) async fn session(
                 status: None,
                 closed: false,
                 tx: tx.clone(),
+                health: Default::default(),
             },
         );
         shared.stats.sessions.store(
@@ -496,6 +498,34 @@ pub(crate) async fn handle(
             });
         }
         node_message::Body::Health(h) => {
+            // Coalesced and damped per session: a flapping node does not
+            // move the pool's version (every placement's fence) ten times a
+            // second.
+            let verdict = {
+                let mut sessions = shared.sessions.lock().expect("sessions lock");
+                match sessions.get_mut(node) {
+                    Some(s) if s.epoch == epoch => {
+                        let key = (h.device.clone(), h.condition.clone());
+                        if h.cleared {
+                            s.health.clear(key, Instant::now())
+                        } else {
+                            s.health.raise(key)
+                        }
+                    }
+                    _ => {
+                        return Err(Status::aborted(
+                            "a newer session for this node replaced this one",
+                        ))
+                    }
+                }
+            };
+            if verdict != Verdict::Write {
+                shared
+                    .stats
+                    .health_coalesced
+                    .fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
             let device = (!h.device.is_empty()).then_some(h.device);
             let fact = if h.cleared {
                 Fact::HealthCleared {
@@ -553,15 +583,40 @@ pub(crate) async fn sweeper(shared: Arc<Shared>) {
         tick.tick().await;
         let limit = shared.config.heartbeat * 3;
         let mut lost = Vec::new();
+        let mut clears: Vec<(String, String, crate::damping::Key)> = Vec::new();
         {
+            let now = Instant::now();
             let mut sessions = shared.sessions.lock().expect("sessions lock");
             sessions.retain(|node, s| {
                 if s.reachable && s.last_heartbeat.elapsed() > limit {
                     s.reachable = false;
                     lost.push((node.clone(), s.pool.clone(), s.epoch, s.version));
                 }
-                !s.closed || s.reachable
+                let keep = !s.closed || s.reachable;
+                // Clears whose hold-down is over, and, for a session going
+                // away, every clear it still held back.
+                let due = if keep {
+                    s.health.due(now)
+                } else {
+                    s.health.drain_pending()
+                };
+                clears.extend(due.into_iter().map(|k| (node.clone(), s.pool.clone(), k)));
+                keep
             });
+        }
+        for (node, pool, (device, condition)) in clears {
+            let fact = Fact::HealthCleared {
+                node,
+                device: (!device.is_empty()).then_some(device),
+                condition,
+            };
+            shared
+                .queue(Write::plain(
+                    pool_stream(&pool),
+                    ExpectedVersion::StreamExists,
+                    vec![fact.to_event()],
+                ))
+                .await;
         }
         for (node, pool, epoch, version) in lost {
             shared.stats.transitions.fetch_add(1, Ordering::Relaxed);

@@ -87,6 +87,9 @@ pub struct GatewayStats {
     /// Batches written again after a transient failure.
     pub write_retries: AtomicU64,
     pub transitions: AtomicU64,
+    /// Health reports not written: repeats, and clears of a flapping
+    /// condition held back.
+    pub health_coalesced: AtomicU64,
     pub commands_dispatched: AtomicU64,
     pub commands_finished: AtomicU64,
     /// Commands that could not be queued to a live session (sent again on
@@ -113,6 +116,8 @@ pub(crate) struct SessionEntry {
     /// written unreachable, or a new session replaces it).
     pub(crate) closed: bool,
     pub(crate) tx: Outbox,
+    /// The session's health reports, coalesced and damped.
+    pub(crate) health: crate::damping::Damper,
 }
 
 /// One write for the writer task.

@@ -4,6 +4,7 @@
 
 use crate::executor::{Decision, Executor, Outcome};
 use crate::gpu::{GpuBackend, HealthChange};
+use crate::health::Conditions;
 use crate::proto::{
     gateway_message, join_client::JoinClient, node_message, session_client::SessionClient,
     CommandAck, CommandResult, Device, HealthReport, Heartbeat, Hello, InventorySection,
@@ -325,6 +326,7 @@ pub async fn run(
     };
     let generation = next_generation(&config.data_dir)?;
     let runner = Runner::new(Executor::open(&config.data_dir).map_err(io(&config.data_dir))?);
+    let conditions = std::sync::Mutex::new(Conditions::open(&config.data_dir));
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&creds.ca_pem))
         .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem))
@@ -360,7 +362,7 @@ pub async fn run(
                     &stats,
                     channel,
                     generation,
-                    &runner,
+                    (&runner, &conditions),
                     &mut shutdown,
                     &mut opened,
                 )
@@ -398,12 +400,23 @@ pub async fn run(
     }
 }
 
+fn health_message(c: HealthChange) -> NodeMessage {
+    NodeMessage {
+        body: Some(node_message::Body::Health(HealthReport {
+            device: c.device.unwrap_or_default(),
+            condition: c.condition,
+            detail: c.detail,
+            cleared: c.cleared,
+        })),
+    }
+}
+
 async fn session(
     config: &DaemonConfig,
     stats: &Arc<DaemonStats>,
     channel: Channel,
     generation: u64,
-    runner: &Runner,
+    (runner, conditions): (&Runner, &std::sync::Mutex<Conditions>),
     shutdown: &mut watch::Receiver<bool>,
     opened: &mut bool,
 ) -> End {
@@ -478,6 +491,13 @@ async fn session(
     if tx.send(status("ready", ready)).await.is_err() {
         return End::Lost("send status".into());
     }
+    // What is in force, again: a report lost with the last session arrives.
+    let in_force = conditions.lock().expect("conditions lock").in_force();
+    for c in in_force {
+        if tx.send(health_message(c)).await.is_err() {
+            return End::Lost("send health".into());
+        }
+    }
     let every = Duration::from_secs(welcome.heartbeat_seconds.max(1).into());
     // Spread heartbeats of many nodes over the interval.
     let mut beat = tokio::time::interval_at(
@@ -498,29 +518,26 @@ async fn session(
                 stats.heartbeats.fetch_add(1, Ordering::Relaxed);
             }
             _ = health.tick() => {
-                let changes = match config.backend.poll_health() {
-                    Ok(c) => c,
-                    Err(e) => vec![HealthChange {
-                        device: None,
-                        condition: "NVML-unavailable".into(),
-                        detail: e.to_string(),
-                        cleared: false,
-                    }],
-                };
+                // Only changes are sent: a condition in force is not raised
+                // again, and one the backend no longer sees is cleared.
+                let polled = config.backend.poll_health().map_err(|e| e.to_string());
+                let changes = conditions.lock().expect("conditions lock").observe(polled);
                 if let Some(c) = changes.iter().find(|c| !c.cleared) {
                     let detail = format!("{} on {}", c.condition, c.device.as_deref().unwrap_or("the node"));
                     if tx.send(status("degraded", detail)).await.is_err() {
                         return End::Lost("send status".into());
                     }
+                } else if !changes.is_empty()
+                    && conditions.lock().expect("conditions lock").in_force().is_empty()
+                {
+                    // The last condition cleared: ready again.
+                    let ready = format!("{gpus} GPUs through {}", config.backend.name());
+                    if tx.send(status("ready", ready)).await.is_err() {
+                        return End::Lost("send status".into());
+                    }
                 }
                 for c in changes {
-                    let m = NodeMessage { body: Some(node_message::Body::Health(HealthReport {
-                        device: c.device.unwrap_or_default(),
-                        condition: c.condition,
-                        detail: c.detail,
-                        cleared: c.cleared,
-                    })) };
-                    if tx.send(m).await.is_err() {
+                    if tx.send(health_message(c)).await.is_err() {
                         return End::Lost("send health".into());
                     }
                     stats.health_reports.fetch_add(1, Ordering::Relaxed);

@@ -50,6 +50,8 @@ pub trait GpuBackend: Send + Sync {
 pub struct FakeGpus {
     gpus: Vec<Gpu>,
     injected: Mutex<Vec<HealthChange>>,
+    /// While set, polls fail as NVML's do when the driver is gone.
+    failing: std::sync::atomic::AtomicBool,
     /// How long `diagnose` takes (drills of commands in flight).
     pub diag_delay: std::time::Duration,
 }
@@ -85,11 +87,18 @@ impl FakeGpus {
         Ok(FakeGpus {
             gpus,
             injected: Mutex::new(Vec::new()),
+            failing: std::sync::atomic::AtomicBool::new(false),
             diag_delay: std::time::Duration::ZERO,
         })
     }
 
     /// Makes the next poll report this change (tests, drills).
+    /// Makes health polls fail (`true`) or work again.
+    pub fn fail_polls(&self, failing: bool) {
+        self.failing
+            .store(failing, std::sync::atomic::Ordering::Relaxed);
+    }
+
     pub fn inject(&self, change: HealthChange) {
         self.injected.lock().expect("fake lock").push(change);
     }
@@ -100,6 +109,9 @@ impl GpuBackend for FakeGpus {
         Ok(self.gpus.clone())
     }
     fn poll_health(&self) -> Result<Vec<HealthChange>, GpuError> {
+        if self.failing.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(GpuError::Nvml("the fake driver is gone".into()));
+        }
         Ok(std::mem::take(
             &mut *self.injected.lock().expect("fake lock"),
         ))

@@ -1435,3 +1435,118 @@ async fn node_events_sent_while_postgres_is_down_are_written_once_it_is_back() {
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_flowing() {
+    use node::gpu::{GpuBackend, HealthChange};
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (n, fake) = joined_with_fake_gpus(&r, &gw, dir.path()).await;
+    // Four more nodes, so placements have room beside the flapping one.
+    let fleet = placer::client::uniform_fleet("sim", 4, "H100-80GB", 8, 8);
+    placer::client::join_nodes(&r.appender, "p", fleet, |_| {})
+        .await
+        .unwrap();
+    let placer = placer::Placer::start(
+        r.cfg.clone(),
+        r.reader(),
+        r.appender.clone(),
+        placer::PlacerConfig::new("flap"),
+    );
+    let health =
+        "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type LIKE 'health.%'";
+    let before = r.count(health).await;
+    // GPU 3 toggles every 100 ms for 4 s, while reservations are placed.
+    let gpu3 = fake.inventory().unwrap()[3].id.clone();
+    let flapper = {
+        let fake = fake.clone();
+        tokio::spawn(async move {
+            for i in 0..40 {
+                fake.inject(HealthChange {
+                    device: Some(gpu3.clone()),
+                    condition: "XID-79".into(),
+                    detail: String::new(),
+                    cleared: i % 2 == 1,
+                });
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let mut sub = r
+        .reader()
+        .subscribe_ephemeral(events::Start::Now)
+        .await
+        .unwrap();
+    // Place and release one GPU after another until the flapping ends.
+    let started = std::time::Instant::now();
+    let (mut placed, mut slowest) = (0, Duration::ZERO);
+    while !flapper.is_finished() {
+        let id = format!("flap-{placed}");
+        let req = projections::Request {
+            reservation: id.clone(),
+            pool: "p".into(),
+            class: "H100-80GB".into(),
+            gpus: 1,
+            shape: projections::Shape::Any,
+            priority: 0,
+            ttl_ms: None,
+        };
+        let asked = std::time::Instant::now();
+        placer::client::reserve(&r.client, &r.appender, &req)
+            .await
+            .unwrap();
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(10),
+            placer::client::wait(&mut sub, &id, |_| {}),
+        )
+        .await
+        .expect("placed while the node flaps")
+        .unwrap();
+        assert!(
+            matches!(outcome, placer::client::Outcome::Placed(_)),
+            "{outcome:?}"
+        );
+        slowest = slowest.max(asked.elapsed());
+        placer::client::release(&r.appender, &id, "next")
+            .await
+            .unwrap();
+        placed += 1;
+    }
+    let placing = started.elapsed();
+    flapper.await.unwrap();
+    assert!(placed >= 20, "only {placed} placements in {placing:?}");
+    eventually(20, "the node sent its reports", || async {
+        n.stats.health_reports.load(Ordering::Relaxed) >= 40
+    })
+    .await;
+    let written = r.count(health).await - before;
+    eprintln!(
+        "{placed} placements in {placing:?} (slowest {slowest:?}) while the node sent 40 health reports; {written} written"
+    );
+    assert!(written <= 6, "{written} health events written for 40 flaps");
+    assert!(gw.stats.health_coalesced.load(Ordering::Relaxed) >= 30);
+
+    // The GPU backend stops answering: raised once, cleared when it is back.
+    let unavailable = |t: &'static str| {
+        format!("SELECT count(*) FROM strata.events WHERE type = '{t}' AND payload->>'condition' = 'NVML-unavailable'")
+    };
+    let polls = n.stats.health_reports.load(Ordering::Relaxed);
+    fake.fail_polls(true);
+    eventually(20, "NVML-unavailable is raised", || async {
+        r.count(&unavailable("health.raised")).await == 1
+    })
+    .await;
+    // Polls go on failing (every 100 ms); nothing more is reported.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(n.stats.health_reports.load(Ordering::Relaxed), polls + 1);
+    fake.fail_polls(false);
+    eventually(20, "NVML-unavailable is cleared", || async {
+        r.count(&unavailable("health.cleared")).await == 1
+    })
+    .await;
+    assert_eq!(r.count(&unavailable("health.raised")).await, 1);
+    placer.stop().await.unwrap();
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
