@@ -852,3 +852,95 @@ async fn an_unanswered_bind_is_tried_again_and_a_refused_one_releases_its_reserv
     binder.stop().await.unwrap();
     placer.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserve_then_release_races_never_activate_after_the_end() {
+    // Clients release right after placement while the binder activates: the
+    // end and the activation race, many at a time.
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "race", 8).await;
+    let reader = reader(&cfg);
+    let placer = Placer::start(
+        cfg.clone(),
+        reader.clone(),
+        appender.clone(),
+        PlacerConfig::new("race"),
+    );
+    let node = answer_binds(reader.clone(), appender.clone());
+    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let mut clients = Vec::new();
+    for c in 0..16 {
+        let (cfg, appender, reader) = (cfg.clone(), appender.clone(), reader.clone());
+        clients.push(tokio::spawn(async move {
+            let client = events::db::connect(&cfg, "race-client").await.unwrap();
+            let mut sub = reader
+                .subscribe_ephemeral(events::Start::Now)
+                .await
+                .unwrap();
+            for i in 0..25 {
+                let id = format!("race-{c}-{i}");
+                client::reserve(&client, &appender, &request(&id, "race", 2, Shape::Any))
+                    .await
+                    .unwrap();
+                loop {
+                    if matches!(wait_for(&mut sub, &id).await, Outcome::Placed(_)) {
+                        break;
+                    }
+                }
+                // Released 0 to 100 ms after placement: some activations win
+                // the race, some lose it.
+                tokio::time::sleep(Duration::from_micros(fastrand::u64(0..100_000))).await;
+                client::release(&appender, &id, "done").await.unwrap();
+            }
+        }));
+    }
+    for c in clients {
+        c.await.unwrap();
+    }
+    // Every reservation ends; then nothing of any lands after its end.
+    let t = std::time::Instant::now();
+    loop {
+        let ended: i64 = client
+            .query_one(
+                "SELECT count(*) FROM strata.events WHERE type = 'reservation.released'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if ended == 400 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{ended} of 400 ended"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    binder.stop().await.unwrap();
+    placer.stop().await.unwrap();
+    node.abort();
+    let late: i64 = client
+        .query_one(
+            "SELECT count(*) FROM strata.events a JOIN strata.events e
+                ON e.type = 'reservation.released' AND e.payload->>'reservation' = substr(a.stream, 13)
+             WHERE a.type = 'reservation.activated' AND a.position > e.position",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(late, 0, "activations after their reservation's end");
+    let activated: i64 = client
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE type = 'reservation.activated'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    eprintln!("400 reserve-then-release cycles: {activated} activated before their end, 0 after");
+    let report = check::check(&client, |_| {}).await.unwrap();
+    assert_eq!((report.live, report.booked_devices), (0, 0));
+}
