@@ -1363,6 +1363,38 @@ async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fa
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // What the node holds bound is what the log has live on it: c alone.
+    let bound_on = |node: &str| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir.path().join(node).join("allocations"))
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| {
+                        e.file_name()
+                            .to_str()?
+                            .strip_suffix(".json")
+                            .map(str::to_string)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    eventually(20, "the node's bindings match the log", || async {
+        bound_on(&on_a) == ["c"]
+    })
+    .await;
+    let index = projections::projector::build(&r.client, projections::Index::new())
+        .await
+        .unwrap();
+    let live_on_a: Vec<&str> = index
+        .state()
+        .reservations
+        .values()
+        .filter(|res| res.phase.is_live() && res.allocations.iter().any(|a| a.node == on_a))
+        .map(|res| res.request.reservation.as_str())
+        .collect();
+    assert_eq!(live_on_a, ["c"]);
     projections::check::check(&r.client, |_| {}).await.unwrap();
     binder.stop().await.unwrap();
     placer.stop().await.unwrap();
