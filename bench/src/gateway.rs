@@ -90,14 +90,14 @@ fn now_ms() -> u64 {
 }
 
 /// A gateway child process and what is sampled of it.
-struct GatewayProcess {
+pub(crate) struct GatewayProcess {
     child: tokio::process::Child,
     pid: u32,
-    addr: String,
+    pub(crate) addr: String,
 }
 
 impl GatewayProcess {
-    async fn start(url: &str, ca: &Path, heartbeat: &str) -> Result<GatewayProcess> {
+    pub(crate) async fn start(url: &str, ca: &Path, heartbeat: &str) -> Result<GatewayProcess> {
         use tokio::io::AsyncBufReadExt;
         let exe = std::env::current_exe()?;
         let mut child = tokio::process::Command::new(exe)
@@ -151,7 +151,7 @@ impl GatewayProcess {
         util::cpu_seconds(self.pid)
     }
 
-    async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         let _ = tokio::process::Command::new("kill")
             .args(["-INT", &self.pid.to_string()])
             .status()
@@ -167,7 +167,7 @@ impl GatewayProcess {
 
 /// Provisions `n` nodes (keys, certificates recorded in the database) under
 /// `dir` and returns their ids.
-async fn provision(
+pub(crate) async fn provision(
     client: &tokio_postgres::Client,
     ca_dir: &Path,
     dir: &Path,
@@ -234,7 +234,7 @@ fn start_daemons(ids: &[String], gateway: &str, dir: &Path, hook_seen: Seen) -> 
     (stats, stop, tasks)
 }
 
-async fn setup(
+pub(crate) async fn setup(
     pool: &str,
 ) -> Result<(
     schema::Cluster,

@@ -4,6 +4,7 @@
 
 mod append;
 mod gateway;
+mod lifecycle;
 mod placements;
 mod replay;
 mod sinks;
@@ -36,6 +37,11 @@ enum Scenario {
     Gateway(gateway::GatewayArgs),
     /// Reservations from requested to active through placer, binder, gateway and daemons
     Spine(gateway::SpineArgs),
+    /// Placement under faults: dead, revoked and drained nodes, a PostgreSQL crash, a binder SIGKILLed
+    Lifecycle(lifecycle::Args),
+    /// (internal) the binder process of `lifecycle`
+    #[command(hide = true)]
+    BinderServer(lifecycle::BinderArgs),
     /// (internal) the gateway process of `gateway` and `spine`
     #[command(hide = true)]
     GatewayServer(gateway::ServerArgs),
@@ -76,6 +82,8 @@ fn run() -> anyhow::Result<()> {
             Scenario::Gateway(a) => gateway::run_gateway(a).await,
             Scenario::Spine(a) => gateway::run_spine(a).await,
             Scenario::GatewayServer(a) => gateway::server(a).await,
+            Scenario::Lifecycle(a) => lifecycle::run(a).await,
+            Scenario::BinderServer(a) => lifecycle::binder_server(a).await,
             Scenario::Sinks(a) => sinks::run(a).await,
             Scenario::SinksServer(a) => sinks::server(a).await,
             Scenario::Replay(a) => replay::run(a).await,
