@@ -374,6 +374,8 @@ async fn demo_workload(cfg: tokio_postgres::Config, appender: Appender, rate: u3
             shape,
             priority: fastrand::i32(0..3),
             ttl_ms: Some(fastrand::u64(2_000..10_000)),
+            replace_on_failure: false,
+            replaces: None,
         };
         if let Err(e) = placer::client::reserve(&client, &appender, &request).await {
             tracing::warn!(error = %e, "demo reservation failed");

@@ -524,6 +524,10 @@ pub struct ReserveArgs {
     /// Release automatically this long after placement (e.g. 2h)
     #[arg(long, value_parser = humantime::parse_duration)]
     pub ttl: Option<std::time::Duration>,
+    /// When a node it is on fails (lost, revoked, drained), place it again
+    /// under a new id, <id>~<n>, instead of only ending it
+    #[arg(long)]
+    pub replace_on_failure: bool,
     /// The reservation's id (generated when omitted)
     #[arg(long)]
     pub id: Option<String>,

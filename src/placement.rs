@@ -68,6 +68,8 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
         shape,
         priority: args.priority,
         ttl_ms: args.ttl.map(|t| t.as_millis() as u64),
+        replace_on_failure: args.replace_on_failure,
+        replaces: None,
     };
     request
         .validate()

@@ -568,6 +568,8 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
             shape: Shape::Any,
             priority: 0,
             ttl_ms: None,
+            replace_on_failure: false,
+            replaces: None,
         };
         let (appender, committed) = (appender.clone(), committed.clone());
         reqs.push(tokio::spawn(async move {

@@ -231,6 +231,8 @@ pub async fn run(args: Args) -> Result<()> {
                     shape: Shape::Any,
                     priority: 0,
                     ttl_ms: ttl.then(|| fastrand::u64(3_000..10_000)),
+                    replace_on_failure: true,
+                    replaces: None,
                 };
                 // PostgreSQL may be restarting: the request is retried, as
                 // a client would.

@@ -101,6 +101,8 @@ fn request(id: String, pool: &str, gpus: u32, shape: Shape) -> Request {
         shape,
         priority: 0,
         ttl_ms: None,
+        replace_on_failure: false,
+        replaces: None,
     }
 }
 

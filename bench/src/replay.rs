@@ -160,6 +160,8 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
                 shape: Shape::Any,
                 priority: 0,
                 ttl_ms: None,
+                replace_on_failure: false,
+                replaces: None,
             }),
         );
         g.fact(

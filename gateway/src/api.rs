@@ -339,6 +339,8 @@ impl api_server::Api for ApiService {
             shape,
             priority: r.priority,
             ttl_ms: (r.ttl_ms > 0).then_some(r.ttl_ms),
+            replace_on_failure: r.replace_on_failure,
+            replaces: None,
         };
         let client = self.db().await?;
         // Listen before asking, so the outcome cannot slip past.

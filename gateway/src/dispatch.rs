@@ -216,8 +216,10 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                         if let Some(id) = fact.reservation() {
                             let (reason, allocations) = match &fact {
                                 Fact::ReservationPlaced { allocations, .. } => (String::new(), allocations.clone()),
-                                Fact::ReservationUnschedulable { reason, .. }
-                                | Fact::ReservationFailed { reason, .. } => (reason.clone(), Vec::new()),
+                                Fact::ReservationUnschedulable { reason, .. } => (reason.clone(), Vec::new()),
+                                Fact::ReservationFailed { reason, replaced_by, .. } => {
+                                    (Fact::failure_reason(reason, replaced_by.as_deref()), Vec::new())
+                                }
                                 _ => (String::new(), Vec::new()),
                             };
                             shared.notify(&format!("r:{id}"), || Waited::Reservation {

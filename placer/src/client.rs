@@ -94,7 +94,16 @@ pub async fn wait(
             Fact::ReservationQueued { reason, .. } => on_queued(&reason),
             Fact::ReservationReleased { .. } => return Ok(Outcome::Released),
             Fact::ReservationExpired { .. } => return Ok(Outcome::Expired),
-            Fact::ReservationFailed { reason, .. } => return Ok(Outcome::Failed(reason)),
+            Fact::ReservationFailed {
+                reason,
+                replaced_by,
+                ..
+            } => {
+                return Ok(Outcome::Failed(Fact::failure_reason(
+                    &reason,
+                    replaced_by.as_deref(),
+                )))
+            }
             _ => {}
         }
     }

@@ -275,6 +275,8 @@ mod tests {
                 shape,
                 priority,
                 ttl_ms: None,
+                replace_on_failure: false,
+                replaces: None,
             };
             let e = self
                 .log

@@ -22,7 +22,7 @@ use events::lease::{Lease, LeaseError};
 use events::task::Backoff;
 use events::{AppendError, Appended, Appender, ExpectedVersion, Reader, StreamAppend};
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use projections::domain::{pool_stream, reservation_stream, Fact};
+use projections::domain::{pool_stream, replacement_id, reservation_stream, Fact, Request};
 use projections::projector::ProjectError;
 use projections::{Index, Projector, SnapshotStore};
 use std::collections::{BTreeSet, HashMap};
@@ -587,13 +587,26 @@ fn plan_ready(
                 .into_iter()
                 .map(|reservation| Fact::ReservationExpired { reservation }),
         );
-        facts.extend(failures.into_iter().map(|(reservation, node, reason)| {
-            Fact::ReservationFailed {
+        // Reservations that asked to be placed again are requested anew, in
+        // the same transaction, under their replacement id.
+        let mut replacements = Vec::new();
+        for (reservation, node, reason) in failures {
+            let again = index
+                .reservation(&reservation)
+                .filter(|r| r.request.replace_on_failure)
+                .map(|r| Request {
+                    reservation: replacement_id(&reservation),
+                    replaces: Some(reservation.clone()),
+                    ..r.request.clone()
+                });
+            facts.push(Fact::ReservationFailed {
                 reservation,
                 node,
                 reason: reason.to_string(),
-            }
-        }));
+                replaced_by: again.as_ref().map(|r| r.reservation.clone()),
+            });
+            replacements.extend(again);
+        }
         facts.extend(placed.into_iter().map(|(reservation, allocations)| {
             Fact::ReservationPlaced {
                 reservation,
@@ -623,7 +636,12 @@ fn plan_ready(
             continue;
         }
         w.inflight = true;
-        let appends = batch_appends(&pool_stream(pool), version, &facts);
+        let mut appends = batch_appends(&pool_stream(pool), version, &facts);
+        appends.extend(replacements.into_iter().map(|r| StreamAppend {
+            stream: reservation_stream(&r.reservation),
+            expected: ExpectedVersion::NoStream,
+            events: vec![Fact::ReservationRequested(r).to_event()],
+        }));
         let appender = appender.clone();
         let pool = pool.clone();
         commits.push(Box::pin(async move {

@@ -123,6 +123,13 @@ pub struct Request {
     /// Released automatically this long after placement.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_ms: Option<u64>,
+    /// When a node it is on fails (left, revoked, lost, drained), placed
+    /// again under a new id (`<id>~<n>`) instead of only ending.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replace_on_failure: bool,
+    /// The reservation this one replaces, for one the placer requested.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaces: Option<String>,
 }
 
 /// Most GPUs one reservation may ask for.
@@ -160,6 +167,18 @@ impl Request {
             }
         }
         Ok(())
+    }
+}
+
+/// The id of the reservation that replaces `id` after a failure:
+/// `<root>~<n+1>` for `<root>~<n>`, `<id>~1` for a first failure. Clients
+/// may not use `~` in their ids, so these never collide with theirs.
+pub fn replacement_id(id: &str) -> String {
+    match id.rsplit_once('~') {
+        Some((root, n)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+            format!("{root}~{}", n.parse::<u64>().unwrap_or(0) + 1)
+        }
+        _ => format!("{id}~1"),
     }
 }
 
@@ -340,6 +359,10 @@ pub enum Fact {
         reservation: String,
         node: String,
         reason: String,
+        /// The reservation requested in its place (it asked to be placed
+        /// again), in the same transaction.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        replaced_by: Option<String>,
     },
     /// On the reservation's stream, committed with the terminal fact on the
     /// pool's stream (`reservation.released`, `.expired`, `.rejected`): the
@@ -491,6 +514,15 @@ impl Fact {
             .map_err(|e| format!("malformed {event_type} payload: {e}"))
     }
 
+    /// Why a reservation failed, with its replacement if it has one:
+    /// `node_lost; placed again as r~1`.
+    pub fn failure_reason(reason: &str, replaced_by: Option<&str>) -> String {
+        match replaced_by {
+            Some(next) => format!("{reason}; placed again as {next}"),
+            None => reason.to_string(),
+        }
+    }
+
     /// The reservation this fact is about, if any.
     pub fn reservation(&self) -> Option<&str> {
         match self {
@@ -538,6 +570,8 @@ mod tests {
                 },
                 priority: 3,
                 ttl_ms: None,
+                replace_on_failure: false,
+                replaces: None,
             }),
             Fact::ReservationReleased {
                 reservation: "r1".into(),
@@ -598,6 +632,13 @@ mod tests {
     }
 
     #[test]
+    fn replacements_are_numbered_from_their_root() {
+        assert_eq!(replacement_id("train-7"), "train-7~1");
+        assert_eq!(replacement_id("train-7~1"), "train-7~2");
+        assert_eq!(replacement_id("train-7~19"), "train-7~20");
+    }
+
+    #[test]
     fn requests_are_validated() {
         let mut r = Request {
             reservation: "r".into(),
@@ -610,6 +651,8 @@ mod tests {
             },
             priority: 0,
             ttl_ms: None,
+            replace_on_failure: false,
+            replaces: None,
         };
         assert!(r.validate().unwrap_err().contains("is 6 GPUs"));
         r.shape = Shape::Any;

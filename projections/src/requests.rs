@@ -35,6 +35,17 @@ pub async fn reserve(
     metadata: Option<&serde_json::Value>,
 ) -> Result<(), RequestError> {
     request.validate().map_err(RequestError::Invalid)?;
+    if request.reservation.contains('~') {
+        return Err(RequestError::Invalid(format!(
+            "reservation id {:?} may not contain '~' (replacements are named <id>~<n>)",
+            request.reservation
+        )));
+    }
+    if request.replaces.is_some() {
+        return Err(RequestError::Invalid(
+            "only the placer requests replacements".into(),
+        ));
+    }
     if !pool_exists(client, &request.pool).await? {
         return Err(RequestError::NoSuchPool(request.pool.clone()));
     }

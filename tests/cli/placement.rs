@@ -422,6 +422,8 @@ fn placers_split_pools_and_a_killed_one_hands_them_over() {
         shape: projections::Shape::Any,
         priority: 0,
         ttl_ms: None,
+        replace_on_failure: false,
+        replaces: None,
     };
     let total = 120;
     for i in 0..total / 2 {

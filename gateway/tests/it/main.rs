@@ -1282,6 +1282,8 @@ async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fa
         shape: projections::Shape::Node,
         priority: 0,
         ttl_ms: None,
+        replace_on_failure: false,
+        replaces: None,
     };
     for id in ["a", "b"] {
         placer::client::reserve(&r.client, &r.appender, &whole(id))
@@ -1523,6 +1525,8 @@ async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_f
             shape: projections::Shape::Any,
             priority: 0,
             ttl_ms: None,
+            replace_on_failure: false,
+            replaces: None,
         };
         let asked = std::time::Instant::now();
         placer::client::reserve(&r.client, &r.appender, &req)

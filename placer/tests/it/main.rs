@@ -53,6 +53,8 @@ fn request(id: &str, pool: &str, gpus: u32, shape: Shape) -> Request {
         shape,
         priority: 0,
         ttl_ms: None,
+        replace_on_failure: false,
+        replaces: None,
     }
 }
 
@@ -943,4 +945,100 @@ async fn reserve_then_release_races_never_activate_after_the_end() {
     eprintln!("400 reserve-then-release cycles: {activated} activated before their end, 0 after");
     let report = check::check(&client, |_| {}).await.unwrap();
     assert_eq!((report.live, report.booked_devices), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_that_asked_is_placed_again_when_its_node_fails() {
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "again", 3).await;
+    let reader = reader(&cfg);
+    let placer = Placer::start(
+        cfg.clone(),
+        reader.clone(),
+        appender.clone(),
+        PlacerConfig::new("again"),
+    );
+    let mut sub = reader
+        .subscribe_ephemeral(events::Start::Now)
+        .await
+        .unwrap();
+    let mut keep = request("keep", "again", 8, Shape::Node);
+    keep.replace_on_failure = true;
+    client::reserve(&client, &appender, &keep).await.unwrap();
+    let Outcome::Placed(first) = wait_for(&mut sub, "keep").await else {
+        panic!("keep was not placed");
+    };
+    client::reserve(
+        &client,
+        &appender,
+        &request("plain", "again", 8, Shape::Node),
+    )
+    .await
+    .unwrap();
+    let Outcome::Placed(plain_on) = wait_for(&mut sub, "plain").await else {
+        panic!("plain was not placed");
+    };
+    // Both nodes leave the pool.
+    for node in [&first[0].node, &plain_on[0].node] {
+        appender
+            .append(
+                &pool_stream("again"),
+                ExpectedVersion::StreamExists,
+                vec![Fact::NodeLeft {
+                    node: node.clone(),
+                    reason: String::new(),
+                }
+                .to_event()],
+            )
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        wait_for(&mut sub, "keep").await,
+        Outcome::Failed("node_left; placed again as keep~1".into())
+    );
+    let Outcome::Placed(second) = wait_for(&mut sub, "keep~1").await else {
+        panic!("the replacement was not placed");
+    };
+    assert_ne!(
+        second[0].node, first[0].node,
+        "placed again on the node that left"
+    );
+    assert_ne!(second[0].node, plain_on[0].node);
+    // The other did not ask: it only ends (its failure may have come in the
+    // same batch as keep's, before the replacement's placement: the table
+    // says).
+    until_on(&cfg, "reservation/plain", "reservation.ended", 30).await;
+    let reason: String = client
+        .query_one(
+            "SELECT payload->>'reason' || coalesce(payload->>'replaced_by', '') FROM strata.events
+              WHERE type = 'reservation.failed' AND payload->>'reservation' = 'plain'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(reason, "node_left");
+    let replaces: String = client
+        .query_one(
+            "SELECT payload->>'replaces' FROM strata.events WHERE stream = 'reservation/keep~1' AND version = 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(replaces, "keep");
+    let report = check::check(&client, |_| {}).await.unwrap();
+    assert_eq!((report.live, report.booked_devices), (1, 8));
+    // Ids with '~' are the placer's.
+    let err = client::reserve(
+        &client,
+        &appender,
+        &request("mine~1", "again", 1, Shape::Any),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("may not contain '~'"), "{err}");
+    placer.stop().await.unwrap();
 }
