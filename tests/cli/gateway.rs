@@ -239,3 +239,170 @@ fn a_gateway_killed_mid_command_hands_its_node_over_and_the_command_runs_once() 
         "--force",
     ]);
 }
+
+/// A child process killed when dropped, so a failed test leaves none behind.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn every_role_survives_a_postgres_crash_restart() {
+    // Its own cluster: this test crashes it.
+    let mut cluster = schema::testing::temp_cluster(&[]).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let url = rt.block_on(schema::testing::fresh_database(&cluster));
+    ok(&["migrate", "--database-url", &url]);
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca");
+    let ca_s = ca.to_str().unwrap();
+    ok(&["ca", "init", "--dir", ca_s]);
+    ok(&["pool", "create", "p", "--database-url", &url]);
+    let token = ok(&["tokens", "create", "--pool", "p", "--database-url", &url]);
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut serve = Killed(spawn(
+        &[
+            "serve",
+            "--roles",
+            "gateway,placer,binder,maintenance,sinks",
+            "--database-url",
+            &url,
+            "--listen",
+            &listen,
+            "--ca-dir",
+            ca_s,
+            "--heartbeat",
+            "1s",
+            "--lease-ttl",
+            "2s",
+            "--slot",
+            "all_roles",
+        ],
+        &dir.path().join("a.log"),
+    ));
+    let ca_pem = ca.join("ca.pem");
+    let mut node = Killed(spawn(
+        &[
+            "node",
+            "--gateway",
+            &format!("https://{listen}"),
+            "--data-dir",
+            dir.path().join("n1").to_str().unwrap(),
+            "--node-id",
+            "n1",
+            "--token",
+            token.trim(),
+            "--ca",
+            ca_pem.to_str().unwrap(),
+            "--fake-gpus",
+            "8xH100-80GB",
+        ],
+        &dir.path().join("node.log"),
+    ));
+    let active = |id: &str| {
+        let sql = format!(
+            "SELECT 1::text FROM strata.events WHERE stream = 'reservation/{id}' AND type = 'reservation.activated'"
+        );
+        let url = url.clone();
+        move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let Ok(c) = events::db::connect(&url.parse().unwrap(), "t").await else {
+                    return false;
+                };
+                c.query(&sql, &[]).await.is_ok_and(|rows| !rows.is_empty())
+            })
+        }
+    };
+    let reserve = |id: &str| {
+        super::strata(&[
+            "reserve",
+            "--database-url",
+            &url,
+            "--pool",
+            "p",
+            "--class",
+            "H100-80GB",
+            "--gpus",
+            "4",
+            "--id",
+            id,
+        ])
+    };
+    // A request before the node's inventory would be rejected (nothing fits).
+    wait_until(
+        30,
+        "the node's inventory is in the pool",
+        dir.path(),
+        || {
+            !query(
+            &url,
+            "SELECT 1::text FROM strata.events WHERE stream = 'pool/p' AND type = 'node.joined'",
+        )
+        .is_empty()
+        },
+    );
+    assert!(reserve("before").status.success());
+    wait_until(
+        30,
+        "the first reservation is active",
+        dir.path(),
+        active("before"),
+    );
+
+    // PostgreSQL crashes (every server process ends at once) and recovers.
+    cluster.crash();
+    cluster.restart().unwrap();
+    let back = Instant::now();
+    wait_until(30, "a reservation is accepted again", dir.path(), || {
+        reserve("after").status.success()
+    });
+    wait_until(
+        30,
+        "placed and active after the restart",
+        dir.path(),
+        active("after"),
+    );
+    eprintln!("placed and active {:?} after the restart", back.elapsed());
+    // The binder's and the pool's leases are renewed again after the
+    // restart (neither holder kept a dead connection, nor exited).
+    wait_until(
+        30,
+        "both leases renewed after the restart",
+        dir.path(),
+        || {
+            query(
+                &url,
+                "SELECT count(*)::text FROM strata.leases
+              WHERE name IN ('binder', 'pool/p') AND expires_at > now()
+                AND renewed_at > pg_postmaster_start_time()",
+            )[0][0]
+                == "2"
+        },
+    );
+    assert!(serve.0.try_wait().unwrap().is_none(), "strata serve exited");
+    assert!(
+        node.0.try_wait().unwrap().is_none(),
+        "the node daemon exited"
+    );
+    // And placement goes on past them.
+    ok(&["release", "before", "--database-url", &url]);
+    wait_until(30, "a third reservation is accepted", dir.path(), || {
+        reserve("later").status.success()
+    });
+    wait_until(30, "the third is active", dir.path(), active("later"));
+    let check: serde_json::Value =
+        serde_json::from_str(&ok(&["replay", "check", "--database-url", &url, "--json"])).unwrap();
+    assert_eq!(check["live"], 2, "{check}");
+}
