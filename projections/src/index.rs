@@ -27,6 +27,9 @@ pub struct State {
     pub malformed: u64,
     /// Events that broke an invariant (applied as far as possible, counted).
     pub violations: u64,
+    /// A failed reservation -> the live one placed again in its place
+    /// (`replaces`), so that releasing the first releases the second.
+    pub replaced_by: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
@@ -866,6 +869,13 @@ impl Index {
 
     fn apply_fact(&mut self, event: &Event, fact: Fact) -> Result<(), String> {
         let on_pool = pool_of(&event.stream).map(str::to_string);
+        let replaced = matches!(
+            &fact,
+            Fact::ReservationFailed {
+                replaced_by: Some(_),
+                ..
+            }
+        );
         let pool_fact = !matches!(
             fact,
             Fact::ReservationRequested(_)
@@ -1025,6 +1035,9 @@ impl Index {
                 request
                     .validate()
                     .map_err(|e| format!("invalid request: {e}"))?;
+                if let Some(old) = &request.replaces {
+                    self.state.replaced_by.insert(old.clone(), id.clone());
+                }
                 self.state.reservations.insert(
                     id.clone(),
                     Reservation {
@@ -1041,8 +1054,17 @@ impl Index {
                 self.queue(&id, true);
             }
             Fact::ReleaseRequested { reservation, .. } => {
-                // Releasing what is already gone is a no-op.
-                self.with_reservation(&reservation, |r| r.release_requested = true);
+                // Releasing a reservation that failed and was placed again
+                // releases the one in its place; releasing what is gone is
+                // a no-op.
+                let mut id = reservation;
+                while !self.state.reservations.contains_key(&id) {
+                    match self.state.replaced_by.get(&id) {
+                        Some(next) => id = next.clone(),
+                        None => break,
+                    }
+                }
+                self.with_reservation(&id, |r| r.release_requested = true);
             }
             Fact::ReservationActive { reservation } => {
                 let ok = self.with_reservation(&reservation, |r| {
@@ -1093,6 +1115,7 @@ impl Index {
                 self.check_in_pool(&reservation, &pool)?;
                 let phase = self.state.reservations[&reservation].phase;
                 self.terminate(&pool, &reservation);
+                self.forget_chain(&reservation);
                 if phase.is_live() {
                     return Err(format!(
                         "reservation {reservation:?} declared unschedulable while {}",
@@ -1103,6 +1126,7 @@ impl Index {
             Fact::ReservationReleased { reservation } => {
                 self.check_in_pool(&reservation, &pool)?;
                 self.terminate(&pool, &reservation);
+                self.forget_chain(&reservation);
                 bump_capacity(self);
             }
             Fact::ReservationExpired { reservation }
@@ -1111,6 +1135,11 @@ impl Index {
                 self.check_in_pool(&reservation, &pool)?;
                 let phase = self.state.reservations[&reservation].phase;
                 self.terminate(&pool, &reservation);
+                // Placed again: the reservation in its place is requested in
+                // the same transaction, and keeps the chain.
+                if !replaced {
+                    self.forget_chain(&reservation);
+                }
                 bump_capacity(self);
                 if !phase.is_live() {
                     return Err(format!(
@@ -1155,6 +1184,22 @@ impl Index {
             .expect("checked by caller");
         for a in &r.allocations {
             self.unbook(pool, a, id);
+        }
+    }
+
+    /// A reservation ended for good (not placed again): the chain of
+    /// reservations it replaced no longer leads to a live one.
+    fn forget_chain(&mut self, id: &str) {
+        let mut end = id.to_string();
+        while let Some(old) = self
+            .state
+            .replaced_by
+            .iter()
+            .find(|(_, new)| **new == end)
+            .map(|(old, _)| old.clone())
+        {
+            self.state.replaced_by.remove(&old);
+            end = old;
         }
     }
 
@@ -1312,5 +1357,113 @@ impl Index {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod replacement_tests {
+    use super::*;
+    use crate::testing::{devices, Log};
+
+    fn request(id: &str, replaces: Option<&str>) -> Request {
+        Request {
+            reservation: id.into(),
+            pool: "p".into(),
+            class: "H100-80GB".into(),
+            gpus: 8,
+            shape: Shape::Node,
+            priority: 0,
+            ttl_ms: None,
+            replace_on_failure: true,
+            replaces: replaces.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn releasing_a_reservation_releases_the_end_of_its_replacement_chain() {
+        let (mut log, mut index) = (Log::new(), Index::new());
+        let mut apply = |index: &mut Index, stream: &str, fact: Fact| {
+            let e = log.push(stream, &fact);
+            assert_eq!(index.apply(&e).unwrap(), None, "{fact:?}");
+        };
+        apply(
+            &mut index,
+            "pool/p",
+            Fact::PoolCreated {
+                description: String::new(),
+            },
+        );
+        for n in ["n1", "n2", "n3"] {
+            let fact = Fact::NodeJoined {
+                node: n.into(),
+                devices: devices(n, "H100-80GB", 8, 8),
+            };
+            apply(&mut index, "pool/p", fact);
+        }
+        // k on n1 fails and is placed again as k~1 on n2, which fails and
+        // is placed again as k~2 on n3.
+        let mut id = "k".to_string();
+        let mut replaces: Option<String> = None;
+        for (n, node) in ["n1", "n2", "n3"].iter().enumerate() {
+            apply(
+                &mut index,
+                &format!("reservation/{id}"),
+                Fact::ReservationRequested(request(&id, replaces.as_deref())),
+            );
+            let allocations = vec![Allocation {
+                node: node.to_string(),
+                devices: (0..8).map(|i| format!("gpu{i}")).collect(),
+            }];
+            apply(
+                &mut index,
+                "pool/p",
+                Fact::ReservationPlaced {
+                    reservation: id.clone(),
+                    allocations,
+                },
+            );
+            if n < 2 {
+                let next = crate::domain::replacement_id(&id);
+                apply(
+                    &mut index,
+                    "pool/p",
+                    Fact::ReservationFailed {
+                        reservation: id.clone(),
+                        node: node.to_string(),
+                        reason: "node_lost".into(),
+                        replaced_by: Some(next.clone()),
+                    },
+                );
+                replaces = Some(id.clone());
+                id = next;
+            }
+        }
+        assert_eq!(id, "k~2");
+        assert_eq!(index.state().replaced_by.len(), 2);
+        // The client releases the id it asked for: the live end is released.
+        apply(
+            &mut index,
+            "reservation/k",
+            Fact::ReleaseRequested {
+                reservation: "k".into(),
+                reason: String::new(),
+            },
+        );
+        assert!(index
+            .reservation("k~2")
+            .is_some_and(|r| r.release_requested));
+        apply(
+            &mut index,
+            "pool/p",
+            Fact::ReservationReleased {
+                reservation: "k~2".into(),
+            },
+        );
+        assert!(
+            index.state().replaced_by.is_empty(),
+            "{:?}",
+            index.state().replaced_by
+        );
+        assert!(index.derived_is_consistent());
     }
 }

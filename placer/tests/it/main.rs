@@ -1031,6 +1031,16 @@ async fn a_reservation_that_asked_is_placed_again_when_its_node_fails() {
     assert_eq!(replaces, "keep");
     let report = check::check(&client, |_| {}).await.unwrap();
     assert_eq!((report.live, report.booked_devices), (1, 8));
+    // A client that releases what it asked for releases its replacement.
+    client::release(&appender, "keep", "done").await.unwrap();
+    assert_eq!(wait_for(&mut sub, "keep~1").await, Outcome::Released);
+    let index = projector::build(&client, Index::new()).await.unwrap();
+    assert!(
+        index.state().replaced_by.is_empty(),
+        "{:?}",
+        index.state().replaced_by
+    );
+    assert_eq!(index.state().reservations.len(), 0);
     // Ids with '~' are the placer's.
     let err = client::reserve(
         &client,
