@@ -1052,3 +1052,79 @@ async fn a_reservation_that_asked_is_placed_again_when_its_node_fails() {
     assert!(err.to_string().contains("may not contain '~'"), "{err}");
     placer.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placer_that_cannot_renew_its_lease_stops_placing_before_it_expires() {
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "stall", 2).await;
+    let reader = reader(&cfg);
+    let mut pc = PlacerConfig::new("stall");
+    pc.lease_ttl = Duration::from_millis(1500);
+    let placer = Placer::start(cfg.clone(), reader.clone(), appender.clone(), pc);
+    let stats = placer.stats();
+    let t = std::time::Instant::now();
+    while stats.view().pools_held != 1 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the pool was never taken"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Another session holds the lease row locked: the placer's renewals
+    // block (the database is up, the lease just cannot be renewed).
+    let mut blocker = events::db::connect(&cfg, "blocker").await.unwrap();
+    let tx = blocker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM strata.leases WHERE name = 'pool/stall' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let blocked = std::time::Instant::now();
+    while stats.view().pools_held != 0 {
+        assert!(
+            blocked.elapsed() < Duration::from_millis(1500),
+            "still placing {:?} after its last renewal could start",
+            blocked.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stopped = blocked.elapsed();
+    let expires_in: f64 = client
+        .query_one(
+            "SELECT extract(epoch FROM expires_at - now())::float8 FROM strata.leases WHERE name = 'pool/stall'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(expires_in > 0.0, "it stopped only after the lease ran out");
+    eprintln!("stopped placing {stopped:?} after renewals stalled, {expires_in:.2} s before the lease expired");
+    // Renewals go through again: the placer takes the pool back and places.
+    tx.rollback().await.unwrap();
+    let t = std::time::Instant::now();
+    while stats.view().pools_held != 1 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the pool was never taken again"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut sub = reader
+        .subscribe_ephemeral(events::Start::Now)
+        .await
+        .unwrap();
+    client::reserve(
+        &client,
+        &appender,
+        &request("after-stall", "stall", 8, Shape::Node),
+    )
+    .await
+    .unwrap();
+    assert!(matches!(
+        wait_for(&mut sub, "after-stall").await,
+        Outcome::Placed(_)
+    ));
+    placer.stop().await.unwrap();
+}
