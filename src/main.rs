@@ -366,6 +366,15 @@ pub enum NodesCmd {
         #[arg(long, value_parser = humantime::parse_duration)]
         wait: Option<std::time::Duration>,
     },
+    /// Take a node out of its pool (decommissioned): its capacity goes, and
+    /// its live reservations fail (node_left); it comes back if it joins again
+    Leave {
+        #[command(flatten)]
+        target: NodeTarget,
+        /// Why, for the log
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
     /// Clear a health condition the node no longer has, so its GPUs can be
     /// placed on again
     ClearHealth {

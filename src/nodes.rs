@@ -250,6 +250,7 @@ pub async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
             reason,
             wait,
         } => standing(target, Change::Drain { reason, wait }).await?,
+        NodesCmd::Leave { target, reason } => standing(target, Change::Leave { reason }).await?,
         NodesCmd::ClearHealth {
             target,
             condition,
@@ -291,6 +292,10 @@ async fn standing(target: NodeTarget, change: Change) -> Result<()> {
                 "nothing new is placed on it; its live reservations end in {}",
                 humantime::format_duration(*w)
             ),
+        ),
+        Change::Leave { .. } => (
+            "left",
+            "its GPUs are out of the pool; its live reservations end now".to_string(),
         ),
         Change::ClearHealth { .. } => (
             "cleared",

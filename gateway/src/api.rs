@@ -505,6 +505,14 @@ impl api_server::Api for ApiService {
         self.standing(req, change).await
     }
 
+    async fn remove_node(
+        &self,
+        req: Request<NodeStandingRequest>,
+    ) -> Result<Response<NodeStandingResponse>, Status> {
+        let reason = req.get_ref().reason.clone();
+        self.standing(req, Change::Leave { reason }).await
+    }
+
     async fn clear_node_health(
         &self,
         req: Request<NodeStandingRequest>,

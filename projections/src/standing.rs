@@ -1,7 +1,8 @@
 //! An operator's say over a node's standing in its pool: cordon it (no new
 //! placements), uncordon it (placements again, a drain lifted too), drain it
 //! (no new placements, and its live reservations end: at once, or when a
-//! wait runs out) and clear a health condition the node no longer has. Each
+//! wait runs out), take it out of the pool (leave) and clear a health
+//! condition the node no longer has. Each
 //! is one fact on the pool's stream, so the pool's version fences it like
 //! any other change of what can be placed. The CLI and the client API both
 //! come through here.
@@ -25,6 +26,11 @@ pub enum Change {
     Drain {
         reason: String,
         wait: Option<Duration>,
+    },
+    /// The node leaves the pool: its capacity goes, and its live
+    /// reservations fail (`node_left`). Joining again brings it back.
+    Leave {
+        reason: String,
     },
     /// A condition of the node (`device: None`) or of one of its devices.
     ClearHealth {
@@ -50,6 +56,10 @@ impl Change {
                         .duration_since(UNIX_EPOCH)
                         .map_or(0, |d| d.as_millis() as u64)
                 }),
+            },
+            Change::Leave { reason } => Fact::NodeLeft {
+                node,
+                reason: reason.clone(),
             },
             Change::ClearHealth { device, condition } => Fact::HealthCleared {
                 node,

@@ -1203,6 +1203,27 @@ fn operators_cordon_drain_uncordon_and_clear_health() {
     let err = fails(&["nodes", "cordon", "no-such-node", "--database-url", &url]);
     assert!(err.contains("is in no pool"), "{err}");
     assert_eq!(check_json(&url)["live"], 1);
+    // A node taken out of the pool: its live reservation ends at once (the
+    // drain's wait no longer applies), and the pool says why.
+    ok(&[
+        "nodes",
+        "leave",
+        "gpu-n00000",
+        "--reason",
+        "decommissioned",
+        "--database-url",
+        &url,
+    ]);
+    wait_for(20, || {
+        (count("SELECT count(*) FROM strata.events WHERE type = 'reservation.failed' AND payload->>'reservation' = 'second' AND payload->>'reason' = 'node_left'") == 1).then_some(())
+    })
+    .expect("second failed with node_left");
+    assert!(
+        nodes(&url).contains("left (decommissioned)"),
+        "{}",
+        nodes(&url)
+    );
+    assert_eq!(check_json(&url)["live"], 0);
     p.kill().unwrap();
     p.wait().unwrap();
     ok(&[
