@@ -34,8 +34,8 @@ use events::{Appender, AppenderConfig, Reader, ReaderConfig, Start};
 use node::daemon::{self, DaemonConfig, DaemonStats};
 use node::gpu::FakeGpus;
 use projections::{Fact, Request, Shape};
-use std::collections::{BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::collections::HashMap;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -383,7 +383,7 @@ pub async fn run(args: Args) -> Result<()> {
         .collect();
     let (mut leaked, mut missing) = (0u64, 0u64);
     for id in ids.iter().filter(|id| **id != revoked) {
-        let bound = bindings(&nodes_dir.join(id));
+        let bound = node::executor::bound_reservations(&nodes_dir.join(id));
         leaked += bound
             .iter()
             .filter(|r| !live.contains_key(r.as_str()))
@@ -509,21 +509,4 @@ pub async fn run(args: Args) -> Result<()> {
     util::finish(name, &result)?;
     drop(cluster);
     Ok(())
-}
-
-/// The reservations a node holds bound on its disk.
-fn bindings(node_dir: &Path) -> BTreeSet<String> {
-    let dir: PathBuf = node_dir.join("allocations");
-    std::fs::read_dir(dir)
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| {
-                    e.file_name()
-                        .to_str()?
-                        .strip_suffix(".json")
-                        .map(str::to_string)
-                })
-                .collect()
-        })
-        .unwrap_or_default()
 }

@@ -305,6 +305,23 @@ impl Executor {
     }
 }
 
+/// The reservations bound on the node whose data dir is `data_dir`, as
+/// `allocation.bind` left them on its disk.
+pub fn bound_reservations(data_dir: &Path) -> std::collections::BTreeSet<String> {
+    std::fs::read_dir(data_dir.join("allocations"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| {
+                    e.file_name()
+                        .to_str()?
+                        .strip_suffix(".json")
+                        .map(str::to_string)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn valid_file_name(s: &str) -> bool {
     !s.is_empty() && s.len() <= 200 && !s.contains(['/', '\0']) && s != "." && s != ".."
 }

@@ -1367,20 +1367,9 @@ async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fa
     }
     // What the node holds bound is what the log has live on it: c alone.
     let bound_on = |node: &str| -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(dir.path().join(node).join("allocations"))
-            .map(|d| {
-                d.flatten()
-                    .filter_map(|e| {
-                        e.file_name()
-                            .to_str()?
-                            .strip_suffix(".json")
-                            .map(str::to_string)
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        node::executor::bound_reservations(&dir.path().join(node))
+            .into_iter()
+            .collect()
     };
     eventually(20, "the node's bindings match the log", || async {
         bound_on(&on_a) == ["c"]
