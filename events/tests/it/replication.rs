@@ -296,10 +296,21 @@ async fn postgres_restarted_and_crashed_under_load_loses_nothing() {
             acked
         }));
     }
+    // The consumer reads until it has the last position committed (told
+    // once the writers stop), or gives up after a minute.
+    let (last_tx, mut last_rx) = tokio::sync::watch::channel(u64::MAX);
     let consumer = tokio::spawn(async move {
-        let mut got = Vec::new();
+        let mut got: Vec<u64> = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
-            match tokio::time::timeout(Duration::from_secs(8), sub.next()).await {
+            if got.last().copied().unwrap_or(0) >= *last_rx.borrow() {
+                return got;
+            }
+            let next = tokio::select! {
+                n = tokio::time::timeout_at(deadline, sub.next()) => n,
+                _ = last_rx.changed() => continue,
+            };
+            match next {
                 Ok(Ok(e)) => {
                     got.push(e.position.0);
                     sub.ack(e.position);
@@ -326,9 +337,10 @@ async fn postgres_restarted_and_crashed_under_load_loses_nothing() {
     for w in writers {
         acked.extend(w.await.unwrap());
     }
-    let got = consumer.await.unwrap();
     let client = events::db::connect(&cfg, "check").await.unwrap();
     let table = table_positions(&client).await;
+    let _ = last_tx.send(table.last().copied().unwrap_or(0));
+    let got = consumer.await.unwrap();
     acked.sort_unstable();
     assert!(acked.len() > 50, "writers made progress: {}", acked.len());
     assert_eq!(
