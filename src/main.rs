@@ -320,6 +320,9 @@ pub enum TokensCmd {
         /// How long it can be used
         #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
         ttl: std::time::Duration,
+        /// Only this node may join with it (the only way back for a revoked node)
+        #[arg(long)]
+        node: Option<String>,
     },
 }
 

@@ -191,14 +191,23 @@ pub async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
 
 pub async fn tokens(cmd: TokensCmd) -> Result<ExitCode> {
     match cmd {
-        TokensCmd::Create { db, pool, ttl } => {
+        TokensCmd::Create {
+            db,
+            pool,
+            ttl,
+            node,
+        } => {
             let client = connect(&db).await?;
             if !placer::client::pool_exists(&client, &pool).await? {
                 bail!("pool {pool:?} does not exist (see `strata pools`)");
             }
-            let token = gateway::identity::create_token(&client, &pool, ttl).await?;
+            let token =
+                gateway::identity::create_token(&client, &pool, ttl, node.as_deref()).await?;
+            let only = node
+                .map(|n| format!(" and node {n} alone"))
+                .unwrap_or_default();
             eprintln!(
-                "a one-time token for pool {pool}, valid for {}; it is not shown again:",
+                "a one-time token for pool {pool}{only}, valid for {}; it is not shown again:",
                 humantime::format_duration(ttl)
             );
             println!("{token}");
@@ -527,7 +536,8 @@ pub async fn start_fleet(
         c.server_name = tls_name.to_string();
         if !data_dir.join(&node_id).join("node.pem").exists() {
             c.token = Some(
-                gateway::identity::create_token(client, pool, Duration::from_secs(3600)).await?,
+                gateway::identity::create_token(client, pool, Duration::from_secs(3600), None)
+                    .await?,
             );
             c.ca_pem = Some(ca_pem.to_string());
         }

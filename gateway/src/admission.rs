@@ -57,3 +57,21 @@ impl Drop for PendingHello {
         self.0.pending_hellos.fetch_sub(1, Ordering::AcqRel);
     }
 }
+
+impl Shared {
+    /// A token from the joins' own bucket (`joins_per_second`), or a
+    /// `RESOURCE_EXHAUSTED` pushback the daemon waits out.
+    pub(crate) fn admit_join(&self) -> Result<(), Status> {
+        let mut b = self.join_bucket.lock().expect("join bucket lock");
+        let now = std::time::Instant::now();
+        let rate = self.config.joins_per_second.max(0.001);
+        b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(rate.max(1.0));
+        b.last = now;
+        if b.tokens < 1.0 {
+            self.stats.refused_joins.fetch_add(1, Ordering::Relaxed);
+            return Err(pushback("too many joins per second", 1000));
+        }
+        b.tokens -= 1.0;
+        Ok(())
+    }
+}

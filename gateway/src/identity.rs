@@ -1,8 +1,10 @@
 //! Join tokens and issued certificates in the database.
 //!
 //! A token is 32 random bytes shown once (`stj_` and 64 hex digits); only its
-//! SHA-256 is stored. Redeeming it and recording the certificate it paid for
-//! is one statement, so a token is spent exactly once.
+//! SHA-256 is stored, with its pool and, optionally, the one node it admits.
+//! Redeeming it checks the token and the node's id before anything is
+//! signed, then spends it and records the certificate in one transaction, so
+//! a token is spent exactly once and an id that exists cannot be taken.
 
 use crate::ca::Signed;
 use events::append::{append_in, append_one_in};
@@ -16,6 +18,15 @@ use tokio_postgres::Client;
 pub enum IdentityError {
     #[error("the join token is unknown, already used or expired")]
     BadToken,
+    /// The token names another node.
+    #[error("this join token is for node {0:?}")]
+    OtherNode(String),
+    /// The id holds a valid certificate: a second daemon cannot take it.
+    #[error("node {0:?} already holds a valid certificate; a node keeps the one it was given (`strata nodes revoke {0}` frees the id)")]
+    Taken(String),
+    /// The id was revoked: only a token made for it lets it back.
+    #[error("node {0:?} was revoked; only a token made for it (`strata tokens create --node {0}`) lets it join again")]
+    Revoked(String),
     #[error("node {0:?} has no certificate")]
     UnknownNode(String),
     #[error("{0}")]
@@ -41,49 +52,95 @@ fn interval(d: Duration) -> String {
     format!("{} milliseconds", d.as_millis().max(1))
 }
 
-/// Issues a one-time join token for `pool`, valid for `ttl`.
+/// Issues a one-time join token for `pool`, valid for `ttl`; for `node`
+/// alone when one is named (the only way back for a revoked node).
 pub async fn create_token(
     client: &Client,
     pool: &str,
     ttl: Duration,
+    node: Option<&str>,
 ) -> Result<String, IdentityError> {
     projections::domain::valid_name("pool", pool).map_err(IdentityError::Invalid)?;
+    if let Some(n) = node {
+        projections::domain::valid_name("node", n).map_err(IdentityError::Invalid)?;
+    }
     let mut bytes = [0u8; 32];
     ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
         .expect("system randomness");
     let token = format!("stj_{}", events::hex(&bytes));
     client
         .execute(
-            "INSERT INTO strata.join_tokens (hash, pool, expires_at) VALUES ($1, $2, now() + $3::text::interval)",
-            &[&digest(&token), &pool, &interval(ttl)],
+            "INSERT INTO strata.join_tokens (hash, pool, expires_at, node) VALUES ($1, $2, now() + $3::text::interval, $4)",
+            &[&digest(&token), &pool, &interval(ttl), &node],
         )
         .await?;
     Ok(token)
 }
 
-/// Spends a token and records the certificate signed with it, in one
-/// transaction with the `node.certificate_issued` event: a token is never
-/// spent without the log saying so. Returns the token's pool.
-pub async fn redeem(
+/// Joins `node` with `token`: checks the token and the node's id first,
+/// then signs (`sign`, only once both are good), spends the token and
+/// records the certificate, in one transaction with the
+/// `node.certificate_issued` event. Refused: an unknown, spent or expired
+/// token; a token for another node; an id that holds a valid certificate
+/// (a second daemon cannot become a node that exists); a revoked id, unless
+/// the token names it. A refused join spends nothing. Returns the pool and
+/// what `sign` made.
+pub async fn redeem<S>(
     client: &mut Client,
     token: &str,
     node: &str,
-    signed: &Signed,
-) -> Result<String, IdentityError> {
+    sign: impl FnOnce() -> Result<Signed, S>,
+) -> Result<Result<(String, Signed), S>, IdentityError> {
     let tx = client.transaction().await?;
     let row = tx
         .query_opt(
-            "WITH t AS (
-                UPDATE strata.join_tokens SET used_at = now(), used_by = $2
-                 WHERE hash = $1 AND used_at IS NULL AND expires_at > now()
-                RETURNING pool)
-             INSERT INTO strata.node_certificates (serial, node, pool, not_after)
-             SELECT $3, $2, pool, $4 FROM t
-             RETURNING pool",
-            &[&digest(token), &node, &signed.serial, &signed.not_after],
+            "SELECT pool, node FROM strata.join_tokens
+              WHERE hash = $1 AND used_at IS NULL AND expires_at > now() FOR UPDATE",
+            &[&digest(token)],
+        )
+        .await?
+        .ok_or(IdentityError::BadToken)?;
+    let (pool, for_node): (String, Option<String>) = (row.get(0), row.get(1));
+    if let Some(n) = &for_node {
+        if n != node {
+            return Err(IdentityError::OtherNode(n.clone()));
+        }
+    }
+    // Joins of one id are serialized, so two cannot both find it free.
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended($1, 7))",
+        &[&node],
+    )
+    .await?;
+    let row = tx
+        .query_one(
+            "SELECT count(*) FILTER (WHERE revoked_at IS NULL AND not_after > now()),
+                    count(*) FILTER (WHERE revoked_at IS NOT NULL)
+               FROM strata.node_certificates WHERE node = $1",
+            &[&node],
         )
         .await?;
-    let pool: String = row.ok_or(IdentityError::BadToken)?.get(0);
+    let (valid, revoked): (i64, i64) = (row.get(0), row.get(1));
+    if valid > 0 {
+        return Err(IdentityError::Taken(node.to_string()));
+    }
+    if revoked > 0 && for_node.is_none() {
+        return Err(IdentityError::Revoked(node.to_string()));
+    }
+    let signed = match sign() {
+        Ok(s) => s,
+        Err(e) => return Ok(Err(e)),
+    };
+    tx.execute(
+        "UPDATE strata.join_tokens SET used_at = now(), used_by = $2 WHERE hash = $1",
+        &[&digest(token), &node],
+    )
+    .await?;
+    tx.execute(
+        "INSERT INTO strata.node_certificates (serial, node, pool, not_after) VALUES ($1, $2, $3, $4)",
+        &[&signed.serial, &node, &pool, &signed.not_after],
+    )
+    .await?;
     append_one_in(
         &tx,
         node_stream(node),
@@ -95,7 +152,7 @@ pub async fn redeem(
     )
     .await?;
     tx.commit().await?;
-    Ok(pool)
+    Ok(Ok((pool, signed)))
 }
 
 /// Records certificates issued outside a join (`Ca::issue_node`), in one

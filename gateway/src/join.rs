@@ -17,15 +17,9 @@ impl join_server::Join for JoinService {
         let req = req.into_inner();
         projections::domain::valid_name("node id", &req.node_id)
             .map_err(Status::invalid_argument)?;
-        let signed = self
-            .shared
-            .ca
-            .sign_node(
-                &req.node_id,
-                &req.csr_pem,
-                self.shared.config.certificate_days,
-            )
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        // Joins are rate-limited apart from sessions: each costs a
+        // signature and a transaction.
+        self.shared.admit_join()?;
         let mut conn = self.shared.joins.lock().await;
         if conn.as_ref().is_none_or(|c| c.is_closed()) {
             *conn = Some(
@@ -35,12 +29,26 @@ impl join_server::Join for JoinService {
             );
         }
         let client = conn.as_mut().expect("connected above");
-        let pool = identity::redeem(client, &req.token, &req.node_id, &signed)
-            .await
-            .map_err(|e| match e {
-                identity::IdentityError::BadToken => Status::permission_denied(e.to_string()),
+        // The token and the node's id are checked before anything is signed.
+        let (ca, days) = (&self.shared.ca, self.shared.config.certificate_days);
+        let (pool, signed) = identity::redeem(client, &req.token, &req.node_id, || {
+            ca.sign_node(&req.node_id, &req.csr_pem, days)
+        })
+        .await
+        .map_err(|e| {
+            self.shared
+                .stats
+                .refused_joins
+                .fetch_add(1, Ordering::Relaxed);
+            match e {
+                identity::IdentityError::BadToken
+                | identity::IdentityError::OtherNode(_)
+                | identity::IdentityError::Revoked(_) => Status::permission_denied(e.to_string()),
+                identity::IdentityError::Taken(_) => Status::already_exists(e.to_string()),
                 e => Status::unavailable(e.to_string()),
-            })?;
+            }
+        })?
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
         self.shared.stats.joins.fetch_add(1, Ordering::Relaxed);
         tracing::info!(node = %req.node_id, %pool, serial = %signed.serial, "node joined");
         Ok(Response::new(JoinResponse {

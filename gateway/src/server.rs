@@ -82,6 +82,10 @@ pub async fn start(
             tokens: config.handshakes_per_second.max(1.0),
             last: Instant::now(),
         }),
+        join_bucket: Mutex::new(Bucket {
+            tokens: config.joins_per_second.max(1.0),
+            last: Instant::now(),
+        }),
         sessions: Mutex::new(HashMap::new()),
         db: events::db::Db::new(db),
         appender,

@@ -27,6 +27,8 @@ pub struct GatewayConfig {
     pub names: Vec<String>,
     pub max_streams: usize,
     pub handshakes_per_second: f64,
+    /// Joins admitted per second (each signs a certificate).
+    pub joins_per_second: f64,
     pub max_pending_hellos: usize,
     /// The heartbeat interval nodes are told; a node is unreachable after
     /// three missed.
@@ -46,6 +48,7 @@ impl GatewayConfig {
             names: vec!["localhost".into(), "127.0.0.1".into()],
             max_streams: 20_000,
             handshakes_per_second: 2_000.0,
+            joins_per_second: 200.0,
             max_pending_hellos: 1_000,
             heartbeat: Duration::from_secs(10),
             max_message_bytes: 1 << 20,
@@ -80,6 +83,8 @@ pub struct GatewayStats {
     pub refused_admission: AtomicU64,
     pub refused_identity: AtomicU64,
     pub joins: AtomicU64,
+    /// Joins refused: a bad token, an id taken or revoked, too many at once.
+    pub refused_joins: AtomicU64,
     pub batches: AtomicU64,
     pub events_written: AtomicU64,
     pub fenced: AtomicU64,
@@ -166,6 +171,7 @@ pub(crate) struct Shared {
     pub(crate) streams: Arc<Semaphore>,
     pub(crate) pending_hellos: AtomicUsize,
     pub(crate) bucket: Mutex<Bucket>,
+    pub(crate) join_bucket: Mutex<Bucket>,
     pub(crate) sessions: Mutex<HashMap<String, SessionEntry>>,
     pub(crate) writes: mpsc::Sender<Write>,
     /// Commands not yet terminal, as the log says.

@@ -63,6 +63,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "certificate_revocations",
         sql: include_str!("../migrations/0009_certificate_revocations.sql"),
     },
+    Migration {
+        version: 10,
+        name: "join_token_node",
+        sql: include_str!("../migrations/0010_join_token_node.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

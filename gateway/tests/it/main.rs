@@ -72,7 +72,7 @@ impl Region {
     }
 
     async fn token(&self) -> String {
-        identity::create_token(&self.client, "p", Duration::from_secs(600))
+        identity::create_token(&self.client, "p", Duration::from_secs(600), None)
             .await
             .unwrap()
     }
@@ -1573,5 +1573,95 @@ async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_f
     assert_eq!(r.count(&unavailable("health.raised")).await, 1);
     placer.stop().await.unwrap();
     n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+/// A Join call as any token holder could make it: the status it gets.
+async fn join_as(r: &Region, gw: &Running, token: &str, node: &str) -> Result<(), tonic::Status> {
+    use gateway::proto::{join_client::JoinClient, JoinRequest};
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    let key = rcgen::KeyPair::generate().unwrap();
+    let csr = rcgen::CertificateParams::new(Vec::<String>::new())
+        .unwrap()
+        .serialize_request(&key)
+        .unwrap()
+        .pem()
+        .unwrap();
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(r.ca_pem()))
+        .domain_name("localhost");
+    let channel = Endpoint::from_shared(url(gw))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    JoinClient::new(channel)
+        .join(JoinRequest {
+            token: token.into(),
+            node_id: node.into(),
+            csr_pem: csr,
+        })
+        .await
+        .map(|_| ())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_token_cannot_take_an_existing_or_revoked_node_id() {
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let r = &r;
+    let certificates = |node: &'static str| async move {
+        r.count(&format!(
+            "SELECT count(*) FROM strata.node_certificates WHERE node = '{node}'"
+        ))
+        .await
+    };
+    join_as(r, &gw, &r.token().await, "alpha").await.unwrap();
+    // A second holder of a (fresh, valid) token claims alpha: refused, and
+    // its token is not spent.
+    let second = r.token().await;
+    let err = join_as(r, &gw, &second, "alpha").await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::AlreadyExists, "{err:?}");
+    assert_eq!(certificates("alpha").await, 1);
+    join_as(r, &gw, &second, "other").await.unwrap();
+    // A token made for one node admits no other.
+    let for_beta = identity::create_token(&r.client, "p", Duration::from_secs(60), Some("beta"))
+        .await
+        .unwrap();
+    let err = join_as(r, &gw, &for_beta, "gamma").await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("for node \"beta\""), "{err:?}");
+    assert_eq!(certificates("gamma").await, 0);
+    join_as(r, &gw, &for_beta, "beta").await.unwrap();
+    // Revoked: a fresh pool token does not bring alpha back; one made for
+    // alpha does.
+    let mut admin = events::db::connect(&r.cfg, "admin").await.unwrap();
+    identity::revoke(&mut admin, "alpha", "stolen")
+        .await
+        .unwrap();
+    let err = join_as(r, &gw, &r.token().await, "alpha")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("was revoked"), "{err:?}");
+    let back = identity::create_token(&r.client, "p", Duration::from_secs(60), Some("alpha"))
+        .await
+        .unwrap();
+    join_as(r, &gw, &back, "alpha").await.unwrap();
+    assert_eq!(certificates("alpha").await, 2);
+    // A bad token gets nothing.
+    let err = join_as(r, &gw, "stj_00", "delta").await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(gw.stats.refused_joins.load(Ordering::Relaxed) >= 4);
+    gw.stop().await.unwrap();
+
+    // Joins have a rate of their own.
+    let gw = r.gateway("gw-b", |c| c.joins_per_second = 1.0).await;
+    join_as(r, &gw, &r.token().await, "epsilon").await.unwrap();
+    let err = join_as(r, &gw, &r.token().await, "zeta").await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(err.metadata().get("retry-after-ms").is_some());
     gw.stop().await.unwrap();
 }
