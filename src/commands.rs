@@ -323,13 +323,17 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     let cfg = config(&args.db)?;
     let mut client = connect(&args.db).await?;
     schema::migrate(&mut client).await.context("migrate")?;
-    schema::partitions::ensure(
+    // Not fatal: a long-running reader can hold creation off (it gives up
+    // after a lock timeout), and the reader keeps months ahead from now on.
+    if let Err(e) = schema::partitions::ensure(
         &client,
         schema::partitions::DEFAULT_MONTHS_AHEAD,
         SystemTime::now(),
     )
     .await
-    .context("ensure partitions")?;
+    {
+        tracing::warn!(error = %format!("{e:#}"), "could not create the coming months' partitions now; retrying in the background");
+    }
     if let Some(addr) = args.metrics_listen {
         let l = tokio::net::TcpListener::bind(addr)
             .await

@@ -68,6 +68,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "join_token_node",
         sql: include_str!("../migrations/0010_join_token_node.sql"),
     },
+    Migration {
+        version: 11,
+        name: "partition_lock_timeout",
+        sql: include_str!("../migrations/0011_partition_lock_timeout.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

@@ -615,3 +615,61 @@ async fn append_in_commits_and_rolls_back_with_the_callers_transaction() {
         .is_empty());
     assert_eq!(table_positions(&client).await, [1, 2, 3]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_left_in_an_open_transaction_does_not_stall_appends_behind_partition_creation() {
+    // An auditor's `BEGIN; SELECT count(*) FROM strata.events;` left idle:
+    // creating next months' partitions must give up rather than queue a
+    // lock on the event table that every append then queues behind.
+    let (cfg, _client) = db().await;
+    let a = appender(&cfg);
+    a.append("before", ExpectedVersion::Any, vec![ev(1)])
+        .await
+        .unwrap();
+    let mut reader = events::db::connect(&cfg, "idle-reader").await.unwrap();
+    let tx = reader.transaction().await.unwrap();
+    tx.query_one("SELECT count(*) FROM strata.events", &[])
+        .await
+        .unwrap();
+    let maintenance = events::db::connect(&cfg, "maintenance").await.unwrap();
+    let started = std::time::Instant::now();
+    let ensure = tokio::spawn(async move {
+        // Twelve months ahead: months that do not exist yet.
+        schema::partitions::ensure(&maintenance, 12, SystemTime::now()).await
+    });
+    // Appends go on meanwhile, each in well under a second.
+    for i in 0..20u64 {
+        let t = std::time::Instant::now();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            a.append("during", ExpectedVersion::Any, vec![ev(i)]),
+        )
+        .await
+        .expect("an append waited behind the partition creation")
+        .unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "an append took {:?}",
+            t.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The creation gave up (it will be tried again), within its lock timeout.
+    let outcome = tokio::time::timeout(Duration::from_secs(10), ensure)
+        .await
+        .expect("the partition creation waited on the reader")
+        .unwrap();
+    let err = outcome.unwrap_err();
+    // lock_not_available (55P03): the lock timeout, not another failure.
+    assert!(format!("{err:?}").contains("55P03"), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // Once the reader is gone, it succeeds.
+    tx.rollback().await.unwrap();
+    let maintenance = events::db::connect(&cfg, "maintenance").await.unwrap();
+    assert!(
+        schema::partitions::ensure(&maintenance, 12, SystemTime::now())
+            .await
+            .unwrap()
+            > 0
+    );
+}
