@@ -367,7 +367,15 @@ async fn held(
         .filter(|r| r.phase == Phase::Placed)
         .map(|r| r.request.reservation.clone())
         .collect();
-    let placed_streams: Vec<String> = placed.iter().map(|id| reservation_stream(id)).collect();
+    // The version of every reservation the index holds (pending ones too:
+    // they are placed later, with no event on their own stream), so that
+    // every activation is fenced by it.
+    let placed_streams: Vec<String> = index
+        .state()
+        .reservations
+        .keys()
+        .map(|id| reservation_stream(id))
+        .collect();
     for row in client
         .query(
             "SELECT stream, max(version) FROM strata.events
@@ -638,10 +646,13 @@ async fn bound(
     let fact = Fact::ReservationActive {
         reservation: reservation.to_string(),
     };
-    let expected = match state.versions.get(reservation) {
-        Some(v) => ExpectedVersion::Exact(*v),
-        None => ExpectedVersion::StreamExists,
+    // Only at the exact version seen: without it there is no fence, and an
+    // activation could land after the reservation's end.
+    let Some(seen) = state.versions.get(reservation).copied() else {
+        tracing::error!(%reservation, "the version of the reservation's stream is not known; not marking it active");
+        return;
     };
+    let expected = ExpectedVersion::Exact(seen);
     match appender
         .append(
             &reservation_stream(reservation),

@@ -8,7 +8,9 @@
 //! snapshot it already took (so `SET transaction_read_only = off` is refused),
 //! and that it rolls back afterwards. An auditor's own `BEGIN` keeps that
 //! transaction open until their `COMMIT` or `ROLLBACK`, so several statements
-//! see one snapshot.
+//! see one snapshot. Once out of it, every setting is reset to the
+//! session's defaults, so an auditor cannot switch off the statement or idle
+//! timeouts for later statements.
 
 use bytes::{Bytes, BytesMut};
 use events::replication::{ReplicationConnection, ReplicationError};
@@ -76,8 +78,12 @@ pub struct Backend {
 }
 
 const OPEN: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1";
-const CLOSE: &str = "ROLLBACK; SELECT pg_advisory_unlock_all()";
-const UNLOCK: &str = "SELECT pg_advisory_unlock_all()";
+// After every statement outside an auditor's transaction, and when theirs
+// ends: every setting back to the session's defaults (the endpoint's
+// startup options and the role's settings, such as its statement and idle
+// timeouts), whatever the auditor SET, and no session advisory lock left.
+const CLOSE: &str = "ROLLBACK; RESET ALL; SELECT pg_advisory_unlock_all()";
+const UNLOCK: &str = "RESET ALL; SELECT pg_advisory_unlock_all()";
 
 impl Backend {
     pub async fn connect(

@@ -533,3 +533,51 @@ async fn psql_over_tls_with_password_and_with_certificate() {
         .get(0);
     assert_eq!(auth, "certificate");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_auditor_cannot_switch_off_the_session_limits() {
+    // `BEGIN; SET ...; COMMIT` would make a setting outlive the auditor's
+    // transaction: once it ends, the session is back to the endpoint's.
+    let env = env().await;
+    let a = env.auditor("alice", "correct horse").await;
+    let show = |rows: Vec<tokio_postgres::SimpleQueryMessage>| -> String {
+        rows.into_iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+                _ => None,
+            })
+            .unwrap()
+    };
+    let timeout = show(a.simple_query("SHOW statement_timeout").await.unwrap());
+    let idle = show(
+        a.simple_query("SHOW idle_in_transaction_session_timeout")
+            .await
+            .unwrap(),
+    );
+    a.batch_execute(
+        "BEGIN; SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0; COMMIT",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        show(a.simple_query("SHOW statement_timeout").await.unwrap()),
+        timeout
+    );
+    assert_eq!(
+        show(
+            a.simple_query("SHOW idle_in_transaction_session_timeout")
+                .await
+                .unwrap()
+        ),
+        idle
+    );
+    assert_ne!(timeout, "0");
+    // Outside a transaction too.
+    a.batch_execute("SET statement_timeout = 0").await.unwrap();
+    assert_eq!(
+        show(a.simple_query("SHOW statement_timeout").await.unwrap()),
+        timeout
+    );
+    // Still a working session.
+    assert_eq!(pool_a(&a).await, 5);
+}
