@@ -27,7 +27,7 @@
 //! Everything (daemons, gateway, placer, binder, load generator and
 //! PostgreSQL) shares this machine's cores.
 
-use crate::gateway::{provision, setup, GatewayProcess};
+use crate::gateway::{now_ms, provision, setup, GatewayProcess};
 use crate::util::{self, percentile_ms, round};
 use anyhow::{Context, Result};
 use events::{Appender, AppenderConfig, Reader, ReaderConfig, Start};
@@ -37,7 +37,7 @@ use projections::{Fact, Request, Shape};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -80,12 +80,6 @@ fn binder_process(url: &str) -> Result<tokio::process::Child> {
         .kill_on_drop(true)
         .spawn()
         .context("start the binder process")
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// One simulated daemon, killable on its own.

@@ -869,6 +869,7 @@ impl Index {
 
     fn apply_fact(&mut self, event: &Event, fact: Fact) -> Result<(), String> {
         let on_pool = pool_of(&event.stream).map(str::to_string);
+        let joined = matches!(&fact, Fact::NodeJoined { .. });
         let replaced = matches!(
             &fact,
             Fact::ReservationFailed {
@@ -923,10 +924,6 @@ impl Index {
                         .nodes
                         .insert(node.clone(), Node::default());
                 }
-                let joined = matches!(
-                    crate::domain::canonical_type(&event.event_type),
-                    "node.joined"
-                );
                 self.with_node(&pool, &node, |n| {
                     if joined {
                         n.left = false;
