@@ -167,7 +167,7 @@ pub enum SinksCmd {
         /// A webhook: the receiver's URL (http:// or https://)
         #[arg(long, conflicts_with = "nats", requires = "secret_env")]
         webhook: Option<String>,
-        /// The environment variable (in the sinks processes) holding the webhook's HMAC secret
+        /// The environment variable (in the sinks processes) holding the webhook's HMAC secret; its name must start with STRATA_SINK_SECRET_
         #[arg(long)]
         secret_env: Option<String>,
         /// NATS JetStream: the server's URL (nats://host:port)

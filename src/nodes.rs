@@ -768,6 +768,7 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 .with_context(|| format!("sink {name:?} does not exist"))?;
             let n = match &sink.config.target {
                 Target::Webhook { url, secret_env } => {
+                    sinks::config::check_secret_env(secret_env).map_err(anyhow::Error::msg)?;
                     let secret = std::env::var(secret_env)
                         .with_context(|| format!("the sink's secret: set {secret_env} here"))?;
                     let http = sinks::webhook::client(webhook_ca.as_deref())

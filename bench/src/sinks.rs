@@ -230,7 +230,7 @@ async fn phase(
 
 pub async fn run(args: Args) -> Result<()> {
     let secs = args.seconds.unwrap_or(if args.quick { 5 } else { 10 });
-    std::env::set_var("BENCH_SINK_SECRET", "bench");
+    std::env::set_var("STRATA_SINK_SECRET_BENCH", "bench");
     eprintln!("starting a private PostgreSQL (fsync on) ...");
     let cluster = tokio::task::spawn_blocking(util::cluster).await??;
     let cfg = util::database(&cluster, "bench").await?;
@@ -246,7 +246,7 @@ pub async fn run(args: Args) -> Result<()> {
         name,
         target: sinks::Target::Webhook {
             url: url.to_string(),
-            secret_env: "BENCH_SINK_SECRET".into(),
+            secret_env: "STRATA_SINK_SECRET_BENCH".into(),
         },
         filter: sinks::Filter {
             types: vec![],
@@ -259,7 +259,7 @@ pub async fn run(args: Args) -> Result<()> {
     let exe = std::env::current_exe()?;
     let mut child = tokio::process::Command::new(exe)
         .args(["sinks-server", "--database-url", &cluster.url("bench")])
-        .env("BENCH_SINK_SECRET", "bench")
+        .env("STRATA_SINK_SECRET_BENCH", "bench")
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()

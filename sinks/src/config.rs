@@ -6,6 +6,31 @@ use events::{AppendError, Appender, Event, ExpectedVersion, NewEvent};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// A webhook's secret is read from a variable of the sinks process whose name
+/// starts with this, so a sink cannot be pointed at any other variable of
+/// that process (its database URL, say) and hand it to the receiver as a key.
+pub const SECRET_ENV_PREFIX: &str = "STRATA_SINK_SECRET_";
+
+/// Whether `name` may hold a webhook's secret: the prefix, then at least one
+/// of `A-Z`, `0-9` or `_`.
+pub fn check_secret_env(name: &str) -> Result<(), String> {
+    match name.strip_prefix(SECRET_ENV_PREFIX) {
+        Some(rest)
+            if !rest.is_empty()
+                && rest
+                    .bytes()
+                    .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_') =>
+        {
+            Ok(())
+        }
+        _ => Err(format!(
+            "secret variable {name:?}: a webhook's secret must be in a variable named \
+             {SECRET_ENV_PREFIX}<NAME> (A-Z, 0-9, _), so no other variable of the sinks \
+             process can become a key"
+        )),
+    }
+}
+
 pub fn sink_stream(name: &str) -> String {
     format!("sink/{name}")
 }
@@ -33,8 +58,9 @@ impl Filter {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Target {
     /// Batches POSTed as JSON, signed with HMAC-SHA256 using the secret in
-    /// the sinks process's environment variable `secret_env` (the secret
-    /// itself is never in the log).
+    /// the sinks process's environment variable `secret_env`, whose name
+    /// starts with [`SECRET_ENV_PREFIX`] (the secret itself is never in the
+    /// log).
     Webhook { url: String, secret_env: String },
     /// Published to NATS JetStream, one message per event, on the subject
     /// `<subject_prefix>.<stream with '/' as '.'>.<type>`, with the event's
@@ -119,12 +145,7 @@ impl SinkConfig {
                         ))
                     }
                 }
-                if secret_env.is_empty() {
-                    return Err(
-                        "a webhook needs the name of the environment variable holding its secret"
-                            .into(),
-                    );
-                }
+                check_secret_env(secret_env)?;
             }
         }
         Ok(())

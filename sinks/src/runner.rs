@@ -229,13 +229,15 @@ async fn worker(
         },
     }
     let out = match &cfg.target {
-        Target::Webhook { url, secret_env } => match std::env::var(secret_env) {
+        Target::Webhook { url, secret_env } => match crate::config::check_secret_env(secret_env)
+            .and_then(|()| std::env::var(secret_env).map_err(|_| "not set".to_string()))
+        {
             Ok(secret) => Out::Webhook {
                 url: url.clone(),
                 secret,
             },
-            Err(_) => {
-                tracing::error!(sink = %cfg.name, %secret_env, "the sink's secret is not in this process's environment; not delivering");
+            Err(why) => {
+                tracing::error!(sink = %cfg.name, %secret_env, %why, "the sink's secret cannot be read from this process's environment; not delivering");
                 let _ = stop.await;
                 let _ = sub.close().await;
                 return;

@@ -482,7 +482,7 @@ fn sinks_commands_define_list_pause_and_refuse_bad_input() {
         "--webhook",
         "ftp://x",
         "--secret-env",
-        "S",
+        "STRATA_SINK_SECRET_H1",
     ]);
     assert!(err.contains("http://"), "{err}");
     let err = fails(&[
@@ -507,7 +507,7 @@ fn sinks_commands_define_list_pause_and_refuse_bad_input() {
         "--webhook",
         "http://127.0.0.1:9/h",
         "--secret-env",
-        "S",
+        "STRATA_SINK_SECRET_H1",
     ]);
     assert!(err.contains("sink name"), "{err}");
     ok(&[
@@ -519,7 +519,7 @@ fn sinks_commands_define_list_pause_and_refuse_bad_input() {
         "--webhook",
         "http://127.0.0.1:9/h",
         "--secret-env",
-        "S",
+        "STRATA_SINK_SECRET_H1",
         "--prefixes",
         "pool/",
         "--types",
@@ -534,9 +534,30 @@ fn sinks_commands_define_list_pause_and_refuse_bad_input() {
         "--webhook",
         "http://127.0.0.1:9/h",
         "--secret-env",
-        "S",
+        "STRATA_SINK_SECRET_H1",
     ]);
     assert!(err.contains("already exists"), "{err}");
+    // The secret comes only from a variable meant for it, not, say, from
+    // the sinks process's database URL.
+    for var in [
+        "STRATA_DATABASE_URL",
+        "PATH",
+        "STRATA_SINK_SECRET_",
+        "STRATA_SINK_SECRET_a",
+    ] {
+        let err = fails(&[
+            "sinks",
+            "create",
+            "h2",
+            "--database-url",
+            &url,
+            "--webhook",
+            "http://127.0.0.1:9/h",
+            "--secret-env",
+            var,
+        ]);
+        assert!(err.contains("STRATA_SINK_SECRET_<NAME>"), "{var}: {err}");
+    }
     let list = ok(&["sinks", "list", "--database-url", &url]);
     assert!(
         list.contains("h1") && list.contains("active") && list.contains("not started"),
@@ -668,7 +689,7 @@ fn a_sinks_process_killed_mid_stream_loses_nothing() {
         "--webhook",
         &hook,
         "--secret-env",
-        "HOOK_SECRET",
+        "STRATA_SINK_SECRET_HOOK",
         "--prefixes",
         "load/",
         "--batch",
@@ -705,7 +726,7 @@ fn a_sinks_process_killed_mid_stream_loses_nothing() {
                 "--subscription-lease-ttl",
                 "2s",
             ])
-            .env("HOOK_SECRET", "s3cret")
+            .env("STRATA_SINK_SECRET_HOOK", "s3cret")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

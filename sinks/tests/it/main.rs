@@ -186,7 +186,7 @@ async fn append(appender: &Appender, stream: &str, n: usize) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
-    std::env::set_var("STRATA_TEST_SINK_SECRET", SECRET);
+    std::env::set_var("STRATA_SINK_SECRET_TEST", SECRET);
     let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
     let cfg: tokio_postgres::Config = url_db.parse().unwrap();
     let client = events::db::connect(&cfg, "test").await.unwrap();
@@ -196,7 +196,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     // History before the sink exists, on two streams; the sink takes pool/ only.
     let mut want = append(&appender, "pool/a", 30).await;
     append(&appender, "other/b", 10).await;
-    let sink = webhook_sink("hook", &url, "STRATA_TEST_SINK_SECRET", "pool/", 7, 3);
+    let sink = webhook_sink("hook", &url, "STRATA_SINK_SECRET_TEST", "pool/", 7, 3);
     config::create(&appender, &sink).await.unwrap();
     let err = config::create(&appender, &sink).await.unwrap_err();
     assert!(err.to_string().contains("already exists"), "{err}");
@@ -439,14 +439,14 @@ async fn a_nats_sink_stores_each_event_once_in_jetstream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_receiver_times_out_and_the_batch_is_retried() {
-    std::env::set_var("STRATA_TEST_SINK_SECRET", SECRET);
+    std::env::set_var("STRATA_SINK_SECRET_TEST", SECRET);
     let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
     let cfg: tokio_postgres::Config = url_db.parse().unwrap();
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
     let (url, rx) = receiver().await;
     rx.slow_next.store(2, Ordering::Relaxed);
     let want = append(&appender, "pool/s", 10).await;
-    let sink = webhook_sink("slow", &url, "STRATA_TEST_SINK_SECRET", "pool/", 100, 5);
+    let sink = webhook_sink("slow", &url, "STRATA_SINK_SECRET_TEST", "pool/", 100, 5);
     config::create(&appender, &sink).await.unwrap();
     let reader = temporary_reader(&cfg, "s");
     let sinks = Sinks::start(
@@ -510,7 +510,7 @@ fn private_ca() -> (String, tokio_rustls::TlsAcceptor) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_sink_delivers_over_https_when_it_trusts_the_receivers_ca() {
-    std::env::set_var("STRATA_TEST_TLS_SINK_SECRET", SECRET);
+    std::env::set_var("STRATA_SINK_SECRET_TEST_TLS", SECRET);
     let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
     let cfg: tokio_postgres::Config = url_db.parse().unwrap();
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
@@ -546,7 +546,7 @@ async fn a_webhook_sink_delivers_over_https_when_it_trusts_the_receivers_ca() {
     let sink = webhook_sink(
         "tls-hook",
         &url,
-        "STRATA_TEST_TLS_SINK_SECRET",
+        "STRATA_SINK_SECRET_TEST_TLS",
         "pool/tls",
         5,
         3,
