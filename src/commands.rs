@@ -551,14 +551,11 @@ async fn start_audit(
     ac.role = args.audit_role.clone();
     ac.backend = match &args.audit_database_url {
         Some(u) => u.parse().context("--audit-database-url")?,
-        None => {
-            let mut b = cfg.clone();
-            b.user(&ac.role);
-            b.password(Vec::<u8>::new());
-            b
-        }
+        None => cfg.clone(),
     };
     ac.statement_timeout = args.audit_statement_timeout;
+    ac.idle_in_transaction = args.audit_idle_in_transaction;
+    ac.max_transaction_age = args.audit_max_transaction_age;
     ac.max_result_bytes = args.audit_max_result_mib.max(1) << 20;
     ac.max_sessions = args.audit_max_sessions;
     if args.ca_dir.join(gateway::ca::CA_KEY).exists() {

@@ -727,15 +727,21 @@ pub struct ServeArgs {
     /// audit: where auditors connect with psql or any Postgres client (TLS from --ca-dir when it exists)
     #[arg(long, default_value = "127.0.0.1:6543")]
     pub audit_listen: SocketAddr,
-    /// audit: the read-only database role auditors' statements run as (created and granted at start)
+    /// audit: the read-only group role every auditor's own database role is a member of (created and granted at start)
     #[arg(long, default_value = "strata_audit")]
     pub audit_role: String,
-    /// audit: connection string for the audit role (default: the database URL with the role's name and no password)
+    /// audit: where auditors' statements connect (host, port, database, sslmode; default: the database URL's). Each auditor logs in as a role of their own with a password the endpoint keeps, so user and password here are not used
     #[arg(long, env = "STRATA_AUDIT_DATABASE_URL", value_name = "URL")]
     pub audit_database_url: Option<String>,
     /// audit: statements running longer are cancelled
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub audit_statement_timeout: std::time::Duration,
+    /// audit: an auditor's transaction left idle this long is ended (with the session)
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub audit_idle_in_transaction: std::time::Duration,
+    /// audit: an auditor's transaction open this long is rolled back by the endpoint, whatever the auditor set
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    pub audit_max_transaction_age: std::time::Duration,
     /// audit: largest result returned, in MiB
     #[arg(long, default_value_t = 256)]
     pub audit_max_result_mib: usize,

@@ -127,6 +127,8 @@ pub struct ReplicationConnection {
     stream: Box<dyn Stream>,
     rbuf: BytesMut,
     wbuf: BytesMut,
+    /// The server process's id and cancel key (BackendKeyData).
+    key: Option<(i32, i32)>,
 }
 
 /// One frame's payload from the replication stream.
@@ -134,6 +136,35 @@ pub enum Frame {
     Data(bytes::Bytes),
     /// The server ended the copy (CopyDone).
     Done,
+}
+
+/// Asks the server at the first host of `config` to cancel what the process
+/// `pid` is running (a CancelRequest with its key, on a connection of its
+/// own, as the protocol has it). The server answers nothing.
+pub async fn cancel(config: &Config, pid: i32, key: i32) -> Result<(), ReplicationError> {
+    use tokio::io::AsyncWriteExt;
+    let host =
+        config.get_hosts().first().cloned().ok_or_else(|| {
+            ReplicationError::Unsupported("the database URL names no host".into())
+        })?;
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let mut buf = BytesMut::with_capacity(16);
+    frontend::cancel_request(pid, key, &mut buf);
+    let mut stream: Box<dyn Stream> = match host {
+        Host::Tcp(h) => Box::new(
+            tokio::net::TcpStream::connect((h.as_str(), port))
+                .await
+                .map_err(io("connect to cancel"))?,
+        ),
+        Host::Unix(dir) => Box::new(
+            tokio::net::UnixStream::connect(dir.join(format!(".s.PGSQL.{port}")))
+                .await
+                .map_err(io("connect to cancel"))?,
+        ),
+    };
+    stream.write_all(&buf).await.map_err(io("send cancel"))?;
+    stream.flush().await.map_err(io("send cancel"))?;
+    Ok(())
 }
 
 impl ReplicationConnection {
@@ -200,6 +231,7 @@ impl ReplicationConnection {
             stream,
             rbuf: BytesMut::with_capacity(64 * 1024),
             wbuf: BytesMut::with_capacity(1024),
+            key: None,
         };
         conn.startup(config, application_name, replication, options)
             .await?;
@@ -306,9 +338,10 @@ impl ReplicationConnection {
                 }
                 Message::ErrorResponse(body) => return Err(server_error("start up", &body)),
                 Message::ReadyForQuery(_) => return Ok(()),
-                Message::ParameterStatus(_)
-                | Message::BackendKeyData(_)
-                | Message::NoticeResponse(_) => {}
+                Message::BackendKeyData(body) => {
+                    self.key = Some((body.process_id(), body.secret_key()));
+                }
+                Message::ParameterStatus(_) | Message::NoticeResponse(_) => {}
                 Message::AuthenticationGss
                 | Message::AuthenticationSspi
                 | Message::AuthenticationKerberosV5
@@ -324,6 +357,11 @@ impl ReplicationConnection {
                 }
             }
         }
+    }
+
+    /// The server process's id and cancel key, as it sent them at start-up.
+    pub fn backend_key(&self) -> Option<(i32, i32)> {
+        self.key
     }
 
     /// The buffer of frontend messages not yet sent; [`Self::flush`] sends it.

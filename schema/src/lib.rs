@@ -38,6 +38,12 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether a statement gave up waiting for a lock (`lock_timeout`).
+    pub fn is_lock_timeout(&self) -> bool {
+        matches!(self, Error::Postgres { source, .. }
+            if source.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE))
+    }
+
     /// Whether trying again later may succeed.
     pub fn is_transient(&self) -> bool {
         match self {

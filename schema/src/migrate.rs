@@ -3,7 +3,12 @@
 //! Each migration is a `.sql` file under `schema/migrations/`, compiled in with
 //! `include_str!` and applied in its own transaction. A session-level advisory
 //! lock serializes migrators, so two processes starting at once apply each
-//! migration exactly once; the second waits, then finds nothing to do.
+//! migration exactly once; the second waits (saying who holds the lock), then
+//! finds nothing to do. Auditors cannot take that lock: the audit roles may
+//! not execute the advisory-lock functions (`replay::audit::setup`). A
+//! migration's lock waits are bounded (`lock_timeout`), and one that found a
+//! table locked by a reader is rolled back and tried again, so it never holds
+//! up appends behind a reader.
 
 use crate::{Context, Error};
 use tokio_postgres::Client;
@@ -73,7 +78,19 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "partition_lock_timeout",
         sql: include_str!("../migrations/0011_partition_lock_timeout.sql"),
     },
+    Migration {
+        version: 12,
+        name: "audit_logins",
+        sql: include_str!("../migrations/0012_audit_logins.sql"),
+    },
 ];
+
+/// How long one migration's statements wait for a lock before the migration
+/// is rolled back and tried again: a migration queued behind a reader's lock
+/// on the event table would hold up every append queued behind it.
+const MIGRATION_LOCK_TIMEOUT: &str = "2s";
+/// Tries of one migration that found its tables locked.
+const MIGRATION_TRIES: u32 = 30;
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).
 const MIGRATE_LOCK: i64 = 0x5374_7261_7461_4d31;
@@ -92,10 +109,44 @@ pub fn checksum(sql: &str) -> String {
 /// Applies every migration the database does not have yet. Returns the
 /// versions it applied (empty when the database was up to date).
 pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, Error> {
-    client
-        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATE_LOCK])
-        .await
-        .context("take the migration lock")?;
+    // Wait for the lock in the open, saying who holds it, rather than
+    // blocking without a word.
+    let mut waited = std::time::Duration::ZERO;
+    loop {
+        let got: bool = client
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATE_LOCK])
+            .await
+            .context("take the migration lock")?
+            .get(0);
+        if got {
+            break;
+        }
+        if waited.as_millis().is_multiple_of(10_000) {
+            let holder = client
+                .query_opt(
+                    "SELECT a.pid, a.usename::text, a.application_name
+                       FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                      WHERE l.locktype = 'advisory' AND l.granted
+                        AND (l.classid::bigint << 32 | l.objid::bigint) = $1",
+                    &[&MIGRATE_LOCK],
+                )
+                .await
+                .ok()
+                .flatten()
+                .map(|r| {
+                    format!(
+                        "pid {} ({}, {})",
+                        r.get::<_, i32>(0),
+                        r.get::<_, Option<String>>(1).unwrap_or_default(),
+                        r.get::<_, String>(2)
+                    )
+                })
+                .unwrap_or_else(|| "another migrator".into());
+            tracing::warn!(%holder, waited_s = waited.as_secs(), "waiting for the migration lock");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        waited += std::time::Duration::from_millis(500);
+    }
     let result = migrate_locked(client).await;
     // The lock is session-level; release it whatever happened. If the
     // connection is gone, so is the lock.
@@ -152,22 +203,50 @@ async fn migrate_locked(client: &mut Client) -> Result<Vec<i32>, Error> {
             }
             continue;
         }
-        let tx = client
-            .transaction()
-            .await
-            .context("begin a migration transaction")?;
-        tx.batch_execute(m.sql).await.context("apply a migration")?;
-        tx.execute(
-            "INSERT INTO strata.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
-            &[&m.version, &m.name, &current],
-        )
-        .await
-        .context("record a migration")?;
-        tx.commit().await.context("commit a migration")?;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match apply(client, m, &current).await {
+                Err(e) if tries < MIGRATION_TRIES && e.is_lock_timeout() => {
+                    tracing::warn!(
+                        version = m.version,
+                        name = m.name,
+                        tries,
+                        "a migration waited {MIGRATION_LOCK_TIMEOUT} for a lock (a reader's open transaction?); trying again"
+                    );
+                    tokio::time::sleep(std::time::Duration::from_millis(
+                        200 * u64::from(tries.min(10)),
+                    ))
+                    .await;
+                }
+                other => break other?,
+            }
+        }
         tracing::info!(version = m.version, name = m.name, "migration applied");
         done.push(m.version);
     }
     Ok(done)
+}
+
+/// Applies one migration in its own transaction, its lock waits bounded.
+async fn apply(client: &mut Client, m: &Migration, checksum: &str) -> Result<(), Error> {
+    let tx = client
+        .transaction()
+        .await
+        .context("begin a migration transaction")?;
+    tx.batch_execute(&format!(
+        "SET LOCAL lock_timeout = '{MIGRATION_LOCK_TIMEOUT}'"
+    ))
+    .await
+    .context("bound a migration's lock waits")?;
+    tx.batch_execute(m.sql).await.context("apply a migration")?;
+    tx.execute(
+        "INSERT INTO strata.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+        &[&m.version, &m.name, &checksum],
+    )
+    .await
+    .context("record a migration")?;
+    tx.commit().await.context("commit a migration")
 }
 
 #[cfg(test)]

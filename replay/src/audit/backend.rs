@@ -20,6 +20,8 @@ use postgres_protocol::message::backend::{ErrorResponseBody, Message};
 use postgres_protocol::message::frontend;
 use postgres_protocol::IsNull;
 
+use crate::audit::control::Control;
+
 /// A result column as Postgres described it.
 #[derive(Debug, Clone)]
 pub struct Column {
@@ -75,29 +77,94 @@ pub struct Backend {
     /// The auditor opened a transaction (their BEGIN) that is still open.
     in_client_tx: bool,
     max_result_bytes: usize,
+    /// Set again after every statement of an auditor's transaction (see
+    /// [`crate::audit::control`]): the endpoint's limits, whatever the
+    /// statement did with `set_config()`.
+    limits: String,
+    /// NOTICE and WARNING messages of the last statement, for the auditor.
+    notices: Vec<ErrorInfo>,
 }
 
+/// The endpoint's own transaction around every auditor statement: read-only,
+/// its snapshot taken by the `SELECT 1`, so it cannot be made writable.
 const OPEN: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1";
 // After every statement outside an auditor's transaction, and when theirs
-// ends: every setting back to the session's defaults (the endpoint's
-// startup options and the role's settings, such as its statement and idle
-// timeouts), whatever the auditor SET, and no session advisory lock left.
-const CLOSE: &str = "ROLLBACK; RESET ALL; SELECT pg_advisory_unlock_all()";
-const UNLOCK: &str = "RESET ALL; SELECT pg_advisory_unlock_all()";
+// ends: the transaction rolled back, and every setting back to the session's
+// defaults (the endpoint's startup options), whatever the auditor SET.
+const CLOSE: &str = "ROLLBACK; RESET ALL";
+
+/// The limits an auditor's session is held to.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub statement_timeout: std::time::Duration,
+    pub idle_in_transaction: std::time::Duration,
+    pub lock_timeout: std::time::Duration,
+}
+
+impl Limits {
+    /// Startup options: read-only transactions and these limits.
+    pub fn options(&self) -> String {
+        format!(
+            "-c default_transaction_read_only=on -c statement_timeout={} -c idle_in_transaction_session_timeout={} -c lock_timeout={} -c search_path=audit,strata,pg_catalog -c TimeZone=UTC -c DateStyle=ISO,MDY -c IntervalStyle=postgres",
+            ms(self.statement_timeout),
+            ms(self.idle_in_transaction),
+            ms(self.lock_timeout)
+        )
+    }
+
+    fn reassert(&self) -> String {
+        format!(
+            "SELECT set_config('statement_timeout', '{}', true), set_config('idle_in_transaction_session_timeout', '{}', true), set_config('lock_timeout', '{}', true), set_config('transaction_read_only', 'on', true)",
+            ms(self.statement_timeout),
+            ms(self.idle_in_transaction),
+            ms(self.lock_timeout)
+        )
+    }
+}
+
+fn ms(d: std::time::Duration) -> u128 {
+    d.as_millis().max(1)
+}
+
+fn refusal(code: &str, message: String) -> Outcome {
+    Outcome::Error(Box::new(ErrorInfo::new(
+        "ERROR".into(),
+        code.into(),
+        message,
+    )))
+}
 
 impl Backend {
     pub async fn connect(
         config: &tokio_postgres::Config,
-        options: &str,
+        limits: &Limits,
         max_result_bytes: usize,
     ) -> Result<Backend, BackendError> {
         let conn =
-            ReplicationConnection::connect_session(config, "strata-audit", Some(options)).await?;
+            ReplicationConnection::connect_session(config, "strata-audit", Some(&limits.options()))
+                .await?;
         Ok(Backend {
             conn,
             in_client_tx: false,
             max_result_bytes,
+            limits: limits.reassert(),
+            notices: Vec::new(),
         })
+    }
+
+    /// The PostgreSQL process's id and cancel key.
+    pub fn key(&self) -> Option<(i32, i32)> {
+        self.conn.backend_key()
+    }
+
+    /// Whether an auditor's transaction is open.
+    pub fn in_transaction(&self) -> bool {
+        self.in_client_tx
+    }
+
+    /// The notices of the last statement.
+    pub fn take_notices(&mut self) -> Vec<ErrorInfo> {
+        std::mem::take(&mut self.notices)
     }
 
     /// Parses `sql` (one statement) and describes its parameters and columns.
@@ -131,8 +198,21 @@ impl Backend {
         })
     }
 
+    /// Ends the auditor's transaction, if one is open, with a rollback, and
+    /// resets the session (the endpoint ending it: at its maximum age).
+    pub async fn abandon(&mut self) -> Result<(), BackendError> {
+        if self.in_client_tx {
+            self.in_client_tx = false;
+            self.simple(CLOSE).await?;
+        }
+        Ok(())
+    }
+
     /// Runs one statement with the auditor's parameters and formats, inside
-    /// the endpoint's read-only transaction.
+    /// the endpoint's read-only transaction. The endpoint's own statements
+    /// travel in the same round trip: the transaction opened before it, the
+    /// limits set again after it, and (for a statement on its own) the
+    /// rollback and reset after that.
     pub async fn execute(
         &mut self,
         sql: &str,
@@ -141,10 +221,23 @@ impl Backend {
         param_formats: &[i16],
         result_formats: &[i16],
     ) -> Result<(Outcome, TxChange), BackendError> {
-        if !self.in_client_tx {
-            self.simple(OPEN).await?;
-        }
+        self.notices.clear();
+        let control = crate::audit::control::classify(sql);
+        let (sql, asked_commit) = match &control {
+            Control::Refused(m) => return Ok((refusal("0A000", m.clone()), TxChange::None)),
+            Control::End { asked_commit } => ("ROLLBACK", *asked_commit),
+            _ => (sql, false),
+        };
+        let opens = !self.in_client_tx;
+        let begins = opens && control == Control::Begin;
+        let ends = matches!(control, Control::End { .. });
+        // After this statement the transaction is over (or never was the
+        // auditor's): roll back and reset in the same round trip.
+        let closes = (opens && !begins) || (!opens && ends);
         let buf = self.conn.write_buf();
+        if opens {
+            frontend::query(OPEN, buf).map_err(encode)?;
+        }
         frontend::parse("", sql, param_types.iter().copied(), buf).map_err(encode)?;
         let bound = frontend::bind(
             "",
@@ -166,8 +259,30 @@ impl Backend {
         }
         frontend::describe(b'P', "", buf).map_err(encode)?;
         frontend::execute("", 0, buf).map_err(encode)?;
+        if !closes {
+            // Still in the auditor's transaction: the limits again, whatever
+            // the statement set.
+            frontend::parse("", &self.limits, std::iter::empty(), buf).map_err(encode)?;
+            frontend::bind(
+                "",
+                "",
+                std::iter::empty(),
+                std::iter::empty::<Option<Bytes>>(),
+                |_: Option<Bytes>, _| Ok(IsNull::Yes),
+                std::iter::empty(),
+                buf,
+            )
+            .map_err(|_| BackendError::Protocol("could not encode Bind".into()))?;
+            frontend::execute("", 0, buf).map_err(encode)?;
+        }
         frontend::sync(buf);
+        if closes {
+            frontend::query(CLOSE, buf).map_err(encode)?;
+        }
         self.conn.flush().await?;
+        if opens {
+            self.read_own(OPEN).await?;
+        }
 
         let mut columns = None;
         let mut rows = Vec::new();
@@ -176,15 +291,16 @@ impl Backend {
         let status;
         loop {
             match self.conn.next_message().await? {
+                // Past the auditor's statement: the endpoint's own.
+                Some(
+                    Message::RowDescription(_) | Message::DataRow(_) | Message::CommandComplete(_),
+                ) if outcome.is_some() => {}
                 Some(Message::RowDescription(body)) => columns = Some(columns_of(&body)?),
                 Some(Message::DataRow(body)) => {
                     bytes += body.buffer().len();
                     if bytes <= self.max_result_bytes {
                         rows.push(BytesMut::from(body.buffer()));
                     }
-                }
-                Some(Message::CommandComplete(_)) if outcome.is_some() => {
-                    // A refused COPY ran to its end without its data.
                 }
                 Some(Message::CommandComplete(body)) => {
                     let tag = body.tag().map_err(protocol)?.to_string();
@@ -198,15 +314,21 @@ impl Backend {
                     });
                 }
                 Some(Message::EmptyQueryResponse) => outcome = Some(Outcome::Empty),
-                Some(Message::ErrorResponse(body)) => {
+                Some(Message::ErrorResponse(body)) if outcome.is_none() => {
                     outcome = Some(Outcome::Error(error_info(&body)))
                 }
+                Some(Message::NoticeResponse(body)) if outcome.is_none() => {
+                    let n = notice_info(&body);
+                    // The auditor's BEGIN inside the endpoint's transaction.
+                    if !(begins && n.code == "25001") {
+                        self.notices.push(*n);
+                    }
+                }
                 Some(m @ (Message::CopyOutResponse(_) | Message::CopyInResponse(_))) => {
-                    outcome = Some(Outcome::Error(Box::new(ErrorInfo::new(
-                        "ERROR".into(),
-                        "0A000".into(),
+                    outcome = Some(refusal(
+                        "0A000",
                         "COPY is not available through the audit endpoint; use SELECT".into(),
-                    ))));
+                    ));
                     if let Message::CopyInResponse(_) = m {
                         // Postgres waits for data and ignores Sync until the copy ends.
                         let buf = self.conn.write_buf();
@@ -223,41 +345,51 @@ impl Backend {
                 _ => {}
             }
         }
+        if closes {
+            self.read_own(CLOSE).await?;
+        }
         let mut outcome = outcome.unwrap_or(Outcome::Empty);
         if bytes > self.max_result_bytes {
-            outcome = Outcome::Error(Box::new(ErrorInfo::new(
-                "ERROR".into(),
-                "54000".into(),
+            outcome = refusal(
+                "54000",
                 format!(
                     "the result is larger than the audit endpoint's limit of {} MiB; narrow the query (a position range, LIMIT)",
                     self.max_result_bytes >> 20
                 ),
-            )));
+            );
         }
-        let began = matches!(&outcome, Outcome::Command { tag } if tag == "BEGIN" || tag == "START TRANSACTION");
-        let change = match (self.in_client_tx, status) {
-            (true, b'I') => TxChange::Ended,
-            (false, b'T') if began => TxChange::Started,
-            _ => TxChange::None,
+        if asked_commit && !matches!(outcome, Outcome::Error(_)) {
+            self.notices.push(ErrorInfo::new(
+                "NOTICE".into(),
+                "00000".into(),
+                "the audit endpoint ends every transaction with a rollback: nothing an auditor runs is committed".into(),
+            ));
+        }
+        let change = if begins && status == b'T' {
+            TxChange::Started
+        } else if ends || (!opens && status == b'I') {
+            TxChange::Ended
+        } else {
+            TxChange::None
         };
-        self.in_client_tx = match change {
-            TxChange::Started => true,
-            TxChange::Ended => false,
-            TxChange::None => self.in_client_tx,
-        };
-        if !self.in_client_tx {
-            // Out of the auditor's transaction: end ours (if the statement
-            // left it open) and drop any session advisory lock it took.
-            self.simple(if status == b'I' { UNLOCK } else { CLOSE })
-                .await?;
+        match change {
+            TxChange::Started => self.in_client_tx = true,
+            TxChange::Ended => {
+                self.in_client_tx = false;
+                if !closes {
+                    // The transaction ended some other way: reset as well.
+                    self.simple(CLOSE).await?;
+                }
+            }
+            TxChange::None => {}
         }
         Ok((outcome, change))
     }
 
-    /// Runs the endpoint's own statements; an error is a failure of the session.
-    async fn simple(&mut self, sql: &str) -> Result<(), BackendError> {
-        frontend::query(sql, self.conn.write_buf()).map_err(encode)?;
-        self.conn.flush().await?;
+    /// Reads the answer to one of the endpoint's own simple queries sent
+    /// ahead of or after an auditor's statement; an error there is a failure
+    /// of the session.
+    async fn read_own(&mut self, sql: &str) -> Result<(), BackendError> {
         let mut error = None;
         loop {
             match self.conn.next_message().await? {
@@ -272,6 +404,13 @@ impl Backend {
             Some(e) => Err(BackendError::Protocol(format!("{sql}: {e}"))),
             None => Ok(()),
         }
+    }
+
+    /// Runs the endpoint's own statements; an error is a failure of the session.
+    async fn simple(&mut self, sql: &str) -> Result<(), BackendError> {
+        frontend::query(sql, self.conn.write_buf()).map_err(encode)?;
+        self.conn.flush().await?;
+        self.read_own(sql).await
     }
 }
 
@@ -303,8 +442,15 @@ fn columns_of(
 
 /// Postgres's error, field by field, for the auditor.
 pub fn error_info(body: &ErrorResponseBody) -> Box<ErrorInfo> {
+    info_of(body.fields())
+}
+
+fn notice_info(body: &postgres_protocol::message::backend::NoticeResponseBody) -> Box<ErrorInfo> {
+    info_of(body.fields())
+}
+
+fn info_of(mut fields: postgres_protocol::message::backend::ErrorFields<'_>) -> Box<ErrorInfo> {
     let mut info = ErrorInfo::new("ERROR".into(), "XX000".into(), String::new());
-    let mut fields = body.fields();
     while let Ok(Some(f)) = fields.next() {
         let v = String::from_utf8_lossy(f.value_bytes()).into_owned();
         match f.type_() {

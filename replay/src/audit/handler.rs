@@ -2,7 +2,7 @@
 //! queries, each recorded as an `audit.query` event before it runs.
 
 use crate::audit::accounts;
-use crate::audit::backend::{Backend, BackendError, Column, Outcome, TxChange};
+use crate::audit::backend::{Backend, BackendError, Column, Limits, Outcome, TxChange};
 use crate::audit::split;
 use crate::audit::{AuditConfig, AuditError};
 use async_trait::async_trait;
@@ -23,9 +23,11 @@ use pgwire::api::{ClientInfo, ClientPortalStore, PgWireServerHandlers, METADATA_
 use pgwire::error::{ErrorInfo, PgWireError, PgWireResult};
 use pgwire::messages::data::DataRow;
 use pgwire::messages::{PgWireBackendMessage, PgWireFrontendMessage};
+use std::collections::HashMap;
 use std::fmt::Debug;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::Mutex;
 use tokio_postgres::types::{Kind, Type};
 
@@ -41,6 +43,8 @@ pub struct Stats {
     pub statements: AtomicU64,
     pub statement_errors: AtomicU64,
     pub unrecorded: AtomicU64,
+    pub cancels: AtomicU64,
+    pub transactions_expired: AtomicU64,
 }
 
 impl Stats {
@@ -78,6 +82,18 @@ impl Stats {
                 &self.statement_errors,
             ),
             (
+                "strata_audit_cancels_total",
+                "cancel requests passed on to PostgreSQL",
+                "counter",
+                &self.cancels,
+            ),
+            (
+                "strata_audit_transactions_expired_total",
+                "auditor transactions ended at the endpoint's maximum age",
+                "counter",
+                &self.transactions_expired,
+            ),
+            (
                 "strata_audit_unrecorded_total",
                 "statements not run because recording them failed",
                 "counter",
@@ -99,12 +115,25 @@ pub struct Shared {
     database: tokio_postgres::Config,
     accounts_db: Mutex<Option<tokio_postgres::Client>>,
     backend: tokio_postgres::Config,
-    backend_options: String,
+    group: String,
+    limits: Limits,
+    max_transaction_age: Duration,
     max_result_bytes: usize,
     max_sessions: u64,
     appender: Appender,
     server_version: String,
+    /// TLS is configured, so nothing is served without it.
     tls: bool,
+    cancels: Arc<Cancels>,
+}
+
+/// A client's cancel key, and the PostgreSQL process id and key it stands for.
+type Cancel = (pgwire::messages::startup::SecretKey, (i32, i32));
+
+/// The cancel key each session was given, and its PostgreSQL process's.
+#[derive(Default)]
+struct Cancels {
+    by_pid: std::sync::Mutex<HashMap<i32, Cancel>>,
 }
 
 impl Shared {
@@ -125,17 +154,21 @@ impl Shared {
             database: config.database.clone(),
             accounts_db: Mutex::new(None),
             backend: config.backend.clone(),
-            backend_options: format!(
-                "-c default_transaction_read_only=on -c statement_timeout={} -c search_path=audit,strata,pg_catalog -c TimeZone=UTC -c DateStyle=ISO,MDY -c IntervalStyle=postgres",
-                config.statement_timeout.as_millis().max(1)
-            ),
+            group: config.role.clone(),
+            limits: Limits {
+                statement_timeout: config.statement_timeout,
+                idle_in_transaction: config.idle_in_transaction,
+                lock_timeout: config.statement_timeout,
+            },
+            max_transaction_age: config.max_transaction_age,
             max_result_bytes: config.max_result_bytes,
             max_sessions: config.max_sessions.max(1),
             appender,
             server_version: String::new(),
             tls,
+            cancels: Default::default(),
         };
-        {
+        let server_version = {
             let guard = shared.accounts().await.map_err(|e| {
                 AuditError::Setup(crate::audit::setup::SetupError::Db {
                     role: config.role.clone(),
@@ -143,20 +176,11 @@ impl Shared {
                 })
             })?;
             let db = guard.as_ref().expect("connected above");
-            crate::audit::setup::ensure_role(db, &config.role, config.statement_timeout).await?;
-        }
-        // The audit role can log in and is as read-only as it should be.
-        let mut probe = shared.open_backend().await?;
-        let version = probe
-            .execute("SHOW server_version", &[], &[], &[], &[])
-            .await?;
-        let server_version = match version.0 {
-            Outcome::Rows { rows, .. } => rows
-                .first()
-                .and_then(|r| r.get(4..))
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .unwrap_or_default(),
-            _ => String::new(),
+            crate::audit::setup::ensure_role(db, &config.role).await?;
+            db.query_one("SHOW server_version", &[])
+                .await
+                .map(|r| r.get::<_, String>(0))
+                .unwrap_or_default()
         };
         Ok(Arc::new(Shared {
             server_version,
@@ -164,8 +188,21 @@ impl Shared {
         }))
     }
 
-    async fn open_backend(&self) -> Result<Backend, BackendError> {
-        Backend::connect(&self.backend, &self.backend_options, self.max_result_bytes).await
+    /// A PostgreSQL session as `auditor`'s own role.
+    async fn open_backend(&self, auditor: &str) -> Result<Backend, String> {
+        let (role, password) = {
+            let mut guard = self.accounts().await.map_err(|e| e.to_string())?;
+            let db = guard.as_mut().ok_or("no accounts connection")?;
+            crate::audit::setup::login_role(db, &self.group, auditor)
+                .await
+                .map_err(|e| e.to_string())?
+        };
+        let mut cfg = self.backend.clone();
+        cfg.user(&role);
+        cfg.password(password);
+        Backend::connect(&cfg, &self.limits, self.max_result_bytes)
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// The connection for account lookups, made again after a failure.
@@ -208,12 +245,30 @@ pub struct Session {
     auth: &'static str,
     client: String,
     id: String,
-    backend: Mutex<Backend>,
+    /// Whether this connection is TLS (as recorded with every statement).
+    tls: bool,
+    backend: Arc<Mutex<Backend>>,
+    /// The process id of the cancel key this session's client was given.
+    cancel_pid: std::sync::atomic::AtomicI32,
+    /// Its PostgreSQL process's id and cancel key.
+    pg_key: Option<(i32, i32)>,
+    cancels: Arc<Cancels>,
+    /// Counts the auditor's transactions begun and ended, so a watchdog
+    /// knows whether the one it was set for is still open.
+    tx_seq: Arc<AtomicU64>,
+    /// The endpoint ended the auditor's transaction at its maximum age; the
+    /// next statement is told so.
+    expired: Arc<AtomicBool>,
 }
 
 impl Drop for Session {
     fn drop(&mut self) {
         self.stats.sessions.fetch_sub(1, Ordering::Relaxed);
+        self.cancels
+            .by_pid
+            .lock()
+            .expect("cancels lock")
+            .remove(&self.cancel_pid.load(Ordering::Relaxed));
     }
 }
 
@@ -289,7 +344,7 @@ impl Startup {
     /// Connects the auditor's session as the audit role.
     async fn open<C: ClientInfo>(
         &self,
-        client: &C,
+        client: &mut C,
         user: &str,
         auth: &'static str,
     ) -> PgWireResult<()> {
@@ -307,7 +362,7 @@ impl Startup {
                 ),
             ));
         }
-        let backend = match self.shared.open_backend().await {
+        let backend = match self.shared.open_backend(user).await {
             Ok(b) => b,
             Err(e) => {
                 stats.sessions.fetch_sub(1, Ordering::Relaxed);
@@ -320,6 +375,7 @@ impl Startup {
         };
         let id = projections::domain::new_id("as");
         stats.logins.fetch_add(1, Ordering::Relaxed);
+        let pg_key = backend.key();
         // From here the session's Drop gives the place back.
         client.session_extensions().insert(Session {
             stats: stats.clone(),
@@ -327,7 +383,13 @@ impl Startup {
             auth,
             client: client.socket_addr().to_string(),
             id,
-            backend: Mutex::new(backend),
+            tls: client.is_secure(),
+            backend: Arc::new(Mutex::new(backend)),
+            cancel_pid: std::sync::atomic::AtomicI32::new(0),
+            pg_key,
+            cancels: self.shared.cancels.clone(),
+            tx_seq: Arc::new(AtomicU64::new(0)),
+            expired: Arc::new(AtomicBool::new(false)),
         });
         tracing::info!(auditor = user, auth, client = %client.socket_addr(), "auditor connected");
         Ok(())
@@ -372,6 +434,17 @@ impl StartupHandler for Startup {
     {
         match message {
             PgWireFrontendMessage::Startup(ref startup) => {
+                if self.shared.tls && !client.is_secure() {
+                    self.shared
+                        .stats
+                        .logins_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Err(user_error(
+                        "FATAL",
+                        "28000",
+                        "this audit endpoint accepts TLS connections only (sslmode=require or verify-full)".into(),
+                    ));
+                }
                 protocol_negotiation(client, startup).await?;
                 save_startup_parameters_to_metadata(client, startup);
                 let user = client
@@ -410,6 +483,7 @@ impl StartupHandler for Startup {
                             }
                             self.open(client, &user, "certificate").await?;
                             self.driver.complete_authentication(client, None).await?;
+                            register_cancel(&self.shared, client)?;
                         }
                         Some((named, _)) => {
                             refused();
@@ -463,6 +537,7 @@ impl StartupHandler for Startup {
                     self.driver
                         .complete_authentication(client, final_message)
                         .await?;
+                    register_cancel(&self.shared, client)?;
                 }
             }
             _ => {}
@@ -627,6 +702,106 @@ pub struct Queries {
 }
 
 impl Queries {
+    /// Runs one recorded statement on the session's PostgreSQL connection,
+    /// passes its notices on, and watches the auditor's transaction's age.
+    #[allow(clippy::too_many_arguments)]
+    async fn run<C>(
+        &self,
+        client: &mut C,
+        s: &Session,
+        sql: &str,
+        param_types: &[u32],
+        params: &[Option<bytes::Bytes>],
+        param_formats: &[i16],
+        result_formats: &[i16],
+    ) -> PgWireResult<(Outcome, TxChange)>
+    where
+        C: Sink<PgWireBackendMessage> + Unpin + Send,
+        PgWireError: From<C::Error>,
+    {
+        use futures_util::SinkExt;
+        if s.expired.swap(false, Ordering::SeqCst) {
+            return Ok((
+                Outcome::Error(Box::new(ErrorInfo::new(
+                    "ERROR".into(),
+                    "25P03".into(),
+                    format!(
+                        "the transaction was open longer than the audit endpoint's limit of {} and was rolled back; ROLLBACK, then BEGIN again",
+                        humantime::format_duration(self.shared.max_transaction_age)
+                    ),
+                ))),
+                TxChange::None,
+            ));
+        }
+        let mut backend = s.backend.lock().await;
+        let (outcome, change) = backend
+            .execute(sql, param_types, params, param_formats, result_formats)
+            .await
+            .map_err(|e| broken(&e))?;
+        let notices = backend.take_notices();
+        drop(backend);
+        for n in notices {
+            client
+                .send(PgWireBackendMessage::NoticeResponse(n.into()))
+                .await?;
+        }
+        match change {
+            TxChange::Started => {
+                let seq = s.tx_seq.fetch_add(1, Ordering::SeqCst) + 1;
+                self.watch(s, seq);
+            }
+            TxChange::Ended => {
+                s.tx_seq.fetch_add(1, Ordering::SeqCst);
+            }
+            TxChange::None => {}
+        }
+        Ok((outcome, change))
+    }
+
+    /// Ends the auditor's transaction `seq` once it is as old as the
+    /// endpoint allows: a statement still running is cancelled, then the
+    /// transaction rolled back; the auditor's next statement is told why.
+    fn watch(&self, s: &Session, seq: u64) {
+        let backend = Arc::downgrade(&s.backend);
+        let (tx_seq, expired) = (s.tx_seq.clone(), s.expired.clone());
+        let shared_stats = self.shared.stats.clone();
+        let cancel_at = self.shared.backend.clone();
+        let age = self.shared.max_transaction_age;
+        let auditor = s.auditor.clone();
+        let pg_key = s.pg_key;
+        tokio::spawn(async move {
+            tokio::time::sleep(age).await;
+            if tx_seq.load(Ordering::SeqCst) != seq {
+                return;
+            }
+            let Some(backend) = backend.upgrade() else {
+                return;
+            };
+            expired.store(true, Ordering::SeqCst);
+            let mut b = match backend.try_lock() {
+                Ok(b) => b,
+                Err(_) => {
+                    if let Some((pid, key)) = pg_key {
+                        let _ = events::replication::cancel(&cancel_at, pid, key).await;
+                    }
+                    backend.lock().await
+                }
+            };
+            if tx_seq.load(Ordering::SeqCst) != seq {
+                expired.store(false, Ordering::SeqCst);
+                return;
+            }
+            tx_seq.fetch_add(1, Ordering::SeqCst);
+            shared_stats
+                .transactions_expired
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::info!(%auditor, age = %humantime::format_duration(age), "an auditor's transaction reached the maximum age and was rolled back");
+            if let Err(e) = b.abandon().await {
+                tracing::warn!(%auditor, error = %e, "could not roll back an expired auditor transaction");
+            }
+        });
+    }
+
     /// Records the statement; it runs only if that succeeded.
     async fn record(
         &self,
@@ -641,7 +816,7 @@ impl Queries {
             "client": s.client,
             "session": s.id,
             "protocol": protocol,
-            "tls": self.shared.tls,
+            "tls": s.tls,
             "sql": sql,
             "parameters": parameters,
         });
@@ -712,13 +887,7 @@ impl SimpleQueryHandler for Queries {
                 out.push(Response::Error(e));
                 break;
             }
-            let (outcome, change) = s
-                .backend
-                .lock()
-                .await
-                .execute(stmt, &[], &[], &[], &[])
-                .await
-                .map_err(|e| broken(&e))?;
+            let (outcome, change) = self.run(client, &s, stmt, &[], &[], &[], &[]).await?;
             let failed = matches!(outcome, Outcome::Error(_));
             out.push(response(
                 &self.shared.stats,
@@ -764,19 +933,17 @@ impl ExtendedQueryHandler for Queries {
         if let Err(e) = self.record(&s, "extended", &stmt.sql, params).await {
             return Ok(Response::Error(e));
         }
-        let (outcome, change) = s
-            .backend
-            .lock()
-            .await
-            .execute(
+        let (outcome, change) = self
+            .run(
+                client,
+                &s,
                 &stmt.sql,
                 &stmt.params,
                 &portal.parameters,
                 &codes(&portal.parameter_format),
                 &codes(&portal.result_column_format),
             )
-            .await
-            .map_err(|e| broken(&e))?;
+            .await?;
         Ok(response(
             &self.shared.stats,
             outcome,
@@ -789,6 +956,7 @@ impl ExtendedQueryHandler for Queries {
 pub struct Handlers {
     startup: Arc<Startup>,
     queries: Arc<Queries>,
+    cancel: Arc<CancelPass>,
 }
 
 impl Handlers {
@@ -820,14 +988,64 @@ impl Handlers {
                 shared: shared.clone(),
             }),
             queries: Arc::new(Queries {
-                shared,
+                shared: shared.clone(),
                 parser: Arc::new(Parser),
             }),
+            cancel: Arc::new(CancelPass { shared }),
         })
     }
 }
 
+/// Notes the cancel key the client was just given (at the end of
+/// authentication), so a cancel request bearing it reaches the session's
+/// PostgreSQL process.
+fn register_cancel<C: ClientInfo>(shared: &Shared, client: &C) -> PgWireResult<()> {
+    let s = session(client)?;
+    let (pid, secret) = client.pid_and_secret_key();
+    if let Some(key) = s.pg_key {
+        s.cancel_pid.store(pid, Ordering::Relaxed);
+        shared
+            .cancels
+            .by_pid
+            .lock()
+            .expect("cancels lock")
+            .insert(pid, (secret, key));
+    }
+    Ok(())
+}
+
+/// Passes a cancel request bearing a session's key on to its PostgreSQL
+/// process; any other is ignored, as Postgres ignores a wrong key.
+pub struct CancelPass {
+    shared: Arc<Shared>,
+}
+
+#[async_trait]
+impl pgwire::api::cancel::CancelHandler for CancelPass {
+    async fn on_cancel_request(&self, req: pgwire::messages::cancel::CancelRequest) {
+        let target = self
+            .shared
+            .cancels
+            .by_pid
+            .lock()
+            .expect("cancels lock")
+            .get(&req.pid)
+            .filter(|(secret, _)| req.secret_key.eq_value(secret))
+            .map(|(_, key)| *key);
+        if let Some((pid, key)) = target {
+            self.shared.stats.cancels.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = events::replication::cancel(&self.shared.backend, pid, key).await {
+                tracing::warn!(error = %e, "could not pass a cancel request on to PostgreSQL");
+            }
+        }
+    }
+}
+
 impl PgWireServerHandlers for Handlers {
+    fn cancel_handler(&self) -> Arc<impl pgwire::api::cancel::CancelHandler> {
+        self.cancel.clone()
+    }
+
     fn simple_query_handler(&self) -> Arc<impl SimpleQueryHandler> {
         self.queries.clone()
     }

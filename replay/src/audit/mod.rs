@@ -9,14 +9,21 @@
 //! ```
 //!
 //! What keeps auditors from writing is Postgres itself, not the endpoint
-//! reading their SQL: the audit role (see [`setup`]) holds SELECT on the audit
-//! set and nothing else, is no member of another role, and defaults to
-//! read-only transactions; every statement runs in a `READ ONLY` transaction
-//! whose snapshot is already taken (see [`backend`]), and one statement at a
-//! time, so no `COMMIT` inside a query string can end it early.
+//! reading their SQL: each auditor's role is a member of the audit group role
+//! (see [`setup`]), which holds SELECT on the audit set and nothing else; no
+//! audit role may create temporary tables or execute the large-object or
+//! advisory-lock functions; and every statement runs in a `READ ONLY`
+//! transaction whose snapshot is already taken (see [`backend`]), one
+//! statement at a time. On top of that the endpoint ends every auditor
+//! transaction with a rollback, refuses `AND CHAIN` and changes to its limits
+//! ([`control`]), and ends a transaction older than its maximum age. Each
+//! auditor has a PostgreSQL role of their own, so no auditor can see, cancel
+//! or terminate another's session. Where TLS is configured, nothing is
+//! served without it.
 
 pub mod accounts;
 pub mod backend;
+pub mod control;
 pub mod handler;
 pub mod setup;
 pub mod split;
@@ -32,12 +39,24 @@ use tokio_rustls::rustls;
 pub struct AuditConfig {
     /// Strata's own database connection (accounts; the appender writes through its own).
     pub database: tokio_postgres::Config,
-    /// The connection auditors' statements run on: the audit role.
+    /// Where auditors' statements run: host, port, database and TLS of the
+    /// connection. Each auditor logs in as a role of their own (made at
+    /// their first login by [`setup::login_role`], with a password only
+    /// Strata's database user can read), so user and password here are
+    /// replaced.
     pub backend: tokio_postgres::Config,
-    /// The read-only role (created and granted by [`setup::ensure_role`]).
+    /// The read-only group role every auditor's role is a member of (created
+    /// and granted by [`setup::ensure_role`]).
     pub role: String,
     /// Statements running longer are cancelled by Postgres.
     pub statement_timeout: Duration,
+    /// An auditor's transaction left idle this long is ended by Postgres
+    /// (and the session with it).
+    pub idle_in_transaction: Duration,
+    /// An auditor's transaction open this long is ended by the endpoint,
+    /// whatever the auditor does: no reader holds its locks and snapshot
+    /// (and so partition creation and vacuum) for longer.
+    pub max_transaction_age: Duration,
     /// Largest result returned; a bigger one is refused with advice.
     pub max_result_bytes: usize,
     /// Most auditor sessions at once (each holds a PostgreSQL connection).
@@ -55,19 +74,16 @@ pub struct TlsFiles {
 }
 
 impl AuditConfig {
-    /// Defaults, with the audit role reached at the same server as `database`
-    /// under the role's own name (and no password: for password-protected
-    /// servers pass a `backend` URL with one).
+    /// Defaults, with auditors' roles reached at the same server as `database`.
     pub fn new(database: tokio_postgres::Config) -> AuditConfig {
         let role = setup::DEFAULT_ROLE.to_string();
-        let mut backend = database.clone();
-        backend.user(&role);
-        backend.password(Vec::<u8>::new());
         AuditConfig {
+            backend: database.clone(),
             database,
-            backend,
             role,
             statement_timeout: Duration::from_secs(60),
+            idle_in_transaction: Duration::from_secs(60),
+            max_transaction_age: Duration::from_secs(600),
             max_result_bytes: 256 << 20,
             max_sessions: 32,
             tls: None,

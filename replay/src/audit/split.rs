@@ -59,6 +59,51 @@ pub fn statements(sql: &str) -> Vec<&str> {
     out
 }
 
+/// The first `n` words of one statement, upper-cased: unquoted words of
+/// letters, digits, `_` and `$`, or double-quoted identifiers (unquoted).
+/// Whitespace and comments between them are skipped; the words end at the
+/// first other token (`=`, `(`, a string, ...).
+pub fn leading_words(stmt: &str, n: usize) -> Vec<String> {
+    let b = stmt.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while out.len() < n && i < b.len() {
+        match b[i] {
+            c if c.is_ascii_whitespace() => i += 1,
+            b'-' if b.get(i + 1) == Some(&b'-') => {
+                while i < b.len() && b[i] != b'\n' {
+                    i += 1;
+                }
+            }
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                i += block_comment_len(&b[i..]).unwrap_or(b.len() - i);
+            }
+            b'"' => {
+                let end = skip_quoted(b, i + 1, b'"', false);
+                // An identifier never closed ends the words.
+                let Some(inner) = (b.get(end - 1) == Some(&b'"') && end >= i + 2)
+                    .then(|| stmt.get(i + 1..end - 1))
+                    .flatten()
+                else {
+                    break;
+                };
+                out.push(inner.replace("\"\"", "\"").to_ascii_uppercase());
+                i = end;
+            }
+            c if c.is_ascii_alphabetic() || c == b'_' => {
+                let start = i;
+                while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_' || b[i] == b'$')
+                {
+                    i += 1;
+                }
+                out.push(stmt[start..i].to_ascii_uppercase());
+            }
+            _ => break,
+        }
+    }
+    out
+}
+
 fn push<'a>(out: &mut Vec<&'a str>, s: &'a str) {
     let t = s.trim();
     if !t.is_empty() && !only_comments(t) {
@@ -156,7 +201,24 @@ fn dollar_tag(b: &[u8], i: usize) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::statements;
+    use super::{leading_words, statements};
+
+    #[test]
+    fn leading_words_skip_comments_and_unquote() {
+        assert_eq!(
+            leading_words("commit and chain", 4),
+            ["COMMIT", "AND", "CHAIN"]
+        );
+        assert_eq!(
+            leading_words("/* x */ Set -- y\n \"Statement_Timeout\" = 0", 4),
+            ["SET", "STATEMENT_TIMEOUT"]
+        );
+        assert_eq!(leading_words("select 1", 1), ["SELECT"]);
+        assert_eq!(leading_words("  ", 3), Vec::<String>::new());
+        for s in ["\"", "/*", "--", "\"a\"\"", "é", "\"é", "\"\""] {
+            let _ = leading_words(s, 5);
+        }
+    }
 
     #[test]
     fn splits_on_semicolons_outside_quotes_and_comments() {

@@ -3,6 +3,7 @@
 //! and the extended protocol, refused writes, DDL, side effects and relations
 //! outside the audit set, and every query recorded in the log.
 
+mod hostile;
 mod seals;
 
 use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent};
@@ -30,8 +31,14 @@ async fn connect(url: &str) -> tokio_postgres::Client {
 }
 
 /// A migrated database with a few events, alice (password) and bob
-/// (certificate only), and an endpoint with TLS from a fresh CA.
+/// (certificate only), and an endpoint without TLS (plain TCP is then
+/// served).
 async fn env() -> Env {
+    env_with(|c| c.tls = None).await
+}
+
+/// The same with TLS from a fresh CA: nothing is served without it.
+async fn env_tls() -> Env {
     env_with(|_| {}).await
 }
 
@@ -57,6 +64,9 @@ async fn env_with(adjust: impl FnOnce(&mut AuditConfig)) -> Env {
     replay::audit::accounts::add(&db, "bob", None)
         .await
         .unwrap();
+    replay::audit::accounts::add(&db, "dave", Some("daves-secret"))
+        .await
+        .unwrap();
     replay::audit::accounts::add(&db, "carol", Some("carols-secret"))
         .await
         .unwrap();
@@ -75,7 +85,6 @@ async fn env_with(adjust: impl FnOnce(&mut AuditConfig)) -> Env {
         std::process::id(),
         ROLE.fetch_add(1, Ordering::Relaxed)
     );
-    config.backend.user(&role);
     config.role = role;
     config.tls = Some(TlsFiles {
         cert_pem,
@@ -308,35 +317,18 @@ async fn writes_ddl_side_effects_and_other_relations_are_refused() {
         let e = a.query(f, &[]).await.unwrap_err();
         assert_eq!(code(&e), "42501", "{f}: {e:?}");
     }
-    let oid: u32 = a
-        .query_one("SELECT lo_create(0)", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let kept: i64 = env
-        .db
-        .query_one(
-            "SELECT count(*) FROM pg_largeobject_metadata WHERE oid = $1",
-            &[&oid],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(
-        kept, 0,
-        "the large object went with the rolled-back transaction"
-    );
-    a.query("SELECT pg_advisory_lock(4242)", &[]).await.unwrap();
-    let held: i64 = env
-        .db
-        .query_one(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(held, 0, "session locks are released after each statement");
+    // Large objects persist whatever the transaction's read-only mode, and
+    // an advisory lock held would stop migrations: no audit role may
+    // execute either.
+    for f in [
+        "SELECT lo_create(0)",
+        "SELECT lo_from_bytea(0, 'x')",
+        "SELECT pg_advisory_lock(4242)",
+        "SELECT pg_try_advisory_xact_lock(4242)",
+    ] {
+        let e = a.query(f, &[]).await.unwrap_err();
+        assert_eq!(code(&e), "42501", "{f}: {e:?}");
+    }
     let e = a
         .query(
             "SELECT set_config('transaction_read_only', 'off', true)",
@@ -355,7 +347,7 @@ async fn writes_ddl_side_effects_and_other_relations_are_refused() {
         .await
         .unwrap_err();
     assert!(
-        ["42501", "25006", "25001"].contains(&code(&e).as_str()),
+        ["42501", "25006", "25001", "0A000"].contains(&code(&e).as_str()),
         "{e:?}"
     );
     // COPY is not offered; the session goes on.
@@ -424,7 +416,11 @@ async fn passwords_are_checked_and_revoked_auditors_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_beyond_the_limit_are_refused() {
-    let env = env_with(|c| c.max_sessions = 2).await;
+    let env = env_with(|c| {
+        c.max_sessions = 2;
+        c.tls = None;
+    })
+    .await;
     let a = env.auditor("alice", "correct horse").await;
     let b = env.auditor("alice", "correct horse").await;
     let e = tokio_postgres::connect(
@@ -458,7 +454,7 @@ async fn sessions_beyond_the_limit_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn psql_over_tls_with_password_and_with_certificate() {
-    let env = env().await;
+    let env = env_tls().await;
     // SCRAM over TLS, simple protocol, several statements in one string.
     let (ok, out, err) = env.psql(
         &env.tls_conninfo("alice", None),
@@ -554,8 +550,29 @@ async fn an_auditor_cannot_switch_off_the_session_limits() {
             .await
             .unwrap(),
     );
-    a.batch_execute(
-        "BEGIN; SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0; COMMIT",
+    // SET of a limit is refused, in a transaction or not.
+    for sql in [
+        "SET statement_timeout = 0",
+        "SET SESSION idle_in_transaction_session_timeout = 0",
+        "SET LOCAL lock_timeout = 0",
+        "RESET statement_timeout",
+    ] {
+        let e = a.batch_execute(sql).await.unwrap_err();
+        assert_eq!(code(&e), "0A000", "{sql}: {e:?}");
+    }
+    a.batch_execute("BEGIN").await.unwrap();
+    let e = a
+        .batch_execute("SET idle_in_transaction_session_timeout = 0")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "0A000", "{e:?}");
+    a.batch_execute("ROLLBACK").await.unwrap();
+    // set_config() in a query does not outlive the statement: the limits
+    // are set again after every statement of a transaction.
+    a.batch_execute("BEGIN").await.unwrap();
+    a.simple_query(
+        "SELECT set_config('statement_timeout', '0', false), \
+                set_config('idle_in_transaction_session_timeout', '0', false)",
     )
     .await
     .unwrap();
@@ -571,9 +588,13 @@ async fn an_auditor_cannot_switch_off_the_session_limits() {
         ),
         idle
     );
+    a.batch_execute("COMMIT").await.unwrap();
     assert_ne!(timeout, "0");
-    // Outside a transaction too.
-    a.batch_execute("SET statement_timeout = 0").await.unwrap();
+    assert_ne!(idle, "0");
+    // And outside a transaction nothing outlives the statement either.
+    a.simple_query("SELECT set_config('statement_timeout', '0', false)")
+        .await
+        .unwrap();
     assert_eq!(
         show(a.simple_query("SHOW statement_timeout").await.unwrap()),
         timeout
