@@ -395,6 +395,12 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         gc.max_streams = args.max_streams;
         gc.handshakes_per_second = args.handshakes_per_second;
         gc.max_pending_hellos = args.max_pending_hellos;
+        gc.joins_per_second = args.joins_per_second;
+        gc.handshake_timeout = args.handshake_timeout;
+        gc.idle_timeout = args.idle_timeout;
+        gc.max_idle_connections = args.max_idle_connections;
+        gc.node_messages_per_second = args.node_messages_per_second;
+        gc.serving_validity = args.serving_validity;
         gc.heartbeat = args.heartbeat;
         let appender = Appender::start(cfg.clone(), AppenderConfig::default());
         let g = gateway::server::start(cfg.clone(), reader.clone(), appender, gc)

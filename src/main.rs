@@ -712,6 +712,24 @@ pub struct ServeArgs {
     /// gateway: most sessions waiting for their Hello
     #[arg(long, default_value_t = 1_000)]
     pub max_pending_hellos: usize,
+    /// gateway: joins admitted per second (each signs a certificate)
+    #[arg(long, default_value_t = 200.0)]
+    pub joins_per_second: f64,
+    /// gateway: a TLS handshake must finish within this
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub handshake_timeout: std::time::Duration,
+    /// gateway: a connection with no RPC in progress (no session, join or API call) this long is closed
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub idle_timeout: std::time::Duration,
+    /// gateway: most connections without an RPC in progress; one more closes the one idle the longest
+    #[arg(long, default_value_t = 1_024)]
+    pub max_idle_connections: usize,
+    /// gateway: inventory and health messages one node may send per second (bursts of ten times as many); past it its session is ended
+    #[arg(long, default_value_t = 20.0)]
+    pub node_messages_per_second: f64,
+    /// gateway: validity of its serving certificate, renewed (and served without a restart) when a third is left
+    #[arg(long, default_value = "30days", value_parser = humantime::parse_duration)]
+    pub serving_validity: std::time::Duration,
     /// How long a durable subscription (a sink's, say) held by a process that died stays unavailable
     #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
     pub subscription_lease_ttl: std::time::Duration,

@@ -6,7 +6,6 @@
 use crate::state::Shared;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 use tokio::sync::OwnedSemaphorePermit;
 use tonic::Status;
 
@@ -22,18 +21,15 @@ pub(crate) fn pushback(reason: &str, base_ms: u32) -> Status {
 
 impl Shared {
     pub(crate) fn admit(&self) -> Result<OwnedSemaphorePermit, Status> {
+        let rate = self.config.handshakes_per_second.max(0.001);
+        if !self
+            .bucket
+            .lock()
+            .expect("bucket lock")
+            .take(rate, rate.max(1.0))
         {
-            let mut b = self.bucket.lock().expect("bucket lock");
-            let now = Instant::now();
-            let rate = self.config.handshakes_per_second.max(0.001);
-            b.tokens =
-                (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(rate.max(1.0));
-            b.last = now;
-            if b.tokens < 1.0 {
-                self.stats.refused_admission.fetch_add(1, Ordering::Relaxed);
-                return Err(pushback("too many new sessions per second", 1000));
-            }
-            b.tokens -= 1.0;
+            self.stats.refused_admission.fetch_add(1, Ordering::Relaxed);
+            return Err(pushback("too many new sessions per second", 1000));
         }
         let permit = self.streams.clone().try_acquire_owned().map_err(|_| {
             self.stats.refused_admission.fetch_add(1, Ordering::Relaxed);
@@ -62,16 +58,16 @@ impl Shared {
     /// A token from the joins' own bucket (`joins_per_second`), or a
     /// `RESOURCE_EXHAUSTED` pushback the daemon waits out.
     pub(crate) fn admit_join(&self) -> Result<(), Status> {
-        let mut b = self.join_bucket.lock().expect("join bucket lock");
-        let now = std::time::Instant::now();
         let rate = self.config.joins_per_second.max(0.001);
-        b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(rate.max(1.0));
-        b.last = now;
-        if b.tokens < 1.0 {
+        if !self
+            .join_bucket
+            .lock()
+            .expect("join bucket lock")
+            .take(rate, rate.max(1.0))
+        {
             self.stats.refused_joins.fetch_add(1, Ordering::Relaxed);
             return Err(pushback("too many joins per second", 1000));
         }
-        b.tokens -= 1.0;
         Ok(())
     }
 }

@@ -182,8 +182,17 @@ impl Ca {
     }
 
     /// A serving certificate and key for a gateway, for these DNS names or
-    /// IP addresses.
+    /// IP addresses, valid 30 days.
     pub fn server_identity(&self, names: &[String]) -> Result<(String, String), CaError> {
+        self.server_identity_for(names, std::time::Duration::from_secs(30 * 24 * 3600))
+    }
+
+    /// The same, valid for `validity`.
+    pub fn server_identity_for(
+        &self,
+        names: &[String],
+        validity: std::time::Duration,
+    ) -> Result<(String, String), CaError> {
         let key = KeyPair::generate()?;
         let mut params = CertificateParams::new(names.to_vec())?;
         params.distinguished_name = DistinguishedName::new();
@@ -194,7 +203,7 @@ impl Ca {
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let now = OffsetDateTime::now_utc();
         params.not_before = now - Duration::minutes(5);
-        params.not_after = now + Duration::days(30);
+        params.not_after = now + Duration::seconds(validity.as_secs().max(1) as i64);
         params.serial_number = Some(serial());
         let cert = params.signed_by(&key, &self.issuer)?;
         Ok((cert.pem(), key.serialize_pem()))

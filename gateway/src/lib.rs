@@ -9,6 +9,7 @@ pub mod dispatch;
 pub mod grants;
 pub mod identity;
 pub mod join;
+pub mod listener;
 pub mod revocation;
 pub mod server;
 pub mod session;

@@ -16,7 +16,7 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, Semaphore};
-use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tonic::transport::Server;
 
 use crate::admission::pushback;
 use crate::dispatch::dispatcher;
@@ -30,6 +30,8 @@ use crate::writer::writer;
 pub struct Running {
     pub addr: SocketAddr,
     pub stats: Arc<GatewayStats>,
+    pub listener: Arc<crate::listener::ListenerStats>,
+    conns: Arc<crate::listener::Conns>,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), GatewayError>>,
 }
@@ -46,6 +48,11 @@ impl Running {
     pub fn is_finished(&self) -> bool {
         self.task.is_finished()
     }
+
+    /// Connections open, and how many of them have no RPC in progress.
+    pub fn connections(&self) -> (usize, usize) {
+        self.conns.counts()
+    }
 }
 
 /// Starts a gateway.
@@ -56,11 +63,10 @@ pub async fn start(
     config: GatewayConfig,
 ) -> Result<Running, GatewayError> {
     let ca = Ca::load(&config.ca_dir)?;
-    let (cert, key) = ca.server_identity(&config.names)?;
-    let tls = ServerTlsConfig::new()
-        .identity(Identity::from_pem(cert, key))
-        .client_ca_root(Certificate::from_pem(ca.cert_pem()))
-        .client_auth_optional(true);
+    let (cert, key) = ca.server_identity_for(&config.names, config.serving_validity)?;
+    let serving = crate::listener::ServingCert::new(&cert, &key).map_err(GatewayError::Tls)?;
+    let tls = crate::listener::server_config(serving.clone(), ca.cert_pem())
+        .map_err(GatewayError::Tls)?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| GatewayError::Listen {
@@ -74,6 +80,24 @@ pub async fn start(
             source,
         })?;
     let stats = Arc::new(GatewayStats::default());
+    let listener_stats = Arc::new(crate::listener::ListenerStats::default());
+    let conns = crate::listener::Conns::new(
+        crate::listener::Limits {
+            handshake_timeout: config.handshake_timeout,
+            idle_timeout: config.idle_timeout,
+            max_idle: config.max_idle_connections,
+        },
+        listener_stats.clone(),
+    );
+    let renewer = events::task::spawn(
+        "gateway-serving-cert",
+        renew_serving(
+            config.ca_dir.clone(),
+            config.names.clone(),
+            config.serving_validity,
+            serving,
+        ),
+    );
     let (writes, writes_rx) = mpsc::channel(65_536);
     let shared = Arc::new(Shared {
         streams: Arc::new(Semaphore::new(config.max_streams)),
@@ -131,13 +155,17 @@ pub async fn start(
     let (stop, stop_rx) = oneshot::channel::<()>();
     let writer = events::task::spawn("gateway-writer", writer(shared.clone(), writes_rx));
     let sweeper = events::task::spawn("gateway-sweeper", sweeper(shared.clone()));
+    let incoming = crate::listener::serve(listener, tls, conns.clone());
     let server = Server::builder()
-        .tls_config(tls)?
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .layer(crate::listener::ActivityLayer {
+            conns: conns.clone(),
+        })
         .add_service(join)
         .add_service(session)
         .add_service(api)
-        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), {
+        .serve_with_incoming_shutdown(incoming, {
             let shared = shared.clone();
             async move {
                 let _ = stop_rx.await;
@@ -161,6 +189,7 @@ pub async fn start(
         tracing::info!(id = %shared.config.id, "gateway stopped");
         sweeper.abort();
         dispatcher.abort();
+        renewer.abort();
         // End the sessions' streams so the server can finish.
         shared.sessions.lock().expect("sessions lock").clear();
         writer.abort();
@@ -169,7 +198,39 @@ pub async fn start(
     Ok(Running {
         addr,
         stats,
+        listener: listener_stats,
+        conns,
         stop: Some(stop),
         task,
     })
+}
+
+/// Makes and serves a new serving certificate whenever a third of the
+/// current one's validity is left, so it never expires while the gateway
+/// runs. A failure (the CA folder unreadable) is retried, and logged; the
+/// current certificate is served meanwhile.
+async fn renew_serving(
+    ca_dir: std::path::PathBuf,
+    names: Vec<String>,
+    validity: Duration,
+    serving: Arc<crate::listener::ServingCert>,
+) {
+    let mut wait = validity * 2 / 3;
+    loop {
+        tokio::time::sleep(wait).await;
+        let made = Ca::load(&ca_dir)
+            .and_then(|ca| ca.server_identity_for(&names, validity))
+            .map_err(|e| e.to_string())
+            .and_then(|(cert, key)| serving.replace(&cert, &key));
+        match made {
+            Ok(()) => {
+                tracing::info!(valid_for = %humantime::format_duration(validity), "gateway: serving certificate renewed");
+                wait = validity * 2 / 3;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "gateway: could not renew the serving certificate; trying again");
+                wait = (validity / 30).clamp(Duration::from_millis(100), Duration::from_secs(60));
+            }
+        }
+    }
 }

@@ -249,6 +249,13 @@ pub(crate) async fn session(
         }
     }
     tracing::debug!(%node, epoch, "session open");
+    // Inventory and health messages each cost a write; a node sending more
+    // than its share is ended rather than let it crowd out the rest.
+    let rate = shared.config.node_messages_per_second.max(0.1);
+    let mut budget = crate::state::Bucket {
+        tokens: rate * 10.0,
+        last: Instant::now(),
+    };
     loop {
         let msg = match inbound.message().await {
             Ok(Some(m)) => m,
@@ -259,6 +266,24 @@ pub(crate) async fn session(
                 break;
             }
         };
+        if matches!(
+            msg.body,
+            Some(node_message::Body::Inventory(_) | node_message::Body::Health(_))
+        ) && !budget.take(rate, rate * 10.0)
+        {
+            shared
+                .stats
+                .refused_messages
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%node, "a node sent inventory and health faster than its limit; ending its session");
+            let _ = tx
+                .send(Err(Status::resource_exhausted(format!(
+                    "more than {rate} inventory and health messages a second (bursts of {}); send changes only",
+                    rate * 10.0
+                ))))
+                .await;
+            break;
+        }
         if let Err(status) = Box::pin(handle(&shared, &node, &pool, epoch, msg)).await {
             let _ = tx.send(Err(status)).await;
             break;

@@ -37,6 +37,21 @@ pub struct GatewayConfig {
     pub max_message_bytes: usize,
     /// Validity of node certificates signed at join, in days.
     pub certificate_days: i64,
+    /// Validity of the gateway's serving certificate; a new one is made and
+    /// served when a third of it is left.
+    pub serving_validity: Duration,
+    /// A TLS handshake must finish within this.
+    pub handshake_timeout: Duration,
+    /// A connection with no RPC in progress (no session, join or API call)
+    /// for this long is closed.
+    pub idle_timeout: Duration,
+    /// Most connections without an RPC in progress at once; one more closes
+    /// the one idle the longest.
+    pub max_idle_connections: usize,
+    /// Inventory and health messages a session may send per second (a
+    /// burst of ten times as many is allowed); a session sending more is
+    /// ended.
+    pub node_messages_per_second: f64,
 }
 
 impl GatewayConfig {
@@ -53,6 +68,11 @@ impl GatewayConfig {
             heartbeat: Duration::from_secs(10),
             max_message_bytes: 1 << 20,
             certificate_days: 365,
+            serving_validity: Duration::from_secs(30 * 24 * 3600),
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_idle_connections: 1_024,
+            node_messages_per_second: 20.0,
         }
     }
 }
@@ -69,6 +89,8 @@ pub enum GatewayError {
     },
     #[error("serve: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("TLS: {0}")]
+    Tls(String),
     #[error("database: {0}")]
     Database(#[from] tokio_postgres::Error),
     #[error("follow commands: {0}")]
@@ -100,11 +122,29 @@ pub struct GatewayStats {
     /// Commands that could not be queued to a live session (sent again on
     /// reconnect).
     pub command_drops: AtomicU64,
+    /// Sessions ended for sending inventory and health past their limit.
+    pub refused_messages: AtomicU64,
 }
 
 pub(crate) struct Bucket {
     pub(crate) tokens: f64,
     pub(crate) last: Instant,
+}
+
+impl Bucket {
+    /// Takes one token if there is one, refilling at `rate` per second up
+    /// to `burst`.
+    pub(crate) fn take(&mut self, rate: f64, burst: f64) -> bool {
+        let now = Instant::now();
+        self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * rate).min(burst);
+        self.last = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 /// A node's session as this gateway knows it.

@@ -16,6 +16,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_postgres::{Client, Config};
 
+mod limits;
+
 struct Region {
     cfg: Config,
     client: Client,

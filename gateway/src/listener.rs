@@ -1,0 +1,499 @@
+//! The gateway's listener: TCP accept, the TLS handshake (rustls with ring,
+//! client certificates optional, served with a certificate that is renewed
+//! while the gateway runs), and the limits that keep idle and half-open
+//! connections from crowding out real nodes and clients.
+//!
+//! - A handshake must finish within `handshake_timeout`.
+//! - A connection is *busy* while an RPC is in progress on it (a node's
+//!   session, a join, an API call; counted by [`ActivityLayer`]), and *idle*
+//!   otherwise, from its accept on. An idle connection is closed after
+//!   `idle_timeout`.
+//! - At most `max_idle` connections may be idle at once: one more closes the
+//!   one idle the longest, and so does running out of file descriptors
+//!   (`EMFILE` at accept), so a flood of connections that never open a
+//!   session cannot keep a real node or client out.
+
+use futures_util::task::AtomicWaker;
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::rustls;
+use tonic::transport::server::{Connected, TcpConnectInfo, TlsConnectInfo};
+
+/// The limits of [`serve`].
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub handshake_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_idle: usize,
+}
+
+/// Counters of the listener.
+#[derive(Debug, Default)]
+pub struct ListenerStats {
+    pub accepted: AtomicU64,
+    pub handshake_failures: AtomicU64,
+    pub handshake_timeouts: AtomicU64,
+    /// Idle connections closed: past the idle timeout, or the longest idle
+    /// when too many were (or descriptors ran out).
+    pub idle_closed: AtomicU64,
+    /// Accepts that failed for want of a file descriptor.
+    pub out_of_descriptors: AtomicU64,
+}
+
+/// One accepted connection.
+pub(crate) struct Conn {
+    /// RPCs in progress.
+    active: AtomicUsize,
+    /// Since when no RPC has been in progress (milliseconds on `Conns.epoch`).
+    idle_since_ms: AtomicU64,
+    closed: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl Conn {
+    fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.waker.wake();
+    }
+}
+
+/// Every open connection, by remote address.
+pub(crate) struct Conns {
+    by_addr: Mutex<HashMap<SocketAddr, Arc<Conn>>>,
+    idle: AtomicUsize,
+    epoch: Instant,
+    limits: Limits,
+    pub(crate) stats: Arc<ListenerStats>,
+}
+
+impl Conns {
+    pub(crate) fn new(limits: Limits, stats: Arc<ListenerStats>) -> Arc<Conns> {
+        Arc::new(Conns {
+            by_addr: Mutex::new(HashMap::new()),
+            idle: AtomicUsize::new(0),
+            epoch: Instant::now(),
+            limits,
+            stats,
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Connections open, and how many of them idle.
+    pub fn counts(&self) -> (usize, usize) {
+        (
+            self.by_addr.lock().expect("conns lock").len(),
+            self.idle.load(Ordering::Relaxed),
+        )
+    }
+
+    fn add(self: &Arc<Self>, addr: SocketAddr) -> Arc<Conn> {
+        let conn = Arc::new(Conn {
+            active: AtomicUsize::new(0),
+            idle_since_ms: AtomicU64::new(self.now_ms()),
+            closed: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+        });
+        let old = self
+            .by_addr
+            .lock()
+            .expect("conns lock")
+            .insert(addr, conn.clone());
+        if old.is_none() {
+            self.idle.fetch_add(1, Ordering::Relaxed);
+        }
+        conn
+    }
+
+    fn remove(&self, addr: &SocketAddr, conn: &Arc<Conn>) {
+        let mut map = self.by_addr.lock().expect("conns lock");
+        if map.get(addr).is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            map.remove(addr);
+            if conn.active.load(Ordering::SeqCst) == 0 {
+                self.idle.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn get(&self, addr: &SocketAddr) -> Option<Arc<Conn>> {
+        self.by_addr.lock().expect("conns lock").get(addr).cloned()
+    }
+
+    /// Closes the connection idle the longest.
+    fn close_longest_idle(&self) -> bool {
+        let map = self.by_addr.lock().expect("conns lock");
+        let oldest = map
+            .values()
+            .filter(|c| c.active.load(Ordering::SeqCst) == 0 && !c.closed.load(Ordering::SeqCst))
+            .min_by_key(|c| c.idle_since_ms.load(Ordering::Relaxed));
+        match oldest {
+            Some(c) => {
+                c.close();
+                self.stats.idle_closed.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Closes every connection idle past the timeout.
+    fn sweep(&self) {
+        let now = self.now_ms();
+        let limit = self.limits.idle_timeout.as_millis() as u64;
+        for c in self.by_addr.lock().expect("conns lock").values() {
+            if c.active.load(Ordering::SeqCst) == 0
+                && !c.closed.load(Ordering::SeqCst)
+                && now.saturating_sub(c.idle_since_ms.load(Ordering::Relaxed)) > limit
+            {
+                c.close();
+                self.stats.idle_closed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// An accepted TCP stream that closes when its connection is told to, and
+/// leaves the table when dropped.
+pub struct Tracked {
+    inner: TcpStream,
+    addr: SocketAddr,
+    conn: Arc<Conn>,
+    conns: Arc<Conns>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.conns.remove(&self.addr, &self.conn);
+    }
+}
+
+fn closed() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "closed by the gateway (idle)",
+    )
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.conn.waker.register(cx.waker());
+        if this.conn.closed.load(Ordering::SeqCst) {
+            return Poll::Ready(Err(closed()));
+        }
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.conn.closed.load(Ordering::SeqCst) {
+            return Poll::Ready(Err(closed()));
+        }
+        Pin::new(&mut this.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl Connected for Tracked {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+/// The serving certificate, swapped when it is renewed.
+#[derive(Debug)]
+pub struct ServingCert {
+    current: RwLock<Arc<rustls::sign::CertifiedKey>>,
+}
+
+impl ServingCert {
+    pub fn new(cert_pem: &str, key_pem: &str) -> Result<Arc<ServingCert>, String> {
+        Ok(Arc::new(ServingCert {
+            current: RwLock::new(Arc::new(certified(cert_pem, key_pem)?)),
+        }))
+    }
+
+    /// Serves this certificate to every handshake from now on.
+    pub fn replace(&self, cert_pem: &str, key_pem: &str) -> Result<(), String> {
+        let c = certified(cert_pem, key_pem)?;
+        *self.current.write().expect("serving cert lock") = Arc::new(c);
+        Ok(())
+    }
+}
+
+fn certified(cert_pem: &str, key_pem: &str) -> Result<rustls::sign::CertifiedKey, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("serving certificate: {e}"))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| format!("serving key: {e}"))?;
+    let key = rustls::crypto::ring::sign::any_supported_type(&key)
+        .map_err(|e| format!("serving key: {e}"))?;
+    Ok(rustls::sign::CertifiedKey::new(certs, key))
+}
+
+impl rustls::server::ResolvesServerCert for ServingCert {
+    fn resolve(
+        &self,
+        _hello: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.current.read().expect("serving cert lock").clone())
+    }
+}
+
+/// The TLS configuration: this serving certificate, client certificates
+/// optional but checked against `client_ca_pem` when presented, HTTP/2.
+pub fn server_config(
+    cert: Arc<ServingCert>,
+    client_ca_pem: &str,
+) -> Result<Arc<rustls::ServerConfig>, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(client_ca_pem.as_bytes()) {
+        roots
+            .add(c.map_err(|e| format!("client CA: {e}"))?)
+            .map_err(|e| format!("client CA: {e}"))?;
+    }
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider.clone())
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| e.to_string())?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_client_cert_verifier(verifier)
+        .with_cert_resolver(cert);
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// The connections that finished their handshake, for the gRPC server.
+pub(crate) type Incoming = futures_util::stream::BoxStream<
+    'static,
+    Result<tokio_rustls::server::TlsStream<Tracked>, io::Error>,
+>;
+
+/// Accepts on `listener` until the returned stream is dropped, handshaking
+/// each connection with a bounded time, closing idle ones past the limits.
+pub(crate) fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    conns: Arc<Conns>,
+) -> Incoming {
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let sweep = {
+        let conns = conns.clone();
+        let tx = tx.clone();
+        async move {
+            let period = (conns.limits.idle_timeout / 4)
+                .clamp(Duration::from_millis(50), Duration::from_secs(1));
+            let mut tick = tokio::time::interval(period);
+            while !tx.is_closed() {
+                tick.tick().await;
+                conns.sweep();
+            }
+        }
+    };
+    tokio::spawn(sweep);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                () = tx.closed() => return,
+            };
+            let (tcp, addr) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors: make room by closing the connection
+                    // idle the longest, then accept again.
+                    if matches!(e.raw_os_error(), Some(24 | 23)) {
+                        conns
+                            .stats
+                            .out_of_descriptors
+                            .fetch_add(1, Ordering::Relaxed);
+                        conns.close_longest_idle();
+                    } else {
+                        tracing::warn!(error = %e, "gateway: accept failed");
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+            };
+            conns.stats.accepted.fetch_add(1, Ordering::Relaxed);
+            let _ = tcp.set_nodelay(true);
+            let conn = conns.add(addr);
+            if conns.idle.load(Ordering::Relaxed) > conns.limits.max_idle {
+                conns.close_longest_idle();
+            }
+            let tracked = Tracked {
+                inner: tcp,
+                addr,
+                conn,
+                conns: conns.clone(),
+            };
+            let (acceptor, tx, stats) = (acceptor.clone(), tx.clone(), conns.stats.clone());
+            let timeout = conns.limits.handshake_timeout;
+            tokio::spawn(async move {
+                match tokio::time::timeout(timeout, acceptor.accept(tracked)).await {
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send(Ok(tls)).await;
+                    }
+                    Ok(Err(e)) => {
+                        stats.handshake_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%addr, error = %e, "gateway: TLS handshake failed");
+                    }
+                    Err(_) => {
+                        stats.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%addr, "gateway: TLS handshake timed out");
+                    }
+                }
+            });
+        }
+    });
+    Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }))
+}
+
+/// Counts RPCs in progress per connection (until each response's body
+/// ends), so the listener knows which connections are idle.
+#[derive(Clone)]
+pub(crate) struct ActivityLayer {
+    pub(crate) conns: Arc<Conns>,
+}
+
+impl<S> tower_layer::Layer<S> for ActivityLayer {
+    type Service = Activity<S>;
+    fn layer(&self, inner: S) -> Activity<S> {
+        Activity {
+            inner,
+            conns: self.conns.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub(crate) struct Activity<S> {
+    inner: S,
+    conns: Arc<Conns>,
+}
+
+/// An RPC in progress on a connection.
+pub(crate) struct Busy {
+    conn: Arc<Conn>,
+    conns: Arc<Conns>,
+}
+
+impl Busy {
+    fn new(conn: Arc<Conn>, conns: Arc<Conns>) -> Busy {
+        if conn.active.fetch_add(1, Ordering::SeqCst) == 0 {
+            conns.idle.fetch_sub(1, Ordering::Relaxed);
+        }
+        Busy { conn, conns }
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.conn
+            .idle_since_ms
+            .store(self.conns.now_ms(), Ordering::Relaxed);
+        if self.conn.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.conns.idle.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl<S, B> tower_service::Service<http::Request<B>> for Activity<S>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = futures_util::future::BoxFuture<'static, Result<Self::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let busy = req
+            .extensions()
+            .get::<TlsConnectInfo<TcpConnectInfo>>()
+            .and_then(|i| i.get_ref().remote_addr())
+            .and_then(|a| self.conns.get(&a))
+            .map(|c| Busy::new(c, self.conns.clone()));
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let resp = fut.await?;
+            Ok(match busy {
+                Some(busy) => {
+                    resp.map(|body| tonic::body::Body::new(BusyBody { body, _busy: busy }))
+                }
+                None => resp,
+            })
+        })
+    }
+}
+
+/// A response body that keeps its RPC counted until it ends.
+struct BusyBody {
+    body: tonic::body::Body,
+    _busy: Busy,
+}
+
+impl http_body::Body for BusyBody {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
+        Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}

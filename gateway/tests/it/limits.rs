@@ -1,0 +1,270 @@
+//! The gateway under connections that never open a session: half-open TLS
+//! handshakes, finished handshakes that then sit idle, a node sending health
+//! reports without end; and its serving certificate outliving its validity.
+
+use super::*;
+use std::time::Instant;
+
+/// A TLS client that trusts the region's CA and offers HTTP/2, as a node would.
+fn tls_client(ca_pem: &str) -> tokio_rustls::TlsConnector {
+    use tokio_rustls::rustls;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::pem::PemObject::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_half_open_connections_do_not_keep_out_a_real_node_or_client() {
+    use gateway::api_proto::{api_client::ApiClient, ListPoolsRequest};
+    let r = region().await;
+    let gw = r
+        .gateway("gw-a", |c| {
+            c.handshake_timeout = Duration::from_secs(1);
+            c.idle_timeout = Duration::from_secs(2);
+            c.max_idle_connections = 64;
+        })
+        .await;
+    // 150 connections that never send a byte of their handshake, and 100
+    // that finish it and then send nothing.
+    let mut half_open = Vec::new();
+    for _ in 0..150 {
+        half_open.push(tokio::net::TcpStream::connect(gw.addr).await.unwrap());
+    }
+    let connector = tls_client(&r.ca_pem());
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..100 {
+        let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        if let Ok(s) = connector.connect(name.clone(), tcp).await {
+            idle.push(s);
+        }
+    }
+    // Never more than the cap idle at once.
+    let (_, idle_now) = gw.connections();
+    assert!(idle_now <= 64 + 1, "{idle_now} idle connections");
+    // A real node joins and holds its session meanwhile.
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let started = Instant::now();
+    let n = start(c);
+    eventually(20, "n1 joined and opened a session", || async {
+        n.stats.connected.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    let joined_in = started.elapsed();
+    // And an operator's call goes through.
+    let ca = Ca::load(r.ca_dir.path()).unwrap();
+    let (cert, key) = ca.issue_operator("alice", 1).unwrap();
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(r.ca_pem()))
+        .identity(tonic::transport::Identity::from_pem(cert, key))
+        .domain_name("localhost");
+    let ep = tonic::transport::Endpoint::from_shared(url(&gw))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap();
+    let mut api = ApiClient::new(ep.connect().await.unwrap());
+    let pools = api.list_pools(ListPoolsRequest {}).await.unwrap();
+    assert_eq!(pools.into_inner().pools.len(), 1);
+    // Every flood connection is closed by the gateway: half-open ones at
+    // the handshake timeout (or sooner, as the longest idle), idle ones at
+    // the idle timeout.
+    use tokio::io::AsyncReadExt;
+    for mut s in half_open {
+        let mut b = [0u8; 16];
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut b))
+            .await
+            .expect("a half-open connection was left open");
+        assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    }
+    for mut s in idle {
+        let mut b = [0u8; 64];
+        let closed = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match s.read(&mut b).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {} // the server's HTTP/2 preface
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "an idle connection was left open");
+    }
+    let stats = &gw.listener;
+    assert!(
+        stats.handshake_timeouts.load(Ordering::Relaxed)
+            + stats.idle_closed.load(Ordering::Relaxed)
+            >= 250
+    );
+    // The node's session outlived the idle timeout: it is busy, not idle.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        n.stats.connected.load(Ordering::Relaxed),
+        1,
+        "the node reconnected"
+    );
+    assert_eq!(gw.stats.sessions.load(Ordering::Relaxed), 1);
+    assert!(joined_in < Duration::from_secs(20));
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_flooding_health_reports_is_ended_and_others_go_on() {
+    use node::proto::{
+        node_message, session_client::SessionClient, HealthReport, Hello, NodeMessage,
+    };
+    let r = region().await;
+    let gw = r
+        .gateway("gw-a", |c| {
+            c.node_messages_per_second = 5.0;
+        })
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let creds = daemon::ensure_joined(&c).await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(url(&gw))
+        .unwrap()
+        .tls_config(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(&creds.ca_pem))
+                .identity(tonic::transport::Identity::from_pem(
+                    &creds.cert_pem,
+                    &creds.key_pem,
+                ))
+                .domain_name("localhost"),
+        )
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut msgs = vec![NodeMessage {
+        body: Some(node_message::Body::Hello(Hello {
+            node_id: "n1".into(),
+            generation: 1,
+            ..Hello::default()
+        })),
+    }];
+    for i in 0..500 {
+        msgs.push(NodeMessage {
+            body: Some(node_message::Body::Health(HealthReport {
+                device: "GPU-0".into(),
+                condition: format!("flood-{i}"),
+                detail: String::new(),
+                cleared: false,
+            })),
+        });
+    }
+    let mut client = SessionClient::new(channel);
+    let mut inbound = client
+        .open(futures_util::stream::iter(msgs))
+        .await
+        .unwrap()
+        .into_inner();
+    let status = loop {
+        match inbound.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the session ended without a status"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert_eq!(gw.stats.refused_messages.load(Ordering::Relaxed), 1);
+    // At most the burst was written.
+    let raised = r
+        .count("SELECT count(*) FROM strata.events WHERE type = 'health.raised'")
+        .await;
+    assert!(raised <= 50, "{raised} health events written");
+    // The same node, well-behaved, opens a session again.
+    let n = start(c);
+    eventually(20, "n1's session opens again", || async {
+        n.stats.connected.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+/// The serving certificate's serial and expiry, as openssl sees it.
+fn served_certificate(addr: std::net::SocketAddr) -> (String, std::time::SystemTime) {
+    use std::io::Write;
+    let mut child = std::process::Command::new("openssl")
+        .args([
+            "s_client",
+            "-connect",
+            &addr.to_string(),
+            "-servername",
+            "localhost",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("openssl");
+    child.stdin.take().unwrap().write_all(b"").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let start = text
+        .find("-----BEGIN CERTIFICATE-----")
+        .expect("a certificate");
+    let end = text.find("-----END CERTIFICATE-----").unwrap() + 25;
+    let (_, pem) = x509_parser::pem::parse_x509_pem(text[start..end].as_bytes()).unwrap();
+    let cert = pem.parse_x509().unwrap();
+    let not_after =
+        std::time::UNIX_EPOCH + Duration::from_secs(cert.validity().not_after.timestamp() as u64);
+    (events::hex(cert.raw_serial()), not_after)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_serving_certificate_is_renewed_before_it_expires() {
+    let r = region().await;
+    let gw = r
+        .gateway("gw-a", |c| c.serving_validity = Duration::from_secs(6))
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c.clone());
+    eventually(20, "n1's session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    let (first, first_expiry) = served_certificate(gw.addr);
+    let started = Instant::now();
+    // Past the first certificate's expiry, the gateway serves a valid one,
+    // and new connections (which check it) go through.
+    tokio::time::sleep_until((started + Duration::from_secs(8)).into()).await;
+    assert!(std::time::SystemTime::now() > first_expiry);
+    let (now, expiry) = served_certificate(gw.addr);
+    assert_ne!(now, first, "the same certificate is served");
+    assert!(
+        expiry > std::time::SystemTime::now(),
+        "an expired certificate is served"
+    );
+    let dir2 = tempfile::tempdir().unwrap();
+    let mut c2 = config(vec![url(&gw)], dir2.path(), "n2");
+    c2.token = Some(r.token().await);
+    c2.ca_pem = Some(r.ca_pem());
+    let n2 = start(c2);
+    eventually(20, "n2 joins through the renewed certificate", || async {
+        n2.stats.connected.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    n.stop().await.unwrap();
+    n2.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
