@@ -94,6 +94,9 @@ enum Command {
     /// What an operator certificate may read through the API's Subscribe
     #[command(subcommand)]
     Grants(GrantsCmd),
+    /// What an operator may do through the client API: admin, operator (scoped to pools) or viewer
+    #[command(subcommand)]
+    Roles(RolesCmd),
     /// Verify sealed history; manage the auditors of the audit endpoint
     #[command(subcommand)]
     Audit(AuditCmd),
@@ -137,6 +140,37 @@ pub enum AuditUsersCmd {
         #[command(flatten)]
         db: Db,
         name: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum RolesCmd {
+    /// Give an operator a role (replacing the one it had); recorded as an event on role/<name>
+    Set {
+        #[command(flatten)]
+        db: Db,
+        /// The operator name in its certificate (urn:strata:operator:<name>)
+        operator: String,
+        /// admin: everything; operator: reserve, release its own reservations, change nodes' standing and issue commands in its pools; viewer: read only
+        #[arg(long)]
+        role: String,
+        /// The pools an operator acts in (comma-separated); only for --role operator
+        #[arg(long, value_delimiter = ',')]
+        pools: Vec<String>,
+    },
+    /// Every operator with a role
+    List {
+        #[command(flatten)]
+        db: Db,
+        /// One JSON object per line
+        #[arg(long)]
+        json: bool,
+    },
+    /// Take an operator's role away (it may then do nothing through the API)
+    Remove {
+        #[command(flatten)]
+        db: Db,
+        operator: String,
     },
 }
 
@@ -927,6 +961,7 @@ fn main() -> ExitCode {
                 prefixes,
                 types,
             }) => nodes::grant(&db, &caller, prefixes, types).await,
+            Command::Roles(c) => nodes::roles(c).await,
         }
     });
     drop(telemetry);

@@ -374,6 +374,7 @@ pub async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
                 kind,
                 args,
                 deadline_ms,
+                issued_by: format!("cli:{}", whoami()),
             };
             commands::issue(&appender, &c).await.map_err(|e| match e {
                 events::AppendError::VersionConflict { .. } => {
@@ -812,6 +813,53 @@ pub async fn grant(
             format!(" of types {:?}", g.types)
         }
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn roles(cmd: crate::RolesCmd) -> Result<ExitCode> {
+    use gateway::roles::{self, Assignment};
+    match cmd {
+        crate::RolesCmd::Set {
+            db,
+            operator,
+            role,
+            pools,
+        } => {
+            let role = role.parse().map_err(anyhow::Error::msg)?;
+            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            let a = Assignment { role, pools };
+            roles::set(&appender, &operator, &a).await?;
+            match a.pools.is_empty() {
+                true => println!("{operator} is {}", a.role),
+                false => println!("{operator} is {} in pools {}", a.role, a.pools.join(", ")),
+            }
+        }
+        crate::RolesCmd::List { db, json } => {
+            let client = connect(&db).await?;
+            for (name, a) in roles::list(&client).await? {
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::json!({ "operator": name, "role": a.role, "pools": a.pools })
+                    );
+                } else {
+                    println!("{name:<24} {:<9} {}", a.role.to_string(), a.pools.join(","));
+                }
+            }
+        }
+        crate::RolesCmd::Remove { db, operator } => {
+            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            roles::remove(&appender, &operator)
+                .await
+                .map_err(|e| match e {
+                    events::AppendError::VersionConflict { .. } => {
+                        anyhow::anyhow!("{operator} has no role")
+                    }
+                    e => e.into(),
+                })?;
+            println!("{operator} has no role now: it may do nothing through the API");
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -373,6 +373,7 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
             kind: "diag.nvml".into(),
             args: serde_json::json!({}),
             deadline_ms: now_ms() + 60_000,
+            issued_by: "cli:bench".into(),
         };
         let (appender, committed) = (appender.clone(), committed.clone());
         issuing.push(tokio::spawn(async move {

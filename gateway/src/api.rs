@@ -7,6 +7,7 @@ use crate::api_proto::{
     ReleaseResponse, Reservation, ReserveRequest, SubscribeMessage, SubscribedEvent,
 };
 use crate::revocation;
+use crate::roles::Need;
 use crate::state::{Shared, Waited};
 use events::AppendError;
 use projections::commands::{self, Command};
@@ -22,10 +23,31 @@ pub(crate) struct ApiService {
     pub(crate) shared: Arc<Shared>,
 }
 
-/// The operator a caller's certificate names; refused if it names none or
-/// was revoked (`strata ca revoke`).
-async fn operator<T>(shared: &Shared, req: &Request<T>) -> Result<String, Status> {
-    Ok(caller(shared, req).await?.0)
+/// The operator a caller's certificate names, if its role allows `need`;
+/// refused (PERMISSION_DENIED, with the reason) if the certificate names no
+/// operator, was revoked (`strata ca revoke`), or the operator's role
+/// (`strata roles`) does not allow it.
+async fn authorized<T>(
+    shared: &Shared,
+    req: &Request<T>,
+    need: Need<'_>,
+) -> Result<String, Status> {
+    let who = caller(shared, req).await?.0;
+    let client = shared
+        .db
+        .get()
+        .await
+        .map_err(|e| Status::unavailable(format!("database: {e}")))?;
+    let role = crate::roles::get(&client, &who)
+        .await
+        .map_err(|e| Status::unavailable(format!("database: {e}")))?
+        .ok_or_else(|| {
+            Status::permission_denied(format!(
+                "operator {who} has no role; an admin gives one with `strata roles set {who} --role ...`"
+            ))
+        })?;
+    role.allows(&who, need).map_err(Status::permission_denied)?;
+    Ok(who)
 }
 
 /// The operator a caller's certificate names, and its serial.
@@ -101,9 +123,12 @@ impl ApiService {
         req: Request<NodeStandingRequest>,
         change: Change,
     ) -> Result<Response<NodeStandingResponse>, Status> {
-        let who = operator(&self.shared, &req).await?;
-        let r = req.into_inner();
         let client = self.db().await?;
+        let pool = self
+            .pool_of(&client, &req.get_ref().pool, &req.get_ref().node)
+            .await?;
+        let who = authorized(&self.shared, &req, Need::Pool(&pool)).await?;
+        let r = req.into_inner();
         let pool = projections::standing::change(
             &client,
             &self.shared.appender,
@@ -115,6 +140,21 @@ impl ApiService {
         .await
         .map_err(request_status)?;
         Ok(Response::new(NodeStandingResponse { pool }))
+    }
+
+    /// The pool a request names, or else the one node `node` is in.
+    async fn pool_of(
+        &self,
+        client: &tokio_postgres::Client,
+        named: &str,
+        node: &str,
+    ) -> Result<String, Status> {
+        if !named.is_empty() {
+            return Ok(named.to_string());
+        }
+        projections::standing::pool_of_node(client, node)
+            .await
+            .map_err(request_status)
     }
 
     async fn db(&self) -> Result<Arc<tokio_postgres::Client>, Status> {
@@ -303,7 +343,8 @@ impl api_server::Api for ApiService {
     }
 
     async fn reserve(&self, req: Request<ReserveRequest>) -> Result<Response<Reservation>, Status> {
-        let who = operator(&self.shared, &req).await?;
+        let pool = req.get_ref().pool.clone();
+        let who = authorized(&self.shared, &req, Need::Pool(&pool)).await?;
         let r = req.into_inner();
         let (shape, gpus) = if r.nodes > 0 || r.gpus_per_node > 0 {
             (
@@ -387,7 +428,21 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
-        let who = operator(&self.shared, &req).await?;
+        let client = self.db().await?;
+        let owner = requests::owner(&client, &req.get_ref().id)
+            .await
+            .map_err(request_status)?
+            .ok_or_else(|| {
+                Status::not_found(format!("reservation {:?} does not exist", req.get_ref().id))
+            })?;
+        let who = authorized(
+            &self.shared,
+            &req,
+            Need::Release {
+                owner: owner.as_deref(),
+            },
+        )
+        .await?;
         let r = req.into_inner();
         requests::release(
             &self.shared.appender,
@@ -404,7 +459,7 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<ListPoolsRequest>,
     ) -> Result<Response<ListPoolsResponse>, Status> {
-        operator(&self.shared, &req).await?;
+        authorized(&self.shared, &req, Need::Read).await?;
         let client = self.db().await?;
         // Only the events since the previous call are read (all of them on
         // the first); one caller at a time brings the index up to date.
@@ -451,7 +506,7 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
-        operator(&self.shared, &req).await?;
+        authorized(&self.shared, &req, Need::Read).await?;
         let pool = req.into_inner().pool;
         let client = self.db().await?;
         let rows = client
@@ -529,7 +584,15 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<IssueCommandRequest>,
     ) -> Result<Response<CommandStatus>, Status> {
-        let who = operator(&self.shared, &req).await?;
+        if commands::is_internal(&req.get_ref().kind) {
+            return Err(Status::permission_denied(format!(
+                "{:?} is one of Strata's own command kinds: only the binder issues it",
+                req.get_ref().kind
+            )));
+        }
+        let client = self.db().await?;
+        let pool = self.pool_of(&client, "", &req.get_ref().node).await?;
+        let who = authorized(&self.shared, &req, Need::Pool(&pool)).await?;
         let r = req.into_inner();
         let args: serde_json::Value = if r.args_json.is_empty() {
             serde_json::json!({})
@@ -556,6 +619,7 @@ impl api_server::Api for ApiService {
             kind: r.kind,
             args,
             deadline_ms: now + deadline,
+            issued_by: format!("operator:{who}"),
         };
         let key = format!("c:{id}");
         let rx = (r.wait_ms > 0).then(|| self.shared.add_waiter(&key));
@@ -587,7 +651,7 @@ impl api_server::Api for ApiService {
         &self,
         req: Request<GetCommandRequest>,
     ) -> Result<Response<CommandStatus>, Status> {
-        operator(&self.shared, &req).await?;
+        authorized(&self.shared, &req, Need::Read).await?;
         let id = req.into_inner().id;
         match self.command(&id).await? {
             Some(t) => Ok(Response::new(status_of(&t))),

@@ -11,6 +11,7 @@ pub mod identity;
 pub mod join;
 pub mod listener;
 pub mod revocation;
+pub mod roles;
 pub mod server;
 pub mod session;
 pub mod state;

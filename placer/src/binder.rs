@@ -156,6 +156,9 @@ fn issue(appender: &Appender, command: Command, counter: Arc<BinderStats>, relea
 /// Attempts at binding one reservation on one node before it is given up.
 pub const BIND_ATTEMPTS: u32 = 5;
 
+/// How the binder's commands name who issued them.
+const ISSUER: &str = "strata:binder";
+
 /// The id of attempt `n` at binding `reservation` on `node`: the first is
 /// `bind:<reservation>:<node>`, later ones `rebind:<n>:<reservation>:<node>`.
 fn attempt_id(reservation: &str, node: &str, n: u32) -> String {
@@ -206,6 +209,7 @@ impl State {
                 kind: "allocation.bind".into(),
                 args: serde_json::json!({"reservation": reservation, "devices": a.devices}),
                 deadline_ms: deadline(),
+                issued_by: ISSUER.into(),
             },
             stats.clone(),
             false,
@@ -432,6 +436,7 @@ async fn held(
                                 kind: "allocation.release".into(),
                                 args: serde_json::json!({"reservation": r.request.reservation}),
                                 deadline_ms: release_deadline(),
+                                issued_by: ISSUER.into(),
                             },
                             stats.clone(),
                             true,
@@ -606,6 +611,7 @@ async fn release_ended(
                 kind: "allocation.release".into(),
                 args: serde_json::json!({ "reservation": reservation }),
                 deadline_ms: release_deadline(),
+                issued_by: ISSUER.into(),
             },
             stats.clone(),
             true,

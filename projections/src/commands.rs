@@ -35,6 +35,18 @@ pub struct Command {
     pub args: serde_json::Value,
     /// Unix milliseconds after which it is not executed.
     pub deadline_ms: u64,
+    /// Who asked: `operator:<name>` (the client API), `cli:<user>` (with
+    /// database access), `strata:<role>` (Strata's own, such as the binder).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub issued_by: String,
+}
+
+/// Command kinds only Strata's own roles issue: a made-up `allocation.bind`
+/// would leave a node holding a binding the log does not know.
+pub const INTERNAL_PREFIXES: &[&str] = &["allocation."];
+
+pub fn is_internal(kind: &str) -> bool {
+    INTERNAL_PREFIXES.iter().any(|p| kind.starts_with(p))
 }
 
 /// Where a command is.
@@ -72,6 +84,17 @@ impl CommandState {
 pub async fn issue(appender: &Appender, command: &Command) -> Result<(), AppendError> {
     crate::domain::valid_name("command id", &command.id).map_err(AppendError::Invalid)?;
     crate::domain::valid_name("node", &command.node).map_err(AppendError::Invalid)?;
+    if command.issued_by.is_empty() {
+        return Err(AppendError::Invalid(
+            "a command records who issued it".into(),
+        ));
+    }
+    if is_internal(&command.kind) && !command.issued_by.starts_with("strata:") {
+        return Err(AppendError::Invalid(format!(
+            "{:?} is one of Strata's own command kinds: only the binder issues it",
+            command.kind
+        )));
+    }
     if !command.args.is_object() && !command.args.is_null() {
         return Err(AppendError::Invalid(
             "command arguments must be a JSON object".into(),

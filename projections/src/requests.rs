@@ -71,6 +71,26 @@ pub async fn reserve(
 
 /// Asks for a reservation to be released (or cancelled, if not placed yet).
 /// The pool's placer frees its devices in its next batch.
+/// Who asked for reservation `id` (the `operator` its request recorded; a
+/// replacement `<id>~<n>` belongs to whoever asked for `<id>`): `None` when
+/// there is no such reservation, `Some(None)` when no operator asked (it was
+/// asked for with database access).
+pub async fn owner(
+    client: &tokio_postgres::Client,
+    id: &str,
+) -> Result<Option<Option<String>>, RequestError> {
+    let root = id.split('~').next().unwrap_or(id);
+    let row = client
+        .query_opt(
+            "SELECT metadata->>'operator' FROM strata.events
+              WHERE stream = $1 ORDER BY version LIMIT 1",
+            &[&reservation_stream(root)],
+        )
+        .await
+        .map_err(RequestError::Database)?;
+    Ok(row.map(|r| r.get(0)))
+}
+
 pub async fn release(
     appender: &Appender,
     id: &str,

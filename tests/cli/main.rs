@@ -471,6 +471,8 @@ fn help_explains_every_command() {
         "node",
         "fleet",
         "sinks",
+        "grants",
+        "roles",
     ] {
         assert!(
             out.contains(&format!("\n  {cmd} ")),

@@ -1,7 +1,7 @@
 //! Reservations end to end: placer processes, the client commands, a placer
 //! killed with SIGKILL, and the replay check.
 
-use super::{append_args, database, fails, ok, strata};
+use super::{append_args, database, fails, lines, ok, strata};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -1255,4 +1255,72 @@ fn operators_cordon_drain_uncordon_and_clear_health() {
         &url,
         "--force",
     ]);
+}
+
+#[test]
+fn roles_are_set_listed_and_removed_and_bad_ones_refused() {
+    let url = database();
+    let err = fails(&[
+        "roles",
+        "set",
+        "alice",
+        "--role",
+        "root",
+        "--database-url",
+        &url,
+    ]);
+    assert!(err.contains("admin, operator or viewer"), "{err}");
+    let err = fails(&[
+        "roles",
+        "set",
+        "alice",
+        "--role",
+        "operator",
+        "--database-url",
+        &url,
+    ]);
+    assert!(err.contains("--pools"), "{err}");
+    let err = fails(&[
+        "roles",
+        "set",
+        "alice",
+        "--role",
+        "viewer",
+        "--pools",
+        "p",
+        "--database-url",
+        &url,
+    ]);
+    assert!(err.contains("--pools is for the operator role"), "{err}");
+    let out = ok(&[
+        "roles",
+        "set",
+        "alice",
+        "--role",
+        "operator",
+        "--pools",
+        "p,q",
+        "--database-url",
+        &url,
+    ]);
+    assert!(out.contains("alice is operator in pools p, q"), "{out}");
+    ok(&[
+        "roles",
+        "set",
+        "root",
+        "--role",
+        "admin",
+        "--database-url",
+        &url,
+    ]);
+    let listed = lines(&ok(&["roles", "list", "--json", "--database-url", &url]));
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(listed[0]["operator"], "alice");
+    assert_eq!(listed[0]["pools"], serde_json::json!(["p", "q"]));
+    assert_eq!(listed[1]["role"], "admin");
+    ok(&["roles", "remove", "alice", "--database-url", &url]);
+    let err = fails(&["roles", "remove", "nobody", "--database-url", &url]);
+    assert!(err.contains("nobody has no role"), "{err}");
+    let listed = lines(&ok(&["roles", "list", "--json", "--database-url", &url]));
+    assert_eq!(listed.len(), 1, "{listed:?}");
 }

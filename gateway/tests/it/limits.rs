@@ -24,7 +24,7 @@ fn tls_client(ca_pem: &str) -> tokio_rustls::TlsConnector {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_and_half_open_connections_do_not_keep_out_a_real_node_or_client() {
-    use gateway::api_proto::{api_client::ApiClient, ListPoolsRequest};
+    use gateway::api_proto::ListPoolsRequest;
     let r = region().await;
     let gw = r
         .gateway("gw-a", |c| {
@@ -66,15 +66,8 @@ async fn idle_and_half_open_connections_do_not_keep_out_a_real_node_or_client() 
     // And an operator's call goes through.
     let ca = Ca::load(r.ca_dir.path()).unwrap();
     let (cert, key) = ca.issue_operator("alice", 1).unwrap();
-    let tls = tonic::transport::ClientTlsConfig::new()
-        .ca_certificate(tonic::transport::Certificate::from_pem(r.ca_pem()))
-        .identity(tonic::transport::Identity::from_pem(cert, key))
-        .domain_name("localhost");
-    let ep = tonic::transport::Endpoint::from_shared(url(&gw))
-        .unwrap()
-        .tls_config(tls)
-        .unwrap();
-    let mut api = ApiClient::new(ep.connect().await.unwrap());
+    admin(&r, "alice").await;
+    let mut api = api_as(&r, &gw, cert, key).await;
     let pools = api.list_pools(ListPoolsRequest {}).await.unwrap();
     assert_eq!(pools.into_inner().pools.len(), 1);
     // Every flood connection is closed by the gateway: half-open ones at

@@ -16,6 +16,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_postgres::{Client, Config};
 
+mod authz;
 mod limits;
 
 struct Region {
@@ -86,6 +87,39 @@ impl Region {
     async fn count(&self, sql: &str) -> i64 {
         self.client.query_one(sql, &[]).await.unwrap().get(0)
     }
+}
+
+/// A client-API connection with this certificate.
+async fn api_as(
+    r: &Region,
+    gw: &Running,
+    cert: String,
+    key: String,
+) -> gateway::api_proto::api_client::ApiClient<tonic::transport::Channel> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(r.ca_pem()))
+        .identity(Identity::from_pem(cert, key))
+        .domain_name("localhost");
+    let ep = Endpoint::from_shared(url(gw))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap();
+    gateway::api_proto::api_client::ApiClient::new(ep.connect().await.unwrap())
+}
+
+/// Gives `operator` the admin role.
+async fn admin(r: &Region, operator: &str) {
+    gateway::roles::set(
+        &r.appender,
+        operator,
+        &gateway::roles::Assignment {
+            role: gateway::roles::Role::Admin,
+            pools: vec![],
+        },
+    )
+    .await
+    .unwrap();
 }
 
 fn url(gw: &Running) -> String {
@@ -592,6 +626,7 @@ fn diag(id: &str, node: &str, deadline_ms: u64) -> projections::commands::Comman
         kind: "diag.nvml".into(),
         args: serde_json::json!({}),
         deadline_ms,
+        issued_by: "cli:test".into(),
     }
 }
 
@@ -718,8 +753,7 @@ async fn commands_run_once_across_reconnects_and_a_stopping_gateway() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_client_api_serves_operators_only() {
-    use gateway::api_proto::{api_client::ApiClient, *};
-    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+    use gateway::api_proto::*;
     let r = region().await;
     let gw = r.gateway("gw-a", |_| {}).await;
     let dir = tempfile::tempdir().unwrap();
@@ -740,17 +774,7 @@ async fn the_client_api_serves_operators_only() {
         placer::PlacerConfig::new("api-test"),
     );
     let ca = Ca::load(r.ca_dir.path()).unwrap();
-    let client = |cert: String, key: String| {
-        let tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(r.ca_pem()))
-            .identity(Identity::from_pem(cert, key))
-            .domain_name("localhost");
-        let ep = Endpoint::from_shared(url(&gw))
-            .unwrap()
-            .tls_config(tls)
-            .unwrap();
-        async move { ApiClient::new(ep.connect().await.unwrap()) }
-    };
+    let client = |cert: String, key: String| api_as(&r, &gw, cert, key);
     // A node's certificate is not an operator's.
     let (cert, key) = ca.client_identity("n7").unwrap();
     let err = client(cert, key)
@@ -762,6 +786,7 @@ async fn the_client_api_serves_operators_only() {
 
     let (cert, key) = ca.issue_operator("alice", 1).unwrap();
     let alice = gateway::revocation::presented_pem(&cert).unwrap();
+    admin(&r, "alice").await;
     let mut api = client(cert, key).await;
     let placed = api
         .reserve(ReserveRequest {
