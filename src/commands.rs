@@ -564,7 +564,7 @@ async fn start_audit(
     ac.max_transaction_age = args.audit_max_transaction_age;
     ac.max_result_bytes = args.audit_max_result_mib.max(1) << 20;
     ac.max_sessions = args.audit_max_sessions;
-    if args.ca_dir.join(gateway::ca::CA_KEY).exists() {
+    if gateway::ca::exists(&args.ca_dir) {
         let ca = gateway::ca::Ca::load(&args.ca_dir)?;
         let (cert_pem, key_pem) = ca.server_identity(&args.tls_names)?;
         ac.tls = Some(::replay::audit::TlsFiles {

@@ -289,7 +289,7 @@ pub enum ParkedCmd {
 
 #[derive(Subcommand, Debug)]
 pub enum CaCmd {
-    /// Create the node CA (ca.pem, and ca.key readable by its owner only)
+    /// Create the region's CA: an offline root (ca.pem, root.key) and the issuing intermediate gateways and audit hosts hold (issuing.pem, issuing.key); keys readable by their owner only
     Init {
         /// Where to write it
         #[arg(long, default_value = "ca")]
@@ -298,9 +298,18 @@ pub enum CaCmd {
         #[arg(long, default_value = "default")]
         region: String,
     },
-    /// Issue an auditor certificate for the audit endpoint (log in without a password)
+    /// Copy what a gateway or audit host needs (ca.pem and the issuing intermediate with its key; never root.key) to another folder
+    ExportIssuing {
+        /// The CA's folder
+        #[arg(long, default_value = "ca")]
+        dir: PathBuf,
+        /// The folder to give the gateway or audit host (its --ca-dir)
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Issue an auditor certificate for the audit endpoint (log in without a password); needs the root key
     IssueAuditor(IssueArgs),
-    /// Issue an operator certificate for the client API (strata.api.v1 on every gateway)
+    /// Issue an operator certificate for the client API (strata.api.v1 on every gateway); needs the root key
     IssueOperator(IssueArgs),
     /// Revoke an operator's or auditor's certificate before it expires: gateways
     /// refuse its API calls within seconds, the audit endpoint its logins

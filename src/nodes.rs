@@ -76,9 +76,20 @@ pub async fn ca(cmd: CaCmd) -> Result<ExitCode> {
         CaCmd::Init { dir, region } => {
             let cert = gateway::ca::init(&dir, &region)?;
             println!(
-                "created the node CA: {} (give it to nodes with their join tokens) and {} (private; gateways sign with it)",
+                "created the region's CA in {}:\n  {}  the root certificate: give it to nodes, operators and auditors\n  {}  the root's key (private): it issues operator and auditor certificates; keep it offline\n  {} and {}  the issuing intermediate (private key): gateways and audit hosts sign node and serving certificates with it\ngive a gateway or audit host its folder with: strata ca export-issuing --dir {} --out <folder>",
+                dir.display(),
                 cert.display(),
-                dir.join(gateway::ca::CA_KEY).display()
+                dir.join(gateway::ca::ROOT_KEY).display(),
+                dir.join(gateway::ca::ISSUING_CERT).display(),
+                dir.join(gateway::ca::ISSUING_KEY).display(),
+                dir.display()
+            );
+        }
+        CaCmd::ExportIssuing { dir, out } => {
+            gateway::ca::export_issuing(&dir, &out)?;
+            println!(
+                "wrote {} (without the root's key): pass it as --ca-dir to gateways and audit hosts",
+                out.display()
             );
         }
         CaCmd::IssueAuditor(a) => {

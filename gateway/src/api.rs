@@ -64,6 +64,13 @@ async fn caller<T>(shared: &Shared, req: &Request<T>) -> Result<(String, String)
         (Some("operator"), Some(name)) => name,
         _ => return Err(not_operator()),
     };
+    // Operators' certificates come from the root alone: one the issuing
+    // intermediate signed (a gateway's key) names nobody.
+    if !shared.ca.issued_by_root(der.as_ref()) {
+        return Err(Status::permission_denied(
+            "this operator certificate was not issued by the region's root CA (operator certificates are issued offline with `strata ca issue-operator`)",
+        ));
+    }
     still_valid(shared, &who, &presented.serial).await?;
     Ok((who, presented.serial))
 }

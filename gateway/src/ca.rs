@@ -1,6 +1,16 @@
-//! The region's node CA: creating it, signing node certificates from CSRs,
-//! issuing the gateway's own serving certificate, and reading a node's
-//! identity back from its certificate.
+//! The region's CA: creating it, signing node certificates from CSRs,
+//! issuing serving certificates, and reading a node's identity back from
+//! its certificate.
+//!
+//! Two levels: an offline root (`ca.pem`, which everyone trusts, and
+//! `root.key`, kept off the serving hosts) and an issuing intermediate
+//! (`issuing.pem`, `issuing.key`) that gateways and audit hosts hold. The
+//! intermediate signs node and serving certificates (each served with the
+//! intermediate after it); operator and auditor certificates are signed by
+//! the root alone, and the gateway and audit endpoint honour an operator or
+//! auditor name only in a certificate the root issued, so a stolen issuing
+//! key cannot mint one. A folder made before the split (`ca.pem` and
+//! `ca.key`) still loads: its one key is the root and signs everything.
 //!
 //! A node certificate names the node twice: as the subject's common name and
 //! as the URI `urn:strata:node:<id>` in its subject alternative names. The
@@ -14,8 +24,15 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use time::{Duration, OffsetDateTime};
 
+/// The root certificate: the trust anchor nodes, operators and auditors use.
 pub const CA_CERT: &str = "ca.pem";
+/// A single-level CA's key (folders made before the split).
 pub const CA_KEY: &str = "ca.key";
+/// The root's key: operator and auditor certificates; keep it offline.
+pub const ROOT_KEY: &str = "root.key";
+/// The issuing intermediate: node and serving certificates.
+pub const ISSUING_CERT: &str = "issuing.pem";
+pub const ISSUING_KEY: &str = "issuing.key";
 const NODE_URI_PREFIX: &str = "urn:strata:node:";
 const OPERATOR_URI_PREFIX: &str = "urn:strata:operator:";
 /// Auditors of the audit endpoint.
@@ -31,6 +48,8 @@ pub enum CaError {
     },
     #[error("{0} already exists; refusing to replace a CA (nodes trust it)")]
     Exists(PathBuf),
+    #[error("the root key ({0}) is not here: operator and auditor certificates are issued where the root is kept, offline")]
+    NoRoot(PathBuf),
     #[error("certificate: {0}")]
     Cert(#[from] rcgen::Error),
     #[error("{0}")]
@@ -78,31 +97,77 @@ pub fn serial_hex(bytes: &[u8]) -> String {
     events::hex(&bytes[start..])
 }
 
-/// Creates the CA under `dir`: `ca.pem` (the certificate, 0644) and `ca.key`
-/// (its private key, 0600). Refuses to replace an existing one.
+/// Creates the CA under `dir`: the root (`ca.pem`, 0644, and `root.key`,
+/// 0600) and the issuing intermediate it signs (`issuing.pem`,
+/// `issuing.key`). Refuses to replace an existing one.
 pub fn init(dir: &Path, region: &str) -> Result<PathBuf, CaError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let (cert_path, key_path) = (dir.join(CA_CERT), dir.join(CA_KEY));
-    for p in [&cert_path, &key_path] {
+    let paths = [CA_CERT, CA_KEY, ROOT_KEY, ISSUING_CERT, ISSUING_KEY].map(|f| dir.join(f));
+    for p in &paths {
         if p.exists() {
             return Err(CaError::Exists(p.clone()));
         }
     }
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::default();
-    params.distinguished_name = DistinguishedName::new();
-    params
+    let now = OffsetDateTime::now_utc();
+    let root_key = KeyPair::generate()?;
+    let mut root = CertificateParams::default();
+    root.distinguished_name = DistinguishedName::new();
+    root.distinguished_name
+        .push(DnType::CommonName, format!("Strata root CA ({region})"));
+    root.is_ca = IsCa::Ca(BasicConstraints::Constrained(1));
+    root.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    root.not_before = now - Duration::hours(1);
+    root.not_after = now + Duration::days(3650);
+    root.serial_number = Some(serial());
+    let root_cert = root.self_signed(&root_key)?;
+    let root_issuer = Issuer::new(root, &root_key);
+    let issuing_key = KeyPair::generate()?;
+    let mut issuing = CertificateParams::default();
+    issuing.distinguished_name = DistinguishedName::new();
+    issuing
         .distinguished_name
-        .push(DnType::CommonName, format!("Strata node CA ({region})"));
-    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    params.not_before = OffsetDateTime::now_utc() - Duration::hours(1);
-    params.not_after = OffsetDateTime::now_utc() + Duration::days(3650);
-    params.serial_number = Some(serial());
-    let cert = params.self_signed(&key)?;
-    write_private(&key_path, key.serialize_pem().as_bytes())?;
-    std::fs::write(&cert_path, cert.pem()).map_err(io(&cert_path))?;
+        .push(DnType::CommonName, format!("Strata issuing CA ({region})"));
+    issuing.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    issuing.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    issuing.not_before = now - Duration::hours(1);
+    issuing.not_after = now + Duration::days(1825);
+    issuing.serial_number = Some(serial());
+    let issuing_cert = issuing.signed_by(&issuing_key, &root_issuer)?;
+    write_private(&dir.join(ROOT_KEY), root_key.serialize_pem().as_bytes())?;
+    write_private(
+        &dir.join(ISSUING_KEY),
+        issuing_key.serialize_pem().as_bytes(),
+    )?;
+    let issuing_path = dir.join(ISSUING_CERT);
+    std::fs::write(&issuing_path, issuing_cert.pem()).map_err(io(&issuing_path))?;
+    let cert_path = dir.join(CA_CERT);
+    std::fs::write(&cert_path, root_cert.pem()).map_err(io(&cert_path))?;
     Ok(cert_path)
+}
+
+/// Whether `dir` holds a CA that can sign (an issuing intermediate, or a
+/// single-level CA's key).
+pub fn exists(dir: &Path) -> bool {
+    dir.join(CA_CERT).exists() && (dir.join(ISSUING_KEY).exists() || dir.join(CA_KEY).exists())
+}
+
+/// Copies what a gateway or audit host needs (the root certificate and the
+/// issuing intermediate with its key, not the root's key) to `out`.
+pub fn export_issuing(dir: &Path, out: &Path) -> Result<(), CaError> {
+    if !dir.join(ISSUING_KEY).exists() {
+        return Err(CaError::Invalid(format!(
+            "{} has no issuing intermediate (a CA made before the split signs with its one key)",
+            dir.display()
+        )));
+    }
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    for f in [CA_CERT, ISSUING_CERT] {
+        let (from, to) = (dir.join(f), out.join(f));
+        std::fs::copy(&from, &to).map_err(io(&to))?;
+    }
+    let key_path = dir.join(ISSUING_KEY);
+    let key = std::fs::read(&key_path).map_err(io(&key_path))?;
+    write_private(&out.join(ISSUING_KEY), &key)
 }
 
 /// A certificate signed for a node.
@@ -139,7 +204,15 @@ fn client_params(
 
 /// The loaded CA.
 pub struct Ca {
+    /// Signs node and serving certificates: the intermediate (or, before
+    /// the split, the one key).
     issuer: Issuer<'static, KeyPair>,
+    /// Sent after every certificate the issuer signs (empty before the split).
+    chain_pem: String,
+    /// The root, where its key is here.
+    root: Option<Issuer<'static, KeyPair>>,
+    root_subject: Vec<u8>,
+    dir: PathBuf,
     cert_pem: String,
 }
 
@@ -151,12 +224,49 @@ impl std::fmt::Debug for Ca {
 
 impl Ca {
     pub fn load(dir: &Path) -> Result<Ca, CaError> {
-        let (cert_path, key_path) = (dir.join(CA_CERT), dir.join(CA_KEY));
-        let cert_pem = std::fs::read_to_string(&cert_path).map_err(io(&cert_path))?;
-        let key_pem = std::fs::read_to_string(&key_path).map_err(io(&key_path))?;
-        let key = KeyPair::from_pem(&key_pem)?;
-        let issuer = Issuer::from_ca_cert_pem(&cert_pem, key)?;
-        Ok(Ca { issuer, cert_pem })
+        let read = |f: &str| {
+            let p = dir.join(f);
+            std::fs::read_to_string(&p).map_err(io(&p))
+        };
+        let cert_pem = read(CA_CERT)?;
+        let (issuer, chain_pem, root) = if dir.join(ISSUING_KEY).exists() {
+            let chain = read(ISSUING_CERT)?;
+            let issuer = Issuer::from_ca_cert_pem(&chain, KeyPair::from_pem(&read(ISSUING_KEY)?)?)?;
+            let root = match dir.join(ROOT_KEY).exists() {
+                true => Some(Issuer::from_ca_cert_pem(
+                    &cert_pem,
+                    KeyPair::from_pem(&read(ROOT_KEY)?)?,
+                )?),
+                false => None,
+            };
+            (issuer, chain, root)
+        } else {
+            let key = read(CA_KEY)?;
+            let issuer = Issuer::from_ca_cert_pem(&cert_pem, KeyPair::from_pem(&key)?)?;
+            let root = Issuer::from_ca_cert_pem(&cert_pem, KeyPair::from_pem(&key)?)?;
+            (issuer, String::new(), Some(root))
+        };
+        let root_subject = subject_of(&cert_pem)?;
+        Ok(Ca {
+            issuer,
+            chain_pem,
+            root,
+            root_subject,
+            dir: dir.to_path_buf(),
+            cert_pem,
+        })
+    }
+
+    /// Whether the root itself issued this certificate (DER): the only
+    /// certificates whose operator or auditor name is honoured.
+    pub fn issued_by_root(&self, der: &[u8]) -> bool {
+        issued_by(&self.root_subject, der)
+    }
+
+    fn root(&self) -> Result<&Issuer<'static, KeyPair>, CaError> {
+        self.root
+            .as_ref()
+            .ok_or_else(|| CaError::NoRoot(self.dir.join(ROOT_KEY)))
     }
 
     pub fn cert_pem(&self) -> &str {
@@ -174,7 +284,7 @@ impl Ca {
         params.serial_number = Some(serial);
         let cert = params.signed_by(&csr.public_key, &self.issuer)?;
         Ok(Signed {
-            certificate_pem: cert.pem(),
+            certificate_pem: cert.pem() + &self.chain_pem,
             serial: serial_hex,
             not_after: std::time::SystemTime::UNIX_EPOCH
                 + std::time::Duration::from_secs(params.not_after.unix_timestamp().max(0) as u64),
@@ -206,7 +316,7 @@ impl Ca {
         params.not_after = now + Duration::seconds(validity.as_secs().max(1) as i64);
         params.serial_number = Some(serial());
         let cert = params.signed_by(&key, &self.issuer)?;
-        Ok((cert.pem(), key.serialize_pem()))
+        Ok((cert.pem() + &self.chain_pem, key.serialize_pem()))
     }
 
     /// A key and a certificate for `node`, made here rather than through a
@@ -225,7 +335,7 @@ impl Ca {
         let key = KeyPair::generate()?;
         let mut params = client_params(name, OPERATOR_URI_PREFIX, "operator name", days)?;
         params.serial_number = Some(serial());
-        let cert = params.signed_by(&key, &self.issuer)?;
+        let cert = params.signed_by(&key, self.root()?)?;
         Ok((cert.pem(), key.serialize_pem()))
     }
 
@@ -235,7 +345,7 @@ impl Ca {
         let key = KeyPair::generate()?;
         let mut params = client_params(name, AUDITOR_URI_PREFIX, "auditor name", days)?;
         params.serial_number = Some(serial());
-        let cert = params.signed_by(&key, &self.issuer)?;
+        let cert = params.signed_by(&key, self.root()?)?;
         Ok((cert.pem(), key.serialize_pem()))
     }
 
@@ -245,6 +355,30 @@ impl Ca {
         let (signed, key) = self.issue_node(node, 1)?;
         Ok((signed.certificate_pem, key))
     }
+}
+
+/// The raw subject name of the first certificate in `pem`.
+fn subject_of(pem: &str) -> Result<Vec<u8>, CaError> {
+    let (_, p) = x509_parser::pem::parse_x509_pem(pem.as_bytes())
+        .map_err(|e| CaError::Invalid(format!("CA certificate: {e}")))?;
+    let cert = p
+        .parse_x509()
+        .map_err(|e| CaError::Invalid(format!("CA certificate: {e}")))?;
+    Ok(cert.subject().as_raw().to_vec())
+}
+
+/// Whether the certificate (DER) names `subject` (raw) as its issuer. The
+/// TLS layer has already verified its chain to the root; this says whether
+/// the root signed it itself rather than through the intermediate.
+pub fn issued_by(subject: &[u8], der: &[u8]) -> bool {
+    x509_parser::parse_x509_certificate(der)
+        .map(|(_, c)| c.issuer().as_raw() == subject)
+        .unwrap_or(false)
+}
+
+/// The raw subject of the root in `ca_pem`, for [`issued_by`].
+pub fn root_subject(ca_pem: &str) -> Result<Vec<u8>, CaError> {
+    subject_of(ca_pem)
 }
 
 /// Who a client certificate names.
@@ -322,11 +456,13 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         init(&dir, "test").unwrap();
         assert!(matches!(init(&dir, "test"), Err(CaError::Exists(_))));
-        let mode = std::fs::metadata(dir.join(CA_KEY))
-            .unwrap()
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o600);
+        for key in [ROOT_KEY, ISSUING_KEY] {
+            let mode = std::fs::metadata(dir.join(key))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600, "{key}");
+        }
         let ca = Ca::load(&dir).unwrap();
         let key = KeyPair::generate().unwrap();
         // Whatever the CSR asks for, the certificate names the node given.
@@ -350,6 +486,29 @@ mod tests {
         }
         assert_eq!(serial_hex(&[0, 0, 0x1f]), "1f");
         assert!(ca.sign_node("n", "garbage", 1).is_err());
+        // Node certificates come from the intermediate, served with it;
+        // operators' from the root.
+        assert_eq!(
+            signed.certificate_pem.matches("BEGIN CERTIFICATE").count(),
+            2
+        );
+        assert!(!ca.issued_by_root(&der));
+        let (op, _) = ca.issue_operator("alice", 1).unwrap();
+        assert!(ca.issued_by_root(&rustls_pem(&op)));
+        // A gateway's folder: no root key, so no operator certificates.
+        let gw = dir.join("gateway");
+        export_issuing(&dir, &gw).unwrap();
+        assert!(!gw.join(ROOT_KEY).exists());
+        let at_gateway = Ca::load(&gw).unwrap();
+        assert!(at_gateway.sign_node("n2", &csr, 1).is_ok());
+        assert!(matches!(
+            at_gateway.issue_operator("mallory", 1),
+            Err(CaError::NoRoot(_))
+        ));
+        assert!(matches!(
+            at_gateway.issue_auditor("mallory", 1),
+            Err(CaError::NoRoot(_))
+        ));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

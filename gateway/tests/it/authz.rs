@@ -206,7 +206,39 @@ async fn operators_act_only_within_their_roles_and_the_log_records_who_asked() {
             ("root".into(), Role::Admin)
         ]
     );
+    // A certificate the issuing intermediate signed (a gateway's key, were
+    // it stolen) names no operator, whatever role the name has.
+    role(&r, "mallory", Role::Admin, &[]).await;
+    let (cert, key) = minted_with_issuing_key(r.ca_dir.path(), "mallory");
+    let mut mallory = api_as(&r, &gw, cert, key).await;
+    denied(
+        mallory.list_pools(ListPoolsRequest {}).await.unwrap_err(),
+        "root CA",
+    );
     placer.stop().await.unwrap();
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
+}
+
+/// An operator-shaped certificate signed with the issuing intermediate's
+/// key, as whoever held a gateway's CA folder could make one.
+fn minted_with_issuing_key(dir: &std::path::Path, name: &str) -> (String, String) {
+    use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, Issuer, KeyPair, SanType};
+    let issuing = std::fs::read_to_string(dir.join(gateway::ca::ISSUING_CERT)).unwrap();
+    let issuing_key =
+        KeyPair::from_pem(&std::fs::read_to_string(dir.join(gateway::ca::ISSUING_KEY)).unwrap())
+            .unwrap();
+    let issuer = Issuer::from_ca_cert_pem(&issuing, issuing_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    params.subject_alt_names = vec![SanType::URI(
+        format!("urn:strata:operator:{name}").try_into().unwrap(),
+    )];
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    (cert.pem() + &issuing, key.serialize_pem())
 }

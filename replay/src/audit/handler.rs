@@ -124,6 +124,9 @@ pub struct Shared {
     server_version: String,
     /// TLS is configured, so nothing is served without it.
     tls: bool,
+    /// The raw subject of the root CA whose auditor certificates count: one
+    /// the issuing intermediate signed names nobody.
+    root_subject: Option<Vec<u8>>,
     cancels: Arc<Cancels>,
 }
 
@@ -166,6 +169,14 @@ impl Shared {
             appender,
             server_version: String::new(),
             tls,
+            root_subject: config
+                .tls
+                .as_ref()
+                .and_then(|t| t.client_ca_pem.as_deref())
+                .and_then(|pem| {
+                    let (_, p) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).ok()?;
+                    Some(p.parse_x509().ok()?.subject().as_raw().to_vec())
+                }),
             cancels: Default::default(),
         };
         let server_version = {
@@ -399,8 +410,12 @@ impl Startup {
 /// The auditor a client certificate names (`urn:strata:auditor:<name>`
 /// among its subject alternative names), if any, with the certificate's
 /// serial (lowercase hex without leading zero bytes, as the CA stores it).
-fn auditor_identity(der: &[u8]) -> Option<(String, String)> {
+/// Only a certificate the root issued itself names anyone.
+fn auditor_identity(der: &[u8], root_subject: Option<&[u8]>) -> Option<(String, String)> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    if root_subject.is_some_and(|r| cert.issuer().as_raw() != r) {
+        return None;
+    }
     let san = cert.subject_alternative_name().ok()??;
     let name = san.value.general_names.iter().find_map(|n| match n {
         x509_parser::extensions::GeneralName::URI(u) => {
@@ -463,7 +478,7 @@ impl StartupHandler for Startup {
                             .fetch_add(1, Ordering::Relaxed);
                     };
                     // The TLS layer already checked that it chains to the CA.
-                    match auditor_identity(&der) {
+                    match auditor_identity(&der, self.shared.root_subject.as_deref()) {
                         Some((named, serial)) if named == user => {
                             if self.shared.lookup(&user).await?.is_none() {
                                 refused();
@@ -500,7 +515,7 @@ impl StartupHandler for Startup {
                             return Err(user_error(
                                 "FATAL",
                                 "28000",
-                                "the client certificate is not an auditor's".into(),
+                                "the client certificate is not an auditor's (auditor certificates are issued by the region's root CA: `strata ca issue-auditor`)".into(),
                             ));
                         }
                     }

@@ -512,6 +512,14 @@ async fn psql_over_tls_with_password_and_with_certificate() {
     let (ok, _, err) = env.psql(&env.tls_conninfo("bob", Some((&cp, &kp))), "SELECT 1", None);
     assert!(!ok);
     assert!(err.contains("not an auditor's"), "{err}");
+    // Nor is an auditor-shaped one the issuing intermediate signed (an audit
+    // host's key, were it stolen): only the root issues auditors'.
+    let (cert, key) = auditor_minted_with_issuing_key(env.ca_dir.path(), "bob");
+    std::fs::write(&cp, cert).unwrap();
+    gateway::ca::write_private(&kp, key.as_bytes()).unwrap();
+    let (ok, _, err) = env.psql(&env.tls_conninfo("bob", Some((&cp, &kp))), "SELECT 1", None);
+    assert!(!ok);
+    assert!(err.contains("not an auditor's"), "{err}");
 
     let recorded = env.recorded("bob").await;
     assert_eq!(
@@ -601,4 +609,25 @@ async fn an_auditor_cannot_switch_off_the_session_limits() {
     );
     // Still a working session.
     assert_eq!(pool_a(&a).await, 5);
+}
+
+/// An auditor-shaped certificate (with the intermediate after it) signed
+/// with the issuing intermediate's key.
+fn auditor_minted_with_issuing_key(dir: &Path, name: &str) -> (String, String) {
+    use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, Issuer, KeyPair, SanType};
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    let issuing = read(gateway::ca::ISSUING_CERT);
+    let issuer = Issuer::from_ca_cert_pem(
+        &issuing,
+        KeyPair::from_pem(&read(gateway::ca::ISSUING_KEY)).unwrap(),
+    )
+    .unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.subject_alt_names = vec![SanType::URI(
+        format!("urn:strata:auditor:{name}").try_into().unwrap(),
+    )];
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    (cert.pem() + &issuing, key.serialize_pem())
 }
