@@ -385,6 +385,21 @@ pub enum NodesCmd {
         #[arg(long, default_value = "")]
         reason: String,
     },
+    /// Re-provision a node (its machine replaced or rebuilt): in one transaction, revoke its
+    /// certificates (it leaves its pool) and make a one-time join token for that node alone
+    Replace {
+        #[command(flatten)]
+        db: Db,
+        node: String,
+        /// The pool it joins (default: the one it was in)
+        #[arg(long)]
+        pool: Option<String>,
+        /// How long the token stays valid
+        #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+        ttl: std::time::Duration,
+        #[arg(long, default_value = "replaced")]
+        reason: String,
+    },
     /// Take a node out of placement: nothing new goes to it; its live
     /// reservations stay
     Cordon {

@@ -261,6 +261,23 @@ pub async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
             let n = gateway::identity::revoke(&mut client, &node, &reason).await?;
             println!("revoked {n} certificate(s) of node {node}; gateways refuse its new sessions, and it left its pool");
         }
+        NodesCmd::Replace {
+            db,
+            node,
+            pool,
+            ttl,
+            reason,
+        } => {
+            let mut client = connect(&db).await?;
+            let (pool, token) =
+                gateway::identity::replace(&mut client, &node, pool.as_deref(), ttl, &reason)
+                    .await?;
+            eprintln!(
+                "revoked node {node}'s certificates (it left its pool); this token joins it again, in pool {pool}, once, within {}:",
+                humantime::format_duration(ttl)
+            );
+            println!("{token}");
+        }
         NodesCmd::Cordon { target, reason } => {
             standing(target, Change::Cordon { reason }).await?;
         }

@@ -64,6 +64,15 @@ pub async fn create_token(
     if let Some(n) = node {
         projections::domain::valid_name("node", n).map_err(IdentityError::Invalid)?;
     }
+    insert_token(client, pool, ttl, node).await
+}
+
+async fn insert_token(
+    client: &impl tokio_postgres::GenericClient,
+    pool: &str,
+    ttl: Duration,
+    node: Option<&str>,
+) -> Result<String, IdentityError> {
     let mut bytes = [0u8; 32];
     ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
         .expect("system randomness");
@@ -136,23 +145,63 @@ pub async fn redeem<S>(
         &[&digest(token), &node],
     )
     .await?;
+    record_in(
+        &tx,
+        node,
+        &pool,
+        &signed,
+        NewEvent::new(
+            "node.certificate_issued",
+            &serde_json::json!({ "node": node, "pool": pool, "serial": signed.serial }),
+        ),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(Ok((pool, signed)))
+}
+
+/// Records a signed certificate with its event on the node's stream.
+async fn record_in(
+    tx: &tokio_postgres::Transaction<'_>,
+    node: &str,
+    pool: &str,
+    signed: &Signed,
+    event: NewEvent,
+) -> Result<(), IdentityError> {
     tx.execute(
         "INSERT INTO strata.node_certificates (serial, node, pool, not_after) VALUES ($1, $2, $3, $4)",
         &[&signed.serial, &node, &pool, &signed.not_after],
     )
     .await?;
-    append_one_in(
+    append_one_in(tx, node_stream(node), ExpectedVersion::Any, vec![event]).await?;
+    Ok(())
+}
+
+/// Records a certificate renewed over a node's session, in one transaction
+/// with `node.certificate_renewed` (naming the serial it follows). The
+/// certificate it follows stays valid until it expires, so a node that
+/// reconnects before it has written the new one still gets in.
+pub async fn record_renewal(
+    client: &mut Client,
+    node: &str,
+    pool: &str,
+    follows: &str,
+    signed: &Signed,
+) -> Result<(), IdentityError> {
+    let tx = client.transaction().await?;
+    record_in(
         &tx,
-        node_stream(node),
-        ExpectedVersion::Any,
-        vec![NewEvent::new(
-            "node.certificate_issued",
-            &serde_json::json!({ "node": node, "pool": pool, "serial": signed.serial }),
-        )],
+        node,
+        pool,
+        signed,
+        NewEvent::new(
+            "node.certificate_renewed",
+            &serde_json::json!({ "node": node, "pool": pool, "serial": signed.serial, "follows": follows }),
+        ),
     )
     .await?;
     tx.commit().await?;
-    Ok(Ok((pool, signed)))
+    Ok(())
 }
 
 /// Records certificates issued outside a join (`Ca::issue_node`), in one
@@ -210,6 +259,46 @@ pub async fn lookup(
 /// `node.revoked` event that records it. Returns how many were revoked now.
 pub async fn revoke(client: &mut Client, node: &str, reason: &str) -> Result<u64, IdentityError> {
     let tx = client.transaction().await?;
+    let n = revoke_in(&tx, node, reason).await?;
+    tx.commit().await?;
+    Ok(n)
+}
+
+/// Re-provisions a node (its machine replaced or rebuilt): in one
+/// transaction, revokes every certificate it holds (it leaves its pools, as
+/// with [`revoke`]) and makes a one-time token for that node alone, in
+/// `pool` or else the pool it was in. Returns the pool and the token.
+pub async fn replace(
+    client: &mut Client,
+    node: &str,
+    pool: Option<&str>,
+    ttl: Duration,
+    reason: &str,
+) -> Result<(String, String), IdentityError> {
+    let tx = client.transaction().await?;
+    let pool = match pool {
+        Some(p) => p.to_string(),
+        None => tx
+            .query_opt(
+                "SELECT pool FROM strata.node_certificates WHERE node = $1
+                  ORDER BY not_after DESC LIMIT 1",
+                &[&node],
+            )
+            .await?
+            .map(|r| r.get(0))
+            .ok_or_else(|| IdentityError::UnknownNode(node.to_string()))?,
+    };
+    revoke_in(&tx, node, reason).await?;
+    let token = insert_token(&tx, &pool, ttl, Some(node)).await?;
+    tx.commit().await?;
+    Ok((pool, token))
+}
+
+async fn revoke_in(
+    tx: &tokio_postgres::Transaction<'_>,
+    node: &str,
+    reason: &str,
+) -> Result<u64, IdentityError> {
     let n = tx
         .execute(
             "UPDATE strata.node_certificates SET revoked_at = now() WHERE node = $1 AND revoked_at IS NULL",
@@ -258,7 +347,6 @@ pub async fn revoke(client: &mut Client, node: &str, reason: &str) -> Result<u64
         });
     }
     // One call: its streams are locked in name order, then the log head.
-    append_in(&tx, appends, &AppenderConfig::default()).await?;
-    tx.commit().await?;
+    append_in(tx, appends, &AppenderConfig::default()).await?;
     Ok(n)
 }

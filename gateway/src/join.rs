@@ -30,9 +30,9 @@ impl join_server::Join for JoinService {
         }
         let client = conn.as_mut().expect("connected above");
         // The token and the node's id are checked before anything is signed.
-        let (ca, days) = (&self.shared.ca, self.shared.config.certificate_days);
+        let (ca, validity) = (&self.shared.ca, self.shared.config.certificate_validity);
         let (pool, signed) = identity::redeem(client, &req.token, &req.node_id, || {
-            ca.sign_node(&req.node_id, &req.csr_pem, days)
+            ca.sign_node_for(&req.node_id, &req.csr_pem, validity)
         })
         .await
         .map_err(|e| {

@@ -102,14 +102,15 @@ impl session_server::Session for SessionService {
             }
             Some(r) => r,
         };
+        let presented = crate::renewal::Presented::of(cert.as_ref(), &id.serial)
+            .map_err(|e| refuse(Status::unauthenticated(e)))?;
         let (tx, rx) = mpsc::channel(64);
         let tx = Outbox(tx);
         events::task::spawn(
             "gateway-session",
             session(
                 shared,
-                id.node,
-                record.pool,
+                (id.node, record.pool, presented),
                 req.into_inner(),
                 tx,
                 permit,
@@ -137,8 +138,7 @@ pub(crate) fn refusal(status: Status) -> Status {
 
 pub(crate) async fn session(
     shared: Arc<Shared>,
-    node: String,
-    pool: String,
+    (node, pool, presented): (String, String, crate::renewal::Presented),
     mut inbound: Streaming<NodeMessage>,
     tx: Outbox,
     _permit: OwnedSemaphorePermit,
@@ -256,6 +256,7 @@ pub(crate) async fn session(
         tokens: rate * 10.0,
         last: Instant::now(),
     };
+    let mut renewed = false;
     loop {
         let msg = match inbound.message().await {
             Ok(Some(m)) => m,
@@ -266,6 +267,33 @@ pub(crate) async fn session(
                 break;
             }
         };
+        if let Some(node_message::Body::Renew(r)) = &msg.body {
+            let answer = if renewed {
+                Err(Status::failed_precondition(
+                    "this session renewed its certificate already",
+                ))
+            } else {
+                Box::pin(crate::renewal::renew(
+                    &shared, &node, &pool, &presented, &r.csr_pem,
+                ))
+                .await
+            };
+            renewed |= answer.is_ok();
+            let (certificate_pem, error) = match answer {
+                Ok(pem) => (pem, String::new()),
+                Err(s) => (String::new(), s.message().to_string()),
+            };
+            let reply = GatewayMessage {
+                body: Some(gateway_message::Body::Renewed(crate::proto::Renewed {
+                    certificate_pem,
+                    error,
+                })),
+            };
+            if tx.send(Ok(reply)).await.is_err() {
+                break;
+            }
+            continue;
+        }
         if matches!(
             msg.body,
             Some(node_message::Body::Inventory(_) | node_message::Body::Health(_))
@@ -412,6 +440,9 @@ pub(crate) async fn handle(
     match body {
         node_message::Body::Hello(_) => {
             return Err(Status::invalid_argument("Hello is sent once, first"));
+        }
+        node_message::Body::Renew(_) => {
+            // Answered in the session's loop, which knows the certificate.
         }
         node_message::Body::Heartbeat(_) => {
             let became_reachable = {

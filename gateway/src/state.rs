@@ -35,8 +35,8 @@ pub struct GatewayConfig {
     pub heartbeat: Duration,
     /// Largest message accepted, in bytes.
     pub max_message_bytes: usize,
-    /// Validity of node certificates signed at join, in days.
-    pub certificate_days: i64,
+    /// Validity of node certificates signed at join or renewal.
+    pub certificate_validity: Duration,
     /// Validity of the gateway's serving certificate; a new one is made and
     /// served when a third of it is left.
     pub serving_validity: Duration,
@@ -67,7 +67,7 @@ impl GatewayConfig {
             max_pending_hellos: 1_000,
             heartbeat: Duration::from_secs(10),
             max_message_bytes: 1 << 20,
-            certificate_days: 365,
+            certificate_validity: Duration::from_secs(365 * 24 * 3600),
             serving_validity: Duration::from_secs(30 * 24 * 3600),
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),

@@ -6,9 +6,8 @@ use crate::executor::{Decision, Executor, Outcome};
 use crate::gpu::{GpuBackend, HealthChange};
 use crate::health::Conditions;
 use crate::proto::{
-    gateway_message, join_client::JoinClient, node_message, session_client::SessionClient,
-    CommandAck, CommandResult, Device, HealthReport, Heartbeat, Hello, InventorySection,
-    JoinRequest, NodeMessage, StatusReport,
+    gateway_message, node_message, session_client::SessionClient, CommandAck, CommandResult,
+    Device, HealthReport, Heartbeat, Hello, InventorySection, NodeMessage, Renew, StatusReport,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -101,7 +100,9 @@ pub enum DaemonError {
     Other(String),
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DaemonError + '_ {
+pub use crate::identity::{ensure_joined, Credentials};
+
+pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DaemonError + '_ {
     move |source| DaemonError::Io {
         path: path.to_path_buf(),
         source,
@@ -111,6 +112,8 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DaemonError + '_ {
 /// Counters of a running daemon.
 #[derive(Debug, Default)]
 pub struct DaemonStats {
+    /// Certificates renewed over a session.
+    pub renewals: AtomicU64,
     pub connects: AtomicU64,
     pub sessions: AtomicU64,
     pub pushbacks: AtomicU64,
@@ -125,99 +128,6 @@ pub struct DaemonStats {
     pub commands_received: AtomicU64,
     /// Commands actually run (not repeats).
     pub commands_run: AtomicU64,
-}
-
-/// The node's identity on disk.
-pub struct Credentials {
-    pub cert_pem: String,
-    pub key_pem: String,
-    pub ca_pem: String,
-    pub pool: String,
-}
-
-fn write_private(path: &Path, data: &[u8]) -> Result<(), DaemonError> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(io(path))?;
-    f.write_all(data).map_err(io(path))?;
-    f.sync_all().map_err(io(path))
-}
-
-fn load(dir: &Path) -> Result<Option<Credentials>, DaemonError> {
-    let cert = dir.join("node.pem");
-    if !cert.exists() {
-        return Ok(None);
-    }
-    let read = |name: &str| {
-        let p = dir.join(name);
-        std::fs::read_to_string(&p).map_err(io(&p))
-    };
-    Ok(Some(Credentials {
-        cert_pem: read("node.pem")?,
-        key_pem: read("node.key")?,
-        ca_pem: read("ca.pem")?,
-        pool: read("pool").unwrap_or_default().trim().to_string(),
-    }))
-}
-
-/// Joins the region if this node has no certificate yet; returns its
-/// credentials either way.
-pub async fn ensure_joined(config: &DaemonConfig) -> Result<Credentials, DaemonError> {
-    let dir = &config.data_dir;
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    if let Some(c) = load(dir)? {
-        return Ok(c);
-    }
-    let (Some(token), Some(ca_pem)) = (&config.token, &config.ca_pem) else {
-        return Err(DaemonError::NeedsJoin);
-    };
-    let key = rcgen::KeyPair::generate().map_err(|e| DaemonError::Other(e.to_string()))?;
-    let csr = rcgen::CertificateParams::new(Vec::<String>::new())
-        .and_then(|p| p.serialize_request(&key))
-        .and_then(|c| c.pem())
-        .map_err(|e| DaemonError::Other(e.to_string()))?;
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(ca_pem))
-        .domain_name(config.server_name.clone());
-    let first = config
-        .gateways
-        .first()
-        .ok_or(DaemonError::Other("no gateway given".into()))?;
-    let channel = Endpoint::from_shared(first.clone())
-        .map_err(|e| DaemonError::Other(format!("gateway address {first:?}: {e}")))?
-        .tls_config(tls)
-        .map_err(|e| DaemonError::Other(e.to_string()))?
-        .connect_timeout(Duration::from_secs(10))
-        .connect()
-        .await
-        .map_err(|e| DaemonError::Unreachable(format!("connect to the gateway {first}: {e}")))?;
-    let resp = JoinClient::new(channel)
-        .join(JoinRequest {
-            token: token.clone(),
-            node_id: config.node_id.clone(),
-            csr_pem: csr,
-        })
-        .await
-        .map_err(|s| match s.code() {
-            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::ResourceExhausted => {
-                DaemonError::Unreachable(format!("join: {}", s.message()))
-            }
-            _ => DaemonError::JoinRefused(s.message().to_string()),
-        })?
-        .into_inner();
-    write_private(&dir.join("node.key"), key.serialize_pem().as_bytes())?;
-    std::fs::write(dir.join("ca.pem"), &resp.ca_pem).map_err(io(dir))?;
-    std::fs::write(dir.join("pool"), &resp.pool).map_err(io(dir))?;
-    // The certificate last: its presence means "joined".
-    std::fs::write(dir.join("node.pem"), &resp.certificate_pem).map_err(io(dir))?;
-    tracing::info!(node = %config.node_id, pool = %resp.pool, "joined the region");
-    load(dir)?.ok_or(DaemonError::NeedsJoin)
 }
 
 /// Increments and returns the daemon's generation (one per start).
@@ -276,6 +186,8 @@ enum End {
     Refused(String),
     /// Anything else: reconnect with backoff.
     Lost(String),
+    /// The certificate was renewed: reconnect with it at once.
+    Renewed,
 }
 
 fn retry_after(status: &tonic::Status) -> Option<Duration> {
@@ -299,6 +211,29 @@ fn classify(status: tonic::Status) -> End {
         }
         _ => End::Lost(format!("{}: {}", status.code(), status.message())),
     }
+}
+
+/// One endpoint per gateway, presenting these credentials.
+fn endpoints(config: &DaemonConfig, creds: &Credentials) -> Result<Vec<Endpoint>, DaemonError> {
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&creds.ca_pem))
+        .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem))
+        .domain_name(config.server_name.clone());
+    let mut endpoints = Vec::with_capacity(config.gateways.len());
+    for g in &config.gateways {
+        endpoints.push(
+            Endpoint::from_shared(g.clone())
+                .map_err(|e| DaemonError::Other(format!("gateway address {g:?}: {e}")))?
+                .tls_config(tls.clone())
+                .map_err(|e| DaemonError::Other(e.to_string()))?
+                .connect_timeout(Duration::from_secs(10))
+                .tcp_nodelay(true),
+        );
+    }
+    if endpoints.is_empty() {
+        return Err(DaemonError::Other("no gateway given".into()));
+    }
+    Ok(endpoints)
 }
 
 /// Runs the daemon until `shutdown` turns true. Returns an error only when
@@ -327,24 +262,7 @@ pub async fn run(
     let generation = next_generation(&config.data_dir)?;
     let runner = Runner::new(Executor::open(&config.data_dir).map_err(io(&config.data_dir))?);
     let conditions = std::sync::Mutex::new(Conditions::open(&config.data_dir));
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(&creds.ca_pem))
-        .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem))
-        .domain_name(config.server_name.clone());
-    let mut endpoints = Vec::with_capacity(config.gateways.len());
-    for g in &config.gateways {
-        endpoints.push(
-            Endpoint::from_shared(g.clone())
-                .map_err(|e| DaemonError::Other(format!("gateway address {g:?}: {e}")))?
-                .tls_config(tls.clone())
-                .map_err(|e| DaemonError::Other(e.to_string()))?
-                .connect_timeout(Duration::from_secs(10))
-                .tcp_nodelay(true),
-        );
-    }
-    if endpoints.is_empty() {
-        return Err(DaemonError::Other("no gateway given".into()));
-    }
+    let mut endpoints = endpoints(&config, &creds)?;
     let mut at = fastrand::usize(..endpoints.len());
     let mut failures = 0u32;
     loop {
@@ -385,6 +303,12 @@ pub async fn run(
                 tracing::info!(node = %config.node_id, wait_ms = d.as_millis() as u64, "gateway pushback; waiting");
                 d
             }
+            End::Renewed => {
+                let creds =
+                    crate::identity::load(&config.data_dir)?.ok_or(DaemonError::NeedsJoin)?;
+                endpoints = self::endpoints(&config, &creds)?;
+                Duration::ZERO
+            }
             End::Lost(why) => {
                 failures = failures.saturating_add(1);
                 // Full jitter: uniform in [0, min(cap, base * 2^failures)).
@@ -398,6 +322,25 @@ pub async fn run(
             _ = shutdown.changed() => {}
         }
     }
+}
+
+/// A renewal request (and its key) when the certificate on disk has less
+/// than a third of its validity left.
+fn renewal_request(
+    config: &DaemonConfig,
+) -> Result<Option<(rcgen::KeyPair, NodeMessage)>, DaemonError> {
+    let path = config.data_dir.join("node.pem");
+    let pem = std::fs::read_to_string(&path).map_err(io(&path))?;
+    if !crate::identity::renewal_due(&pem, std::time::SystemTime::now()) {
+        return Ok(None);
+    }
+    let (key, csr_pem) = crate::identity::new_csr()?;
+    Ok(Some((
+        key,
+        NodeMessage {
+            body: Some(node_message::Body::Renew(Renew { csr_pem })),
+        },
+    )))
 }
 
 fn health_message(c: HealthChange) -> NodeMessage {
@@ -506,6 +449,9 @@ async fn session(
     );
     let mut health = tokio::time::interval(config.health_poll);
     let mut seq = 0u64;
+    // The key of a renewal asked for in this session (one per session).
+    let mut renewing: Option<rcgen::KeyPair> = None;
+    let mut asked_renewal = false;
     loop {
         tokio::select! {
             _ = shutdown.changed() => return End::Shutdown,
@@ -516,6 +462,19 @@ async fn session(
                     return End::Lost("send heartbeat".into());
                 }
                 stats.heartbeats.fetch_add(1, Ordering::Relaxed);
+                if !asked_renewal {
+                    match renewal_request(config) {
+                        Ok(Some((key, m))) => {
+                            asked_renewal = true;
+                            renewing = Some(key);
+                            if tx.send(m).await.is_err() {
+                                return End::Lost("send renewal".into());
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!(node = %config.node_id, error = %e, "cannot ask for a renewed certificate"),
+                    }
+                }
             }
             _ = health.tick() => {
                 // Only changes are sent: a condition in force is not raised
@@ -548,6 +507,24 @@ async fn session(
                     Some(gateway_message::Body::Pushback(p)) => {
                         return End::Pushback(Duration::from_millis(p.retry_after_ms.into()));
                     }
+                    Some(gateway_message::Body::Renewed(r)) => match renewing.take() {
+                        Some(key) if r.error.is_empty() => {
+                            match crate::identity::store_renewed(&config.data_dir, &key.serialize_pem(), &r.certificate_pem) {
+                                Ok(()) => {
+                                    stats.renewals.fetch_add(1, Ordering::Relaxed);
+                                    tracing::info!(node = %config.node_id, "certificate renewed; reconnecting with it");
+                                    return End::Renewed;
+                                }
+                                Err(e) => tracing::error!(node = %config.node_id, error = %e, "could not store the renewed certificate; the current one is kept"),
+                            }
+                        }
+                        Some(_) => {
+                            // Asked again at a later heartbeat.
+                            asked_renewal = false;
+                            tracing::warn!(node = %config.node_id, reason = %r.error, "the gateway did not renew the certificate");
+                        }
+                        None => {}
+                    },
                     Some(gateway_message::Body::Command(c)) => {
                         stats.commands_received.fetch_add(1, Ordering::Relaxed);
                         if let Some(hook) = &config.on_command {

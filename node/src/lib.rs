@@ -4,6 +4,7 @@ pub mod daemon;
 pub mod executor;
 pub mod gpu;
 pub mod health;
+pub mod identity;
 
 pub mod proto {
     tonic::include_proto!("strata.node.v1");

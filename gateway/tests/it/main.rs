@@ -18,6 +18,7 @@ use tokio_postgres::{Client, Config};
 
 mod authz;
 mod limits;
+mod renewal;
 
 struct Region {
     cfg: Config,
@@ -87,6 +88,17 @@ impl Region {
     async fn count(&self, sql: &str) -> i64 {
         self.client.query_one(sql, &[]).await.unwrap().get(0)
     }
+}
+
+/// A certificate signing request for a new key.
+fn new_csr() -> String {
+    let key = rcgen::KeyPair::generate().unwrap();
+    rcgen::CertificateParams::new(Vec::<String>::new())
+        .unwrap()
+        .serialize_request(&key)
+        .unwrap()
+        .pem()
+        .unwrap()
 }
 
 /// A client-API connection with this certificate.
@@ -1607,13 +1619,7 @@ async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_f
 async fn join_as(r: &Region, gw: &Running, token: &str, node: &str) -> Result<(), tonic::Status> {
     use gateway::proto::{join_client::JoinClient, JoinRequest};
     use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
-    let key = rcgen::KeyPair::generate().unwrap();
-    let csr = rcgen::CertificateParams::new(Vec::<String>::new())
-        .unwrap()
-        .serialize_request(&key)
-        .unwrap()
-        .pem()
-        .unwrap();
+    let csr = new_csr();
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(r.ca_pem()))
         .domain_name("localhost");
@@ -1678,6 +1684,35 @@ async fn a_join_token_cannot_take_an_existing_or_revoked_node_id() {
         .unwrap();
     join_as(r, &gw, &back, "alpha").await.unwrap();
     assert_eq!(certificates("alpha").await, 2);
+    // Re-provisioned: one transaction revokes the certificate alpha holds
+    // and makes a token for alpha alone; the new machine joins with it.
+    let (pool, token) = identity::replace(
+        &mut admin,
+        "alpha",
+        None,
+        Duration::from_secs(60),
+        "new disk",
+    )
+    .await
+    .unwrap();
+    assert_eq!(pool, "p");
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.node_certificates WHERE node = 'alpha' AND revoked_at IS NULL")
+            .await,
+        0
+    );
+    let err = join_as(r, &gw, &token, "other2").await.unwrap_err();
+    assert!(err.message().contains("for node \"alpha\""), "{err:?}");
+    join_as(r, &gw, &token, "alpha").await.unwrap();
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.node_certificates WHERE node = 'alpha' AND revoked_at IS NULL")
+            .await,
+        1
+    );
+    assert!(matches!(
+        identity::replace(&mut admin, "nobody", None, Duration::from_secs(60), "").await,
+        Err(identity::IdentityError::UnknownNode(_))
+    ));
     // A bad token gets nothing.
     let err = join_as(r, &gw, "stj_00", "delta").await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");

@@ -1,0 +1,157 @@
+//! The node's identity on disk: its key, its certificate, the region's CA
+//! and its pool. Joining (once, with a token) and renewing the certificate
+//! over the session before it expires (no token).
+//!
+//! A renewed key and certificate are written as `node.next.key` and then
+//! `node.next.pem` (through a temporary file and a rename, so its presence
+//! means both are whole), then moved over `node.key` and `node.pem` in that
+//! order; [`load`] finishes a move it finds half done, so a crash at any
+//! point leaves a key and certificate that match.
+
+use crate::daemon::{io, DaemonConfig, DaemonError};
+use crate::proto::{join_client::JoinClient, JoinRequest};
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+
+/// The node's identity on disk.
+pub struct Credentials {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub ca_pem: String,
+    pub pool: String,
+}
+
+pub(crate) fn write_private(path: &Path, data: &[u8]) -> Result<(), DaemonError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io(path))?;
+    f.write_all(data).map_err(io(path))?;
+    f.sync_all().map_err(io(path))
+}
+
+pub(crate) fn load(dir: &Path) -> Result<Option<Credentials>, DaemonError> {
+    promote(dir)?;
+    let cert = dir.join("node.pem");
+    if !cert.exists() {
+        return Ok(None);
+    }
+    let read = |name: &str| {
+        let p = dir.join(name);
+        std::fs::read_to_string(&p).map_err(io(&p))
+    };
+    Ok(Some(Credentials {
+        cert_pem: read("node.pem")?,
+        key_pem: read("node.key")?,
+        ca_pem: read("ca.pem")?,
+        pool: read("pool").unwrap_or_default().trim().to_string(),
+    }))
+}
+
+/// Joins the region if this node has no certificate yet; returns its
+/// credentials either way.
+pub async fn ensure_joined(config: &DaemonConfig) -> Result<Credentials, DaemonError> {
+    let dir = &config.data_dir;
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    if let Some(c) = load(dir)? {
+        return Ok(c);
+    }
+    let (Some(token), Some(ca_pem)) = (&config.token, &config.ca_pem) else {
+        return Err(DaemonError::NeedsJoin);
+    };
+    let (key, csr) = new_csr()?;
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca_pem))
+        .domain_name(config.server_name.clone());
+    let first = config
+        .gateways
+        .first()
+        .ok_or(DaemonError::Other("no gateway given".into()))?;
+    let channel = Endpoint::from_shared(first.clone())
+        .map_err(|e| DaemonError::Other(format!("gateway address {first:?}: {e}")))?
+        .tls_config(tls)
+        .map_err(|e| DaemonError::Other(e.to_string()))?
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .map_err(|e| DaemonError::Unreachable(format!("connect to the gateway {first}: {e}")))?;
+    let resp = JoinClient::new(channel)
+        .join(JoinRequest {
+            token: token.clone(),
+            node_id: config.node_id.clone(),
+            csr_pem: csr,
+        })
+        .await
+        .map_err(|s| match s.code() {
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::ResourceExhausted => {
+                DaemonError::Unreachable(format!("join: {}", s.message()))
+            }
+            _ => DaemonError::JoinRefused(s.message().to_string()),
+        })?
+        .into_inner();
+    write_private(&dir.join("node.key"), key.serialize_pem().as_bytes())?;
+    std::fs::write(dir.join("ca.pem"), &resp.ca_pem).map_err(io(dir))?;
+    std::fs::write(dir.join("pool"), &resp.pool).map_err(io(dir))?;
+    // The certificate last: its presence means "joined".
+    std::fs::write(dir.join("node.pem"), &resp.certificate_pem).map_err(io(dir))?;
+    tracing::info!(node = %config.node_id, pool = %resp.pool, "joined the region");
+    load(dir)?.ok_or(DaemonError::NeedsJoin)
+}
+
+/// Moves a renewed key and certificate into place, or finishes a move a
+/// crash interrupted.
+fn promote(dir: &Path) -> Result<(), DaemonError> {
+    let (next_pem, next_key) = (dir.join("node.next.pem"), dir.join("node.next.key"));
+    if !next_pem.exists() {
+        return Ok(());
+    }
+    if next_key.exists() {
+        std::fs::rename(&next_key, dir.join("node.key")).map_err(io(&next_key))?;
+    }
+    std::fs::rename(&next_pem, dir.join("node.pem")).map_err(io(&next_pem))
+}
+
+/// Writes a renewed key and certificate and moves them into place.
+pub(crate) fn store_renewed(dir: &Path, key_pem: &str, cert_pem: &str) -> Result<(), DaemonError> {
+    write_private(&dir.join("node.next.key"), key_pem.as_bytes())?;
+    let tmp = dir.join("node.next.pem.tmp");
+    write_private(&tmp, cert_pem.as_bytes())?;
+    std::fs::rename(&tmp, dir.join("node.next.pem")).map_err(io(&tmp))?;
+    promote(dir)
+}
+
+/// A new key and a CSR for it.
+pub(crate) fn new_csr() -> Result<(rcgen::KeyPair, String), DaemonError> {
+    let key = rcgen::KeyPair::generate().map_err(|e| DaemonError::Other(e.to_string()))?;
+    let csr = rcgen::CertificateParams::new(Vec::<String>::new())
+        .and_then(|p| p.serialize_request(&key))
+        .and_then(|c| c.pem())
+        .map_err(|e| DaemonError::Other(e.to_string()))?;
+    Ok((key, csr))
+}
+
+/// Whether the certificate (the first in `cert_pem`) has less than a third
+/// of its validity left at `now`; an unreadable one is not renewed here.
+pub fn renewal_due(cert_pem: &str, now: SystemTime) -> bool {
+    let Ok((_, pem)) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes()) else {
+        return false;
+    };
+    let Ok(cert) = pem.parse_x509() else {
+        return false;
+    };
+    let at = |t: x509_parser::time::ASN1Time| {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(t.timestamp().max(0) as u64)
+    };
+    let (from, to) = (
+        at(cert.validity().not_before),
+        at(cert.validity().not_after),
+    );
+    let total = to.duration_since(from).unwrap_or_default();
+    to.duration_since(now).unwrap_or_default() < total / 3
+}
