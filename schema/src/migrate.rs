@@ -109,6 +109,14 @@ pub fn checksum(sql: &str) -> String {
 /// Applies every migration the database does not have yet. Returns the
 /// versions it applied (empty when the database was up to date).
 pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, Error> {
+    migrate_with(client, MIGRATIONS).await
+}
+
+/// [`migrate`] with these migrations (tests give one more of their own).
+pub async fn migrate_with(
+    client: &mut Client,
+    migrations: &[Migration],
+) -> Result<Vec<i32>, Error> {
     // Wait for the lock in the open, saying who holds it, rather than
     // blocking without a word.
     let mut waited = std::time::Duration::ZERO;
@@ -147,7 +155,7 @@ pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, Error> {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         waited += std::time::Duration::from_millis(500);
     }
-    let result = migrate_locked(client).await;
+    let result = migrate_locked(client, migrations).await;
     // The lock is session-level; release it whatever happened. If the
     // connection is gone, so is the lock.
     let _ = client
@@ -156,7 +164,7 @@ pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, Error> {
     result
 }
 
-async fn migrate_locked(client: &mut Client) -> Result<Vec<i32>, Error> {
+async fn migrate_locked(client: &mut Client, migrations: &[Migration]) -> Result<Vec<i32>, Error> {
     client
         .batch_execute(
             "CREATE SCHEMA IF NOT EXISTS strata;
@@ -176,7 +184,7 @@ async fn migrate_locked(client: &mut Client) -> Result<Vec<i32>, Error> {
         )
         .await
         .context("read applied migrations")?;
-    let known = MIGRATIONS.last().map_or(0, |m| m.version);
+    let known = migrations.last().map_or(0, |m| m.version);
     let mut applied = std::collections::HashMap::new();
     for row in &rows {
         let version: i32 = row.get(0);
@@ -190,7 +198,7 @@ async fn migrate_locked(client: &mut Client) -> Result<Vec<i32>, Error> {
         applied.insert(version, sum);
     }
     let mut done = Vec::new();
-    for m in MIGRATIONS {
+    for m in migrations {
         let current = checksum(m.sql);
         if let Some(sum) = applied.get(&m.version) {
             if *sum != current {

@@ -136,3 +136,61 @@ fn missing_server_binaries_are_reported_with_the_package_to_install() {
     let msg = schema::ClusterError::NoServerBinaries.to_string();
     assert!(msg.contains("apt-get install postgresql"), "{msg}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_never_holds_up_the_event_table_behind_a_reader() {
+    // A migration that locks the event table, while a reader (an
+    // auditor's open transaction) holds it: the migration gives up its
+    // place in the lock queue after its lock timeout and tries again, so
+    // the statements queued behind it go on, and it is applied once the
+    // reader is gone.
+    let cluster = schema::testing::shared_cluster();
+    let url = schema::testing::migrated_database(cluster).await;
+    let mut reader = client(&url).await;
+    let tx = reader.transaction().await.unwrap();
+    tx.query_one("SELECT count(*) FROM strata.events", &[])
+        .await
+        .unwrap();
+    let mut migrator = client(&url).await;
+    let mut migrations = schema::migrate::MIGRATIONS.to_vec();
+    migrations.push(schema::migrate::Migration {
+        version: 9_999,
+        name: "probe",
+        sql: "ALTER TABLE strata.events ADD COLUMN probe integer",
+    });
+    let migrating =
+        tokio::spawn(
+            async move { schema::migrate::migrate_with(&mut migrator, &migrations).await },
+        );
+    // Others keep using the table meanwhile: none waits for the reader.
+    let other = client(&url).await;
+    let started = std::time::Instant::now();
+    let mut slowest = std::time::Duration::ZERO;
+    while started.elapsed() < std::time::Duration::from_secs(6) {
+        let t = std::time::Instant::now();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            other.query_one("SELECT count(*) FROM strata.events", &[]),
+        )
+        .await
+        .expect("a statement queued behind the migration, which waits for the reader")
+        .unwrap();
+        slowest = slowest.max(t.elapsed());
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        slowest < std::time::Duration::from_secs(4),
+        "a statement waited {slowest:?} behind the migration"
+    );
+    assert!(
+        !migrating.is_finished(),
+        "the migration went past the reader"
+    );
+    tx.rollback().await.unwrap();
+    let applied = tokio::time::timeout(std::time::Duration::from_secs(30), migrating)
+        .await
+        .expect("the migration is applied once the reader is gone")
+        .unwrap()
+        .unwrap();
+    assert_eq!(applied, [9_999]);
+}
