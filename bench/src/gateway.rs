@@ -10,6 +10,11 @@
 //! log's own commit-to-subscription lag for the same `command.issued`
 //! events, the floor under any dispatch.
 //!
+//! Then (`hostile.rs`) joins through the Join service with real tokens at
+//! the default join rate (baseline: a gateway with no join limit), and the
+//! gateway's RSS, CPU and a fresh handshake's latency with its sessions plus
+//! 10,000 idle and half-open connections (baseline: the same just before).
+//!
 //! `spine`: 1,000 daemons, the gateway process, a placer and a binder;
 //! 1-GPU reservations at 50/s. Reports requested-to-active p50/p99, against
 //! requested-to-placed in the same run.
@@ -63,11 +68,14 @@ pub struct ServerArgs {
     listen: std::net::SocketAddr,
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     heartbeat: Duration,
+    /// Joins admitted per second (the gateway's default when not given)
+    #[arg(long)]
+    joins_per_second: Option<f64>,
 }
 
 pub async fn server(args: ServerArgs) -> Result<()> {
     let cfg: tokio_postgres::Config = args.database_url.parse()?;
-    let mut rc = ReaderConfig::new("bench_gateway_server");
+    let mut rc = ReaderConfig::new(format!("bench_gateway_server_{}", std::process::id()));
     rc.temporary = true;
     let reader = Reader::start(cfg.clone(), rc);
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
@@ -76,6 +84,9 @@ pub async fn server(args: ServerArgs) -> Result<()> {
     gc.max_streams = 100_000;
     gc.handshakes_per_second = 5_000.0;
     gc.max_pending_hellos = 5_000;
+    if let Some(j) = args.joins_per_second {
+        gc.joins_per_second = j;
+    }
     let gw = gateway::server::start(cfg, reader, appender, gc).await?;
     println!("listening {}", gw.addr);
     tokio::signal::ctrl_c().await?;
@@ -98,6 +109,16 @@ pub(crate) struct GatewayProcess {
 
 impl GatewayProcess {
     pub(crate) async fn start(url: &str, ca: &Path, heartbeat: &str) -> Result<GatewayProcess> {
+        Self::start_with(url, ca, heartbeat, &[]).await
+    }
+
+    /// The same with more of `gateway-server`'s arguments.
+    pub(crate) async fn start_with(
+        url: &str,
+        ca: &Path,
+        heartbeat: &str,
+        extra: &[&str],
+    ) -> Result<GatewayProcess> {
         use tokio::io::AsyncBufReadExt;
         let exe = std::env::current_exe()?;
         let mut child = tokio::process::Command::new(exe)
@@ -112,6 +133,7 @@ impl GatewayProcess {
             ])
             .arg("--ca-dir")
             .arg(ca)
+            .args(extra)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit())
             .kill_on_drop(true)
@@ -136,14 +158,7 @@ impl GatewayProcess {
     }
 
     fn rss_mib(&self) -> f64 {
-        std::fs::read_to_string(format!("/proc/{}/status", self.pid))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmRSS:"))
-                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-            })
-            .map_or(0.0, |kib| kib / 1024.0)
+        rss_of(self.pid)
     }
 
     /// CPU seconds used so far (user + system).
@@ -163,6 +178,18 @@ impl GatewayProcess {
             let _ = self.child.kill().await;
         }
     }
+}
+
+/// A process's resident memory in MiB (0 when it is gone).
+pub(crate) fn rss_of(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
 }
 
 /// Provisions `n` nodes (keys, certificates recorded in the database) under
@@ -274,6 +301,30 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
     );
     let gw = GatewayProcess::start(&url, &dir.path().join("ca"), "10s").await?;
     let rss_idle = gw.rss_mib();
+    let ca_path = dir.path().join("ca").join("ca.pem");
+    let ca_pem = std::fs::read_to_string(&ca_path)?;
+
+    // Joins with real one-time tokens, at the gateway's default join rate;
+    // the baseline: the same through a gateway with no join limit.
+    let n_joins = if args.quick { 1_000 } else { args.sessions };
+    eprintln!("joins: {n_joins} new nodes with one-time tokens at the default join rate ...");
+    let limited =
+        crate::hostile::joins(&client, &gw.addr, &ca_pem, "gw", "jn", n_joins, 64).await?;
+    let free = GatewayProcess::start_with(
+        &url,
+        &dir.path().join("ca"),
+        "10s",
+        &["--joins-per-second", "1000000"],
+    )
+    .await?;
+    let n_free = if args.quick { 500 } else { 3_000 };
+    let unlimited =
+        crate::hostile::joins(&client, &free.addr, &ca_pem, "gw", "ju", n_free, 64).await?;
+    free.stop().await;
+    eprintln!(
+        "joins: {:.0}/s at the default limit ({} pushbacks waited out), {:.0}/s with none",
+        limited.per_s, limited.pushbacks, unlimited.per_s
+    );
 
     // Ramp: every daemon connects.
     let received: Seen = Arc::default();
@@ -434,6 +485,62 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
         .sessions
         .load(Ordering::Relaxed)
         .saturating_sub(args.sessions as u64);
+
+    // Hostile connections: 10,000 more (2,000 finish TLS and sit idle, the
+    // rest never send a byte) while the gateway holds its sessions. The
+    // baseline: the same gateway over the same time just before.
+    let addr: std::net::SocketAddr = gw.addr.trim_start_matches("https://").parse()?;
+    let flood_secs = if args.quick { 10 } else { 20 };
+    let (probe_before, _) = crate::hostile::probe(addr, &ca_pem, 20).await?;
+    let (cpu_b, tb) = (gw.cpu_s(), Instant::now());
+    let mut rss_calm = Vec::new();
+    while tb.elapsed() < Duration::from_secs(flood_secs) {
+        rss_calm.push(gw.rss_mib());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let calm_cpu = (gw.cpu_s() - cpu_b) / tb.elapsed().as_secs_f64();
+    let sessions_before = stats.sessions.load(Ordering::Relaxed);
+    eprintln!("flood: 10,000 idle and half-open connections for {flood_secs} s ...");
+    let child = crate::hostile::spawn_flood(addr, &ca_path, 10_000, flood_secs + 5)?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (cpu_f, tf) = (gw.cpu_s(), Instant::now());
+    let rss_sampler = {
+        let pid = gw.pid;
+        tokio::spawn(async move {
+            let mut v = Vec::new();
+            let until = Instant::now() + Duration::from_secs(flood_secs);
+            while Instant::now() < until {
+                v.push(crate::gateway::rss_of(pid));
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            v
+        })
+    };
+    let (probe_during, probe_failures) = crate::hostile::probe(addr, &ca_pem, 20).await?;
+    let rss_flood = rss_sampler.await?;
+    let flood_cpu = (gw.cpu_s() - cpu_f) / tf.elapsed().as_secs_f64();
+    let flood_out = child.wait_with_output().await?;
+    let flood_report: serde_json::Value =
+        serde_json::from_slice(&flood_out.stdout).unwrap_or(serde_json::Value::Null);
+    let sessions_lost = stats
+        .sessions
+        .load(Ordering::Relaxed)
+        .saturating_sub(sessions_before);
+    let connected_after = stats.connected.load(Ordering::Relaxed);
+    let (mut pb, mut pd) = (probe_before.clone(), probe_during.clone());
+    let (pb50, pb99, pd50, pd99) = (
+        percentile_ms(&mut pb, 0.5),
+        percentile_ms(&mut pb, 0.99),
+        percentile_ms(&mut pd, 0.5),
+        percentile_ms(&mut pd, 0.99),
+    );
+    let rss_calm_max = rss_calm.iter().copied().fold(0.0, f64::max);
+    let rss_flood_max = rss_flood.iter().copied().fold(0.0, f64::max);
+    eprintln!(
+        "flood: gateway RSS {rss_calm_max:.0} -> {rss_flood_max:.0} MiB, CPU {:.0}% -> {:.0}% of a core; a new handshake p50 {pb50:.1} -> {pd50:.1} ms, p99 {pb99:.1} -> {pd99:.1} ms; {probe_failures} of 20 failed; sessions re-opened {sessions_lost}, connected {connected_after}; {flood_report}",
+        calm_cpu * 100.0,
+        flood_cpu * 100.0
+    );
     let _ = stop.send(true);
     for t in tasks {
         let _ = t.await;
@@ -462,6 +569,35 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
         "rss_end_mib": round(rss_end, 1),
         "rss_samples_mib": rss.iter().map(|v| round(*v, 0)).collect::<Vec<_>>(),
         "gateway_cpu_percent_of_one_core": round(cmd_cpu / cmd_wall * 100.0, 1),
+        "joins": {
+            "nodes": limited.joins,
+            "seconds": round(limited.secs, 1),
+            "per_s_default_limit": round(limited.per_s, 1),
+            "default_limit_per_s": 200,
+            "pushbacks": limited.pushbacks,
+            "baseline_nodes": unlimited.joins,
+            "per_s_no_limit": round(unlimited.per_s, 1),
+            "default_over_no_limit": round(limited.per_s / unlimited.per_s.max(1e-9), 3),
+        },
+        "flood": {
+            "connections": 10_000,
+            "tls_idle": 2_000,
+            "seconds": flood_secs,
+            "rss_calm_mib": round(rss_calm_max, 1),
+            "rss_flood_mib": round(rss_flood_max, 1),
+            "rss_flood_over_calm": round(rss_flood_max / rss_calm_max.max(1e-9), 3),
+            "cpu_calm_percent_of_one_core": round(calm_cpu * 100.0, 1),
+            "cpu_flood_percent_of_one_core": round(flood_cpu * 100.0, 1),
+            "handshake_p50_ms_before": round(pb50, 2),
+            "handshake_p99_ms_before": round(pb99, 2),
+            "handshake_p50_ms_during": round(pd50, 2),
+            "handshake_p99_ms_during": round(pd99, 2),
+            "handshake_p99_during_over_before": round(pd99 / pb99.max(1e-9), 2),
+            "handshakes_failed_during": probe_failures,
+            "sessions_reopened": sessions_lost,
+            "connected_after": connected_after,
+            "flood_process": flood_report,
+        },
         "targets": {"sessions": 10000, "rss_mib": "< 512", "dispatch_p99_ms": "< 25", "drops": 0},
         "met": {
             "rss_mib": rss_max < 512.0,

@@ -4,6 +4,7 @@
 
 mod append;
 mod gateway;
+mod hostile;
 mod lifecycle;
 mod placements;
 mod replay;
@@ -45,6 +46,9 @@ enum Scenario {
     /// (internal) the gateway process of `gateway` and `spine`
     #[command(hide = true)]
     GatewayServer(gateway::ServerArgs),
+    /// (internal) the hostile connections of `gateway`
+    #[command(hide = true)]
+    GatewayFlood(hostile::FloodArgs),
     /// Events delivered to webhook and NATS JetStream sinks: rate, latency, WAL, CPU of 10 sinks vs 1
     Sinks(sinks::Args),
     /// Rebuilding the pool index from history: from PostgreSQL against COPY binary of the same rows, and from archives
@@ -82,6 +86,7 @@ fn run() -> anyhow::Result<()> {
             Scenario::Gateway(a) => gateway::run_gateway(a).await,
             Scenario::Spine(a) => gateway::run_spine(a).await,
             Scenario::GatewayServer(a) => gateway::server(a).await,
+            Scenario::GatewayFlood(a) => hostile::flood(a).await,
             Scenario::Lifecycle(a) => lifecycle::run(a).await,
             Scenario::BinderServer(a) => lifecycle::binder_server(a).await,
             Scenario::Sinks(a) => sinks::run(a).await,

@@ -1,0 +1,256 @@
+//! The gateway's phases of `bench gateway` that measure it against its own
+//! limits and against hostile clients: joins through the Join service with
+//! real one-time tokens (at the default join rate, against a gateway with
+//! no join limit as the baseline), and a flood of idle and half-open
+//! connections (from a child process of its own, `gateway-flood`) while
+//! the gateway holds its sessions.
+
+use anyhow::{Context, Result};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Joins made through one gateway.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct JoinRate {
+    pub(crate) joins: u32,
+    pub(crate) secs: f64,
+    pub(crate) per_s: f64,
+    /// RESOURCE_EXHAUSTED answers waited out (the join rate limit).
+    pub(crate) pushbacks: u64,
+}
+
+/// Makes `n` one-time tokens and joins `n` new nodes with them through the
+/// gateway at `addr`, `concurrency` at a time, each waiting out pushbacks
+/// as a daemon does.
+pub(crate) async fn joins(
+    client: &tokio_postgres::Client,
+    addr: &str,
+    ca_pem: &str,
+    pool: &str,
+    prefix: &str,
+    n: u32,
+    concurrency: usize,
+) -> Result<JoinRate> {
+    let mut tokens = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        tokens.push(
+            gateway::identity::create_token(client, pool, Duration::from_secs(3600), None).await?,
+        );
+    }
+    let channel = tonic::transport::Endpoint::from_shared(addr.to_string())?
+        .tls_config(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem))
+                .domain_name("localhost"),
+        )?
+        .connect()
+        .await
+        .context("connect to the gateway for joins")?;
+    let work = Arc::new(std::sync::Mutex::new(
+        tokens.into_iter().enumerate().collect::<Vec<_>>(),
+    ));
+    let pushbacks = Arc::new(AtomicU64::new(0));
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (work, pushbacks, channel) = (work.clone(), pushbacks.clone(), channel.clone());
+        let prefix = prefix.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut join = gateway::proto::join_client::JoinClient::new(channel);
+            loop {
+                let Some((i, token)) = work.lock().expect("work lock").pop() else {
+                    return anyhow::Ok(());
+                };
+                let key = rcgen_key()?;
+                loop {
+                    let req = gateway::proto::JoinRequest {
+                        token: token.clone(),
+                        node_id: format!("{prefix}{i:05}"),
+                        csr_pem: key.clone(),
+                    };
+                    match join.join(req).await {
+                        Ok(_) => break,
+                        Err(s) if s.code() == tonic::Code::ResourceExhausted => {
+                            pushbacks.fetch_add(1, Ordering::Relaxed);
+                            let ms = s
+                                .metadata()
+                                .get("retry-after-ms")
+                                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                                .unwrap_or(100);
+                            tokio::time::sleep(Duration::from_millis(ms)).await;
+                        }
+                        Err(s) => anyhow::bail!("join {prefix}{i}: {s}"),
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    Ok(JoinRate {
+        joins: n,
+        secs,
+        per_s: n as f64 / secs,
+        pushbacks: pushbacks.load(Ordering::Relaxed),
+    })
+}
+
+/// A CSR for a new key (PEM).
+fn rcgen_key() -> Result<String> {
+    let key = rcgen::KeyPair::generate()?;
+    Ok(rcgen::CertificateParams::new(Vec::<String>::new())?
+        .serialize_request(&key)?
+        .pem()?)
+}
+
+fn tls_connector(ca_pem: &str) -> Result<tokio_rustls::TlsConnector> {
+    use tokio_rustls::rustls;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::pem::PemObject::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(c?)?;
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}
+
+/// How long a fresh TCP connection and TLS handshake take, `n` times, and
+/// how many of them failed (reset, or over 30 s).
+pub(crate) async fn probe(
+    addr: SocketAddr,
+    ca_pem: &str,
+    n: usize,
+) -> Result<(Vec<Duration>, u32)> {
+    let connector = tls_connector(ca_pem)?;
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("localhost")?;
+    let (mut out, mut failed) = (Vec::with_capacity(n), 0);
+    for _ in 0..n {
+        let t = Instant::now();
+        let attempt = async {
+            let tcp = tokio::net::TcpStream::connect(addr).await?;
+            connector.connect(name.clone(), tcp).await
+        };
+        match tokio::time::timeout(Duration::from_secs(30), attempt).await {
+            Ok(Ok(tls)) => {
+                out.push(t.elapsed());
+                drop(tls);
+            }
+            _ => failed += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok((out, failed))
+}
+
+/// The hidden `gateway-flood` subcommand: hostile connections.
+#[derive(clap::Args, Debug)]
+pub struct FloodArgs {
+    #[arg(long)]
+    addr: SocketAddr,
+    /// The CA certificate (to finish TLS handshakes)
+    #[arg(long)]
+    ca: std::path::PathBuf,
+    /// Connections held open at once (as many as the gateway lets stay)
+    #[arg(long, default_value_t = 10_000)]
+    connections: u32,
+    /// Of them, how many finish their TLS handshake and then sit idle (the
+    /// rest never send a byte)
+    #[arg(long, default_value_t = 2_000)]
+    tls: u32,
+    #[arg(long, default_value_t = 15)]
+    seconds: u64,
+}
+
+/// Holds `connections` connections for `seconds`, each opened again five
+/// seconds after the gateway closes it; prints what happened as JSON.
+pub async fn flood(args: FloodArgs) -> Result<()> {
+    let ca_pem = std::fs::read_to_string(&args.ca)?;
+    let connector = tls_connector(&ca_pem)?;
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("localhost")?.to_owned();
+    let deadline = Instant::now() + Duration::from_secs(args.seconds);
+    let (opened, closed, failed) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let mut tasks = Vec::new();
+    for i in 0..args.connections {
+        let (opened, closed, failed) = (opened.clone(), closed.clone(), failed.clone());
+        let (connector, name) = (connector.clone(), name.clone());
+        let tls = i < args.tls;
+        tasks.push(tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            while Instant::now() < deadline {
+                let Ok(mut tcp) = tokio::net::TcpStream::connect(args.addr).await else {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                };
+                opened.fetch_add(1, Ordering::Relaxed);
+                let mut buf = [0u8; 512];
+                let held = async {
+                    if tls {
+                        if let Ok(mut s) = connector.connect(name.clone(), tcp).await {
+                            while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
+                        }
+                    } else {
+                        while matches!(tcp.read(&mut buf).await, Ok(n) if n > 0) {}
+                    }
+                };
+                if tokio::time::timeout_at(deadline.into(), held).await.is_ok() {
+                    closed.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "opened": opened.load(Ordering::Relaxed),
+            "closed_by_gateway": closed.load(Ordering::Relaxed),
+            "connect_failures": failed.load(Ordering::Relaxed),
+        })
+    );
+    Ok(())
+}
+
+/// Runs `gateway-flood` against `addr` as a child process; returns its
+/// output once it ends.
+pub(crate) fn spawn_flood(
+    addr: SocketAddr,
+    ca: &std::path::Path,
+    connections: u32,
+    seconds: u64,
+) -> Result<tokio::process::Child> {
+    let exe = std::env::current_exe()?;
+    tokio::process::Command::new(exe)
+        .args([
+            "gateway-flood",
+            "--addr",
+            &addr.to_string(),
+            "--connections",
+            &connections.to_string(),
+            "--seconds",
+            &seconds.to_string(),
+        ])
+        .arg("--ca")
+        .arg(ca)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .context("start the flood process")
+}
