@@ -3,6 +3,7 @@
 //! one final JSON line and writes it under `bench/results/`.
 
 mod append;
+mod audit;
 mod gateway;
 mod hostile;
 mod lifecycle;
@@ -49,6 +50,8 @@ enum Scenario {
     /// (internal) the hostile connections of `gateway`
     #[command(hide = true)]
     GatewayFlood(hostile::FloodArgs),
+    /// Statements per second through the audit endpoint against PostgreSQL directly (pgbench, select-only)
+    Audit(audit::Args),
     /// Events delivered to webhook and NATS JetStream sinks: rate, latency, WAL, CPU of 10 sinks vs 1
     Sinks(sinks::Args),
     /// Rebuilding the pool index from history: from PostgreSQL against COPY binary of the same rows, and from archives
@@ -92,6 +95,7 @@ fn run() -> anyhow::Result<()> {
             Scenario::Sinks(a) => sinks::run(a).await,
             Scenario::SinksServer(a) => sinks::server(a).await,
             Scenario::Replay(a) => replay::run(a).await,
+            Scenario::Audit(a) => audit::run(a).await,
         }
     })
 }
