@@ -566,7 +566,7 @@ async fn start_audit(
     ac.max_sessions = args.audit_max_sessions;
     if gateway::ca::exists(&args.ca_dir) {
         let ca = gateway::ca::Ca::load(&args.ca_dir)?;
-        let (cert_pem, key_pem) = ca.server_identity(&args.tls_names)?;
+        let (cert_pem, key_pem) = ca.server_identity_for(&args.tls_names, args.serving_validity)?;
         ac.tls = Some(::replay::audit::TlsFiles {
             cert_pem,
             key_pem,
@@ -581,6 +581,19 @@ async fn start_audit(
     let endpoint = ::replay::audit::start(args.audit_listen, ac, appender)
         .await
         .context("start the audit endpoint")?;
+    if let Some(renewer) = endpoint.renewer() {
+        let (dir, names, validity) = (
+            args.ca_dir.clone(),
+            args.tls_names.clone(),
+            args.serving_validity,
+        );
+        events::task::spawn(
+            "audit-serving-cert",
+            gateway::ca::keep_renewed(dir, names, validity, "audit", move |cert, key| {
+                renewer.renew(cert, key).map_err(|e| e.to_string())
+            }),
+        );
+    }
     eprintln!(
         "audit endpoint listening on {} ({}); connect with: psql \"host={} port={} user=<auditor> dbname=audit{}\"",
         endpoint.addr,

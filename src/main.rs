@@ -354,7 +354,8 @@ pub struct IssueArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum TokensCmd {
-    /// Issue a one-time join token for a pool (printed once; only its hash is stored)
+    /// Issue a one-time join token for a pool and the node ids it admits (printed once; only its hash is stored)
+    #[command(group(clap::ArgGroup::new("admits").required(true).args(["node", "nodes"])))]
     Create {
         #[command(flatten)]
         db: Db,
@@ -366,6 +367,9 @@ pub enum TokensCmd {
         /// Only this node may join with it (the only way back for a revoked node)
         #[arg(long)]
         node: Option<String>,
+        /// Node ids it admits, `*` standing for any characters: gpu-rack7-*, or '*' for any id not taken
+        #[arg(long)]
+        nodes: Option<String>,
     },
 }
 
@@ -785,7 +789,7 @@ pub struct ServeArgs {
     /// gateway: inventory and health messages one node may send per second (bursts of ten times as many); past it its session is ended
     #[arg(long, default_value_t = 20.0)]
     pub node_messages_per_second: f64,
-    /// gateway: validity of its serving certificate, renewed (and served without a restart) when a third is left
+    /// gateway and audit: validity of their serving certificates, renewed (and served without a restart) when a third is left
     #[arg(long, default_value = "30days", value_parser = humantime::parse_duration)]
     pub serving_validity: std::time::Duration,
     /// How long a durable subscription (a sink's, say) held by a process that died stays unavailable

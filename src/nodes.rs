@@ -207,16 +207,20 @@ pub async fn tokens(cmd: TokensCmd) -> Result<ExitCode> {
             pool,
             ttl,
             node,
+            nodes,
         } => {
             let client = connect(&db).await?;
             if !placer::client::pool_exists(&client, &pool).await? {
                 bail!("pool {pool:?} does not exist (see `strata pools`)");
             }
-            let token =
-                gateway::identity::create_token(&client, &pool, ttl, node.as_deref()).await?;
-            let only = node
-                .map(|n| format!(" and node {n} alone"))
-                .unwrap_or_default();
+            let admits = node.as_deref().or(nodes.as_deref()).unwrap_or_default();
+            let token = gateway::identity::create_token(&client, &pool, ttl, admits).await?;
+            let only = match (&node, &nodes) {
+                (Some(n), _) => format!(" and node {n} alone"),
+                (None, Some(p)) if p == "*" => " and any node id not taken".to_string(),
+                (None, Some(p)) => format!(" and a node id matching {p}"),
+                (None, None) => String::new(),
+            };
             eprintln!(
                 "a one-time token for pool {pool}{only}, valid for {}; it is not shown again:",
                 humantime::format_duration(ttl)
@@ -565,7 +569,7 @@ pub async fn start_fleet(
         c.server_name = tls_name.to_string();
         if !data_dir.join(&node_id).join("node.pem").exists() {
             c.token = Some(
-                gateway::identity::create_token(client, pool, Duration::from_secs(3600), None)
+                gateway::identity::create_token(client, pool, Duration::from_secs(3600), &node_id)
                     .await?,
             );
             c.ca_pem = Some(ca_pem.to_string());

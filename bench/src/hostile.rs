@@ -34,9 +34,10 @@ pub(crate) async fn joins(
     concurrency: usize,
 ) -> Result<JoinRate> {
     let mut tokens = Vec::with_capacity(n as usize);
-    for _ in 0..n {
+    for i in 0..n {
+        let node = format!("{prefix}{i:05}");
         tokens.push(
-            gateway::identity::create_token(client, pool, Duration::from_secs(3600), None).await?,
+            gateway::identity::create_token(client, pool, Duration::from_secs(3600), &node).await?,
         );
     }
     let channel = tonic::transport::Endpoint::from_shared(addr.to_string())?

@@ -27,6 +27,7 @@ pub mod replication;
 pub mod slots;
 pub mod subscription;
 pub mod task;
+pub mod tls;
 pub mod types;
 
 pub use append::{AppendError, Appended, Appender, AppenderConfig, StreamAppend};

@@ -378,6 +378,41 @@ impl Ca {
     }
 }
 
+/// Makes a new serving certificate (from the CA in `dir`, for `names`,
+/// valid `validity`) and hands it to `serve` whenever a third of the current
+/// one's validity is left, so it never expires while the server runs. A
+/// failure (the folder unreadable, say) is logged and tried again soon; the
+/// current certificate is served meanwhile.
+pub async fn keep_renewed(
+    dir: PathBuf,
+    names: Vec<String>,
+    validity: std::time::Duration,
+    what: &'static str,
+    serve: impl Fn(&str, &str) -> Result<(), String>,
+) {
+    let mut wait = validity * 2 / 3;
+    loop {
+        tokio::time::sleep(wait).await;
+        let made = Ca::load(&dir)
+            .and_then(|ca| ca.server_identity_for(&names, validity))
+            .map_err(|e| e.to_string())
+            .and_then(|(cert, key)| serve(&cert, &key));
+        match made {
+            Ok(()) => {
+                tracing::info!(server = what, valid_for = %humantime::format_duration(validity), "serving certificate renewed");
+                wait = validity * 2 / 3;
+            }
+            Err(e) => {
+                tracing::error!(server = what, error = %e, "could not renew the serving certificate; trying again");
+                wait = (validity / 30).clamp(
+                    std::time::Duration::from_millis(100),
+                    std::time::Duration::from_secs(60),
+                );
+            }
+        }
+    }
+}
+
 /// The raw subject name of the first certificate in `pem`.
 fn subject_of(pem: &str) -> Result<Vec<u8>, CaError> {
     let (_, p) = x509_parser::pem::parse_x509_pem(pem.as_bytes())

@@ -21,6 +21,9 @@ pub enum IdentityError {
     /// The token names another node.
     #[error("this join token is for node {0:?}")]
     OtherNode(String),
+    /// The token admits nodes matching a pattern, and this id does not.
+    #[error("this join token admits nodes matching {0:?}")]
+    NotAdmitted(String),
     /// The id holds a valid certificate: a second daemon cannot take it.
     #[error("node {0:?} already holds a valid certificate; a node keeps the one it was given (`strata nodes revoke {0}` frees the id)")]
     Taken(String),
@@ -52,19 +55,48 @@ fn interval(d: Duration) -> String {
     format!("{} milliseconds", d.as_millis().max(1))
 }
 
-/// Issues a one-time join token for `pool`, valid for `ttl`; for `node`
-/// alone when one is named (the only way back for a revoked node).
+/// Issues a one-time join token for `pool`, valid for `ttl`, that admits
+/// the node ids `admits` names: one id (the only kind that lets a revoked
+/// node back), or a pattern the operator chose where `*` stands for any run
+/// of characters (`gpu-rack7-*`; `*` admits any id).
 pub async fn create_token(
     client: &Client,
     pool: &str,
     ttl: Duration,
-    node: Option<&str>,
+    admits: &str,
 ) -> Result<String, IdentityError> {
     projections::domain::valid_name("pool", pool).map_err(IdentityError::Invalid)?;
-    if let Some(n) = node {
-        projections::domain::valid_name("node", n).map_err(IdentityError::Invalid)?;
+    check_admits(admits)?;
+    insert_token(client, pool, ttl, Some(admits)).await
+}
+
+/// A node id, or a pattern of node-id characters and `*`.
+fn check_admits(admits: &str) -> Result<(), IdentityError> {
+    if admits == "*" {
+        return Ok(());
     }
-    insert_token(client, pool, ttl, node).await
+    projections::domain::valid_name("node id or pattern", &admits.replace('*', "x"))
+        .map_err(IdentityError::Invalid)
+}
+
+/// Whether `id` matches `pattern`, where `*` matches any run of characters.
+pub fn matches(pattern: &str, id: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    if parts.len() == 1 {
+        return pattern == id;
+    }
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !id.starts_with(first) || id.len() < first.len() + last.len() || !id.ends_with(last) {
+        return false;
+    }
+    let mut rest = &id[first.len()..id.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    true
 }
 
 async fn insert_token(
@@ -109,11 +141,14 @@ pub async fn redeem<S>(
         )
         .await?
         .ok_or(IdentityError::BadToken)?;
-    let (pool, for_node): (String, Option<String>) = (row.get(0), row.get(1));
-    if let Some(n) = &for_node {
-        if n != node {
-            return Err(IdentityError::OtherNode(n.clone()));
-        }
+    // `node`: the id or pattern the token admits (tokens made before
+    // patterns may admit any id).
+    let (pool, admits): (String, Option<String>) = (row.get(0), row.get(1));
+    let for_node = admits.as_ref().filter(|a| !a.contains('*'));
+    match (&admits, for_node) {
+        (Some(a), None) if !matches(a, node) => return Err(IdentityError::NotAdmitted(a.clone())),
+        (_, Some(n)) if n != node => return Err(IdentityError::OtherNode(n.clone())),
+        _ => {}
     }
     // Joins of one id are serialized, so two cannot both find it free.
     tx.execute(
@@ -349,4 +384,23 @@ async fn revoke_in(
     // One call: its streams are locked in name order, then the log head.
     append_in(tx, appends, &AppenderConfig::default()).await?;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::matches;
+
+    #[test]
+    fn patterns_admit_what_they_say() {
+        assert!(matches("*", "anything"));
+        assert!(matches("gpu-rack7-*", "gpu-rack7-12"));
+        assert!(!matches("gpu-rack7-*", "gpu-rack8-12"));
+        assert!(matches("gpu-*-a", "gpu-7-a"));
+        assert!(!matches("gpu-*-a", "gpu-7-b"));
+        assert!(matches("a*b*c", "a-x-b-y-c"));
+        assert!(!matches("a*b*c", "a-x-c-y-b"));
+        assert!(!matches("ab*ba", "aba"));
+        assert!(matches("alpha", "alpha"));
+        assert!(!matches("alpha", "alpha2"));
+    }
 }

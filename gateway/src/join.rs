@@ -43,6 +43,7 @@ impl join_server::Join for JoinService {
             match e {
                 identity::IdentityError::BadToken
                 | identity::IdentityError::OtherNode(_)
+                | identity::IdentityError::NotAdmitted(_)
                 | identity::IdentityError::Revoked(_) => Status::permission_denied(e.to_string()),
                 identity::IdentityError::Taken(_) => Status::already_exists(e.to_string()),
                 e => Status::unavailable(e.to_string()),

@@ -19,7 +19,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -229,48 +229,7 @@ impl Connected for Tracked {
     }
 }
 
-/// The serving certificate, swapped when it is renewed.
-#[derive(Debug)]
-pub struct ServingCert {
-    current: RwLock<Arc<rustls::sign::CertifiedKey>>,
-}
-
-impl ServingCert {
-    pub fn new(cert_pem: &str, key_pem: &str) -> Result<Arc<ServingCert>, String> {
-        Ok(Arc::new(ServingCert {
-            current: RwLock::new(Arc::new(certified(cert_pem, key_pem)?)),
-        }))
-    }
-
-    /// Serves this certificate to every handshake from now on.
-    pub fn replace(&self, cert_pem: &str, key_pem: &str) -> Result<(), String> {
-        let c = certified(cert_pem, key_pem)?;
-        *self.current.write().expect("serving cert lock") = Arc::new(c);
-        Ok(())
-    }
-}
-
-fn certified(cert_pem: &str, key_pem: &str) -> Result<rustls::sign::CertifiedKey, String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("serving certificate: {e}"))?;
-    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
-        .map_err(|e| format!("serving key: {e}"))?;
-    let key = rustls::crypto::ring::sign::any_supported_type(&key)
-        .map_err(|e| format!("serving key: {e}"))?;
-    Ok(rustls::sign::CertifiedKey::new(certs, key))
-}
-
-impl rustls::server::ResolvesServerCert for ServingCert {
-    fn resolve(
-        &self,
-        _hello: rustls::server::ClientHello<'_>,
-    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
-        Some(self.current.read().expect("serving cert lock").clone())
-    }
-}
+pub use events::tls::ServingCert;
 
 /// The TLS configuration: this serving certificate, client certificates
 /// optional but checked against `client_ca_pem` when presented, HTTP/2.

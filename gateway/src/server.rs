@@ -91,11 +91,12 @@ pub async fn start(
     );
     let renewer = events::task::spawn(
         "gateway-serving-cert",
-        renew_serving(
+        crate::ca::keep_renewed(
             config.ca_dir.clone(),
             config.names.clone(),
             config.serving_validity,
-            serving,
+            "gateway",
+            move |cert, key| serving.replace(cert, key),
         ),
     );
     let (writes, writes_rx) = mpsc::channel(65_536);
@@ -203,34 +204,4 @@ pub async fn start(
         stop: Some(stop),
         task,
     })
-}
-
-/// Makes and serves a new serving certificate whenever a third of the
-/// current one's validity is left, so it never expires while the gateway
-/// runs. A failure (the CA folder unreadable) is retried, and logged; the
-/// current certificate is served meanwhile.
-async fn renew_serving(
-    ca_dir: std::path::PathBuf,
-    names: Vec<String>,
-    validity: Duration,
-    serving: Arc<crate::listener::ServingCert>,
-) {
-    let mut wait = validity * 2 / 3;
-    loop {
-        tokio::time::sleep(wait).await;
-        let made = Ca::load(&ca_dir)
-            .and_then(|ca| ca.server_identity_for(&names, validity))
-            .map_err(|e| e.to_string())
-            .and_then(|(cert, key)| serving.replace(&cert, &key));
-        match made {
-            Ok(()) => {
-                tracing::info!(valid_for = %humantime::format_duration(validity), "gateway: serving certificate renewed");
-                wait = validity * 2 / 3;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "gateway: could not renew the serving certificate; trying again");
-                wait = (validity / 30).clamp(Duration::from_millis(100), Duration::from_secs(60));
-            }
-        }
-    }
 }

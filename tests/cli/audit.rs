@@ -59,6 +59,10 @@ impl Drop for Server {
 }
 
 fn serve(url: &str, port: u16, ca: &Path, log: &Path) -> Server {
+    serve_with(url, port, ca, log, &[])
+}
+
+fn serve_with(url: &str, port: u16, ca: &Path, log: &Path, extra: &[&str]) -> Server {
     let listen = format!("127.0.0.1:{port}");
     Server(
         Command::new(env!("CARGO_BIN_EXE_strata"))
@@ -75,6 +79,7 @@ fn serve(url: &str, port: u16, ca: &Path, log: &Path) -> Server {
                 "--slot",
                 "audit_cli",
             ])
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -249,4 +254,59 @@ fn serve_audit_with_psql_passwords_certificates_and_revocation() {
 fn out_issue_serial(dir: &Path) -> String {
     let pem = std::fs::read_to_string(dir.join("auditor.pem")).unwrap();
     ::gateway::revocation::presented_pem(&pem).unwrap().serial
+}
+
+#[test]
+fn the_audit_endpoint_serves_a_renewed_certificate_before_its_own_expires() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    let gw_ca = dir.path().join("audit-host");
+    let ca = dir.path().join("ca");
+    ok(&["ca", "init", "--dir", ca.to_str().unwrap()]);
+    // The audit host holds the issuing intermediate only.
+    ok(&[
+        "ca",
+        "export-issuing",
+        "--dir",
+        ca.to_str().unwrap(),
+        "--out",
+        gw_ca.to_str().unwrap(),
+    ]);
+    assert!(!gw_ca.join("root.key").exists());
+    add_with_password(&url, "dana", "dana pass 1");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let log = dir.path().join("audit.log");
+    let _server = serve_with(&url, port, &gw_ca, &log, &["--serving-validity", "6s"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let started = Instant::now();
+    // verify-full checks the expiry; channel binding binds to the cert served.
+    let tls = format!(
+        "host=127.0.0.1 port={port} user=dana dbname=audit sslmode=verify-full sslrootcert={} channel_binding=require",
+        ca.join("ca.pem").display()
+    );
+    let (okay, out, err) = psql(&tls, "SELECT 1", Some("dana pass 1"));
+    assert!(okay, "{err}");
+    assert_eq!(out.trim(), "1");
+    std::thread::sleep(Duration::from_secs(9).saturating_sub(started.elapsed()));
+    let (okay, out, err) = psql(&tls, "SELECT 2", Some("dana pass 1"));
+    assert!(
+        okay,
+        "{err}\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert_eq!(out.trim(), "2");
+    let log = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(log.contains("serving certificate renewed"), "{log}");
 }

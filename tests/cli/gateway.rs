@@ -99,7 +99,16 @@ fn a_gateway_killed_mid_command_hands_its_node_over_and_the_command_runs_once() 
     let ca_s = ca.to_str().unwrap();
     ok(&["ca", "init", "--dir", ca_s]);
     ok(&["pool", "create", "p", "--database-url", &url]);
-    let token = ok(&["tokens", "create", "--pool", "p", "--database-url", &url]);
+    let token = ok(&[
+        "tokens",
+        "create",
+        "--pool",
+        "p",
+        "--nodes",
+        "*",
+        "--database-url",
+        &url,
+    ]);
     let (pa, pb) = (free_port(), free_port());
     let mut gws = vec![
         (
@@ -265,7 +274,16 @@ fn every_role_survives_a_postgres_crash_restart() {
     let ca_s = ca.to_str().unwrap();
     ok(&["ca", "init", "--dir", ca_s]);
     ok(&["pool", "create", "p", "--database-url", &url]);
-    let token = ok(&["tokens", "create", "--pool", "p", "--database-url", &url]);
+    let token = ok(&[
+        "tokens",
+        "create",
+        "--pool",
+        "p",
+        "--nodes",
+        "*",
+        "--database-url",
+        &url,
+    ]);
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut serve = Killed(spawn(

@@ -76,7 +76,7 @@ impl Region {
     }
 
     async fn token(&self) -> String {
-        identity::create_token(&self.client, "p", Duration::from_secs(600), None)
+        identity::create_token(&self.client, "p", Duration::from_secs(600), "*")
             .await
             .unwrap()
     }
@@ -1660,7 +1660,7 @@ async fn a_join_token_cannot_take_an_existing_or_revoked_node_id() {
     assert_eq!(certificates("alpha").await, 1);
     join_as(r, &gw, &second, "other").await.unwrap();
     // A token made for one node admits no other.
-    let for_beta = identity::create_token(&r.client, "p", Duration::from_secs(60), Some("beta"))
+    let for_beta = identity::create_token(&r.client, "p", Duration::from_secs(60), "beta")
         .await
         .unwrap();
     let err = join_as(r, &gw, &for_beta, "gamma").await.unwrap_err();
@@ -1668,6 +1668,14 @@ async fn a_join_token_cannot_take_an_existing_or_revoked_node_id() {
     assert!(err.message().contains("for node \"beta\""), "{err:?}");
     assert_eq!(certificates("gamma").await, 0);
     join_as(r, &gw, &for_beta, "beta").await.unwrap();
+    // A token for an id pattern the operator chose admits those ids only.
+    let rack = identity::create_token(&r.client, "p", Duration::from_secs(60), "rack7-*")
+        .await
+        .unwrap();
+    let err = join_as(r, &gw, &rack, "rack8-1").await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("matching \"rack7-*\""), "{err:?}");
+    join_as(r, &gw, &rack, "rack7-1").await.unwrap();
     // Revoked: a fresh pool token does not bring alpha back; one made for
     // alpha does.
     let mut admin = events::db::connect(&r.cfg, "admin").await.unwrap();
@@ -1679,7 +1687,7 @@ async fn a_join_token_cannot_take_an_existing_or_revoked_node_id() {
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
     assert!(err.message().contains("was revoked"), "{err:?}");
-    let back = identity::create_token(&r.client, "p", Duration::from_secs(60), Some("alpha"))
+    let back = identity::create_token(&r.client, "p", Duration::from_secs(60), "alpha")
         .await
         .unwrap();
     join_as(r, &gw, &back, "alpha").await.unwrap();

@@ -347,11 +347,18 @@ fn random_verifier() -> PgWireResult<ScramSecret> {
 
 pub struct Startup {
     driver: AuthDriver<DefaultServerParameterProvider>,
-    scram: Arc<dyn AuthMechanismFactory>,
+    /// Swapped when the serving certificate is renewed: SCRAM-SHA-256-PLUS
+    /// binds the exchange to the certificate served.
+    scram: std::sync::RwLock<Arc<dyn AuthMechanismFactory>>,
     shared: Arc<Shared>,
 }
 
 impl Startup {
+    /// A SCRAM exchange for one connection, bound to the certificate served now.
+    fn scram_mechanism(&self) -> Box<dyn pgwire::api::auth::mechanism::AuthMechanism> {
+        self.scram.read().expect("scram lock").create()
+    }
+
     /// Connects the auditor's session as the audit role.
     async fn open<C: ClientInfo>(
         &self,
@@ -521,7 +528,7 @@ impl StartupHandler for Startup {
                     }
                 } else {
                     self.driver
-                        .begin_authentication(client, self.scram.create())
+                        .begin_authentication(client, self.scram_mechanism())
                         .await?;
                 }
             }
@@ -974,7 +981,32 @@ pub struct Handlers {
     cancel: Arc<CancelPass>,
 }
 
+/// SCRAM-SHA-256 against the accounts; with a serving certificate, also
+/// SCRAM-SHA-256-PLUS, the exchange bound to that certificate's TLS channel.
+fn scram_for(
+    shared: &Arc<Shared>,
+    cert_pem: Option<&str>,
+) -> Result<Arc<dyn AuthMechanismFactory>, AuditError> {
+    let mut scram = ScramAuth::new(Arc::new(AccountSource {
+        shared: shared.clone(),
+    }));
+    scram.set_iterations(accounts::ITERATIONS);
+    if let Some(pem) = cert_pem {
+        scram
+            .configure_certificate(pem.as_bytes())
+            .map_err(|e| AuditError::Tls(e.to_string()))?;
+    }
+    Ok(Arc::new(scram))
+}
+
 impl Handlers {
+    /// Binds SCRAM-SHA-256-PLUS to a renewed serving certificate.
+    pub(crate) fn renewed(&self, cert_pem: &str) -> Result<(), AuditError> {
+        let scram = scram_for(&self.startup.shared, Some(cert_pem))?;
+        *self.startup.scram.write().expect("scram lock") = scram;
+        Ok(())
+    }
+
     pub fn new(shared: Arc<Shared>, config: &AuditConfig) -> Result<Handlers, AuditError> {
         let mut params = DefaultServerParameterProvider::default();
         if !shared.server_version.is_empty() {
@@ -986,20 +1018,11 @@ impl Handlers {
         params.time_zone = "UTC".into();
         params.date_style = "ISO, MDY".into();
         params.scram_iterations = accounts::ITERATIONS;
-        let mut scram = ScramAuth::new(Arc::new(AccountSource {
-            shared: shared.clone(),
-        }));
-        scram.set_iterations(accounts::ITERATIONS);
-        if let Some(tls) = &config.tls {
-            // Offers SCRAM-SHA-256-PLUS: the exchange is bound to this TLS channel.
-            scram
-                .configure_certificate(tls.cert_pem.as_bytes())
-                .map_err(|e| AuditError::Tls(e.to_string()))?;
-        }
+        let scram = scram_for(&shared, config.tls.as_ref().map(|t| t.cert_pem.as_str()))?;
         Ok(Handlers {
             startup: Arc::new(Startup {
                 driver: AuthDriver::new(params),
-                scram: Arc::new(scram),
+                scram: std::sync::RwLock::new(scram),
                 shared: shared.clone(),
             }),
             queries: Arc::new(Queries {

@@ -111,10 +111,32 @@ pub struct Endpoint {
     pub addr: SocketAddr,
     /// The counters also rendered on `/metrics`.
     pub stats: Arc<handler::Stats>,
+    renewer: Option<Renewer>,
     task: tokio::task::JoinHandle<()>,
 }
 
+/// Serves a renewed certificate from the next TLS handshake on.
+#[derive(Clone)]
+pub struct Renewer {
+    serving: Arc<events::tls::ServingCert>,
+    handlers: Arc<handler::Handlers>,
+}
+
+impl Renewer {
+    pub fn renew(&self, cert_pem: &str, key_pem: &str) -> Result<(), AuditError> {
+        self.serving
+            .replace(cert_pem, key_pem)
+            .map_err(AuditError::Tls)?;
+        self.handlers.renewed(cert_pem)
+    }
+}
+
 impl Endpoint {
+    /// What renews the serving certificate (none without TLS).
+    pub fn renewer(&self) -> Option<Renewer> {
+        self.renewer.clone()
+    }
+
     pub fn stop(self) {
         self.task.abort();
     }
@@ -130,7 +152,11 @@ pub async fn start(
     config: AuditConfig,
     appender: events::Appender,
 ) -> Result<Endpoint, AuditError> {
-    let acceptor = config.tls.as_ref().map(tls_acceptor).transpose()?;
+    let tls = config.tls.as_ref().map(tls_acceptor).transpose()?;
+    let (acceptor, serving) = match tls {
+        Some((a, s)) => (Some(a), Some(s)),
+        None => (None, None),
+    };
     let shared = handler::Shared::new(&config, appender, acceptor.is_some()).await?;
     let listener = TcpListener::bind(listen)
         .await
@@ -144,6 +170,10 @@ pub async fn start(
     })?;
     let stats = shared.stats.clone();
     let handlers = Arc::new(handler::Handlers::new(shared, &config)?);
+    let renewer = serving.map(|serving| Renewer {
+        serving,
+        handlers: handlers.clone(),
+    });
     let task = tokio::spawn(async move {
         loop {
             let (socket, peer) = match listener.accept().await {
@@ -163,17 +193,21 @@ pub async fn start(
             });
         }
     });
-    Ok(Endpoint { addr, stats, task })
+    Ok(Endpoint {
+        addr,
+        stats,
+        renewer,
+        task,
+    })
 }
 
-fn tls_acceptor(files: &TlsFiles) -> Result<pgwire::tokio::TlsAcceptor, AuditError> {
+fn tls_acceptor(
+    files: &TlsFiles,
+) -> Result<(pgwire::tokio::TlsAcceptor, Arc<events::tls::ServingCert>), AuditError> {
     use rustls_pki_types::pem::PemObject;
-    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-    let certs = CertificateDer::pem_slice_iter(files.cert_pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| AuditError::Tls(format!("serving certificate: {e}")))?;
-    let key = PrivateKeyDer::from_pem_slice(files.key_pem.as_bytes())
-        .map_err(|e| AuditError::Tls(format!("serving key: {e}")))?;
+    use rustls_pki_types::CertificateDer;
+    let serving =
+        events::tls::ServingCert::new(&files.cert_pem, &files.key_pem).map_err(AuditError::Tls)?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
@@ -198,8 +232,6 @@ fn tls_acceptor(files: &TlsFiles) -> Result<pgwire::tokio::TlsAcceptor, AuditErr
         }
         None => builder.with_no_client_auth(),
     };
-    let config = builder
-        .with_single_cert(certs, key)
-        .map_err(|e| AuditError::Tls(e.to_string()))?;
-    Ok(pgwire::tokio::TlsAcceptor::from(Arc::new(config)))
+    let config = builder.with_cert_resolver(serving.clone());
+    Ok((pgwire::tokio::TlsAcceptor::from(Arc::new(config)), serving))
 }
