@@ -354,6 +354,11 @@ async fn standing(target: NodeTarget, change: Change) -> Result<()> {
     Ok(())
 }
 
+/// Who asked, as requests made from the command line record it.
+pub fn asked_by() -> serde_json::Value {
+    serde_json::json!({ "cli": whoami() })
+}
+
 /// Who runs this command, as the log records it.
 fn whoami() -> String {
     std::env::var("USER").unwrap_or_else(|_| "cli".into())

@@ -89,7 +89,7 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
             .context("subscribe to the log")?;
         waiting = Some((reader, sub));
     }
-    client::reserve(&db, &appender, &request).await?;
+    client::reserve_as(&db, &appender, &request, &crate::nodes::asked_by()).await?;
     let Some((_reader, mut sub)) = waiting else {
         println!("requested {id}");
         return Ok(ExitCode::SUCCESS);
@@ -136,7 +136,7 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
 
 pub async fn release(db: &Db, id: &str, reason: &str) -> Result<ExitCode> {
     let appender = appender(db)?;
-    client::release(&appender, id, reason).await?;
+    client::release_as(&appender, id, reason, &crate::nodes::asked_by()).await?;
     println!("release of {id} requested; the pool's placer frees its GPUs");
     Ok(ExitCode::SUCCESS)
 }

@@ -8,10 +8,13 @@
 //!   session, a join, an API call; counted by [`ActivityLayer`]), and *idle*
 //!   otherwise, from its accept on. An idle connection is closed after
 //!   `idle_timeout`.
-//! - At most `max_idle` connections may be idle at once: one more closes the
-//!   one idle the longest, and so does running out of file descriptors
-//!   (`EMFILE` at accept), so a flood of connections that never open a
-//!   session cannot keep a real node or client out.
+//! - At most `max_idle` connections may be idle past their handshake at
+//!   once: one more closes the one of them idle the longest. Connections
+//!   still in their handshake are bounded by the handshake timeout, and by
+//!   descriptors: running out of them (`EMFILE` at accept) closes the
+//!   connection idle the longest, handshaking or not. So a flood of
+//!   connections that never open a session cannot keep a real node or
+//!   client out, and a fleet starting at once is not cut off mid-handshake.
 
 use futures_util::task::AtomicWaker;
 use std::collections::HashMap;
@@ -54,6 +57,8 @@ pub(crate) struct Conn {
     active: AtomicUsize,
     /// Since when no RPC has been in progress (milliseconds on `Conns.epoch`).
     idle_since_ms: AtomicU64,
+    /// The TLS handshake is done.
+    handshaken: AtomicBool,
     closed: AtomicBool,
     waker: AtomicWaker,
 }
@@ -89,7 +94,7 @@ impl Conns {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Connections open, and how many of them idle.
+    /// Connections open, and how many of them idle past their handshake.
     pub fn counts(&self) -> (usize, usize) {
         (
             self.by_addr.lock().expect("conns lock").len(),
@@ -101,25 +106,35 @@ impl Conns {
         let conn = Arc::new(Conn {
             active: AtomicUsize::new(0),
             idle_since_ms: AtomicU64::new(self.now_ms()),
+            handshaken: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             waker: AtomicWaker::new(),
         });
-        let old = self
-            .by_addr
+        self.by_addr
             .lock()
             .expect("conns lock")
             .insert(addr, conn.clone());
-        if old.is_none() {
+        conn
+    }
+
+    /// The connection finished its handshake: from now on it counts
+    /// against `max_idle` while no RPC is in progress on it.
+    fn handshaken(&self, conn: &Conn) {
+        conn.idle_since_ms.store(self.now_ms(), Ordering::Relaxed);
+        conn.handshaken.store(true, Ordering::SeqCst);
+        if conn.active.load(Ordering::SeqCst) == 0 {
             self.idle.fetch_add(1, Ordering::Relaxed);
         }
-        conn
+        if self.idle.load(Ordering::Relaxed) > self.limits.max_idle {
+            self.close_longest_idle(true);
+        }
     }
 
     fn remove(&self, addr: &SocketAddr, conn: &Arc<Conn>) {
         let mut map = self.by_addr.lock().expect("conns lock");
         if map.get(addr).is_some_and(|c| Arc::ptr_eq(c, conn)) {
             map.remove(addr);
-            if conn.active.load(Ordering::SeqCst) == 0 {
+            if conn.handshaken.load(Ordering::SeqCst) && conn.active.load(Ordering::SeqCst) == 0 {
                 self.idle.fetch_sub(1, Ordering::Relaxed);
             }
         }
@@ -129,12 +144,17 @@ impl Conns {
         self.by_addr.lock().expect("conns lock").get(addr).cloned()
     }
 
-    /// Closes the connection idle the longest.
-    fn close_longest_idle(&self) -> bool {
+    /// Closes the connection idle the longest (among those past their
+    /// handshake only, when `handshaken`).
+    fn close_longest_idle(&self, handshaken: bool) -> bool {
         let map = self.by_addr.lock().expect("conns lock");
         let oldest = map
             .values()
-            .filter(|c| c.active.load(Ordering::SeqCst) == 0 && !c.closed.load(Ordering::SeqCst))
+            .filter(|c| {
+                c.active.load(Ordering::SeqCst) == 0
+                    && !c.closed.load(Ordering::SeqCst)
+                    && (!handshaken || c.handshaken.load(Ordering::SeqCst))
+            })
             .min_by_key(|c| c.idle_since_ms.load(Ordering::Relaxed));
         match oldest {
             Some(c) => {
@@ -305,7 +325,7 @@ pub(crate) fn serve(
                             .stats
                             .out_of_descriptors
                             .fetch_add(1, Ordering::Relaxed);
-                        conns.close_longest_idle();
+                        conns.close_longest_idle(false);
                     } else {
                         tracing::warn!(error = %e, "gateway: accept failed");
                     }
@@ -316,20 +336,23 @@ pub(crate) fn serve(
             conns.stats.accepted.fetch_add(1, Ordering::Relaxed);
             let _ = tcp.set_nodelay(true);
             let conn = conns.add(addr);
-            if conns.idle.load(Ordering::Relaxed) > conns.limits.max_idle {
-                conns.close_longest_idle();
-            }
             let tracked = Tracked {
                 inner: tcp,
                 addr,
-                conn,
+                conn: conn.clone(),
                 conns: conns.clone(),
             };
-            let (acceptor, tx, stats) = (acceptor.clone(), tx.clone(), conns.stats.clone());
+            let (acceptor, tx, stats, conns) = (
+                acceptor.clone(),
+                tx.clone(),
+                conns.stats.clone(),
+                conns.clone(),
+            );
             let timeout = conns.limits.handshake_timeout;
             tokio::spawn(async move {
                 match tokio::time::timeout(timeout, acceptor.accept(tracked)).await {
                     Ok(Ok(tls)) => {
+                        conns.handshaken(&conn);
                         let _ = tx.send(Ok(tls)).await;
                     }
                     Ok(Err(e)) => {
@@ -380,7 +403,8 @@ pub(crate) struct Busy {
 
 impl Busy {
     fn new(conn: Arc<Conn>, conns: Arc<Conns>) -> Busy {
-        if conn.active.fetch_add(1, Ordering::SeqCst) == 0 {
+        if conn.active.fetch_add(1, Ordering::SeqCst) == 0 && conn.handshaken.load(Ordering::SeqCst)
+        {
             conns.idle.fetch_sub(1, Ordering::Relaxed);
         }
         Busy { conn, conns }
@@ -392,7 +416,9 @@ impl Drop for Busy {
         self.conn
             .idle_since_ms
             .store(self.conns.now_ms(), Ordering::Relaxed);
-        if self.conn.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+        if self.conn.active.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.conn.handshaken.load(Ordering::SeqCst)
+        {
             self.conns.idle.fetch_add(1, Ordering::Relaxed);
         }
     }

@@ -51,10 +51,30 @@ pub async fn reserve(
     Ok(requests::reserve(client, appender, request, None).await?)
 }
 
+/// [`reserve`], recording who asked (`metadata`, such as `{"cli": user}`).
+pub async fn reserve_as(
+    client: &Client,
+    appender: &Appender,
+    request: &Request,
+    who: &serde_json::Value,
+) -> Result<(), ClientError> {
+    Ok(requests::reserve(client, appender, request, Some(who)).await?)
+}
+
 /// Asks for a reservation to be released (or cancelled, if not placed yet).
 /// The pool's placer frees its devices in its next batch.
 pub async fn release(appender: &Appender, id: &str, reason: &str) -> Result<(), ClientError> {
     Ok(requests::release(appender, id, reason, None).await?)
+}
+
+/// [`release`], recording who asked.
+pub async fn release_as(
+    appender: &Appender,
+    id: &str,
+    reason: &str,
+    who: &serde_json::Value,
+) -> Result<(), ClientError> {
+    Ok(requests::release(appender, id, reason, Some(who)).await?)
 }
 
 /// How a reservation ended up.

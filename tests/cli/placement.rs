@@ -191,6 +191,23 @@ fn reserve_release_pools_and_the_replay_check() {
         t
     };
     ok(&["release", "whole", "--database-url", &url]);
+    // The log says who asked, for the request and the release alike.
+    {
+        let rt = rt();
+        let c = rt
+            .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+            .unwrap();
+        let asked: i64 = rt
+            .block_on(c.query_one(
+                "SELECT count(*) FROM strata.events WHERE stream = 'reservation/whole'
+                   AND type IN ('reservation.requested', 'reservation.release_requested')
+                   AND metadata ? 'cli'",
+                &[],
+            ))
+            .unwrap()
+            .get(0);
+        assert_eq!(asked, 2);
+    }
     let placed = wait_for(20, || {
         let r = check_json(&url);
         (r["pending"] == 0).then_some(r)
