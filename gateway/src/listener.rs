@@ -3,18 +3,17 @@
 //! while the gateway runs), and the limits that keep idle and half-open
 //! connections from crowding out real nodes and clients.
 //!
-//! - A handshake must finish within `handshake_timeout`.
-//! - A connection is *busy* while an RPC is in progress on it (a node's
-//!   session, a join, an API call; counted by [`ActivityLayer`]), and *idle*
-//!   otherwise, from its accept on. An idle connection is closed after
-//!   `idle_timeout`.
-//! - At most `max_idle` connections may be idle past their handshake at
-//!   once: one more closes the one of them idle the longest. Connections
-//!   still in their handshake are bounded by the handshake timeout, and by
-//!   descriptors: running out of them (`EMFILE` at accept) closes the
-//!   connection idle the longest, handshaking or not. So a flood of
-//!   connections that never open a session cannot keep a real node or
-//!   client out, and a fleet starting at once is not cut off mid-handshake.
+//! - A connection must finish its TLS handshake and start its first RPC (a
+//!   node's session, a join, an API call) within `handshake_timeout` of its
+//!   accept; it is not closed for anything else before that, so a fleet
+//!   starting at once is not cut off mid-handshake.
+//! - From its first RPC on, a connection is *busy* while an RPC is in
+//!   progress on it (counted by [`ActivityLayer`]) and *idle* otherwise; an
+//!   idle one is closed after `idle_timeout`, and at most `max_idle` may be
+//!   idle at once: one more closes the one idle the longest.
+//! - Running out of descriptors (`EMFILE` at accept) closes the connection
+//!   idle the longest of all, so a flood of connections that never open a
+//!   session cannot keep a real node or client out.
 
 use futures_util::task::AtomicWaker;
 use std::collections::HashMap;
@@ -57,8 +56,11 @@ pub(crate) struct Conn {
     active: AtomicUsize,
     /// Since when no RPC has been in progress (milliseconds on `Conns.epoch`).
     idle_since_ms: AtomicU64,
-    /// The TLS handshake is done.
-    handshaken: AtomicBool,
+    /// When it was accepted (milliseconds on `Conns.epoch`).
+    accepted_ms: u64,
+    /// Its first RPC began: from now on it counts against `max_idle` while
+    /// none is in progress.
+    settled: AtomicBool,
     closed: AtomicBool,
     waker: AtomicWaker,
 }
@@ -94,7 +96,7 @@ impl Conns {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Connections open, and how many of them idle past their handshake.
+    /// Connections open, and how many of them idle after an RPC.
     pub fn counts(&self) -> (usize, usize) {
         (
             self.by_addr.lock().expect("conns lock").len(),
@@ -106,7 +108,8 @@ impl Conns {
         let conn = Arc::new(Conn {
             active: AtomicUsize::new(0),
             idle_since_ms: AtomicU64::new(self.now_ms()),
-            handshaken: AtomicBool::new(false),
+            accepted_ms: self.now_ms(),
+            settled: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             waker: AtomicWaker::new(),
         });
@@ -117,24 +120,11 @@ impl Conns {
         conn
     }
 
-    /// The connection finished its handshake: from now on it counts
-    /// against `max_idle` while no RPC is in progress on it.
-    fn handshaken(&self, conn: &Conn) {
-        conn.idle_since_ms.store(self.now_ms(), Ordering::Relaxed);
-        conn.handshaken.store(true, Ordering::SeqCst);
-        if conn.active.load(Ordering::SeqCst) == 0 {
-            self.idle.fetch_add(1, Ordering::Relaxed);
-        }
-        if self.idle.load(Ordering::Relaxed) > self.limits.max_idle {
-            self.close_longest_idle(true);
-        }
-    }
-
     fn remove(&self, addr: &SocketAddr, conn: &Arc<Conn>) {
         let mut map = self.by_addr.lock().expect("conns lock");
         if map.get(addr).is_some_and(|c| Arc::ptr_eq(c, conn)) {
             map.remove(addr);
-            if conn.handshaken.load(Ordering::SeqCst) && conn.active.load(Ordering::SeqCst) == 0 {
+            if conn.settled.load(Ordering::SeqCst) && conn.active.load(Ordering::SeqCst) == 0 {
                 self.idle.fetch_sub(1, Ordering::Relaxed);
             }
         }
@@ -144,16 +134,16 @@ impl Conns {
         self.by_addr.lock().expect("conns lock").get(addr).cloned()
     }
 
-    /// Closes the connection idle the longest (among those past their
-    /// handshake only, when `handshaken`).
-    fn close_longest_idle(&self, handshaken: bool) -> bool {
+    /// Closes the connection idle the longest (among those past their first
+    /// RPC only, when `settled`).
+    fn close_longest_idle(&self, settled: bool) -> bool {
         let map = self.by_addr.lock().expect("conns lock");
         let oldest = map
             .values()
             .filter(|c| {
                 c.active.load(Ordering::SeqCst) == 0
                     && !c.closed.load(Ordering::SeqCst)
-                    && (!handshaken || c.handshaken.load(Ordering::SeqCst))
+                    && (!settled || c.settled.load(Ordering::SeqCst))
             })
             .min_by_key(|c| c.idle_since_ms.load(Ordering::Relaxed));
         match oldest {
@@ -166,15 +156,21 @@ impl Conns {
         }
     }
 
-    /// Closes every connection idle past the timeout.
+    /// Closes every connection idle past the idle timeout, and every one
+    /// that has not started an RPC within the handshake timeout.
     fn sweep(&self) {
         let now = self.now_ms();
-        let limit = self.limits.idle_timeout.as_millis() as u64;
+        let idle = self.limits.idle_timeout.as_millis() as u64;
+        let first = self.limits.handshake_timeout.as_millis() as u64;
         for c in self.by_addr.lock().expect("conns lock").values() {
-            if c.active.load(Ordering::SeqCst) == 0
-                && !c.closed.load(Ordering::SeqCst)
-                && now.saturating_sub(c.idle_since_ms.load(Ordering::Relaxed)) > limit
-            {
+            if c.active.load(Ordering::SeqCst) > 0 || c.closed.load(Ordering::SeqCst) {
+                continue;
+            }
+            let late = match c.settled.load(Ordering::SeqCst) {
+                true => now.saturating_sub(c.idle_since_ms.load(Ordering::Relaxed)) > idle,
+                false => now.saturating_sub(c.accepted_ms) > first,
+            };
+            if late {
                 c.close();
                 self.stats.idle_closed.fetch_add(1, Ordering::Relaxed);
             }
@@ -339,20 +335,14 @@ pub(crate) fn serve(
             let tracked = Tracked {
                 inner: tcp,
                 addr,
-                conn: conn.clone(),
+                conn,
                 conns: conns.clone(),
             };
-            let (acceptor, tx, stats, conns) = (
-                acceptor.clone(),
-                tx.clone(),
-                conns.stats.clone(),
-                conns.clone(),
-            );
+            let (acceptor, tx, stats) = (acceptor.clone(), tx.clone(), conns.stats.clone());
             let timeout = conns.limits.handshake_timeout;
             tokio::spawn(async move {
                 match tokio::time::timeout(timeout, acceptor.accept(tracked)).await {
                     Ok(Ok(tls)) => {
-                        conns.handshaken(&conn);
                         let _ = tx.send(Ok(tls)).await;
                     }
                     Ok(Err(e)) => {
@@ -403,8 +393,9 @@ pub(crate) struct Busy {
 
 impl Busy {
     fn new(conn: Arc<Conn>, conns: Arc<Conns>) -> Busy {
-        if conn.active.fetch_add(1, Ordering::SeqCst) == 0 && conn.handshaken.load(Ordering::SeqCst)
-        {
+        let was_idle = conn.active.fetch_add(1, Ordering::SeqCst) == 0;
+        // The first RPC settles it; it was not counted idle before.
+        if conn.settled.swap(true, Ordering::SeqCst) && was_idle {
             conns.idle.fetch_sub(1, Ordering::Relaxed);
         }
         Busy { conn, conns }
@@ -417,9 +408,9 @@ impl Drop for Busy {
             .idle_since_ms
             .store(self.conns.now_ms(), Ordering::Relaxed);
         if self.conn.active.fetch_sub(1, Ordering::SeqCst) == 1
-            && self.conn.handshaken.load(Ordering::SeqCst)
+            && self.conns.idle.fetch_add(1, Ordering::Relaxed) >= self.conns.limits.max_idle
         {
-            self.conns.idle.fetch_add(1, Ordering::Relaxed);
+            self.conns.close_longest_idle(true);
         }
     }
 }

@@ -48,9 +48,32 @@ async fn idle_and_half_open_connections_do_not_keep_out_a_real_node_or_client() 
             idle.push(s);
         }
     }
-    // Never more than the cap idle at once.
+    // 100 callers that make one (refused) API call each and then sit on
+    // their connections: never more than the cap of them idle at once.
+    let mut callers = Vec::new();
+    for _ in 0..100 {
+        let ch = tonic::transport::Endpoint::from_shared(url(&gw))
+            .unwrap()
+            .tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(r.ca_pem()))
+                    .domain_name("localhost"),
+            )
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut c = gateway::api_proto::api_client::ApiClient::new(ch);
+        let e = c
+            .list_pools(gateway::api_proto::ListPoolsRequest {})
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        callers.push(c);
+    }
     let (_, idle_now) = gw.connections();
-    assert!(idle_now <= 64 + 1, "{idle_now} idle connections");
+    assert!(idle_now <= 64, "{idle_now} idle connections");
+    assert!(gw.listener.idle_closed.load(Ordering::Relaxed) >= 36);
     // A real node joins and holds its session meanwhile.
     let dir = tempfile::tempdir().unwrap();
     let mut c = config(vec![url(&gw)], dir.path(), "n1");
