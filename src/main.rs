@@ -777,8 +777,8 @@ pub struct ServeArgs {
     /// gateway: joins admitted per second (each signs a certificate)
     #[arg(long, default_value_t = 200.0)]
     pub joins_per_second: f64,
-    /// gateway: a TLS handshake must finish within this
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    /// gateway: a connection must finish its TLS handshake and start its first RPC within this of its accept
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub handshake_timeout: std::time::Duration,
     /// gateway: a connection with no RPC in progress (no session, join or API call) this long is closed
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]

@@ -40,7 +40,9 @@ pub struct GatewayConfig {
     /// Validity of the gateway's serving certificate; a new one is made and
     /// served when a third of it is left.
     pub serving_validity: Duration,
-    /// A TLS handshake must finish within this.
+    /// A connection must finish its TLS handshake and start its first RPC
+    /// within this of its accept (a fleet starting at once on one gateway
+    /// needs the room: 10,000 handshakes are seconds of CPU).
     pub handshake_timeout: Duration,
     /// A connection with no RPC in progress (no session, join or API call)
     /// for this long is closed.
@@ -69,7 +71,7 @@ impl GatewayConfig {
             max_message_bytes: 1 << 20,
             certificate_validity: Duration::from_secs(365 * 24 * 3600),
             serving_validity: Duration::from_secs(30 * 24 * 3600),
-            handshake_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             max_idle_connections: 1_024,
             node_messages_per_second: 20.0,
