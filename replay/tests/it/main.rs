@@ -4,6 +4,7 @@
 //! outside the audit set, and every query recorded in the log.
 
 mod hostile;
+mod invariants;
 mod seals;
 
 use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent};
