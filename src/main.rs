@@ -664,6 +664,14 @@ pub enum ReplayCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Check the log's invariants against the tables themselves (not the projections): positions, versions, double bookings, activations after the end, commands run or ended twice; exits 1 naming the positions of any violation
+    Invariants {
+        #[command(flatten)]
+        db: Db,
+        /// Print the report as JSON
+        #[arg(long)]
+        json: bool,
+    },
     /// Rebuild a projection (pool index, nodes, reservations) from history or archives, with progress; optionally a window, a snapshot, a comparison with the live projection
     Run(replay_cmd::RunArgs),
     /// Print a pool as it was at a time: nodes, free and booked GPUs by class, what waited

@@ -443,6 +443,33 @@ pub async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        ReplayCmd::Invariants { db, json } => {
+            let client = connect(&db).await?;
+            let r = ::replay::invariants::check(&client)
+                .await
+                .context("check the log's invariants")?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else if r.violations.is_empty() {
+                println!(
+                    "ok: {} events in {} streams, {} placements; no violation",
+                    r.events, r.streams, r.placements
+                );
+            }
+            for v in &r.violations {
+                if !json {
+                    println!(
+                        "violation ({}): {} at positions {:?}",
+                        v.invariant, v.detail, v.positions
+                    );
+                }
+            }
+            Ok(if r.violations.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
         ReplayCmd::Check { db, json } => {
             let client = connect(&db).await?;
             let tty = std::io::stderr().is_terminal();

@@ -423,4 +423,15 @@ fn every_role_survives_a_postgres_crash_restart() {
     let check: serde_json::Value =
         serde_json::from_str(&ok(&["replay", "check", "--database-url", &url, "--json"])).unwrap();
     assert_eq!(check["live"], 2, "{check}");
+    // And against the tables themselves, past every crash.
+    let inv: serde_json::Value = serde_json::from_str(&ok(&[
+        "replay",
+        "invariants",
+        "--database-url",
+        &url,
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(inv["violations"], serde_json::json!([]), "{inv}");
+    assert!(inv["placements"].as_u64().unwrap() >= 3, "{inv}");
 }
