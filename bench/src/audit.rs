@@ -11,7 +11,6 @@
 use crate::util::{self, round};
 use anyhow::{bail, Context, Result};
 use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent};
-use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -147,7 +146,6 @@ pub async fn run(args: Args) -> Result<()> {
         .await?
         .get(0);
     endpoint.stop();
-    tokio::time::sleep(Duration::from_millis(100)).await;
     let result = serde_json::json!({
         "bench": "audit",
         "quick": args.quick,

@@ -592,9 +592,8 @@ impl api_server::Api for ApiService {
         req: Request<IssueCommandRequest>,
     ) -> Result<Response<CommandStatus>, Status> {
         if commands::is_internal(&req.get_ref().kind) {
-            return Err(Status::permission_denied(format!(
-                "{:?} is one of Strata's own command kinds: only the binder issues it",
-                req.get_ref().kind
+            return Err(Status::permission_denied(commands::internal_refusal(
+                &req.get_ref().kind,
             )));
         }
         let client = self.db().await?;

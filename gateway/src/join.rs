@@ -20,18 +20,10 @@ impl join_server::Join for JoinService {
         // Joins are rate-limited apart from sessions: each costs a
         // signature and a transaction.
         self.shared.admit_join()?;
-        let mut conn = self.shared.joins.lock().await;
-        if conn.as_ref().is_none_or(|c| c.is_closed()) {
-            *conn = Some(
-                events::db::connect(&self.shared.db.config, "join-connection")
-                    .await
-                    .map_err(|e| Status::unavailable(format!("database: {e}")))?,
-            );
-        }
-        let client = conn.as_mut().expect("connected above");
+        let mut client = self.shared.identity_db().await?;
         // The token and the node's id are checked before anything is signed.
         let (ca, validity) = (&self.shared.ca, self.shared.config.certificate_validity);
-        let (pool, signed) = identity::redeem(client, &req.token, &req.node_id, || {
+        let (pool, signed) = identity::redeem(&mut client, &req.token, &req.node_id, || {
             ca.sign_node_for(&req.node_id, &req.csr_pem, validity)
         })
         .await

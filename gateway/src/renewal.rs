@@ -55,9 +55,7 @@ pub(crate) async fn renew(
             "a certificate is renewed once less than half of its validity is left",
         ));
     }
-    let mut client = events::db::connect(&shared.db.config, "renewal")
-        .await
-        .map_err(|e| Status::unavailable(format!("database: {e}")))?;
+    let mut client = shared.identity_db().await?;
     match identity::lookup(&client, &presented.serial).await {
         Ok(Some(r)) if !r.revoked && r.node == node => {}
         Ok(_) => {

@@ -226,8 +226,9 @@ pub(crate) struct Shared {
     /// The pool index ListPools answers from: built from the log on the
     /// first call, then brought up to date from where it stopped.
     pub(crate) pools: tokio::sync::Mutex<projections::Index>,
-    /// The connection joins run their transactions on (one at a time: a
-    /// join is rare and short), made when first needed or after it closed.
+    /// The connection identity transactions (joins, renewals) run on, one
+    /// at a time (each is rare and short); made when first needed or after
+    /// it closed ([`Shared::identity_db`]).
     pub(crate) joins: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
 }
 
@@ -239,6 +240,26 @@ pub(crate) enum Waited {
         allocations: Vec<projections::Allocation>,
     },
     Command(commands::Tracked),
+}
+
+impl Shared {
+    /// The connection for identity transactions, connected again if it
+    /// was lost.
+    pub(crate) async fn identity_db(
+        &self,
+    ) -> Result<tokio::sync::MappedMutexGuard<'_, tokio_postgres::Client>, Status> {
+        let mut conn = self.joins.lock().await;
+        if conn.as_ref().is_none_or(|c| c.is_closed()) {
+            *conn = Some(
+                events::db::connect(&self.db.config, "identity-connection")
+                    .await
+                    .map_err(|e| Status::unavailable(format!("database: {e}")))?,
+            );
+        }
+        Ok(tokio::sync::MutexGuard::map(conn, |c| {
+            c.as_mut().expect("connected above")
+        }))
+    }
 }
 
 impl Shared {

@@ -49,6 +49,11 @@ pub fn is_internal(kind: &str) -> bool {
     INTERNAL_PREFIXES.iter().any(|p| kind.starts_with(p))
 }
 
+/// Why a command of Strata's own kind was refused.
+pub fn internal_refusal(kind: &str) -> String {
+    format!("{kind:?} is one of Strata's own command kinds: only the binder issues it")
+}
+
 /// Where a command is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -90,10 +95,7 @@ pub async fn issue(appender: &Appender, command: &Command) -> Result<(), AppendE
         ));
     }
     if is_internal(&command.kind) && !command.issued_by.starts_with("strata:") {
-        return Err(AppendError::Invalid(format!(
-            "{:?} is one of Strata's own command kinds: only the binder issues it",
-            command.kind
-        )));
+        return Err(AppendError::Invalid(internal_refusal(&command.kind)));
     }
     if !command.args.is_object() && !command.args.is_null() {
         return Err(AppendError::Invalid(

@@ -62,9 +62,10 @@ fn serve(url: &str, port: u16, ca: &Path, log: &Path) -> Server {
     serve_with(url, port, ca, log, &[])
 }
 
+/// `strata serve --roles audit` on `port`, once it accepts connections.
 fn serve_with(url: &str, port: u16, ca: &Path, log: &Path, extra: &[&str]) -> Server {
     let listen = format!("127.0.0.1:{port}");
-    Server(
+    let server = Server(
         Command::new(env!("CARGO_BIN_EXE_strata"))
             .args([
                 "serve",
@@ -86,7 +87,17 @@ fn serve_with(url: &str, port: u16, ca: &Path, log: &Path, extra: &[&str]) -> Se
             .stderr(std::fs::File::create(log).unwrap())
             .spawn()
             .unwrap(),
-    )
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the audit endpoint did not start: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    server
 }
 
 #[test]
@@ -140,15 +151,6 @@ fn serve_audit_with_psql_passwords_certificates_and_revocation() {
         .port();
     let log = dir.path().join("audit.log");
     let _server = serve(&url, port, &ca, &log);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "the audit endpoint did not start: {}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
     let tls = format!(
         "host=127.0.0.1 port={port} dbname=audit sslmode=verify-full sslrootcert={}",
         ca.join("ca.pem").display()
@@ -281,15 +283,6 @@ fn the_audit_endpoint_serves_a_renewed_certificate_before_its_own_expires() {
         .port();
     let log = dir.path().join("audit.log");
     let _server = serve_with(&url, port, &gw_ca, &log, &["--serving-validity", "6s"]);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "{}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
     let started = Instant::now();
     // verify-full checks the expiry; channel binding binds to the cert served.
     let tls = format!(

@@ -23,22 +23,7 @@ async fn operators_act_only_within_their_roles_and_the_log_records_who_asked() {
     let r = region().await;
     let gw = r.gateway("gw-a", |_| {}).await;
     let dir = tempfile::tempdir().unwrap();
-    let mut c = config(vec![url(&gw)], dir.path(), "n1");
-    c.token = Some(r.token().await);
-    c.ca_pem = Some(r.ca_pem());
-    let n = start(c);
-    eventually(20, "n1 joined", || async {
-        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
-            .await
-            == 1
-    })
-    .await;
-    let placer = placer::Placer::start(
-        r.cfg.clone(),
-        r.reader(),
-        r.appender.clone(),
-        placer::PlacerConfig::new("authz-test"),
-    );
+    let (n, placer) = n1_and_a_placer(&r, &gw, dir.path()).await;
     let ca = Ca::load(r.ca_dir.path()).unwrap();
     let connect = |name: &str| {
         let (cert, key) = ca.issue_operator(name, 1).unwrap();

@@ -76,9 +76,7 @@ async fn idle_and_half_open_connections_do_not_keep_out_a_real_node_or_client() 
     assert!(gw.listener.idle_closed.load(Ordering::Relaxed) >= 36);
     // A real node joins and holds its session meanwhile.
     let dir = tempfile::tempdir().unwrap();
-    let mut c = config(vec![url(&gw)], dir.path(), "n1");
-    c.token = Some(r.token().await);
-    c.ca_pem = Some(r.ca_pem());
+    let c = joining(&r, &gw, dir.path(), "n1").await;
     let started = Instant::now();
     let n = start(c);
     eventually(20, "n1 joined and opened a session", || async {
@@ -148,23 +146,9 @@ async fn a_node_flooding_health_reports_is_ended_and_others_go_on() {
         })
         .await;
     let dir = tempfile::tempdir().unwrap();
-    let mut c = config(vec![url(&gw)], dir.path(), "n1");
-    c.token = Some(r.token().await);
-    c.ca_pem = Some(r.ca_pem());
+    let c = joining(&r, &gw, dir.path(), "n1").await;
     let creds = daemon::ensure_joined(&c).await.unwrap();
-    let channel = tonic::transport::Endpoint::from_shared(url(&gw))
-        .unwrap()
-        .tls_config(
-            tonic::transport::ClientTlsConfig::new()
-                .ca_certificate(tonic::transport::Certificate::from_pem(&creds.ca_pem))
-                .identity(tonic::transport::Identity::from_pem(
-                    &creds.cert_pem,
-                    &creds.key_pem,
-                ))
-                .domain_name("localhost"),
-        )
-        .unwrap()
-        .connect()
+    let channel = node_channel(&gw, &creds.ca_pem, &creds.cert_pem, &creds.key_pem)
         .await
         .unwrap();
     let mut msgs = vec![NodeMessage {
@@ -251,9 +235,7 @@ async fn the_serving_certificate_is_renewed_before_it_expires() {
         .gateway("gw-a", |c| c.serving_validity = Duration::from_secs(6))
         .await;
     let dir = tempfile::tempdir().unwrap();
-    let mut c = config(vec![url(&gw)], dir.path(), "n1");
-    c.token = Some(r.token().await);
-    c.ca_pem = Some(r.ca_pem());
+    let c = joining(&r, &gw, dir.path(), "n1").await;
     let n = start(c.clone());
     eventually(20, "n1's session opens", || async {
         n.stats.connected.load(Ordering::Relaxed) >= 1
@@ -272,9 +254,7 @@ async fn the_serving_certificate_is_renewed_before_it_expires() {
         "an expired certificate is served"
     );
     let dir2 = tempfile::tempdir().unwrap();
-    let mut c2 = config(vec![url(&gw)], dir2.path(), "n2");
-    c2.token = Some(r.token().await);
-    c2.ca_pem = Some(r.ca_pem());
+    let c2 = joining(&r, &gw, dir2.path(), "n2").await;
     let n2 = start(c2);
     eventually(20, "n2 joins through the renewed certificate", || async {
         n2.stats.connected.load(Ordering::Relaxed) >= 1

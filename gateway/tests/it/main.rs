@@ -90,6 +90,56 @@ impl Region {
     }
 }
 
+/// A daemon's configuration for `node`, with a join token and the CA.
+async fn joining(r: &Region, gw: &Running, dir: &std::path::Path, node: &str) -> DaemonConfig {
+    let mut c = config(vec![url(gw)], dir, node);
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    c
+}
+
+/// Node n1 started and in its pool, and a placer.
+async fn n1_and_a_placer(
+    r: &Region,
+    gw: &Running,
+    dir: &std::path::Path,
+) -> (Node, placer::Placer) {
+    let n = start(joining(r, gw, dir, "n1").await);
+    eventually(20, "n1's inventory is in the pool", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
+            .await
+            == 1
+    })
+    .await;
+    let placer = placer::Placer::start(
+        r.cfg.clone(),
+        r.reader(),
+        r.appender.clone(),
+        placer::PlacerConfig::new("api-test"),
+    );
+    (n, placer)
+}
+
+/// A mutual-TLS channel to the gateway with a node's credentials.
+async fn node_channel(
+    gw: &Running,
+    ca_pem: &str,
+    cert_pem: &str,
+    key_pem: &str,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    tonic::transport::Endpoint::from_shared(url(gw))
+        .unwrap()
+        .tls_config(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem))
+                .identity(tonic::transport::Identity::from_pem(cert_pem, key_pem))
+                .domain_name("localhost"),
+        )
+        .unwrap()
+        .connect()
+        .await
+}
+
 /// A certificate signing request for a new key.
 fn new_csr() -> String {
     let key = rcgen::KeyPair::generate().unwrap();
@@ -500,23 +550,9 @@ async fn malformed_and_oversized_messages_get_errors_and_the_gateway_stays_up() 
         })
         .await;
     let dir = tempfile::tempdir().unwrap();
-    let mut c = config(vec![url(&gw)], dir.path(), "n1");
-    c.token = Some(r.token().await);
-    c.ca_pem = Some(r.ca_pem());
+    let c = joining(&r, &gw, dir.path(), "n1").await;
     let creds = daemon::ensure_joined(&c).await.unwrap();
-    let channel = tonic::transport::Endpoint::from_shared(url(&gw))
-        .unwrap()
-        .tls_config(
-            tonic::transport::ClientTlsConfig::new()
-                .ca_certificate(tonic::transport::Certificate::from_pem(&creds.ca_pem))
-                .identity(tonic::transport::Identity::from_pem(
-                    &creds.cert_pem,
-                    &creds.key_pem,
-                ))
-                .domain_name("localhost"),
-        )
-        .unwrap()
-        .connect()
+    let channel = node_channel(&gw, &creds.ca_pem, &creds.cert_pem, &creds.key_pem)
         .await
         .unwrap();
 
@@ -769,22 +805,7 @@ async fn the_client_api_serves_operators_only() {
     let r = region().await;
     let gw = r.gateway("gw-a", |_| {}).await;
     let dir = tempfile::tempdir().unwrap();
-    let mut c = config(vec![url(&gw)], dir.path(), "n1");
-    c.token = Some(r.token().await);
-    c.ca_pem = Some(r.ca_pem());
-    let n = start(c);
-    eventually(20, "n1's inventory is in the pool", || async {
-        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
-            .await
-            == 1
-    })
-    .await;
-    let placer = placer::Placer::start(
-        r.cfg.clone(),
-        r.reader(),
-        r.appender.clone(),
-        placer::PlacerConfig::new("api-test"),
-    );
+    let (n, placer) = n1_and_a_placer(&r, &gw, dir.path()).await;
     let ca = Ca::load(r.ca_dir.path()).unwrap();
     let client = |cert: String, key: String| api_as(&r, &gw, cert, key);
     // A node's certificate is not an operator's.

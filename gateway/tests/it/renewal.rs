@@ -13,18 +13,9 @@ async fn session_with(
     cert_pem: &str,
     key_pem: &str,
 ) -> Result<SessionClient<tonic::transport::Channel>, tonic::transport::Error> {
-    let channel = tonic::transport::Endpoint::from_shared(url(gw))
-        .unwrap()
-        .tls_config(
-            tonic::transport::ClientTlsConfig::new()
-                .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem))
-                .identity(tonic::transport::Identity::from_pem(cert_pem, key_pem))
-                .domain_name("localhost"),
-        )
-        .unwrap()
-        .connect()
-        .await?;
-    Ok(SessionClient::new(channel))
+    Ok(SessionClient::new(
+        node_channel(gw, ca_pem, cert_pem, key_pem).await?,
+    ))
 }
 
 fn hello(node: &str) -> NodeMessage {
@@ -44,9 +35,7 @@ async fn a_node_renews_its_certificate_over_its_session_and_outlives_it() {
         .gateway("gw-a", |c| c.certificate_validity = Duration::from_secs(6))
         .await;
     let dir = tempfile::tempdir().unwrap();
-    let mut c = config(vec![url(&gw)], dir.path(), "n1");
-    c.token = Some(r.token().await);
-    c.ca_pem = Some(r.ca_pem());
+    let c = joining(&r, &gw, dir.path(), "n1").await;
     let first = daemon::ensure_joined(&c).await.unwrap();
     let joined_at = std::time::Instant::now();
     // Too early: more than half of its validity is left.
