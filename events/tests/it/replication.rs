@@ -323,14 +323,34 @@ async fn postgres_restarted_and_crashed_under_load_loses_nothing() {
             }
         }
     });
+    // Each fault comes only once the reader has a session after the last
+    // one, so that each is a separate reconnect (on a loaded machine the
+    // reader's backoff can outlast a fixed pause).
+    let sessions = |n: u64| {
+        let r = r.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            while r.sessions() < n {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the reader reached {n} sessions (has {})",
+                    r.sessions()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    sessions(1).await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     tokio::task::block_in_place(|| cluster.restart()).unwrap();
+    sessions(2).await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     tokio::task::block_in_place(|| {
         cluster.crash();
         cluster.restart()
     })
     .unwrap();
+    sessions(3).await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     stop.store(true, Ordering::Relaxed);
     let mut acked = Vec::new();
