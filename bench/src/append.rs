@@ -8,7 +8,11 @@
 //! - end-to-end lag, append acknowledged to delivered by a subscription, at an
 //!   offered 5,000 events/s;
 //! - decoding a backlog through a subscription against `pg_recvlogical`
-//!   consuming a pgoutput slot over the same backlog.
+//!   consuming a pgoutput slot over the same backlog;
+//! - a peer event store on the same cluster: Message DB (`message_db.rs`)
+//!   at 16 and 256 writers, one message per call with an expected version,
+//!   right after Strata's phase at the same number of writers
+//!   (`vs_message_db`).
 
 use crate::util::{self, percentile_ms, round};
 use anyhow::{bail, Context, Result};
@@ -67,6 +71,13 @@ pub async fn run(args: Args) -> Result<()> {
     let client = events::db::connect(&cfg, "bench").await?;
     let pg_version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
     prepare_raw(&client).await?;
+    let message_db = {
+        let (cfg, bindir) = (cfg.clone(), cluster.bindir().to_path_buf());
+        tokio::task::spawn_blocking(move || crate::message_db::install(&cfg, &bindir)).await?
+    };
+    if let Err(why) = &message_db {
+        eprintln!("Message DB skipped: {why}");
+    }
 
     let appender = Appender::start(
         cfg.clone(),
@@ -85,6 +96,9 @@ pub async fn run(args: Args) -> Result<()> {
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
     let mut lats: Vec<Vec<Duration>> = vec![Vec::new(); args.writers.len()];
     let mut ratios = Vec::new();
+    // Per number of writers: Strata's rate over Message DB's, per repetition.
+    let mut vs_peer: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
+    let mut peer_rates: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
     // CPU per row or append (whole machine, and this process's share).
     let mut raw_cpu = Vec::new();
     let mut strata_cpu = Vec::new();
@@ -104,6 +118,11 @@ pub async fn run(args: Args) -> Result<()> {
             let rate = phase.rate;
             rates[k].push(rate);
             lats[k].extend(l);
+            if let (Ok(peer), 16 | 256) = (&message_db, writers) {
+                let theirs = crate::message_db::appends(peer, writers, secs).await?.rate;
+                peer_rates[k].push(theirs);
+                vs_peer[k].push(rate / theirs.max(1e-9));
+            }
             if writers == 256 {
                 strata_cpu.push(phase.cpu_per_event());
                 ratios.push(rate / m);
@@ -130,7 +149,29 @@ pub async fn run(args: Args) -> Result<()> {
         levels.insert(format!("appends_per_s_{writers}"), round(rate, 0).into());
         levels.insert(format!("ack_p50_ms_{writers}"), round(p50, 3).into());
         levels.insert(format!("ack_p99_ms_{writers}"), round(p99, 3).into());
+        if !vs_peer[k].is_empty() {
+            let theirs = util::median(&mut peer_rates[k]);
+            let vs = util::median(&mut vs_peer[k]);
+            eprintln!(
+                "message db: {writers:>3} writers {theirs:>8.0} writes/s; vs_message_db {vs:.2}"
+            );
+            levels.insert(
+                format!("message_db_writes_per_s_{writers}"),
+                round(theirs, 0).into(),
+            );
+            levels.insert(format!("vs_message_db_{writers}"), round(vs, 3).into());
+        }
     }
+    levels.insert(
+        "message_db".into(),
+        match &message_db {
+            Ok(_) => serde_json::json!({
+                "installed": true,
+                "how": "npm pack @eventide/message-db, database/install.sh into the same cluster; one connection per writer, each writer its own category (no shared advisory lock); write_message with the expected version",
+            }),
+            Err(why) => serde_json::json!({"installed": false, "skipped": why}),
+        },
+    );
     if !strata_cpu.is_empty() {
         let (raw_us, raw_client) = medians(&raw_cpu);
         let (strata_us, strata_client) = medians(&strata_cpu);
@@ -195,6 +236,10 @@ pub async fn run(args: Args) -> Result<()> {
             "decode_ratio": decode_ratio >= 0.9,
         },
     });
+    if let Some(vs) = levels.get("vs_message_db_256").and_then(|v| v.as_f64()) {
+        result["targets"]["vs_message_db_256"] = ">= 2".into();
+        result["met"]["vs_message_db_256"] = (vs >= 2.0).into();
+    }
     if let serde_json::Value::Object(m) = &mut result {
         m.extend(levels);
     }
@@ -232,7 +277,7 @@ pub(crate) async fn prepare_raw(client: &tokio_postgres::Client) -> Result<()> {
         .context("create the raw baseline tables")
 }
 
-fn payload(i: u64) -> serde_json::Value {
+pub(crate) fn payload(i: u64) -> serde_json::Value {
     serde_json::json!({ "node": format!("n-{}", i % 10_000), "gpu": i % 8, "seq": i })
 }
 
@@ -341,7 +386,7 @@ pub(crate) async fn raw_multirow(
 /// given, is set when the measured window opens), prints the rate and the
 /// cores busy (`label` before it, `own` naming this process's share) and
 /// returns the phase with what each task returned.
-async fn timed<T>(
+pub(crate) async fn timed<T>(
     count: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     measuring: Option<&AtomicBool>,

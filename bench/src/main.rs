@@ -7,6 +7,7 @@ mod audit;
 mod gateway;
 mod hostile;
 mod lifecycle;
+mod message_db;
 mod placements;
 mod replay;
 mod sinks;
