@@ -1,17 +1,7 @@
-//! Strata's benchmarks. Each scenario starts its own private PostgreSQL,
-//! measures a baseline in the same run, reports a ratio against it, prints
-//! one final JSON line and writes it under `bench/results/`.
+//! The `bench` command line: one subcommand per scenario of the library
+//! (`lib.rs`).
 
-mod append;
-mod audit;
-mod gateway;
-mod hostile;
-mod lifecycle;
-mod message_db;
-mod placements;
-mod replay;
-mod sinks;
-mod util;
+use bench::{append, audit, gateway, hostile, lifecycle, placements, region, replay, sinks};
 
 use clap::{Parser, Subcommand};
 
@@ -57,6 +47,8 @@ enum Scenario {
     Sinks(sinks::Args),
     /// Rebuilding the pool index from history: from PostgreSQL against COPY binary of the same rows, and from archives
     Replay(replay::Args),
+    /// A whole region as separate processes (3 gateways, 2 placers, 2 binders, sinks, maintenance, audit) and simulated nodes: cold start, steady load, faults, and the invariant checker after each
+    Region(region::Args),
     /// (internal) the sinks process of `sinks`
     #[command(hide = true)]
     SinksServer(sinks::ServerArgs),
@@ -97,6 +89,7 @@ fn run() -> anyhow::Result<()> {
             Scenario::SinksServer(a) => sinks::server(a).await,
             Scenario::Replay(a) => replay::run(a).await,
             Scenario::Audit(a) => audit::run(a).await,
+            Scenario::Region(a) => region::run(a).await,
         }
     })
 }

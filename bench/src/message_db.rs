@@ -28,7 +28,7 @@ const DATABASE: &str = "message_store";
 
 /// Installs Message DB into the cluster `cfg` points at and returns the
 /// configuration of its database, or why it could not.
-pub fn install(cfg: &Config, bindir: &Path) -> Result<Config, String> {
+pub(crate) fn install(cfg: &Config, bindir: &Path) -> Result<Config, String> {
     let dir = tempfile::tempdir().map_err(|e| format!("a temporary folder: {e}"))?;
     let npm = Command::new("npm")
         .args(["pack", "@eventide/message-db", "--silent"])
@@ -101,7 +101,7 @@ static RUN: AtomicU64 = AtomicU64::new(0);
 
 /// `writers` connections, each writing one message at a time to a stream of
 /// its own with the expected version; the rate of acknowledged writes.
-pub async fn appends(cfg: &Config, writers: usize, secs: Duration) -> Result<Phase> {
+pub(crate) async fn appends(cfg: &Config, writers: usize, secs: Duration) -> Result<Phase> {
     let count = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let run = RUN.fetch_add(1, Ordering::Relaxed);

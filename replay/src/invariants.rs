@@ -143,56 +143,9 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
     }
 
     // 3. Devices held by two live placements, in log order.
-    let rows = client
-        .query(
-            "SELECT position, stream, type, payload::text FROM strata.events
-              WHERE stream LIKE 'pool/%' AND type = ANY($1) ORDER BY position",
-            &[&types(&[
-                "reservation.placed",
-                "reservation.released",
-                "reservation.expired",
-                "reservation.failed",
-            ])],
-        )
-        .await?;
-    // (pool, node, device) -> (reservation, position placed)
-    let mut held: HashMap<(String, String, String), (String, i64)> = HashMap::new();
-    let mut by_reservation: HashMap<(String, String), Vec<(String, String)>> = HashMap::new();
-    let mut doubles = Vec::new();
-    for r in &rows {
-        let (position, stream, t, payload): (i64, String, String, String) =
-            (r.get(0), r.get(1), r.get(2), r.get(3));
-        let p: serde_json::Value = serde_json::from_str(&payload).unwrap_or_default();
-        let reservation = p["reservation"].as_str().unwrap_or_default().to_string();
-        let key = (stream.clone(), reservation.clone());
-        if canonical_type(&t) == "reservation.placed" {
-            report.placements += 1;
-            let mut taken = Vec::new();
-            for a in p["allocations"].as_array().into_iter().flatten() {
-                let node = a["node"].as_str().unwrap_or_default().to_string();
-                for d in a["devices"].as_array().into_iter().flatten() {
-                    let device = d.as_str().unwrap_or_default().to_string();
-                    let slot = (stream.clone(), node.clone(), device.clone());
-                    if let Some((other, at)) = held.get(&slot) {
-                        doubles.push((*at, position, format!(
-                            "device {device} of node {node} ({stream}) placed for {reservation} while {other} held it"
-                        )));
-                    } else {
-                        held.insert(slot, (reservation.clone(), position));
-                    }
-                    taken.push((node.clone(), device));
-                }
-            }
-            by_reservation.insert(key, taken);
-        } else if let Some(taken) = by_reservation.remove(&key) {
-            for (node, device) in taken {
-                let slot = (stream.clone(), node, device);
-                if held.get(&slot).is_some_and(|(r, _)| *r == reservation) {
-                    held.remove(&slot);
-                }
-            }
-        }
-    }
+    let fold = placements(client).await?;
+    report.placements = fold.placements;
+    let doubles = fold.doubles;
     if !doubles.is_empty() {
         let detail = doubles[0].2.clone();
         v.push(Violation {
@@ -258,4 +211,86 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
         });
     }
     Ok(report)
+}
+
+/// The placements' devices folded in log order.
+struct Placements {
+    placements: u64,
+    /// (pool stream, node, device) -> (reservation, position placed).
+    held: HashMap<(String, String, String), (String, i64)>,
+    /// (position held, position placed again, what).
+    doubles: Vec<(i64, i64, String)>,
+}
+
+async fn placements(client: &Client) -> Result<Placements, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT position, stream, type, payload::text FROM strata.events
+              WHERE stream LIKE 'pool/%' AND type = ANY($1) ORDER BY position",
+            &[&types(&[
+                "reservation.placed",
+                "reservation.released",
+                "reservation.expired",
+                "reservation.failed",
+            ])],
+        )
+        .await?;
+    let mut f = Placements {
+        placements: 0,
+        held: HashMap::new(),
+        doubles: Vec::new(),
+    };
+    let mut by_reservation: HashMap<(String, String), Vec<(String, String)>> = HashMap::new();
+    for r in &rows {
+        let (position, stream, t, payload): (i64, String, String, String) =
+            (r.get(0), r.get(1), r.get(2), r.get(3));
+        let p: serde_json::Value = serde_json::from_str(&payload).unwrap_or_default();
+        let reservation = p["reservation"].as_str().unwrap_or_default().to_string();
+        let key = (stream.clone(), reservation.clone());
+        if canonical_type(&t) == "reservation.placed" {
+            f.placements += 1;
+            let mut taken = Vec::new();
+            for a in p["allocations"].as_array().into_iter().flatten() {
+                let node = a["node"].as_str().unwrap_or_default().to_string();
+                for d in a["devices"].as_array().into_iter().flatten() {
+                    let device = d.as_str().unwrap_or_default().to_string();
+                    let slot = (stream.clone(), node.clone(), device.clone());
+                    if let Some((other, at)) = f.held.get(&slot) {
+                        f.doubles.push((*at, position, format!(
+                            "device {device} of node {node} ({stream}) placed for {reservation} while {other} held it"
+                        )));
+                    } else {
+                        f.held.insert(slot, (reservation.clone(), position));
+                    }
+                    taken.push((node.clone(), device));
+                }
+            }
+            by_reservation.insert(key, taken);
+        } else if let Some(taken) = by_reservation.remove(&key) {
+            for (node, device) in taken {
+                let slot = (stream.clone(), node, device);
+                if f.held.get(&slot).is_some_and(|(r, _)| *r == reservation) {
+                    f.held.remove(&slot);
+                }
+            }
+        }
+    }
+    Ok(f)
+}
+
+/// The reservations the log says hold devices on each node now (placed on
+/// its pool's stream and not released, expired or failed there), read from
+/// the table like [`check`].
+pub async fn live_allocations(
+    client: &Client,
+) -> Result<
+    std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+    tokio_postgres::Error,
+> {
+    let mut live: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        Default::default();
+    for ((_, node, _), (reservation, _)) in placements(client).await?.held {
+        live.entry(node).or_default().insert(reservation);
+    }
+    Ok(live)
 }

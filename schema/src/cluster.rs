@@ -194,6 +194,17 @@ impl Cluster {
         &self.log_path
     }
 
+    /// The server's process id (the postmaster), from `postmaster.pid`.
+    pub fn postmaster_pid(&self) -> Option<u32> {
+        fs::read_to_string(self.options.data_dir.join("postmaster.pid"))
+            .ok()?
+            .lines()
+            .next()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     /// The folder holding the server binaries in use.
     pub fn bindir(&self) -> &Path {
         &self.bindir

@@ -1,0 +1,122 @@
+//! The region's simulated nodes: real node daemons (`node::daemon::run`)
+//! with fake GPUs, in this process, each with its own data folder, its own
+//! one-time join token (bound to its id) for its first start, and its own
+//! mutual-TLS session with one of the gateways.
+
+use anyhow::Result;
+use node::daemon::{self, DaemonConfig, DaemonError, DaemonStats};
+use node::gpu::FakeGpus;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// GPUs of every simulated node.
+pub const GPUS: &str = "8xH100-80GB";
+/// Their class.
+pub const CLASS: &str = "H100-80GB";
+
+/// One simulated node.
+pub struct Node {
+    pub id: String,
+    pub pool: String,
+    pub dir: PathBuf,
+    pub gpus: Arc<FakeGpus>,
+    token: Option<String>,
+}
+
+/// Every simulated node, and the daemons running now.
+pub struct Fleet {
+    pub nodes: Vec<Arc<Node>>,
+    pub stats: Arc<DaemonStats>,
+    gateways: Vec<String>,
+    ca_pem: String,
+    stop: Option<watch::Sender<bool>>,
+    tasks: Vec<JoinHandle<Result<(), DaemonError>>>,
+    /// Daemons that ended with an error (a refused join, say), over all starts.
+    pub refusals: Vec<String>,
+}
+
+impl Fleet {
+    /// Creates `n` nodes spread over `pools`, each with a token that admits
+    /// its id alone.
+    pub async fn provision(
+        client: &tokio_postgres::Client,
+        n: usize,
+        pools: &[String],
+        dir: &Path,
+        ca_pem: String,
+    ) -> Result<Fleet> {
+        let mut nodes = Vec::with_capacity(n);
+        for i in 0..n {
+            let id = format!("rg{i:05}");
+            let pool = pools[i % pools.len()].clone();
+            let token =
+                gateway::identity::create_token(client, &pool, Duration::from_secs(6 * 3600), &id)
+                    .await?;
+            nodes.push(Arc::new(Node {
+                gpus: Arc::new(FakeGpus::parse(GPUS, &id)?),
+                dir: dir.join(&id),
+                id,
+                pool,
+                token: Some(token),
+            }));
+            if (i + 1) % 2000 == 0 {
+                eprintln!("  {} of {n} join tokens issued", i + 1);
+            }
+        }
+        Ok(Fleet {
+            nodes,
+            stats: Arc::default(),
+            gateways: Vec::new(),
+            ca_pem,
+            stop: None,
+            tasks: Vec::new(),
+            refusals: Vec::new(),
+        })
+    }
+
+    pub fn set_gateways(&mut self, gateways: Vec<String>) {
+        self.gateways = gateways;
+    }
+
+    /// Starts every daemon at the same instant. A node without a
+    /// certificate yet joins with its token first.
+    pub fn start(&mut self) {
+        let (tx, rx) = watch::channel(false);
+        self.stop = Some(tx);
+        for n in &self.nodes {
+            let mut c =
+                DaemonConfig::new(self.gateways.clone(), n.dir.clone(), &n.id, n.gpus.clone());
+            c.health_poll = Duration::from_secs(1);
+            if !n.dir.join("node.pem").exists() {
+                c.token = n.token.clone();
+                c.ca_pem = Some(self.ca_pem.clone());
+            }
+            self.tasks
+                .push(tokio::spawn(daemon::run(c, self.stats.clone(), rx.clone())));
+        }
+    }
+
+    /// Stops every daemon (their sessions end as a power loss would end
+    /// them, without a goodbye) and waits for them.
+    pub async fn stop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(true);
+        }
+        for (i, t) in std::mem::take(&mut self.tasks).into_iter().enumerate() {
+            match t.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => self.refusals.push(format!("{}: {e}", self.nodes[i].id)),
+                Err(e) => self.refusals.push(format!("{}: {e}", self.nodes[i].id)),
+            }
+        }
+    }
+
+    /// Daemons that have ended while the fleet runs (each a refusal: a
+    /// running daemon ends only when told to).
+    pub fn ended(&self) -> usize {
+        self.tasks.iter().filter(|t| t.is_finished()).count()
+    }
+}

@@ -1,0 +1,597 @@
+//! `bench region`: a whole region on the wall clock, under load and faults.
+//!
+//! The roles run as separate `strata serve` processes, started the way an
+//! operator would start them (`procs.rs`): 3 gateways, 2 placers, 2 binders,
+//! a sinks process (a webhook receiver of the drill's own and a NATS
+//! JetStream sink, on a `nats-server` the drill starts), maintenance and the
+//! audit endpoint, on a private PostgreSQL. The simulated nodes
+//! (`fleet.rs`) are real daemons with fake GPUs that join through the Join
+//! service with one-time tokens and hold mutual-TLS sessions spread over
+//! the gateways. `load.rs` offers the steady load; `scenarios.rs` injects
+//! the faults; `check.rs` is the invariant checker, run after every
+//! scenario and at the end.
+//!
+//! Everything shares this machine's cores: the load generator and the
+//! daemons in this process, every role, PostgreSQL and NATS.
+
+pub mod check;
+pub mod fleet;
+pub mod load;
+pub mod procs;
+pub mod scenarios;
+
+use crate::util;
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use events::{Appender, AppenderConfig};
+use http_body_util::{BodyExt, Full};
+use load::{Load, Rates};
+use procs::{Launch, Role};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Simulated nodes (8 GPUs each)
+    #[arg(long, default_value_t = 10_000)]
+    nodes: usize,
+    /// Pools the nodes are spread over
+    #[arg(long, default_value_t = 4)]
+    pools: usize,
+    /// Seconds of the steady phase
+    #[arg(long, default_value_t = 60)]
+    steady_seconds: u64,
+    /// A short run: 1,000 nodes, 20 s of steady load, shorter waits
+    #[arg(long)]
+    quick: bool,
+    /// The `strata` binary (default: next to this one, built first with cargo when run through cargo)
+    #[arg(long)]
+    strata: Option<PathBuf>,
+}
+
+/// What a drill runs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub strata: PathBuf,
+    pub nodes: usize,
+    pub pools: usize,
+    pub steady: Duration,
+    /// The power cycle's outage.
+    pub outage: Duration,
+    /// How long after the killed gateway restarts the spread is looked at.
+    pub spread_wait: Duration,
+    pub rates: Rates,
+    /// Longest wait for any one thing (all nodes schedulable, a re-home, a
+    /// probe) before it is reported as not done.
+    pub patience: Duration,
+}
+
+impl Options {
+    /// The reference's sizing for `nodes` nodes: 200 placements/s, 50
+    /// commands/s and about 170 node events/s at 10,000, in proportion
+    /// below it.
+    pub fn sized(strata: PathBuf, nodes: usize) -> Options {
+        let scale = (nodes as f64 / 10_000.0).min(1.0);
+        Options {
+            strata,
+            nodes,
+            pools: 4,
+            steady: Duration::from_secs(60),
+            outage: Duration::from_secs(10),
+            spread_wait: Duration::from_secs(30),
+            rates: Rates {
+                placements: (200.0 * scale).max(10.0),
+                commands: (50.0 * scale).max(5.0),
+                // Each change is a status and a health event: ~170/s.
+                drift: (85.0 * scale).max(2.0),
+            },
+            patience: Duration::from_secs(180),
+        }
+    }
+}
+
+pub async fn run(args: Args) -> Result<()> {
+    let strata = match args.strata {
+        Some(p) => p,
+        None => build_strata()?,
+    };
+    let nodes = if args.quick && args.nodes == 10_000 {
+        1_000
+    } else {
+        args.nodes
+    };
+    let mut o = Options::sized(strata, nodes);
+    o.pools = args.pools.max(1);
+    o.steady = Duration::from_secs(if args.quick { 20 } else { args.steady_seconds });
+    if args.quick {
+        o.spread_wait = Duration::from_secs(15);
+    }
+    let result = drill(o).await?;
+    let name = if args.quick {
+        "region-quick".to_string()
+    } else {
+        format!("region-{nodes}")
+    };
+    util::finish(&name, &result)?;
+    let violations = result["violations"].as_u64().unwrap_or(0);
+    if violations > 0 {
+        anyhow::bail!("{violations} invariant violations (see {name}.json)");
+    }
+    Ok(())
+}
+
+/// Builds the `strata` binary of this workspace with the same profile as
+/// this one (when run through cargo) and returns its path.
+fn build_strata() -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("the bench binary's folder")?;
+    let strata = dir.join("strata");
+    if let Ok(cargo) = std::env::var("CARGO") {
+        eprintln!("building the strata binary ...");
+        let mut cmd = std::process::Command::new(cargo);
+        cmd.args(["build", "--bin", "strata", "-p", "strata"]);
+        if dir.ends_with("release") {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().context("run cargo build")?;
+        if !status.success() {
+            anyhow::bail!("cargo build --bin strata failed");
+        }
+    }
+    if !strata.exists() {
+        anyhow::bail!(
+            "no strata binary at {}: build it (cargo build --release --bin strata) or pass --strata",
+            strata.display()
+        );
+    }
+    Ok(strata)
+}
+
+/// The region's processes and shared parts.
+pub struct Region {
+    pub cluster: schema::Cluster,
+    pub cfg: tokio_postgres::Config,
+    pub launch: Launch,
+    pub roles: Vec<Role>,
+    pub fleet: fleet::Fleet,
+    pub appender: Appender,
+    pub pools: Vec<String>,
+    pub hook: Arc<check::Received>,
+    pub js: Option<async_nats::jetstream::Context>,
+    nats: Option<tokio::process::Child>,
+    _dir: tempfile::TempDir,
+}
+
+/// The webhook sink's filter, and the NATS sink's.
+pub const HOOK_PREFIX: &str = "reservation/";
+pub const JS_PREFIX: &str = "command/";
+pub const HOOK_SINK: &str = "region-hook";
+pub const JS_SINK: &str = "region-js";
+pub const JS_STREAM: &str = "REGION";
+
+impl Region {
+    pub fn role(&mut self, name: &str) -> &mut Role {
+        self.roles
+            .iter_mut()
+            .find(|r| r.name == name)
+            .expect("a role of the region")
+    }
+
+    /// A connection for the drill's own reads (a new one: the server may
+    /// have restarted since the last).
+    pub async fn client(&self) -> Result<tokio_postgres::Client> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match events::db::connect(&self.cfg, "region-drill").await {
+                Ok(c) => return Ok(c),
+                Err(e) if Instant::now() > deadline => return Err(e.into()),
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    }
+
+    /// Fails if a role has exited by itself.
+    pub fn check_alive(&mut self) -> Result<()> {
+        for r in &mut self.roles {
+            r.check_alive()?;
+        }
+        Ok(())
+    }
+}
+
+async fn receiver(rx: Arc<check::Received>) -> Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}/", listener.local_addr()?);
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let rx = rx.clone();
+            let svc =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let rx = rx.clone();
+                    async move {
+                        let body = req
+                            .into_body()
+                            .collect()
+                            .await
+                            .map(|b| b.to_bytes())
+                            .unwrap_or_default();
+                        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) {
+                            let mut at = rx.positions.lock().expect("receiver lock");
+                            for e in v["events"].as_array().into_iter().flatten() {
+                                if let Some(p) = e["position"].as_u64() {
+                                    at.push(p);
+                                }
+                            }
+                        }
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                            Bytes::new(),
+                        )))
+                    }
+                });
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    Ok(url)
+}
+
+/// Starts `nats-server` with JetStream on a free port, if there is one.
+async fn nats(dir: &std::path::Path) -> Result<Option<(tokio::process::Child, String)>> {
+    let port = procs::free_port()?;
+    let store = dir.join("nats");
+    std::fs::create_dir_all(&store)?;
+    let child = tokio::process::Command::new("nats-server")
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(&store)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.join("nats.log"))?)
+        .kill_on_drop(true)
+        .spawn();
+    let Ok(child) = child else {
+        eprintln!("no nats-server on this machine: the JetStream sink is left out");
+        return Ok(None);
+    };
+    let addr = format!("127.0.0.1:{port}");
+    procs::wait_listening(&addr, Duration::from_secs(10)).await?;
+    Ok(Some((child, format!("nats://{addr}"))))
+}
+
+/// Starts the region: PostgreSQL, the CA, pools, sinks, every role, and the
+/// fleet's tokens (the nodes are not started).
+pub async fn start(o: &Options) -> Result<Region> {
+    let dir = tempfile::Builder::new()
+        .prefix("strata-region-")
+        .tempdir()?;
+    eprintln!("starting a private PostgreSQL (fsync on) ...");
+    let cluster = tokio::task::spawn_blocking(util::cluster).await??;
+    let cfg = util::database(&cluster, "region").await?;
+    let url = cluster.url("region");
+    let client = events::db::connect(&cfg, "region-setup").await?;
+    let ca = dir.path().join("ca");
+    gateway::ca::init(&ca, "region-drill")?;
+    let ca_pem = std::fs::read_to_string(ca.join("ca.pem"))?;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let pools: Vec<String> = (0..o.pools)
+        .map(|i| format!("pool-{}", (b'a' + i as u8) as char))
+        .collect();
+    for p in &pools {
+        placer::client::create_pool(&appender, p, "region drill").await?;
+    }
+    // Sinks: a webhook to the drill's receiver, and JetStream.
+    std::env::set_var("STRATA_SINK_SECRET_REGION", "region-drill");
+    let hook = Arc::new(check::Received::default());
+    let hook_url = receiver(hook.clone()).await?;
+    let filter = |prefix: &str| sinks::Filter {
+        types: vec![],
+        prefixes: vec![prefix.into()],
+    };
+    sinks::config::create(
+        &appender,
+        &sinks::SinkConfig {
+            name: HOOK_SINK.into(),
+            target: sinks::Target::Webhook {
+                url: hook_url,
+                secret_env: "STRATA_SINK_SECRET_REGION".into(),
+            },
+            filter: filter(HOOK_PREFIX),
+            start: "start".into(),
+            batch_max: 1000,
+            max_attempts: 100,
+        },
+    )
+    .await?;
+    let (nats, js) = match nats(dir.path()).await? {
+        Some((child, nats_url)) => {
+            let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await?);
+            js.create_stream(async_nats::jetstream::stream::Config {
+                name: JS_STREAM.into(),
+                subjects: vec!["region.>".into()],
+                duplicate_window: Duration::from_secs(3600),
+                ..Default::default()
+            })
+            .await?;
+            sinks::config::create(
+                &appender,
+                &sinks::SinkConfig {
+                    name: JS_SINK.into(),
+                    target: sinks::Target::Nats {
+                        url: nats_url,
+                        subject_prefix: "region".into(),
+                    },
+                    filter: filter(JS_PREFIX),
+                    start: "start".into(),
+                    batch_max: 1000,
+                    max_attempts: 100,
+                },
+            )
+            .await?;
+            (Some(child), Some(js))
+        }
+        None => (None, None),
+    };
+    // The roles.
+    let launch = Launch {
+        strata: std::fs::canonicalize(&o.strata)
+            .with_context(|| format!("the strata binary {}", o.strata.display()))?,
+        url,
+        dir: dir.path().to_path_buf(),
+    };
+    let ca_arg = ca.display().to_string();
+    let mut roles = Vec::new();
+    let role = |name: &str, args: &[&str]| {
+        let mut a: Vec<String> = vec![
+            "--slot".into(),
+            format!("region_{}", name.replace('-', "_")),
+            "--holder".into(),
+            name.into(),
+            "--subscription-lease-ttl".into(),
+            "5s".into(),
+        ];
+        a.extend(args.iter().map(|s| s.to_string()));
+        Role::new(name, a, dir.path())
+    };
+    roles.push(role("maintenance", &["--roles", "maintenance"]));
+    for i in 1..=3 {
+        let listen = format!("127.0.0.1:{}", procs::free_port()?);
+        let mut r = role(
+            &format!("gw-{i}"),
+            &[
+                "--roles",
+                "gateway",
+                "--listen",
+                &listen,
+                "--gateway-id",
+                &format!("gw-{i}"),
+                "--ca-dir",
+                &ca_arg,
+            ],
+        );
+        r.listen = Some(listen);
+        roles.push(r);
+    }
+    for i in 1..=2 {
+        roles.push(role(&format!("placer-{i}"), &["--roles", "placer"]));
+    }
+    for i in 1..=2 {
+        roles.push(role(&format!("binder-{i}"), &["--roles", "binder"]));
+    }
+    roles.push(role("sinks", &["--roles", "sinks"]));
+    let audit = format!("127.0.0.1:{}", procs::free_port()?);
+    roles.push(role(
+        "audit",
+        &[
+            "--roles",
+            "audit",
+            "--audit-listen",
+            &audit,
+            "--ca-dir",
+            &ca_arg,
+        ],
+    ));
+    for r in &mut roles {
+        r.start(&launch)?;
+    }
+    for r in &roles {
+        if let Some(l) = &r.listen {
+            procs::wait_listening(l, Duration::from_secs(60))
+                .await
+                .with_context(|| format!("{} did not start", r.name))?;
+        }
+    }
+    procs::wait_listening(&audit, Duration::from_secs(60))
+        .await
+        .context("the audit endpoint did not start")?;
+    eprintln!(
+        "region up: {} roles; issuing {} join tokens ...",
+        roles.len(),
+        o.nodes
+    );
+    let mut fleet =
+        fleet::Fleet::provision(&client, o.nodes, &pools, &dir.path().join("nodes"), ca_pem)
+            .await?;
+    fleet.set_gateways(
+        roles
+            .iter()
+            .filter_map(|r| r.listen.as_ref().map(|l| format!("https://{l}")))
+            .collect(),
+    );
+    Ok(Region {
+        cluster,
+        cfg,
+        launch,
+        roles,
+        fleet,
+        appender,
+        pools,
+        hook,
+        js,
+        nats,
+        _dir: dir,
+    })
+}
+
+/// Runs the whole drill and returns its result (one JSON object).
+pub async fn drill(o: Options) -> Result<serde_json::Value> {
+    let mut r = start(&o).await?;
+    let client = r.client().await?;
+    let pg_version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
+    let mut all_violations: Vec<serde_json::Value> = Vec::new();
+    let mut scenarios = serde_json::Map::new();
+
+    // Cold start.
+    let cold = scenarios::cold_start(&mut r, &o).await?;
+    eprintln!("cold start: {cold}");
+    scenarios.insert("cold_start".into(), cold.clone());
+
+    // Steady load, measured.
+    let mut load = Load::start(r.appender.clone(), &r.fleet, r.pools.clone(), o.rates);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let steady = scenarios::steady(&mut r, &load, &o).await?;
+    eprintln!("steady: {steady}");
+
+    // Faults, each followed by the checker. The load keeps running.
+    type Fault = for<'a> fn(
+        &'a mut Region,
+        &'a Options,
+    ) -> futures_util::future::BoxFuture<'a, Result<serde_json::Value>>;
+    let faults: Vec<(&str, Fault)> = vec![
+        ("power_cycle", |r, o| Box::pin(scenarios::power_cycle(r, o))),
+        ("gateway_kill", |r, o| {
+            Box::pin(scenarios::gateway_kill(r, o))
+        }),
+        ("placer_kill", |r, o| Box::pin(scenarios::placer_kill(r, o))),
+        ("binder_kill", |r, o| Box::pin(scenarios::binder_kill(r, o))),
+        ("sinks_kill", |r, o| Box::pin(scenarios::sinks_kill(r, o))),
+        ("postgres_crash", |r, o| {
+            Box::pin(scenarios::postgres_crash(r, o))
+        }),
+        ("walsenders_terminated", |r, o| {
+            Box::pin(scenarios::walsenders(r, o))
+        }),
+        ("slot_dropped", |r, o| Box::pin(scenarios::slot_drop(r, o))),
+    ];
+    for (name, fault) in faults {
+        eprintln!("scenario {name} ...");
+        let mut s = fault(&mut r, &o).await?;
+        let acked = load.stats.acked.lock().expect("acked").clone();
+        let c = r.client().await?;
+        let (_, v) = check::log(&c, &acked).await?;
+        s["violations"] = v.len().into();
+        for x in &v {
+            eprintln!(
+                "  violation after {name}: {} {:?}: {}",
+                x.invariant, x.positions, x.detail
+            );
+            all_violations.push(serde_json::json!({"after": name, "violation": x}));
+        }
+        eprintln!("  {name}: {s}");
+        scenarios.insert(name.into(), s);
+        r.check_alive()?;
+    }
+
+    // The end: stop offering, let the region settle, check everything.
+    load.stop().await;
+    eprintln!("final check ...");
+    let c = r.client().await?;
+    let acked = load.stats.acked.lock().expect("acked").clone();
+    let (events, mut v) = check::log(&c, &acked).await?;
+    v.extend(check::bound(&c, &r.fleet, o.patience.min(Duration::from_secs(120))).await?);
+    let (run_twice, twice) = check::commands_run_twice(&r.fleet);
+    v.extend(twice);
+    if !check::sink_caught_up(&c, HOOK_SINK, HOOK_PREFIX, Duration::from_secs(60)).await {
+        eprintln!("note: the webhook sink had not caught up after 60 s");
+    }
+    v.extend(check::webhook(&c, HOOK_PREFIX, &r.hook).await?);
+    let jetstream = if let Some(js) = &r.js {
+        if !check::sink_caught_up(&c, JS_SINK, JS_PREFIX, Duration::from_secs(60)).await {
+            eprintln!("note: the NATS sink had not caught up after 60 s");
+        }
+        v.extend(check::jetstream(&c, JS_PREFIX, js, JS_STREAM).await?);
+        true
+    } else {
+        false
+    };
+    for x in &v {
+        eprintln!(
+            "  violation at the end: {} {:?}: {}",
+            x.invariant, x.positions, x.detail
+        );
+        all_violations.push(serde_json::json!({"after": "end", "violation": x}));
+    }
+    r.fleet.stop().await;
+    for role in &mut r.roles {
+        role.stop().await;
+    }
+    if let Some(mut n) = r.nats.take() {
+        let _ = n.kill().await;
+    }
+
+    let recovery: serde_json::Map<String, serde_json::Value> = scenarios
+        .iter()
+        .filter_map(|(k, s)| s.get("recovery_s").map(|x| (k.clone(), x.clone())))
+        .collect();
+    let worst_recovery = recovery
+        .values()
+        .map(|x| x.as_f64().unwrap_or(f64::INFINITY))
+        .fold(0.0, f64::max);
+    let g = &scenarios["gateway_kill"];
+    let cold_all = cold["all_schedulable_s"].as_f64().unwrap_or(f64::INFINITY);
+    let rehome_p99 = g["rehome_p99_s"].as_f64().unwrap_or(f64::INFINITY);
+    let false_unreachable = g["false_unreachable"].as_u64().unwrap_or(u64::MAX);
+    let pg_share = steady["postgres_cpu_share"]
+        .as_f64()
+        .unwrap_or(f64::INFINITY);
+    let violations = all_violations.len();
+    Ok(serde_json::json!({
+        "bench": "region",
+        "nodes": o.nodes,
+        "gpus": o.nodes * 8,
+        "pools": o.pools,
+        "machine": util::machine(&pg_version),
+        "processes": "3 gateways, 2 placers, 2 binders, sinks, maintenance, audit: each `strata serve --roles <one>`; the simulated daemons and the load generator in the bench process; PostgreSQL and nats-server; all on the same cores",
+        "offered": {
+            "placements_per_s": o.rates.placements,
+            "commands_per_s": o.rates.commands,
+            "drift_changes_per_s": o.rates.drift,
+        },
+        "cold_start_all_schedulable_s": cold["all_schedulable_s"],
+        "cold_start_connected_p99_s": cold["connected_p99_s"],
+        "gateway_kill_rehome_p99_s": g["rehome_p99_s"],
+        "false_unreachable": g["false_unreachable"],
+        "commands_run_twice": run_twice,
+        "postgres_cpu_share_steady": steady["postgres_cpu_share"],
+        "recovery_s": recovery,
+        "violations": violations,
+        "violation_list": all_violations,
+        "events_in_log": events,
+        "jetstream_checked": jetstream,
+        "steady": steady,
+        "scenarios": scenarios,
+        "targets": {
+            "cold_start_all_schedulable_s": "< 60",
+            "gateway_kill_rehome_p99_s": "< 30",
+            "false_unreachable": "0",
+            "commands_run_twice": "0",
+            "postgres_cpu_share_steady": "< 0.5",
+            "recovery_s": "< 10 each",
+            "violations": "0",
+        },
+        "met": {
+            "cold_start_all_schedulable_s": cold_all < 60.0,
+            "gateway_kill_rehome_p99_s": rehome_p99 < 30.0,
+            "false_unreachable": false_unreachable == 0,
+            "commands_run_twice": run_twice == 0,
+            "postgres_cpu_share_steady": pg_share < 0.5,
+            "recovery_s": worst_recovery < 10.0,
+            "violations": violations == 0,
+        },
+        "recorded_at_unix": SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+    }))
+}

@@ -1,0 +1,194 @@
+//! The region's roles as separate `strata serve` processes, started the way
+//! an operator would start them, and what is sampled of each: CPU seconds
+//! and RSS from `/proc`, for the roles and for PostgreSQL's server
+//! processes.
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tokio::process::{Child, Command};
+
+/// One `strata serve` process.
+pub struct Role {
+    pub name: String,
+    args: Vec<String>,
+    child: Option<Child>,
+    log: PathBuf,
+    /// The gateway's node address, for gateways.
+    pub listen: Option<String>,
+    /// CPU seconds of earlier lives of this role (before a kill).
+    pub cpu_before: f64,
+}
+
+/// How every role is started.
+pub struct Launch {
+    pub strata: PathBuf,
+    pub url: String,
+    pub dir: PathBuf,
+}
+
+impl Role {
+    pub fn new(name: &str, args: Vec<String>, dir: &Path) -> Role {
+        Role {
+            name: name.to_string(),
+            args,
+            child: None,
+            log: dir.join(format!("{name}.log")),
+            listen: None,
+            cpu_before: 0.0,
+        }
+    }
+
+    pub fn start(&mut self, l: &Launch) -> Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("open {}", self.log.display()))?;
+        let child = Command::new(&l.strata)
+            .arg("serve")
+            .args(&self.args)
+            .env("STRATA_DATABASE_URL", &l.url)
+            .env("STRATA_SINK_SECRET_REGION", "region-drill")
+            .env(
+                "RUST_LOG",
+                std::env::var("STRATA_REGION_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .current_dir(&l.dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("start {} ({})", self.name, l.strata.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(|c| c.id())
+    }
+
+    /// SIGKILL, and waits for the process to be gone.
+    pub async fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            if let Some(pid) = c.id() {
+                self.cpu_before += crate::util::cpu_seconds(pid);
+            }
+            let _ = c.start_kill();
+            let _ = c.wait().await;
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after 20 s.
+    pub async fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            if let Some(pid) = c.id() {
+                signal(pid, "TERM");
+            }
+            if tokio::time::timeout(Duration::from_secs(20), c.wait())
+                .await
+                .is_err()
+            {
+                let _ = c.start_kill();
+                let _ = c.wait().await;
+            }
+        }
+    }
+
+    /// Fails if the process has exited (naming its log).
+    pub fn check_alive(&mut self) -> Result<()> {
+        if let Some(c) = self.child.as_mut() {
+            if let Ok(Some(status)) = c.try_wait() {
+                bail!(
+                    "{} exited ({status}); see {}",
+                    self.name,
+                    self.log.display()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// CPU seconds over all of this role's lives, and its RSS now.
+    pub fn usage(&self) -> (f64, u64) {
+        match self.pid() {
+            Some(pid) => (self.cpu_before + crate::util::cpu_seconds(pid), rss(pid)),
+            None => (self.cpu_before, 0),
+        }
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let _ = std::process::Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status();
+}
+
+/// Resident set size of a process, in bytes.
+pub fn rss(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            let l = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+            l.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// One process's (user + system) CPU seconds and, for a parent, those of
+/// its children it has reaped.
+fn stat_times(pid: u32) -> Option<(u32, f64, f64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let f: Vec<&str> = s.rsplit_once(')')?.1.split_whitespace().collect();
+    let ppid: u32 = f.get(1)?.parse().ok()?;
+    let num = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    Some((
+        ppid,
+        (num(11) + num(12)) / 100.0,
+        (num(13) + num(14)) / 100.0,
+    ))
+}
+
+/// CPU seconds used so far by PostgreSQL: the postmaster, its live
+/// children (backends, walsenders, background workers) and the children it
+/// has reaped.
+pub fn postgres_cpu(postmaster: u32) -> f64 {
+    let Some((_, own, reaped)) = stat_times(postmaster) else {
+        return 0.0;
+    };
+    let mut total = own + reaped;
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            if let Some((ppid, t, _)) = stat_times(pid) {
+                if ppid == postmaster {
+                    total += t;
+                }
+            }
+        }
+    }
+    total
+}
+
+/// A TCP port free on 127.0.0.1 now.
+pub fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Waits until something accepts on `addr`.
+pub async fn wait_listening(addr: &str, within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("nothing listens on {addr} after {within:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

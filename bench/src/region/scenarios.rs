@@ -1,0 +1,548 @@
+//! The drill's phases: the cold start, the measured steady phase, and each
+//! fault. A fault's `recovery_s` is the time from the fault until a fresh
+//! reservation (the probe) has gone the whole way again: requested,
+//! placed, bound on its node, active, and that activation delivered by the
+//! webhook sink.
+//!
+//! Times of what the region did are read from the log (`recorded_at` of
+//! the events the gateways and placers wrote), on the same clock as the
+//! drill's.
+
+use super::{procs, Options, Region, HOOK_PREFIX};
+use crate::util::round;
+use anyhow::Result;
+use events::ExpectedVersion;
+use projections::{Fact, Request, Shape};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+fn unix(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The p-th percentile (0..=1) of a sample.
+fn pct(v: &mut [f64], p: f64) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    Some(round(v[i], 2))
+}
+
+fn spread(v: &mut [f64]) -> serde_json::Value {
+    serde_json::json!({
+        "count": v.len(),
+        "p50_s": pct(v, 0.5),
+        "p99_s": pct(v, 0.99),
+        "all_s": pct(v, 1.0),
+    })
+}
+
+/// Per node, the first time (unix seconds) an event of `event_type` about
+/// it was recorded at or after `since`.
+async fn first_after(
+    r: &Region,
+    event_type: &str,
+    since: SystemTime,
+) -> Result<HashMap<String, f64>> {
+    let c = r.client().await?;
+    Ok(c.query(
+        "SELECT payload->>'node', min(extract(epoch FROM recorded_at))::float8
+           FROM strata.events WHERE type = $1 AND recorded_at >= to_timestamp($2)
+          GROUP BY 1",
+        &[&event_type, &unix(since)],
+    )
+    .await?
+    .iter()
+    .filter_map(|row| Some((row.get::<_, Option<String>>(0)?, row.get(1))))
+    .collect())
+}
+
+/// Where each node's latest session is: gateway id -> nodes.
+async fn sessions_by_gateway(r: &Region) -> Result<BTreeMap<String, Vec<String>>> {
+    let c = r.client().await?;
+    let mut by: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for row in c
+        .query(
+            "SELECT DISTINCT ON (stream) payload->>'node', payload->>'gateway'
+               FROM strata.events WHERE type = 'node.session_opened'
+              ORDER BY stream, position DESC",
+            &[],
+        )
+        .await?
+    {
+        let (node, gw): (Option<String>, Option<String>) = (row.get(0), row.get(1));
+        if let (Some(n), Some(g)) = (node, gw) {
+            by.entry(g).or_default().push(n);
+        }
+    }
+    Ok(by)
+}
+
+fn counts(by: &BTreeMap<String, Vec<String>>) -> serde_json::Value {
+    by.iter()
+        .map(|(g, n)| (g.clone(), serde_json::Value::from(n.len())))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+/// Every node started at the same instant: until joined (certificate
+/// issued), connected (a session open) and schedulable (its inventory in
+/// its pool).
+pub async fn cold_start(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let n = r.fleet.nodes.len();
+    let t0 = SystemTime::now();
+    let started = Instant::now();
+    r.fleet.start();
+    let mut last_report = Instant::now();
+    loop {
+        let ready = first_after(r, "node.joined", t0).await?.len();
+        if ready >= n || started.elapsed() > o.patience {
+            break;
+        }
+        if last_report.elapsed() > Duration::from_secs(5) {
+            eprintln!(
+                "  cold start: {ready} of {n} schedulable, {} sessions open, {:.0} s",
+                r.fleet.stats.connected.load(Ordering::Relaxed),
+                started.elapsed().as_secs_f64()
+            );
+            last_report = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let base = unix(t0);
+    let since = |m: HashMap<String, f64>| -> Vec<f64> { m.values().map(|t| t - base).collect() };
+    let mut joined = since(first_after(r, "node.certificate_issued", t0).await?);
+    let mut connected = since(first_after(r, "node.session_opened", t0).await?);
+    let mut schedulable = since(first_after(r, "node.joined", t0).await?);
+    let all = (schedulable.len() == n).then(|| pct(&mut schedulable, 1.0));
+    Ok(serde_json::json!({
+        "nodes": n,
+        "joined": spread(&mut joined),
+        "connected": spread(&mut connected),
+        "schedulable": spread(&mut schedulable),
+        "connected_p99_s": pct(&mut connected, 0.99),
+        "all_schedulable_s": all.flatten(),
+        "pushbacks": r.fleet.stats.pushbacks.load(Ordering::Relaxed),
+        "pushback_wait_s": r.fleet.stats.pushback_wait_ms.load(Ordering::Relaxed) as f64 / 1000.0,
+        "daemons_refused": r.fleet.ended(),
+    }))
+}
+
+/// A sample of what the region uses.
+struct Sample {
+    at: Instant,
+    pg_cpu: f64,
+    roles: Vec<(String, f64, u64)>,
+    own: (f64, u64),
+    wal: i64,
+    slot_lag: i64,
+    connections: i64,
+}
+
+async fn sample(r: &Region, c: &tokio_postgres::Client) -> Result<Sample> {
+    let row = c
+        .query_one(
+            "SELECT (pg_current_wal_lsn() - '0/0')::bigint,
+                    coalesce((SELECT max(pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
+                                FROM pg_replication_slots), 0),
+                    (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'
+                        OR backend_type = 'walsender')",
+            &[],
+        )
+        .await?;
+    let me = std::process::id();
+    Ok(Sample {
+        at: Instant::now(),
+        pg_cpu: r.cluster.postmaster_pid().map_or(0.0, procs::postgres_cpu),
+        roles: r
+            .roles
+            .iter()
+            .map(|x| {
+                let (cpu, rss) = x.usage();
+                (x.name.clone(), cpu, rss)
+            })
+            .collect(),
+        own: (crate::util::cpu_seconds(me), procs::rss(me)),
+        wal: row.get(0),
+        slot_lag: row.get(1),
+        connections: row.get(2),
+    })
+}
+
+/// The steady phase: CPU and RSS of PostgreSQL and each role, WAL, lag,
+/// and what the log recorded in the window.
+pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<serde_json::Value> {
+    let c = r.client().await?;
+    load.stats.measuring.store(true, Ordering::Relaxed);
+    let (t_a, first) = (SystemTime::now(), sample(r, &c).await?);
+    let mut samples = vec![];
+    let end = Instant::now() + o.steady;
+    while Instant::now() < end {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        samples.push(sample(r, &c).await?);
+    }
+    let t_b = SystemTime::now();
+    load.stats.measuring.store(false, Ordering::Relaxed);
+    let last = samples.last().unwrap_or(&first);
+    let secs = (last.at - first.at).as_secs_f64().max(1e-9);
+    let mut roles = serde_json::Map::new();
+    for (i, (name, cpu, _)) in last.roles.iter().enumerate() {
+        let rss_max = samples.iter().map(|s| s.roles[i].2).max().unwrap_or(0);
+        roles.insert(
+            name.clone(),
+            serde_json::json!({
+                "cpu_share": round((cpu - first.roles[i].1) / secs, 3),
+                "rss_mib_max": round(rss_max as f64 / 1048576.0, 1),
+            }),
+        );
+    }
+    let own_rss = samples.iter().map(|s| s.own.1).max().unwrap_or(0);
+    roles.insert(
+        "nodes_and_load_generator".into(),
+        serde_json::json!({
+            "cpu_share": round((last.own.0 - first.own.0) / secs, 3),
+            "rss_mib_max": round(own_rss as f64 / 1048576.0, 1),
+            "note": "the simulated daemons and the load generator, in the bench process",
+        }),
+    );
+    let window = [unix(t_a), unix(t_b)];
+    let count = |sql: &'static str| {
+        let c = &c;
+        async move {
+            let n: i64 = c.query_one(sql, &[&window[0], &window[1]]).await?.get(0);
+            anyhow::Ok(round(n as f64 / (window[1] - window[0]), 1))
+        }
+    };
+    let events_per_s = count("SELECT count(*) FROM strata.events WHERE recorded_at >= to_timestamp($1) AND recorded_at < to_timestamp($2)").await?;
+    let node_events_per_s = count("SELECT count(*) FROM strata.events WHERE (type LIKE 'node.%' OR type LIKE 'health.%') AND recorded_at >= to_timestamp($1) AND recorded_at < to_timestamp($2)").await?;
+    let placed_per_s = count("SELECT count(*) FROM strata.events WHERE type = 'reservation.placed' AND recorded_at >= to_timestamp($1) AND recorded_at < to_timestamp($2)").await?;
+    let commands_per_s = count("SELECT count(*) FROM strata.events WHERE type = 'command.issued' AND recorded_at >= to_timestamp($1) AND recorded_at < to_timestamp($2)").await?;
+    let mut to_active: Vec<f64> = c
+        .query(
+            "SELECT extract(epoch FROM a.recorded_at - q.recorded_at)::float8
+               FROM strata.events q JOIN strata.events a
+                 ON a.stream = q.stream AND a.type = 'reservation.activated'
+              WHERE q.type = 'reservation.requested' AND q.stream LIKE 'reservation/rr%'
+                AND q.recorded_at >= to_timestamp($1) AND q.recorded_at < to_timestamp($2)",
+            &[&window[0], &window[1]],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let mut ack: Vec<f64> = load
+        .stats
+        .ack
+        .lock()
+        .expect("ack lock")
+        .iter()
+        .map(|d| d.as_secs_f64() * 1000.0)
+        .collect();
+    let max_lag = samples.iter().map(|s| s.slot_lag).max().unwrap_or(0);
+    let max_conns = samples.iter().map(|s| s.connections).max().unwrap_or(0);
+    Ok(serde_json::json!({
+        "seconds": round(secs, 1),
+        "postgres_cpu_share": round((last.pg_cpu - first.pg_cpu) / secs, 3),
+        "roles": roles,
+        "events_per_s": events_per_s,
+        "node_events_per_s": node_events_per_s,
+        "placements_per_s": placed_per_s,
+        "commands_issued_per_s": commands_per_s,
+        "wal_bytes_per_s": round((last.wal - first.wal) as f64 / secs, 0),
+        "slot_lag_max_bytes": max_lag,
+        "postgres_connections_max": max_conns,
+        "request_ack_p50_ms": pct(&mut ack, 0.5),
+        "request_ack_p99_ms": pct(&mut ack, 0.99),
+        "requested_to_active_p50_s": pct(&mut to_active, 0.5),
+        "requested_to_active_p99_s": pct(&mut to_active, 0.99),
+        "activated_in_window": to_active.len(),
+        "not_offered": load.stats.not_offered.load(Ordering::Relaxed),
+    }))
+}
+
+/// A fresh 1-GPU reservation in `pool`, until it is active and its
+/// activation reached the webhook: seconds since `since`, or `None` after
+/// the drill's patience.
+pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Result<Option<f64>> {
+    let id = format!("probe-{:016x}", fastrand::u64(..));
+    let stream = projections::domain::reservation_stream(&id);
+    let event = Fact::ReservationRequested(Request {
+        reservation: id.clone(),
+        pool: pool.into(),
+        class: super::fleet::CLASS.into(),
+        gpus: 1,
+        shape: Shape::Any,
+        priority: 10,
+        ttl_ms: Some(30_000),
+        replace_on_failure: false,
+        replaces: None,
+    })
+    .to_event();
+    let deadline = Instant::now() + o.patience;
+    let mut tried = false;
+    loop {
+        match r
+            .appender
+            .append(&stream, ExpectedVersion::NoStream, vec![event.clone()])
+            .await
+        {
+            Ok(_) => break,
+            Err(events::AppendError::VersionConflict { .. }) if tried => break,
+            Err(e) if Instant::now() > deadline => return Err(e.into()),
+            Err(_) => {
+                tried = true;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    loop {
+        if Instant::now() > deadline {
+            return Ok(None);
+        }
+        if let Ok(c) = events::db::connect(&r.cfg, "region-probe").await {
+            let activated: Option<i64> = c
+                .query_opt(
+                    "SELECT position FROM strata.events WHERE stream = $1 AND type = 'reservation.activated'",
+                    &[&stream],
+                )
+                .await
+                .ok()
+                .flatten()
+                .map(|row| row.get(0));
+            if let Some(p) = activated {
+                debug_assert!(stream.starts_with(HOOK_PREFIX));
+                let delivered = r
+                    .hook
+                    .positions
+                    .lock()
+                    .expect("receiver lock")
+                    .contains(&(p as u64));
+                if delivered {
+                    return Ok(Some(round(since.elapsed().as_secs_f64(), 2)));
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every node loses power for `o.outage` and comes back.
+pub async fn power_cycle(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    r.fleet.stop().await;
+    tokio::time::sleep(o.outage).await;
+    let t = SystemTime::now();
+    let back = Instant::now();
+    r.fleet.start();
+    let n = r.fleet.nodes.len();
+    let recovery = probe(r, o, &r.pools[0].clone(), back).await?;
+    loop {
+        let connected = first_after(r, "node.session_opened", t).await?.len();
+        if connected >= n || back.elapsed() > o.patience {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let mut reconnected: Vec<f64> = first_after(r, "node.session_opened", t)
+        .await?
+        .values()
+        .map(|x| x - unix(t))
+        .collect();
+    Ok(serde_json::json!({
+        "outage_s": o.outage.as_secs_f64(),
+        "reconnected": spread(&mut reconnected),
+        "all_reconnected": reconnected.len() == n,
+        "recovery_s": recovery,
+    }))
+}
+
+/// SIGKILL of the gateway holding the most sessions; its nodes re-home to
+/// the others; then it restarts.
+pub async fn gateway_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let before = sessions_by_gateway(r).await?;
+    let (victim, nodes) = before
+        .iter()
+        .max_by_key(|(_, n)| n.len())
+        .map(|(g, n)| (g.clone(), n.clone()))
+        .unwrap_or_default();
+    let (_, ran_twice_before) = super::check::commands_run_twice(&r.fleet);
+    let t = SystemTime::now();
+    let killed = Instant::now();
+    r.role(&victim).kill().await;
+    let victims: HashSet<&String> = nodes.iter().collect();
+    let recovery = probe(r, o, &r.pools[0].clone(), killed).await?;
+    loop {
+        let rehomed = first_after(r, "node.session_opened", t)
+            .await?
+            .keys()
+            .filter(|n| victims.contains(n))
+            .count();
+        if rehomed >= victims.len() || killed.elapsed() > o.patience {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let mut rehome: Vec<f64> = first_after(r, "node.session_opened", t)
+        .await?
+        .iter()
+        .filter(|(n, _)| victims.contains(n))
+        .map(|(_, x)| x - unix(t))
+        .collect();
+    let after_kill = sessions_by_gateway(r).await?;
+    // It comes back; where are the sessions a while later?
+    let i = r
+        .roles
+        .iter()
+        .position(|x| x.name == victim)
+        .expect("the victim is a role");
+    r.roles[i].start(&r.launch)?;
+    if let Some(l) = r.roles[i].listen.clone() {
+        procs::wait_listening(&l, Duration::from_secs(60)).await?;
+    }
+    tokio::time::sleep(o.spread_wait).await;
+    let after_restart = sessions_by_gateway(r).await?;
+    let c = r.client().await?;
+    let unreachable: i64 = c
+        .query_one(
+            "SELECT count(*) FROM strata.events WHERE type = 'node.unreachable'
+                AND recorded_at >= to_timestamp($1)",
+            &[&unix(t)],
+        )
+        .await?
+        .get(0);
+    let (ran_twice_after, _) = super::check::commands_run_twice(&r.fleet);
+    let p99 = pct(&mut rehome, 0.99);
+    Ok(serde_json::json!({
+        "killed": victim,
+        "sessions_on_it": nodes.len(),
+        "rehomed": spread(&mut rehome),
+        "rehome_p99_s": p99,
+        "all_rehomed": rehome.len() == nodes.len(),
+        "false_unreachable": unreachable,
+        "commands_run_twice": ran_twice_after.saturating_sub(ran_twice_before.len() as u64),
+        "sessions_before": counts(&before),
+        "sessions_after_kill": counts(&after_kill),
+        "sessions_after_restart": counts(&after_restart),
+        "spread_wait_s": o.spread_wait.as_secs_f64(),
+        "recovery_s": recovery,
+    }))
+}
+
+/// The holder of a lease now.
+async fn holder(r: &Region, lease: &str) -> Result<Option<String>> {
+    let c = r.client().await?;
+    Ok(c.query_opt(
+        "SELECT holder FROM strata.leases WHERE name = $1 AND expires_at > now()",
+        &[&lease],
+    )
+    .await?
+    .map(|row| row.get(0)))
+}
+
+/// SIGKILL of the role holding `lease`, a probe, then the role restarts.
+async fn kill_holder(
+    r: &mut Region,
+    o: &Options,
+    lease: &str,
+    fallback: &str,
+) -> Result<serde_json::Value> {
+    let name = holder(r, lease)
+        .await?
+        .filter(|h| r.roles.iter().any(|x| &x.name == h))
+        .unwrap_or_else(|| fallback.to_string());
+    let killed = Instant::now();
+    r.role(&name).kill().await;
+    let recovery = probe(r, o, &r.pools[0].clone(), killed).await?;
+    let i = r.roles.iter().position(|x| x.name == name).expect("a role");
+    r.roles[i].start(&r.launch)?;
+    Ok(serde_json::json!({ "killed": name, "lease": lease, "recovery_s": recovery }))
+}
+
+pub async fn placer_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let lease = format!("pool/{}", r.pools[0]);
+    kill_holder(r, o, &lease, "placer-1").await
+}
+
+pub async fn binder_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    kill_holder(r, o, placer::binder::LEASE, "binder-1").await
+}
+
+/// SIGKILL of the sinks process; it is started again a second later (as a
+/// supervisor would).
+pub async fn sinks_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let killed = Instant::now();
+    r.role("sinks").kill().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let i = r
+        .roles
+        .iter()
+        .position(|x| x.name == "sinks")
+        .expect("a role");
+    r.roles[i].start(&r.launch)?;
+    let recovery = probe(r, o, &r.pools[0].clone(), killed).await?;
+    Ok(serde_json::json!({ "killed": "sinks", "restarted_after_s": 1, "recovery_s": recovery }))
+}
+
+pub async fn postgres_crash(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let crashed = Instant::now();
+    tokio::task::block_in_place(|| {
+        r.cluster.crash();
+        r.cluster.restart()
+    })?;
+    let restarted_after = crashed.elapsed().as_secs_f64();
+    let recovery = probe(r, o, &r.pools[0].clone(), crashed).await?;
+    Ok(serde_json::json!({
+        "server_back_after_s": round(restarted_after, 2),
+        "recovery_s": recovery,
+    }))
+}
+
+pub async fn walsenders(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let c = r.client().await?;
+    let at = Instant::now();
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_replication) t",
+            &[],
+        )
+        .await?
+        .get(0);
+    let recovery = probe(r, o, &r.pools[0].clone(), at).await?;
+    Ok(serde_json::json!({ "terminated": n, "recovery_s": recovery }))
+}
+
+/// The replication slot of the placer holding the first pool is dropped
+/// while in use (its walsender terminated first, as `pg_drop_replication_slot`
+/// refuses an active slot).
+pub async fn slot_drop(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let lease = format!("pool/{}", r.pools[0]);
+    let name = holder(r, &lease)
+        .await?
+        .unwrap_or_else(|| "placer-1".into());
+    let slot = format!("region_{}", name.replace('-', "_"));
+    let c = r.client().await?;
+    let at = Instant::now();
+    let mut dropped = false;
+    while at.elapsed() < Duration::from_secs(15) {
+        let _ = c
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+                  WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                &[&slot],
+            )
+            .await;
+        if c.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await
+            .is_ok()
+        {
+            dropped = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let recovery = probe(r, o, &r.pools[0].clone(), at).await?;
+    Ok(serde_json::json!({ "slot": slot, "of": name, "dropped": dropped, "recovery_s": recovery }))
+}
