@@ -512,7 +512,7 @@ pub enum CommandsCmd {
 
 #[derive(Args, Debug)]
 pub struct NodeArgs {
-    /// Gateway addresses, e.g. https://gw1:7443 (comma-separated or repeated; tried in turn)
+    /// Gateway addresses, e.g. https://gw1:7443 (comma-separated or repeated): the node starts at its home among them (chosen by its id, the same on every start), tries the others in turn when a session ends, and moves back home once it is up
     #[arg(long, value_delimiter = ',', required = true)]
     pub gateway: Vec<String>,
     /// Where the node keeps its key, certificate and command log
@@ -536,6 +536,9 @@ pub struct NodeArgs {
     /// With --fake-gpus: how long diag.nvml takes (drills of commands in flight)
     #[arg(long, value_parser = humantime::parse_duration)]
     pub fake_diag_delay: Option<std::time::Duration>,
+    /// Away from its home gateway (one of --gateway chosen by its id), how often on average it looks whether home is back and moves to it (0s: never)
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub return_home: std::time::Duration,
 }
 
 #[derive(Args, Debug)]

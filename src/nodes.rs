@@ -499,6 +499,7 @@ pub async fn node(args: NodeArgs) -> Result<ExitCode> {
     tracing::info!(node = %node_id, backend = backend.name(), "node daemon starting");
     let mut c = DaemonConfig::new(args.gateway.clone(), &args.data_dir, &node_id, backend);
     c.server_name = args.tls_name.clone();
+    c.return_home = args.return_home;
     c.token = args.token.clone();
     c.ca_pem = match &args.ca {
         Some(p) => {

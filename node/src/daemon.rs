@@ -1,6 +1,14 @@
 //! The daemon: joins on first start (and keeps its certificate), then holds
 //! its session with a gateway for as long as it runs, reconnecting with full
 //! jitter and obeying every pushback.
+//!
+//! Each node has a home among the gateways it is given (chosen by a hash of
+//! its id, so a fleet spreads evenly and each node always prefers the same
+//! one). It starts there; when a session ends it tries the next gateway;
+//! and while it is away from home it checks every `return_home` (jittered,
+//! so a fleet returning to a restarted gateway arrives over that window
+//! rather than at once) whether home accepts connections again, and moves
+//! back if so.
 
 use crate::executor::{Decision, Executor, Outcome};
 use crate::gpu::{GpuBackend, HealthChange};
@@ -44,6 +52,10 @@ pub struct DaemonConfig {
     pub backoff_cap: Duration,
     /// Called with a command's id when it arrives (measurements).
     pub on_command: Option<CommandHook>,
+    /// While away from its home gateway, how often (on average; each wait
+    /// is uniform in half to one and a half times this) the daemon checks
+    /// whether home is back. Zero: never move back.
+    pub return_home: Duration,
 }
 
 impl DaemonConfig {
@@ -75,8 +87,43 @@ impl DaemonConfig {
             backoff_base: Duration::from_millis(500),
             backoff_cap: Duration::from_secs(30),
             on_command: None,
+            return_home: Duration::from_secs(30),
         }
     }
+
+    /// This node's home among its gateways.
+    pub fn home(&self) -> usize {
+        home_index(&self.node_id, self.gateways.len())
+    }
+}
+
+/// The home gateway of `node` among `gateways` of them: FNV-1a of the id,
+/// so it is the same on every start and spreads a fleet evenly.
+pub fn home_index(node: &str, gateways: usize) -> usize {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in node.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h % gateways.max(1) as u64) as usize
+}
+
+/// `host:port` of a gateway address such as `https://gw1.example:7443`.
+fn authority(gateway: &str) -> Option<String> {
+    let uri: tonic::transport::Uri = gateway.parse().ok()?;
+    let a = uri.authority()?;
+    Some(match a.port_u16() {
+        Some(_) => a.as_str().to_string(),
+        None => format!("{}:443", a.host()),
+    })
+}
+
+/// Whether something accepts connections at `addr` (within 2 s).
+async fn accepts(addr: &str) -> bool {
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await,
+        Ok(Ok(_))
+    )
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -128,6 +175,8 @@ pub struct DaemonStats {
     pub commands_received: AtomicU64,
     /// Commands actually run (not repeats).
     pub commands_run: AtomicU64,
+    /// Sessions ended to move back to the home gateway.
+    pub returned_home: AtomicU64,
 }
 
 /// Increments and returns the daemon's generation (one per start).
@@ -188,6 +237,8 @@ enum End {
     Lost(String),
     /// The certificate was renewed: reconnect with it at once.
     Renewed,
+    /// Home accepts connections again: move back to it at once.
+    Home,
 }
 
 fn retry_after(status: &tonic::Status) -> Option<Duration> {
@@ -263,13 +314,18 @@ pub async fn run(
     let runner = Runner::new(Executor::open(&config.data_dir).map_err(io(&config.data_dir))?);
     let conditions = std::sync::Mutex::new(Conditions::open(&config.data_dir));
     let mut endpoints = endpoints(&config, &creds)?;
-    let mut at = fastrand::usize(..endpoints.len());
+    let home = config.home();
+    let home_addr = authority(&config.gateways[home]);
+    let mut at = home;
     let mut failures = 0u32;
     loop {
         if *shutdown.borrow() {
             return Ok(());
         }
         let endpoint = &endpoints[at];
+        let away = (at != home && !config.return_home.is_zero())
+            .then(|| home_addr.clone())
+            .flatten();
         at = (at + 1) % endpoints.len();
         let mut opened = false;
         let end = match endpoint.connect().await {
@@ -281,7 +337,7 @@ pub async fn run(
                     channel,
                     generation,
                     (&runner, &conditions),
-                    &mut shutdown,
+                    (&mut shutdown, away.as_deref()),
                     &mut opened,
                 )
                 .await
@@ -307,6 +363,12 @@ pub async fn run(
                 let creds =
                     crate::identity::load(&config.data_dir)?.ok_or(DaemonError::NeedsJoin)?;
                 endpoints = self::endpoints(&config, &creds)?;
+                Duration::ZERO
+            }
+            End::Home => {
+                tracing::info!(node = %config.node_id, gateway = %config.gateways[home], "home gateway is back; moving to it");
+                stats.returned_home.fetch_add(1, Ordering::Relaxed);
+                at = home;
                 Duration::ZERO
             }
             End::Lost(why) => {
@@ -360,7 +422,7 @@ async fn session(
     channel: Channel,
     generation: u64,
     (runner, conditions): (&Runner, &std::sync::Mutex<Conditions>),
-    shutdown: &mut watch::Receiver<bool>,
+    (shutdown, home): (&mut watch::Receiver<bool>, Option<&str>),
     opened: &mut bool,
 ) -> End {
     let section = match inventory_section(config.backend.as_ref()) {
@@ -448,6 +510,11 @@ async fn session(
         every,
     );
     let mut health = tokio::time::interval(config.health_poll);
+    // Away from home: when to look whether it is back.
+    let next_look =
+        || tokio::time::Instant::now() + config.return_home.mul_f64(0.5 + fastrand::f64());
+    let look = tokio::time::sleep_until(next_look());
+    tokio::pin!(look);
     let mut seq = 0u64;
     // The key of a renewal asked for in this session (one per session).
     let mut renewing: Option<rcgen::KeyPair> = None;
@@ -455,6 +522,12 @@ async fn session(
     loop {
         tokio::select! {
             _ = shutdown.changed() => return End::Shutdown,
+            _ = &mut look, if home.is_some() => {
+                if accepts(home.unwrap_or_default()).await {
+                    return End::Home;
+                }
+                look.as_mut().reset(next_look());
+            }
             _ = beat.tick() => {
                 seq += 1;
                 let m = NodeMessage { body: Some(node_message::Body::Heartbeat(Heartbeat { seq })) };

@@ -3,6 +3,7 @@
 mod audit;
 mod gateway;
 mod placement;
+mod region;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};

@@ -83,13 +83,14 @@ impl Fleet {
 
     /// Starts every daemon at the same instant. A node without a
     /// certificate yet joins with its token first.
-    pub fn start(&mut self) {
+    pub fn start(&mut self, return_home: Duration) {
         let (tx, rx) = watch::channel(false);
         self.stop = Some(tx);
         for n in &self.nodes {
             let mut c =
                 DaemonConfig::new(self.gateways.clone(), n.dir.clone(), &n.id, n.gpus.clone());
             c.health_poll = Duration::from_secs(1);
+            c.return_home = return_home;
             if !n.dir.join("node.pem").exists() {
                 c.token = n.token.clone();
                 c.ca_pem = Some(self.ca_pem.clone());

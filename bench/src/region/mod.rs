@@ -59,7 +59,11 @@ pub struct Options {
     pub steady: Duration,
     /// The power cycle's outage.
     pub outage: Duration,
-    /// How long after the killed gateway restarts the spread is looked at.
+    /// Daemons away from their home gateway look whether it is back this
+    /// often (on average).
+    pub return_home: Duration,
+    /// Longest wait, after the killed gateway restarts, for its nodes to be
+    /// back on it.
     pub spread_wait: Duration,
     pub rates: Rates,
     /// Longest wait for any one thing (all nodes schedulable, a re-home, a
@@ -79,7 +83,8 @@ impl Options {
             pools: 4,
             steady: Duration::from_secs(60),
             outage: Duration::from_secs(10),
-            spread_wait: Duration::from_secs(30),
+            return_home: Duration::from_secs(30),
+            spread_wait: Duration::from_secs(90),
             rates: Rates {
                 placements: (200.0 * scale).max(10.0),
                 commands: (50.0 * scale).max(5.0),
@@ -105,7 +110,8 @@ pub async fn run(args: Args) -> Result<()> {
     o.pools = args.pools.max(1);
     o.steady = Duration::from_secs(if args.quick { 20 } else { args.steady_seconds });
     if args.quick {
-        o.spread_wait = Duration::from_secs(15);
+        o.return_home = Duration::from_secs(10);
+        o.spread_wait = Duration::from_secs(40);
     }
     let result = drill(o).await?;
     let name = if args.quick {
@@ -564,6 +570,7 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
         "cold_start_all_schedulable_s": cold["all_schedulable_s"],
         "cold_start_connected_p99_s": cold["connected_p99_s"],
         "gateway_kill_rehome_p99_s": g["rehome_p99_s"],
+        "gateway_restart_spread_back_s": g["spread_back_s"],
         "false_unreachable": g["false_unreachable"],
         "commands_run_twice": run_twice,
         "postgres_cpu_share_steady": steady["postgres_cpu_share"],

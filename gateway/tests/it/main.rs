@@ -800,6 +800,67 @@ async fn commands_run_once_across_reconnects_and_a_stopping_gateway() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_returns_to_its_home_gateway_once_it_is_back() {
+    let r = region().await;
+    let a = r.gateway("gw-a", |_| {}).await;
+    let b = r.gateway("gw-b", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&a), url(&b)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    c.return_home = Duration::from_millis(300);
+    let home_is_a = c.home() == 0;
+    let (home, away) = if home_is_a { (a, b) } else { (b, a) };
+    let home_addr = home.addr;
+    let n = start(c);
+    eventually(20, "the session opens at home", || async {
+        home.stats.sessions.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // Home goes away: the node moves to the other gateway.
+    home.stop().await.unwrap();
+    eventually(20, "the node moves to the other gateway", || async {
+        away.stats.sessions.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // Home comes back at the same address: the node goes back to it and
+    // leaves the other gateway.
+    let home = r
+        .gateway(if home_is_a { "gw-a" } else { "gw-b" }, |g| {
+            g.listen = home_addr
+        })
+        .await;
+    eventually(20, "the node is home again", || async {
+        home.stats.sessions.load(Ordering::Relaxed) == 1
+            && away.stats.sessions.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    assert_eq!(n.stats.returned_home.load(Ordering::Relaxed), 1);
+    // Its sessions: home, away, home, each recorded by its gateway.
+    let gateways: Vec<String> = r
+        .client
+        .query(
+            "SELECT payload->>'gateway' FROM strata.events
+              WHERE stream = 'node/n1' AND type = 'node.session_opened' ORDER BY position",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let (h, w) = if home_is_a {
+        ("gw-a", "gw-b")
+    } else {
+        ("gw-b", "gw-a")
+    };
+    assert_eq!(gateways, [h, w, h]);
+    n.stop().await.unwrap();
+    home.stop().await.unwrap();
+    away.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_client_api_serves_operators_only() {
     use gateway::api_proto::*;
     let r = region().await;
