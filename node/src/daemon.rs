@@ -297,7 +297,7 @@ pub async fn run(
     // Joining waits out a gateway that is not up yet; a refusal is final.
     let mut tries = 0u32;
     let creds = loop {
-        match ensure_joined(&config).await {
+        match crate::identity::ensure_joined_at(&config, tries as usize).await {
             Ok(c) => break c,
             Err(DaemonError::Unreachable(why)) => {
                 tries = tries.saturating_add(1);

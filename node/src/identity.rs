@@ -55,8 +55,18 @@ pub(crate) fn load(dir: &Path) -> Result<Option<Credentials>, DaemonError> {
 }
 
 /// Joins the region if this node has no certificate yet; returns its
-/// credentials either way.
+/// credentials either way. Joins through the node's home gateway.
 pub async fn ensure_joined(config: &DaemonConfig) -> Result<Credentials, DaemonError> {
+    ensure_joined_at(config, 0).await
+}
+
+/// The same on the `attempt`th try: each try goes to the next gateway after
+/// the home one, so a fleet's joins spread over the gateways as its
+/// sessions do, and a gateway that is down does not keep a node out.
+pub async fn ensure_joined_at(
+    config: &DaemonConfig,
+    attempt: usize,
+) -> Result<Credentials, DaemonError> {
     let dir = &config.data_dir;
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     if let Some(c) = load(dir)? {
@@ -69,10 +79,10 @@ pub async fn ensure_joined(config: &DaemonConfig) -> Result<Credentials, DaemonE
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(ca_pem))
         .domain_name(config.server_name.clone());
-    let first = config
-        .gateways
-        .first()
-        .ok_or(DaemonError::Other("no gateway given".into()))?;
+    if config.gateways.is_empty() {
+        return Err(DaemonError::Other("no gateway given".into()));
+    }
+    let first = &config.gateways[(config.home() + attempt) % config.gateways.len()];
     let channel = Endpoint::from_shared(first.clone())
         .map_err(|e| DaemonError::Other(format!("gateway address {first:?}: {e}")))?
         .tls_config(tls)

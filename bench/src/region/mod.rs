@@ -414,6 +414,9 @@ pub async fn start(o: &Options) -> Result<Region> {
     procs::wait_listening(&audit, Duration::from_secs(60))
         .await
         .context("the audit endpoint did not start")?;
+    for r in &mut roles {
+        r.check_alive()?;
+    }
     eprintln!(
         "region up: {} roles; issuing {} join tokens ...",
         roles.len(),

@@ -173,10 +173,18 @@ pub fn postgres_cpu(postmaster: u32) -> f64 {
     total
 }
 
-/// A TCP port free on 127.0.0.1 now.
+/// A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range
+/// (32768 and up on Linux): a port the kernel handed out for one of the
+/// region's thousands of outgoing connections could be taken again
+/// between this check and the role binding it.
 pub fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
+    for _ in 0..1000 {
+        let port = fastrand::u16(20_000..32_000);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free port between 20000 and 32000")
 }
 
 /// Waits until something accepts on `addr`.

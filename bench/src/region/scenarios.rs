@@ -141,6 +141,7 @@ struct Sample {
     wal: i64,
     slot_lag: i64,
     connections: i64,
+    commits: i64,
 }
 
 async fn sample(r: &Region, c: &tokio_postgres::Client) -> Result<Sample> {
@@ -150,7 +151,8 @@ async fn sample(r: &Region, c: &tokio_postgres::Client) -> Result<Sample> {
                     coalesce((SELECT max(pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
                                 FROM pg_replication_slots), 0),
                     (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'
-                        OR backend_type = 'walsender')",
+                        OR backend_type = 'walsender'),
+                    (SELECT sum(xact_commit)::bigint FROM pg_stat_database)",
             &[],
         )
         .await?;
@@ -170,6 +172,7 @@ async fn sample(r: &Region, c: &tokio_postgres::Client) -> Result<Sample> {
         wal: row.get(0),
         slot_lag: row.get(1),
         connections: row.get(2),
+        commits: row.get(3),
     })
 }
 
@@ -242,6 +245,23 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
         .iter()
         .map(|d| d.as_secs_f64() * 1000.0)
         .collect();
+    let mix: serde_json::Map<String, serde_json::Value> = c
+        .query(
+            "SELECT type, count(*) FROM strata.events
+              WHERE recorded_at >= to_timestamp($1) AND recorded_at < to_timestamp($2)
+              GROUP BY type ORDER BY count(*) DESC LIMIT 16",
+            &[&window[0], &window[1]],
+        )
+        .await?
+        .iter()
+        .map(|row| {
+            let n: i64 = row.get(1);
+            (
+                row.get::<_, String>(0),
+                round(n as f64 / (window[1] - window[0]), 1).into(),
+            )
+        })
+        .collect();
     let max_lag = samples.iter().map(|s| s.slot_lag).max().unwrap_or(0);
     let max_conns = samples.iter().map(|s| s.connections).max().unwrap_or(0);
     Ok(serde_json::json!({
@@ -249,6 +269,8 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
         "postgres_cpu_share": round((last.pg_cpu - first.pg_cpu) / secs, 3),
         "roles": roles,
         "events_per_s": events_per_s,
+        "event_mix_per_s": mix,
+        "commits_per_s": round((last.commits - first.commits) as f64 / secs, 1),
         "node_events_per_s": node_events_per_s,
         "placements_per_s": placed_per_s,
         "commands_issued_per_s": commands_per_s,

@@ -800,6 +800,40 @@ async fn commands_run_once_across_reconnects_and_a_stopping_gateway() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_home_gateway_is_down_joins_through_another() {
+    let r = region().await;
+    let up = r.gateway("gw-up", |_| {}).await;
+    // Nothing listens at `down`.
+    let down = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("https://{}", l.local_addr().unwrap())
+    };
+    let node = (0..)
+        .map(|i| format!("n{i}"))
+        .find(|n| node::daemon::home_index(n, 2) == 0)
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![down, url(&up)], dir.path(), &node);
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    assert_eq!(c.home(), 0, "home is the gateway that is down");
+    let n = start(c);
+    eventually(30, "the node joins and opens a session", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(
+        r.count(&format!(
+            "SELECT count(*) FROM strata.events WHERE stream = 'node/{node}' AND type = 'node.certificate_issued'"
+        ))
+        .await,
+        1
+    );
+    n.stop().await.unwrap();
+    up.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_returns_to_its_home_gateway_once_it_is_back() {
     let r = region().await;
     let a = r.gateway("gw-a", |_| {}).await;
