@@ -413,10 +413,11 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     };
     let binder = if args.roles.iter().any(|r| r == "binder") {
         let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-        Some(placer::binder::Binder::start(
+        Some(placer::binder::Binder::start_as(
             cfg.clone(),
             reader.clone(),
             appender,
+            holder.clone(),
         ))
     } else {
         None

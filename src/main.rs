@@ -761,7 +761,7 @@ pub struct ServeArgs {
     /// placer: keep pool index snapshots here and start from the newest
     #[arg(long)]
     pub snapshot_dir: Option<PathBuf>,
-    /// placer: name in pool leases (default host-pid-random)
+    /// placer and binder: name in their leases (default host-pid-random)
     #[arg(long)]
     pub holder: Option<String>,
     /// gateway: where to listen for nodes (mutual TLS)

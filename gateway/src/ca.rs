@@ -89,6 +89,27 @@ fn serial() -> SerialNumber {
 
 /// A serial as stored and compared: lowercase hex without leading zero
 /// bytes (as DER has it).
+/// Whether the CSR asks for the key the certificate (the first in
+/// `cert_pem`) is for. Unreadable input is not the same key.
+pub fn same_public_key(csr_pem: &str, cert_pem: &str) -> bool {
+    use x509_parser::prelude::FromDer;
+    let csr_key = x509_parser::pem::parse_x509_pem(csr_pem.as_bytes())
+        .ok()
+        .and_then(|(_, pem)| {
+            x509_parser::certification_request::X509CertificationRequest::from_der(&pem.contents)
+                .ok()
+                .map(|(_, r)| r.certification_request_info.subject_pki.raw.to_vec())
+        });
+    let cert_key = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes())
+        .ok()
+        .and_then(|(_, pem)| {
+            pem.parse_x509()
+                .ok()
+                .map(|c| c.tbs_certificate.subject_pki.raw.to_vec())
+        });
+    matches!((csr_key, cert_key), (Some(a), Some(b)) if a == b)
+}
+
 pub fn serial_hex(bytes: &[u8]) -> String {
     let start = bytes
         .iter()

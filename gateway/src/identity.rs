@@ -130,6 +130,7 @@ pub async fn redeem<S>(
     client: &mut Client,
     token: &str,
     node: &str,
+    csr_pem: &str,
     sign: impl FnOnce() -> Result<Signed, S>,
 ) -> Result<Result<(String, Signed), S>, IdentityError> {
     let tx = client.transaction().await?;
@@ -139,8 +140,13 @@ pub async fn redeem<S>(
               WHERE hash = $1 AND used_at IS NULL AND expires_at > now() FOR UPDATE",
             &[&digest(token)],
         )
-        .await?
-        .ok_or(IdentityError::BadToken)?;
+        .await?;
+    let Some(row) = row else {
+        return match answered_before(&tx, token, node, csr_pem).await? {
+            Some(again) => Ok(Ok(again)),
+            None => Err(IdentityError::BadToken),
+        };
+    };
     // `node`: the id or pattern the token admits (tokens made before
     // patterns may admit any id).
     let (pool, admits): (String, Option<String>) = (row.get(0), row.get(1));
@@ -195,6 +201,54 @@ pub async fn redeem<S>(
     Ok(Ok((pool, signed)))
 }
 
+/// A join asked again after its answer was lost: the token was spent by
+/// this node, and the node's newest valid certificate is for the key of
+/// this CSR. Then the same certificate is the answer (a certificate is not
+/// a secret: without the key it opens nothing). Anything else is a spent
+/// token.
+async fn answered_before(
+    tx: &tokio_postgres::Transaction<'_>,
+    token: &str,
+    node: &str,
+    csr_pem: &str,
+) -> Result<Option<(String, Signed)>, IdentityError> {
+    let Some(t) = tx
+        .query_opt(
+            "SELECT pool FROM strata.join_tokens
+              WHERE hash = $1 AND used_by = $2 AND expires_at > now()",
+            &[&digest(token), &node],
+        )
+        .await?
+    else {
+        return Ok(None);
+    };
+    let Some(c) = tx
+        .query_opt(
+            "SELECT serial, certificate_pem, not_after FROM strata.node_certificates
+              WHERE node = $1 AND revoked_at IS NULL AND not_after > now()
+                AND certificate_pem IS NOT NULL
+              ORDER BY issued_at DESC LIMIT 1",
+            &[&node],
+        )
+        .await?
+    else {
+        return Ok(None);
+    };
+    let certificate_pem: String = c.get(1);
+    if !crate::ca::same_public_key(csr_pem, &certificate_pem) {
+        return Ok(None);
+    }
+    tracing::info!(%node, "a join asked again with the same key: answered with its certificate");
+    Ok(Some((
+        t.get(0),
+        Signed {
+            certificate_pem,
+            serial: c.get(0),
+            not_after: c.get(2),
+        },
+    )))
+}
+
 /// Records a signed certificate with its event on the node's stream.
 async fn record_in(
     tx: &tokio_postgres::Transaction<'_>,
@@ -204,8 +258,15 @@ async fn record_in(
     event: NewEvent,
 ) -> Result<(), IdentityError> {
     tx.execute(
-        "INSERT INTO strata.node_certificates (serial, node, pool, not_after) VALUES ($1, $2, $3, $4)",
-        &[&signed.serial, &node, &pool, &signed.not_after],
+        "INSERT INTO strata.node_certificates (serial, node, pool, not_after, certificate_pem)
+         VALUES ($1, $2, $3, $4, $5)",
+        &[
+            &signed.serial,
+            &node,
+            &pool,
+            &signed.not_after,
+            &signed.certificate_pem,
+        ],
     )
     .await?;
     append_one_in(tx, node_stream(node), ExpectedVersion::Any, vec![event]).await?;

@@ -23,25 +23,28 @@ impl join_server::Join for JoinService {
         let mut client = self.shared.identity_db().await?;
         // The token and the node's id are checked before anything is signed.
         let (ca, validity) = (&self.shared.ca, self.shared.config.certificate_validity);
-        let (pool, signed) = identity::redeem(&mut client, &req.token, &req.node_id, || {
-            ca.sign_node_for(&req.node_id, &req.csr_pem, validity)
-        })
-        .await
-        .map_err(|e| {
-            self.shared
-                .stats
-                .refused_joins
-                .fetch_add(1, Ordering::Relaxed);
-            match e {
-                identity::IdentityError::BadToken
-                | identity::IdentityError::OtherNode(_)
-                | identity::IdentityError::NotAdmitted(_)
-                | identity::IdentityError::Revoked(_) => Status::permission_denied(e.to_string()),
-                identity::IdentityError::Taken(_) => Status::already_exists(e.to_string()),
-                e => Status::unavailable(e.to_string()),
-            }
-        })?
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (pool, signed) =
+            identity::redeem(&mut client, &req.token, &req.node_id, &req.csr_pem, || {
+                ca.sign_node_for(&req.node_id, &req.csr_pem, validity)
+            })
+            .await
+            .map_err(|e| {
+                self.shared
+                    .stats
+                    .refused_joins
+                    .fetch_add(1, Ordering::Relaxed);
+                match e {
+                    identity::IdentityError::BadToken
+                    | identity::IdentityError::OtherNode(_)
+                    | identity::IdentityError::NotAdmitted(_)
+                    | identity::IdentityError::Revoked(_) => {
+                        Status::permission_denied(e.to_string())
+                    }
+                    identity::IdentityError::Taken(_) => Status::already_exists(e.to_string()),
+                    e => Status::unavailable(e.to_string()),
+                }
+            })?
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         self.shared.stats.joins.fetch_add(1, Ordering::Relaxed);
         tracing::info!(node = %req.node_id, %pool, serial = %signed.serial, "node joined");
         Ok(Response::new(JoinResponse {

@@ -4,7 +4,8 @@
 //!
 //! Each node has a home among the gateways it is given (chosen by a hash of
 //! its id, so a fleet spreads evenly and each node always prefers the same
-//! one). It starts there; when a session ends it tries the next gateway;
+//! one). It starts there; when a session ends it tries another, chosen at
+//! random, so the nodes of a gateway that died spread over the rest;
 //! and while it is away from home it checks every `return_home` (jittered,
 //! so a fleet returning to a restarted gateway arrives over that window
 //! rather than at once) whether home accepts connections again, and moves
@@ -326,7 +327,13 @@ pub async fn run(
         let away = (at != home && !config.return_home.is_zero())
             .then(|| home_addr.clone())
             .flatten();
-        at = (at + 1) % endpoints.len();
+        // Next time, any other gateway: the nodes of one that died spread
+        // over all the others instead of doubling the next one's load.
+        let tried = at;
+        at = match endpoints.len() {
+            1 => 0,
+            n => (tried + 1 + fastrand::usize(..n - 1)) % n,
+        };
         let mut opened = false;
         let end = match endpoint.connect().await {
             Ok(channel) => {

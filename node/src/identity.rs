@@ -75,7 +75,22 @@ pub async fn ensure_joined_at(
     let (Some(token), Some(ca_pem)) = (&config.token, &config.ca_pem) else {
         return Err(DaemonError::NeedsJoin);
     };
-    let (key, csr) = new_csr()?;
+    // The key is kept until the join is answered, so a retry after a lost
+    // answer asks with the same key and is answered with the same
+    // certificate (the token is spent by then).
+    let join_key = dir.join("join.key");
+    let key = match std::fs::read_to_string(&join_key)
+        .ok()
+        .and_then(|pem| rcgen::KeyPair::from_pem(&pem).ok())
+    {
+        Some(k) => k,
+        None => {
+            let k = rcgen::KeyPair::generate().map_err(|e| DaemonError::Other(e.to_string()))?;
+            write_private(&join_key, k.serialize_pem().as_bytes())?;
+            k
+        }
+    };
+    let csr = csr_for(&key)?;
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(ca_pem))
         .domain_name(config.server_name.clone());
@@ -110,6 +125,7 @@ pub async fn ensure_joined_at(
     std::fs::write(dir.join("pool"), &resp.pool).map_err(io(dir))?;
     // The certificate last: its presence means "joined".
     std::fs::write(dir.join("node.pem"), &resp.certificate_pem).map_err(io(dir))?;
+    let _ = std::fs::remove_file(&join_key);
     tracing::info!(node = %config.node_id, pool = %resp.pool, "joined the region");
     load(dir)?.ok_or(DaemonError::NeedsJoin)
 }
@@ -139,11 +155,16 @@ pub(crate) fn store_renewed(dir: &Path, key_pem: &str, cert_pem: &str) -> Result
 /// A new key and a CSR for it.
 pub(crate) fn new_csr() -> Result<(rcgen::KeyPair, String), DaemonError> {
     let key = rcgen::KeyPair::generate().map_err(|e| DaemonError::Other(e.to_string()))?;
-    let csr = rcgen::CertificateParams::new(Vec::<String>::new())
-        .and_then(|p| p.serialize_request(&key))
-        .and_then(|c| c.pem())
-        .map_err(|e| DaemonError::Other(e.to_string()))?;
+    let csr = csr_for(&key)?;
     Ok((key, csr))
+}
+
+/// A certificate signing request for `key`.
+fn csr_for(key: &rcgen::KeyPair) -> Result<String, DaemonError> {
+    rcgen::CertificateParams::new(Vec::<String>::new())
+        .and_then(|p| p.serialize_request(key))
+        .and_then(|c| c.pem())
+        .map_err(|e| DaemonError::Other(e.to_string()))
 }
 
 /// Whether the certificate (the first in `cert_pem`) has less than a third

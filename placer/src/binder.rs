@@ -74,9 +74,23 @@ pub struct Binder {
 
 impl Binder {
     pub fn start(db: tokio_postgres::Config, reader: Reader, appender: Appender) -> Binder {
+        Self::start_as(db, reader, appender, crate::service::default_holder())
+    }
+
+    /// The same, holding the binder's lease under `holder` (what `strata
+    /// serve --holder` names it; a lease list then says which process binds).
+    pub fn start_as(
+        db: tokio_postgres::Config,
+        reader: Reader,
+        appender: Appender,
+        holder: String,
+    ) -> Binder {
         let stats = Arc::new(BinderStats::default());
         let (stop, rx) = oneshot::channel();
-        let task = events::task::spawn("binder", run(db, reader, appender, stats.clone(), rx));
+        let task = events::task::spawn(
+            "binder",
+            run(db, reader, appender, stats.clone(), rx, holder),
+        );
         Binder {
             stats,
             stop: Some(stop),
@@ -285,8 +299,8 @@ async fn run(
     appender: Appender,
     stats: Arc<BinderStats>,
     mut stop: oneshot::Receiver<()>,
+    holder: String,
 ) -> Result<(), BinderError> {
-    let holder = crate::service::default_holder();
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     // Supervised: whatever fails (the database restarting, the lease lost, a
     // read cut short), the binder lets go, waits and starts again from the

@@ -83,6 +83,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "audit_logins",
         sql: include_str!("../migrations/0012_audit_logins.sql"),
     },
+    Migration {
+        version: 13,
+        name: "certificate_pem",
+        sql: include_str!("../migrations/0013_certificate_pem.sql"),
+    },
 ];
 
 /// How long one migration's statements wait for a lock before the migration

@@ -4,6 +4,12 @@
 //! `commands.log`), what the webhook receiver was sent and what JetStream
 //! stored. Every violation names the positions (or nodes, or ids) it is
 //! about.
+//!
+//! After each scenario: the log's invariants, the acknowledged reservations,
+//! and both sinks up to where they had caught up. At the end, once the load
+//! has stopped, also the daemons' bound reservations against the log's live
+//! allocations (while reservations come and go the two differ by what is in
+//! flight) and the commands each daemon ran.
 
 use super::fleet::Fleet;
 use anyhow::Result;
@@ -144,49 +150,78 @@ pub fn commands_run_twice(fleet: &Fleet) -> (u64, Vec<Violation>) {
     (count, v)
 }
 
-/// Arrivals at the webhook receiver, in order.
+/// Arrivals at the webhook receiver, in order, and the set of positions
+/// seen (for the probes' lookups).
 #[derive(Default)]
 pub struct Received {
-    pub positions: Mutex<Vec<u64>>,
+    pub arrivals: Mutex<(Vec<u64>, HashSet<u64>)>,
 }
 
-/// Waits until the sink's durable cursor reaches the last event it
-/// matches (up to `within`).
-pub async fn sink_caught_up(client: &Client, sink: &str, prefix: &str, within: Duration) -> bool {
+impl Received {
+    pub fn record(&self, positions: impl Iterator<Item = u64>) {
+        let mut a = self.arrivals.lock().expect("receiver lock");
+        for p in positions {
+            a.0.push(p);
+            a.1.insert(p);
+        }
+    }
+
+    pub fn has(&self, position: u64) -> bool {
+        self.arrivals
+            .lock()
+            .expect("receiver lock")
+            .1
+            .contains(&position)
+    }
+}
+
+/// The last position matching `prefix` now, and whether the sink's durable
+/// cursor reached it within `within` (events appended meanwhile are for a
+/// later check).
+pub async fn sink_caught_up(
+    client: &Client,
+    sink: &str,
+    prefix: &str,
+    within: Duration,
+) -> Result<(i64, bool)> {
+    let last: i64 = client
+        .query_one(
+            "SELECT coalesce(max(position), 0) FROM strata.events WHERE stream LIKE $1",
+            &[&format!("{prefix}%")],
+        )
+        .await?
+        .get(0);
     let deadline = Instant::now() + within;
     loop {
-        let last: Option<i64> = client
-            .query_one(
-                "SELECT max(position) FROM strata.events WHERE stream LIKE $1",
-                &[&format!("{prefix}%")],
-            )
-            .await
-            .ok()
-            .and_then(|r| r.get(0));
         let cursor = sinks::config::cursor(client, sink).await.ok().flatten();
-        if last.is_none_or(|l| cursor.is_some_and(|c| c as i64 >= l)) {
-            return true;
+        if cursor.is_some_and(|c| c as i64 >= last) {
+            return Ok((last, true));
         }
         if Instant::now() > deadline {
-            return false;
+            return Ok((last, false));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
 
-/// Every event whose stream starts with `prefix` was delivered at least
-/// once, and first deliveries came in position order.
-pub async fn webhook(client: &Client, prefix: &str, got: &Received) -> Result<Vec<Violation>> {
+/// Every event up to `upto` whose stream starts with `prefix` was
+/// delivered at least once, and first deliveries came in position order.
+pub async fn webhook(
+    client: &Client,
+    prefix: &str,
+    upto: i64,
+    got: &Received,
+) -> Result<Vec<Violation>> {
     let want: BTreeSet<i64> = client
         .query(
-            "SELECT position FROM strata.events WHERE stream LIKE $1",
-            &[&format!("{prefix}%")],
+            "SELECT position FROM strata.events WHERE stream LIKE $1 AND position <= $2",
+            &[&format!("{prefix}%"), &upto],
         )
         .await?
         .iter()
         .map(|r| r.get(0))
         .collect();
-    let arrivals = got.positions.lock().expect("receiver lock").clone();
+    let arrivals = got.arrivals.lock().expect("receiver lock").0.clone();
     let mut seen = BTreeSet::new();
     let mut out_of_order = Vec::new();
     let mut last_new = 0u64;
@@ -223,19 +258,21 @@ pub async fn webhook(client: &Client, prefix: &str, got: &Received) -> Result<Ve
     Ok(v)
 }
 
-/// Every event whose stream starts with `prefix` is stored in the JetStream
-/// stream exactly once (by its `Nats-Msg-Id`, the position).
+/// Every event up to `upto` whose stream starts with `prefix` is stored in
+/// the JetStream stream exactly once (by its `Nats-Msg-Id`, the position),
+/// and nothing is stored twice.
 pub async fn jetstream(
     client: &Client,
     prefix: &str,
+    upto: i64,
     js: &async_nats::jetstream::Context,
     stream: &str,
 ) -> Result<Vec<Violation>> {
     use futures_util::StreamExt;
     let want: BTreeSet<i64> = client
         .query(
-            "SELECT position FROM strata.events WHERE stream LIKE $1",
-            &[&format!("{prefix}%")],
+            "SELECT position FROM strata.events WHERE stream LIKE $1 AND position <= $2",
+            &[&format!("{prefix}%"), &upto],
         )
         .await?
         .iter()
@@ -305,6 +342,39 @@ pub async fn jetstream(
                 missing.len()
             ),
         });
+    }
+    Ok(v)
+}
+
+/// Both sinks: delivered (webhook: at least once, in order; JetStream:
+/// exactly once) up to where each had caught up within `within`.
+pub async fn sinks(
+    client: &Client,
+    hook: &Received,
+    js: Option<&async_nats::jetstream::Context>,
+    within: Duration,
+) -> Result<Vec<Violation>> {
+    use super::{HOOK_PREFIX, HOOK_SINK, JS_PREFIX, JS_SINK, JS_STREAM};
+    let mut v = Vec::new();
+    let (upto, caught_up) = sink_caught_up(client, HOOK_SINK, HOOK_PREFIX, within).await?;
+    if !caught_up {
+        v.push(Violation {
+            invariant: "sink_delivery",
+            positions: vec![upto],
+            detail: format!("the webhook sink had not reached position {upto} after {within:?}"),
+        });
+    }
+    v.extend(webhook(client, HOOK_PREFIX, upto, hook).await?);
+    if let Some(js) = js {
+        let (upto, caught_up) = sink_caught_up(client, JS_SINK, JS_PREFIX, within).await?;
+        if !caught_up {
+            v.push(Violation {
+                invariant: "jetstream_once",
+                positions: vec![upto],
+                detail: format!("the NATS sink had not reached position {upto} after {within:?}"),
+            });
+        }
+        v.extend(jetstream(client, JS_PREFIX, upto, js, JS_STREAM).await?);
     }
     Ok(v)
 }

@@ -36,6 +36,8 @@ pub struct Fleet {
     tasks: Vec<JoinHandle<Result<(), DaemonError>>>,
     /// Daemons that ended with an error (a refused join, say), over all starts.
     pub refusals: Vec<String>,
+    /// Why each daemon that ended by itself did, as it happened.
+    pub why: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Fleet {
@@ -74,6 +76,7 @@ impl Fleet {
             stop: None,
             tasks: Vec::new(),
             refusals: Vec::new(),
+            why: Arc::default(),
         })
     }
 
@@ -95,8 +98,19 @@ impl Fleet {
                 c.token = n.token.clone();
                 c.ca_pem = Some(self.ca_pem.clone());
             }
-            self.tasks
-                .push(tokio::spawn(daemon::run(c, self.stats.clone(), rx.clone())));
+            let (stats, rx, why, id) = (
+                self.stats.clone(),
+                rx.clone(),
+                self.why.clone(),
+                n.id.clone(),
+            );
+            self.tasks.push(tokio::spawn(async move {
+                let r = daemon::run(c, stats, rx).await;
+                if let Err(e) = &r {
+                    why.lock().expect("why lock").push(format!("{id}: {e}"));
+                }
+                r
+            }));
         }
     }
 

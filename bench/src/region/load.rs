@@ -47,6 +47,7 @@ pub struct LoadStats {
 pub struct Load {
     pub stats: Arc<LoadStats>,
     stop: Arc<AtomicBool>,
+    paused: Arc<AtomicBool>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -84,6 +85,7 @@ impl Load {
     pub fn start(appender: Appender, fleet: &Fleet, pools: Vec<String>, rates: Rates) -> Load {
         let stats = Arc::new(LoadStats::default());
         let stop = Arc::new(AtomicBool::new(false));
+        let paused = Arc::new(AtomicBool::new(false));
         let nodes = fleet.nodes.clone();
         let drifting: Arc<Mutex<std::collections::HashSet<usize>>> = Arc::default();
         let fleet_drift = {
@@ -98,18 +100,26 @@ impl Load {
                 });
             }
         };
-        let (s, st) = (stats.clone(), stop.clone());
+        let (s, st, pa) = (stats.clone(), stop.clone(), paused.clone());
         let task = tokio::spawn(async move {
             let in_flight = Arc::new(Semaphore::new(4096));
             let tick = Duration::from_millis(5);
             let mut interval = tokio::time::interval(tick);
             interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let started = Instant::now();
+            // Offered time: it does not advance while paused, so a pause
+            // is not made up for with a burst afterwards.
+            let mut offered = Duration::ZERO;
+            let mut last = Instant::now();
             let (mut placed, mut cmds, mut drifted) = (0u64, 0u64, 0u64);
             let run = fastrand::u32(..);
             while !st.load(Ordering::Relaxed) {
                 interval.tick().await;
-                let secs = started.elapsed().as_secs_f64();
+                let now = Instant::now();
+                if !pa.load(Ordering::Relaxed) {
+                    offered += now - last;
+                }
+                last = now;
+                let secs = offered.as_secs_f64();
                 while (placed as f64) < secs * rates.placements {
                     placed += 1;
                     let Ok(permit) = in_flight.clone().try_acquire_owned() else {
@@ -163,8 +173,14 @@ impl Load {
         Load {
             stats,
             stop,
+            paused,
             task: Some(task),
         }
+    }
+
+    /// Stops offering for a while (`true`) or goes on (`false`).
+    pub fn pause(&self, paused: bool) {
+        self.paused.store(paused, Ordering::Relaxed);
     }
 
     /// Stops offering (what is in flight finishes on its own).

@@ -150,14 +150,26 @@ fn stat_times(pid: u32) -> Option<(u32, f64, f64)> {
     ))
 }
 
-/// CPU seconds used so far by PostgreSQL: the postmaster, its live
-/// children (backends, walsenders, background workers) and the children it
-/// has reaped.
-pub fn postgres_cpu(postmaster: u32) -> f64 {
+/// CPU seconds PostgreSQL has used so far.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PgCpu {
+    /// The postmaster, its live children and the children it has reaped.
+    pub total: f64,
+    /// Of that, the live walsenders (logical decoding, one per slot in use).
+    pub walsenders: f64,
+}
+
+/// What PostgreSQL's processes have used: the postmaster, its live children
+/// (backends, walsenders, background workers) and the children it has
+/// reaped (which can no longer be told apart).
+pub fn postgres_cpu(postmaster: u32) -> PgCpu {
     let Some((_, own, reaped)) = stat_times(postmaster) else {
-        return 0.0;
+        return PgCpu::default();
     };
-    let mut total = own + reaped;
+    let mut cpu = PgCpu {
+        total: own + reaped,
+        walsenders: 0.0,
+    };
     if let Ok(entries) = std::fs::read_dir("/proc") {
         for e in entries.flatten() {
             let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
@@ -165,12 +177,16 @@ pub fn postgres_cpu(postmaster: u32) -> f64 {
             };
             if let Some((ppid, t, _)) = stat_times(pid) {
                 if ppid == postmaster {
-                    total += t;
+                    cpu.total += t;
+                    let title = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                    if String::from_utf8_lossy(&title).contains("walsender") {
+                        cpu.walsenders += t;
+                    }
                 }
             }
         }
     }
-    total
+    cpu
 }
 
 /// A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range

@@ -129,13 +129,14 @@ pub async fn cold_start(r: &mut Region, o: &Options) -> Result<serde_json::Value
         "pushbacks": r.fleet.stats.pushbacks.load(Ordering::Relaxed),
         "pushback_wait_s": r.fleet.stats.pushback_wait_ms.load(Ordering::Relaxed) as f64 / 1000.0,
         "daemons_refused": r.fleet.ended(),
+        "refusals": r.fleet.why.lock().expect("why lock").iter().take(5).cloned().collect::<Vec<_>>(),
     }))
 }
 
 /// A sample of what the region uses.
 struct Sample {
     at: Instant,
-    pg_cpu: f64,
+    pg_cpu: procs::PgCpu,
     roles: Vec<(String, f64, u64)>,
     own: (f64, u64),
     wal: i64,
@@ -159,7 +160,11 @@ async fn sample(r: &Region, c: &tokio_postgres::Client) -> Result<Sample> {
     let me = std::process::id();
     Ok(Sample {
         at: Instant::now(),
-        pg_cpu: r.cluster.postmaster_pid().map_or(0.0, procs::postgres_cpu),
+        pg_cpu: r
+            .cluster
+            .postmaster_pid()
+            .map(procs::postgres_cpu)
+            .unwrap_or_default(),
         roles: r
             .roles
             .iter()
@@ -266,7 +271,8 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
     let max_conns = samples.iter().map(|s| s.connections).max().unwrap_or(0);
     Ok(serde_json::json!({
         "seconds": round(secs, 1),
-        "postgres_cpu_share": round((last.pg_cpu - first.pg_cpu) / secs, 3),
+        "postgres_cpu_share": round((last.pg_cpu.total - first.pg_cpu.total) / secs, 3),
+        "postgres_walsenders_cpu_share": round((last.pg_cpu.walsenders - first.pg_cpu.walsenders) / secs, 3),
         "roles": roles,
         "events_per_s": events_per_s,
         "event_mix_per_s": mix,
@@ -288,68 +294,80 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
 
 /// A fresh 1-GPU reservation in `pool`, until it is active and its
 /// activation reached the webhook: seconds since `since`, or `None` after
-/// the drill's patience.
+/// the drill's patience. A probe that ends without becoming active (its
+/// node failed while the fault lasted) is followed by a new one; each is
+/// released once it has been seen.
 pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Result<Option<f64>> {
-    let id = format!("probe-{:016x}", fastrand::u64(..));
-    let stream = projections::domain::reservation_stream(&id);
-    let event = Fact::ReservationRequested(Request {
-        reservation: id.clone(),
-        pool: pool.into(),
-        class: super::fleet::CLASS.into(),
-        gpus: 1,
-        shape: Shape::Any,
-        priority: 10,
-        ttl_ms: Some(30_000),
-        replace_on_failure: false,
-        replaces: None,
-    })
-    .to_event();
     let deadline = Instant::now() + o.patience;
-    let mut tried = false;
-    loop {
-        match r
-            .appender
-            .append(&stream, ExpectedVersion::NoStream, vec![event.clone()])
-            .await
-        {
-            Ok(_) => break,
-            Err(events::AppendError::VersionConflict { .. }) if tried => break,
-            Err(e) if Instant::now() > deadline => return Err(e.into()),
-            Err(_) => {
-                tried = true;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-    loop {
-        if Instant::now() > deadline {
-            return Ok(None);
-        }
-        if let Ok(c) = events::db::connect(&r.cfg, "region-probe").await {
-            let activated: Option<i64> = c
-                .query_opt(
-                    "SELECT position FROM strata.events WHERE stream = $1 AND type = 'reservation.activated'",
-                    &[&stream],
-                )
+    while Instant::now() < deadline {
+        let id = format!("probe-{:016x}", fastrand::u64(..));
+        let stream = projections::domain::reservation_stream(&id);
+        let event = Fact::ReservationRequested(Request {
+            reservation: id.clone(),
+            pool: pool.into(),
+            class: super::fleet::CLASS.into(),
+            gpus: 1,
+            shape: Shape::Any,
+            priority: 10,
+            ttl_ms: None,
+            replace_on_failure: false,
+            replaces: None,
+        })
+        .to_event();
+        let mut tried = false;
+        loop {
+            match r
+                .appender
+                .append(&stream, ExpectedVersion::NoStream, vec![event.clone()])
                 .await
-                .ok()
-                .flatten()
-                .map(|row| row.get(0));
-            if let Some(p) = activated {
-                debug_assert!(stream.starts_with(HOOK_PREFIX));
-                let delivered = r
-                    .hook
-                    .positions
-                    .lock()
-                    .expect("receiver lock")
-                    .contains(&(p as u64));
-                if delivered {
-                    return Ok(Some(round(since.elapsed().as_secs_f64(), 2)));
+            {
+                Ok(_) => break,
+                Err(events::AppendError::VersionConflict { .. }) if tried => break,
+                Err(e) if Instant::now() > deadline => return Err(e.into()),
+                Err(_) => {
+                    tried = true;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Until it is active and delivered, or it ended without that.
+        loop {
+            if Instant::now() > deadline {
+                return Ok(None);
+            }
+            let mut ended = false;
+            if let Ok(c) = events::db::connect(&r.cfg, "region-probe").await {
+                let rows = c
+                    .query(
+                        "SELECT position, type FROM strata.events WHERE stream = $1
+                           AND type IN ('reservation.activated', 'reservation.ended')",
+                        &[&stream],
+                    )
+                    .await
+                    .unwrap_or_default();
+                let activated = rows
+                    .iter()
+                    .find(|row| row.get::<_, String>(1) == "reservation.activated")
+                    .map(|row| row.get::<_, i64>(0));
+                ended = activated.is_none() && !rows.is_empty();
+                if let Some(p) = activated {
+                    debug_assert!(stream.starts_with(HOOK_PREFIX));
+                    let delivered = r.hook.has(p as u64);
+                    if delivered {
+                        let took = round(since.elapsed().as_secs_f64(), 2);
+                        let _ =
+                            projections::requests::release(&r.appender, &id, "probe", None).await;
+                        return Ok(Some(took));
+                    }
+                }
+            }
+            if ended {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
+    Ok(None)
 }
 
 /// Every node loses power for `o.outage` and comes back.
@@ -478,16 +496,18 @@ async fn holder(r: &Region, lease: &str) -> Result<Option<String>> {
 }
 
 /// SIGKILL of the role holding `lease`, a probe, then the role restarts.
-async fn kill_holder(
-    r: &mut Region,
-    o: &Options,
-    lease: &str,
-    fallback: &str,
-) -> Result<serde_json::Value> {
-    let name = holder(r, lease)
-        .await?
-        .filter(|h| r.roles.iter().any(|x| &x.name == h))
-        .unwrap_or_else(|| fallback.to_string());
+async fn kill_holder(r: &mut Region, o: &Options, lease: &str) -> Result<serde_json::Value> {
+    let deadline = Instant::now() + o.patience;
+    let name = loop {
+        match holder(r, lease).await? {
+            Some(h) if r.roles.iter().any(|x| x.name == h) => break h,
+            Some(h) => {
+                anyhow::bail!("lease {lease} is held by {h:?}, which is not a role of the region")
+            }
+            None if Instant::now() > deadline => anyhow::bail!("nobody holds lease {lease}"),
+            None => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
     let killed = Instant::now();
     r.role(&name).kill().await;
     let recovery = probe(r, o, &r.pools[0].clone(), killed).await?;
@@ -498,11 +518,11 @@ async fn kill_holder(
 
 pub async fn placer_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
     let lease = format!("pool/{}", r.pools[0]);
-    kill_holder(r, o, &lease, "placer-1").await
+    kill_holder(r, o, &lease).await
 }
 
 pub async fn binder_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
-    kill_holder(r, o, placer::binder::LEASE, "binder-1").await
+    kill_holder(r, o, placer::binder::LEASE).await
 }
 
 /// SIGKILL of the sinks process; it is started again a second later (as a

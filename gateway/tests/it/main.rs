@@ -799,6 +799,96 @@ async fn commands_run_once_across_reconnects_and_a_stopping_gateway() {
     alive.stop().await.unwrap();
 }
 
+/// A join with this CSR; the certificate it was given.
+async fn join_with(
+    r: &Region,
+    gw: &Running,
+    token: &str,
+    node: &str,
+    csr: &str,
+) -> Result<String, tonic::Status> {
+    use gateway::proto::{join_client::JoinClient, JoinRequest};
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(r.ca_pem()))
+        .domain_name("localhost");
+    let channel = Endpoint::from_shared(url(gw))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    JoinClient::new(channel)
+        .join(JoinRequest {
+            token: token.into(),
+            node_id: node.into(),
+            csr_pem: csr.into(),
+        })
+        .await
+        .map(|r| r.into_inner().certificate_pem)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_asked_again_with_the_same_key_gets_the_same_certificate() {
+    let r = region().await;
+    let gw = r.gateway("gw", |_| {}).await;
+    let token = identity::create_token(&r.client, "p", Duration::from_secs(600), "n1")
+        .await
+        .unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let csr = |k: &rcgen::KeyPair| {
+        rcgen::CertificateParams::new(Vec::<String>::new())
+            .unwrap()
+            .serialize_request(k)
+            .unwrap()
+            .pem()
+            .unwrap()
+    };
+    let first = join_with(&r, &gw, &token, "n1", &csr(&key)).await.unwrap();
+    // The answer was lost; the node asks again with the same key (a new CSR
+    // for it): the same certificate, nothing issued twice.
+    let again = join_with(&r, &gw, &token, "n1", &csr(&key)).await.unwrap();
+    assert_eq!(first, again);
+    // Another key with the spent token: refused.
+    let other = join_with(
+        &r,
+        &gw,
+        &token,
+        "n1",
+        &csr(&rcgen::KeyPair::generate().unwrap()),
+    )
+    .await;
+    assert_eq!(other.unwrap_err().code(), tonic::Code::PermissionDenied);
+    // Another node id with the spent token: refused.
+    let elsewhere = join_with(&r, &gw, &token, "n2", &csr(&key)).await;
+    assert!(elsewhere.is_err());
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.certificate_issued'")
+            .await,
+        1
+    );
+    // A daemon keeps its join key until it is answered: one whose first try
+    // was answered but lost joins on its next try.
+    let dir = tempfile::tempdir().unwrap();
+    let t2 = identity::create_token(&r.client, "p", Duration::from_secs(600), "n3")
+        .await
+        .unwrap();
+    let mut c = config(vec![url(&gw)], dir.path(), "n3");
+    c.token = Some(t2.clone());
+    c.ca_pem = Some(r.ca_pem());
+    std::fs::create_dir_all(dir.path().join("n3")).unwrap();
+    let k3 = rcgen::KeyPair::generate().unwrap();
+    std::fs::write(dir.path().join("n3/join.key"), k3.serialize_pem()).unwrap();
+    join_with(&r, &gw, &t2, "n3", &csr(&k3)).await.unwrap();
+    let creds = daemon::ensure_joined(&c)
+        .await
+        .expect("joined on the retry");
+    assert!(gateway::ca::same_public_key(&csr(&k3), &creds.cert_pem));
+    assert!(!dir.path().join("n3/join.key").exists());
+    gw.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_home_gateway_is_down_joins_through_another() {
     let r = region().await;
@@ -1733,27 +1823,7 @@ async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_f
 
 /// A Join call as any token holder could make it: the status it gets.
 async fn join_as(r: &Region, gw: &Running, token: &str, node: &str) -> Result<(), tonic::Status> {
-    use gateway::proto::{join_client::JoinClient, JoinRequest};
-    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
-    let csr = new_csr();
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(r.ca_pem()))
-        .domain_name("localhost");
-    let channel = Endpoint::from_shared(url(gw))
-        .unwrap()
-        .tls_config(tls)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    JoinClient::new(channel)
-        .join(JoinRequest {
-            token: token.into(),
-            node_id: node.into(),
-            csr_pem: csr,
-        })
-        .await
-        .map(|_| ())
+    join_with(r, gw, token, node, &new_csr()).await.map(|_| ())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
