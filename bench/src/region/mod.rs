@@ -48,6 +48,9 @@ pub struct Args {
     /// The `strata` binary (default: next to this one, built first with cargo when run through cargo)
     #[arg(long)]
     strata: Option<PathBuf>,
+    /// Run the placers, binders, sinks, maintenance and audit in two processes (`--roles placer,binder,sinks,audit,maintenance` and `--roles placer,binder`) instead of seven: five replication slots instead of ten
+    #[arg(long)]
+    shared_processes: bool,
 }
 
 /// What a drill runs.
@@ -69,6 +72,9 @@ pub struct Options {
     /// Longest wait for any one thing (all nodes schedulable, a re-home, a
     /// probe) before it is reported as not done.
     pub patience: Duration,
+    /// The roles other than the gateways in two processes (one slot each)
+    /// instead of seven.
+    pub shared: bool,
 }
 
 impl Options {
@@ -92,6 +98,7 @@ impl Options {
                 drift: (85.0 * scale).max(2.0),
             },
             patience: Duration::from_secs(180),
+            shared: false,
         }
     }
 }
@@ -108,17 +115,22 @@ pub async fn run(args: Args) -> Result<()> {
     };
     let mut o = Options::sized(strata, nodes);
     o.pools = args.pools.max(1);
+    o.shared = args.shared_processes;
     o.steady = Duration::from_secs(if args.quick { 20 } else { args.steady_seconds });
     if args.quick {
         o.return_home = Duration::from_secs(10);
         o.spread_wait = Duration::from_secs(40);
     }
     let result = drill(o).await?;
-    let name = if args.quick {
-        "region-quick".to_string()
-    } else {
-        format!("region-{nodes}")
-    };
+    let name = format!(
+        "region-{}{}",
+        if args.quick {
+            "quick".to_string()
+        } else {
+            nodes.to_string()
+        },
+        if args.shared_processes { "-shared" } else { "" }
+    );
     util::finish(&name, &result)?;
     let violations = result["violations"].as_u64().unwrap_or(0);
     if violations > 0 {
@@ -177,6 +189,15 @@ pub const JS_SINK: &str = "region-js";
 pub const JS_STREAM: &str = "REGION";
 
 impl Region {
+    /// The process running `role` (the first, if several do).
+    pub fn running(&self, role: &str) -> String {
+        self.roles
+            .iter()
+            .find(|r| r.runs(role))
+            .map(|r| r.name.clone())
+            .unwrap_or_default()
+    }
+
     pub fn role(&mut self, name: &str) -> &mut Role {
         self.roles
             .iter_mut()
@@ -379,7 +400,9 @@ pub async fn start(o: &Options) -> Result<Region> {
         a.extend(args.iter().map(|s| s.to_string()));
         Role::new(name, a, dir.path())
     };
-    roles.push(role("maintenance", &["--roles", "maintenance"]));
+    if !o.shared {
+        roles.push(role("maintenance", &["--roles", "maintenance"]));
+    }
     for i in 1..=3 {
         let listen = format!("127.0.0.1:{}", procs::free_port()?);
         let mut r = role(
@@ -398,25 +421,26 @@ pub async fn start(o: &Options) -> Result<Region> {
         r.listen = Some(listen);
         roles.push(r);
     }
-    for i in 1..=2 {
-        roles.push(role(&format!("placer-{i}"), &["--roles", "placer"]));
-    }
-    for i in 1..=2 {
-        roles.push(role(&format!("binder-{i}"), &["--roles", "binder"]));
-    }
-    roles.push(role("sinks", &["--roles", "sinks"]));
     let audit = format!("127.0.0.1:{}", procs::free_port()?);
-    roles.push(role(
-        "audit",
-        &[
-            "--roles",
-            "audit",
-            "--audit-listen",
-            &audit,
-            "--ca-dir",
-            &ca_arg,
-        ],
-    ));
+    let audit_args = ["--audit-listen", &audit, "--ca-dir", &ca_arg];
+    if o.shared {
+        // Two processes run the other roles, each with one slot.
+        let mut core = vec!["--roles", "placer,binder,sinks,audit,maintenance"];
+        core.extend(audit_args);
+        roles.push(role("core-1", &core));
+        roles.push(role("core-2", &["--roles", "placer,binder"]));
+    } else {
+        for i in 1..=2 {
+            roles.push(role(&format!("placer-{i}"), &["--roles", "placer"]));
+        }
+        for i in 1..=2 {
+            roles.push(role(&format!("binder-{i}"), &["--roles", "binder"]));
+        }
+        roles.push(role("sinks", &["--roles", "sinks"]));
+        let mut a = vec!["--roles", "audit"];
+        a.extend(audit_args);
+        roles.push(role("audit", &a));
+    }
     for r in &mut roles {
         r.start(&launch)?;
     }
@@ -574,7 +598,12 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
         "gpus": o.nodes * 8,
         "pools": o.pools,
         "machine": util::machine(&pg_version),
-        "processes": "3 gateways, 2 placers, 2 binders, sinks, maintenance, audit: each `strata serve --roles <one>`; the simulated daemons and the load generator in the bench process; PostgreSQL and nats-server; all on the same cores",
+        "processes": if o.shared {
+            "3 gateways, each `strata serve --roles gateway`; `--roles placer,binder,sinks,audit,maintenance` and `--roles placer,binder`; the simulated daemons and the load generator in the bench process; PostgreSQL and nats-server; all on the same cores"
+        } else {
+            "3 gateways, 2 placers, 2 binders, sinks, maintenance, audit: each `strata serve --roles <one>`; the simulated daemons and the load generator in the bench process; PostgreSQL and nats-server; all on the same cores"
+        },
+        "shared_processes": o.shared,
         "offered": {
             "placements_per_s": o.rates.placements,
             "commands_per_s": o.rates.commands,

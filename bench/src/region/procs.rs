@@ -65,6 +65,15 @@ impl Role {
         Ok(())
     }
 
+    /// Whether this process runs `role` (its `--roles`).
+    pub fn runs(&self, role: &str) -> bool {
+        self.args
+            .iter()
+            .skip_while(|a| *a != "--roles")
+            .nth(1)
+            .is_some_and(|r| r.split(',').any(|x| x == role))
+    }
+
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().and_then(|c| c.id())
     }

@@ -414,22 +414,31 @@ pub async fn gateway_kill(r: &mut Region, o: &Options) -> Result<serde_json::Val
     r.role(&victim).kill().await;
     let victims: HashSet<&String> = nodes.iter().collect();
     let recovery = probe(r, o, &r.pools[0].clone(), killed).await?;
+    // Re-homed: its latest session is on another gateway. A node that was
+    // already moving when the kill came has a session opened in a
+    // transaction begun just before it (`recorded_at` is the transaction's
+    // start), so it counts as re-homed at once.
     loop {
-        let rehomed = first_after(r, "node.session_opened", t)
+        let left = sessions_by_gateway(r)
             .await?
-            .keys()
-            .filter(|n| victims.contains(n))
-            .count();
-        if rehomed >= victims.len() || killed.elapsed() > o.patience {
+            .get(&victim)
+            .map_or(0, |n| n.iter().filter(|n| victims.contains(n)).count());
+        if left == 0 || killed.elapsed() > o.patience {
             break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    let mut rehome: Vec<f64> = first_after(r, "node.session_opened", t)
+    let still_there: HashSet<String> = sessions_by_gateway(r)
         .await?
+        .remove(&victim)
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    let opened = first_after(r, "node.session_opened", t).await?;
+    let mut rehome: Vec<f64> = nodes
         .iter()
-        .filter(|(n, _)| victims.contains(n))
-        .map(|(_, x)| x - unix(t))
+        .filter(|n| !still_there.contains(*n))
+        .map(|n| opened.get(n).map_or(0.0, |x| (x - unix(t)).max(0.0)))
         .collect();
     let after_kill = sessions_by_gateway(r).await?;
     // It comes back; where are the sessions a while later?
@@ -528,17 +537,14 @@ pub async fn binder_kill(r: &mut Region, o: &Options) -> Result<serde_json::Valu
 /// SIGKILL of the sinks process; it is started again a second later (as a
 /// supervisor would).
 pub async fn sinks_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let name = r.running("sinks");
     let killed = Instant::now();
-    r.role("sinks").kill().await;
+    r.role(&name).kill().await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let i = r
-        .roles
-        .iter()
-        .position(|x| x.name == "sinks")
-        .expect("a role");
+    let i = r.roles.iter().position(|x| x.name == name).expect("a role");
     r.roles[i].start(&r.launch)?;
     let recovery = probe(r, o, &r.pools[0].clone(), killed).await?;
-    Ok(serde_json::json!({ "killed": "sinks", "restarted_after_s": 1, "recovery_s": recovery }))
+    Ok(serde_json::json!({ "killed": name, "restarted_after_s": 1, "recovery_s": recovery }))
 }
 
 pub async fn postgres_crash(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
