@@ -103,16 +103,28 @@ pub fn round(v: f64, digits: i32) -> f64 {
 
 /// CPU seconds (user + system) a process has used so far.
 pub fn cpu_seconds(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            // Fields after the command name, which may contain spaces.
-            let f: Vec<&str> = s.rsplit_once(')')?.1.split_whitespace().collect();
-            let user: f64 = f.get(11)?.parse().ok()?;
-            let system: f64 = f.get(12)?.parse().ok()?;
-            Some((user + system) / 100.0)
-        })
-        .unwrap_or(0.0)
+    proc_times(pid).map_or(0.0, |t| t.own)
+}
+
+/// What `/proc/<pid>/stat` says of a process's CPU time.
+pub struct ProcTimes {
+    pub ppid: u32,
+    /// User and system seconds of the process itself.
+    pub own: f64,
+    /// User and system seconds of its children that it has reaped.
+    pub reaped: f64,
+}
+
+pub fn proc_times(pid: u32) -> Option<ProcTimes> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which may contain spaces.
+    let f: Vec<&str> = s.rsplit_once(')')?.1.split_whitespace().collect();
+    let num = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok());
+    Some(ProcTimes {
+        ppid: f.get(1)?.parse().ok()?,
+        own: (num(11)? + num(12)?) / 100.0,
+        reaped: (num(13).unwrap_or(0.0) + num(14).unwrap_or(0.0)) / 100.0,
+    })
 }
 
 /// Busy CPU time of the whole machine so far (all cores, seconds), from

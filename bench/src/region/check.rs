@@ -204,6 +204,19 @@ pub async fn sink_caught_up(
     }
 }
 
+/// Positions up to `upto` of the events whose stream starts with `prefix`.
+async fn matching(client: &Client, prefix: &str, upto: i64) -> Result<BTreeSet<i64>> {
+    Ok(client
+        .query(
+            "SELECT position FROM strata.events WHERE stream LIKE $1 AND position <= $2",
+            &[&format!("{prefix}%"), &upto],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
 /// Every event up to `upto` whose stream starts with `prefix` was
 /// delivered at least once, and first deliveries came in position order.
 pub async fn webhook(
@@ -212,15 +225,7 @@ pub async fn webhook(
     upto: i64,
     got: &Received,
 ) -> Result<Vec<Violation>> {
-    let want: BTreeSet<i64> = client
-        .query(
-            "SELECT position FROM strata.events WHERE stream LIKE $1 AND position <= $2",
-            &[&format!("{prefix}%"), &upto],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let want = matching(client, prefix, upto).await?;
     let arrivals = got.arrivals.lock().expect("receiver lock").0.clone();
     let mut seen = BTreeSet::new();
     let mut out_of_order = Vec::new();
@@ -269,15 +274,7 @@ pub async fn jetstream(
     stream: &str,
 ) -> Result<Vec<Violation>> {
     use futures_util::StreamExt;
-    let want: BTreeSet<i64> = client
-        .query(
-            "SELECT position FROM strata.events WHERE stream LIKE $1 AND position <= $2",
-            &[&format!("{prefix}%"), &upto],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let want = matching(client, prefix, upto).await?;
     let mut s = js.get_stream(stream).await?;
     let stored = s.info().await?.state.messages;
     let consumer = s

@@ -36,6 +36,8 @@ pub struct LoadStats {
     pub retries: AtomicU64,
     /// Items not offered because too many were in flight.
     pub not_offered: AtomicU64,
+    /// Appends given up after two minutes of failures.
+    pub gave_up: AtomicU64,
     /// Request acknowledgement latencies, while `measuring`.
     pub ack: Mutex<Vec<Duration>>,
     pub measuring: AtomicBool,
@@ -70,6 +72,7 @@ where
             }
             Err(e) => {
                 if Instant::now() > deadline {
+                    stats.gave_up.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(error = %e, "an append kept failing for two minutes");
                     return false;
                 }

@@ -198,6 +198,21 @@ impl Region {
             .unwrap_or_default()
     }
 
+    /// Starts a role's process again (after a kill) and, for a gateway,
+    /// waits until it listens.
+    pub async fn restart(&mut self, name: &str) -> Result<()> {
+        let Region { roles, launch, .. } = self;
+        let role = roles
+            .iter_mut()
+            .find(|r| r.name == name)
+            .expect("a role of the region");
+        role.start(launch)?;
+        if let Some(l) = role.listen.clone() {
+            procs::wait_listening(&l, Duration::from_secs(60)).await?;
+        }
+        Ok(())
+    }
+
     pub fn role(&mut self, name: &str) -> &mut Role {
         self.roles
             .iter_mut()
@@ -245,8 +260,15 @@ fn receiver(rx: Arc<check::Received>) -> Result<String> {
                     return;
                 };
                 loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        return;
+                    // An accept that fails (descriptors run out, say) is
+                    // tried again: the sink retries what it could not send.
+                    let stream = match listener.accept().await {
+                        Ok((stream, _)) => stream,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "webhook receiver: accept failed; retrying");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
                     };
                     let rx = rx.clone();
                     let svc = hyper::service::service_fn(

@@ -119,11 +119,14 @@ impl Role {
         Ok(())
     }
 
-    /// CPU seconds over all of this role's lives, and its RSS now.
-    pub fn usage(&self) -> (f64, u64) {
+    /// CPU seconds over all of this role's lives, and its RSS now (MiB).
+    pub fn usage(&self) -> (f64, f64) {
         match self.pid() {
-            Some(pid) => (self.cpu_before + crate::util::cpu_seconds(pid), rss(pid)),
-            None => (self.cpu_before, 0),
+            Some(pid) => (
+                self.cpu_before + crate::util::cpu_seconds(pid),
+                crate::gateway::rss_of(pid),
+            ),
+            None => (self.cpu_before, 0.0),
         }
     }
 }
@@ -132,31 +135,6 @@ fn signal(pid: u32, sig: &str) {
     let _ = std::process::Command::new("kill")
         .args([&format!("-{sig}"), &pid.to_string()])
         .status();
-}
-
-/// Resident set size of a process, in bytes.
-pub fn rss(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            let l = s.lines().find(|l| l.starts_with("VmRSS:"))?;
-            l.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map_or(0, |kib| kib * 1024)
-}
-
-/// One process's (user + system) CPU seconds and, for a parent, those of
-/// its children it has reaped.
-fn stat_times(pid: u32) -> Option<(u32, f64, f64)> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let f: Vec<&str> = s.rsplit_once(')')?.1.split_whitespace().collect();
-    let ppid: u32 = f.get(1)?.parse().ok()?;
-    let num = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    Some((
-        ppid,
-        (num(11) + num(12)) / 100.0,
-        (num(13) + num(14)) / 100.0,
-    ))
 }
 
 /// CPU seconds PostgreSQL has used so far.
@@ -172,11 +150,11 @@ pub struct PgCpu {
 /// (backends, walsenders, background workers) and the children it has
 /// reaped (which can no longer be told apart).
 pub fn postgres_cpu(postmaster: u32) -> PgCpu {
-    let Some((_, own, reaped)) = stat_times(postmaster) else {
+    let Some(pm) = crate::util::proc_times(postmaster) else {
         return PgCpu::default();
     };
     let mut cpu = PgCpu {
-        total: own + reaped,
+        total: pm.own + pm.reaped,
         walsenders: 0.0,
     };
     if let Ok(entries) = std::fs::read_dir("/proc") {
@@ -184,8 +162,9 @@ pub fn postgres_cpu(postmaster: u32) -> PgCpu {
             let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
                 continue;
             };
-            if let Some((ppid, t, _)) = stat_times(pid) {
-                if ppid == postmaster {
+            if let Some(p) = crate::util::proc_times(pid) {
+                if p.ppid == postmaster {
+                    let t = p.own;
                     cpu.total += t;
                     let title = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
                     if String::from_utf8_lossy(&title).contains("walsender") {

@@ -137,8 +137,8 @@ pub async fn cold_start(r: &mut Region, o: &Options) -> Result<serde_json::Value
 struct Sample {
     at: Instant,
     pg_cpu: procs::PgCpu,
-    roles: Vec<(String, f64, u64)>,
-    own: (f64, u64),
+    roles: Vec<(String, f64, f64)>,
+    own: (f64, f64),
     wal: i64,
     slot_lag: i64,
     connections: i64,
@@ -173,7 +173,7 @@ async fn sample(r: &Region, c: &tokio_postgres::Client) -> Result<Sample> {
                 (x.name.clone(), cpu, rss)
             })
             .collect(),
-        own: (crate::util::cpu_seconds(me), procs::rss(me)),
+        own: (crate::util::cpu_seconds(me), crate::gateway::rss_of(me)),
         wal: row.get(0),
         slot_lag: row.get(1),
         connections: row.get(2),
@@ -199,21 +199,21 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
     let secs = (last.at - first.at).as_secs_f64().max(1e-9);
     let mut roles = serde_json::Map::new();
     for (i, (name, cpu, _)) in last.roles.iter().enumerate() {
-        let rss_max = samples.iter().map(|s| s.roles[i].2).max().unwrap_or(0);
+        let rss_max = samples.iter().map(|s| s.roles[i].2).fold(0.0, f64::max);
         roles.insert(
             name.clone(),
             serde_json::json!({
                 "cpu_share": round((cpu - first.roles[i].1) / secs, 3),
-                "rss_mib_max": round(rss_max as f64 / 1048576.0, 1),
+                "rss_mib_max": round(rss_max, 1),
             }),
         );
     }
-    let own_rss = samples.iter().map(|s| s.own.1).max().unwrap_or(0);
+    let own_rss = samples.iter().map(|s| s.own.1).fold(0.0, f64::max);
     roles.insert(
         "nodes_and_load_generator".into(),
         serde_json::json!({
             "cpu_share": round((last.own.0 - first.own.0) / secs, 3),
-            "rss_mib_max": round(own_rss as f64 / 1048576.0, 1),
+            "rss_mib_max": round(own_rss, 1),
             "note": "the simulated daemons and the load generator, in the bench process",
         }),
     );
@@ -289,6 +289,7 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
         "requested_to_active_p99_s": pct(&mut to_active, 0.99),
         "activated_in_window": to_active.len(),
         "not_offered": load.stats.not_offered.load(Ordering::Relaxed),
+        "appends_given_up": load.stats.gave_up.load(Ordering::Relaxed),
     }))
 }
 
@@ -442,15 +443,7 @@ pub async fn gateway_kill(r: &mut Region, o: &Options) -> Result<serde_json::Val
         .collect();
     let after_kill = sessions_by_gateway(r).await?;
     // It comes back; where are the sessions a while later?
-    let i = r
-        .roles
-        .iter()
-        .position(|x| x.name == victim)
-        .expect("the victim is a role");
-    r.roles[i].start(&r.launch)?;
-    if let Some(l) = r.roles[i].listen.clone() {
-        procs::wait_listening(&l, Duration::from_secs(60)).await?;
-    }
+    r.restart(&victim).await?;
     // Its nodes return over the daemons' return-home window: until nine in
     // ten of as many as it had are on it again.
     let restarted = Instant::now();
@@ -520,8 +513,7 @@ async fn kill_holder(r: &mut Region, o: &Options, lease: &str) -> Result<serde_j
     let killed = Instant::now();
     r.role(&name).kill().await;
     let recovery = probe(r, o, &r.pools[0].clone(), killed).await?;
-    let i = r.roles.iter().position(|x| x.name == name).expect("a role");
-    r.roles[i].start(&r.launch)?;
+    r.restart(&name).await?;
     Ok(serde_json::json!({ "killed": name, "lease": lease, "recovery_s": recovery }))
 }
 
@@ -541,8 +533,7 @@ pub async fn sinks_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value
     let killed = Instant::now();
     r.role(&name).kill().await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let i = r.roles.iter().position(|x| x.name == name).expect("a role");
-    r.roles[i].start(&r.launch)?;
+    r.restart(&name).await?;
     let recovery = probe(r, o, &r.pools[0].clone(), killed).await?;
     Ok(serde_json::json!({ "killed": name, "restarted_after_s": 1, "recovery_s": recovery }))
 }
