@@ -353,7 +353,20 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     let mut rc = ReaderConfig::new(slot);
     rc.owner = "strata serve".into();
     rc.subscription_lease_ttl = args.subscription_lease_ttl;
-    let reader = Reader::start(cfg.clone(), rc);
+    // Only the roles that follow the log stream it: a process of
+    // maintenance or the audit endpoint alone holds no slot and costs
+    // PostgreSQL no walsender (each decodes all of the WAL).
+    let follows = ["placer", "gateway", "binder", "sinks"];
+    let reader = args
+        .roles
+        .iter()
+        .any(|r| follows.contains(&r.as_str()))
+        .then(|| Reader::start(cfg.clone(), rc));
+    let reader = || {
+        reader
+            .clone()
+            .expect("the reader is started for every role that follows the log")
+    };
     let placer = if args.roles.iter().any(|r| r == "placer") {
         let mut pc = placer::PlacerConfig::new(
             args.holder
@@ -374,7 +387,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         let appender = Appender::start(cfg.clone(), AppenderConfig::default());
         Some(placer::Placer::start(
             args.db.database_url.parse()?,
-            reader.clone(),
+            reader(),
             appender,
             pc,
         ))
@@ -403,7 +416,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         gc.serving_validity = args.serving_validity;
         gc.heartbeat = args.heartbeat;
         let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-        let g = gateway::server::start(cfg.clone(), reader.clone(), appender, gc)
+        let g = gateway::server::start(cfg.clone(), reader(), appender, gc)
             .await
             .context("start the gateway")?;
         eprintln!("gateway listening on {}", g.addr);
@@ -415,7 +428,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         let appender = Appender::start(cfg.clone(), AppenderConfig::default());
         Some(placer::binder::Binder::start_as(
             cfg.clone(),
-            reader.clone(),
+            reader(),
             appender,
             holder.clone(),
         ))
@@ -425,7 +438,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     let sink_role = if args.roles.iter().any(|r| r == "sinks") {
         let sinks = sinks::Sinks::start(
             cfg.clone(),
-            reader.clone(),
+            reader(),
             sinks::SinksConfig {
                 webhook_ca: args.webhook_ca.clone(),
                 ..sinks::SinksConfig::default()

@@ -736,7 +736,7 @@ pub struct DevArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub db: Db,
-    /// Roles to run, comma-separated. maintenance: partitions ahead, seals of closed months and checkpoints of the open one, the replication reader; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks; audit: the Postgres-protocol endpoint for auditors
+    /// Roles to run, comma-separated. maintenance: partitions ahead, seals of closed months and checkpoints of the open one; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks; audit: the Postgres-protocol endpoint for auditors
     #[arg(long, value_delimiter = ',', default_value = "maintenance")]
     pub roles: Vec<String>,
     /// Serve Prometheus metrics at this address

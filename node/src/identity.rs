@@ -106,19 +106,16 @@ pub async fn ensure_joined_at(
         .connect()
         .await
         .map_err(|e| DaemonError::Unreachable(format!("connect to the gateway {first}: {e}")))?;
-    let resp = JoinClient::new(channel)
-        .join(JoinRequest {
-            token: token.clone(),
-            node_id: config.node_id.clone(),
-            csr_pem: csr,
-        })
+    let mut client = JoinClient::new(channel);
+    let asked = client.join(JoinRequest {
+        token: token.clone(),
+        node_id: config.node_id.clone(),
+        csr_pem: csr,
+    });
+    let resp = tokio::time::timeout(JOIN_TIMEOUT, asked)
         .await
-        .map_err(|s| match s.code() {
-            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::ResourceExhausted => {
-                DaemonError::Unreachable(format!("join: {}", s.message()))
-            }
-            _ => DaemonError::JoinRefused(s.message().to_string()),
-        })?
+        .map_err(|_| DaemonError::Unreachable(format!("join: no answer within {JOIN_TIMEOUT:?}")))?
+        .map_err(join_failure)?
         .into_inner();
     write_private(&dir.join("node.key"), key.serialize_pem().as_bytes())?;
     std::fs::write(dir.join("ca.pem"), &resp.ca_pem).map_err(io(dir))?;
@@ -128,6 +125,41 @@ pub async fn ensure_joined_at(
     let _ = std::fs::remove_file(&join_key);
     tracing::info!(node = %config.node_id, pool = %resp.pool, "joined the region");
     load(dir)?.ok_or(DaemonError::NeedsJoin)
+}
+
+/// Longest wait for the answer to a join. A join asked again with the same
+/// key is answered with the same certificate, so giving up on one that was
+/// in fact answered loses nothing.
+pub const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What a failed join means: only an answer the gateway gave on purpose
+/// (the token, the id, the request refused) is final; whatever the network
+/// or a busy gateway did (a connection closed before the request went out
+/// reads as `Cancelled`, a reset as `Unavailable` or `Unknown`) is tried
+/// again. Exhaustive on purpose: a new code must be classified here.
+pub fn join_failure(status: tonic::Status) -> DaemonError {
+    use tonic::Code;
+    match status.code() {
+        Code::InvalidArgument
+        | Code::NotFound
+        | Code::AlreadyExists
+        | Code::PermissionDenied
+        | Code::Unauthenticated
+        | Code::FailedPrecondition
+        | Code::OutOfRange
+        | Code::Unimplemented => DaemonError::JoinRefused(status.message().to_string()),
+        Code::Ok
+        | Code::Cancelled
+        | Code::Unknown
+        | Code::DeadlineExceeded
+        | Code::ResourceExhausted
+        | Code::Aborted
+        | Code::Internal
+        | Code::Unavailable
+        | Code::DataLoss => {
+            DaemonError::Unreachable(format!("join: {}: {}", status.code(), status.message()))
+        }
+    }
 }
 
 /// Moves a renewed key and certificate into place, or finishes a move a

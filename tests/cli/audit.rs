@@ -250,6 +250,16 @@ fn serve_audit_with_psql_passwords_certificates_and_revocation() {
         err.contains("not an operator's or an auditor's certificate"),
         "{err}"
     );
+    // The audit endpoint does not follow the log: its process, up through
+    // all of the above, holds no replication slot (each one in use is a
+    // walsender decoding all of the WAL).
+    let (okay, out, err) = psql(
+        &url,
+        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'audit_cli'",
+        None,
+    );
+    assert!(okay, "{err}");
+    assert_eq!(out.trim(), "0", "the audit-only process made a slot");
 }
 
 /// The serial of the certificate under `dir`, as `strata ca revoked` prints it.

@@ -48,7 +48,17 @@ impl Role {
         let child = Command::new(&l.strata)
             .arg("serve")
             .args(&self.args)
-            .env("STRATA_DATABASE_URL", &l.url)
+            // Its connections carry its name, so PostgreSQL's CPU per
+            // client (`pg_stat_activity.application_name`) names the role.
+            .env(
+                "STRATA_DATABASE_URL",
+                format!(
+                    "{}{}application_name={}",
+                    l.url,
+                    if l.url.contains('?') { '&' } else { '?' },
+                    self.name
+                ),
+            )
             .env("STRATA_SINK_SECRET_REGION", "region-drill")
             .env(
                 "RUST_LOG",
@@ -138,12 +148,15 @@ fn signal(pid: u32, sig: &str) {
 }
 
 /// CPU seconds PostgreSQL has used so far.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct PgCpu {
     /// The postmaster, its live children and the children it has reaped.
     pub total: f64,
     /// Of that, the live walsenders (logical decoding, one per slot in use).
     pub walsenders: f64,
+    /// Each live child's CPU seconds so far, by pid (to tell, with
+    /// `pg_stat_activity`, which client a backend's CPU went to).
+    pub by_pid: std::collections::HashMap<u32, f64>,
 }
 
 /// What PostgreSQL's processes have used: the postmaster, its live children
@@ -156,6 +169,7 @@ pub fn postgres_cpu(postmaster: u32) -> PgCpu {
     let mut cpu = PgCpu {
         total: pm.own + pm.reaped,
         walsenders: 0.0,
+        by_pid: Default::default(),
     };
     if let Ok(entries) = std::fs::read_dir("/proc") {
         for e in entries.flatten() {
@@ -166,6 +180,7 @@ pub fn postgres_cpu(postmaster: u32) -> PgCpu {
                 if p.ppid == postmaster {
                     let t = p.own;
                     cpu.total += t;
+                    cpu.by_pid.insert(pid, t);
                     let title = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
                     if String::from_utf8_lossy(&title).contains("walsender") {
                         cpu.walsenders += t;

@@ -143,6 +143,8 @@ struct Sample {
     slot_lag: i64,
     connections: i64,
     commits: i64,
+    /// The next transaction id: only a transaction that writes takes one.
+    next_xid: i64,
 }
 
 async fn sample(r: &Region, c: &tokio_postgres::Client) -> Result<Sample> {
@@ -153,7 +155,8 @@ async fn sample(r: &Region, c: &tokio_postgres::Client) -> Result<Sample> {
                                 FROM pg_replication_slots), 0),
                     (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'
                         OR backend_type = 'walsender'),
-                    (SELECT sum(xact_commit)::bigint FROM pg_stat_database)",
+                    (SELECT sum(xact_commit)::bigint FROM pg_stat_database),
+                    pg_snapshot_xmax(pg_current_snapshot())::text::bigint",
             &[],
         )
         .await?;
@@ -178,6 +181,7 @@ async fn sample(r: &Region, c: &tokio_postgres::Client) -> Result<Sample> {
         slot_lag: row.get(1),
         connections: row.get(2),
         commits: row.get(3),
+        next_xid: row.get(4),
     })
 }
 
@@ -267,16 +271,19 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
             )
         })
         .collect();
+    let pg_by_client = postgres_cpu_by_client(&c, &first, last, secs).await?;
     let max_lag = samples.iter().map(|s| s.slot_lag).max().unwrap_or(0);
     let max_conns = samples.iter().map(|s| s.connections).max().unwrap_or(0);
     Ok(serde_json::json!({
         "seconds": round(secs, 1),
         "postgres_cpu_share": round((last.pg_cpu.total - first.pg_cpu.total) / secs, 3),
         "postgres_walsenders_cpu_share": round((last.pg_cpu.walsenders - first.pg_cpu.walsenders) / secs, 3),
+        "postgres_cpu_by_client": pg_by_client,
         "roles": roles,
         "events_per_s": events_per_s,
         "event_mix_per_s": mix,
         "commits_per_s": round((last.commits - first.commits) as f64 / secs, 1),
+        "writing_transactions_per_s": round((last.next_xid - first.next_xid) as f64 / secs, 1),
         "node_events_per_s": node_events_per_s,
         "placements_per_s": placed_per_s,
         "commands_issued_per_s": commands_per_s,
@@ -291,6 +298,53 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
         "not_offered": load.stats.not_offered.load(Ordering::Relaxed),
         "appends_given_up": load.stats.gave_up.load(Ordering::Relaxed),
     }))
+}
+
+/// PostgreSQL's CPU in the window by what it served: each live backend's
+/// share under its `pg_stat_activity` backend type and application name
+/// (the role's connection: `placer-1 reader`, `gateway writer`, ...), the
+/// rest (backends that exited in the window, the postmaster) as one entry;
+/// largest first.
+async fn postgres_cpu_by_client(
+    c: &tokio_postgres::Client,
+    first: &Sample,
+    last: &Sample,
+    secs: f64,
+) -> Result<serde_json::Value> {
+    let rows = c
+        .query(
+            "SELECT pid, backend_type, coalesce(application_name, '') FROM pg_stat_activity",
+            &[],
+        )
+        .await?;
+    let mut by: std::collections::BTreeMap<String, f64> = Default::default();
+    let mut attributed = 0.0;
+    for row in rows {
+        let pid = row.get::<_, i32>(0) as u32;
+        let Some(now) = last.pg_cpu.by_pid.get(&pid) else {
+            continue;
+        };
+        let used = now - first.pg_cpu.by_pid.get(&pid).copied().unwrap_or(0.0);
+        let (kind, app): (String, String) = (row.get(1), row.get(2));
+        let label = if app.is_empty() {
+            kind
+        } else {
+            format!("{kind}: {app}")
+        };
+        *by.entry(label).or_default() += used;
+        attributed += used;
+    }
+    let total = last.pg_cpu.total - first.pg_cpu.total;
+    by.insert(
+        "exited in the window, postmaster, not in pg_stat_activity".into(),
+        (total - attributed).max(0.0),
+    );
+    let mut sorted: Vec<(String, f64)> = by.into_iter().filter(|(_, v)| *v > 0.0).collect();
+    sorted.sort_by(|a, b| b.1.total_cmp(&a.1));
+    Ok(sorted
+        .into_iter()
+        .map(|(k, v)| serde_json::json!({"client": k, "cpu_share": round(v / secs, 3)}))
+        .collect())
 }
 
 /// A fresh 1-GPU reservation in `pool`, until it is active and its

@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use tokio_postgres::{Client, Config};
 
 mod authz;
+mod cut;
 mod limits;
 mod renewal;
 
@@ -886,6 +887,89 @@ async fn a_join_asked_again_with_the_same_key_gets_the_same_certificate() {
         .expect("joined on the retry");
     assert!(gateway::ca::same_public_key(&csr(&k3), &creds.cert_pem));
     assert!(!dir.path().join("n3/join.key").exists());
+    gw.stop().await.unwrap();
+}
+
+/// At 10,000 nodes starting at once, a join whose connection a busy gateway
+/// closed before the request went out failed `Cancelled` ("operation was
+/// canceled"), which the daemon took for a refusal: 358 nodes gave up for
+/// good. Only the gateway's own answers are final.
+#[test]
+fn only_the_gateways_own_refusals_end_a_join() {
+    use node::identity::join_failure;
+    use tonic::{Code, Status};
+    for code in [
+        Code::Cancelled,
+        Code::Unknown,
+        Code::DeadlineExceeded,
+        Code::ResourceExhausted,
+        Code::Aborted,
+        Code::Internal,
+        Code::Unavailable,
+        Code::DataLoss,
+    ] {
+        let e = join_failure(Status::new(code, "operation was canceled"));
+        assert!(
+            matches!(e, daemon::DaemonError::Unreachable(_)),
+            "{code:?} is tried again, got {e:?}"
+        );
+    }
+    for code in [
+        Code::PermissionDenied,
+        Code::AlreadyExists,
+        Code::InvalidArgument,
+        Code::Unauthenticated,
+    ] {
+        let e = join_failure(Status::new(code, "no"));
+        assert!(
+            matches!(e, daemon::DaemonError::JoinRefused(_)),
+            "{code:?} is final, got {e:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_cut_off_in_flight_is_tried_again_not_taken_as_a_refusal() {
+    let r = region().await;
+    let gw = r.gateway("gw", |_| {}).await;
+    let proxy = cut::Cut::to(gw.addr).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![proxy.url()], dir.path(), "n-cut");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    // The join's transaction waits behind a lock a psql session holds, so
+    // the request is in flight when the network under it fails.
+    let holder = events::db::connect(&r.cfg, "lock-holder").await.unwrap();
+    holder
+        .batch_execute("BEGIN; LOCK TABLE strata.join_tokens IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let n = start(c);
+    eventually(20, "the join waits on the lock", || async {
+        r.count(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE query LIKE '%FROM strata.join_tokens%' AND wait_event_type = 'Lock'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    assert!(proxy.cut() >= 1, "a connection was open to cut");
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    eventually(
+        30,
+        "the node joins on a later try and opens a session",
+        || async {
+            assert!(
+                !n.task.is_finished(),
+                "the daemon gave up: {:?}",
+                n.stats.connected.load(Ordering::Relaxed)
+            );
+            n.stats.connected.load(Ordering::Relaxed) == 1
+        },
+    )
+    .await;
+    n.stop().await.unwrap();
     gw.stop().await.unwrap();
 }
 
