@@ -9,12 +9,12 @@ use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
-pub fn config(db: &Db) -> Result<tokio_postgres::Config> {
-    db.database_url
-        .parse::<tokio_postgres::Config>()
-        .with_context(|| {
-            "parse the database URL (expected e.g. postgres://user@host:5432/dbname)".to_string()
-        })
+/// The database the command names: libpq's URL or `key=value` string, TLS
+/// settings (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`) included.
+pub fn config(db: &Db) -> Result<events::db::Database> {
+    events::db::Database::parse(&db.database_url)
+        .map_err(anyhow::Error::msg)
+        .context("parse the database URL (expected e.g. postgres://user@host:5432/dbname or 'host=db dbname=strata')")
 }
 
 pub async fn connect(db: &Db) -> Result<tokio_postgres::Client> {
@@ -385,12 +385,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
             .map(projections::SnapshotStore::new);
         tracing::info!(holder = %pc.holder, max_batch = pc.max_batch, lease_ttl = ?pc.lease_ttl, "starting the placer");
         let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-        Some(placer::Placer::start(
-            args.db.database_url.parse()?,
-            reader(),
-            appender,
-            pc,
-        ))
+        Some(placer::Placer::start(cfg.clone(), reader(), appender, pc))
     } else {
         None
     };
@@ -518,7 +513,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
 /// Seals months once they have closed (and nothing that began before the
 /// end is still running) and takes running checkpoints of the open month,
 /// every `every`. Several processes may run it; one at a time does the work.
-pub fn spawn_sealer(cfg: tokio_postgres::Config, every: Duration, grace: Duration) {
+pub fn spawn_sealer(cfg: events::db::Database, every: Duration, grace: Duration) {
     events::task::spawn("sealer", async move {
         let mut tick = tokio::time::interval(every.max(Duration::from_secs(1)));
         let mut client = None;
@@ -564,13 +559,15 @@ pub fn spawn_sealer(cfg: tokio_postgres::Config, every: Duration, grace: Duratio
 /// The audit endpoint, with TLS from the CA folder when there is one.
 async fn start_audit(
     args: &ServeArgs,
-    cfg: &tokio_postgres::Config,
+    cfg: &events::db::Database,
 ) -> Result<::replay::audit::Endpoint> {
     let mut ac = ::replay::audit::AuditConfig::new(cfg.clone());
     ::replay::audit::setup::check_role(&args.audit_role)?;
     ac.role = args.audit_role.clone();
     ac.backend = match &args.audit_database_url {
-        Some(u) => u.parse().context("--audit-database-url")?,
+        Some(u) => events::db::Database::parse(u)
+            .map_err(anyhow::Error::msg)
+            .context("--audit-database-url")?,
         None => cfg.clone(),
     };
     ac.statement_timeout = args.audit_statement_timeout;

@@ -21,7 +21,7 @@ const DEV_AUDIT_PORT: u16 = 56543;
 /// The audit endpoint with an auditor `dev` whose password is kept (0600) in
 /// the data folder.
 async fn start_audit(
-    cfg: &tokio_postgres::Config,
+    cfg: &events::db::Database,
     client: &tokio_postgres::Client,
     data_dir: &std::path::Path,
     ca_dir: &std::path::Path,
@@ -80,9 +80,12 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
             )
             .filter(|p| *p != 0);
             let c = tokio::task::spawn_blocking(move || Cluster::start(opts)).await??;
-            let admin = events::db::connect(&c.url("postgres").parse()?, "dev-admin")
-                .await
-                .context("connect to the private cluster")?;
+            let admin = events::db::connect(
+                &c.url("postgres").parse::<tokio_postgres::Config>()?,
+                "dev-admin",
+            )
+            .await
+            .context("connect to the private cluster")?;
             let exists = admin
                 .query_opt("SELECT 1 FROM pg_database WHERE datname = 'strata'", &[])
                 .await?
@@ -99,7 +102,9 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
             url
         }
     };
-    let cfg: tokio_postgres::Config = url.parse().context("parse the database URL")?;
+    let cfg = events::db::Database::parse(&url)
+        .map_err(anyhow::Error::msg)
+        .context("the database URL")?;
     let mut client = events::db::connect(&cfg, "dev-client")
         .await
         .context("connect to postgres")?;
@@ -337,7 +342,7 @@ async fn demo_writer(appender: Appender, rate: u32, appended: Arc<AtomicU64>) {
 
 /// Reserves GPUs in the demo pool: mostly small requests, some whole nodes,
 /// islands and two-node gangs, each released by its TTL a few seconds later.
-async fn demo_workload(cfg: tokio_postgres::Config, appender: Appender, rate: u32) {
+async fn demo_workload(cfg: events::db::Database, appender: Appender, rate: u32) {
     use projections::{Request, Shape};
     if rate == 0 {
         return;

@@ -27,7 +27,7 @@ pub struct Cli {
 
 #[derive(Args, Debug, Clone)]
 pub struct Db {
-    /// PostgreSQL connection string, e.g. postgres://user@host:5432/strata
+    /// PostgreSQL connection string as libpq reads it, e.g. postgres://user@host:5432/strata or 'host=db1,db2 dbname=strata target_session_attrs=read-write'. TLS: sslmode=disable|prefer (the default)|require|verify-ca|verify-full, sslrootcert=FILE (the CA to check the server against), sslcert=FILE and sslkey=FILE (a client certificate)
     #[arg(long, env = "STRATA_DATABASE_URL", value_name = "URL")]
     database_url: String,
 }

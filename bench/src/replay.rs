@@ -295,7 +295,7 @@ pub async fn run(args: Args) -> Result<()> {
         let t = Instant::now();
         let cpu0 = util::cpu_seconds(std::process::id());
         let index = rebuild::from_postgres(
-            &cfg,
+            &events::db::Database::from(&cfg),
             &db,
             Index::new(),
             None,

@@ -16,7 +16,11 @@ pub fn cluster() -> Result<Cluster> {
 }
 
 pub async fn database(cluster: &Cluster, name: &str) -> Result<tokio_postgres::Config> {
-    let admin = events::db::connect(&cluster.url("postgres").parse()?, "bench-admin").await?;
+    let admin = events::db::connect(
+        &cluster.url("postgres").parse::<tokio_postgres::Config>()?,
+        "bench-admin",
+    )
+    .await?;
     admin
         .batch_execute(&format!("DROP DATABASE IF EXISTS {name}"))
         .await?;

@@ -21,6 +21,7 @@
 //! to commit: positions are gap-free and commit in order. Lock order is always
 //! streams (sorted by name), then the log head, so flushers never deadlock.
 
+use crate::db::Database;
 use crate::metrics;
 use crate::types::{ExpectedVersion, NewEvent, Position};
 use crate::ErrorKind;
@@ -31,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio_postgres::types::{Json, Type};
-use tokio_postgres::{Client, Config, NoTls, Statement};
+use tokio_postgres::{Client, Statement};
 use tracing::Instrument;
 
 /// Why an append was refused or failed.
@@ -226,7 +227,8 @@ pub struct Appender {
 impl Appender {
     /// Starts the flushers against the database at `db`. Connections are made
     /// lazily and re-made after a failure.
-    pub fn start(db: Config, config: AppenderConfig) -> Appender {
+    pub fn start(db: impl Into<Database>, config: AppenderConfig) -> Appender {
+        let db = db.into();
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let rx = Arc::new(Mutex::new(rx));
         let config = Arc::new(config);
@@ -527,7 +529,7 @@ struct Conn {
 }
 
 struct Flusher {
-    db: Config,
+    db: Database,
     config: Arc<AppenderConfig>,
     conn: Option<Conn>,
     pace: Arc<Pace>,
@@ -686,7 +688,8 @@ impl Flusher {
         if self.conn.is_none() {
             let (client, connection) = self
                 .db
-                .connect(NoTls)
+                .config
+                .connect(self.db.tls.maker())
                 .await
                 .map_err(db_err("connect to postgres"))?;
             crate::task::spawn("append-connection", async move {

@@ -1,13 +1,187 @@
-//! A shared, self-healing SQL connection: handed out as `Arc<Client>`, made
-//! again on the next call after it closes.
+//! Where the database is ([`Database`]: libpq's connection string, TLS
+//! included), connecting to it, and a shared, self-healing SQL connection:
+//! handed out as `Arc<Client>`, made again on the next call after it closes.
 
+use crate::pgtls::{SslMode, Tls, TlsSettings};
+use std::path::PathBuf;
 use std::sync::Arc;
 use tokio::sync::Mutex;
-use tokio_postgres::{Client, Config, NoTls};
+use tokio_postgres::{Client, Config};
 
-/// Connects to `config` and drives the connection in a named task.
-pub async fn connect(config: &Config, task: &'static str) -> Result<Client, tokio_postgres::Error> {
-    let (client, connection) = config.connect(NoTls).await?;
+/// A database to connect to: what tokio-postgres reads of a libpq
+/// connection string (a `postgres://` URL or `key=value` pairs), and the TLS
+/// settings it does not read itself (`sslmode=verify-ca|verify-full`,
+/// `sslrootcert`, `sslcert`, `sslkey`).
+#[derive(Clone, Debug)]
+pub struct Database {
+    pub config: Config,
+    pub tls: Tls,
+}
+
+impl Database {
+    /// Parses a connection string; a TLS file that cannot be read is an
+    /// error here.
+    pub fn parse(s: &str) -> Result<Database, String> {
+        let (rest, settings) = split_tls(s)?;
+        let mut config: Config = rest
+            .parse()
+            .map_err(|e| format!("{e} (expected e.g. postgres://user@host:5432/dbname)"))?;
+        config.ssl_mode(settings.mode.for_tokio_postgres());
+        Ok(Database {
+            config,
+            tls: Tls::new(settings)?,
+        })
+    }
+}
+
+impl std::str::FromStr for Database {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Database, String> {
+        Database::parse(s)
+    }
+}
+
+/// A configuration made in code: TLS as its `ssl_mode` says, unverified.
+impl From<Config> for Database {
+    fn from(config: Config) -> Database {
+        let mode = match config.get_ssl_mode() {
+            tokio_postgres::config::SslMode::Disable => SslMode::Disable,
+            tokio_postgres::config::SslMode::Require => SslMode::Require,
+            _ => SslMode::Prefer,
+        };
+        Database {
+            config,
+            tls: Tls::unchecked(mode),
+        }
+    }
+}
+
+impl From<&Config> for Database {
+    fn from(config: &Config) -> Database {
+        config.clone().into()
+    }
+}
+
+impl From<&Database> for Database {
+    fn from(db: &Database) -> Database {
+        db.clone()
+    }
+}
+
+/// Takes the TLS settings tokio-postgres does not know out of a connection
+/// string: what is left, and the settings.
+fn split_tls(s: &str) -> Result<(String, TlsSettings), String> {
+    let mut settings = TlsSettings::default();
+    let mut take = |key: &str, value: &str| -> Result<bool, String> {
+        match key {
+            "sslmode" => settings.mode = SslMode::parse(value)?,
+            "sslrootcert" => settings.root_cert = Some(PathBuf::from(value)),
+            "sslcert" => settings.cert = Some(PathBuf::from(value)),
+            "sslkey" => settings.key = Some(PathBuf::from(value)),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    };
+    let s = s.trim();
+    if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+        let Some((base, query)) = s.split_once('?') else {
+            return Ok((s.to_string(), settings));
+        };
+        let mut kept = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            if !take(&percent_decode(k)?, &percent_decode(v)?)? {
+                kept.push(pair);
+            }
+        }
+        let rest = if kept.is_empty() {
+            base.to_string()
+        } else {
+            format!("{base}?{}", kept.join("&"))
+        };
+        return Ok((rest, settings));
+    }
+    let mut kept = Vec::new();
+    for (k, v) in key_values(s)? {
+        if !take(&k, &v)? {
+            kept.push(format!(
+                "{k}='{}'",
+                v.replace('\\', "\\\\").replace('\'', "\\'")
+            ));
+        }
+    }
+    Ok((kept.join(" "), settings))
+}
+
+fn percent_decode(s: &str) -> Result<String, String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = s
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| format!("bad percent-encoding in {s:?}"))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| format!("{s:?} is not UTF-8 once decoded"))
+}
+
+/// libpq's `key = value` pairs; a value may be single-quoted, with `\'` and
+/// `\\` inside.
+fn key_values(s: &str) -> Result<Vec<(String, String)>, String> {
+    let mut out = Vec::new();
+    let mut it = s.chars().peekable();
+    loop {
+        while it.next_if(|c| c.is_whitespace()).is_some() {}
+        if it.peek().is_none() {
+            return Ok(out);
+        }
+        let mut key = String::new();
+        while let Some(c) = it.next_if(|c| *c != '=' && !c.is_whitespace()) {
+            key.push(c);
+        }
+        while it.next_if(|c| c.is_whitespace()).is_some() {}
+        if it.next() != Some('=') {
+            return Err(format!("{key:?} has no value: expected {key}=value"));
+        }
+        while it.next_if(|c| c.is_whitespace()).is_some() {}
+        let mut value = String::new();
+        if it.next_if_eq(&'\'').is_some() {
+            loop {
+                match it.next() {
+                    None => return Err(format!("the value of {key} has no closing quote")),
+                    Some('\'') => break,
+                    Some('\\') => value.extend(it.next()),
+                    Some(c) => value.push(c),
+                }
+            }
+        } else {
+            while let Some(c) = it.next_if(|c| !c.is_whitespace()) {
+                if c == '\\' {
+                    value.extend(it.next());
+                } else {
+                    value.push(c);
+                }
+            }
+        }
+        out.push((key, value));
+    }
+}
+
+/// Connects to `db` and drives the connection in a named task.
+pub async fn connect(
+    db: impl Into<Database>,
+    task: &'static str,
+) -> Result<Client, tokio_postgres::Error> {
+    let db = db.into();
+    let (client, connection) = db.config.connect(db.tls.maker()).await?;
     crate::task::spawn(task, async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "connection closed");
@@ -18,14 +192,14 @@ pub async fn connect(config: &Config, task: &'static str) -> Result<Client, toki
 
 /// A lazily made connection shared by the tasks of one reader.
 pub struct Db {
-    pub config: Config,
+    pub config: Database,
     client: Mutex<Option<Arc<Client>>>,
 }
 
 impl Db {
-    pub fn new(config: Config) -> Self {
+    pub fn new(config: impl Into<Database>) -> Self {
         Db {
-            config,
+            config: config.into(),
             client: Mutex::new(None),
         }
     }

@@ -21,6 +21,7 @@ pub mod db;
 pub mod lease;
 pub mod metrics;
 pub mod pgoutput;
+pub mod pgtls;
 pub mod read;
 pub mod reader;
 pub mod replication;

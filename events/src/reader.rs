@@ -25,6 +25,7 @@
 //! again; subscriptions then fill the difference from the table, by position.
 
 use crate::assemble::Assembler;
+use crate::db::Database;
 use crate::db::Db;
 use crate::metrics;
 use crate::pgoutput::ReplicationMessage;
@@ -36,7 +37,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc;
-use tokio_postgres::{Client, Config};
+use tokio_postgres::Client;
 
 /// Settings of a [`Reader`].
 #[derive(Debug, Clone)]
@@ -157,7 +158,7 @@ impl Drop for Life {
 
 impl Reader {
     /// Starts the reader for the database at `db`.
-    pub fn start(db: Config, config: ReaderConfig) -> Reader {
+    pub fn start(db: impl Into<Database>, config: ReaderConfig) -> Reader {
         let (cmd, rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             db: Db::new(db),
@@ -542,7 +543,7 @@ enum Covered {
     Unknown,
 }
 
-async fn base_position(db: &Config, snapshot: &str) -> Result<Position, SessionError> {
+async fn base_position(db: &Database, snapshot: &str) -> Result<Position, SessionError> {
     let mut client = crate::db::connect(db, "snapshot-connection")
         .await
         .map_err(sql("connect to read the snapshot"))?;

@@ -13,7 +13,9 @@
 //! Frames are read with an explicit length bound, so a corrupt or hostile
 //! length cannot make us allocate without limit.
 
+use crate::db::Database;
 use crate::pgoutput::{self, DecodeError, ReplicationMessage};
+use crate::pgtls::SslMode;
 use crate::types::Lsn;
 use crate::ErrorKind;
 use bytes::{Buf, BytesMut};
@@ -51,6 +53,10 @@ pub enum ReplicationError {
     Auth(String),
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// TLS could not be set up: the server declined it where the mode
+    /// requires it, or its certificate was refused.
+    #[error("TLS: {0}")]
+    Tls(String),
     /// The slot lost WAL it needed (`wal_status = lost`): it can no longer
     /// deliver everything after its confirmed position.
     #[error("replication slot {slot:?} was invalidated: its WAL was removed (wal_status = lost); the log must be read from the table")]
@@ -91,6 +97,7 @@ impl ReplicationError {
             | ReplicationError::Decode(_)
             | ReplicationError::Auth(_)
             | ReplicationError::Unsupported(_)
+            | ReplicationError::Tls(_)
             | ReplicationError::SlotInvalidated { .. }
             | ReplicationError::SlotAhead { .. } => ErrorKind::Definite,
         }
@@ -103,6 +110,45 @@ fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> ReplicationError 
 
 trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
+/// Asks for TLS as the database's `sslmode` says (an `SSLRequest`, then the
+/// handshake); a server that declines is refused unless the mode lets the
+/// session go on in the clear.
+async fn negotiate_tls(
+    db: &Database,
+    host: &str,
+    mut tcp: tokio::net::TcpStream,
+) -> Result<Box<dyn Stream>, ReplicationError> {
+    let mode = db.tls.settings.mode;
+    if mode == SslMode::Disable {
+        return Ok(Box::new(tcp));
+    }
+    let mut buf = BytesMut::with_capacity(8);
+    frontend::ssl_request(&mut buf);
+    tcp.write_all(&buf).await.map_err(io("ask for TLS"))?;
+    let mut answer = [0u8; 1];
+    tcp.read_exact(&mut answer)
+        .await
+        .map_err(io("read the answer to the TLS request"))?;
+    match answer[0] {
+        b'S' => {
+            let name = crate::pgtls::server_name(host).map_err(io("TLS server name"))?;
+            let tls = tokio_rustls::TlsConnector::from(db.tls.client_config())
+                .connect(name, tcp)
+                .await
+                .map_err(|e| ReplicationError::Tls(format!("handshake with {host}: {e}")))?;
+            Ok(Box::new(tls))
+        }
+        b'N' if !mode.requires_tls() => Ok(Box::new(tcp)),
+        b'N' => Err(ReplicationError::Tls(format!(
+            "the server at {host} does not accept TLS and sslmode={} requires it",
+            mode.as_str()
+        ))),
+        other => Err(ReplicationError::Protocol(format!(
+            "unexpected answer {other:#x} to the TLS request"
+        ))),
+    }
+}
 
 /// What IDENTIFY_SYSTEM reports.
 #[derive(Debug, Clone)]
@@ -168,41 +214,78 @@ pub async fn cancel(config: &Config, pid: i32, key: i32) -> Result<(), Replicati
 }
 
 impl ReplicationConnection {
-    /// Connects to the first host of `config` in `replication=database` mode.
+    /// Connects in `replication=database` mode to the first of the
+    /// database's hosts that takes the connection.
     pub async fn connect(
-        config: &Config,
+        db: impl Into<Database>,
         application_name: &str,
     ) -> Result<Self, ReplicationError> {
-        Self::connect_mode(config, application_name, Some("database"), None).await
+        Self::connect_mode(&db.into(), application_name, Some("database"), None).await
     }
 
-    /// Connects to the first host of `config` as a plain session (no
-    /// replication), with `options` as the startup `options` parameter
-    /// (`-c name=value ...`). For callers that speak the extended query
-    /// protocol themselves with [`Self::write_buf`], [`Self::flush`] and
-    /// [`Self::next_message`].
+    /// Connects as a plain session (no replication), with `options` as the
+    /// startup `options` parameter (`-c name=value ...`). For callers that
+    /// speak the extended query protocol themselves with
+    /// [`Self::write_buf`], [`Self::flush`] and [`Self::next_message`].
     pub async fn connect_session(
-        config: &Config,
+        db: impl Into<Database>,
         application_name: &str,
         options: Option<&str>,
     ) -> Result<Self, ReplicationError> {
-        Self::connect_mode(config, application_name, None, options).await
+        Self::connect_mode(&db.into(), application_name, None, options).await
     }
 
+    /// Each host in turn (libpq's order) until one takes the connection;
+    /// the last host's error if none does.
     async fn connect_mode(
-        config: &Config,
+        db: &Database,
         application_name: &str,
         replication: Option<&str>,
         options: Option<&str>,
     ) -> Result<Self, ReplicationError> {
-        let host = config.get_hosts().first().cloned().ok_or_else(|| {
-            ReplicationError::Unsupported("the database URL names no host".into())
-        })?;
-        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let config = &db.config;
+        let hosts = config.get_hosts();
+        if hosts.is_empty() {
+            return Err(ReplicationError::Unsupported(
+                "the database URL names no host".into(),
+            ));
+        }
+        let ports = config.get_ports();
+        let mut last = None;
+        for (i, host) in hosts.iter().enumerate() {
+            let port = match ports {
+                [] => 5432,
+                [p] => *p,
+                many => many.get(i).copied().unwrap_or(5432),
+            };
+            match Self::connect_host(db, host, port, application_name, replication, options).await {
+                Ok(c) => return Ok(c),
+                Err(e) => {
+                    tracing::debug!(host = ?host, port, error = %e, "replication connection to this host failed");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.expect("at least one host was tried"))
+    }
+
+    async fn connect_host(
+        db: &Database,
+        host: &Host,
+        port: u16,
+        application_name: &str,
+        replication: Option<&str>,
+        options: Option<&str>,
+    ) -> Result<Self, ReplicationError> {
+        let config = &db.config;
         let timeout = config
             .get_connect_timeout()
             .copied()
             .unwrap_or(Duration::from_secs(10));
+        let timed_out = || ReplicationError::Io {
+            context: "connect for replication",
+            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),
+        };
         let stream: Box<dyn Stream> = match host {
             Host::Tcp(h) => {
                 let s = tokio::time::timeout(
@@ -210,14 +293,14 @@ impl ReplicationConnection {
                     tokio::net::TcpStream::connect((h.as_str(), port)),
                 )
                 .await
-                .map_err(|_| ReplicationError::Io {
-                    context: "connect for replication",
-                    source: std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),
-                })?
+                .map_err(|_| timed_out())?
                 .map_err(io("connect for replication"))?;
                 s.set_nodelay(true).map_err(io("set TCP_NODELAY"))?;
-                Box::new(s)
+                tokio::time::timeout(timeout, negotiate_tls(db, h, s))
+                    .await
+                    .map_err(|_| timed_out())??
             }
+            // As libpq: no TLS over a Unix-domain socket.
             Host::Unix(dir) => {
                 let path = dir.join(format!(".s.PGSQL.{port}"));
                 Box::new(

@@ -57,11 +57,12 @@ impl Running {
 
 /// Starts a gateway.
 pub async fn start(
-    db: tokio_postgres::Config,
+    db: impl Into<events::db::Database>,
     reader: Reader,
     appender: Appender,
     config: GatewayConfig,
 ) -> Result<Running, GatewayError> {
+    let db = db.into();
     let ca = Ca::load(&config.ca_dir)?;
     let (cert, key) = ca.server_identity_for(&config.names, config.serving_validity)?;
     let serving = crate::listener::ServingCert::new(&cert, &key).map_err(GatewayError::Tls)?;

@@ -73,18 +73,23 @@ pub struct Binder {
 }
 
 impl Binder {
-    pub fn start(db: tokio_postgres::Config, reader: Reader, appender: Appender) -> Binder {
+    pub fn start(
+        db: impl Into<events::db::Database>,
+        reader: Reader,
+        appender: Appender,
+    ) -> Binder {
         Self::start_as(db, reader, appender, crate::service::default_holder())
     }
 
     /// The same, holding the binder's lease under `holder` (what `strata
     /// serve --holder` names it; a lease list then says which process binds).
     pub fn start_as(
-        db: tokio_postgres::Config,
+        db: impl Into<events::db::Database>,
         reader: Reader,
         appender: Appender,
         holder: String,
     ) -> Binder {
+        let db = db.into();
         let stats = Arc::new(BinderStats::default());
         let (stop, rx) = oneshot::channel();
         let task = events::task::spawn(
@@ -294,7 +299,7 @@ pub const LEASE: &str = "binder";
 const LEASE_TTL: Duration = Duration::from_secs(5);
 
 async fn run(
-    db: tokio_postgres::Config,
+    db: events::db::Database,
     reader: Reader,
     appender: Appender,
     stats: Arc<BinderStats>,
@@ -331,7 +336,7 @@ async fn run(
 /// Waits for the binder lease (another binder may hold it), then works
 /// while holding it. `Ok` only when stopped.
 async fn attempt(
-    db: &tokio_postgres::Config,
+    db: &events::db::Database,
     reader: &Reader,
     appender: &Appender,
     stats: &Arc<BinderStats>,
@@ -358,7 +363,7 @@ async fn attempt(
 
 /// Works while holding the lease; returns when stopped or the lease is lost.
 async fn held(
-    db: &tokio_postgres::Config,
+    db: &events::db::Database,
     reader: &Reader,
     appender: &Appender,
     stats: &Arc<BinderStats>,

@@ -236,11 +236,12 @@ impl Placer {
     /// Starts a placer reading the log through `reader` and writing through
     /// `appender`.
     pub fn start(
-        db: tokio_postgres::Config,
+        db: impl Into<events::db::Database>,
         reader: Reader,
         appender: Appender,
         config: PlacerConfig,
     ) -> Placer {
+        let db = db.into();
         let stats = Arc::new(Stats::default());
         let (weak, holder) = (Arc::downgrade(&stats), config.holder.clone());
         events::metrics::global().register(Arc::new(move |out: &mut String| {
@@ -328,7 +329,7 @@ fn now_ms() -> u64 {
 }
 
 async fn run(
-    db: tokio_postgres::Config,
+    db: events::db::Database,
     reader: Reader,
     appender: Appender,
     config: PlacerConfig,

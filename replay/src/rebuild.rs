@@ -267,7 +267,7 @@ async fn join<P: Send + 'static>(
 /// the rows come over a connection of its own to `db`, read in whole
 /// buffers.
 pub async fn from_postgres<P: Projection>(
-    db: &tokio_postgres::Config,
+    db: &events::db::Database,
     client: &Client,
     projection: P,
     until: Option<u64>,

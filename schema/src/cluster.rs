@@ -66,6 +66,20 @@ pub struct ClusterOptions {
     /// Also delete this folder once the server has stopped after the parent
     /// exited (for temporary clusters).
     pub remove_on_exit: Option<PathBuf>,
+    /// Serve TLS with these files (written into the data folder, owned by
+    /// the server's user).
+    pub tls: Option<ClusterTls>,
+    /// The whole of `pg_hba.conf`, in place of initdb's (trust for all).
+    pub hba: Option<String>,
+}
+
+/// A private cluster's TLS: its certificate chain and key, and the CA whose
+/// client certificates it accepts (`cert` rules in `pg_hba.conf`).
+#[derive(Debug, Clone)]
+pub struct ClusterTls {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub client_ca_pem: Option<String>,
 }
 
 impl ClusterOptions {
@@ -77,6 +91,8 @@ impl ClusterOptions {
             settings: Vec::new(),
             die_with_parent: true,
             remove_on_exit: None,
+            tls: None,
+            hba: None,
         }
     }
 }
@@ -264,6 +280,20 @@ impl Cluster {
         cmd
     }
 
+    /// Writes `name` in the data folder, readable by the server's user
+    /// alone (as it requires of a key file).
+    fn write_owned(&self, name: &str, text: &str) -> Result<(), ClusterError> {
+        let path = self.options.data_dir.join(name);
+        fs::write(&path, text).map_err(io(format!("write {}", path.display())))?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600))
+            .map_err(io(format!("set permissions of {}", path.display())))?;
+        if let Some((uid, gid)) = self.run_as {
+            std::os::unix::fs::chown(&path, Some(uid), Some(gid))
+                .map_err(io(format!("hand {} to the postgres user", path.display())))?;
+        }
+        Ok(())
+    }
+
     fn initdb(&self) -> Result<(), ClusterError> {
         let dir = &self.options.data_dir;
         fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
@@ -324,6 +354,29 @@ impl Cluster {
                 "-c",
                 "full_page_writes=off",
             ]);
+        }
+        if let Some(tls) = &self.options.tls {
+            let dir = &self.options.data_dir;
+            self.write_owned("server.crt", &tls.cert_pem)?;
+            self.write_owned("server.key", &tls.key_pem)?;
+            cmd.args(["-c", "ssl=on"])
+                .arg("-c")
+                .arg(format!(
+                    "ssl_cert_file={}",
+                    dir.join("server.crt").display()
+                ))
+                .arg("-c")
+                .arg(format!("ssl_key_file={}", dir.join("server.key").display()));
+            if let Some(ca) = &tls.client_ca_pem {
+                self.write_owned("client-ca.crt", ca)?;
+                cmd.arg("-c").arg(format!(
+                    "ssl_ca_file={}",
+                    dir.join("client-ca.crt").display()
+                ));
+            }
+        }
+        if let Some(hba) = &self.options.hba {
+            self.write_owned("pg_hba.conf", hba)?;
         }
         for (k, v) in &self.options.settings {
             cmd.arg("-c").arg(format!("{k}={v}"));

@@ -5,7 +5,7 @@ use events::Event;
 use std::time::Duration;
 
 pub async fn park(
-    db: &tokio_postgres::Config,
+    db: &events::db::Database,
     sink: &str,
     events: &[&Event],
     error: &str,

@@ -68,10 +68,11 @@ pub struct Sinks {
 impl Sinks {
     /// Starts delivering. Fails only if `config.webhook_ca` cannot be used.
     pub fn start(
-        db: tokio_postgres::Config,
+        db: impl Into<events::db::Database>,
         reader: Reader,
         config: SinksConfig,
     ) -> Result<Sinks, String> {
+        let db = db.into();
         let http = webhook::client(config.webhook_ca.as_deref())?;
         let stats = Arc::new(SinkStats::default());
         let (stop, rx) = oneshot::channel();
@@ -102,7 +103,7 @@ struct Worker {
 }
 
 async fn run(
-    db: tokio_postgres::Config,
+    db: events::db::Database,
     reader: Reader,
     config: SinksConfig,
     http: webhook::HttpClient,
@@ -212,7 +213,7 @@ async fn worker(
     cfg: SinkConfig,
     mut sub: Subscription,
     http: webhook::HttpClient,
-    db: tokio_postgres::Config,
+    db: events::db::Database,
     config: SinksConfig,
     stats: Arc<SinkStats>,
     mut stop: oneshot::Receiver<()>,
@@ -356,7 +357,7 @@ async fn worker(
 }
 
 /// Appends `sink.alert` and `sink.paused` for a sink that keeps failing.
-async fn pause_with_alert(db: &tokio_postgres::Config, name: &str, error: &str, batches: u32) {
+async fn pause_with_alert(db: &events::db::Database, name: &str, error: &str, batches: u32) {
     let appender = events::Appender::start(db.clone(), events::AppenderConfig::default());
     let alert = events::NewEvent::new(
         "sink.alert",

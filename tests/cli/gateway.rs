@@ -59,7 +59,7 @@ fn query(url: &str, sql: &str) -> Vec<Vec<String>> {
         .build()
         .unwrap();
     rt.block_on(async {
-        let c = events::db::connect(&url.parse().unwrap(), "t")
+        let c = events::db::connect(&url.parse::<tokio_postgres::Config>().unwrap(), "t")
             .await
             .unwrap();
         c.query(sql, &[])
@@ -336,7 +336,9 @@ fn every_role_survives_a_postgres_crash_restart() {
                 .build()
                 .unwrap();
             rt.block_on(async {
-                let Ok(c) = events::db::connect(&url.parse().unwrap(), "t").await else {
+                let Ok(c) =
+                    events::db::connect(&url.parse::<tokio_postgres::Config>().unwrap(), "t").await
+                else {
                     return false;
                 };
                 c.query(&sql, &[]).await.is_ok_and(|rows| !rows.is_empty())

@@ -202,7 +202,10 @@ fn a_tail_killed_with_sigkill_resumes_without_a_gap() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let a = events::Appender::start(url.parse().unwrap(), events::AppenderConfig::default());
+        let a = events::Appender::start(
+            url.parse::<events::db::Database>().unwrap(),
+            events::AppenderConfig::default(),
+        );
         a.append(
             "big",
             events::ExpectedVersion::Any,
@@ -319,7 +322,7 @@ fn partitions_and_slots_commands_print_tables() {
         .unwrap();
     let slot = format!("cli_orphan_{}", std::process::id());
     rt.block_on(async {
-        let c = events::db::connect(&url.parse().unwrap(), "t")
+        let c = events::db::connect(&url.parse::<tokio_postgres::Config>().unwrap(), "t")
             .await
             .unwrap();
         c.execute(
@@ -439,7 +442,7 @@ fn bad_input_gets_a_clear_error_and_writes_nothing() {
         .build()
         .unwrap();
     let n: i64 = rt.block_on(async {
-        let c = events::db::connect(&url.parse().unwrap(), "t")
+        let c = events::db::connect(&url.parse::<tokio_postgres::Config>().unwrap(), "t")
             .await
             .unwrap();
         c.query_one("SELECT count(*) FROM strata.events", &[])

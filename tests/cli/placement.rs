@@ -177,7 +177,10 @@ fn reserve_release_pools_and_the_replay_check() {
     let before_release = {
         let rt = rt();
         let c = rt
-            .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+            .block_on(events::db::connect(
+                &url.parse::<tokio_postgres::Config>().unwrap(),
+                "t",
+            ))
             .unwrap();
         std::thread::sleep(Duration::from_millis(20));
         let t: String = rt
@@ -195,7 +198,10 @@ fn reserve_release_pools_and_the_replay_check() {
     {
         let rt = rt();
         let c = rt
-            .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+            .block_on(events::db::connect(
+                &url.parse::<tokio_postgres::Config>().unwrap(),
+                "t",
+            ))
             .unwrap();
         let asked: i64 = rt
             .block_on(c.query_one(
@@ -415,7 +421,10 @@ fn placers_split_pools_and_a_killed_one_hands_them_over() {
     let mut b = placer(&url, "b", &dir.path().join("b.log"));
     let rt = rt();
     let client = rt
-        .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+        .block_on(events::db::connect(
+            &url.parse::<tokio_postgres::Config>().unwrap(),
+            "t",
+        ))
         .unwrap();
     let split = wait_for(30, || {
         let h = rt.block_on(holders(&client));
@@ -430,7 +439,10 @@ fn placers_split_pools_and_a_killed_one_hands_them_over() {
 
     // Requests keep coming while `a` is killed.
     let _entered = rt.enter();
-    let appender = events::Appender::start(url.parse().unwrap(), events::AppenderConfig::default());
+    let appender = events::Appender::start(
+        url.parse::<events::db::Database>().unwrap(),
+        events::AppenderConfig::default(),
+    );
     let request = |i: usize| projections::Request {
         reservation: format!("r{i}"),
         pool: pools[i % 4].into(),
@@ -714,7 +726,10 @@ fn a_sinks_process_killed_mid_stream_loses_nothing() {
     ]);
     let rt = rt();
     let _entered = rt.enter();
-    let appender = events::Appender::start(url.parse().unwrap(), events::AppenderConfig::default());
+    let appender = events::Appender::start(
+        url.parse::<events::db::Database>().unwrap(),
+        events::AppenderConfig::default(),
+    );
     let write = |from: usize, n: usize| {
         rt.block_on(async {
             for i in from..from + n {
@@ -796,7 +811,7 @@ fn a_sinks_process_killed_mid_stream_loses_nothing() {
     write(1000, 500);
     let mut second = sinks("sinks_b", "b.log");
     let all: Vec<u64> = rt.block_on(async {
-        let c = events::db::connect(&url.parse().unwrap(), "t")
+        let c = events::db::connect(&url.parse::<tokio_postgres::Config>().unwrap(), "t")
             .await
             .unwrap();
         c.query(
@@ -878,7 +893,10 @@ fn partitions_seal_and_audit_verify() {
     }
     let rt = rt();
     let client = rt
-        .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+        .block_on(events::db::connect(
+            &url.parse::<tokio_postgres::Config>().unwrap(),
+            "t",
+        ))
         .unwrap();
     let month: String = rt
         .block_on(client.query_one("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM')", &[]))
@@ -944,7 +962,10 @@ fn partitions_retire_only_sealed_and_exported_months() {
     let url = database();
     let rt = rt();
     let client = rt
-        .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+        .block_on(events::db::connect(
+            &url.parse::<tokio_postgres::Config>().unwrap(),
+            "t",
+        ))
         .unwrap();
     // An old month with one row in it.
     rt.block_on(client.batch_execute(
@@ -1026,7 +1047,7 @@ fn the_maintenance_role_seals_closed_months_and_checkpoints_the_open_one() {
     let url = database();
     let rt = rt();
     let month: String = rt.block_on(async {
-        let c = events::db::connect(&url.parse().unwrap(), "t")
+        let c = events::db::connect(&url.parse::<tokio_postgres::Config>().unwrap(), "t")
             .await
             .unwrap();
         // A row in a month long closed, written as a late appender would.
@@ -1120,7 +1141,10 @@ fn operators_cordon_drain_uncordon_and_clear_health() {
     let mut p = placer(&url, "ops", &dir.path().join("ops.log"));
     let rt = rt();
     let client = rt
-        .block_on(events::db::connect(&url.parse().unwrap(), "t"))
+        .block_on(events::db::connect(
+            &url.parse::<tokio_postgres::Config>().unwrap(),
+            "t",
+        ))
         .unwrap();
     let count = |sql: &str| -> i64 { rt.block_on(client.query_one(sql, &[])).unwrap().get(0) };
     let nodes = |url: &str| ok(&["pool", "show", "gpu", "--nodes", "--database-url", url]);

@@ -5,6 +5,7 @@ mod lease;
 mod metrics;
 mod replication;
 mod subscription;
+mod tls;
 
 use events::{Appender, AppenderConfig, NewEvent, Reader, ReaderConfig};
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -136,7 +136,7 @@ fn refusal(code: &str, message: String) -> Outcome {
 
 impl Backend {
     pub async fn connect(
-        config: &tokio_postgres::Config,
+        config: &events::db::Database,
         limits: &Limits,
         max_result_bytes: usize,
     ) -> Result<Backend, BackendError> {

@@ -112,9 +112,9 @@ impl Stats {
 /// What every connection shares.
 pub struct Shared {
     pub stats: Arc<Stats>,
-    database: tokio_postgres::Config,
+    database: events::db::Database,
     accounts_db: Mutex<Option<tokio_postgres::Client>>,
-    backend: tokio_postgres::Config,
+    backend: events::db::Database,
     group: String,
     limits: Limits,
     max_transaction_age: Duration,
@@ -209,8 +209,8 @@ impl Shared {
                 .map_err(|e| e.to_string())?
         };
         let mut cfg = self.backend.clone();
-        cfg.user(&role);
-        cfg.password(password);
+        cfg.config.user(&role);
+        cfg.config.password(password);
         Backend::connect(&cfg, &self.limits, self.max_result_bytes)
             .await
             .map_err(|e| e.to_string())
@@ -787,7 +787,7 @@ impl Queries {
         let backend = Arc::downgrade(&s.backend);
         let (tx_seq, expired) = (s.tx_seq.clone(), s.expired.clone());
         let shared_stats = self.shared.stats.clone();
-        let cancel_at = self.shared.backend.clone();
+        let cancel_at = self.shared.backend.config.clone();
         let age = self.shared.max_transaction_age;
         let auditor = s.auditor.clone();
         let pg_key = s.pg_key;
@@ -1072,7 +1072,8 @@ impl pgwire::api::cancel::CancelHandler for CancelPass {
             .map(|(_, key)| *key);
         if let Some((pid, key)) = target {
             self.shared.stats.cancels.fetch_add(1, Ordering::Relaxed);
-            if let Err(e) = events::replication::cancel(&self.shared.backend, pid, key).await {
+            if let Err(e) = events::replication::cancel(&self.shared.backend.config, pid, key).await
+            {
                 tracing::warn!(error = %e, "could not pass a cancel request on to PostgreSQL");
             }
         }

@@ -38,13 +38,13 @@ use tokio_rustls::rustls;
 #[derive(Clone)]
 pub struct AuditConfig {
     /// Strata's own database connection (accounts; the appender writes through its own).
-    pub database: tokio_postgres::Config,
+    pub database: events::db::Database,
     /// Where auditors' statements run: host, port, database and TLS of the
     /// connection. Each auditor logs in as a role of their own (made at
     /// their first login by [`setup::login_role`], with a password only
     /// Strata's database user can read), so user and password here are
     /// replaced.
-    pub backend: tokio_postgres::Config,
+    pub backend: events::db::Database,
     /// The read-only group role every auditor's role is a member of (created
     /// and granted by [`setup::ensure_role`]).
     pub role: String,
@@ -75,7 +75,8 @@ pub struct TlsFiles {
 
 impl AuditConfig {
     /// Defaults, with auditors' roles reached at the same server as `database`.
-    pub fn new(database: tokio_postgres::Config) -> AuditConfig {
+    pub fn new(database: impl Into<events::db::Database>) -> AuditConfig {
+        let database = database.into();
         let role = setup::DEFAULT_ROLE.to_string();
         AuditConfig {
             backend: database.clone(),

@@ -14,7 +14,10 @@ async fn the_checker_passes_a_clean_log_and_names_each_violation() {
     let cluster = schema::testing::shared_cluster();
     let url = schema::testing::migrated_database(cluster).await;
     let db = connect(&url).await;
-    let a = Appender::start(url.parse().unwrap(), AppenderConfig::default());
+    let a = Appender::start(
+        url.parse::<tokio_postgres::Config>().unwrap(),
+        AppenderConfig::default(),
+    );
     let placed = |r: &str, devices: &[&str]| {
         ev(
             "reservation.placed",

@@ -223,7 +223,10 @@ async fn extended_protocol_reads_the_audit_set_and_is_recorded() {
         )
         .await
         .unwrap();
-    let app = Appender::start(env.url.parse().unwrap(), AppenderConfig::default());
+    let app = Appender::start(
+        env.url.parse::<tokio_postgres::Config>().unwrap(),
+        AppenderConfig::default(),
+    );
     app.append(
         "pool/a",
         ExpectedVersion::Any,
