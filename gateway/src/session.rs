@@ -10,7 +10,10 @@
 //! opens a newer session the older owner's writes are refused (and it closes
 //! its session). Heartbeats stay in memory; only transitions
 //! (`node.unreachable`, `node.reachable`) and statuses that changed are
-//! written.
+//! written. A session the node's side ended (it closed the stream, the
+//! connection broke) writes `node.disconnected` with the pool's
+//! `node.contact_lost` at once, so nothing new is placed on a node that is
+//! gone; its next session restores contact.
 
 use crate::admission::PendingHello;
 use crate::ca::{self};
@@ -257,13 +260,20 @@ pub(crate) async fn session(
         last: Instant::now(),
     };
     let mut renewed = false;
+    // Whether the node's side ended (it closed the stream, or the
+    // connection broke), as opposed to this gateway ending the session.
+    let mut node_went = false;
     loop {
         let msg = match inbound.message().await {
             Ok(Some(m)) => m,
-            Ok(None) => break,
+            Ok(None) => {
+                node_went = true;
+                break;
+            }
             Err(status) => {
                 tracing::debug!(%node, %status, "session stream ended with an error");
                 let _ = tx.send(Err(refusal(status))).await;
+                node_went = true;
                 break;
             }
         };
@@ -317,16 +327,41 @@ pub(crate) async fn session(
             break;
         }
     }
-    let mut sessions = shared.sessions.lock().expect("sessions lock");
-    if let Some(s) = sessions.get_mut(&node) {
-        if s.epoch == epoch {
-            s.closed = true;
-        }
+    let current = {
+        let mut sessions = shared.sessions.lock().expect("sessions lock");
+        let current = match sessions.get_mut(&node) {
+            Some(s) if s.epoch == epoch => {
+                s.closed = true;
+                true
+            }
+            _ => false,
+        };
+        shared.stats.sessions.store(
+            sessions.values().filter(|s| !s.closed).count() as u64,
+            Ordering::Relaxed,
+        );
+        current
+    };
+    // A node whose connection is gone takes no new placements until it is
+    // back: its pool hears at once that contact is lost (the node itself is
+    // marked unreachable only after missed heartbeats). Fenced by the
+    // session, like every write of it: if the node has opened a newer
+    // session anywhere, this is not written.
+    if node_went && current {
+        shared
+            .session_write(
+                &node,
+                NewEvent::new(
+                    "node.disconnected",
+                    &serde_json::json!({ "node": node, "gateway": shared.config.id }),
+                ),
+                vec![(
+                    pool_stream(&pool),
+                    Fact::NodeContactLost { node: node.clone() }.to_event(),
+                )],
+            )
+            .await;
     }
-    shared.stats.sessions.store(
-        sessions.values().filter(|s| !s.closed).count() as u64,
-        Ordering::Relaxed,
-    );
 }
 
 pub(crate) async fn open_session(
@@ -355,13 +390,18 @@ pub(crate) async fn open_session(
         let lost: bool = client
             .query_opt(
                 "SELECT type FROM strata.events WHERE stream = $1
-                    AND type IN ('node.unreachable', 'node.reachable')
+                    AND type IN ('node.unreachable', 'node.disconnected', 'node.reachable', 'node.session_opened')
                   ORDER BY version DESC LIMIT 1",
                 &[&stream],
             )
             .await
             .map_err(|e| AppendError::OutcomeUnknown(e.to_string()))?
-            .is_some_and(|r| r.get::<_, String>(0) == "node.unreachable");
+            .is_some_and(|r| {
+                matches!(
+                    r.get::<_, String>(0).as_str(),
+                    "node.unreachable" | "node.disconnected"
+                )
+            });
         let also = if lost {
             vec![(
                 pool_stream(pool),

@@ -1579,6 +1579,83 @@ async fn placed_on(r: &Region, id: &str) -> Option<String> {
         .map(|row| row.get(0))
 }
 
+/// A node whose connection is gone (a power cut, a crash) is out of
+/// contact at once, not three heartbeats later: requests made meanwhile
+/// wait for a node that is there instead of being bound to one that is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() {
+    let r = region().await;
+    // Heartbeats every 30 s: the sweeper marks nothing within the test.
+    let gw = r
+        .gateway("gw-a", |c| c.heartbeat = Duration::from_secs(30))
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let c = joining(&r, &gw, dir.path(), "n1").await;
+    let n = start(c.clone());
+    eventually(20, "n1 is in the pool", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
+            .await
+            == 1
+    })
+    .await;
+    let placer = placer::Placer::start(
+        r.cfg.clone(),
+        r.reader(),
+        r.appender.clone(),
+        placer::PlacerConfig::new("contact"),
+    );
+    n.stop().await.unwrap();
+    eventually(10, "the pool hears contact with n1 is lost", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'node.contact_lost'").await == 1
+    })
+    .await;
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.disconnected'").await,
+        1
+    );
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.unreachable'").await,
+        0,
+        "not marked unreachable: its heartbeats are not overdue yet"
+    );
+    let whole = projections::Request {
+        reservation: "w".into(),
+        pool: "p".into(),
+        class: "H100-80GB".into(),
+        gpus: 8,
+        shape: projections::Shape::Node,
+        priority: 0,
+        ttl_ms: None,
+        replace_on_failure: false,
+        replaces: None,
+    };
+    placer::client::reserve(&r.client, &r.appender, &whole)
+        .await
+        .unwrap();
+    eventually(20, "w is queued", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'reservation.queued' AND payload->>'reservation' = 'w'").await == 1
+    })
+    .await;
+    assert_eq!(
+        placed_on(&r, "w").await,
+        None,
+        "w went to a node that is gone"
+    );
+    // Back: its new session restores contact and w is placed there.
+    let n = start(c);
+    eventually(20, "w is placed on n1, back", || async {
+        placed_on(&r, "w").await.as_deref() == Some("n1")
+    })
+    .await;
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'node.contact_restored'").await,
+        1
+    );
+    n.stop().await.unwrap();
+    placer.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fail() {
     let r = region().await;
