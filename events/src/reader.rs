@@ -127,6 +127,9 @@ pub(crate) struct Inner {
     pub sessions: AtomicU64,
     /// Times the slot was found invalidated and made again.
     pub invalidations: AtomicU64,
+    /// Times the slot this reader had streamed from was missing (a promoted
+    /// standby, a dropped slot) and was made again.
+    pub slots_missing: AtomicU64,
     /// Times the slot was found ahead of what this reader acknowledged.
     pub slot_ahead: AtomicU64,
     /// Named subscriptions this process holds, until their lease is let go:
@@ -168,6 +171,7 @@ impl Reader {
             acked: AtomicU64::new(0),
             sessions: AtomicU64::new(0),
             invalidations: AtomicU64::new(0),
+            slots_missing: AtomicU64::new(0),
             slot_ahead: AtomicU64::new(0),
             held: std::sync::Mutex::new(std::collections::HashMap::new()),
         });
@@ -197,6 +201,12 @@ impl Reader {
     /// Times the slot was found invalidated (its WAL removed) and re-created.
     pub fn invalidations(&self) -> u64 {
         self.inner.invalidations.load(Ordering::Relaxed)
+    }
+
+    /// Times the slot this reader had streamed from was missing on the
+    /// server (a promoted standby, a dropped slot) and was made again.
+    pub fn slots_missing(&self) -> u64 {
+        self.inner.slots_missing.load(Ordering::Relaxed)
     }
 
     /// Times the slot was found ahead of the LSN this reader acknowledged.
@@ -460,6 +470,13 @@ async fn prepare_slot(
     let recorded_pos: Option<i64> = record.as_ref().and_then(|r| r.get(1));
     let mut covered = Covered::Unknown;
     let mut create = row.is_none();
+    if create && record.is_some() {
+        // The reader streamed from this slot before, and the server does
+        // not have it: a standby promoted since (slots are not replicated),
+        // or the slot was dropped.
+        inner.slots_missing.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(slot = %cfg.slot, "replication slot missing on this server though this reader streamed from it (a promoted standby, or the slot was dropped): creating it; subscriptions fill the gap from the table");
+    }
     if let Some(row) = row {
         let status: Option<String> = row.get(1);
         if status.as_deref() == Some("lost") {

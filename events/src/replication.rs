@@ -57,6 +57,11 @@ pub enum ReplicationError {
     /// requires it, or its certificate was refused.
     #[error("TLS: {0}")]
     Tls(String),
+    /// The server is read-only (a standby) and the URL asks for
+    /// `target_session_attrs=read-write`: the next host is tried, and the
+    /// whole list again later.
+    #[error("the server at {0} is read-only (a standby?) and target_session_attrs=read-write")]
+    ReadOnly(String),
     /// The slot lost WAL it needed (`wal_status = lost`): it can no longer
     /// deliver everything after its confirmed position.
     #[error("replication slot {slot:?} was invalidated: its WAL was removed (wal_status = lost); the log must be read from the table")]
@@ -77,7 +82,9 @@ impl ReplicationError {
     /// Transient or definite; exhaustive so that no new variant goes unclassified.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            ReplicationError::Io { .. } | ReplicationError::Closed => ErrorKind::Transient,
+            ReplicationError::Io { .. }
+            | ReplicationError::Closed
+            | ReplicationError::ReadOnly(_) => ErrorKind::Transient,
             ReplicationError::Server { code, .. } => {
                 let c = code.as_str();
                 // 55006 object_in_use: the slot is still held by a walsender
@@ -318,6 +325,20 @@ impl ReplicationConnection {
         };
         conn.startup(config, application_name, replication, options)
             .await?;
+        // As libpq: with target_session_attrs=read-write a server that is
+        // read-only (a standby not yet promoted) is passed over.
+        if config.get_target_session_attrs()
+            == tokio_postgres::config::TargetSessionAttrs::ReadWrite
+        {
+            let rows = conn.simple_query("SHOW transaction_read_only").await?;
+            let read_only = rows
+                .first()
+                .and_then(|r| r.first().cloned().flatten())
+                .is_some_and(|v| v == "on");
+            if read_only {
+                return Err(ReplicationError::ReadOnly(format!("{host:?} port {port}")));
+            }
+        }
         Ok(conn)
     }
 

@@ -200,6 +200,93 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// A streaming standby of this server: a base backup of it (WAL
+    /// streamed, `-R` so that it follows this server) into
+    /// `options.data_dir`, started on a port of its own.
+    pub fn standby(&self, options: ClusterOptions) -> Result<Cluster, ClusterError> {
+        let run_as = self.run_as;
+        let data_dir = absolute(&options.data_dir)?;
+        let parent = data_dir
+            .parent()
+            .ok_or_else(|| ClusterError::Unreachable(data_dir.clone()))?
+            .to_path_buf();
+        fs::create_dir_all(&data_dir).map_err(io(format!("create {}", data_dir.display())))?;
+        fs::set_permissions(&data_dir, fs::Permissions::from_mode(0o700))
+            .map_err(io(format!("set permissions of {}", data_dir.display())))?;
+        if let Some((uid, gid)) = run_as {
+            check_traversable(&parent)?;
+            std::os::unix::fs::chown(&data_dir, Some(uid), Some(gid)).map_err(io(format!(
+                "hand {} to the postgres user",
+                data_dir.display()
+            )))?;
+        }
+        let out = self
+            .command("pg_basebackup")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                SUPERUSER,
+            ])
+            .arg("-D")
+            .arg(&data_dir)
+            .args(["-X", "stream", "-R", "--checkpoint=fast"])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(io("run pg_basebackup"))?;
+        if !out.status.success() {
+            return Err(ClusterError::Command {
+                what: "pg_basebackup".into(),
+                detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
+        }
+        let log_path = parent.join(format!(
+            "{}.log",
+            data_dir
+                .file_name()
+                .map_or("standby".into(), |n| n.to_string_lossy())
+        ));
+        let port = match options.port {
+            Some(p) => p,
+            None => free_port()?,
+        };
+        let mut standby = Cluster {
+            options: ClusterOptions {
+                data_dir,
+                ..options
+            },
+            bindir: self.bindir.clone(),
+            port,
+            run_as,
+            child: None,
+            log_path,
+        };
+        standby.launch()?;
+        Ok(standby)
+    }
+
+    /// Promotes a standby to a primary and waits until it is one.
+    pub fn promote(&self) -> Result<(), ClusterError> {
+        let out = self
+            .command("pg_ctl")
+            .arg("promote")
+            .arg("-D")
+            .arg(&self.options.data_dir)
+            .args(["-w", "-t", "60"])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(io("run pg_ctl promote"))?;
+        if !out.status.success() {
+            return Err(ClusterError::Command {
+                what: "pg_ctl promote".into(),
+                detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
+        }
+        Ok(())
+    }
+
     /// The TCP port the server listens on (127.0.0.1).
     pub fn port(&self) -> u16 {
         self.port

@@ -38,6 +38,19 @@ pub fn temp_cluster_with(
     Cluster::start(opts)
 }
 
+/// A streaming standby of `primary`, in a folder of its own removed with it.
+pub fn temp_standby(primary: &Cluster) -> Result<Cluster, crate::ClusterError> {
+    let base = std::env::temp_dir().join(format!(
+        "strata-test-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let mut opts = ClusterOptions::new(base.join("standby"));
+    opts.fsync = false;
+    opts.remove_on_exit = Some(base);
+    primary.standby(opts)
+}
+
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
 /// Creates an empty database on `cluster` and returns its URL. The name is

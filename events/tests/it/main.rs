@@ -1,6 +1,7 @@
 //! Integration tests of the event log against private Postgres clusters.
 
 mod append;
+mod failover;
 mod lease;
 mod metrics;
 mod replication;
