@@ -130,6 +130,11 @@ pub struct AppenderConfig {
     /// appends in flight. Larger batches cost less per event; the wait ends
     /// early as soon as the share is there or the other flusher is done.
     pub batch_linger: Duration,
+    /// Longest wait for one batch's transaction (connecting included). A
+    /// database that does not answer in time (stopped, unreachable without
+    /// a reset) has its connection dropped and the batch's callers are
+    /// answered `OutcomeUnknown`; the next batch connects afresh.
+    pub attempt_timeout: Duration,
     /// Where `recorded_at` comes from; `None` uses the database's `now()`.
     pub clock: Option<Clock>,
 }
@@ -143,6 +148,7 @@ impl std::fmt::Debug for AppenderConfig {
             .field("connections", &self.connections)
             .field("queue_capacity", &self.queue_capacity)
             .field("batch_linger", &self.batch_linger)
+            .field("attempt_timeout", &self.attempt_timeout)
             .finish()
     }
 }
@@ -156,6 +162,7 @@ impl Default for AppenderConfig {
             connections: 2,
             queue_capacity: 16_384,
             batch_linger: Duration::from_millis(1),
+            attempt_timeout: Duration::from_secs(30),
             clock: None,
         }
     }
@@ -526,6 +533,15 @@ struct Conn {
     client: Client,
     bump: Statement,
     insert: Statement,
+    /// The task driving the connection: ended with it, so a connection
+    /// dropped because the server stopped answering does not linger.
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 struct Flusher {
@@ -692,7 +708,7 @@ impl Flusher {
                 .connect(self.db.tls.maker())
                 .await
                 .map_err(db_err("connect to postgres"))?;
-            crate::task::spawn("append-connection", async move {
+            let task = crate::task::spawn("append-connection", async move {
                 if let Err(e) = connection.await {
                     tracing::debug!(error = %e, "append connection closed");
                 }
@@ -726,6 +742,7 @@ impl Flusher {
                 client,
                 bump,
                 insert,
+                task,
             });
         }
         Ok(self.conn.as_ref().expect("connected above"))
@@ -744,7 +761,20 @@ impl Flusher {
                 .map(|i| live[*i].as_ref().expect("live"))
                 .collect();
             let recorded_at = self.config.clock.as_ref().map(|c| c());
-            let result = self.attempt(&reqs, recorded_at).await;
+            let limit = self.config.attempt_timeout;
+            let result = match tokio::time::timeout(limit, self.attempt(&reqs, recorded_at)).await {
+                Ok(r) => r,
+                Err(_) => {
+                    metrics::global().append_timeouts.fetch_add(1, Relaxed);
+                    tracing::warn!(
+                        timeout_ms = limit.as_millis() as u64,
+                        "the database did not answer an append in time; dropping its connection"
+                    );
+                    Err(AppendError::OutcomeUnknown(format!(
+                        "the database did not answer within {limit:?}; the connection was dropped"
+                    )))
+                }
+            };
             match result {
                 Ok(Attempt::Committed(outs)) => {
                     let m = metrics::global();

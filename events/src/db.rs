@@ -27,6 +27,7 @@ impl Database {
             .parse()
             .map_err(|e| format!("{e} (expected e.g. postgres://user@host:5432/dbname)"))?;
         config.ssl_mode(settings.mode.for_tokio_postgres());
+        bounded(&mut config);
         Ok(Database {
             config,
             tls: Tls::new(settings)?,
@@ -41,9 +42,21 @@ impl std::str::FromStr for Database {
     }
 }
 
+/// How long a connection attempt to one host may take when the URL does
+/// not say (`connect_timeout`): a server that accepts TCP but never answers
+/// (stopped, overloaded) is given up on and the next host tried.
+pub const DEFAULT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn bounded(config: &mut Config) {
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
+    }
+}
+
 /// A configuration made in code: TLS as its `ssl_mode` says, unverified.
 impl From<Config> for Database {
-    fn from(config: Config) -> Database {
+    fn from(mut config: Config) -> Database {
+        bounded(&mut config);
         let mode = match config.get_ssl_mode() {
             tokio_postgres::config::SslMode::Disable => SslMode::Disable,
             tokio_postgres::config::SslMode::Require => SslMode::Require,

@@ -81,6 +81,9 @@ pub struct Metrics {
     pub append_in_events: AtomicU64,
     pub append_transactions: AtomicU64,
     pub append_conflicts: AtomicU64,
+    /// Batches the database did not answer within the appender's
+    /// `attempt_timeout`.
+    pub append_timeouts: AtomicU64,
     pub append_batch_size: Histogram,
     pub append_duration: Histogram,
     pub replication_events: AtomicU64,
@@ -122,6 +125,7 @@ pub fn global() -> &'static Metrics {
         append_in_events: AtomicU64::new(0),
         append_transactions: AtomicU64::new(0),
         append_conflicts: AtomicU64::new(0),
+        append_timeouts: AtomicU64::new(0),
         append_batch_size: Histogram::new(SIZE_BOUNDS),
         append_duration: Histogram::new(SECONDS_BOUNDS),
         replication_events: AtomicU64::new(0),
@@ -222,6 +226,12 @@ impl Metrics {
             "strata_append_conflicts_total",
             "Appends refused for a version conflict.",
             self.append_conflicts.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "strata_append_timeouts_total",
+            "Append batches the database did not answer in time (their connection was dropped).",
+            self.append_timeouts.load(Relaxed),
         );
         self.append_batch_size.render(
             "strata_append_batch_size",

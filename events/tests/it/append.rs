@@ -1,5 +1,7 @@
 use crate::{appender, db, ev, table_positions};
-use events::{AppendError, AppenderConfig, ErrorKind, ExpectedVersion, NewEvent, StreamAppend};
+use events::{
+    AppendError, Appender, AppenderConfig, ErrorKind, ExpectedVersion, NewEvent, StreamAppend,
+};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -672,4 +674,83 @@ async fn a_reader_left_in_an_open_transaction_does_not_stall_appends_behind_part
             .unwrap()
             > 0
     );
+}
+
+/// Every process of the cluster stopped (SIGSTOP) or resumed (SIGCONT): a
+/// database that accepts TCP and answers nothing.
+fn signal_cluster(cluster: &schema::Cluster, sig: &str) {
+    let pm = cluster.postmaster_pid().expect("the postmaster's pid");
+    let mut pids = vec![pm];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let after = stat.rsplit(')').next().unwrap_or("");
+        if after.split_whitespace().nth(1) == Some(&pm.to_string()) {
+            pids.push(pid);
+        }
+    }
+    for pid in pids {
+        let _ = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_stops_answering_fails_appends_in_bounded_time_and_they_resume() {
+    let cluster = schema::testing::temp_cluster(&[]).unwrap();
+    let url = schema::testing::migrated_database(&cluster).await;
+    let db = events::db::Database::parse(&url).unwrap();
+    assert_eq!(
+        db.config.get_connect_timeout(),
+        Some(&events::db::DEFAULT_CONNECT_TIMEOUT),
+        "a URL without connect_timeout gets the default"
+    );
+    let appender = Appender::start(
+        &db,
+        AppenderConfig {
+            attempt_timeout: Duration::from_secs(2),
+            ..AppenderConfig::default()
+        },
+    );
+    appender
+        .append("stop/1", ExpectedVersion::NoStream, vec![ev(1)])
+        .await
+        .unwrap();
+    signal_cluster(&cluster, "-STOP");
+    let started = std::time::Instant::now();
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        appender.append("stop/2", ExpectedVersion::NoStream, vec![ev(2)]),
+    )
+    .await;
+    let waited = started.elapsed();
+    signal_cluster(&cluster, "-CONT");
+    let r = r.expect("the append returned instead of hanging");
+    assert!(matches!(r, Err(AppendError::OutcomeUnknown(_))), "{r:?}");
+    assert!(waited < Duration::from_secs(10), "waited {waited:?}");
+    // The database is back: the same appender goes on, and the append whose
+    // outcome was unknown is found by retrying it with its expected version.
+    let mut tries = 0;
+    loop {
+        match appender
+            .append("stop/2", ExpectedVersion::NoStream, vec![ev(2)])
+            .await
+        {
+            Ok(_) | Err(AppendError::VersionConflict { .. }) => break,
+            Err(e) => {
+                tries += 1;
+                assert!(tries < 100, "never resumed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    appender
+        .append("stop/3", ExpectedVersion::NoStream, vec![ev(3)])
+        .await
+        .unwrap();
 }
