@@ -262,6 +262,47 @@ async fn tail(
     Ok(())
 }
 
+/// `strata doctor`: the database's findings, as text or JSON; exit 1 on a
+/// problem.
+pub async fn doctor(db: &Db, json: bool, stale_after: Duration) -> Result<ExitCode> {
+    use events::doctor::Status;
+    let client = connect(db).await?;
+    let findings = events::doctor::examine(&client, stale_after)
+        .await
+        .context("examine the database")?;
+    let count = |s: Status| findings.iter().filter(|f| f.status == s).count();
+    let (problems, warnings) = (count(Status::Problem), count(Status::Warning));
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "ok": problems == 0,
+                "problems": problems,
+                "warnings": warnings,
+                "findings": findings,
+            })
+        );
+    } else {
+        for f in &findings {
+            let tag = match f.status {
+                Status::Ok => "ok",
+                Status::Warning => "WARNING",
+                Status::Problem => "PROBLEM",
+            };
+            println!("{tag:<8} {:<24} {}", f.check, f.detail);
+            if !f.advice.is_empty() {
+                println!("{:<8} {:<24} -> {}", "", "", f.advice);
+            }
+        }
+        println!("{problems} problem(s), {warnings} warning(s)");
+    }
+    Ok(if problems > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
 pub async fn slots(cmd: SlotsCmd) -> Result<ExitCode> {
     match cmd {
         SlotsCmd::List { db, stale_after } => {

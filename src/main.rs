@@ -49,6 +49,17 @@ enum Command {
     /// Inspect and remove replication slots
     #[command(subcommand)]
     Slots(SlotsCmd),
+    /// Check a database for what Strata needs (wal_level, slots and senders, max_slot_wal_keep_size, the publication, partitions ahead, stale slots, TLS, a synchronous standby and its lag); prints each finding with what to do; exits 1 on a problem (warnings do not fail)
+    Doctor {
+        #[command(flatten)]
+        db: Db,
+        /// Print the findings as one JSON object: {"ok": bool, "problems": n, "warnings": n, "findings": [{check, status, detail, advice}]}
+        #[arg(long)]
+        json: bool,
+        /// A slot not in use whose owner has not been seen for longer than this is stale
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        stale_after: std::time::Duration,
+    },
     /// Reserve GPUs: the request is placed by the placer holding the pool
     Reserve(ReserveArgs),
     /// Release a reservation (or cancel it, if it is not placed yet)
@@ -978,6 +989,11 @@ fn main() -> ExitCode {
             Command::Partitions(c) => commands::partitions(c).await,
             Command::Events(c) => commands::events(c).await,
             Command::Slots(c) => commands::slots(c).await,
+            Command::Doctor {
+                db,
+                json,
+                stale_after,
+            } => commands::doctor(&db, json, stale_after).await,
             Command::Reserve(a) => placement::reserve(a).await,
             Command::Release { db, id, reason } => placement::release(&db, &id, &reason).await,
             Command::Pools { db } => placement::pools(&db).await,

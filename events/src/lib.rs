@@ -18,6 +18,7 @@
 pub mod append;
 pub mod assemble;
 pub mod db;
+pub mod doctor;
 pub mod lease;
 pub mod metrics;
 pub mod pgoutput;

@@ -124,6 +124,12 @@ async fn every_connection_speaks_tls_verifies_the_server_and_logs_in_by_certific
         .unwrap()
         .get(0);
     assert!(ssl, "the session is not encrypted");
+    // strata doctor's TLS check sees it too.
+    let findings = events::doctor::examine(&client, std::time::Duration::from_secs(600))
+        .await
+        .unwrap();
+    let tls = findings.iter().find(|f| f.check == "tls").unwrap();
+    assert_eq!(tls.status, events::doctor::Status::Ok, "{tls:?}");
 
     // In the clear: no rule admits it.
     let e = refused(&at("localhost", "tls", "sslmode=disable")).await;
