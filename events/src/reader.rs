@@ -62,6 +62,11 @@ pub struct ReaderConfig {
     /// it): how long a subscription held by a process that died stays
     /// unavailable to others.
     pub subscription_lease_ttl: Duration,
+    /// Longest wait for one of the reader's own statements (its heartbeat,
+    /// recording what it acknowledged). A server that does not answer in
+    /// time (stopped, unreachable without a reset) ends the session: its
+    /// connections are dropped and the reader connects again with backoff.
+    pub query_timeout: Duration,
 }
 
 impl ReaderConfig {
@@ -72,6 +77,7 @@ impl ReaderConfig {
             publication: "strata_events".into(),
             status_interval: Duration::from_secs(1),
             heartbeat_interval: Duration::from_secs(5),
+            query_timeout: Duration::from_secs(30),
             max_retained_wal: 256 << 20,
             subscriber_buffer: 4096,
             owner: "strata".into(),
@@ -130,6 +136,8 @@ pub(crate) struct Inner {
     /// Times the slot this reader had streamed from was missing (a promoted
     /// standby, a dropped slot) and was made again.
     pub slots_missing: AtomicU64,
+    /// Sessions ended because the database did not answer in time.
+    pub timeouts: AtomicU64,
     /// Times the slot was found ahead of what this reader acknowledged.
     pub slot_ahead: AtomicU64,
     /// Named subscriptions this process holds, until their lease is let go:
@@ -172,6 +180,7 @@ impl Reader {
             sessions: AtomicU64::new(0),
             invalidations: AtomicU64::new(0),
             slots_missing: AtomicU64::new(0),
+            timeouts: AtomicU64::new(0),
             slot_ahead: AtomicU64::new(0),
             held: std::sync::Mutex::new(std::collections::HashMap::new()),
         });
@@ -209,6 +218,12 @@ impl Reader {
         self.inner.slots_missing.load(Ordering::Relaxed)
     }
 
+    /// Sessions ended because the database did not answer within the
+    /// reader's `query_timeout`.
+    pub fn timeouts(&self) -> u64 {
+        self.inner.timeouts.load(Ordering::Relaxed)
+    }
+
     /// Times the slot was found ahead of the LSN this reader acknowledged.
     pub fn slot_ahead_reports(&self) -> u64 {
         self.inner.slot_ahead.load(Ordering::Relaxed)
@@ -240,6 +255,11 @@ enum SessionError {
         #[source]
         source: tokio_postgres::Error,
     },
+    #[error("{context}: no answer from the database within {limit:?}")]
+    Timeout {
+        context: &'static str,
+        limit: Duration,
+    },
 }
 
 impl SessionError {
@@ -247,12 +267,25 @@ impl SessionError {
         match self {
             SessionError::Replication(e) => e.kind(),
             SessionError::Sql { source, .. } => crate::classify_pg(source),
+            SessionError::Timeout { .. } => ErrorKind::Transient,
         }
     }
 }
 
 fn sql(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SessionError {
     move |source| SessionError::Sql { context, source }
+}
+
+/// One of the reader's statements, given at most `limit`.
+async fn bounded<T>(
+    limit: Duration,
+    context: &'static str,
+    f: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+) -> Result<T, SessionError> {
+    match tokio::time::timeout(limit, f).await {
+        Ok(r) => r.map_err(sql(context)),
+        Err(_) => Err(SessionError::Timeout { context, limit }),
+    }
 }
 
 async fn run(
@@ -274,6 +307,11 @@ async fn run(
                 return;
             }
             Err(e) => {
+                if matches!(e, SessionError::Timeout { .. }) {
+                    // The shared connection may be the one that hangs.
+                    inner.timeouts.fetch_add(1, Ordering::Relaxed);
+                    inner.db.reset().await;
+                }
                 match e.kind() {
                     ErrorKind::Transient => {
                         tracing::warn!(error = %e, "replication session ended; reconnecting")
@@ -389,13 +427,15 @@ async fn session(
                 m.replication_lag_bytes.set(state.server_end.0.saturating_sub(ack.0) as f64);
             }
             _ = heartbeat.tick() => {
-                client
-                    .execute(
+                bounded(
+                    cfg.query_timeout,
+                    "record the reader heartbeat",
+                    client.execute(
                         "UPDATE strata.replication_readers SET seen_at = now() WHERE slot_name = $1",
                         &[&cfg.slot],
-                    )
-                    .await
-                    .map_err(sql("record the reader heartbeat"))?;
+                    ),
+                )
+                .await?;
             }
             _ = maintenance.tick() => {
                 // Every process that reads the log also keeps months ahead created.
@@ -427,13 +467,15 @@ async fn report(
     ack: Lsn,
 ) -> Result<(), SessionError> {
     if ack > state.recorded {
-        client
-            .execute(
+        bounded(
+            inner.config.query_timeout,
+            "record the acknowledged LSN",
+            client.execute(
                 "UPDATE strata.replication_readers SET acked_lsn = $2::text::pg_lsn, acked_position = $3, seen_at = now() WHERE slot_name = $1",
                 &[&inner.config.slot, &ack.to_string(), &(state.acked_pos as i64)],
-            )
-            .await
-            .map_err(sql("record the acknowledged LSN"))?;
+            ),
+        )
+        .await?;
         state.recorded = ack;
     }
     tracing::trace!(slot = %inner.config.slot, ack = %ack, "standby status");

@@ -678,7 +678,7 @@ async fn a_reader_left_in_an_open_transaction_does_not_stall_appends_behind_part
 
 /// Every process of the cluster stopped (SIGSTOP) or resumed (SIGCONT): a
 /// database that accepts TCP and answers nothing.
-fn signal_cluster(cluster: &schema::Cluster, sig: &str) {
+pub(crate) fn signal_cluster(cluster: &schema::Cluster, sig: &str) {
     let pm = cluster.postmaster_pid().expect("the postmaster's pid");
     let mut pids = vec![pm];
     for e in std::fs::read_dir("/proc").unwrap().flatten() {

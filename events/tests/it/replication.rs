@@ -383,3 +383,35 @@ async fn postgres_restarted_and_crashed_under_load_loses_nothing() {
         "the reader reconnected after each restart"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_whose_database_stops_answering_notices_reconnects_and_resumes() {
+    let cluster = schema::testing::temp_cluster(&[]).unwrap();
+    let url = schema::testing::migrated_database(&cluster).await;
+    let cfg: tokio_postgres::Config = url.parse().unwrap();
+    let mut rc = reader_config();
+    rc.query_timeout = Duration::from_secs(2);
+    let r = Reader::start(cfg.clone(), rc);
+    let mut sub = r.subscribe_ephemeral(Start::Now).await.unwrap();
+    let a = appender(&cfg);
+    a.append("s/1", ExpectedVersion::NoStream, vec![ev(1)])
+        .await
+        .unwrap();
+    assert_eq!(take(&mut sub, 1).await.len(), 1);
+    crate::append::signal_cluster(&cluster, "-STOP");
+    // Its heartbeat gets no answer: the session ends within the bound
+    // instead of waiting for the server for ever.
+    let noticed = tokio::time::timeout(Duration::from_secs(20), async {
+        while r.timeouts() == 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    crate::append::signal_cluster(&cluster, "-CONT");
+    noticed.expect("the reader noticed the silent database");
+    // Back: the reader connects again and the subscription goes on.
+    a.append("s/2", ExpectedVersion::NoStream, vec![ev(2)])
+        .await
+        .unwrap();
+    assert_eq!(take(&mut sub, 1).await.len(), 1);
+}
