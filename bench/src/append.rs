@@ -64,8 +64,8 @@ pub async fn run(args: Args) -> Result<()> {
             "--writers must include 256 (append_ratio is measured there), or pass --appends-only"
         );
     }
-    eprintln!("starting a private PostgreSQL (fsync on) ...");
-    let cluster = tokio::task::spawn_blocking(util::cluster).await??;
+    eprintln!("starting a private PostgreSQL (fsync on, serving TLS too) ...");
+    let (cluster, ca_file) = tokio::task::spawn_blocking(util::cluster_with_tls).await??;
     let recvlogical = cluster.bindir().join("pg_recvlogical");
     let cfg = util::database(&cluster, "bench").await?;
     let client = events::db::connect(&cfg, "bench").await?;
@@ -87,6 +87,25 @@ pub async fn run(args: Args) -> Result<()> {
             ..AppenderConfig::default()
         },
     );
+    // The same appends over TLS to the same server (verify-ca against the
+    // cluster's own CA), for `tls_ratio`.
+    let tls_db = events::db::Database::parse(&format!(
+        "host=127.0.0.1 port={} user={} dbname=bench sslmode=verify-ca sslrootcert={}",
+        cluster.port(),
+        schema::cluster::SUPERUSER,
+        ca_file.display()
+    ))
+    .map_err(anyhow::Error::msg)?;
+    let tls_appender = Appender::start(
+        &tls_db,
+        AppenderConfig {
+            connections: args.connections,
+            batch_linger: Duration::from_micros(args.batch_linger_us),
+            ..AppenderConfig::default()
+        },
+    );
+    let mut tls_rates: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
+    let mut tls_ratios: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
     // Each repetition measures the baselines and then Strata, back to back,
     // so a ratio compares phases minutes apart at most; `append_ratio` is
     // the median of the repetitions' ratios.
@@ -114,10 +133,25 @@ pub async fn run(args: Args) -> Result<()> {
                 .rate,
         );
         for (k, &writers) in args.writers.iter().enumerate() {
+            // TLS before plaintext in every other repetition, so that
+            // neither is always the later phase.
+            let tls_phase = matches!(writers, 16 | 256);
+            let tls_first = tls_phase && rep % 2 == 1;
+            let mut tls = None;
+            if tls_first {
+                tls = Some(strata_appends(&tls_appender, writers, secs).await?.0.rate);
+            }
             let (phase, l) = strata_appends(&appender, writers, secs).await?;
             let rate = phase.rate;
             rates[k].push(rate);
             lats[k].extend(l);
+            if tls_phase && !tls_first {
+                tls = Some(strata_appends(&tls_appender, writers, secs).await?.0.rate);
+            }
+            if let Some(tls) = tls {
+                tls_rates[k].push(tls);
+                tls_ratios[k].push(tls / rate.max(1e-9));
+            }
             if let (Ok(peer), 16 | 256) = (&message_db, writers) {
                 let theirs = crate::message_db::appends(peer, writers, secs).await?.rate;
                 peer_rates[k].push(theirs);
@@ -149,6 +183,13 @@ pub async fn run(args: Args) -> Result<()> {
         levels.insert(format!("appends_per_s_{writers}"), round(rate, 0).into());
         levels.insert(format!("ack_p50_ms_{writers}"), round(p50, 3).into());
         levels.insert(format!("ack_p99_ms_{writers}"), round(p99, 3).into());
+        if !tls_ratios[k].is_empty() {
+            let tls = util::median(&mut tls_rates[k]);
+            let ratio = util::median(&mut tls_ratios[k]);
+            eprintln!("strata over TLS: {writers:>3} writers {tls:>8.0} appends/s; tls_ratio {ratio:.3}");
+            levels.insert(format!("tls_appends_per_s_{writers}"), round(tls, 0).into());
+            levels.insert(format!("tls_ratio_{writers}"), round(ratio, 3).into());
+        }
         if !vs_peer[k].is_empty() {
             let theirs = util::median(&mut peer_rates[k]);
             let vs = util::median(&mut vs_peer[k]);
@@ -162,6 +203,13 @@ pub async fn run(args: Args) -> Result<()> {
             levels.insert(format!("vs_message_db_{writers}"), round(vs, 3).into());
         }
     }
+    levels.insert(
+        "tls".into(),
+        serde_json::json!({
+            "how": "the same appends to the same server over TLS (sslmode=verify-ca, rustls with ring, TLS 1.3), next to the plaintext phase in each repetition (after it in the first and third, before it in the second); tls_ratio = the median of the repetitions' TLS appends/s over plaintext appends/s",
+            "pgbouncer": "not measured: appends through PgBouncer are not supported yet",
+        }),
+    );
     levels.insert(
         "message_db".into(),
         match &message_db {

@@ -8,11 +8,42 @@ use std::time::Duration;
 
 /// A private cluster with fsync on: benchmarks measure durable commits.
 pub fn cluster() -> Result<Cluster> {
+    Ok(cluster_serving(None)?.0)
+}
+
+/// The same, also serving TLS (initdb's rules let a client in with or
+/// without it), with a certificate from a CA of its own: the cluster, and
+/// the CA's certificate file (for `sslrootcert`).
+pub fn cluster_with_tls() -> Result<(Cluster, PathBuf)> {
+    let ca_key = rcgen::KeyPair::generate()?;
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "bench postgres CA");
+    let ca_pem = ca.self_signed(&ca_key)?.pem();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate()?;
+    let server = rcgen::CertificateParams::new(vec!["localhost".to_string()])?
+        .signed_by(&key, &issuer)?;
+    let tls = schema::cluster::ClusterTls {
+        cert_pem: server.pem(),
+        key_pem: key.serialize_pem(),
+        client_ca_pem: None,
+    };
+    let (cluster, base) = cluster_serving(Some(tls))?;
+    let ca_file = base.join("ca.pem");
+    std::fs::write(&ca_file, ca_pem)?;
+    Ok((cluster, ca_file))
+}
+
+fn cluster_serving(tls: Option<schema::cluster::ClusterTls>) -> Result<(Cluster, PathBuf)> {
     let base = std::env::temp_dir().join(format!("strata-bench-{}", std::process::id()));
     let mut opts = ClusterOptions::new(base.join("pg"));
     opts.fsync = true;
-    opts.remove_on_exit = Some(base);
-    Cluster::start(opts).context("start the benchmark's PostgreSQL")
+    opts.remove_on_exit = Some(base.clone());
+    opts.tls = tls;
+    let c = Cluster::start(opts).context("start the benchmark's PostgreSQL")?;
+    Ok((c, base))
 }
 
 pub async fn database(cluster: &Cluster, name: &str) -> Result<tokio_postgres::Config> {
