@@ -186,7 +186,9 @@ pub async fn run(args: Args) -> Result<()> {
         if !tls_ratios[k].is_empty() {
             let tls = util::median(&mut tls_rates[k]);
             let ratio = util::median(&mut tls_ratios[k]);
-            eprintln!("strata over TLS: {writers:>3} writers {tls:>8.0} appends/s; tls_ratio {ratio:.3}");
+            eprintln!(
+                "strata over TLS: {writers:>3} writers {tls:>8.0} appends/s; tls_ratio {ratio:.3}"
+            );
             levels.insert(format!("tls_appends_per_s_{writers}"), round(tls, 0).into());
             levels.insert(format!("tls_ratio_{writers}"), round(ratio, 3).into());
         }

@@ -23,8 +23,8 @@ pub fn cluster_with_tls() -> Result<(Cluster, PathBuf)> {
     let ca_pem = ca.self_signed(&ca_key)?.pem();
     let issuer = rcgen::Issuer::new(ca, ca_key);
     let key = rcgen::KeyPair::generate()?;
-    let server = rcgen::CertificateParams::new(vec!["localhost".to_string()])?
-        .signed_by(&key, &issuer)?;
+    let server =
+        rcgen::CertificateParams::new(vec!["localhost".to_string()])?.signed_by(&key, &issuer)?;
     let tls = schema::cluster::ClusterTls {
         cert_pem: server.pem(),
         key_pem: key.serialize_pem(),

@@ -159,3 +159,44 @@ async fn takeover(synchronous: bool) -> Vec<u64> {
     drop(standby);
     lost
 }
+
+/// Reads of the table need no write on a standby: its head and its events
+/// are the primary's, as far as it has replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_reads_from_a_standby_without_writing() {
+    let primary = schema::testing::temp_cluster(&[]).unwrap();
+    let url = schema::testing::migrated_database(&primary).await;
+    let dbname = url.rsplit('/').next().unwrap().to_string();
+    let standby = schema::testing::temp_standby(&primary).unwrap();
+    let on_primary: tokio_postgres::Config = url.parse().unwrap();
+    let appender = Appender::start(&on_primary, AppenderConfig::default());
+    for i in 0..20 {
+        appender
+            .append(&format!("sb/{i}"), ExpectedVersion::NoStream, vec![ev(i)])
+            .await
+            .unwrap();
+    }
+    let primary_client = events::db::connect(&on_primary, "test").await.unwrap();
+    let head = events::read::head(&primary_client).await.unwrap();
+    let on_standby = Database::parse(&standby.url(&dbname)).unwrap();
+    let client = events::db::connect(&on_standby, "test").await.unwrap();
+    let in_recovery: bool = client
+        .query_one("SELECT pg_is_in_recovery()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(in_recovery, "the standby is a standby");
+    crate::eventually(30, || async {
+        events::read::head(&client).await.unwrap() == head
+    })
+    .await;
+    let events = events::read::after(&client, events::Position(0), 100)
+        .await
+        .unwrap();
+    let streams: BTreeSet<String> = events
+        .iter()
+        .filter(|e| e.stream.starts_with("sb/"))
+        .map(|e| e.stream.clone())
+        .collect();
+    assert_eq!(streams.len(), 20, "every event, read on the standby");
+}
