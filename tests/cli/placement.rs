@@ -1365,3 +1365,90 @@ fn roles_are_set_listed_and_removed_and_bad_ones_refused() {
     let listed = lines(&ok(&["roles", "list", "--json", "--database-url", &url]));
     assert_eq!(listed.len(), 1, "{listed:?}");
 }
+
+/// A placer process and the CLI against a primary and its streaming
+/// standby through one multi-host URL: the primary is killed, the standby
+/// promoted, and the same running placer places the next reservation there.
+#[test]
+fn a_placer_process_follows_a_promoted_standby() {
+    let mut primary = schema::testing::temp_cluster(&[]).unwrap();
+    let url = rt().block_on(schema::testing::migrated_database(&primary));
+    let dbname = url.rsplit('/').next().unwrap().to_string();
+    let standby = schema::testing::temp_standby(&primary).unwrap();
+    let both = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/{dbname}?target_session_attrs=read-write&connect_timeout=2",
+        primary.port(),
+        standby.port()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    ok(&["pool", "create", "gpu", "--database-url", &both]);
+    ok(&[
+        "pool",
+        "seed",
+        "gpu",
+        "--database-url",
+        &both,
+        "--nodes",
+        "2",
+    ]);
+    let log = dir.path().join("placer.log");
+    let mut p = placer(&both, "failover", &log);
+    let out = ok(&reserve_args(
+        &both,
+        &["--gpus", "8", "--shape", "node", "--id", "before", "--wait"],
+    ));
+    assert!(out.starts_with("placed before"), "{out}");
+
+    primary.crash();
+    standby.promote().unwrap();
+    let out = ok(&reserve_args(
+        &both,
+        &[
+            "--gpus",
+            "8",
+            "--shape",
+            "node",
+            "--id",
+            "after",
+            "--wait",
+            "--timeout",
+            "60s",
+        ],
+    ));
+    assert!(
+        out.starts_with("placed after"),
+        "{out}\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    // Both are in the promoted standby's log, on different nodes.
+    let placed: Vec<String> = rt().block_on(async {
+        let c = events::db::connect(
+            &standby
+                .url(&dbname)
+                .parse::<tokio_postgres::Config>()
+                .unwrap(),
+            "t",
+        )
+        .await
+        .unwrap();
+        c.query(
+            "SELECT payload->'allocations'->0->>'node' FROM strata.events
+              WHERE type = 'reservation.placed' ORDER BY position",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+    });
+    assert_eq!(placed.len(), 2, "{placed:?}");
+    assert_ne!(placed[0], placed[1], "one node booked twice: {placed:?}");
+    let _ = p.kill();
+    let _ = p.wait();
+    let log = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        log.contains("replication slot missing on this server"),
+        "the placer's reader said its slot was gone:\n{log}"
+    );
+}
