@@ -48,7 +48,7 @@ pub struct Args {
     /// The `strata` binary (default: next to this one, built first with cargo when run through cargo)
     #[arg(long)]
     strata: Option<PathBuf>,
-    /// Run the placers, binders, sinks, maintenance and audit in two processes (`--roles placer,binder,sinks,audit,maintenance` and `--roles placer,binder`) instead of seven: five replication slots instead of ten
+    /// Run the placers, binders, sinks, maintenance and audit in two processes (`--roles placer,binder,sinks,audit,maintenance` and `--roles placer,binder`) instead of seven: five replication slots instead of eight (maintenance and audit hold none)
     #[arg(long)]
     shared_processes: bool,
     /// The faults to inject after the steady phase, comma-separated, in
