@@ -1,8 +1,9 @@
 //! The region drill in a small form: every role as its own `strata serve`
 //! process, 200 simulated nodes joining with tokens, each fault once
 //! (power cycle, gateway, placer, binder and sinks SIGKILLed, PostgreSQL
-//! crashed, walsenders terminated, a slot dropped) and the invariant checker
-//! after each and at the end. `bench region` is the same drill at 10,000
+//! crashed, walsenders terminated, a slot dropped, the primary killed and a
+//! synchronous standby promoted) and the invariant checker after each and at
+//! the end. `bench region` is the same drill at 10,000
 //! nodes with the measurements.
 
 use std::time::Duration;
@@ -49,6 +50,11 @@ fn a_small_region_survives_every_fault_with_nothing_lost_or_doubled() {
     );
     assert_eq!(r["commands_run_twice"], 0);
     assert_eq!(r["scenarios"]["power_cycle"]["all_reconnected"], true);
+    assert!(
+        r["scenarios"]["standby_promoted"]["recovery_s"].is_number(),
+        "the region went on against the promoted standby: {:#}",
+        r["scenarios"]["standby_promoted"]
+    );
     assert_eq!(
         r["jetstream_checked"], true,
         "nats-server is on this machine"

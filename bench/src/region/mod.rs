@@ -53,7 +53,8 @@ pub struct Args {
     shared_processes: bool,
     /// The faults to inject after the steady phase, comma-separated, in
     /// this order: power_cycle, gateway_kill, placer_kill, binder_kill,
-    /// sinks_kill, postgres_crash, walsenders_terminated, slot_dropped;
+    /// sinks_kill, postgres_crash, walsenders_terminated, slot_dropped,
+    /// standby_promoted;
     /// `all` (the default) or `none` (cold start and steady load only; the
     /// targets of faults left out are reported as not measured)
     #[arg(long, default_value = "all")]
@@ -61,7 +62,7 @@ pub struct Args {
 }
 
 /// Every fault the drill knows, in the order it injects them.
-pub const FAULTS: [&str; 8] = [
+pub const FAULTS: [&str; 9] = [
     "power_cycle",
     "gateway_kill",
     "placer_kill",
@@ -70,6 +71,7 @@ pub const FAULTS: [&str; 8] = [
     "postgres_crash",
     "walsenders_terminated",
     "slot_dropped",
+    "standby_promoted",
 ];
 
 /// The faults `--faults` names, in the drill's order.
@@ -221,6 +223,10 @@ fn build_strata() -> Result<PathBuf> {
 /// The region's processes and shared parts.
 pub struct Region {
     pub cluster: schema::Cluster,
+    /// Where the standby listens once it runs (`standby_promoted`): every
+    /// URL of the region names this port second, with
+    /// `target_session_attrs=read-write`, from the start.
+    pub standby_port: Option<u16>,
     pub cfg: tokio_postgres::Config,
     pub launch: Launch,
     pub roles: Vec<Role>,
@@ -389,7 +395,23 @@ pub async fn start(o: &Options) -> Result<Region> {
     eprintln!("starting a private PostgreSQL (fsync on) ...");
     let cluster = tokio::task::spawn_blocking(util::cluster).await??;
     let cfg = util::database(&cluster, "region").await?;
-    let url = cluster.url("region");
+    let standby_port = if o.faults.contains(&"standby_promoted") {
+        Some(procs::free_port()?)
+    } else {
+        None
+    };
+    let (url, cfg) = match standby_port {
+        Some(p2) => {
+            let url = format!(
+                "postgres://{}@127.0.0.1:{},127.0.0.1:{p2}/region?target_session_attrs=read-write&connect_timeout=2",
+                schema::cluster::SUPERUSER,
+                cluster.port()
+            );
+            let cfg: tokio_postgres::Config = url.parse()?;
+            (url, cfg)
+        }
+        None => (cluster.url("region"), cfg),
+    };
     let client = events::db::connect(&cfg, "region-setup").await?;
     let ca = dir.path().join("ca");
     gateway::ca::init(&ca, "region-drill")?;
@@ -547,6 +569,7 @@ pub async fn start(o: &Options) -> Result<Region> {
     );
     Ok(Region {
         cluster,
+        standby_port,
         cfg,
         launch,
         roles,
@@ -599,6 +622,9 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
             Box::pin(scenarios::walsenders(r, o))
         }),
         ("slot_dropped", |r, o| Box::pin(scenarios::slot_drop(r, o))),
+        ("standby_promoted", |r, o| {
+            Box::pin(scenarios::standby_promoted(r, o))
+        }),
     ];
     for (name, fault) in faults.into_iter().filter(|(n, _)| o.faults.contains(n)) {
         eprintln!("scenario {name} ...");

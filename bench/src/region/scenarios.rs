@@ -10,7 +10,7 @@
 
 use super::{procs, Options, Region, HOOK_PREFIX};
 use crate::util::round;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use events::ExpectedVersion;
 use projections::{Fact, Request, Shape};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -602,6 +602,61 @@ pub async fn postgres_crash(r: &mut Region, o: &Options) -> Result<serde_json::V
     let recovery = probe(r, o, &r.pools[0].clone(), crashed).await?;
     Ok(serde_json::json!({
         "server_back_after_s": round(restarted_after, 2),
+        "recovery_s": recovery,
+    }))
+}
+
+/// A streaming standby (synchronous) is started under the load, the
+/// primary is killed and the standby promoted: every role finds it through
+/// the URL's second host. The promoted standby is the region's server from
+/// then on.
+pub async fn standby_promoted(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let port = r
+        .standby_port
+        .context("the region was started without a standby port")?;
+    let started = Instant::now();
+    let standby = tokio::task::block_in_place(|| {
+        let base =
+            std::env::temp_dir().join(format!("strata-bench-{}-standby", std::process::id()));
+        let mut opts = schema::ClusterOptions::new(base.join("pg"));
+        opts.port = Some(port);
+        opts.fsync = true;
+        opts.remove_on_exit = Some(base);
+        r.cluster.standby(opts)
+    })?;
+    let backup_s = started.elapsed().as_secs_f64();
+    // Synchronous: an acknowledged event is on the standby too.
+    let c = r.client().await?;
+    c.batch_execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+        .await?;
+    c.batch_execute("SELECT pg_reload_conf()").await?;
+    let deadline = Instant::now() + o.patience;
+    while c
+        .query_opt(
+            "SELECT 1 FROM pg_stat_replication WHERE sync_state = 'sync'",
+            &[],
+        )
+        .await?
+        .is_none()
+    {
+        if Instant::now() > deadline {
+            anyhow::bail!("the standby never became synchronous");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(c);
+    let died = Instant::now();
+    tokio::task::block_in_place(|| {
+        r.cluster.crash();
+        standby.promote()
+    })?;
+    let promoted_after = died.elapsed().as_secs_f64();
+    r.cluster = standby;
+    let recovery = probe(r, o, &r.pools[0].clone(), died).await?;
+    Ok(serde_json::json!({
+        "base_backup_s": round(backup_s, 2),
+        "promoted_after_s": round(promoted_after, 2),
+        "synchronous": true,
         "recovery_s": recovery,
     }))
 }
