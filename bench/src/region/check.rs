@@ -166,6 +166,13 @@ impl Received {
         }
     }
 
+    /// Deliveries of a position the receiver had already had (at-least-once
+    /// delivery repeating itself after a fault).
+    pub fn redelivered(&self) -> usize {
+        let a = self.arrivals.lock().expect("receiver lock");
+        a.0.len() - a.1.len()
+    }
+
     pub fn has(&self, position: u64) -> bool {
         self.arrivals
             .lock()

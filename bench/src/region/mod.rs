@@ -628,6 +628,7 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
     ];
     for (name, fault) in faults.into_iter().filter(|(n, _)| o.faults.contains(n)) {
         eprintln!("scenario {name} ...");
+        let redelivered_before = r.hook.redelivered();
         let mut s = fault(&mut r, &o).await?;
         // The checker reads the whole log; the offer pauses while it does
         // (on two cores it would otherwise compete with the load for them).
@@ -637,6 +638,9 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
         let (_, mut v) = check::log(&c, &acked).await?;
         v.extend(check::sinks(&c, &r.hook, r.js.as_ref(), Duration::from_secs(120)).await?);
         s["violations"] = v.len().into();
+        // Events the webhook received twice because of the fault (allowed:
+        // delivery is at least once; JetStream's are checked stored once).
+        s["webhook_redeliveries"] = (r.hook.redelivered() - redelivered_before).into();
         for x in &v {
             eprintln!(
                 "  violation after {name}: {} {:?}: {}",
@@ -734,6 +738,7 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
         "violation_list": all_violations,
         "events_in_log": events,
         "jetstream_checked": jetstream,
+        "webhook_redeliveries": r.hook.redelivered(),
         "steady": steady,
         "scenarios": scenarios,
         "targets": {

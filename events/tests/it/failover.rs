@@ -75,9 +75,11 @@ async fn takeover(synchronous: bool) -> Vec<u64> {
     let appender = Appender::start(&db, AppenderConfig::default());
 
     // One writer, one stream per append; what it was told is acknowledged.
+    // It goes on until 30 appends were acknowledged after the primary died.
     let acked: Arc<Mutex<Vec<(u64, Instant)>>> = Arc::default();
+    let died_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let writer = {
-        let (acked, appender) = (acked.clone(), appender.clone());
+        let (acked, appender, died_at) = (acked.clone(), appender.clone(), died_at.clone());
         tokio::spawn(async move {
             for i in 0u64.. {
                 match appender
@@ -87,8 +89,17 @@ async fn takeover(synchronous: bool) -> Vec<u64> {
                     Ok(_) => acked.lock().unwrap().push((i, Instant::now())),
                     Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
                 }
-                if acked.lock().unwrap().len() >= 80 {
-                    return;
+                let died = *died_at.lock().unwrap();
+                if let Some(died) = died {
+                    let after = acked
+                        .lock()
+                        .unwrap()
+                        .iter()
+                        .filter(|(_, at)| *at > died)
+                        .count();
+                    if after >= 30 {
+                        return;
+                    }
                 }
             }
         })
@@ -96,6 +107,7 @@ async fn takeover(synchronous: bool) -> Vec<u64> {
     crate::eventually(30, || async { acked.lock().unwrap().len() >= 30 }).await;
     primary.crash();
     let died = Instant::now();
+    *died_at.lock().unwrap() = Some(died);
     standby.promote().unwrap();
     tokio::time::timeout(Duration::from_secs(120), writer)
         .await
