@@ -159,8 +159,50 @@ impl Cluster {
 
     /// Initializes the data folder when needed and starts the server.
     pub fn start(options: ClusterOptions) -> Result<Cluster, ClusterError> {
-        let bindir = Self::find_bindir()?;
-        let run_as = unprivileged_user()?;
+        let mut cluster = Self::planned(options, Self::find_bindir()?, unprivileged_user()?)?;
+        cluster.stop_stale();
+        if !cluster.options.data_dir.join("PG_VERSION").exists() {
+            cluster.initdb()?;
+        }
+        cluster.launch()?;
+        Ok(cluster)
+    }
+
+    /// A streaming standby of this server: a base backup of it (WAL
+    /// streamed, `-R` so that it follows this server) into
+    /// `options.data_dir`, started on a port of its own.
+    pub fn standby(&self, options: ClusterOptions) -> Result<Cluster, ClusterError> {
+        let mut standby = Self::planned(options, self.bindir.clone(), self.run_as)?;
+        standby.own_data_dir()?;
+        let out = standby
+            .command("pg_basebackup")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                SUPERUSER,
+            ])
+            .arg("-D")
+            .arg(&standby.options.data_dir)
+            .args(["-X", "stream", "-R", "--checkpoint=fast"])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(io("run pg_basebackup"))?;
+        succeeded("pg_basebackup", out)?;
+        standby.launch()?;
+        Ok(standby)
+    }
+
+    /// A cluster not started yet: its data folder made absolute (its parent
+    /// created, and checked traversable by the server's user), its log file
+    /// beside it, and its port.
+    fn planned(
+        options: ClusterOptions,
+        bindir: PathBuf,
+        run_as: Option<(u32, u32)>,
+    ) -> Result<Cluster, ClusterError> {
         let data_dir = absolute(&options.data_dir)?;
         let parent = data_dir
             .parent()
@@ -176,95 +218,21 @@ impl Cluster {
                 .file_name()
                 .map_or("postgres".into(), |n| n.to_string_lossy())
         ));
-        let options = ClusterOptions {
-            data_dir,
-            ..options
-        };
         let port = match options.port {
             Some(p) => p,
             None => free_port()?,
         };
-        let mut cluster = Cluster {
-            options,
+        Ok(Cluster {
+            options: ClusterOptions {
+                data_dir,
+                ..options
+            },
             bindir,
             port,
             run_as,
             child: None,
             log_path,
-        };
-        cluster.stop_stale();
-        if !cluster.options.data_dir.join("PG_VERSION").exists() {
-            cluster.initdb()?;
-        }
-        cluster.launch()?;
-        Ok(cluster)
-    }
-
-    /// A streaming standby of this server: a base backup of it (WAL
-    /// streamed, `-R` so that it follows this server) into
-    /// `options.data_dir`, started on a port of its own.
-    pub fn standby(&self, options: ClusterOptions) -> Result<Cluster, ClusterError> {
-        let run_as = self.run_as;
-        let data_dir = absolute(&options.data_dir)?;
-        let parent = data_dir
-            .parent()
-            .ok_or_else(|| ClusterError::Unreachable(data_dir.clone()))?
-            .to_path_buf();
-        fs::create_dir_all(&data_dir).map_err(io(format!("create {}", data_dir.display())))?;
-        fs::set_permissions(&data_dir, fs::Permissions::from_mode(0o700))
-            .map_err(io(format!("set permissions of {}", data_dir.display())))?;
-        if let Some((uid, gid)) = run_as {
-            check_traversable(&parent)?;
-            std::os::unix::fs::chown(&data_dir, Some(uid), Some(gid)).map_err(io(format!(
-                "hand {} to the postgres user",
-                data_dir.display()
-            )))?;
-        }
-        let out = self
-            .command("pg_basebackup")
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-U",
-                SUPERUSER,
-            ])
-            .arg("-D")
-            .arg(&data_dir)
-            .args(["-X", "stream", "-R", "--checkpoint=fast"])
-            .stdin(Stdio::null())
-            .output()
-            .map_err(io("run pg_basebackup"))?;
-        if !out.status.success() {
-            return Err(ClusterError::Command {
-                what: "pg_basebackup".into(),
-                detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-            });
-        }
-        let log_path = parent.join(format!(
-            "{}.log",
-            data_dir
-                .file_name()
-                .map_or("standby".into(), |n| n.to_string_lossy())
-        ));
-        let port = match options.port {
-            Some(p) => p,
-            None => free_port()?,
-        };
-        let mut standby = Cluster {
-            options: ClusterOptions {
-                data_dir,
-                ..options
-            },
-            bindir: self.bindir.clone(),
-            port,
-            run_as,
-            child: None,
-            log_path,
-        };
-        standby.launch()?;
-        Ok(standby)
+        })
     }
 
     /// Promotes a standby to a primary and waits until it is one.
@@ -278,13 +246,7 @@ impl Cluster {
             .stdin(Stdio::null())
             .output()
             .map_err(io("run pg_ctl promote"))?;
-        if !out.status.success() {
-            return Err(ClusterError::Command {
-                what: "pg_ctl promote".into(),
-                detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-            });
-        }
-        Ok(())
+        succeeded("pg_ctl promote", out)
     }
 
     /// The TCP port the server listens on (127.0.0.1).
@@ -381,7 +343,8 @@ impl Cluster {
         Ok(())
     }
 
-    fn initdb(&self) -> Result<(), ClusterError> {
+    /// Creates the data folder, private to the server's user.
+    fn own_data_dir(&self) -> Result<(), ClusterError> {
         let dir = &self.options.data_dir;
         fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
         fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
@@ -390,6 +353,12 @@ impl Cluster {
             std::os::unix::fs::chown(dir, Some(uid), Some(gid))
                 .map_err(io(format!("hand {} to the postgres user", dir.display())))?;
         }
+        Ok(())
+    }
+
+    fn initdb(&self) -> Result<(), ClusterError> {
+        self.own_data_dir()?;
+        let dir = &self.options.data_dir;
         let out = self
             .command("initdb")
             .arg("-D")
@@ -404,13 +373,7 @@ impl Cluster {
             .stdin(Stdio::null())
             .output()
             .map_err(io("run initdb"))?;
-        if !out.status.success() {
-            return Err(ClusterError::Command {
-                what: "initdb".into(),
-                detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-            });
-        }
-        Ok(())
+        succeeded("initdb", out)
     }
 
     fn launch(&mut self) -> Result<(), ClusterError> {
@@ -574,6 +537,17 @@ fn spawn_watcher(pg_pid: u32, remove: Option<&Path>) {
         .stderr(Stdio::null())
         .process_group(0)
         .spawn();
+}
+
+/// A server tool's run: its stderr in the error when it failed.
+fn succeeded(what: &str, out: std::process::Output) -> Result<(), ClusterError> {
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(ClusterError::Command {
+        what: what.into(),
+        detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    })
 }
 
 fn absolute(p: &Path) -> Result<PathBuf, ClusterError> {

@@ -1590,20 +1590,7 @@ async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() 
         .gateway("gw-a", |c| c.heartbeat = Duration::from_secs(30))
         .await;
     let dir = tempfile::tempdir().unwrap();
-    let c = joining(&r, &gw, dir.path(), "n1").await;
-    let n = start(c.clone());
-    eventually(20, "n1 is in the pool", || async {
-        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
-            .await
-            == 1
-    })
-    .await;
-    let placer = placer::Placer::start(
-        r.cfg.clone(),
-        r.reader(),
-        r.appender.clone(),
-        placer::PlacerConfig::new("contact"),
-    );
+    let (n, placer) = n1_and_a_placer(&r, &gw, dir.path()).await;
     n.stop().await.unwrap();
     eventually(10, "the pool hears contact with n1 is lost", || async {
         r.count("SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'node.contact_lost'").await == 1
@@ -1641,8 +1628,9 @@ async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() 
         None,
         "w went to a node that is gone"
     );
-    // Back: its new session restores contact and w is placed there.
-    let n = start(c);
+    // Back (joined already: its credentials are on disk): its new session
+    // restores contact and w is placed there.
+    let n = start(config(vec![url(&gw)], dir.path(), "n1"));
     eventually(20, "w is placed on n1, back", || async {
         placed_on(&r, "w").await.as_deref() == Some("n1")
     })
