@@ -3,6 +3,7 @@
 
 use crate::{Db, EventsCmd, PartitionsCmd, ServeArgs, SlotsCmd};
 use anyhow::{bail, Context, Result};
+use events::db::Sql;
 use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent, Reader, ReaderConfig, Start};
 use std::io::Write;
 use std::process::ExitCode;
@@ -12,9 +13,27 @@ use std::time::{Duration, SystemTime};
 /// The database the command names: libpq's URL or `key=value` string, TLS
 /// settings (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`) included.
 pub fn config(db: &Db) -> Result<events::db::Database> {
-    events::db::Database::parse(&db.database_url)
+    let main = events::db::Database::parse(&db.database_url)
         .map_err(anyhow::Error::msg)
-        .context("parse the database URL (expected e.g. postgres://user@host:5432/dbname or 'host=db dbname=strata')")
+        .context("parse the database URL (expected e.g. postgres://user@host:5432/dbname or 'host=db dbname=strata')")?;
+    Ok(match &db.database_direct_url {
+        Some(direct) => main.through_pooler(
+            events::db::Database::parse(direct)
+                .map_err(anyhow::Error::msg)
+                .context("parse --database-direct-url")?,
+        ),
+        None => main,
+    })
+}
+
+/// A connection to PostgreSQL itself (`--database-direct-url` when the
+/// main URL goes through a pooler): for the migration lock and the checks
+/// of the server.
+pub async fn connect_direct(db: &Db) -> Result<tokio_postgres::Client> {
+    let cfg = config(db)?;
+    events::db::connect(cfg.direct(), "cli-direct-connection")
+        .await
+        .context("connect to postgres (directly)")
 }
 
 pub async fn connect(db: &Db) -> Result<tokio_postgres::Client> {
@@ -25,7 +44,7 @@ pub async fn connect(db: &Db) -> Result<tokio_postgres::Client> {
 }
 
 pub async fn migrate(db: &Db) -> Result<ExitCode> {
-    let mut client = connect(db).await?;
+    let mut client = connect_direct(db).await?;
     let applied = schema::migrate(&mut client).await.context("migrate")?;
     if applied.is_empty() {
         println!("schema is up to date");
@@ -200,7 +219,7 @@ async fn tail(
     // Check the connection and schema up front for a clear error.
     let client = connect(db).await?;
     client
-        .query_one("SELECT 1 FROM strata.log_head", &[])
+        .one("SELECT 1 FROM strata.log_head", &[])
         .await
         .context("read the log (has `strata migrate` been run?)")?;
     let mut rc = ReaderConfig::new(format!("strata_tail_{}", std::process::id()));
@@ -266,7 +285,7 @@ async fn tail(
 /// problem.
 pub async fn doctor(db: &Db, json: bool, stale_after: Duration) -> Result<ExitCode> {
     use events::doctor::Status;
-    let client = connect(db).await?;
+    let client = connect_direct(db).await?;
     let findings = events::doctor::examine(&client, stale_after)
         .await
         .context("examine the database")?;
@@ -362,7 +381,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         }
     }
     let cfg = config(&args.db)?;
-    let mut client = connect(&args.db).await?;
+    let mut client = connect_direct(&args.db).await?;
     schema::migrate(&mut client).await.context("migrate")?;
     // Not fatal: a long-running reader can hold creation off (it gives up
     // after a lock timeout), and the reader keeps months ahead from now on.
@@ -564,7 +583,9 @@ pub fn spawn_sealer(cfg: events::db::Database, every: Duration, grace: Duration)
                 .as_ref()
                 .is_none_or(|c: &tokio_postgres::Client| c.is_closed())
             {
-                match events::db::connect(&cfg, "strata-sealer").await {
+                // Sealing holds a session lock: PostgreSQL itself, never
+                // through a pooler.
+                match events::db::connect(cfg.direct(), "strata-sealer").await {
                     Ok(c) => client = Some(c),
                     Err(e) => {
                         tracing::warn!(error = %e, "sealer: cannot connect; trying again later");
@@ -609,7 +630,8 @@ async fn start_audit(
         Some(u) => events::db::Database::parse(u)
             .map_err(anyhow::Error::msg)
             .context("--audit-database-url")?,
-        None => cfg.clone(),
+        // Each auditor's session is a login of its own, with its settings.
+        None => cfg.direct().clone(),
     };
     ac.statement_timeout = args.audit_statement_timeout;
     ac.idle_in_transaction = args.audit_idle_in_transaction;

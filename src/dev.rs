@@ -4,6 +4,7 @@
 
 use crate::DevArgs;
 use anyhow::{Context, Result};
+use events::db::Sql;
 use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent, Reader, ReaderConfig, Start};
 use schema::{Cluster, ClusterOptions};
 use std::process::ExitCode;
@@ -87,7 +88,7 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
             .await
             .context("connect to the private cluster")?;
             let exists = admin
-                .query_opt("SELECT 1 FROM pg_database WHERE datname = 'strata'", &[])
+                .opt("SELECT 1 FROM pg_database WHERE datname = 'strata'", &[])
                 .await?
                 .is_some();
             if !exists {

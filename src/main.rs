@@ -30,6 +30,9 @@ pub struct Db {
     /// PostgreSQL connection string as libpq reads it, e.g. postgres://user@host:5432/strata or 'host=db1,db2 dbname=strata target_session_attrs=read-write'. TLS: sslmode=disable|prefer (the default)|require|verify-ca|verify-full, sslrootcert=FILE (the CA to check the server against), sslcert=FILE and sslkey=FILE (a client certificate)
     #[arg(long, env = "STRATA_DATABASE_URL", value_name = "URL")]
     database_url: String,
+    /// PostgreSQL itself, when --database-url goes through a connection pooler in transaction mode (PgBouncer): the replication stream, the migration lock, sealing's lock and the audit endpoint's logins connect here, and connections through the pooler keep no prepared statement or session setting past a transaction. Without it every connection uses --database-url
+    #[arg(long, env = "STRATA_DATABASE_DIRECT_URL", value_name = "URL")]
+    database_direct_url: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]

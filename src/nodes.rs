@@ -6,6 +6,7 @@ use crate::{
     ParkedCmd, SinksCmd, TokensCmd,
 };
 use anyhow::{bail, Context, Result};
+use events::db::Sql;
 use events::{Appender, AppenderConfig};
 use node::daemon::{self, DaemonConfig, DaemonStats};
 use node::gpu::{FakeGpus, GpuBackend, NvmlGpus};
@@ -236,7 +237,7 @@ pub async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
         NodesCmd::List { db } => {
             let client = connect(&db).await?;
             let rows = client
-                .query(
+                .rows(
                     "SELECT node, pool, serial, issued_at::text, not_after::text, revoked_at::text
                        FROM strata.node_certificates ORDER BY node, issued_at",
                     &[],
@@ -458,7 +459,7 @@ pub async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
         CommandsCmd::Show { db, id } => {
             let client = connect(&db).await?;
             let node: Option<String> = client
-                .query_opt(
+                .opt(
                     "SELECT payload->>'node' FROM strata.events WHERE stream = $1 AND version = 1",
                     &[&commands::command_stream(&id)],
                 )
@@ -687,14 +688,14 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
             );
             for s in config::list(&client).await? {
                 let cursor: Option<i64> = client
-                    .query_opt(
+                    .opt(
                         "SELECT position FROM strata.subscriptions WHERE name = $1",
                         &[&format!("sink.{}", s.config.name)],
                     )
                     .await?
                     .map(|r| r.get(0));
                 let parked: i64 = client
-                    .query_one(
+                    .one(
                         "SELECT count(*) FROM strata.sink_parked WHERE sink = $1",
                         &[&s.config.name],
                     )
@@ -710,7 +711,7 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 // The age of the oldest event the sink has not acknowledged.
                 let lag_s: Option<f64> = match cursor {
                     Some(c) if c < head => client
-                        .query_opt(
+                        .opt(
                             "SELECT extract(epoch FROM now() - recorded_at)::float8 FROM strata.events WHERE position = $1",
                             &[&(c + 1)],
                         )
@@ -769,7 +770,7 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                     })?;
                     let head = events::read::head(&client).await?.0 as i64;
                     let first: Option<i64> = client
-                        .query_one(
+                        .one(
                             "SELECT min(position) FROM strata.events WHERE recorded_at >= $1 AND position <= $2",
                             &[&t, &head],
                         )

@@ -3,6 +3,7 @@
 use crate::commands::{config, connect};
 use crate::{Db, PoolCmd, ReplayCmd, ReserveArgs};
 use anyhow::{bail, Context, Result};
+use events::db::Sql;
 use events::{Appender, AppenderConfig, Reader, ReaderConfig, Start};
 use placer::client::{self, Outcome};
 use projections::index::Phase;
@@ -170,7 +171,7 @@ pub async fn position_at(db: &Db, at: &str) -> Result<u64> {
         .map_err(|_| anyhow::anyhow!("--at {at:?}: a time such as 2026-11-30T10:00:00Z"))?;
     let client = connect(db).await?;
     let p: Option<i64> = client
-        .query_one(
+        .one(
             "SELECT max(position) FROM strata.events WHERE recorded_at <= $1",
             &[&t],
         )

@@ -224,10 +224,10 @@ async fn replay_into<P: Projection>(
 }
 
 pub async fn run(args: RunArgs) -> Result<ExitCode> {
-    let db = args
-        .database_url
-        .clone()
-        .map(|database_url| Db { database_url });
+    let db = args.database_url.clone().map(|database_url| Db {
+        database_url,
+        database_direct_url: None,
+    });
     let db = db.as_ref();
     let need_db = |what: &str| {
         db.with_context(|| format!("{what} needs --database-url (or STRATA_DATABASE_URL)"))

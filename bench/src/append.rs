@@ -106,6 +106,50 @@ pub async fn run(args: Args) -> Result<()> {
     );
     let mut tls_rates: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
     let mut tls_ratios: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
+    // The same appends through a PgBouncer in transaction mode (Debian's,
+    // 20 server connections) in front of the same server, for
+    // `pgbouncer_ratio`; skipped, and said so, when there is no pgbouncer.
+    let bouncer_dir = tempfile::tempdir()?;
+    let bouncer = match schema::Bouncer::start(
+        &cluster,
+        bouncer_dir.path(),
+        &schema::BouncerOptions {
+            pool_size: 20,
+            ..schema::BouncerOptions::default()
+        },
+    ) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("PgBouncer phase skipped: {e}");
+            None
+        }
+    };
+    let pgbouncer_version = bouncer.as_ref().and_then(|_| {
+        std::process::Command::new(schema::Bouncer::find().ok()?)
+            .arg("--version")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|v| v.lines().next().map(str::to_string))
+    });
+    let pooled_appender = match &bouncer {
+        Some(b) => {
+            let through = events::db::Database::parse(&b.url("bench"))
+                .map_err(anyhow::Error::msg)?
+                .through_pooler(cfg.clone().into());
+            Some(Appender::start(
+                through,
+                AppenderConfig {
+                    connections: args.connections,
+                    batch_linger: Duration::from_micros(args.batch_linger_us),
+                    ..AppenderConfig::default()
+                },
+            ))
+        }
+        None => None,
+    };
+    let mut pooled_rates: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
+    let mut pooled_ratios: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
     // Each repetition measures the baselines and then Strata, back to back,
     // so a ratio compares phases minutes apart at most; `append_ratio` is
     // the median of the repetitions' ratios.
@@ -138,8 +182,12 @@ pub async fn run(args: Args) -> Result<()> {
             let tls_phase = matches!(writers, 16 | 256);
             let tls_first = tls_phase && rep % 2 == 1;
             let mut tls = None;
+            let mut pooled = None;
             if tls_first {
                 tls = Some(strata_appends(&tls_appender, writers, secs).await?.0.rate);
+                if let Some(p) = &pooled_appender {
+                    pooled = Some(strata_appends(p, writers, secs).await?.0.rate);
+                }
             }
             let (phase, l) = strata_appends(&appender, writers, secs).await?;
             let rate = phase.rate;
@@ -147,10 +195,17 @@ pub async fn run(args: Args) -> Result<()> {
             lats[k].extend(l);
             if tls_phase && !tls_first {
                 tls = Some(strata_appends(&tls_appender, writers, secs).await?.0.rate);
+                if let Some(p) = &pooled_appender {
+                    pooled = Some(strata_appends(p, writers, secs).await?.0.rate);
+                }
             }
             if let Some(tls) = tls {
                 tls_rates[k].push(tls);
                 tls_ratios[k].push(tls / rate.max(1e-9));
+            }
+            if let Some(pooled) = pooled {
+                pooled_rates[k].push(pooled);
+                pooled_ratios[k].push(pooled / rate.max(1e-9));
             }
             if let (Ok(peer), 16 | 256) = (&message_db, writers) {
                 let theirs = crate::message_db::appends(peer, writers, secs).await?.rate;
@@ -192,6 +247,18 @@ pub async fn run(args: Args) -> Result<()> {
             levels.insert(format!("tls_appends_per_s_{writers}"), round(tls, 0).into());
             levels.insert(format!("tls_ratio_{writers}"), round(ratio, 3).into());
         }
+        if !pooled_ratios[k].is_empty() {
+            let pooled = util::median(&mut pooled_rates[k]);
+            let ratio = util::median(&mut pooled_ratios[k]);
+            eprintln!(
+                "strata through PgBouncer: {writers:>3} writers {pooled:>8.0} appends/s; pgbouncer_ratio {ratio:.3}"
+            );
+            levels.insert(
+                format!("pgbouncer_appends_per_s_{writers}"),
+                round(pooled, 0).into(),
+            );
+            levels.insert(format!("pgbouncer_ratio_{writers}"), round(ratio, 3).into());
+        }
         if !vs_peer[k].is_empty() {
             let theirs = util::median(&mut peer_rates[k]);
             let vs = util::median(&mut vs_peer[k]);
@@ -209,8 +276,17 @@ pub async fn run(args: Args) -> Result<()> {
         "tls".into(),
         serde_json::json!({
             "how": "the same appends to the same server over TLS (sslmode=verify-ca, rustls with ring, TLS 1.3), next to the plaintext phase in each repetition (after it in the first and third, before it in the second); tls_ratio = the median of the repetitions' TLS appends/s over plaintext appends/s",
-            "pgbouncer": "not measured: appends through PgBouncer are not supported yet",
         }),
+    );
+    levels.insert(
+        "pgbouncer".into(),
+        match &pgbouncer_version {
+            Some(v) => serde_json::json!({
+                "version": v,
+                "how": "the same appends through a PgBouncer in transaction mode (default_pool_size 20) on the same machine in front of the same server, plaintext, next to the direct plaintext phase like the TLS phase; the appender's statements go unnamed (no prepared statement outlives a transaction) and its settings are SET LOCAL; pgbouncer_ratio = the median of the repetitions' PgBouncer appends/s over direct appends/s",
+            }),
+            None => serde_json::json!({"measured": false, "skipped": "no pgbouncer binary (apt-get install pgbouncer)"}),
+        },
     );
     levels.insert(
         "message_db".into(),

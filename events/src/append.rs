@@ -25,6 +25,7 @@ use crate::db::Database;
 use crate::metrics;
 use crate::types::{ExpectedVersion, NewEvent, Position};
 use crate::ErrorKind;
+use schema::sql::Sql;
 use serde_json::value::RawValue;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -306,7 +307,7 @@ impl Appender {
 /// (it runs under a savepoint) and the transaction stays usable. The events
 /// are durable when the caller's commit is (with `synchronous_commit` on).
 pub async fn append_in(
-    tx: &impl tokio_postgres::GenericClient,
+    tx: &(impl tokio_postgres::GenericClient + Sync),
     appends: Vec<StreamAppend>,
     config: &AppenderConfig,
 ) -> Result<Vec<Appended>, AppendError> {
@@ -319,7 +320,7 @@ pub async fn append_in(
         .await
         .map_err(db_err("begin an append"))?;
     let rows = match tx
-        .query(BUMP_SQL, &[&names, &adds])
+        .rows(BUMP_SQL, &[&names, &adds])
         .await
         .map_err(db_err("lock and bump stream versions"))
     {
@@ -356,7 +357,7 @@ pub async fn append_in(
         rows.push(a, before[&a.stream] - a.events.len() as u64);
     }
     let recorded_at = config.clock.as_ref().map(|c| c());
-    let row = tx.query_one(INSERT_SQL, &rows.params(&recorded_at)).await;
+    let row = tx.one(INSERT_SQL, &rows.params(&recorded_at)).await;
     let row = match row {
         Ok(row) => row,
         Err(e) => {
@@ -392,7 +393,7 @@ pub async fn append_in(
 /// [`append_in`] for one stream, with the default limits: the in-transaction
 /// counterpart of [`Appender::append`].
 pub async fn append_one_in(
-    tx: &impl tokio_postgres::GenericClient,
+    tx: &(impl tokio_postgres::GenericClient + Sync),
     stream: String,
     expected: ExpectedVersion,
     events: Vec<NewEvent>,
@@ -531,8 +532,10 @@ fn has_nul(v: &serde_json::Value) -> bool {
 
 struct Conn {
     client: Client,
-    bump: Statement,
-    insert: Statement,
+    /// The statements prepared once, on a direct connection; through a
+    /// pooler each batch sends them unnamed (a prepared statement would stay
+    /// on whichever server connection the pooler lent).
+    prepared: Option<(Statement, Statement)>,
     /// The task driving the connection: ended with it, so a connection
     /// dropped because the server stopped answering does not linger.
     task: tokio::task::JoinHandle<()>,
@@ -612,7 +615,7 @@ impl<'a> Rows<'a> {
     fn params<'b>(
         &'b self,
         recorded_at: &'b Option<SystemTime>,
-    ) -> [&'b (dyn tokio_postgres::types::ToSql + Sync); 7] {
+    ) -> [&'b dyn schema::sql::Param; 7] {
         [
             &self.n,
             &self.streams,
@@ -713,35 +716,39 @@ impl Flusher {
                     tracing::debug!(error = %e, "append connection closed");
                 }
             });
-            // The statements' shapes do not depend on their arrays' contents:
-            // plan them once instead of per execution.
-            client
-                .batch_execute("SET plan_cache_mode = force_generic_plan")
-                .await
-                .map_err(db_err("configure the append connection"))?;
-            let bump = client
-                .prepare_typed(BUMP_SQL, &[Type::TEXT_ARRAY, Type::INT8_ARRAY])
-                .await
-                .map_err(db_err("prepare the stream version statement"))?;
-            let insert = client
-                .prepare_typed(
-                    INSERT_SQL,
-                    &[
-                        Type::INT8,
-                        Type::TEXT_ARRAY,
-                        Type::INT8_ARRAY,
-                        Type::TEXT_ARRAY,
-                        Type::JSONB_ARRAY,
-                        Type::JSONB_ARRAY,
-                        Type::TIMESTAMPTZ,
-                    ],
-                )
-                .await
-                .map_err(db_err("prepare the event insert"))?;
+            let prepared = if self.db.pooled() {
+                None
+            } else {
+                // The statements' shapes do not depend on their arrays'
+                // contents: plan them once instead of per execution.
+                client
+                    .batch_execute("SET plan_cache_mode = force_generic_plan")
+                    .await
+                    .map_err(db_err("configure the append connection"))?;
+                let bump = client
+                    .prepare_typed(BUMP_SQL, &[Type::TEXT_ARRAY, Type::INT8_ARRAY])
+                    .await
+                    .map_err(prepare_err("prepare the stream version statement"))?;
+                let insert = client
+                    .prepare_typed(
+                        INSERT_SQL,
+                        &[
+                            Type::INT8,
+                            Type::TEXT_ARRAY,
+                            Type::INT8_ARRAY,
+                            Type::TEXT_ARRAY,
+                            Type::JSONB_ARRAY,
+                            Type::JSONB_ARRAY,
+                            Type::TIMESTAMPTZ,
+                        ],
+                    )
+                    .await
+                    .map_err(prepare_err("prepare the event insert"))?;
+                Some((bump, insert))
+            };
             self.conn = Some(Conn {
                 client,
-                bump,
-                insert,
+                prepared,
                 task,
             });
         }
@@ -865,7 +872,11 @@ impl Flusher {
             .batch_execute("BEGIN; SET LOCAL synchronous_commit TO off")
             .await
             .map_err(db_err("begin an append"))?;
-        let rows = match conn.client.query(&conn.bump, &[&names, &adds]).await {
+        let bumped = match &conn.prepared {
+            Some((bump, _)) => conn.client.query(bump, &[&names, &adds]).await,
+            None => conn.client.rows(BUMP_SQL, &[&names, &adds]).await,
+        };
+        let rows = match bumped {
             Ok(rows) => rows,
             Err(e) => {
                 let _ = conn.client.batch_execute("ROLLBACK").await;
@@ -936,10 +947,17 @@ impl Flusher {
         // commit is durable, while the other flusher already holds the log
         // head. Once COMMIT is sent, a failure leaves the outcome unknown.
         let params = rows.params(&recorded_at);
-        let (inserted, committed) = tokio::join!(
-            conn.client.query_one(&conn.insert, &params),
-            conn.client.batch_execute(&COMMIT_AND_FLUSH)
-        );
+        let insert = async {
+            match &conn.prepared {
+                Some((_, insert)) => {
+                    let p = params.map(|p| p.as_sql());
+                    conn.client.query_one(insert, &p).await
+                }
+                None => conn.client.one(INSERT_SQL, &params).await,
+            }
+        };
+        let (inserted, committed) =
+            tokio::join!(insert, conn.client.batch_execute(&COMMIT_AND_FLUSH));
         let row = match inserted {
             Ok(row) => row,
             Err(e) => return Err(db_err("insert events")(e)),
@@ -975,6 +993,25 @@ impl Flusher {
 /// one message.
 static COMMIT_AND_FLUSH: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| format!("COMMIT; {}", crate::read::FLUSH_BARRIER_SQL));
+
+/// A statement could not be prepared. A duplicate or missing prepared
+/// statement is what a connection pooler in transaction mode does to a
+/// client that believes it is talking to the server: say so.
+fn prepare_err(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> AppendError {
+    move |source| {
+        use tokio_postgres::error::SqlState;
+        let pooler = matches!(
+            source.code(),
+            Some(c) if *c == SqlState::DUPLICATE_PSTATEMENT || *c == SqlState::INVALID_SQL_STATEMENT_NAME
+        );
+        let context = if pooler {
+            "prepare the append statements (is a connection pooler in transaction mode, such as PgBouncer, in between? then give PostgreSQL itself as the direct URL, --database-direct-url, so that statements go unnamed)"
+        } else {
+            context
+        };
+        db_err(context)(source)
+    }
+}
 
 /// Wraps a database error with what was being done.
 fn db_err(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> AppendError {

@@ -3,6 +3,7 @@
 //! handed out as `Arc<Client>`, made again on the next call after it closes.
 
 use crate::pgtls::{SslMode, Tls, TlsSettings};
+pub use schema::sql::{Param, Sql};
 use std::path::PathBuf;
 use std::sync::Arc;
 use tokio::sync::Mutex;
@@ -12,10 +13,18 @@ use tokio_postgres::{Client, Config};
 /// connection string (a `postgres://` URL or `key=value` pairs), and the TLS
 /// settings it does not read itself (`sslmode=verify-ca|verify-full`,
 /// `sslrootcert`, `sslcert`, `sslkey`).
+///
+/// A database reached through a connection pooler in transaction mode
+/// (PgBouncer) carries the way to PostgreSQL itself ([`Database::direct`]):
+/// what needs a session of its own (the replication stream, the migration
+/// lock, sealing's lock, the audit endpoint's logins) connects there, and
+/// connections through the pooler keep no prepared statement and no session
+/// setting past a transaction.
 #[derive(Clone, Debug)]
 pub struct Database {
     pub config: Config,
     pub tls: Tls,
+    direct: Option<Arc<Database>>,
 }
 
 impl Database {
@@ -31,7 +40,26 @@ impl Database {
         Ok(Database {
             config,
             tls: Tls::new(settings)?,
+            direct: None,
         })
+    }
+
+    /// This database as reached through a transaction-mode pooler, and
+    /// `direct`, PostgreSQL itself, for what needs a session of its own.
+    pub fn through_pooler(mut self, direct: Database) -> Database {
+        self.direct = Some(Arc::new(direct.direct().clone()));
+        self
+    }
+
+    /// Whether connections go through a transaction-mode pooler: no named
+    /// statement or session setting may outlive a transaction.
+    pub fn pooled(&self) -> bool {
+        self.direct.is_some()
+    }
+
+    /// PostgreSQL itself: this database unless it goes through a pooler.
+    pub fn direct(&self) -> &Database {
+        self.direct.as_deref().unwrap_or(self)
     }
 }
 
@@ -65,6 +93,7 @@ impl From<Config> for Database {
         Database {
             config,
             tls: Tls::unchecked(mode),
+            direct: None,
         }
     }
 }

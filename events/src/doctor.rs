@@ -14,6 +14,7 @@
 //! | `synchronous_standby` | named but none connected (commits wait) | none named (a failover may lose acknowledged events) |
 //! | `standby_lag` | | a standby more than 10 s behind |
 
+use schema::sql::Sql;
 use serde::Serialize;
 use std::time::Duration;
 use tokio_postgres::Client;
@@ -66,7 +67,7 @@ impl Finding {
 
 async fn setting(client: &Client, name: &str) -> Result<String, tokio_postgres::Error> {
     Ok(client
-        .query_one("SELECT current_setting($1)", &[&name])
+        .one("SELECT current_setting($1)", &[&name])
         .await?
         .get(0))
 }
@@ -82,7 +83,7 @@ pub async fn examine(
 
     // The schema.
     let migrated: bool = client
-        .query_one(
+        .one(
             "SELECT to_regclass('strata.schema_migrations') IS NOT NULL",
             &[],
         )
@@ -102,7 +103,7 @@ pub async fn examine(
         ));
     } else {
         let have: i64 = client
-            .query_one(
+            .one(
                 "SELECT coalesce(max(version), 0)::bigint FROM strata.schema_migrations",
                 &[],
             )
@@ -133,7 +134,7 @@ pub async fn examine(
         )
     });
     let publication: Option<bool> = client
-        .query_opt(
+        .opt(
             "SELECT EXISTS (SELECT 1 FROM pg_publication_tables
                              WHERE pubname = 'strata_events' AND schemaname = 'strata' AND tablename = 'events')
                FROM pg_publication WHERE pubname = 'strata_events'",
@@ -159,7 +160,7 @@ pub async fn examine(
 
     // Slots and senders.
     let row = client
-        .query_one(
+        .one(
             "SELECT current_setting('max_replication_slots')::int,
                     (SELECT count(*) FROM pg_replication_slots)::int,
                     current_setting('max_wal_senders')::int,
@@ -262,7 +263,7 @@ pub async fn examine(
     // Partitions.
     if migrated {
         let row = client
-            .query_one(
+            .one(
                 "SELECT to_regclass(format('strata.%I', strata.partition_name(now()))) IS NOT NULL,
                         (SELECT count(*) FROM generate_series(1, $1::int) k
                           WHERE to_regclass(format('strata.%I',
@@ -293,7 +294,7 @@ pub async fn examine(
 
     // TLS on this connection.
     let ssl: Option<bool> = client
-        .query_opt(
+        .opt(
             "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
             &[],
         )
@@ -312,7 +313,7 @@ pub async fn examine(
     // Standbys.
     let names = setting(client, "synchronous_standby_names").await?;
     let standbys = client
-        .query(
+        .rows(
             "SELECT application_name, sync_state, extract(epoch FROM coalesce(replay_lag, '0'))::float8
                FROM pg_stat_replication WHERE state = 'streaming'
                 AND NOT EXISTS (SELECT 1 FROM pg_replication_slots s WHERE s.active_pid = pg_stat_replication.pid AND s.slot_type = 'logical')",

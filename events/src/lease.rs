@@ -14,6 +14,7 @@
 //! cannot commit in between, and a takeover that already happened is seen.
 
 use crate::ErrorKind;
+use schema::sql::Sql;
 use std::time::Duration;
 use tokio_postgres::{Client, GenericClient};
 
@@ -71,7 +72,7 @@ impl Lease {
         ttl: Duration,
     ) -> Result<Option<Lease>, LeaseError> {
         let row = client
-            .query_opt(
+            .opt(
                 "INSERT INTO strata.leases AS l (name, holder, epoch, expires_at)
                  VALUES ($1, $2, 1, now() + $3::text::interval)
                  ON CONFLICT (name) DO UPDATE
@@ -94,7 +95,7 @@ impl Lease {
     /// Extends the lease by its TTL from now, if it is still ours.
     pub async fn renew(&self, client: &Client) -> Result<(), LeaseError> {
         let n = client
-            .execute(
+            .exec(
                 "UPDATE strata.leases SET expires_at = now() + $4::text::interval, renewed_at = now()
                   WHERE name = $1 AND holder = $2 AND epoch = $3 AND expires_at > now()",
                 &[&self.name, &self.holder, &self.epoch, &interval(self.ttl)],
@@ -111,7 +112,7 @@ impl Lease {
     /// Gives the lease up now, so another holder need not wait for expiry.
     pub async fn release(self, client: &Client) -> Result<(), LeaseError> {
         client
-            .execute(
+            .exec(
                 "UPDATE strata.leases SET expires_at = now() WHERE name = $1 AND holder = $2 AND epoch = $3",
                 &[&self.name, &self.holder, &self.epoch],
             )
@@ -122,9 +123,9 @@ impl Lease {
 
     /// Checks, inside the caller's write transaction, that the lease is still
     /// held, and keeps a takeover from committing until that transaction ends.
-    pub async fn fence<C: GenericClient>(&self, tx: &C) -> Result<(), LeaseError> {
+    pub async fn fence<C: GenericClient + Sync>(&self, tx: &C) -> Result<(), LeaseError> {
         let held = tx
-            .query_opt(
+            .opt(
                 "SELECT 1 FROM strata.leases
                   WHERE name = $1 AND holder = $2 AND epoch = $3 AND expires_at > now()
                   FOR SHARE",

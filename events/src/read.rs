@@ -13,6 +13,7 @@
 //!   always durable: logical decoding only sends flushed WAL.)
 
 use crate::types::{Event, Position};
+use schema::sql::Sql;
 use std::sync::Arc;
 use std::time::SystemTime;
 use tokio_postgres::{Client, Row};
@@ -48,9 +49,12 @@ pub async fn flush_barrier(client: &Client) -> Result<(), tokio_postgres::Error>
 }
 
 /// The statements of [`flush_barrier`].
-pub const FLUSH_BARRIER_SQL: &str = "SET synchronous_commit TO on; \
+///
+/// Its setting is `SET LOCAL`, so that a server connection shared through a
+/// pooler is left as it was.
+pub const FLUSH_BARRIER_SQL: &str = "BEGIN; SET LOCAL synchronous_commit TO on; \
     INSERT INTO strata.flush_barriers AS b (pid) VALUES (pg_backend_pid()) \
-    ON CONFLICT (pid) DO UPDATE SET n = b.n + 1";
+    ON CONFLICT (pid) DO UPDATE SET n = b.n + 1; COMMIT";
 
 /// The highest position whose events are committed and durable: every
 /// position up to it is visible to any new snapshot and survives a crash.
@@ -63,7 +67,7 @@ pub const FLUSH_BARRIER_SQL: &str = "SET synchronous_commit TO on; \
 /// be pointed at a standby.
 pub async fn head(client: &Client) -> Result<Position, tokio_postgres::Error> {
     let row = client
-        .query_one(
+        .one(
             "SELECT last_position, pg_is_in_recovery() FROM strata.log_head",
             &[],
         )
@@ -85,7 +89,7 @@ pub async fn after(
         return Ok(Vec::new());
     }
     let rows = client
-        .query(
+        .rows(
             &format!(
                 "SELECT {COLUMNS} FROM strata.events
                   WHERE position > $1 AND position <= $2 ORDER BY position LIMIT $3"
@@ -106,7 +110,7 @@ pub async fn between(
     to: Position,
 ) -> Result<Vec<Arc<Event>>, tokio_postgres::Error> {
     let rows = client
-        .query(
+        .rows(
             &format!(
                 "SELECT {COLUMNS} FROM strata.events
                   WHERE position > $1 AND position < $2 ORDER BY position"
@@ -121,7 +125,7 @@ pub async fn between(
 pub async fn stream(client: &Client, stream: &str) -> Result<Vec<Event>, tokio_postgres::Error> {
     let head = head(client).await?;
     let rows = client
-        .query(
+        .rows(
             &format!(
                 "SELECT {COLUMNS} FROM strata.events
                   WHERE stream = $1 AND position <= $2 ORDER BY version"

@@ -32,6 +32,7 @@ use crate::pgoutput::ReplicationMessage;
 use crate::replication::{self, Frame, ReplicationConnection, ReplicationError};
 use crate::types::{Lsn, Position, Txn};
 use crate::ErrorKind;
+use schema::sql::Sql;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -430,7 +431,7 @@ async fn session(
                 bounded(
                     cfg.query_timeout,
                     "record the reader heartbeat",
-                    client.execute(
+                    client.exec(
                         "UPDATE strata.replication_readers SET seen_at = now() WHERE slot_name = $1",
                         &[&cfg.slot],
                     ),
@@ -470,7 +471,7 @@ async fn report(
         bounded(
             inner.config.query_timeout,
             "record the acknowledged LSN",
-            client.execute(
+            client.exec(
                 "UPDATE strata.replication_readers SET acked_lsn = $2::text::pg_lsn, acked_position = $3, seen_at = now() WHERE slot_name = $1",
                 &[&inner.config.slot, &ack.to_string(), &(state.acked_pos as i64)],
             ),
@@ -492,14 +493,14 @@ async fn prepare_slot(
 ) -> Result<Covered, SessionError> {
     let cfg = &inner.config;
     let row = client
-        .query_opt(
+        .opt(
             "SELECT confirmed_flush_lsn::text, wal_status FROM pg_replication_slots WHERE slot_name = $1",
             &[&cfg.slot],
         )
         .await
         .map_err(sql("look up the replication slot"))?;
     let record = client
-        .query_opt(
+        .opt(
             "SELECT acked_lsn::text, acked_position FROM strata.replication_readers WHERE slot_name = $1",
             &[&cfg.slot],
         )
@@ -528,7 +529,7 @@ async fn prepare_slot(
             inner.invalidations.fetch_add(1, Ordering::Relaxed);
             tracing::error!(slot = %cfg.slot, error = %err, "slot invalidated: dropping and re-creating it; subscriptions fill the missed events from the table");
             client
-                .execute("SELECT pg_drop_replication_slot($1)", &[&cfg.slot])
+                .exec("SELECT pg_drop_replication_slot($1)", &[&cfg.slot])
                 .await
                 .map_err(sql("drop the invalidated slot"))?;
             create = true;
@@ -571,7 +572,7 @@ async fn prepare_slot(
         covered = Covered::After(base);
         tracing::info!(slot = %cfg.slot, consistent_point = %slot.consistent_point, base_position = %base, "replication slot created");
         client
-            .execute(
+            .exec(
                 "INSERT INTO strata.replication_readers (slot_name, owner, host, pid, acked_lsn, acked_position, base_position)
                  VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $6, $6)
                  ON CONFLICT (slot_name) DO UPDATE SET owner = $2, host = $3, pid = $4, started_at = now(),
@@ -582,7 +583,7 @@ async fn prepare_slot(
             .map_err(sql("record the reader"))?;
     } else {
         client
-            .execute(
+            .exec(
                 "INSERT INTO strata.replication_readers (slot_name, owner, host, pid) VALUES ($1, $2, $3, $4)
                  ON CONFLICT (slot_name) DO UPDATE SET owner = $2, host = $3, pid = $4, started_at = now(), seen_at = now()",
                 &[&cfg.slot, &cfg.owner, &host, &pid],
@@ -603,7 +604,9 @@ enum Covered {
 }
 
 async fn base_position(db: &Database, snapshot: &str) -> Result<Position, SessionError> {
-    let mut client = crate::db::connect(db, "snapshot-connection")
+    // The snapshot was exported by the replication session on the server
+    // itself; it is imported there too.
+    let mut client = crate::db::connect(db.direct(), "snapshot-connection")
         .await
         .map_err(sql("connect to read the snapshot"))?;
     let tx = client
@@ -620,7 +623,7 @@ async fn base_position(db: &Database, snapshot: &str) -> Result<Position, Sessio
             .map_err(sql("import the slot's snapshot"))?;
     }
     let row = tx
-        .query_one("SELECT last_position FROM strata.log_head", &[])
+        .one("SELECT last_position FROM strata.log_head", &[])
         .await
         .map_err(sql("read the log head in the slot's snapshot"))?;
     let base: i64 = row.get(0);

@@ -222,12 +222,14 @@ pub async fn cancel(config: &Config, pid: i32, key: i32) -> Result<(), Replicati
 
 impl ReplicationConnection {
     /// Connects in `replication=database` mode to the first of the
-    /// database's hosts that takes the connection.
+    /// database's hosts that takes the connection; always to the server
+    /// itself ([`Database::direct`]), as no pooler carries replication.
     pub async fn connect(
         db: impl Into<Database>,
         application_name: &str,
     ) -> Result<Self, ReplicationError> {
-        Self::connect_mode(&db.into(), application_name, Some("database"), None).await
+        let db = db.into();
+        Self::connect_mode(db.direct(), application_name, Some("database"), None).await
     }
 
     /// Connects as a plain session (no replication), with `options` as the

@@ -1,5 +1,6 @@
 //! Listing and dropping replication slots, with the reader that owns each.
 
+use schema::sql::Sql;
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -30,7 +31,7 @@ pub async fn list(
     stale_after: Duration,
 ) -> Result<Vec<SlotInfo>, tokio_postgres::Error> {
     let readers_exist: bool = client
-        .query_one(
+        .one(
             "SELECT to_regclass('strata.replication_readers') IS NOT NULL",
             &[],
         )
@@ -42,7 +43,7 @@ pub async fn list(
         "LEFT JOIN (SELECT NULL::text AS slot_name, NULL::text AS owner, NULL::text AS host, NULL::int AS pid, NULL::timestamptz AS seen_at) r ON false"
     };
     let rows = client
-        .query(
+        .rows(
             &format!(
                 "SELECT s.slot_name::text, s.plugin::text, s.active, s.temporary,
                         CASE WHEN r.owner IS NULL THEN NULL ELSE r.owner || '@' || r.host || ' pid ' || r.pid END,
@@ -92,7 +93,7 @@ pub enum DropError {
 /// using it first.
 pub async fn drop_slot(client: &Client, name: &str, force: bool) -> Result<(), DropError> {
     let row = client
-        .query_opt(
+        .opt(
             "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
             &[&name],
         )
@@ -103,12 +104,12 @@ pub async fn drop_slot(client: &Client, name: &str, force: bool) -> Result<(), D
             return Err(DropError::Active(name.to_string(), pid));
         }
         client
-            .execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .exec("SELECT pg_terminate_backend($1)", &[&pid])
             .await?;
         // The walsender releases the slot as it exits.
         for _ in 0..100 {
             let active: Option<i32> = client
-                .query_one(
+                .one(
                     "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
                     &[&name],
                 )
@@ -121,10 +122,10 @@ pub async fn drop_slot(client: &Client, name: &str, force: bool) -> Result<(), D
         }
     }
     client
-        .execute("SELECT pg_drop_replication_slot($1)", &[&name])
+        .exec("SELECT pg_drop_replication_slot($1)", &[&name])
         .await?;
     let _ = client
-        .execute(
+        .exec(
             "DELETE FROM strata.replication_readers WHERE slot_name = $1",
             &[&name],
         )

@@ -22,6 +22,7 @@ use crate::read;
 use crate::reader::{Live, Reader};
 use crate::types::{Event, Position, Txn};
 use crate::ErrorKind;
+use schema::sql::Sql;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -183,7 +184,7 @@ impl Reader {
             Ok(Some(lease)) => lease,
             Ok(None) => {
                 let row = client
-                    .query_opt(
+                    .opt(
                         "SELECT holder, greatest(extract(epoch FROM expires_at - now()), 0)::float8
                            FROM strata.leases WHERE name = $1",
                         &[&lease_name],
@@ -204,7 +205,7 @@ impl Reader {
         };
         let initial = start_position(&client, start).await?;
         client
-            .execute(
+            .exec(
                 "INSERT INTO strata.subscriptions (name, position, reader, seen_at) VALUES ($1, $2, $3, now())
                  ON CONFLICT (name) DO UPDATE SET reader = $3, seen_at = now()",
                 &[&name, &(initial.0 as i64), &self.inner.config.slot],
@@ -212,7 +213,7 @@ impl Reader {
             .await
             .map_err(db("create the subscription"))?;
         let row = client
-            .query_one(
+            .one(
                 "SELECT position FROM strata.subscriptions WHERE name = $1",
                 &[&name],
             )
@@ -412,7 +413,7 @@ async fn store_cursor(
         return Ok(());
     };
     let n = client
-        .execute(
+        .exec(
             "UPDATE strata.subscriptions SET position = greatest(position, $2), updated_at = now(), seen_at = now()
               WHERE name = $1
                 AND EXISTS (SELECT 1 FROM strata.leases
@@ -511,7 +512,7 @@ impl Subscription {
                 .await
                 .map_err(|e| SubscribeError::from_lease(&self.name, e))?;
         }
-        tx.execute(
+        tx.exec(
             "UPDATE strata.subscriptions SET position = greatest(position, $2), updated_at = now(), seen_at = now() WHERE name = $1",
             &[&self.name, &(position.0 as i64)],
         )

@@ -9,6 +9,7 @@ use crate::api_proto::{
 use crate::revocation;
 use crate::roles::Need;
 use crate::state::{Shared, Waited};
+use events::db::Sql;
 use events::AppendError;
 use projections::commands::{self, Command};
 use projections::requests::{self, RequestError};
@@ -186,7 +187,7 @@ impl ApiService {
     async fn command(&self, id: &str) -> Result<Option<commands::Tracked>, Status> {
         let client = self.db().await?;
         let node: Option<String> = client
-            .query_opt(
+            .opt(
                 "SELECT payload->>'node' FROM strata.events WHERE stream = $1 AND version = 1",
                 &[&commands::command_stream(id)],
             )
@@ -254,7 +255,7 @@ impl api_server::Api for ApiService {
                             ))
                         })?;
                         let before: Option<i64> = client
-                        .query_one("SELECT min(position) - 1 FROM strata.events WHERE recorded_at >= $1", &[&t])
+                        .one("SELECT min(position) - 1 FROM strata.events WHERE recorded_at >= $1", &[&t])
                         .await
                         .map_err(|e| Status::unavailable(e.to_string()))?
                         .get(0);
@@ -517,7 +518,7 @@ impl api_server::Api for ApiService {
         let pool = req.into_inner().pool;
         let client = self.db().await?;
         let rows = client
-            .query(
+            .rows(
                 "SELECT node, pool, bool_and(revoked_at IS NOT NULL) FROM strata.node_certificates
                   WHERE $1 = '' OR pool = $1 GROUP BY node, pool ORDER BY node",
                 &[&pool],

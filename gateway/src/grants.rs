@@ -1,6 +1,7 @@
 //! What a client-API caller may read, as events on `grant/<caller>`
 //! (`grant.set` with stream prefixes and event types; `grant.revoked`).
 
+use events::db::Sql;
 use events::{AppendError, Appender, ExpectedVersion, NewEvent};
 use serde::{Deserialize, Serialize};
 
@@ -88,7 +89,7 @@ pub async fn get(
     caller: &str,
 ) -> Result<Option<Grant>, tokio_postgres::Error> {
     let row = client
-        .query_opt(
+        .opt(
             "SELECT type, payload::text FROM strata.events WHERE stream = $1 ORDER BY version DESC LIMIT 1",
             &[&grant_stream(caller)],
         )

@@ -8,6 +8,7 @@
 
 use crate::ca::Signed;
 use events::append::{append_in, append_one_in};
+use events::db::Sql;
 use events::{AppenderConfig, ExpectedVersion, NewEvent, StreamAppend};
 use projections::domain::pool_stream;
 use projections::Fact;
@@ -100,7 +101,7 @@ pub fn matches(pattern: &str, id: &str) -> bool {
 }
 
 async fn insert_token(
-    client: &impl tokio_postgres::GenericClient,
+    client: &(impl tokio_postgres::GenericClient + Sync),
     pool: &str,
     ttl: Duration,
     node: Option<&str>,
@@ -110,7 +111,7 @@ async fn insert_token(
         .expect("system randomness");
     let token = format!("stj_{}", events::hex(&bytes));
     client
-        .execute(
+        .exec(
             "INSERT INTO strata.join_tokens (hash, pool, expires_at, node) VALUES ($1, $2, now() + $3::text::interval, $4)",
             &[&digest(&token), &pool, &interval(ttl), &node],
         )
@@ -135,7 +136,7 @@ pub async fn redeem<S>(
 ) -> Result<Result<(String, Signed), S>, IdentityError> {
     let tx = client.transaction().await?;
     let row = tx
-        .query_opt(
+        .opt(
             "SELECT pool, node FROM strata.join_tokens
               WHERE hash = $1 AND used_at IS NULL AND expires_at > now() FOR UPDATE",
             &[&digest(token)],
@@ -157,13 +158,13 @@ pub async fn redeem<S>(
         _ => {}
     }
     // Joins of one id are serialized, so two cannot both find it free.
-    tx.execute(
+    tx.exec(
         "SELECT pg_advisory_xact_lock(hashtextextended($1, 7))",
         &[&node],
     )
     .await?;
     let row = tx
-        .query_one(
+        .one(
             "SELECT count(*) FILTER (WHERE revoked_at IS NULL AND not_after > now()),
                     count(*) FILTER (WHERE revoked_at IS NOT NULL)
                FROM strata.node_certificates WHERE node = $1",
@@ -181,7 +182,7 @@ pub async fn redeem<S>(
         Ok(s) => s,
         Err(e) => return Ok(Err(e)),
     };
-    tx.execute(
+    tx.exec(
         "UPDATE strata.join_tokens SET used_at = now(), used_by = $2 WHERE hash = $1",
         &[&digest(token), &node],
     )
@@ -213,7 +214,7 @@ async fn answered_before(
     csr_pem: &str,
 ) -> Result<Option<(String, Signed)>, IdentityError> {
     let Some(t) = tx
-        .query_opt(
+        .opt(
             "SELECT pool FROM strata.join_tokens
               WHERE hash = $1 AND used_by = $2 AND expires_at > now()",
             &[&digest(token), &node],
@@ -223,7 +224,7 @@ async fn answered_before(
         return Ok(None);
     };
     let Some(c) = tx
-        .query_opt(
+        .opt(
             "SELECT serial, certificate_pem, not_after FROM strata.node_certificates
               WHERE node = $1 AND revoked_at IS NULL AND not_after > now()
                 AND certificate_pem IS NOT NULL
@@ -257,7 +258,7 @@ async fn record_in(
     signed: &Signed,
     event: NewEvent,
 ) -> Result<(), IdentityError> {
-    tx.execute(
+    tx.exec(
         "INSERT INTO strata.node_certificates (serial, node, pool, not_after, certificate_pem)
          VALUES ($1, $2, $3, $4, $5)",
         &[
@@ -315,7 +316,7 @@ pub async fn record(
     let not_after: Vec<std::time::SystemTime> =
         certificates.iter().map(|(_, s)| s.not_after).collect();
     Ok(client
-        .execute(
+        .exec(
             "INSERT INTO strata.node_certificates (serial, node, pool, not_after)
              SELECT s, n, $4, t FROM unnest($1::text[], $2::text[], $3::timestamptz[]) AS x(n, s, t)",
             &[&nodes, &serials, &not_after, &pool],
@@ -337,7 +338,7 @@ pub async fn lookup(
     serial: &str,
 ) -> Result<Option<CertificateRecord>, IdentityError> {
     let row = client
-        .query_opt(
+        .opt(
             "SELECT node, pool, revoked_at IS NOT NULL, not_after <= now()
                FROM strata.node_certificates WHERE serial = $1",
             &[&serial],
@@ -375,7 +376,7 @@ pub async fn replace(
     let pool = match pool {
         Some(p) => p.to_string(),
         None => tx
-            .query_opt(
+            .opt(
                 "SELECT pool FROM strata.node_certificates WHERE node = $1
                   ORDER BY not_after DESC LIMIT 1",
                 &[&node],
@@ -396,13 +397,13 @@ async fn revoke_in(
     reason: &str,
 ) -> Result<u64, IdentityError> {
     let n = tx
-        .execute(
+        .exec(
             "UPDATE strata.node_certificates SET revoked_at = now() WHERE node = $1 AND revoked_at IS NULL",
             &[&node],
         )
         .await?;
     let known: i64 = tx
-        .query_one(
+        .one(
             "SELECT count(*) FROM strata.node_certificates WHERE node = $1",
             &[&node],
         )
@@ -415,7 +416,7 @@ async fn revoke_in(
     // placement goes to it from now on, and the placer ends the live
     // reservations on it (`reservation.failed`, `node_revoked`).
     let pools: Vec<String> = tx
-        .query(
+        .rows(
             "SELECT DISTINCT pool FROM strata.node_certificates WHERE node = $1",
             &[&node],
         )

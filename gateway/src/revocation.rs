@@ -11,6 +11,7 @@
 //! certificate login.
 
 use crate::ca;
+use events::db::Sql;
 use events::{ExpectedVersion, NewEvent};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -124,7 +125,7 @@ pub async fn revoke(
     let not_after = cert.map(|c| c.not_after);
     let tx = client.transaction().await?;
     let n = tx
-        .execute(
+        .exec(
             "INSERT INTO strata.revoked_certificates (serial, kind, name, not_after, reason)
              VALUES ($1, $2, $3, $4, $5) ON CONFLICT (serial) DO NOTHING",
             &[&serial, &kind, &name, &not_after, &reason],
@@ -149,7 +150,7 @@ pub async fn revoke(
 /// Every revoked certificate, newest first.
 pub async fn list(client: &Client) -> Result<Vec<Revocation>, RevocationError> {
     let rows = client
-        .query(
+        .rows(
             "SELECT serial, kind, name, not_after, reason, revoked_at
                FROM strata.revoked_certificates ORDER BY revoked_at DESC, serial",
             &[],
@@ -195,7 +196,7 @@ impl Revoked {
         let loaded = match db.get().await {
             Ok(client) => {
                 client
-                    .query("SELECT serial FROM strata.revoked_certificates", &[])
+                    .rows("SELECT serial FROM strata.revoked_certificates", &[])
                     .await
             }
             Err(e) => Err(e),

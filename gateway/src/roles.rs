@@ -12,6 +12,7 @@
 //! Releasing a reservation takes its owner (the operator who asked for it)
 //! or an admin.
 
+use events::db::Sql;
 use events::{AppendError, Appender, ExpectedVersion, NewEvent};
 use serde::{Deserialize, Serialize};
 
@@ -145,7 +146,7 @@ pub async fn get(
     operator: &str,
 ) -> Result<Option<Assignment>, tokio_postgres::Error> {
     let row = client
-        .query_opt(
+        .opt(
             "SELECT type, payload::text FROM strata.events WHERE stream = $1
               ORDER BY version DESC LIMIT 1",
             &[&role_stream(operator)],
@@ -164,7 +165,7 @@ pub async fn list(
     client: &tokio_postgres::Client,
 ) -> Result<Vec<(String, Assignment)>, tokio_postgres::Error> {
     let rows = client
-        .query(
+        .rows(
             "SELECT DISTINCT ON (stream) stream, type, payload::text FROM strata.events
               WHERE stream LIKE 'role/%' ORDER BY stream, version DESC",
             &[],

@@ -24,6 +24,7 @@ use crate::proto::{
     gateway_message, node_message, session_server, GatewayMessage, NodeMessage, Welcome,
 };
 use crate::state::{Outbox, Reply, SessionEntry, Shared, Write};
+use events::db::Sql;
 use events::{AppendError, ExpectedVersion, NewEvent};
 use futures_util::Stream;
 use projections::commands::{self};
@@ -378,7 +379,7 @@ pub(crate) async fn open_session(
             .await
             .map_err(|e| AppendError::OutcomeUnknown(e.to_string()))?;
         let version: i64 = client
-            .query_opt(
+            .opt(
                 "SELECT version FROM strata.streams WHERE stream = $1",
                 &[&stream],
             )
@@ -388,7 +389,7 @@ pub(crate) async fn open_session(
         // A node the region lost contact with is back: its pool hears it in
         // the same transaction that opens the session.
         let lost: bool = client
-            .query_opt(
+            .opt(
                 "SELECT type FROM strata.events WHERE stream = $1
                     AND type IN ('node.unreachable', 'node.disconnected', 'node.reachable', 'node.session_opened')
                   ORDER BY version DESC LIMIT 1",
@@ -450,7 +451,7 @@ pub(crate) async fn wanted_sections(
 ) -> Result<Vec<String>, tokio_postgres::Error> {
     let client = shared.db.get().await?;
     let known: HashMap<String, String> = client
-        .query(
+        .rows(
             "SELECT section, hash FROM strata.node_sections WHERE node = $1",
             &[&node],
         )
@@ -579,7 +580,7 @@ pub(crate) async fn handle(
                     Ok(_) => {
                         if let Ok(c) = shared.db.get().await {
                             let _ = c
-                                .execute(
+                                .exec(
                                     "INSERT INTO strata.node_sections (node, section, hash) VALUES ($1, $2, $3)
                                      ON CONFLICT (node, section) DO UPDATE SET hash = $3, updated_at = now()",
                                     &[&node, &name, &hash],

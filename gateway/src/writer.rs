@@ -16,6 +16,7 @@
 
 use crate::identity::node_stream;
 use crate::state::{Shared, Write};
+use events::db::Sql;
 use events::task::Backoff;
 use events::{AppendError, Appended, ErrorKind, ExpectedVersion, NewEvent, StreamAppend};
 use std::collections::{HashMap, VecDeque};
@@ -253,7 +254,7 @@ async fn committed(shared: &Shared, appends: &[StreamAppend]) -> Option<Vec<Appe
     let client = shared.db.get().await.ok()?;
     let names: Vec<&str> = appends.iter().map(|a| a.stream.as_str()).collect();
     let versions: HashMap<String, u64> = client
-        .query(
+        .rows(
             "SELECT stream, version FROM strata.streams WHERE stream = ANY($1)",
             &[&names],
         )

@@ -20,6 +20,7 @@
 //! Supervised: whatever fails, the binder lets go of its lease, waits a
 //! backoff and starts again from the log.
 
+use events::db::Sql;
 use events::lease::{Lease, LeaseError};
 use events::task::Backoff;
 use events::{AppendError, Appender, ErrorKind, ExpectedVersion, Reader, Start};
@@ -400,7 +401,7 @@ async fn held(
         .map(|id| reservation_stream(id))
         .collect();
     for row in client
-        .query(
+        .rows(
             "SELECT stream, max(version) FROM strata.events
               WHERE stream = ANY($1) AND position <= $2 GROUP BY stream",
             &[&placed_streams, &(index.position() as i64)],
@@ -546,7 +547,7 @@ async fn resume_binds(
     // Each attempt's last event and its detail.
     let mut last: HashMap<String, (String, String)> = HashMap::new();
     for row in client
-        .query(
+        .rows(
             "SELECT DISTINCT ON (stream) stream, type, coalesce(payload->>'detail', '')
                FROM strata.events WHERE stream = ANY($1) ORDER BY stream, version DESC",
             &[&streams],
@@ -600,7 +601,7 @@ async fn release_ended(
     // `bind:<reservation>:<node>` and `release:<reservation>:<node>` share
     // their suffix (13 characters of `command/bind:`).
     let rows = client
-        .query(
+        .rows(
             "SELECT i.payload->'args'->>'reservation', i.payload->>'node'
                FROM strata.streams b
                JOIN strata.events i ON i.stream = b.stream AND i.version = 1

@@ -18,6 +18,7 @@
 
 use crate::plan::{self, Plan};
 use events::db::Db;
+use events::db::Sql;
 use events::lease::{Lease, LeaseError};
 use events::task::Backoff;
 use events::{AppendError, Appended, Appender, ExpectedVersion, Reader, StreamAppend};
@@ -410,7 +411,7 @@ async fn run(
             }
         }
         let _ = client
-            .execute(
+            .exec(
                 "UPDATE strata.leases SET expires_at = now() WHERE name = $1",
                 &[&member],
             )
@@ -787,7 +788,7 @@ async fn upkeep_leases(
         work.remove(&pool);
     }
     let live: i64 = client
-        .query_one(
+        .one(
             "SELECT count(*) FROM strata.leases WHERE name LIKE 'placer/%' AND expires_at > now()",
             &[],
         )
@@ -797,7 +798,7 @@ async fn upkeep_leases(
     if work.len() < share {
         let names: Vec<String> = pools.iter().map(|p| format!("pool/{p}")).collect();
         let taken: BTreeSet<String> = client
-            .query(
+            .rows(
                 "SELECT name FROM strata.leases WHERE name = ANY($1) AND expires_at > now() AND holder <> $2",
                 &[&names, &config.holder],
             )

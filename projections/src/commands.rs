@@ -9,6 +9,7 @@
 //! Every transition is appended with the exact version it follows, so a
 //! command reaches exactly one terminal state however many gateways try.
 
+use events::db::Sql;
 use events::{AppendError, Appender, Event, ExpectedVersion, NewEvent};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -194,7 +195,7 @@ pub async fn list(
     limit: i64,
 ) -> Result<Vec<Tracked>, tokio_postgres::Error> {
     let rows = client
-        .query(
+        .rows(
             "SELECT i.stream, i.payload::text FROM strata.events i
               WHERE i.type = 'command.issued' AND ($1::text IS NULL OR i.payload->>'node' = $1)
               ORDER BY i.position DESC LIMIT $2",
@@ -203,7 +204,7 @@ pub async fn list(
         .await?;
     let streams: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
     let events = client
-        .query(
+        .rows(
             "SELECT position, stream, version, type, payload::text FROM strata.events
               WHERE stream = ANY($1) ORDER BY position",
             &[&streams],
@@ -234,7 +235,7 @@ pub async fn list(
 /// Commands not yet terminal, as the table has them now.
 pub async fn open(client: &tokio_postgres::Client) -> Result<Vec<Tracked>, tokio_postgres::Error> {
     let rows = client
-        .query(
+        .rows(
             "SELECT i.payload::text, s.version, last.type
                FROM strata.streams s
                JOIN strata.events i ON i.stream = s.stream AND i.version = 1

@@ -13,6 +13,7 @@
 //! client's later wishes about it (release, active) are on
 //! `reservation/<id>`.
 
+use events::db::Sql;
 use serde::{Deserialize, Serialize};
 
 /// The stream of a pool.
@@ -197,7 +198,7 @@ pub async fn pool_exists(
     pool: &str,
 ) -> Result<bool, tokio_postgres::Error> {
     Ok(client
-        .query_opt(
+        .opt(
             "SELECT 1 FROM strata.events WHERE stream = $1 AND version = 1 AND type = ANY($2)",
             &[&pool_stream(pool), &stored_types("pool.created")],
         )

@@ -4,6 +4,7 @@
 
 use crate::domain::{pool_exists, reservation_stream, valid_name};
 use crate::{Fact, Request};
+use events::db::Sql;
 use events::{AppendError, Appender, ExpectedVersion};
 use tokio_postgres::Client;
 
@@ -81,7 +82,7 @@ pub async fn owner(
 ) -> Result<Option<Option<String>>, RequestError> {
     let root = id.split('~').next().unwrap_or(id);
     let row = client
-        .query_opt(
+        .opt(
             "SELECT metadata->>'operator' FROM strata.events
               WHERE stream = $1 ORDER BY version LIMIT 1",
             &[&reservation_stream(root)],

@@ -10,6 +10,7 @@
 use crate::domain::{pool_stream, stored_types, valid_name};
 use crate::requests::RequestError;
 use crate::Fact;
+use events::db::Sql;
 use events::{Appender, ExpectedVersion};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_postgres::Client;
@@ -74,7 +75,7 @@ impl Change {
 /// a node without one (seeded), the pool it last joined, from the log.
 pub async fn pool_of_node(client: &Client, node: &str) -> Result<String, RequestError> {
     if let Some(row) = client
-        .query_opt(
+        .opt(
             "SELECT pool FROM strata.node_certificates WHERE node = $1 ORDER BY issued_at DESC LIMIT 1",
             &[&node],
         )
@@ -83,7 +84,7 @@ pub async fn pool_of_node(client: &Client, node: &str) -> Result<String, Request
         return Ok(row.get(0));
     }
     let row = client
-        .query_opt(
+        .opt(
             "SELECT stream FROM strata.events WHERE type = ANY($1) AND payload->>'node' = $2
               ORDER BY position DESC LIMIT 1",
             &[&stored_types("node.joined"), &node],

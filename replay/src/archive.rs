@@ -3,6 +3,7 @@
 //! `strata partitions export` and replayed by `strata replay run --archive`.
 
 use crate::seal::{partition_of, SealError};
+use events::db::Sql;
 use events::{Event, Position};
 use std::time::{Duration, UNIX_EPOCH};
 use tokio_postgres::Client;
@@ -53,7 +54,7 @@ pub async fn export(client: &Client, month: &str) -> Result<(Vec<u8>, u64), Arch
     let mut rows: Vec<Row> = Vec::new();
     let mut after = -1i64;
     loop {
-        let page = client.query(&sql, &[&after]).await?;
+        let page = client.rows(&sql, &[&after]).await?;
         if page.is_empty() {
             break;
         }
@@ -176,7 +177,7 @@ pub async fn record_export(
     let sum = events::hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref());
     let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     client
-        .execute(
+        .exec(
             "INSERT INTO strata.partition_exports (partition, path, rows, checksum) VALUES ($1, $2, $3, $4)",
             &[&partition, &path.display().to_string(), &(rows as i64), &sum],
         )
@@ -201,7 +202,7 @@ pub async fn retire(
     dry_run: bool,
 ) -> Result<Vec<Retirement>, ArchiveError> {
     let rows = client
-        .query(
+        .rows(
             "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
               WHERE i.inhparent = 'strata.events'::regclass
                 AND c.relname::text < 'events_' || to_char(date_trunc('month', now() AT TIME ZONE 'UTC') - make_interval(months => $1), 'YYYY_MM')
@@ -213,21 +214,21 @@ pub async fn retire(
     for r in rows {
         let partition: String = r.get(0);
         let sealed: Option<i64> = client
-            .query_opt(
+            .opt(
                 "SELECT rows FROM strata.seals WHERE partition = $1",
                 &[&partition],
             )
             .await?
             .map(|r| r.get(0));
         let exported: Option<i64> = client
-            .query_opt(
+            .opt(
                 "SELECT rows FROM strata.partition_exports WHERE partition = $1 ORDER BY exported_at DESC LIMIT 1",
                 &[&partition],
             )
             .await?
             .map(|r| r.get(0));
         let now_rows: i64 = client
-            .query_one(&format!("SELECT count(*) FROM strata.{partition}"), &[])
+            .one(&format!("SELECT count(*) FROM strata.{partition}"), &[])
             .await?
             .get(0);
         let refused = match (sealed, exported) {

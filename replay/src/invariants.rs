@@ -13,6 +13,7 @@
 //!
 //! Every violation names the positions it is about.
 
+use events::db::Sql;
 use projections::domain::{canonical_type, stored_types};
 use std::collections::HashMap;
 use tokio_postgres::Client;
@@ -51,7 +52,7 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
 
     // 1. Positions.
     let r = client
-        .query_one(
+        .one(
             "SELECT count(*), count(DISTINCT position), coalesce(min(position), 1), coalesce(max(position), 0)
                FROM strata.events",
             &[],
@@ -61,7 +62,7 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
     report.events = n;
     if n != distinct {
         let dup = client
-            .query(
+            .rows(
                 "SELECT position FROM strata.events GROUP BY position HAVING count(*) > 1
                   ORDER BY position LIMIT $1",
                 &[&LIMIT],
@@ -75,7 +76,7 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
     }
     if lo != 1 || hi - lo + 1 != distinct {
         let gaps = client
-            .query(
+            .rows(
                 "SELECT p FROM (SELECT position AS p, lag(position) OVER (ORDER BY position) AS q
                                   FROM strata.events) x
                   WHERE (q IS NULL AND p <> 1) OR p - q > 1 ORDER BY p LIMIT $1",
@@ -93,7 +94,7 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
 
     // 2. Versions.
     let bad = client
-        .query(
+        .rows(
             "SELECT stream, version, position FROM (
                  SELECT stream, version, position,
                         row_number() OVER (PARTITION BY stream ORDER BY version) AS n
@@ -114,14 +115,14 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
         });
     }
     let r = client
-        .query_one(
+        .one(
             "SELECT count(*) FROM (SELECT DISTINCT stream FROM strata.events) s",
             &[],
         )
         .await?;
     report.streams = r.get(0);
     let disagree = client
-        .query(
+        .rows(
             "SELECT s.stream, s.version, e.v, e.p FROM strata.streams s
                JOIN (SELECT stream, max(version) AS v, max(position) AS p
                        FROM strata.events GROUP BY stream) e USING (stream)
@@ -161,7 +162,7 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
 
     // 4. Activated after the end.
     let late = client
-        .query(
+        .rows(
             "SELECT a.stream, a.position, e.position FROM strata.events a
                JOIN strata.events e ON e.stream = a.stream AND e.type = 'reservation.ended'
               WHERE a.stream LIKE 'reservation/%' AND a.type = ANY($1) AND a.version > e.version
@@ -182,7 +183,7 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
 
     // 5. Commands.
     let twice = client
-        .query(
+        .rows(
             "SELECT stream, array_agg(position ORDER BY position) FROM strata.events
               WHERE stream LIKE 'command/%' AND type = ANY($1)
               GROUP BY stream, type = ANY($2)
@@ -224,7 +225,7 @@ struct Placements {
 
 async fn placements(client: &Client) -> Result<Placements, tokio_postgres::Error> {
     let rows = client
-        .query(
+        .rows(
             "SELECT position, stream, type, payload::text FROM strata.events
               WHERE stream LIKE 'pool/%' AND type = ANY($1) ORDER BY position",
             &[&types(&[

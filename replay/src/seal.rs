@@ -7,6 +7,7 @@
 //! each digest; verification recomputes everything and names the first row
 //! that was altered, inserted or deleted since.
 
+use events::db::Sql;
 use ring::digest::{Context, SHA256};
 use std::collections::BTreeMap;
 use tokio_postgres::Client;
@@ -114,7 +115,7 @@ use events::hex;
 
 async fn exists(client: &Client, partition: &str) -> Result<bool, SealError> {
     Ok(client
-        .query_opt(
+        .opt(
             "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
               WHERE n.nspname = 'strata' AND c.relname = $1",
             &[&partition],
@@ -149,7 +150,7 @@ async fn digests_between(
     let mut after = after;
     let mut n = 0u64;
     loop {
-        let rows = client.query(&sql, &[&after, &up_to]).await?;
+        let rows = client.rows(&sql, &[&after, &up_to]).await?;
         if rows.is_empty() {
             return Ok(n);
         }
@@ -229,7 +230,7 @@ pub async fn seal(client: &Client, month: &str) -> Result<Seal, SealError> {
         return Err(SealError::NoPartition(partition));
     }
     if let Some(r) = client
-        .query_opt(
+        .opt(
             "SELECT sealed_at::text FROM strata.seals WHERE partition = $1",
             &[&partition],
         )
@@ -273,7 +274,7 @@ pub async fn seal(client: &Client, month: &str) -> Result<Seal, SealError> {
         });
     }
     client
-        .execute(
+        .exec(
             "INSERT INTO strata.seals (partition, first_position, last_position, rows, chain) VALUES ($1, $2, $3, $4, $5)",
             &[
                 &partition,
@@ -286,7 +287,7 @@ pub async fn seal(client: &Client, month: &str) -> Result<Seal, SealError> {
         .await?;
     for (i, (pos, dig, ch)) in segments.iter().enumerate() {
         client
-            .execute(
+            .exec(
                 "INSERT INTO strata.seal_segments (partition, segment, first_position, positions, digests, chain)
                  VALUES ($1, $2, $3, $4, $5, $6)",
                 &[&partition, &(i as i32), &pos[0], pos, dig, &ch.to_vec()],
@@ -313,7 +314,7 @@ pub struct Checkpoint {
 
 async fn load_checkpoints(client: &Client, partition: &str) -> Result<Vec<Checkpoint>, SealError> {
     Ok(client
-        .query(
+        .rows(
             "SELECT last_position, rows, chain, taken_at::text FROM strata.seal_checkpoints
               WHERE partition = $1 ORDER BY last_position",
             &[&partition],
@@ -361,7 +362,7 @@ pub async fn checkpoint(client: &Client, month: &str) -> Result<Option<Checkpoin
     };
     rows += n;
     let r = client
-        .query_one(
+        .one(
             "INSERT INTO strata.seal_checkpoints (partition, last_position, rows, chain)
              VALUES ($1, $2, $3, $4)
              ON CONFLICT (partition, last_position) DO UPDATE SET last_position = EXCLUDED.last_position
@@ -414,7 +415,7 @@ async fn verify_checkpoints(
 pub async fn verify(client: &Client, month: &str) -> Result<Finding, SealError> {
     let partition = partition_of(month)?;
     let Some(seal) = client
-        .query_opt(
+        .opt(
             "SELECT rows, chain FROM strata.seals WHERE partition = $1",
             &[&partition],
         )
@@ -429,7 +430,7 @@ pub async fn verify(client: &Client, month: &str) -> Result<Finding, SealError> 
     let sealed_chain: Vec<u8> = seal.get(1);
     let mut sealed: BTreeMap<u64, [u8; 8]> = BTreeMap::new();
     for r in client
-        .query(
+        .rows(
             "SELECT positions, digests FROM strata.seal_segments WHERE partition = $1 ORDER BY segment",
             &[&partition],
         )
@@ -497,7 +498,7 @@ pub async fn unsealed_closed_months(
 ) -> Result<Vec<String>, SealError> {
     let grace_s = grace.as_secs_f64();
     Ok(client
-        .query(
+        .rows(
             "SELECT month FROM (
                SELECT c.relname, replace(substr(c.relname, 8), '_', '-') AS month,
                       (to_date(substr(c.relname, 8), 'YYYY_MM') + interval '1 month')
@@ -524,7 +525,7 @@ pub async fn unsealed_closed_months(
 /// The month `now` is in, as `YYYY-MM` (UTC).
 pub async fn current_month(client: &Client) -> Result<String, SealError> {
     Ok(client
-        .query_one("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM')", &[])
+        .one("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM')", &[])
         .await?
         .get(0))
 }
@@ -547,7 +548,7 @@ pub async fn maintain(
 ) -> Result<Maintained, SealError> {
     const LOCK: i64 = 0x5374_7261_7461_5345;
     let got: bool = client
-        .query_one("SELECT pg_try_advisory_lock($1)", &[&LOCK])
+        .one("SELECT pg_try_advisory_lock($1)", &[&LOCK])
         .await?
         .get(0);
     if !got {
@@ -576,8 +577,6 @@ pub async fn maintain(
         Ok(done)
     }
     .await;
-    let _ = client
-        .execute("SELECT pg_advisory_unlock($1)", &[&LOCK])
-        .await;
+    let _ = client.exec("SELECT pg_advisory_unlock($1)", &[&LOCK]).await;
     result
 }

@@ -45,7 +45,7 @@ pub enum ClusterError {
     },
 }
 
-fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
+pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
     let context = context.into();
     move |source| ClusterError::Io { context, source }
 }
@@ -268,6 +268,11 @@ impl Cluster {
             .trim()
             .parse()
             .ok()
+    }
+
+    /// The unprivileged user and group the server runs as, when we are root.
+    pub fn run_as(&self) -> Option<(u32, u32)> {
+        self.run_as
     }
 
     /// The folder holding the server binaries in use.
@@ -521,7 +526,7 @@ fn signal(pid: u32, sig: &str) {
 /// Watches this process; once it is gone, stops postgres and removes the
 /// temporary folder if asked. Survives SIGKILL of the parent because it is a
 /// separate process.
-fn spawn_watcher(pg_pid: u32, remove: Option<&Path>) {
+pub(crate) fn spawn_watcher(pg_pid: u32, remove: Option<&Path>) {
     let parent = std::process::id();
     let rm = remove.map(|p| p.display().to_string()).unwrap_or_default();
     let script = "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; \
@@ -537,6 +542,12 @@ fn spawn_watcher(pg_pid: u32, remove: Option<&Path>) {
         .stderr(Stdio::null())
         .process_group(0)
         .spawn();
+}
+
+/// Gives `path` to the user the server runs as.
+pub(crate) fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), ClusterError> {
+    std::os::unix::fs::chown(path, Some(uid), Some(gid))
+        .map_err(io(format!("give {} to the server's user", path.display())))
 }
 
 /// A server tool's run: its stderr in the error when it failed.
@@ -560,7 +571,7 @@ fn absolute(p: &Path) -> Result<PathBuf, ClusterError> {
     }
 }
 
-fn free_port() -> Result<u16, ClusterError> {
+pub(crate) fn free_port() -> Result<u16, ClusterError> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(io("find a free port"))?;
     Ok(l.local_addr().map_err(io("find a free port"))?.port())
 }

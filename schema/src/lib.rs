@@ -6,11 +6,14 @@
 //! partitioned by month of `recorded_at`; partitions are created ahead of time
 //! by [`partitions::ensure`], which every running service also calls.
 
+pub mod bouncer;
 pub mod cluster;
 pub mod migrate;
 pub mod partitions;
+pub mod sql;
 pub mod testing;
 
+pub use bouncer::{Bouncer, BouncerOptions};
 pub use cluster::{Cluster, ClusterError, ClusterOptions};
 pub use migrate::{migrate, Migration, MIGRATIONS};
 

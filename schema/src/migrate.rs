@@ -10,6 +10,7 @@
 //! table locked by a reader is rolled back and tried again, so it never holds
 //! up appends behind a reader.
 
+use crate::sql::Sql;
 use crate::{Context, Error};
 use tokio_postgres::Client;
 
@@ -127,7 +128,7 @@ pub async fn migrate_with(
     let mut waited = std::time::Duration::ZERO;
     loop {
         let got: bool = client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATE_LOCK])
+            .one("SELECT pg_try_advisory_lock($1)", &[&MIGRATE_LOCK])
             .await
             .context("take the migration lock")?
             .get(0);
@@ -136,7 +137,7 @@ pub async fn migrate_with(
         }
         if waited.as_millis().is_multiple_of(10_000) {
             let holder = client
-                .query_opt(
+                .opt(
                     "SELECT a.pid, a.usename::text, a.application_name
                        FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
                       WHERE l.locktype = 'advisory' AND l.granted
@@ -164,7 +165,7 @@ pub async fn migrate_with(
     // The lock is session-level; release it whatever happened. If the
     // connection is gone, so is the lock.
     let _ = client
-        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATE_LOCK])
+        .exec("SELECT pg_advisory_unlock($1)", &[&MIGRATE_LOCK])
         .await;
     result
 }
@@ -183,7 +184,7 @@ async fn migrate_locked(client: &mut Client, migrations: &[Migration]) -> Result
         .await
         .context("create the migrations table")?;
     let rows = client
-        .query(
+        .rows(
             "SELECT version, name, checksum FROM strata.schema_migrations ORDER BY version",
             &[],
         )
@@ -253,7 +254,7 @@ async fn apply(client: &mut Client, m: &Migration, checksum: &str) -> Result<(),
     .await
     .context("bound a migration's lock waits")?;
     tx.batch_execute(m.sql).await.context("apply a migration")?;
-    tx.execute(
+    tx.exec(
         "INSERT INTO strata.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
         &[&m.version, &m.name, &checksum],
     )

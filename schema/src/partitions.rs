@@ -5,6 +5,7 @@
 //! no insert ever finds its month missing. As a last line of defence the
 //! appender creates the missing month itself and retries once.
 
+use crate::sql::Sql;
 use crate::{Context, Error};
 use std::time::SystemTime;
 use tokio_postgres::Client;
@@ -16,7 +17,7 @@ pub const DEFAULT_MONTHS_AHEAD: i32 = 3;
 /// after it. Returns how many were created.
 pub async fn ensure(client: &Client, months_ahead: i32, at: SystemTime) -> Result<i32, Error> {
     let row = client
-        .query_one(
+        .one(
             "SELECT strata.ensure_partitions($1, $2)",
             &[&months_ahead, &at],
         )
@@ -28,7 +29,7 @@ pub async fn ensure(client: &Client, months_ahead: i32, at: SystemTime) -> Resul
 /// Creates the partition that holds `at`, if missing. Returns whether it did.
 pub async fn ensure_for(client: &Client, at: SystemTime) -> Result<bool, Error> {
     let row = client
-        .query_one("SELECT strata.ensure_partition($1)", &[&at])
+        .one("SELECT strata.ensure_partition($1)", &[&at])
         .await
         .context("ensure a partition")?;
     Ok(row.get(0))
@@ -51,7 +52,7 @@ pub struct Partition {
 /// and their size on disk.
 pub async fn list(client: &Client) -> Result<Vec<Partition>, Error> {
     let rows = client
-        .query(
+        .rows(
             "SELECT c.relname::text, pg_get_expr(c.relpartbound, c.oid),
                     pg_total_relation_size(c.oid)
                FROM pg_inherits i
@@ -67,7 +68,7 @@ pub async fn list(client: &Client) -> Result<Vec<Partition>, Error> {
         let name: String = row.get(0);
         // The name comes from pg_class and is quoted, so it cannot inject.
         let count = client
-            .query_one(
+            .one(
                 &format!("SELECT count(*) FROM strata.{}", quote_ident(&name)),
                 &[],
             )

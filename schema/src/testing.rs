@@ -51,6 +51,18 @@ pub fn temp_standby(primary: &Cluster) -> Result<Cluster, crate::ClusterError> {
     primary.standby(opts)
 }
 
+/// A PgBouncer in transaction mode in front of `cluster`, its files in a
+/// temporary folder removed with it.
+pub fn temp_bouncer(cluster: &Cluster) -> Result<crate::Bouncer, crate::ClusterError> {
+    let dir = std::env::temp_dir().join(format!(
+        "strata-test-{}-{}-bouncer",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    crate::Bouncer::start(cluster, &dir, &crate::BouncerOptions::default())
+        .map(crate::Bouncer::remove_on_drop)
+}
+
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
 /// Creates an empty database on `cluster` and returns its URL. The name is

@@ -2,6 +2,7 @@
 //! `sink.paused`, `sink.resumed`, `sink.deleted`), so every change to a sink
 //! is in the log like everything else.
 
+use events::db::Sql;
 use events::{AppendError, Appender, Event, ExpectedVersion, NewEvent};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -215,7 +216,7 @@ pub async fn change(appender: &Appender, name: &str, event_type: &str) -> Result
 /// Every sink, folded from its stream.
 pub async fn list(client: &tokio_postgres::Client) -> Result<Vec<SinkState>, SinkError> {
     let rows = client
-        .query(
+        .rows(
             "SELECT stream, version, type, payload::text FROM strata.events
               WHERE stream LIKE 'sink/%' ORDER BY position",
             &[],
@@ -276,7 +277,7 @@ pub async fn reset(
     }
     let subscription = format!("sink.{name}");
     let held = client
-        .query_opt(
+        .opt(
             "SELECT 1 FROM strata.leases WHERE name = $1 AND expires_at > now()",
             &[&format!("subscription/{subscription}")],
         )
@@ -288,7 +289,7 @@ pub async fn reset(
         )));
     }
     let tx = client.transaction().await?;
-    tx.execute(
+    tx.exec(
         "INSERT INTO strata.subscriptions (name, position) VALUES ($1, $2)
          ON CONFLICT (name) DO UPDATE SET position = $2, updated_at = now()",
         &[&subscription, &(to as i64)],
@@ -313,7 +314,7 @@ pub async fn reset(
 /// started.
 pub async fn cursor(client: &tokio_postgres::Client, name: &str) -> Result<Option<u64>, SinkError> {
     Ok(client
-        .query_opt(
+        .opt(
             "SELECT position FROM strata.subscriptions WHERE name = $1",
             &[&format!("sink.{name}")],
         )

@@ -1,6 +1,7 @@
 //! Events a sink gave up on, and delivering them again.
 
 use crate::webhook;
+use events::db::Sql;
 use events::Event;
 use std::time::Duration;
 
@@ -18,7 +19,7 @@ pub async fn park(
         .map(|e| serde_json::from_str(&e.to_json_line()).unwrap_or(serde_json::Value::Null))
         .collect();
     client
-        .execute(
+        .exec(
             "INSERT INTO strata.sink_parked (sink, position, event, error, attempts)
              SELECT $1, p, e, $4, $5 FROM unnest($2::bigint[], $3::jsonb[]) AS x(p, e)
              ON CONFLICT (sink, position) DO NOTHING",
@@ -44,7 +45,7 @@ pub async fn list(
     sink: &str,
 ) -> Result<Vec<Parked>, tokio_postgres::Error> {
     Ok(client
-        .query(
+        .rows(
             "SELECT position, event->>'stream', event->>'type', error, attempts, parked_at::text
                FROM strata.sink_parked WHERE sink = $1 ORDER BY position",
             &[&sink],
@@ -75,7 +76,7 @@ pub async fn replay(
     let mut done = 0u64;
     loop {
         let rows = client
-            .query(
+            .rows(
                 "SELECT position, event::text FROM strata.sink_parked WHERE sink = $1 ORDER BY position LIMIT 500",
                 &[&sink],
             )
@@ -105,7 +106,7 @@ pub async fn replay(
         .await
         .map_err(|(_, e)| format!("{done} delivered, then: {e}"))?;
         client
-            .execute(
+            .exec(
                 "DELETE FROM strata.sink_parked WHERE sink = $1 AND position = ANY($2)",
                 &[&sink, &positions],
             )
@@ -125,7 +126,7 @@ pub async fn replay_nats(
 ) -> Result<u64, String> {
     let js = crate::nats::connect(url).await?;
     let rows = client
-        .query(
+        .rows(
             "SELECT position, event->>'stream', event->>'type', event::text
                FROM strata.sink_parked WHERE sink = $1 ORDER BY position",
             &[&sink],
@@ -147,7 +148,7 @@ pub async fn replay_nats(
             .await
             .map_err(|e| format!("{done} published, then: {e}"))?;
         client
-            .execute(
+            .exec(
                 "DELETE FROM strata.sink_parked WHERE sink = $1 AND position = $2",
                 &[&sink, &position],
             )

@@ -2,8 +2,8 @@
 //! SIGKILL while a command runs; its node re-homes and the command completes
 //! exactly once.
 
-use super::{database, ok};
-use std::process::{Child, Command, Stdio};
+use super::{database, ok, spawn};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 fn free_port() -> u16 {
@@ -12,17 +12,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-fn spawn(args: &[&str], log: &std::path::Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(args)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .unwrap()
 }
 
 fn gateway(url: &str, id: &str, port: u16, ca: &str, log: &std::path::Path) -> Child {

@@ -4,6 +4,7 @@ mod audit;
 mod doctor;
 mod gateway;
 mod placement;
+mod pooler;
 mod region;
 
 use std::io::{BufRead, BufReader};
@@ -28,6 +29,19 @@ fn ok(args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// A long-running `strata` process (e.g. `serve`) at `RUST_LOG=info`, its
+/// stderr in `log`.
+fn spawn(args: &[&str], log: &std::path::Path) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap()
 }
 
 /// Runs and expects failure; returns stderr.

@@ -14,8 +14,8 @@ fn rt() -> tokio::runtime::Runtime {
 
 /// A placer process: `strata serve --roles placer`.
 fn placer(url: &str, holder: &str, log: &std::path::Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args([
+    crate::spawn(
+        &[
             "serve",
             "--roles",
             "placer",
@@ -27,13 +27,9 @@ fn placer(url: &str, holder: &str, log: &std::path::Path) -> Child {
             holder,
             "--slot",
             &format!("placer_{holder}"),
-        ])
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .unwrap()
+        ],
+        log,
+    )
 }
 
 /// Pool leases currently held: (pool lease, holder).

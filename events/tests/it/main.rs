@@ -4,6 +4,7 @@ mod append;
 mod failover;
 mod lease;
 mod metrics;
+mod pooler;
 mod replication;
 mod subscription;
 mod tls;

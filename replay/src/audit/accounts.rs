@@ -4,6 +4,7 @@
 //! Postgres stores it: neither the password nor the salted password, either
 //! of which would let a reader of the table log in.
 
+use events::db::Sql;
 use pgwire::api::auth::sasl::scram::{gen_salted_password, ScramSecret};
 use ring::rand::{SecureRandom, SystemRandom};
 use tokio_postgres::GenericClient;
@@ -96,7 +97,7 @@ pub fn check_name(name: &str) -> Result<(), AccountError> {
 /// existing one. `None` makes a certificate-only account (or keeps the
 /// existing password).
 pub async fn add(
-    db: &impl GenericClient,
+    db: &(impl GenericClient + Sync),
     name: &str,
     password: Option<&str>,
 ) -> Result<(), AccountError> {
@@ -111,7 +112,7 @@ pub async fn add(
         ),
         None => (None, None, None, None),
     };
-    db.execute(
+    db.exec(
         "INSERT INTO strata.auditors (name, scram_salt, scram_iterations, stored_key, server_key)
          VALUES ($1, $2, $3, $4, $5)
          ON CONFLICT (name) DO UPDATE SET
@@ -127,9 +128,9 @@ pub async fn add(
 }
 
 /// Revokes an auditor: no new connection is accepted for them.
-pub async fn revoke(db: &impl GenericClient, name: &str) -> Result<(), AccountError> {
+pub async fn revoke(db: &(impl GenericClient + Sync), name: &str) -> Result<(), AccountError> {
     let n = db
-        .execute(
+        .exec(
             "UPDATE strata.auditors SET revoked_at = COALESCE(revoked_at, now()) WHERE name = $1",
             &[&name],
         )
@@ -140,9 +141,9 @@ pub async fn revoke(db: &impl GenericClient, name: &str) -> Result<(), AccountEr
     Ok(())
 }
 
-pub async fn list(db: &impl GenericClient) -> Result<Vec<Account>, AccountError> {
+pub async fn list(db: &(impl GenericClient + Sync)) -> Result<Vec<Account>, AccountError> {
     let rows = db
-        .query(
+        .rows(
             "SELECT name, stored_key IS NOT NULL, created_at, revoked_at
                FROM strata.auditors ORDER BY name",
             &[],
@@ -162,11 +163,11 @@ pub async fn list(db: &impl GenericClient) -> Result<Vec<Account>, AccountError>
 /// An active (not revoked) auditor's verifier; `Some(None)` for an active
 /// certificate-only auditor; `None` for no such active auditor.
 pub async fn active(
-    db: &impl GenericClient,
+    db: &(impl GenericClient + Sync),
     name: &str,
 ) -> Result<Option<Option<Verifier>>, AccountError> {
     let row = db
-        .query_opt(
+        .opt(
             "SELECT scram_salt, scram_iterations, stored_key, server_key
                FROM strata.auditors WHERE name = $1 AND revoked_at IS NULL",
             &[&name],
@@ -192,11 +193,11 @@ pub async fn active(
 /// Whether the certificate with this serial (lowercase hex without leading
 /// zero bytes) was revoked with `strata ca revoke`.
 pub async fn certificate_revoked(
-    db: &impl GenericClient,
+    db: &(impl GenericClient + Sync),
     serial: &str,
 ) -> Result<bool, AccountError> {
     Ok(db
-        .query_one(
+        .one(
             "SELECT EXISTS (SELECT 1 FROM strata.revoked_certificates WHERE serial = $1)",
             &[&serial],
         )

@@ -6,6 +6,7 @@ use crate::audit::backend::{Backend, BackendError, Column, Limits, Outcome, TxCh
 use crate::audit::split;
 use crate::audit::{AuditConfig, AuditError};
 use async_trait::async_trait;
+use events::db::Sql;
 use events::{Appender, ExpectedVersion, NewEvent};
 use futures_util::Sink;
 use pgwire::api::auth::driver::AuthOutcome;
@@ -188,7 +189,7 @@ impl Shared {
             })?;
             let db = guard.as_ref().expect("connected above");
             crate::audit::setup::ensure_role(db, &config.role).await?;
-            db.query_one("SHOW server_version", &[])
+            db.one("SHOW server_version", &[])
                 .await
                 .map(|r| r.get::<_, String>(0))
                 .unwrap_or_default()

@@ -12,6 +12,7 @@
 //! cancel or terminate each other's sessions, and no one logs in as an audit
 //! role without a password.
 
+use events::db::Sql;
 use std::time::Duration;
 use tokio_postgres::GenericClient;
 
@@ -58,7 +59,7 @@ pub fn check_role(role: &str) -> Result<(), SetupError> {
 /// advisory-lock functions, and checks that the group holds nothing more.
 /// Revoking from PUBLIC needs the functions' owner (a superuser); where the
 /// database user is not one, the check says what to run once.
-pub async fn ensure_role(db: &impl GenericClient, role: &str) -> Result<(), SetupError> {
+pub async fn ensure_role(db: &(impl GenericClient + Sync), role: &str) -> Result<(), SetupError> {
     check_role(role)?;
     let err = |source| SetupError::Db {
         role: role.to_string(),
@@ -83,7 +84,7 @@ pub async fn ensure_role(db: &impl GenericClient, role: &str) -> Result<(), Setu
         .await
         .map_err(err)?;
     let parts = db
-        .query(
+        .rows(
             "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
               WHERE i.inhparent = 'strata.events'::regclass",
             &[],
@@ -98,7 +99,10 @@ pub async fn ensure_role(db: &impl GenericClient, role: &str) -> Result<(), Setu
     check_unprivileged(db, role).await
 }
 
-async fn retry_concurrent(db: &impl GenericClient, sql: &str) -> Result<(), tokio_postgres::Error> {
+async fn retry_concurrent(
+    db: &(impl GenericClient + Sync),
+    sql: &str,
+) -> Result<(), tokio_postgres::Error> {
     let mut attempt = 0;
     loop {
         match db.batch_execute(sql).await {
@@ -145,14 +149,14 @@ pub async fn login_role(
         source,
     };
     let tx = db.transaction().await.map_err(err)?;
-    tx.execute(
+    tx.exec(
         "SELECT pg_advisory_xact_lock(hashtextextended('strata.audit_logins:' || $1, 0))",
         &[&auditor],
     )
     .await
     .map_err(err)?;
     if let Some(r) = tx
-        .query_opt(
+        .opt(
             "SELECT role, password FROM strata.audit_logins WHERE auditor = $1",
             &[&auditor],
         )
@@ -179,7 +183,7 @@ pub async fn login_role(
          GRANT {group} TO {role};"
     );
     tx.batch_execute(&sql).await.map_err(err)?;
-    tx.execute(
+    tx.exec(
         "INSERT INTO strata.audit_logins (auditor, role, password) VALUES ($1, $2, $3)",
         &[&auditor, &role, &password],
     )
@@ -191,7 +195,10 @@ pub async fn login_role(
 
 /// Refuses a role that is a superuser, a member of another role, or holds any
 /// privilege on a Strata table outside the audit set.
-pub async fn check_unprivileged(db: &impl GenericClient, role: &str) -> Result<(), SetupError> {
+pub async fn check_unprivileged(
+    db: &(impl GenericClient + Sync),
+    role: &str,
+) -> Result<(), SetupError> {
     let err = |source| SetupError::Db {
         role: role.to_string(),
         source,
@@ -201,7 +208,7 @@ pub async fn check_unprivileged(db: &impl GenericClient, role: &str) -> Result<(
         problem,
     };
     let r = db
-        .query_one(
+        .one(
             "SELECT rolsuper OR rolcreaterole OR rolcreatedb OR rolreplication OR rolbypassrls,
                     (SELECT string_agg(g.rolname, ', ') FROM pg_auth_members m
                        JOIN pg_roles g ON g.oid = m.roleid
@@ -217,7 +224,7 @@ pub async fn check_unprivileged(db: &impl GenericClient, role: &str) -> Result<(
         ));
     }
     let rights = db
-        .query_one(
+        .one(
             "SELECT has_database_privilege($1, current_database(), 'TEMPORARY'),
                     has_function_privilege($1, 'pg_catalog.lo_from_bytea(oid, bytea)', 'EXECUTE'),
                     has_function_privilege($1, 'pg_catalog.lo_create(oid)', 'EXECUTE'),
@@ -236,7 +243,7 @@ pub async fn check_unprivileged(db: &impl GenericClient, role: &str) -> Result<(
         return Err(unsafe_(format!("is a member of {groups}")));
     }
     let extra = db
-        .query(
+        .rows(
             "SELECT n.nspname || '.' || c.relname, p.privilege_type
                FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                CROSS JOIN LATERAL aclexplode(c.relacl) p
