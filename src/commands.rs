@@ -43,15 +43,99 @@ pub async fn connect(db: &Db) -> Result<tokio_postgres::Client> {
         .context("connect to postgres")
 }
 
-pub async fn migrate(db: &Db) -> Result<ExitCode> {
-    let mut client = connect_direct(db).await?;
+pub async fn migrate(args: &crate::MigrateArgs) -> Result<ExitCode> {
+    let mut client = connect_direct(&args.db).await?;
+    if args.check {
+        let plan = schema::migrate::plan(&client, schema::MIGRATIONS)
+            .await
+            .context("plan the migrations")?;
+        let waits = plan.pending.iter().any(|p| !p.blocked_by.is_empty());
+        if args.json {
+            println!("{}", serde_json::to_string(&plan)?);
+        } else {
+            print_plan(&plan);
+        }
+        return Ok(if plan.runnable && !waits {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        });
+    }
     let applied = schema::migrate(&mut client).await.context("migrate")?;
     if applied.is_empty() {
         println!("schema is up to date");
     } else {
         println!("applied migrations {applied:?}");
     }
+    // What is left waits for older processes: say who.
+    let plan = schema::migrate::plan(&client, schema::MIGRATIONS)
+        .await
+        .context("plan the migrations")?;
+    if let Some(p) = plan.pending.first() {
+        println!(
+            "migration {} ({}) contracts the schema and waits until no running process knows less than schema {}:",
+            p.version,
+            p.name,
+            p.needs.unwrap_or(p.version)
+        );
+        for proc in &p.blocked_by {
+            println!("  {proc}");
+        }
+        return Ok(ExitCode::from(1));
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+fn print_plan(plan: &schema::migrate::Plan) {
+    println!(
+        "this binary knows schema {}; the database is at {}",
+        plan.known, plan.database
+    );
+    match &plan.refused {
+        Some(why) => println!("this binary may NOT run against it: {why}"),
+        None => println!("this binary may run against it"),
+    }
+    for u in &plan.unknown {
+        println!(
+            "  applied by a newer binary: {} ({}), {}",
+            u.version,
+            u.name,
+            match u.needs {
+                Some(n) => format!("contracts: needs binaries that know schema {n}"),
+                None => "expands: older binaries keep running".into(),
+            }
+        );
+    }
+    if plan.pending.is_empty() {
+        println!("nothing to apply");
+    }
+    for p in &plan.pending {
+        let verdict = match (p.needs, p.blocked_by.is_empty()) {
+            (None, _) => "expands: the running processes stay compatible".to_string(),
+            (Some(n), true) => {
+                format!("contracts (needs schema {n}): no running process knows less")
+            }
+            (Some(n), false) => format!(
+                "contracts (needs schema {n}): WAITS for {} running process(es) that know less",
+                p.blocked_by.len()
+            ),
+        };
+        println!("would apply {} ({}): {verdict}", p.version, p.name);
+        for st in &p.statements {
+            println!("    {st}");
+        }
+        for proc in &p.blocked_by {
+            println!("    waits for {proc}");
+        }
+    }
+    if plan.processes.is_empty() {
+        println!("running Strata processes: none seen");
+    } else {
+        println!("running Strata processes:");
+        for proc in &plan.processes {
+            println!("  {proc}");
+        }
+    }
 }
 
 pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
@@ -383,6 +467,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     let cfg = config(&args.db)?;
     let mut client = connect_direct(&args.db).await?;
     schema::migrate(&mut client).await.context("migrate")?;
+    let me = Registration::start(&cfg, &args.roles.join(",")).await;
     // Not fatal: a long-running reader can hold creation off (it gives up
     // after a lock timeout), and the reader keeps months ahead from now on.
     if let Err(e) = schema::partitions::ensure(
@@ -552,6 +637,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         }
     }
     tracing::info!("stopping");
+    me.stop().await;
     if let Some(a) = audit {
         a.stop();
     }
@@ -679,12 +765,83 @@ async fn start_audit(
     Ok(endpoint)
 }
 
+/// This process's row in `strata.processes`, refreshed while it runs: a
+/// contracting migration waits while a process that knows an older schema
+/// is live.
+struct Registration {
+    host: String,
+    started_at: SystemTime,
+    task: tokio::task::JoinHandle<()>,
+    cfg: events::db::Database,
+}
+
+impl Registration {
+    async fn start(cfg: &events::db::Database, roles: &str) -> Registration {
+        let host = hostname();
+        let started_at = SystemTime::now();
+        let (h, roles, db) = (host.clone(), roles.to_string(), cfg.clone());
+        let task = events::task::spawn("process-registration", async move {
+            let mut backoff =
+                events::task::Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+            let mut client: Option<tokio_postgres::Client> = None;
+            loop {
+                if client.as_ref().is_none_or(|c| c.is_closed()) {
+                    client = events::db::connect(&db, "process-registration").await.ok();
+                }
+                let result = match &client {
+                    Some(c) => schema::migrate::register(
+                        c,
+                        &h,
+                        started_at,
+                        env!("CARGO_PKG_VERSION"),
+                        &roles,
+                    )
+                    .await
+                    .map_err(|e| e.to_string()),
+                    None => Err("cannot connect".into()),
+                };
+                match result {
+                    Ok(()) => {
+                        backoff.reset();
+                        tokio::time::sleep(schema::migrate::PROCESS_REFRESH).await;
+                    }
+                    Err(e) => {
+                        client = None;
+                        let wait = backoff.next_delay();
+                        tracing::warn!(error = %e, retry_in = ?wait, "could not record this process in strata.processes");
+                        tokio::time::sleep(wait).await;
+                    }
+                }
+            }
+        });
+        Registration {
+            host,
+            started_at,
+            task,
+            cfg: cfg.clone(),
+        }
+    }
+
+    async fn stop(self) {
+        self.task.abort();
+        if let Ok(c) = events::db::connect(&self.cfg, "process-registration").await {
+            if let Err(e) = schema::migrate::unregister(&c, &self.host, self.started_at).await {
+                tracing::warn!(error = %e, "could not remove this process from strata.processes");
+            }
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "local".into())
+}
+
 /// `strata_<host>` in the characters a slot name allows.
 pub fn default_slot() -> String {
-    let host =
-        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "local".into());
+    let host = hostname();
     let clean: String = host
-        .trim()
         .chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() {

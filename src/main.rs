@@ -41,8 +41,8 @@ enum Command {
     Dev(DevArgs),
     /// Run Strata's long-running services against a database
     Serve(Box<ServeArgs>),
-    /// Apply the schema migrations the database does not have yet
-    Migrate(DbOnly),
+    /// Apply the schema migrations the database does not have yet. Migrations expand the schema (older binaries keep running against it) or contract it (only binaries that know a given schema may run after it; applied once no running Strata process knows less). Exits 1 when a migration still waits
+    Migrate(MigrateArgs),
     /// Create and inspect the monthly partitions of the event table
     #[command(subcommand)]
     Partitions(PartitionsCmd),
@@ -722,6 +722,18 @@ struct DbOnly {
 }
 
 #[derive(Args, Debug)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    db: Db,
+    /// Change nothing: say which migrations would be applied (expand or contract, their statements), which running Strata processes know which schema, and whether they stay compatible. Exits 1 when this binary may not run against the database or a migration would wait
+    #[arg(long)]
+    check: bool,
+    /// With --check: one JSON object {known, database, runnable, refused, unknown, pending: [{version, name, change, needs, statements, blocked_by}], processes}
+    #[arg(long, requires = "check")]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
 pub struct DevArgs {
     /// Folder for the private cluster and its log
     #[arg(long, default_value = ".strata")]
@@ -988,7 +1000,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Dev(args) => dev::run(args).await,
             Command::Serve(args) => commands::serve(*args).await,
-            Command::Migrate(a) => commands::migrate(&a.db).await,
+            Command::Migrate(a) => commands::migrate(&a).await,
             Command::Partitions(c) => commands::partitions(c).await,
             Command::Events(c) => commands::events(c).await,
             Command::Slots(c) => commands::slots(c).await,

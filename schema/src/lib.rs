@@ -15,7 +15,7 @@ pub mod testing;
 
 pub use bouncer::{Bouncer, BouncerOptions};
 pub use cluster::{Cluster, ClusterError, ClusterOptions};
-pub use migrate::{migrate, Migration, MIGRATIONS};
+pub use migrate::{migrate, Change, Migration, MIGRATIONS};
 
 /// What can go wrong talking to the database about the schema.
 #[derive(Debug, thiserror::Error)]
@@ -35,9 +35,15 @@ pub enum Error {
         applied: String,
         current: String,
     },
-    /// The database has migrations this build does not know.
-    #[error("the database is at migration {database} but this build knows only up to {known}; upgrade strata")]
-    TooNew { database: i32, known: i32 },
+    /// The database has a contracting migration this build knows too
+    /// little for.
+    #[error("the database has migration {version} ({name}), which contracts the schema: only binaries that know schema {needs} or newer may run against it, and this one knows {known}; upgrade strata")]
+    TooNew {
+        version: i32,
+        name: String,
+        needs: i32,
+        known: i32,
+    },
 }
 
 impl Error {

@@ -63,6 +63,31 @@ pub fn temp_bouncer(cluster: &Cluster) -> Result<crate::Bouncer, crate::ClusterE
         .map(crate::Bouncer::remove_on_drop)
 }
 
+/// The next release's migrations as this build's tests picture them: one
+/// that expands (a nullable column on the event table, a table), and one
+/// that contracts (drops what the expansion replaced), needing binaries
+/// that know the expansion.
+pub fn next_release(contract: bool) -> Vec<crate::Migration> {
+    let known = crate::migrate::known();
+    let mut m = crate::MIGRATIONS.to_vec();
+    m.push(crate::Migration {
+        version: known + 1,
+        name: "next_expand",
+        sql: "ALTER TABLE strata.events ADD COLUMN trace_context text;
+              CREATE TABLE strata.next_release (id bigint PRIMARY KEY);",
+        change: crate::Change::Expand,
+    });
+    if contract {
+        m.push(crate::Migration {
+            version: known + 2,
+            name: "next_contract",
+            sql: "ALTER TABLE strata.processes DROP COLUMN roles;",
+            change: crate::Change::Contract { needs: known + 1 },
+        });
+    }
+    m
+}
+
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
 /// Creates an empty database on `cluster` and returns its URL. The name is

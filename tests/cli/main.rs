@@ -6,6 +6,7 @@ mod gateway;
 mod placement;
 mod pooler;
 mod region;
+mod upgrade;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};

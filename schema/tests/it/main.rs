@@ -53,18 +53,65 @@ async fn an_edited_migration_is_refused() {
 }
 
 #[tokio::test]
-async fn a_database_from_a_newer_build_is_refused() {
+async fn a_binary_runs_against_a_newer_schema_that_only_expands() {
+    // Before rolling upgrades a binary refused any schema newer than its
+    // own ("the database is at migration 15 but this build knows only up
+    // to 14").
+    let url = fresh_database(shared_cluster()).await;
+    let mut c = client(&url).await;
+    let applied = schema::migrate::migrate_with(&mut c, &schema::testing::next_release(false))
+        .await
+        .unwrap();
+    assert_eq!(applied.last(), Some(&(schema::migrate::known() + 1)));
+    assert_eq!(schema::migrate(&mut c).await.unwrap(), Vec::<i32>::new());
+    let plan = schema::migrate::plan(&c, schema::MIGRATIONS).await.unwrap();
+    assert!(plan.runnable && plan.pending.is_empty(), "{plan:?}");
+    assert_eq!(plan.unknown.len(), 1);
+    assert_eq!(plan.unknown[0].needs, None);
+}
+
+#[tokio::test]
+async fn a_contracting_migration_waits_for_older_processes_then_refuses_older_binaries() {
     let url = fresh_database(shared_cluster()).await;
     let mut c = client(&url).await;
     schema::migrate(&mut c).await.unwrap();
-    c.execute("INSERT INTO strata.schema_migrations (version, name, checksum) VALUES (9999, 'future', 'x')", &[])
+    // A process of this build is running (it knows one schema less than
+    // the contraction needs).
+    let started = SystemTime::now();
+    schema::migrate::register(&c, "old-host", started, "0.0.0", "placer")
         .await
         .unwrap();
+    let next = schema::testing::next_release(true);
+    let plan = schema::migrate::plan(&c, &next).await.unwrap();
+    assert_eq!(
+        plan.pending.iter().map(|p| p.change).collect::<Vec<_>>(),
+        ["expand", "contract"]
+    );
+    assert!(plan.pending[0].blocked_by.is_empty());
+    assert_eq!(plan.pending[1].blocked_by.len(), 1, "{plan:?}");
+    assert_eq!(plan.pending[1].blocked_by[0].host, "old-host");
+    assert!(plan.pending[1].statements[0].starts_with("ALTER TABLE strata.processes DROP COLUMN"));
+
+    // The expansion is applied; the contraction waits for the old process.
+    let applied = schema::migrate::migrate_with(&mut c, &next).await.unwrap();
+    assert_eq!(applied, [schema::migrate::known() + 1]);
+    // The old binary still runs against it.
+    schema::migrate(&mut c).await.unwrap();
+
+    // Once the old process is gone, the contraction is applied, and a
+    // binary that knows too little refuses the database, saying why.
+    schema::migrate::unregister(&c, "old-host", started)
+        .await
+        .unwrap();
+    let applied = schema::migrate::migrate_with(&mut c, &next).await.unwrap();
+    assert_eq!(applied, [schema::migrate::known() + 2]);
     let err = schema::migrate(&mut c).await.unwrap_err();
     assert!(
-        matches!(err, schema::Error::TooNew { database: 9999, .. }),
+        matches!(err, schema::Error::TooNew { needs, known, .. } if needs == known + 1),
         "{err}"
     );
+    assert!(err.to_string().contains("contracts the schema"), "{err}");
+    assert!(!err.is_transient());
 }
 
 fn at(secs: u64) -> SystemTime {
@@ -157,6 +204,7 @@ async fn a_migration_never_holds_up_the_event_table_behind_a_reader() {
         version: 9_999,
         name: "probe",
         sql: "ALTER TABLE strata.events ADD COLUMN probe integer",
+        change: schema::Change::Expand,
     });
     let migrating =
         tokio::spawn(
