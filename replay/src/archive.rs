@@ -193,6 +193,50 @@ pub struct Retirement {
     pub refused: Option<String>,
 }
 
+/// How long the detach waits for the event table's lock before it gives
+/// its place in the queue up: behind a reader's open transaction, a waiting
+/// detach (it needs the table to itself) would hold up every append queued
+/// behind it.
+const DETACH_LOCK_TIMEOUT: &str = "2s";
+/// Tries of a detach that found the table locked (about a minute and a half).
+const DETACH_TRIES: u32 = 30;
+
+/// Detaches and drops one partition in one transaction, its lock waits
+/// bounded, trying again while a reader holds the table.
+async fn detach_and_drop(client: &Client, partition: &str) -> Result<(), ArchiveError> {
+    let sql = format!(
+        "BEGIN; SET LOCAL lock_timeout = '{DETACH_LOCK_TIMEOUT}';
+         ALTER TABLE strata.events DETACH PARTITION strata.{partition};
+         DROP TABLE strata.{partition}; COMMIT;"
+    );
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match client.batch_execute(&sql).await {
+            Ok(()) => return Ok(()),
+            Err(e)
+                if tries < DETACH_TRIES
+                    && e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+            {
+                let _ = client.batch_execute("ROLLBACK").await;
+                tracing::warn!(
+                    partition,
+                    tries,
+                    "detaching waited {DETACH_LOCK_TIMEOUT} for the event table (a reader's open transaction?); trying again"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(
+                    200 * u64::from(tries.min(10)),
+                ))
+                .await;
+            }
+            Err(e) => {
+                let _ = client.batch_execute("ROLLBACK").await;
+                return Err(e.into());
+            }
+        }
+    }
+}
+
 /// Detaches and drops the monthly partitions that ended more than `months`
 /// months ago, each only if it is sealed and exported with the sealed row
 /// count (and still holds exactly those rows). With `dry_run`, only says.
@@ -243,11 +287,7 @@ pub async fn retire(
             _ => None,
         };
         if refused.is_none() && !dry_run {
-            client
-                .batch_execute(&format!(
-                    "ALTER TABLE strata.events DETACH PARTITION strata.{partition}; DROP TABLE strata.{partition};"
-                ))
-                .await?;
+            detach_and_drop(client, &partition).await?;
         }
         out.push(Retirement { partition, refused });
     }
