@@ -467,7 +467,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     let cfg = config(&args.db)?;
     let mut client = connect_direct(&args.db).await?;
     schema::migrate(&mut client).await.context("migrate")?;
-    let me = Registration::start(&cfg, &args.roles.join(",")).await;
+    let me = Registration::start(&cfg, &args.roles.join(","));
     // Not fatal: a long-running reader can hold creation off (it gives up
     // after a lock timeout), and the reader keeps months ahead from now on.
     if let Err(e) = schema::partitions::ensure(
@@ -776,21 +776,21 @@ struct Registration {
 }
 
 impl Registration {
-    async fn start(cfg: &events::db::Database, roles: &str) -> Registration {
-        let host = hostname();
+    fn start(cfg: &events::db::Database, roles: &str) -> Registration {
+        let host = hostname().unwrap_or_else(|| "local".into());
         let started_at = SystemTime::now();
-        let (h, roles, db) = (host.clone(), roles.to_string(), cfg.clone());
+        let (h, roles, db) = (
+            host.clone(),
+            roles.to_string(),
+            events::db::Db::new(cfg.clone()),
+        );
         let task = events::task::spawn("process-registration", async move {
             let mut backoff =
                 events::task::Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
-            let mut client: Option<tokio_postgres::Client> = None;
             loop {
-                if client.as_ref().is_none_or(|c| c.is_closed()) {
-                    client = events::db::connect(&db, "process-registration").await.ok();
-                }
-                let result = match &client {
-                    Some(c) => schema::migrate::register(
-                        c,
+                let result = match db.get().await {
+                    Ok(c) => schema::migrate::register(
+                        &c,
                         &h,
                         started_at,
                         env!("CARGO_PKG_VERSION"),
@@ -798,7 +798,7 @@ impl Registration {
                     )
                     .await
                     .map_err(|e| e.to_string()),
-                    None => Err("cannot connect".into()),
+                    Err(e) => Err(format!("connect: {e}")),
                 };
                 match result {
                     Ok(()) => {
@@ -806,7 +806,7 @@ impl Registration {
                         tokio::time::sleep(schema::migrate::PROCESS_REFRESH).await;
                     }
                     Err(e) => {
-                        client = None;
+                        db.reset().await;
                         let wait = backoff.next_delay();
                         tracing::warn!(error = %e, retry_in = ?wait, "could not record this process in strata.processes");
                         tokio::time::sleep(wait).await;
@@ -832,15 +832,16 @@ impl Registration {
     }
 }
 
-fn hostname() -> String {
+/// This machine's host name, if it can be read.
+pub fn hostname() -> Option<String> {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
         .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "local".into())
 }
 
 /// `strata_<host>` in the characters a slot name allows.
 pub fn default_slot() -> String {
-    let host = hostname();
+    let host = hostname().unwrap_or_else(|| "local".into());
     let clean: String = host
         .chars()
         .map(|c| {

@@ -480,9 +480,7 @@ pub async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
 }
 
 fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "node".into())
+    crate::commands::hostname().unwrap_or_else(|| "node".into())
 }
 
 pub async fn node(args: NodeArgs) -> Result<ExitCode> {

@@ -241,8 +241,7 @@ async fn migrate_locked(client: &mut Client, migrations: &[Migration]) -> Result
     let applied = applied(client).await?;
     let known = migrations.last().map_or(0, |m| m.version);
     runnable(&applied, known)?;
-    let newer: Vec<&Applied> = applied.iter().filter(|a| a.version > known).collect();
-    if !newer.is_empty() {
+    if applied.iter().any(|a| a.version > known) {
         tracing::warn!(
             database = applied.last().map_or(0, |a| a.version),
             known,
@@ -253,10 +252,9 @@ async fn migrate_locked(client: &mut Client, migrations: &[Migration]) -> Result
         .iter()
         .map(|a| (a.version, a.checksum.as_str()))
         .collect();
-    let mut done = Vec::new();
     for m in migrations {
-        let current = checksum(m.sql);
         if let Some(sum) = sums.get(&m.version) {
+            let current = checksum(m.sql);
             if *sum != current {
                 return Err(Error::ChecksumMismatch {
                     version: m.version,
@@ -265,21 +263,30 @@ async fn migrate_locked(client: &mut Client, migrations: &[Migration]) -> Result
                     current,
                 });
             }
-            continue;
         }
-        if let Change::Contract { needs } = m.change {
-            let behind = processes_behind(client, needs).await?;
-            if !behind.is_empty() {
-                tracing::warn!(
-                    version = m.version,
-                    name = m.name,
-                    needs,
-                    behind = %behind.iter().map(Process::to_string).collect::<Vec<_>>().join("; "),
-                    "not applying a contracting migration (and those after it) while processes that know an older schema run; `strata migrate` applies it once they are upgraded"
-                );
-                break;
-            }
+    }
+    // The live processes matter only to a contraction.
+    let processes = if migrations
+        .iter()
+        .any(|m| !sums.contains_key(&m.version) && m.change.needs().is_some())
+    {
+        processes(client).await?
+    } else {
+        Vec::new()
+    };
+    let mut done = Vec::new();
+    for (m, waits_for) in pending(migrations, &applied, &processes) {
+        if !waits_for.is_empty() {
+            tracing::warn!(
+                version = m.version,
+                name = m.name,
+                needs = ?m.change.needs(),
+                behind = %waits_for.iter().map(Process::to_string).collect::<Vec<_>>().join("; "),
+                "not applying a contracting migration (and those after it) while processes that know an older schema run; `strata migrate` applies it once they are upgraded"
+            );
+            break;
         }
+        let current = checksum(m.sql);
         let mut tries = 0;
         loop {
             tries += 1;
@@ -444,12 +451,31 @@ pub async fn processes(client: &Client) -> Result<Vec<Process>, Error> {
         .collect())
 }
 
-async fn processes_behind(client: &Client, needs: i32) -> Result<Vec<Process>, Error> {
-    Ok(processes(client)
-        .await?
-        .into_iter()
-        .filter(|p| p.schema_known < needs)
-        .collect())
+/// The migrations not applied yet, in order, each with the live processes
+/// it waits for: a contraction waits for those that know less than it
+/// needs, and every migration after a waiting one waits with it
+/// ([`migrate`] stops there).
+fn pending<'m>(
+    migrations: &'m [Migration],
+    applied: &[Applied],
+    processes: &[Process],
+) -> Vec<(&'m Migration, Vec<Process>)> {
+    let have: std::collections::HashSet<i32> = applied.iter().map(|a| a.version).collect();
+    let mut waiting: Vec<Process> = Vec::new();
+    migrations
+        .iter()
+        .filter(|m| !have.contains(&m.version))
+        .map(|m| {
+            if let (Some(n), true) = (m.change.needs(), waiting.is_empty()) {
+                waiting = processes
+                    .iter()
+                    .filter(|p| p.schema_known < n)
+                    .cloned()
+                    .collect();
+            }
+            (m, waiting.clone())
+        })
+        .collect()
 }
 
 /// Records this process in `strata.processes` (the row a contracting
@@ -530,7 +556,8 @@ pub struct Pending {
     pub needs: Option<i32>,
     /// The statements it runs (their first lines).
     pub statements: Vec<String>,
-    /// Live processes that know too little for it: it waits for them.
+    /// Live processes it waits for: those that know too little for it, or
+    /// for a contraction before it.
     pub blocked_by: Vec<Process>,
 }
 
@@ -558,31 +585,21 @@ pub async fn plan(client: &Client, migrations: &[Migration]) -> Result<Plan, Err
         None => processes(client).await?,
         Some(_) => Vec::new(),
     };
-    let have: std::collections::HashSet<i32> = applied.iter().map(|a| a.version).collect();
-    let mut pending = Vec::new();
-    for m in migrations.iter().filter(|m| !have.contains(&m.version)) {
-        let needs = m.change.needs();
-        let blocked_by: Vec<Process> = match needs {
-            Some(n) => processes
-                .iter()
-                .filter(|p| p.schema_known < n)
-                .cloned()
-                .collect(),
-            None => Vec::new(),
-        };
-        pending.push(Pending {
+    let pending = pending(migrations, &applied, &processes)
+        .into_iter()
+        .map(|(m, blocked_by)| Pending {
             version: m.version,
             name: m.name.to_string(),
-            change: if needs.is_some() {
+            change: if m.change.needs().is_some() {
                 "contract"
             } else {
                 "expand"
             },
-            needs,
+            needs: m.change.needs(),
             statements: statements(m.sql),
             blocked_by,
-        });
-    }
+        })
+        .collect();
     Ok(Plan {
         known,
         database: applied.last().map_or(0, |a| a.version),
