@@ -193,45 +193,28 @@ pub struct Retirement {
     pub refused: Option<String>,
 }
 
-/// How long the detach waits for the event table's lock before it gives
-/// its place in the queue up: behind a reader's open transaction, a waiting
-/// detach (it needs the table to itself) would hold up every append queued
-/// behind it.
-const DETACH_LOCK_TIMEOUT: &str = "2s";
-/// Tries of a detach that found the table locked (about a minute and a half).
-const DETACH_TRIES: u32 = 30;
-
 /// Detaches and drops one partition in one transaction, its lock waits
 /// bounded, trying again while a reader holds the table.
 async fn detach_and_drop(client: &Client, partition: &str) -> Result<(), ArchiveError> {
     let sql = format!(
-        "BEGIN; SET LOCAL lock_timeout = '{DETACH_LOCK_TIMEOUT}';
+        "BEGIN; SET LOCAL lock_timeout = '{}';
          ALTER TABLE strata.events DETACH PARTITION strata.{partition};
-         DROP TABLE strata.{partition}; COMMIT;"
+         DROP TABLE strata.{partition}; COMMIT;",
+        schema::ddl::DDL_LOCK_TIMEOUT
     );
-    let mut tries = 0;
+    let mut retries = schema::ddl::LockRetries::new(schema::ddl::LockRetries::DEFAULT_TRIES);
     loop {
-        tries += 1;
         match client.batch_execute(&sql).await {
             Ok(()) => return Ok(()),
-            Err(e)
-                if tries < DETACH_TRIES
-                    && e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
-            {
-                let _ = client.batch_execute("ROLLBACK").await;
-                tracing::warn!(
-                    partition,
-                    tries,
-                    "detaching waited {DETACH_LOCK_TIMEOUT} for the event table (a reader's open transaction?); trying again"
-                );
-                tokio::time::sleep(std::time::Duration::from_millis(
-                    200 * u64::from(tries.min(10)),
-                ))
-                .await;
-            }
             Err(e) => {
                 let _ = client.batch_execute("ROLLBACK").await;
-                return Err(e.into());
+                let locked = e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE);
+                if !retries
+                    .again(locked, &format!("detaching {partition}"))
+                    .await
+                {
+                    return Err(e.into());
+                }
             }
         }
     }

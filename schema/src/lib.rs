@@ -8,6 +8,7 @@
 
 pub mod bouncer;
 pub mod cluster;
+pub mod ddl;
 pub mod migrate;
 pub mod partitions;
 pub mod sql;

@@ -24,6 +24,7 @@
 //! [`plan`] says, without changing anything, what would be applied and
 //! whether the running processes stay compatible (`strata migrate --check`).
 
+use crate::ddl::{LockRetries, DDL_LOCK_TIMEOUT};
 use crate::sql::Sql;
 use crate::{Context, Error};
 use tokio_postgres::Client;
@@ -157,13 +158,6 @@ pub const MIGRATIONS: &[Migration] = &[
     },
 ];
 
-/// How long one migration's statements wait for a lock before the migration
-/// is rolled back and tried again: a migration queued behind a reader's lock
-/// on the event table would hold up every append queued behind it.
-const MIGRATION_LOCK_TIMEOUT: &str = "2s";
-/// Tries of one migration that found its tables locked.
-const MIGRATION_TRIES: u32 = 30;
-
 /// The advisory lock key that serializes migrators (an arbitrary constant).
 const MIGRATE_LOCK: i64 = 0x5374_7261_7461_4d31;
 
@@ -287,22 +281,11 @@ async fn migrate_locked(client: &mut Client, migrations: &[Migration]) -> Result
             break;
         }
         let current = checksum(m.sql);
-        let mut tries = 0;
+        let mut retries = LockRetries::new(LockRetries::DEFAULT_TRIES);
+        let what = format!("migration {} ({})", m.version, m.name);
         loop {
-            tries += 1;
             match apply(client, m, &current).await {
-                Err(e) if tries < MIGRATION_TRIES && e.is_lock_timeout() => {
-                    tracing::warn!(
-                        version = m.version,
-                        name = m.name,
-                        tries,
-                        "a migration waited {MIGRATION_LOCK_TIMEOUT} for a lock (a reader's open transaction?); trying again"
-                    );
-                    tokio::time::sleep(std::time::Duration::from_millis(
-                        200 * u64::from(tries.min(10)),
-                    ))
-                    .await;
-                }
+                Err(e) if retries.again(e.is_lock_timeout(), &what).await => {}
                 other => break other?,
             }
         }
@@ -649,11 +632,9 @@ async fn apply(client: &mut Client, m: &Migration, checksum: &str) -> Result<(),
         .transaction()
         .await
         .context("begin a migration transaction")?;
-    tx.batch_execute(&format!(
-        "SET LOCAL lock_timeout = '{MIGRATION_LOCK_TIMEOUT}'"
-    ))
-    .await
-    .context("bound a migration's lock waits")?;
+    tx.batch_execute(&format!("SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'"))
+        .await
+        .context("bound a migration's lock waits")?;
     tx.batch_execute(m.sql).await.context("apply a migration")?;
     tx.exec(
         "INSERT INTO strata.schema_migrations (version, name, checksum, needs) VALUES ($1, $2, $3, $4)",
