@@ -88,6 +88,21 @@ fn append_args<'a>(
     args
 }
 
+/// `strata reserve` in pool `gpu` for H100-80GB, plus `extra`.
+fn reserve_args<'a>(url: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "reserve",
+        "--database-url",
+        url,
+        "--pool",
+        "gpu",
+        "--class",
+        "H100-80GB",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 /// `strata events tail` arguments, plus `extra`.
 fn tail_args<'a>(url: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec!["events", "tail", "--database-url", url];

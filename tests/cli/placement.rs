@@ -1,7 +1,7 @@
 //! Reservations end to end: placer processes, the client commands, a placer
 //! killed with SIGKILL, and the replay check.
 
-use super::{append_args, database, fails, lines, ok, strata};
+use super::{append_args, database, fails, lines, ok, reserve_args, strata};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -57,21 +57,7 @@ fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     None
 }
 
-/// `strata reserve` in pool `gpu` for H100-80GB, plus `extra`.
-fn reserve_args<'a>(url: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec![
-        "reserve",
-        "--database-url",
-        url,
-        "--pool",
-        "gpu",
-        "--class",
-        "H100-80GB",
-    ];
-    args.extend_from_slice(extra);
-    args
-}
-
+/// `strata replay check --json`, parsed.
 fn check_json(url: &str) -> serde_json::Value {
     serde_json::from_str(&ok(&["replay", "check", "--database-url", url, "--json"])).unwrap()
 }

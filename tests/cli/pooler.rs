@@ -2,7 +2,7 @@
 //! transaction mode, with `--database-direct-url` for what needs the server
 //! itself.
 
-use crate::{append_args, ok, spawn};
+use crate::{append_args, ok, reserve_args, spawn};
 
 #[test]
 fn appends_reservations_and_a_placer_work_through_pgbouncer() {
@@ -71,13 +71,11 @@ fn appends_reservations_and_a_placer_work_through_pgbouncer() {
     args.extend(more.iter().map(String::as_str));
     let mut placer = spawn(&args, &log);
     for id in ["one", "two"] {
-        let out = run(
+        let out = ok(&reserve_args(
+            &pooled,
             &[
-                "reserve",
-                "--pool",
-                "gpu",
-                "--class",
-                "H100-80GB",
+                "--database-direct-url",
+                &url,
                 "--gpus",
                 "8",
                 "--shape",
@@ -88,8 +86,7 @@ fn appends_reservations_and_a_placer_work_through_pgbouncer() {
                 "--timeout",
                 "60s",
             ],
-            db(&[]),
-        );
+        ));
         assert!(
             out.starts_with(&format!("placed {id}")),
             "{out}\n{}",

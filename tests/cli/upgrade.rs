@@ -2,7 +2,7 @@
 //! (migrations a newer binary applied: one that expands, then one that
 //! contracts), and `strata migrate --check`.
 
-use crate::{append_args, ok, spawn, strata, tail_args};
+use crate::{append_args, ok, reserve_args, spawn, strata, tail_args};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -108,24 +108,20 @@ fn this_binary_runs_against_the_next_releases_expanded_schema_and_refuses_a_cont
         ],
         &log,
     );
-    let out = ok(&[
-        "reserve",
-        "--database-url",
+    let out = ok(&reserve_args(
         &url,
-        "--pool",
-        "gpu",
-        "--class",
-        "H100-80GB",
-        "--gpus",
-        "8",
-        "--shape",
-        "node",
-        "--id",
-        "r1",
-        "--wait",
-        "--timeout",
-        "60s",
-    ]);
+        &[
+            "--gpus",
+            "8",
+            "--shape",
+            "node",
+            "--id",
+            "r1",
+            "--wait",
+            "--timeout",
+            "60s",
+        ],
+    ));
     assert!(
         out.starts_with("placed r1"),
         "{out}\n{}",
