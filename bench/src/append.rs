@@ -104,8 +104,6 @@ pub async fn run(args: Args) -> Result<()> {
             ..AppenderConfig::default()
         },
     );
-    let mut tls_rates: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
-    let mut tls_ratios: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
     // The same appends through a PgBouncer in transaction mode (Debian's,
     // 20 server connections) in front of the same server, for
     // `pgbouncer_ratio`; skipped, and said so, when there is no pgbouncer.
@@ -148,8 +146,20 @@ pub async fn run(args: Args) -> Result<()> {
         }
         None => None,
     };
-    let mut pooled_rates: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
-    let mut pooled_ratios: Vec<Vec<f64>> = vec![Vec::new(); args.writers.len()];
+    let mut variants = vec![Variant::new(
+        "strata over TLS",
+        "tls",
+        tls_appender,
+        args.writers.len(),
+    )];
+    if let Some(p) = pooled_appender {
+        variants.push(Variant::new(
+            "strata through PgBouncer",
+            "pgbouncer",
+            p,
+            args.writers.len(),
+        ));
+    }
     // Each repetition measures the baselines and then Strata, back to back,
     // so a ratio compares phases minutes apart at most; `append_ratio` is
     // the median of the repetitions' ratios.
@@ -177,35 +187,24 @@ pub async fn run(args: Args) -> Result<()> {
                 .rate,
         );
         for (k, &writers) in args.writers.iter().enumerate() {
-            // TLS before plaintext in every other repetition, so that
-            // neither is always the later phase.
-            let tls_phase = matches!(writers, 16 | 256);
-            let tls_first = tls_phase && rep % 2 == 1;
-            let mut tls = None;
-            let mut pooled = None;
-            if tls_first {
-                tls = Some(strata_appends(&tls_appender, writers, secs).await?.0.rate);
-                if let Some(p) = &pooled_appender {
-                    pooled = Some(strata_appends(p, writers, secs).await?.0.rate);
-                }
+            // The variants (TLS, PgBouncer) before plaintext in every other
+            // repetition, so that neither is always the later phase.
+            let variant_phase = matches!(writers, 16 | 256);
+            let variants_first = variant_phase && rep % 2 == 1;
+            let mut measured = Vec::new();
+            if variants_first {
+                measured = Variant::measure(&variants, writers, secs).await?;
             }
             let (phase, l) = strata_appends(&appender, writers, secs).await?;
             let rate = phase.rate;
             rates[k].push(rate);
             lats[k].extend(l);
-            if tls_phase && !tls_first {
-                tls = Some(strata_appends(&tls_appender, writers, secs).await?.0.rate);
-                if let Some(p) = &pooled_appender {
-                    pooled = Some(strata_appends(p, writers, secs).await?.0.rate);
-                }
+            if variant_phase && !variants_first {
+                measured = Variant::measure(&variants, writers, secs).await?;
             }
-            if let Some(tls) = tls {
-                tls_rates[k].push(tls);
-                tls_ratios[k].push(tls / rate.max(1e-9));
-            }
-            if let Some(pooled) = pooled {
-                pooled_rates[k].push(pooled);
-                pooled_ratios[k].push(pooled / rate.max(1e-9));
+            for (v, r) in variants.iter_mut().zip(measured) {
+                v.rates[k].push(r);
+                v.ratios[k].push(r / rate.max(1e-9));
             }
             if let (Ok(peer), 16 | 256) = (&message_db, writers) {
                 let theirs = crate::message_db::appends(peer, writers, secs).await?.rate;
@@ -238,26 +237,21 @@ pub async fn run(args: Args) -> Result<()> {
         levels.insert(format!("appends_per_s_{writers}"), round(rate, 0).into());
         levels.insert(format!("ack_p50_ms_{writers}"), round(p50, 3).into());
         levels.insert(format!("ack_p99_ms_{writers}"), round(p99, 3).into());
-        if !tls_ratios[k].is_empty() {
-            let tls = util::median(&mut tls_rates[k]);
-            let ratio = util::median(&mut tls_ratios[k]);
+        for v in &mut variants {
+            if v.ratios[k].is_empty() {
+                continue;
+            }
+            let r = util::median(&mut v.rates[k]);
+            let ratio = util::median(&mut v.ratios[k]);
             eprintln!(
-                "strata over TLS: {writers:>3} writers {tls:>8.0} appends/s; tls_ratio {ratio:.3}"
-            );
-            levels.insert(format!("tls_appends_per_s_{writers}"), round(tls, 0).into());
-            levels.insert(format!("tls_ratio_{writers}"), round(ratio, 3).into());
-        }
-        if !pooled_ratios[k].is_empty() {
-            let pooled = util::median(&mut pooled_rates[k]);
-            let ratio = util::median(&mut pooled_ratios[k]);
-            eprintln!(
-                "strata through PgBouncer: {writers:>3} writers {pooled:>8.0} appends/s; pgbouncer_ratio {ratio:.3}"
+                "{}: {writers:>3} writers {r:>8.0} appends/s; {}_ratio {ratio:.3}",
+                v.label, v.key
             );
             levels.insert(
-                format!("pgbouncer_appends_per_s_{writers}"),
-                round(pooled, 0).into(),
+                format!("{}_appends_per_s_{writers}", v.key),
+                round(r, 0).into(),
             );
-            levels.insert(format!("pgbouncer_ratio_{writers}"), round(ratio, 3).into());
+            levels.insert(format!("{}_ratio_{writers}", v.key), round(ratio, 3).into());
         }
         if !vs_peer[k].is_empty() {
             let theirs = util::median(&mut peer_rates[k]);
@@ -825,4 +819,42 @@ fn conn_parts(cfg: &Config) -> Result<(String, String, String, String)> {
         cfg.get_user().unwrap_or("postgres").into(),
         cfg.get_dbname().unwrap_or("postgres").into(),
     ))
+}
+
+/// The same appends another way (over TLS, through PgBouncer), measured
+/// next to the direct plaintext phase: its rate over that phase's, per
+/// repetition, is its ratio.
+struct Variant {
+    label: &'static str,
+    /// The JSON keys' prefix: `<key>_appends_per_s_<n>`, `<key>_ratio_<n>`.
+    key: &'static str,
+    appender: Appender,
+    /// Per number of writers, per repetition.
+    rates: Vec<Vec<f64>>,
+    ratios: Vec<Vec<f64>>,
+}
+
+impl Variant {
+    fn new(label: &'static str, key: &'static str, appender: Appender, levels: usize) -> Variant {
+        Variant {
+            label,
+            key,
+            appender,
+            rates: vec![Vec::new(); levels],
+            ratios: vec![Vec::new(); levels],
+        }
+    }
+
+    /// Each variant's appends/s with `writers` writers, one after another.
+    async fn measure(
+        variants: &[Variant],
+        writers: usize,
+        secs: Duration,
+    ) -> anyhow::Result<Vec<f64>> {
+        let mut out = Vec::with_capacity(variants.len());
+        for v in variants {
+            out.push(strata_appends(&v.appender, writers, secs).await?.0.rate);
+        }
+        Ok(out)
+    }
 }
