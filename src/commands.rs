@@ -16,14 +16,15 @@ pub fn config(db: &Db) -> Result<events::db::Database> {
     let main = events::db::Database::parse(&db.database_url)
         .map_err(anyhow::Error::msg)
         .context("parse the database URL (expected e.g. postgres://user@host:5432/dbname or 'host=db dbname=strata')")?;
-    Ok(match &db.database_direct_url {
+    let cfg = match &db.database_direct_url {
         Some(direct) => main.through_pooler(
             events::db::Database::parse(direct)
                 .map_err(anyhow::Error::msg)
                 .context("parse --database-direct-url")?,
         ),
         None => main,
-    })
+    };
+    Ok(cfg.with_statement_timeout(Some(db.statement_timeout)))
 }
 
 /// A connection to PostgreSQL itself (`--database-direct-url` when the
@@ -36,6 +37,15 @@ pub async fn connect_direct(db: &Db) -> Result<tokio_postgres::Client> {
         .context("connect to postgres (directly)")
 }
 
+/// A connection to PostgreSQL itself whose statements may take as long as
+/// they need: migrations (an index over a big table), exports.
+pub async fn connect_long(db: &Db) -> Result<tokio_postgres::Client> {
+    let cfg = config(db)?.with_statement_timeout(None);
+    events::db::connect(cfg.direct(), "cli-long-connection")
+        .await
+        .context("connect to postgres (directly)")
+}
+
 pub async fn connect(db: &Db) -> Result<tokio_postgres::Client> {
     let cfg = config(db)?;
     events::db::connect(&cfg, "cli-connection")
@@ -44,7 +54,7 @@ pub async fn connect(db: &Db) -> Result<tokio_postgres::Client> {
 }
 
 pub async fn migrate(args: &crate::MigrateArgs) -> Result<ExitCode> {
-    let mut client = connect_direct(&args.db).await?;
+    let mut client = connect_long(&args.db).await?;
     if args.check {
         let plan = schema::migrate::plan(&client, schema::MIGRATIONS)
             .await
@@ -151,7 +161,7 @@ pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
             println!("created {n} partition(s); {months_ahead} month(s) ahead are in place");
         }
         PartitionsCmd::Export { db, month, out } => {
-            let client = connect(&db).await?;
+            let client = connect_long(&db).await?;
             let (bytes, rows) = ::replay::archive::export(&client, &month).await?;
             let tmp = out.with_extension("tmp");
             std::fs::write(&tmp, &bytes).with_context(|| format!("write {}", tmp.display()))?;
@@ -175,7 +185,7 @@ pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
                 .with_context(|| {
                     format!("--older-than {older_than:?}: a number of months such as 13mo")
                 })?;
-            let client = connect(&db).await?;
+            let client = connect_long(&db).await?;
             let done = ::replay::archive::retire(&client, months, dry_run).await?;
             let mut refused = 0;
             for r in &done {
@@ -465,7 +475,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         }
     }
     let cfg = config(&args.db)?;
-    let mut client = connect_direct(&args.db).await?;
+    let mut client = connect_long(&args.db).await?;
     schema::migrate(&mut client).await.context("migrate")?;
     let me = Registration::start(&cfg, &args.roles.join(","));
     // Not fatal: a long-running reader can hold creation off (it gives up
@@ -660,6 +670,8 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
 /// end is still running) and takes running checkpoints of the open month,
 /// every `every`. Several processes may run it; one at a time does the work.
 pub fn spawn_sealer(cfg: events::db::Database, every: Duration, grace: Duration) {
+    // Sealing a month reads all of it in one statement.
+    let cfg = cfg.with_statement_timeout(None);
     events::task::spawn("sealer", async move {
         let mut tick = tokio::time::interval(every.max(Duration::from_secs(1)));
         let mut client = None;

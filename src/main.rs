@@ -33,6 +33,9 @@ pub struct Db {
     /// PostgreSQL itself, when --database-url goes through a connection pooler in transaction mode (PgBouncer): the replication stream, the migration lock, sealing's lock and the audit endpoint's logins connect here, and connections through the pooler keep no prepared statement or session setting past a transaction. Without it every connection uses --database-url
     #[arg(long, env = "STRATA_DATABASE_DIRECT_URL", value_name = "URL")]
     database_direct_url: Option<String>,
+    /// How long one of Strata's statements may run before PostgreSQL cancels it (0: no limit); a statement stuck behind a lock then fails and is retried instead of hanging. Migrations, exports and seals run without it. Through a pooler it cannot be sent: set it for the role there (ALTER ROLE ... SET statement_timeout)
+    #[arg(long, env = "STRATA_STATEMENT_TIMEOUT", value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
+    statement_timeout: std::time::Duration,
 }
 
 #[derive(Subcommand, Debug)]

@@ -227,6 +227,7 @@ pub async fn run(args: RunArgs) -> Result<ExitCode> {
     let db = args.database_url.clone().map(|database_url| Db {
         database_url,
         database_direct_url: None,
+        statement_timeout: events::db::DEFAULT_STATEMENT_TIMEOUT,
     });
     let db = db.as_ref();
     let need_db = |what: &str| {

@@ -705,17 +705,9 @@ impl Flusher {
             self.conn = None;
         }
         if self.conn.is_none() {
-            let (client, connection) = self
-                .db
-                .config
-                .connect(self.db.tls.maker())
+            let (client, task) = crate::db::open(&self.db, "append-connection")
                 .await
                 .map_err(db_err("connect to postgres"))?;
-            let task = crate::task::spawn("append-connection", async move {
-                if let Err(e) = connection.await {
-                    tracing::debug!(error = %e, "append connection closed");
-                }
-            });
             let prepared = if self.db.pooled() {
                 None
             } else {

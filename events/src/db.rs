@@ -6,6 +6,7 @@ use crate::pgtls::{SslMode, Tls, TlsSettings};
 pub use schema::sql::{Param, Sql};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::Mutex;
 use tokio_postgres::{Client, Config};
 
@@ -25,6 +26,7 @@ pub struct Database {
     pub config: Config,
     pub tls: Tls,
     direct: Option<Arc<Database>>,
+    statement_timeout: Option<Duration>,
 }
 
 impl Database {
@@ -41,6 +43,7 @@ impl Database {
             config,
             tls: Tls::new(settings)?,
             direct: None,
+            statement_timeout: Some(DEFAULT_STATEMENT_TIMEOUT),
         })
     }
 
@@ -61,6 +64,48 @@ impl Database {
     pub fn direct(&self) -> &Database {
         self.direct.as_deref().unwrap_or(self)
     }
+
+    /// How long one statement may run on this database's connections
+    /// (`None`: as long as it takes), for this database and the direct one.
+    /// Work meant to be long (a migration, an export or seal of a month)
+    /// connects with `None`.
+    pub fn with_statement_timeout(mut self, timeout: Option<Duration>) -> Database {
+        self.statement_timeout = timeout.filter(|t| !t.is_zero());
+        if let Some(d) = self.direct.take() {
+            self.direct = Some(Arc::new((*d).clone().with_statement_timeout(timeout)));
+        }
+        self
+    }
+
+    /// The statement timeout connections get (see [`Database::startup`]).
+    pub fn statement_timeout(&self) -> Option<Duration> {
+        self.statement_timeout
+    }
+
+    /// What a connection is opened with: the URL's settings, plus
+    /// `statement_timeout` in the startup options so the server itself
+    /// cancels a statement that runs too long, whether it waits on a lock
+    /// or works. Not through a pooler (PgBouncer 1.18 refuses startup
+    /// options; there the server's setting for the role, or the pooler's
+    /// `query_timeout`, bounds statements), and not where the URL's
+    /// `options` set one already.
+    pub fn startup(&self) -> std::borrow::Cow<'_, Config> {
+        let Some(t) = self.statement_timeout else {
+            return std::borrow::Cow::Borrowed(&self.config);
+        };
+        let options = self.config.get_options().unwrap_or("");
+        if self.pooled() || options.contains("statement_timeout") {
+            return std::borrow::Cow::Borrowed(&self.config);
+        }
+        let mut config = self.config.clone();
+        let set = format!("-c statement_timeout={}", t.as_millis().max(1));
+        config.options(if options.is_empty() {
+            set
+        } else {
+            format!("{options} {set}")
+        });
+        std::borrow::Cow::Owned(config)
+    }
 }
 
 impl std::str::FromStr for Database {
@@ -70,10 +115,16 @@ impl std::str::FromStr for Database {
     }
 }
 
+/// How long one of Strata's statements may run unless the database says
+/// otherwise ([`Database::with_statement_timeout`]): long past what any of a
+/// role's statements takes, short enough that a statement stuck behind a
+/// lock is given up and retried rather than hanging its role.
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How long a connection attempt to one host may take when the URL does
 /// not say (`connect_timeout`): a server that accepts TCP but never answers
 /// (stopped, overloaded) is given up on and the next host tried.
-pub const DEFAULT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn bounded(config: &mut Config) {
     if config.get_connect_timeout().is_none() {
@@ -94,6 +145,7 @@ impl From<Config> for Database {
             config,
             tls: Tls::unchecked(mode),
             direct: None,
+            statement_timeout: Some(DEFAULT_STATEMENT_TIMEOUT),
         }
     }
 }
@@ -222,14 +274,45 @@ pub async fn connect(
     db: impl Into<Database>,
     task: &'static str,
 ) -> Result<Client, tokio_postgres::Error> {
-    let db = db.into();
-    let (client, connection) = db.config.connect(db.tls.maker()).await?;
-    crate::task::spawn(task, async move {
+    Ok(open(&db.into(), task).await?.0)
+}
+
+/// Connects to `db` (see [`Database::startup`]) and drives the connection
+/// in a named task, returned with the client. A server that refuses startup
+/// options (a pooler given as the only URL) is connected to without them,
+/// once more, with a warning: its statements are then bounded only by the
+/// server's own setting.
+pub async fn open(
+    db: &Database,
+    task: &'static str,
+) -> Result<(Client, tokio::task::JoinHandle<()>), tokio_postgres::Error> {
+    let startup = db.startup();
+    let (client, connection) = match startup.connect(db.tls.maker()).await {
+        Err(e) if matches!(startup, std::borrow::Cow::Owned(_)) && refuses_options(&e) => {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    "the server refused startup options (a connection pooler?): connecting without a statement timeout; give --database-direct-url for PostgreSQL itself, and set the role's statement_timeout"
+                )
+            });
+            db.config.connect(db.tls.maker()).await?
+        }
+        r => r?,
+    };
+    let handle = crate::task::spawn(task, async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "connection closed");
         }
     });
-    Ok(client)
+    Ok((client, handle))
+}
+
+/// PgBouncer's answer to a startup packet with `options` in it.
+fn refuses_options(e: &tokio_postgres::Error) -> bool {
+    e.as_db_error().is_some_and(|d| {
+        *d.code() == tokio_postgres::error::SqlState::PROTOCOL_VIOLATION
+            && d.message().contains("startup parameter")
+    })
 }
 
 /// A lazily made connection shared by the tasks of one reader.

@@ -238,6 +238,19 @@ fn a_gateway_killed_mid_command_hands_its_node_over_and_the_command_runs_once() 
     ]);
 }
 
+/// The sum of `strata_task_restarts_total` on a process's metrics endpoint.
+fn restarts(at: &str) -> f64 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(at).unwrap();
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: {at}\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    body.lines()
+        .filter(|l| l.starts_with("strata_task_restarts_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// A child process killed when dropped, so a failed test leaves none behind.
 struct Killed(Child);
 
@@ -275,6 +288,7 @@ fn every_role_survives_a_postgres_crash_restart() {
     ]);
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
+    let metrics_at = format!("127.0.0.1:{}", free_port());
     let mut serve = Killed(spawn(
         &[
             "serve",
@@ -284,6 +298,8 @@ fn every_role_survives_a_postgres_crash_restart() {
             &url,
             "--listen",
             &listen,
+            "--metrics-listen",
+            &metrics_at,
             "--ca-dir",
             ca_s,
             "--heartbeat",
@@ -370,8 +386,22 @@ fn every_role_survives_a_postgres_crash_restart() {
         active("before"),
     );
 
-    // PostgreSQL crashes (every server process ends at once) and recovers.
+    // PostgreSQL crashes (every server process ends at once) and stays
+    // away for a while: the roles say so in their log and metrics and keep
+    // trying, and neither serve nor the node exits.
+    let restarts_before = restarts(&metrics_at);
     cluster.crash();
+    let log = dir.path().join("a.log");
+    let said = |what: &str| std::fs::read_to_string(&log).unwrap().matches(what).count();
+    let warned_before = said("task failed; starting it again");
+    wait_until(30, "serve reports the database away", dir.path(), || {
+        said("task failed; starting it again") >= warned_before + 3
+    });
+    assert!(
+        restarts(&metrics_at) > restarts_before,
+        "strata_task_restarts_total counts it"
+    );
+    assert!(serve.0.try_wait().unwrap().is_none(), "strata serve exited");
     cluster.restart().unwrap();
     let back = Instant::now();
     wait_until(30, "a reservation is accepted again", dir.path(), || {

@@ -1487,3 +1487,36 @@ fn a_placer_process_follows_a_promoted_standby() {
         "the placer's reader said its slot was gone:\n{log}"
     );
 }
+
+#[test]
+fn a_command_behind_a_held_lock_fails_after_the_statement_timeout_and_says_why() {
+    let url = database();
+    let rt = rt();
+    let holder = rt.block_on(async {
+        let cfg = url.parse::<tokio_postgres::Config>().unwrap();
+        let c = events::db::connect(&cfg, "holder").await.unwrap();
+        c.batch_execute("BEGIN; LOCK TABLE strata.node_certificates IN ACCESS EXCLUSIVE MODE")
+            .await
+            .unwrap();
+        c
+    });
+    let started = Instant::now();
+    let err = fails(&[
+        "nodes",
+        "list",
+        "--database-url",
+        &url,
+        "--statement-timeout",
+        "500ms",
+    ]);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(err.contains("statement timeout"), "{err}");
+    rt.block_on(holder.batch_execute("ROLLBACK")).unwrap();
+    ok(&["nodes", "list", "--database-url", &url]);
+    let help = ok(&["nodes", "list", "--help"]);
+    assert!(help.contains("--statement-timeout"), "{help}");
+}

@@ -79,3 +79,59 @@ async fn a_fenced_transaction_holds_off_a_takeover_until_it_ends() {
         .expect("taken over after the commit");
     assert_eq!(b.epoch, 2);
 }
+
+#[tokio::test]
+async fn a_statement_stuck_behind_a_lock_is_cancelled_by_the_server_and_the_next_try_succeeds() {
+    let (cfg, client) = db().await;
+    let bounded =
+        events::db::Database::from(&cfg).with_statement_timeout(Some(Duration::from_millis(300)));
+    let c = events::db::connect(&bounded, "bounded").await.unwrap();
+    // An operator's session holds the lease table.
+    let mut holder = events::db::connect(&cfg, "holder").await.unwrap();
+    let tx = holder.transaction().await.unwrap();
+    tx.batch_execute("LOCK TABLE strata.leases IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let err = tokio::time::timeout(
+        Duration::from_secs(10),
+        Lease::acquire(&c, "pool/p", "placer-a", Duration::from_secs(5)),
+    )
+    .await
+    .expect("the statement must not wait for the lock for ever")
+    .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let LeaseError::Database { source, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(
+        source.code(),
+        Some(&tokio_postgres::error::SqlState::QUERY_CANCELED),
+        "{err}"
+    );
+    // Retryable, and the connection is still good once the lock is gone.
+    assert_eq!(err.kind(), events::ErrorKind::Transient);
+    tx.rollback().await.unwrap();
+    let lease = Lease::acquire(&c, "pool/p", "placer-a", Duration::from_secs(5))
+        .await
+        .unwrap()
+        .expect("free lease");
+    assert_eq!(lease.epoch, 1);
+    // The limit is the connection's own: others keep the default.
+    assert_eq!(shown(&c).await, "300ms");
+    assert_eq!(shown(&client).await, "30s");
+    let unbounded = events::db::Database::from(&cfg).with_statement_timeout(None);
+    let u = events::db::connect(&unbounded, "unbounded").await.unwrap();
+    assert_eq!(shown(&u).await, "0");
+}
+
+async fn shown(c: &tokio_postgres::Client) -> String {
+    c.query_one("SHOW statement_timeout", &[])
+        .await
+        .unwrap()
+        .get::<_, String>(0)
+}
