@@ -270,11 +270,20 @@ pub async fn events(cmd: EventsCmd) -> Result<ExitCode> {
             stream,
             event_type,
             data,
+            metadata,
             expect,
         } => {
             let expected = parse_expect(&expect)?;
-            let event = NewEvent::from_json(event_type, &data)
+            let mut event = NewEvent::from_json(event_type, &data)
                 .map_err(|e| anyhow::anyhow!("invalid --data: {e}"))?;
+            if let Some(m) = metadata {
+                let m: serde_json::Value =
+                    serde_json::from_str(&m).context("invalid --metadata: not JSON")?;
+                if !m.is_object() {
+                    bail!("invalid --metadata: a JSON object, e.g. '{{\"operator\":\"ana\"}}'");
+                }
+                event = event.with_metadata(&m);
+            }
             let appender = Appender::start(
                 config(&db)?,
                 AppenderConfig {

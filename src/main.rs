@@ -932,6 +932,9 @@ pub enum EventsCmd {
         /// The payload: a JSON object
         #[arg(long)]
         data: String,
+        /// The event's metadata: a JSON object, e.g. '{"operator":"ana"}' or '{"payload_version":2}' for a payload in a newer version of its type's shape
+        #[arg(long)]
+        metadata: Option<String>,
         /// Expected stream version: a number (0 = new stream), `any`, or `exists`
         #[arg(long, default_value = "any")]
         expect: String,

@@ -674,7 +674,7 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
                 "reservation.activated" => &a2,
                 _ => continue,
             };
-            if let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload) {
+            if let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload, &e.metadata) {
                 if let Some(id) = f.reservation() {
                     map.lock()
                         .expect("lock")

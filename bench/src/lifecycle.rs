@@ -177,7 +177,7 @@ pub async fn run(args: Args) -> Result<()> {
         tokio::spawn(async move {
             while let Ok(e) = sub.next().await {
                 sub.ack(e.position);
-                let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload) else {
+                let Ok(Some(f)) = Fact::parse(&e.event_type, &e.payload, &e.metadata) else {
                     continue;
                 };
                 let now = Instant::now();

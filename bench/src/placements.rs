@@ -73,7 +73,7 @@ async fn watch(reader: Reader, seen: Arc<Seen>) -> Result<()> {
         if !e.stream.starts_with("pool/") {
             continue;
         }
-        let Ok(Some(fact)) = Fact::parse(&e.event_type, &e.payload) else {
+        let Ok(Some(fact)) = Fact::parse(&e.event_type, &e.payload, &e.metadata) else {
             continue;
         };
         let now = Instant::now();

@@ -358,7 +358,7 @@ pub async fn run(args: Args) -> Result<()> {
         let t = Instant::now();
         let parsed: Vec<_> = evs
             .iter()
-            .map(|e| Fact::parse(&e.event_type, &e.payload))
+            .map(|e| Fact::parse(&e.event_type, &e.payload, &e.metadata))
             .collect();
         let t_parse = t.elapsed().as_secs_f64();
         let t = Instant::now();

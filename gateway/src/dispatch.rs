@@ -212,7 +212,7 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                         "reservation.failed" => Some("failed"),
                         _ => None,
                     };
-                    if let (Some(state), Ok(Some(fact))) = (outcome, Fact::parse(&e.event_type, &e.payload)) {
+                    if let (Some(state), Ok(Some(fact))) = (outcome, Fact::parse(&e.event_type, &e.payload, &e.metadata)) {
                         if let Some(id) = fact.reservation() {
                             let (reason, allocations) = match &fact {
                                 Fact::ReservationPlaced { allocations, .. } => (String::new(), allocations.clone()),

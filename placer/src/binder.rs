@@ -438,7 +438,9 @@ async fn held(
             e = sub.next() => e?,
         };
         sub.ack(e.position);
-        let fact = Fact::parse(&e.event_type, &e.payload).ok().flatten();
+        let fact = Fact::parse(&e.event_type, &e.payload, &e.metadata)
+            .ok()
+            .flatten();
         match &fact {
             Some(
                 Fact::ReservationReleased { reservation }

@@ -100,7 +100,7 @@ pub async fn wait(
         if !e.stream.starts_with("pool/") || !e.payload.contains(id) {
             continue;
         }
-        let Ok(Some(fact)) = Fact::parse(&e.event_type, &e.payload) else {
+        let Ok(Some(fact)) = Fact::parse(&e.event_type, &e.payload, &e.metadata) else {
             continue;
         };
         if fact.reservation() != Some(id) {

@@ -805,7 +805,7 @@ impl Index {
         if event.position.0 <= self.state.position {
             return Ok(None);
         }
-        let parsed = Fact::parse(&event.event_type, &event.payload);
+        let parsed = Fact::parse(&event.event_type, &event.payload, &event.metadata);
         self.apply_parsed(event, parsed)
     }
 

@@ -30,7 +30,9 @@ impl Log {
             version: *version,
             event_type: e.event_type,
             payload: e.payload.get().to_string(),
-            metadata: "{}".into(),
+            metadata: e
+                .metadata
+                .map_or_else(|| "{}".into(), |m| m.get().to_string()),
             recorded_at: SystemTime::now(),
             xid: 1,
         };

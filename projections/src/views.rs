@@ -18,7 +18,7 @@ pub trait Projection: Send + 'static {
     ) -> Result<Option<Violation>, ApplyError>;
 
     fn apply(&mut self, event: &Event) -> Result<Option<Violation>, ApplyError> {
-        let parsed = Fact::parse(&event.event_type, &event.payload);
+        let parsed = Fact::parse(&event.event_type, &event.payload, &event.metadata);
         self.apply_parsed(event, parsed)
     }
 

@@ -193,8 +193,11 @@ fn tuple(b: &[u8]) -> Result<Option<(Option<(Event, Parsed)>, usize)>, ReplayErr
     }
     .ok_or_else(|| bad("recorded_at"))?;
     let event_type = text(&f[3], "type")?;
-    let parsed = Fact::parse(&event_type, jsonb(&f[4], "payload")?);
-    jsonb(&f[5], "metadata")?;
+    let parsed = Fact::parse(
+        &event_type,
+        jsonb(&f[4], "payload")?,
+        jsonb(&f[5], "metadata")?,
+    );
     let e = Event {
         position: Position(int8(&f[0], "position")? as u64),
         stream: text(&f[1], "stream")?,
@@ -339,7 +342,11 @@ pub fn from_archive<P: Projection>(
                     .map(|r| {
                         // The fact is parsed in place; payload and metadata
                         // are not copied (see CopyDecoder).
-                        let p = Fact::parse(r.event_type.as_str(), r.payload.as_str());
+                        let p = Fact::parse(
+                            r.event_type.as_str(),
+                            r.payload.as_str(),
+                            r.metadata.as_str(),
+                        );
                         (r.to_event_without_payload(), p)
                     })
                     .collect();

@@ -1270,6 +1270,29 @@ fn operators_cordon_drain_uncordon_and_clear_health() {
     ]);
     assert!(out.contains("end in 1h"), "{out}");
     assert!(nodes(&url).contains("draining"), "{}", nodes(&url));
+    // The same drain in payload version 2 (an RFC 3339 deadline, as the
+    // next release writes it) is read as the same fact, by this command and
+    // by the running placer, which does not end the reservation early.
+    ok(&append_args(
+        &url,
+        "pool/gpu",
+        "node.drained",
+        r#"{"node":"gpu-n00000","reason":"rma-v2","deadline":"2099-01-01T00:00:00.000Z"}"#,
+        &["--metadata", r#"{"payload_version":2}"#],
+    ));
+    let shown = nodes(&url);
+    assert!(
+        shown.contains("draining rma-v2 (live reservations end at 2099-01-01T00:00:00Z)"),
+        "{shown}"
+    );
+    let err = fails(&append_args(
+        &url,
+        "pool/gpu",
+        "node.drained",
+        "{}",
+        &["--metadata", "[2]"],
+    ));
+    assert!(err.contains("--metadata"), "{err}");
     assert_eq!(count("SELECT count(*) FROM strata.events WHERE type = 'reservation.failed' AND payload->>'reservation' = 'second'"), 0);
 
     // A condition the node no longer has is cleared.
