@@ -357,7 +357,16 @@ async fn tail(
             break;
         }
         let next = tokio::select! {
-            e = sub.next() => e?,
+            e = sub.next() => match e {
+                // Lines already printed came from a primary that died before
+                // its standby had them: say so and go on with the new one.
+                Err(e @ events::SubscribeError::Diverged { .. }) => {
+                    out.flush().context("write to stdout")?;
+                    eprintln!("warning: {e}");
+                    continue;
+                }
+                e => e?,
+            },
             _ = &mut ctrl_c => break,
             // Flush what is printed while waiting for more.
             _ = tokio::time::sleep(Duration::from_millis(50)), if last.is_some() => {

@@ -562,10 +562,25 @@ RETURNING s.stream, s.version";
 
 // The insert runs to completion although nothing reads it (a data-modifying
 // WITH always does); returning no rows from it spares a tuplestore per event.
+//
+// The head moves to the next epoch's start on the first append on a new
+// timeline (`strata.log_epochs`, migration 15): the insert timeline is the
+// first eight hex digits of the current WAL file's name.
 const INSERT_SQL: &str = "
-WITH head AS (
-    UPDATE strata.log_head SET last_position = last_position + $1
-    RETURNING last_position - $1 AS base
+WITH tl AS (
+    SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::integer AS t
+), head AS (
+    UPDATE strata.log_head h
+       SET last_position = CASE WHEN h.timeline < tl.t
+                                THEN greatest(h.last_position, (tl.t - 1)::bigint << 40)
+                                ELSE h.last_position END + $1,
+           epoch_from = CASE WHEN h.timeline < tl.t THEN h.last_position END,
+           timeline = tl.t
+      FROM tl
+    RETURNING h.last_position - $1 AS base, h.epoch_from, h.timeline
+), epoch AS (
+    INSERT INTO strata.log_epochs (first_position, previous_head, timeline)
+    SELECT base + 1, epoch_from, timeline FROM head WHERE epoch_from IS NOT NULL
 ), ins AS (
     INSERT INTO strata.events (position, stream, version, type, payload, metadata, recorded_at)
     SELECT h.base + e.ord, e.stream, e.version, e.type, e.payload, e.metadata, coalesce($7, now())

@@ -11,7 +11,8 @@
 //! ```
 //!
 //! Positions are handed out under the log head's row lock, held to commit, so
-//! they are gap-free and commit in position order. That makes one order true
+//! they are gap-free (within an epoch: a new PostgreSQL timeline starts a
+//! new one, [`EPOCH_SIZE`]) and commit in position order. That makes one order true
 //! everywhere: the replication stream, the table read by position, and every
 //! subscription's cursor (a [`Position`]).
 
@@ -35,7 +36,7 @@ pub mod types;
 pub use append::{AppendError, Appended, Appender, AppenderConfig, StreamAppend};
 pub use reader::{Reader, ReaderConfig};
 pub use subscription::{Start, SubscribeError, Subscription};
-pub use types::{Event, ExpectedVersion, Lsn, NewEvent, Position, Txn};
+pub use types::{Event, ExpectedVersion, Lsn, NewEvent, Position, Txn, EPOCH_SIZE};
 
 /// Lowercase hex of `bytes` (digests, serials, tokens).
 pub fn hex(bytes: &[u8]) -> String {

@@ -240,7 +240,9 @@ impl Reader {
         rx
     }
 
-    pub(crate) async fn client(&self) -> Result<Arc<Client>, tokio_postgres::Error> {
+    /// The reader's shared SQL connection (made again when it closed), for
+    /// reads of the table beside the stream.
+    pub async fn client(&self) -> Result<Arc<Client>, tokio_postgres::Error> {
         self.inner.db.get().await
     }
 }

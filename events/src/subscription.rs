@@ -86,6 +86,16 @@ pub enum SubscribeError {
     /// time to live, and another process may have taken over).
     #[error("lost the lease of subscription {0:?}; another process may now hold it")]
     LeaseLost(String),
+    /// A standby took over without the old primary's last commits, and this
+    /// subscription had delivered some of them. Returned once, before the
+    /// first event of the new timeline; the subscription goes on after it.
+    /// What was built from the lost events must be built again.
+    #[error("a standby took over (timeline {timeline}) without positions {from} to {to}, which this subscription had delivered: they are not in the log any more; rebuild what was made from them")]
+    Diverged {
+        from: Position,
+        to: Position,
+        timeline: i32,
+    },
 }
 
 impl SubscribeError {
@@ -96,7 +106,8 @@ impl SubscribeError {
             SubscribeError::InvalidName(_)
             | SubscribeError::Missing { .. }
             | SubscribeError::Closed
-            | SubscribeError::LeaseLost(_) => ErrorKind::Definite,
+            | SubscribeError::LeaseLost(_)
+            | SubscribeError::Diverged { .. } => ErrorKind::Definite,
         }
     }
 }
@@ -144,6 +155,10 @@ pub struct Subscription {
     delivered: u64,
     /// Times the subscription switched from the table to the live stream.
     attachments: u64,
+    /// Events delivered from an old primary that a takeover lost.
+    lost_in_takeovers: u64,
+    /// Said by the next call to `next`.
+    diverged: Option<SubscribeError>,
     /// A message taken from the live stream whose handling (a gap read) had
     /// not finished: `next` may be cancelled at that await (a `select!`
     /// polling it beside timers), and the message must not be lost with it.
@@ -315,6 +330,8 @@ impl Reader {
             page: PAGE,
             delivered: 0,
             attachments: 1,
+            lost_in_takeovers: 0,
+            diverged: None,
             pending: None,
         }
     }
@@ -455,6 +472,12 @@ impl Subscription {
         self.attachments
     }
 
+    /// How many events it delivered that a standby's takeover then lost
+    /// (they came from the old primary after the standby's last replay).
+    pub fn lost_in_takeovers(&self) -> u64 {
+        self.lost_in_takeovers
+    }
+
     /// Acknowledges everything up to `position` as durably processed. Stored
     /// within 100 ms; [`Subscription::flush_acks`] stores it now.
     pub fn ack(&self, position: Position) {
@@ -533,6 +556,9 @@ impl Subscription {
             if self.shared.lost.load(Ordering::Acquire) {
                 return Err(SubscribeError::LeaseLost(self.name.clone()));
             }
+            if let Some(e) = self.diverged.take() {
+                return Err(e);
+            }
             if let Some(e) = self.buf.pop_front() {
                 self.cursor_pos = e.position;
                 self.delivered += 1;
@@ -586,7 +612,9 @@ impl Subscription {
             .map_err(db("read the event table"))?;
         let short = (rows.len() as i64) < self.page;
         if let Some(first) = rows.first() {
-            if first.position.0 != self.fetched.0 + 1 {
+            if first.position.starts_epoch() && first.position.follows(self.fetched) {
+                self.crossed_epoch(first.position).await;
+            } else if !first.position.follows(self.fetched) {
                 tracing::error!(subscription = %self.name, from = self.fetched.0 + 1, to = first.position.0 - 1,
                     "positions are missing from the event table; continuing after them");
             }
@@ -610,13 +638,16 @@ impl Subscription {
             return Ok(());
         };
         let first = txn.events[first_new].position;
-        if first.0 > self.fetched.0 + self.page as u64 {
+        if first.follows(self.fetched) {
+            if first.starts_epoch() {
+                self.crossed_epoch(first).await;
+            }
+        } else if first.0 > self.fetched.0 + self.page as u64 {
             // Far behind: leave the live stream and page through the table;
             // this transaction is read again from there.
             self.rx = None;
             return Ok(());
-        }
-        if first.0 > self.fetched.0 + 1 {
+        } else {
             self.fill_gap(first).await?;
         }
         for e in &txn.events[first_new..] {
@@ -632,7 +663,6 @@ impl Subscription {
     /// committed (the slot already sent a later commit), but may take a moment
     /// to become visible to a new snapshot, so short reads are retried.
     async fn fill_gap(&mut self, until: Position) -> Result<(), SubscribeError> {
-        let want = until.0 - self.fetched.0 - 1;
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let client = self
@@ -643,10 +673,14 @@ impl Subscription {
             let rows = read::between(&client, self.fetched, until)
                 .await
                 .map_err(db("fill a gap from the event table"))?;
-            let contiguous = rows.len() as u64 == want
-                && rows
-                    .first()
-                    .is_none_or(|r| r.position.0 == self.fetched.0 + 1);
+            // Each row follows the one before it, and `until` the last.
+            let mut at = self.fetched;
+            let mut contiguous = true;
+            for r in &rows {
+                contiguous &= r.position.follows(at);
+                at = r.position;
+            }
+            let contiguous = contiguous && until.follows(at);
             if contiguous || Instant::now() > deadline {
                 if !contiguous {
                     let err = SubscribeError::Missing {
@@ -656,7 +690,10 @@ impl Subscription {
                     tracing::error!(subscription = %self.name, error = %err, found = rows.len(), "gap could not be filled");
                     return Err(err);
                 }
-                tracing::debug!(subscription = %self.name, events = want, "filled a gap from the table");
+                tracing::debug!(subscription = %self.name, events = rows.len(), "filled a gap from the table");
+                if let Some(start) = rows.iter().map(|r| r.position).find(|p| p.starts_epoch()) {
+                    self.crossed_epoch(start).await;
+                }
                 if let Some(last) = rows.last() {
                     self.fetched = last.position;
                 }
@@ -665,6 +702,53 @@ impl Subscription {
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+
+    /// The log jumps to `start`, a new epoch (a standby took over). What
+    /// this subscription fetched past the head the new timeline began from
+    /// came from the old primary and is not in the log any more: what is
+    /// still buffered is dropped, what was delivered is said at error level,
+    /// counted ([`Subscription::lost_in_takeovers`]) and returned once by
+    /// `next` ([`SubscribeError::Diverged`]).
+    async fn crossed_epoch(&mut self, start: Position) {
+        let found = match self.reader.client().await {
+            Ok(c) => c
+                .opt(
+                    "SELECT previous_head, timeline FROM strata.log_epochs WHERE first_position = $1",
+                    &[&(start.0 as i64)],
+                )
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let row = match found {
+            Ok(Some(row)) => row,
+            Ok(None) => {
+                tracing::warn!(subscription = %self.name, at = %start, "the log goes on in a new epoch (no record of it)");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(subscription = %self.name, at = %start, error = %e, "the log goes on in a new epoch; its record could not be read");
+                return;
+            }
+        };
+        let previous = Position(row.get::<_, i64>(0) as u64);
+        let timeline: i32 = row.get(1);
+        self.buf
+            .retain(|e| e.position <= previous || e.position >= start);
+        let delivered = self.cursor_pos.0.saturating_sub(previous.0);
+        if delivered == 0 {
+            tracing::warn!(subscription = %self.name, timeline, at = %start, "the log goes on in a new epoch after a takeover; nothing delivered was lost");
+            return;
+        }
+        self.lost_in_takeovers += delivered;
+        let err = SubscribeError::Diverged {
+            from: Position(previous.0 + 1),
+            to: self.cursor_pos,
+            timeline,
+        };
+        tracing::error!(subscription = %self.name, error = %err, lost = delivered, "events delivered from the old primary were lost in a takeover");
+        self.diverged = Some(err);
     }
 
     fn report_lag(&self, e: &Event) {

@@ -5,9 +5,30 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// A global position in the log: gap-free, starting at 1, in commit order.
+/// A global position in the log: starting at 1, in commit order, gap-free
+/// within an epoch. Each PostgreSQL timeline (a standby promoted, a
+/// point-in-time recovery) starts a new epoch of [`EPOCH_SIZE`] positions,
+/// so that a position the old primary handed out is never handed out again
+/// (`strata.log_epochs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Position(pub u64);
+
+/// Positions per epoch: timeline `t`'s start after `(t - 1) * EPOCH_SIZE`.
+pub const EPOCH_SIZE: u64 = 1 << 40;
+
+impl Position {
+    /// Whether `self` may come right after `prev` with no event missing
+    /// between them: the next position, or the first of a later epoch (the
+    /// jump a takeover makes).
+    pub fn follows(self, prev: Position) -> bool {
+        self.0 == prev.0 + 1 || (self.0 > prev.0 && (self.0 - 1).is_multiple_of(EPOCH_SIZE))
+    }
+
+    /// Whether this is the first position of an epoch after the first.
+    pub fn starts_epoch(self) -> bool {
+        self.0 > EPOCH_SIZE && (self.0 - 1).is_multiple_of(EPOCH_SIZE)
+    }
+}
 
 impl fmt::Display for Position {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

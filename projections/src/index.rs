@@ -820,7 +820,10 @@ impl Index {
         if p <= self.state.position {
             return Ok(None);
         }
-        if p != self.state.position + 1 {
+        if !event
+            .position
+            .follows(events::Position(self.state.position))
+        {
             return Err(ApplyError::Gap {
                 applied: self.state.position,
                 got: p,

@@ -3,6 +3,7 @@
 
 use crate::index::{ApplyError, Index, Violation};
 use crate::snapshot::{SnapshotError, SnapshotStore};
+use events::db::Sql;
 use events::{read, Event, Position, Reader, Start, SubscribeError, Subscription};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -64,6 +65,20 @@ pub async fn build(client: &Client, from: Index) -> Result<Index, ProjectError> 
     Ok(index)
 }
 
+/// The positions takeovers cut from the log: `(previous_head,
+/// first_position)` of every epoch, with nothing in the log strictly between.
+pub async fn lost_ranges(client: &Client) -> Result<Vec<(u64, u64)>, tokio_postgres::Error> {
+    Ok(client
+        .rows(
+            "SELECT previous_head, first_position FROM strata.log_epochs",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get::<_, i64>(0) as u64, r.get::<_, i64>(1) as u64))
+        .collect())
+}
+
 /// A live index: loaded from the newest snapshot, then fed by an ephemeral
 /// subscription from the snapshot's position.
 pub struct Projector {
@@ -85,7 +100,19 @@ impl Projector {
         reader: &Reader,
         store: Option<SnapshotStore>,
     ) -> Result<Projector, ProjectError> {
-        let (index, from) = match store.as_ref().map(|s| s.latest()).transpose()?.flatten() {
+        // A snapshot taken from events a takeover lost (past the head a new
+        // timeline began from, before that timeline's epoch) is not the log.
+        let cuts = match &store {
+            Some(_) => lost_ranges(&*reader.client().await?).await?,
+            None => Vec::new(),
+        };
+        let valid = |p: u64| !cuts.iter().any(|(after, before)| p > *after && p < *before);
+        let (index, from) = match store
+            .as_ref()
+            .map(|s| s.latest_where(valid))
+            .transpose()?
+            .flatten()
+        {
             Some((path, state)) => {
                 let t = Instant::now();
                 let index = Index::from_state(state);

@@ -171,10 +171,23 @@ impl SnapshotStore {
     /// The newest snapshot that loads. Ones that do not are reported and
     /// skipped.
     pub fn latest(&self) -> Result<Option<(PathBuf, State)>, SnapshotError> {
-        for (_, path) in self.files()? {
+        self.latest_where(|_| true)
+    }
+
+    /// The newest snapshot that loads and whose position `valid` accepts.
+    pub fn latest_where(
+        &self,
+        valid: impl Fn(u64) -> bool,
+    ) -> Result<Option<(PathBuf, State)>, SnapshotError> {
+        for (position, path) in self.files()? {
+            if !valid(position) {
+                tracing::warn!(path = %path.display(), position, "skipping a snapshot built from events the log no longer has");
+                continue;
+            }
             let bytes = std::fs::read(&path).map_err(io(&path))?;
             match decode(&bytes) {
-                Ok(state) => return Ok(Some((path, state))),
+                Ok(state) if valid(state.position) => return Ok(Some((path, state))),
+                Ok(_) => continue,
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e, "skipping a snapshot that does not load")
                 }
@@ -193,6 +206,23 @@ mod tests {
             position,
             ..State::default()
         }
+    }
+
+    #[test]
+    fn a_snapshot_past_a_takeovers_cut_is_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SnapshotStore::new(dir.path().join("snaps"));
+        for p in [10, 20] {
+            store.write(&state(p)).unwrap();
+        }
+        // 20 was taken from events the log lost (a cut from 15 to 40).
+        let valid = |p: u64| !(16..40).contains(&p);
+        let (_, s) = store.latest_where(valid).unwrap().unwrap();
+        assert_eq!(s.position, 10);
+        // With only lost ones kept, the index starts from the log.
+        store.write(&state(30)).unwrap();
+        assert!(store.latest_where(valid).unwrap().is_none());
+        assert_eq!(store.latest().unwrap().unwrap().1.position, 30);
     }
 
     #[test]

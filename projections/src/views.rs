@@ -48,7 +48,7 @@ fn step(position: &mut u64, event: &Event) -> Result<bool, ApplyError> {
         return Ok(false);
     }
     // A view may start anywhere (its first event); after that, no gaps.
-    if *position != 0 && p != *position + 1 {
+    if *position != 0 && !event.position.follows(events::Position(*position)) {
         return Err(ApplyError::Gap {
             applied: *position,
             got: p,

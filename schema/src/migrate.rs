@@ -156,6 +156,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0014_processes.sql"),
         change: Change::Expand,
     },
+    Migration {
+        version: 15,
+        name: "log_epochs",
+        sql: include_str!("../migrations/0015_log_epochs.sql"),
+        change: Change::Expand,
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

@@ -7,7 +7,7 @@
 
 use crate::{ev, reader_config};
 use events::db::Database;
-use events::{Appender, AppenderConfig, ExpectedVersion, Reader, Start};
+use events::{Appender, AppenderConfig, ExpectedVersion, Reader, Start, SubscribeError};
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,6 +29,18 @@ async fn an_asynchronous_standby_takes_over_and_the_loss_window_is_measured() {
         "asynchronous standby: {} acknowledged appends lost",
         lost.len()
     );
+}
+
+/// The primary, then the standby, as every role is given them: whichever
+/// takes writes.
+fn both(primary: &schema::Cluster, standby: &schema::Cluster, dbname: &str) -> Database {
+    Database::parse(&format!(
+        "host=127.0.0.1,127.0.0.1 port={},{} user=postgres dbname={dbname} \
+         target_session_attrs=read-write connect_timeout=2",
+        primary.port(),
+        standby.port()
+    ))
+    .unwrap()
 }
 
 /// The drill; returns the acknowledged appends the new primary lacks.
@@ -63,13 +75,7 @@ async fn takeover(synchronous: bool) -> Vec<u64> {
             .is_some()
     })
     .await;
-    let db = Database::parse(&format!(
-        "host=127.0.0.1,127.0.0.1 port={},{} user=postgres dbname={dbname} \
-         target_session_attrs=read-write connect_timeout=2",
-        primary.port(),
-        standby.port()
-    ))
-    .unwrap();
+    let db = both(&primary, &standby, &dbname);
     let reader = Reader::start(&db, reader_config());
     let mut sub = reader.subscribe_ephemeral(Start::Now).await.unwrap();
     let appender = Appender::start(&db, AppenderConfig::default());
@@ -148,10 +154,16 @@ async fn takeover(synchronous: bool) -> Vec<u64> {
         .filter(|s| have.contains(s))
         .collect();
     while !want.is_subset(&seen) {
-        let e = tokio::time::timeout(Duration::from_secs(60), sub.next())
+        let e = match tokio::time::timeout(Duration::from_secs(60), sub.next())
             .await
             .expect("the subscription goes on after the takeover")
-            .unwrap();
+        {
+            Ok(e) => e,
+            // It had delivered appends the standby never got (the loss
+            // window); said once, then it goes on.
+            Err(SubscribeError::Diverged { .. }) if !synchronous => continue,
+            Err(e) => panic!("{e}"),
+        };
         assert!(
             e.position.0 > last,
             "position {} after {last}",
@@ -211,4 +223,148 @@ async fn the_log_reads_from_a_standby_without_writing() {
         .map(|e| e.stream.clone())
         .collect();
     assert_eq!(streams.len(), 20, "every event, read on the standby");
+}
+
+/// An asynchronous standby that missed the primary's last commits takes
+/// over. The subscription had already delivered those (from the old
+/// primary); they are lost, and the new primary's next events must not take
+/// their positions, or every consumer that saw the lost ones would skip the
+/// new ones as already seen (and a sink's receiver would drop them as
+/// duplicates). Deterministic: the standby's WAL receiver is stopped before
+/// the events it must miss.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_new_primary_never_reuses_a_position_the_old_one_handed_out() {
+    let mut primary = schema::testing::temp_cluster(&[]).unwrap();
+    let url = schema::testing::migrated_database(&primary).await;
+    let dbname = url.rsplit('/').next().unwrap().to_string();
+    let standby = schema::testing::temp_standby(&primary).unwrap();
+    let db = both(&primary, &standby, &dbname);
+    let on_standby = events::db::connect(&Database::parse(&standby.url(&dbname)).unwrap(), "t")
+        .await
+        .unwrap();
+    let reader = Reader::start(&db, reader_config());
+    let mut sub = reader.subscribe_ephemeral(Start::Now).await.unwrap();
+    let appender = Appender::start(&db, AppenderConfig::default());
+    let append = |stream: String| {
+        let appender = appender.clone();
+        async move {
+            appender
+                .append(&stream, ExpectedVersion::NoStream, vec![ev(0)])
+                .await
+                .unwrap()
+                .last_position
+                .0
+        }
+    };
+    for i in 0..3 {
+        append(format!("kept/{i}")).await;
+    }
+    crate::take(&mut sub, 3).await;
+    let head = events::read::head(&events::db::connect(&db, "t").await.unwrap())
+        .await
+        .unwrap();
+    crate::eventually(30, || async {
+        events::read::head(&on_standby).await.unwrap() == head
+    })
+    .await;
+    // The standby stops receiving; the primary goes on alone.
+    let receiver: i32 = on_standby
+        .query_one("SELECT pid FROM pg_stat_wal_receiver", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let signal = |sig: &str| {
+        let status = std::process::Command::new("kill")
+            .args([sig, &receiver.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {sig} {receiver}");
+    };
+    signal("-STOP");
+    let mut lost = Vec::new();
+    for i in 0..5 {
+        lost.push(append(format!("lost/{i}")).await);
+    }
+    let delivered = crate::take(&mut sub, 5).await;
+    assert_eq!(delivered, lost);
+    primary.crash();
+    signal("-KILL");
+    standby.promote().unwrap();
+
+    // New events on the new primary: every one is delivered, at a position
+    // no lost event had.
+    let mut new = Vec::new();
+    for i in 0..8 {
+        let p = loop {
+            match appender
+                .append(&format!("new/{i}"), ExpectedVersion::NoStream, vec![ev(0)])
+                .await
+            {
+                Ok(out) => break out.last_position.0,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
+        new.push(p);
+    }
+    let max_lost = *lost.iter().max().unwrap();
+    assert!(
+        new.iter().all(|p| *p > max_lost),
+        "new positions {new:?} reuse the lost {lost:?}"
+    );
+    // Once, before them: what it delivered that the log no longer has.
+    let mut streams = Vec::new();
+    let mut diverged = Vec::new();
+    while streams.len() < 8 {
+        match tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .expect("the new primary's events are delivered")
+        {
+            Ok(e) => {
+                assert!(
+                    e.stream.starts_with("new/"),
+                    "{} at {}",
+                    e.stream,
+                    e.position
+                );
+                assert_eq!(diverged.len(), 1, "said before the first new event");
+                streams.push(e.stream.clone());
+            }
+            Err(SubscribeError::Diverged { from, to, timeline }) => {
+                diverged.push((from.0, to.0, timeline))
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(diverged, vec![(4, 8, 2)]);
+    // The log on the new primary holds the kept and the new events, and
+    // says where the takeover cut it.
+    let promoted = events::db::connect(&db, "t").await.unwrap();
+    let rows = promoted
+        .query("SELECT stream FROM strata.events ORDER BY position", &[])
+        .await
+        .unwrap();
+    let all: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(all.len(), 11, "{all:?}");
+    assert!(all.iter().all(|s| !s.starts_with("lost/")), "{all:?}");
+    // The new timeline's epoch starts after everything the old primary
+    // could have handed out, and the log says where it was cut.
+    assert_eq!(new[0], events::EPOCH_SIZE + 1, "{new:?}");
+    let epoch = promoted
+        .query_one(
+            "SELECT first_position, previous_head, timeline FROM strata.log_epochs",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            epoch.get::<_, i64>(0),
+            epoch.get::<_, i64>(1),
+            epoch.get::<_, i32>(2)
+        ),
+        (events::EPOCH_SIZE as i64 + 1, 3, 2)
+    );
+    // The subscription knows what it delivered that is gone.
+    assert_eq!(sub.lost_in_takeovers(), 5);
+    drop(standby);
 }
