@@ -1,7 +1,20 @@
 //! The `strata` command line: parses arguments and calls into the crates.
 
+/// `println!` for every module of the binary: a closed stdout (`strata
+/// nodes list | head`) ends a one-shot command quietly instead of
+/// panicking (see [`exit::print_line`]).
+macro_rules! println {
+    () => {
+        $crate::exit::print_line(format_args!(""))
+    };
+    ($($t:tt)*) => {
+        $crate::exit::print_line(format_args!($($t)*))
+    };
+}
+
 mod commands;
 mod dev;
+mod exit;
 mod nodes;
 mod placement;
 mod replay_cmd;
@@ -19,7 +32,7 @@ use std::process::ExitCode;
 
 /// Strata: a control plane for GPU fleets, event-sourced on PostgreSQL.
 #[derive(Parser, Debug)]
-#[command(name = "strata", version, propagate_version = true)]
+#[command(name = "strata", version, propagate_version = true, after_help = exit::HELP)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -67,6 +80,7 @@ enum Command {
         stale_after: std::time::Duration,
     },
     /// Reserve GPUs: the request is placed by the placer holding the pool
+    #[command(after_help = exit::HELP)]
     Reserve(ReserveArgs),
     /// Release a reservation (or cancel it, if it is not placed yet)
     Release {
@@ -986,6 +1000,7 @@ fn main() -> ExitCode {
         cli.command,
         Command::Dev(_) | Command::Serve(_) | Command::Node(_) | Command::Fleet(_)
     );
+    exit::one_shot(!long_running);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -1043,9 +1058,11 @@ fn main() -> ExitCode {
     drop(telemetry);
     match result {
         Ok(code) => code,
+        // The reader of stdout went away: nothing to say, to nobody.
+        Err(e) if exit::broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            exit::of(&e)
         }
     }
 }

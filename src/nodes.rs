@@ -212,7 +212,9 @@ pub async fn tokens(cmd: TokensCmd) -> Result<ExitCode> {
         } => {
             let client = connect(&db).await?;
             if !placer::client::pool_exists(&client, &pool).await? {
-                bail!("pool {pool:?} does not exist (see `strata pools`)");
+                return Err(crate::exit::not_found(format!(
+                    "pool {pool:?} does not exist (see `strata pools`)"
+                )));
             }
             let admits = node.as_deref().or(nodes.as_deref()).unwrap_or_default();
             let token = gateway::identity::create_token(&client, &pool, ttl, admits).await?;
@@ -435,12 +437,13 @@ pub async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
                             return Ok(if t.state == commands::CommandState::Succeeded {
                                 ExitCode::SUCCESS
                             } else {
-                                ExitCode::from(2)
+                                ExitCode::from(crate::exit::FAILURE)
                             });
                         }
                     }
                     if std::time::Instant::now() > limit {
-                        bail!("no result before the deadline");
+                        eprintln!("no result before the deadline");
+                        return Ok(ExitCode::from(crate::exit::TIMED_OUT));
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
@@ -466,7 +469,9 @@ pub async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
                 .await?
                 .map(|r| r.get(0));
             let Some(node) = node else {
-                bail!("command {id:?} does not exist");
+                return Err(crate::exit::not_found(format!(
+                    "command {id:?} does not exist"
+                )));
             };
             let found = commands::list(&client, Some(&node), 100_000).await?;
             let t = found
@@ -743,7 +748,7 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 .await?
                 .into_iter()
                 .find(|s| s.config.name == name)
-                .with_context(|| format!("sink {name:?} does not exist"))?;
+                .ok_or_else(|| crate::exit::not_found(format!("sink {name:?} does not exist")))?;
             let head = events::read::head(&client).await?.0;
             let cursor = config::cursor(&client, &name).await?;
             let parked = sinks::parked::list(&client, &name).await?.len();
@@ -803,7 +808,7 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 .await?
                 .into_iter()
                 .find(|s| s.config.name == name)
-                .with_context(|| format!("sink {name:?} does not exist"))?;
+                .ok_or_else(|| crate::exit::not_found(format!("sink {name:?} does not exist")))?;
             let n = match &sink.config.target {
                 Target::Webhook { url, secret_env } => {
                     sinks::config::check_secret_env(secret_env).map_err(anyhow::Error::msg)?;

@@ -108,7 +108,7 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
                 humantime::format_duration(args.timeout),
                 args.pool
             );
-            Ok(ExitCode::from(3))
+            Ok(ExitCode::from(crate::exit::TIMED_OUT))
         }
         Ok(r) => match r? {
             Outcome::Placed(allocs) => {
@@ -117,19 +117,19 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
             }
             Outcome::Unschedulable(reason) => {
                 println!("unschedulable {id}: {reason}");
-                Ok(ExitCode::from(2))
+                Ok(ExitCode::from(crate::exit::NEVER_FITS))
             }
             Outcome::Released => {
                 println!("released {id} before it was placed");
-                Ok(ExitCode::from(2))
+                Ok(ExitCode::from(crate::exit::ENDED))
             }
             Outcome::Expired => {
                 println!("expired {id}");
-                Ok(ExitCode::from(2))
+                Ok(ExitCode::from(crate::exit::ENDED))
             }
             Outcome::Failed(reason) => {
                 println!("failed {id}: {reason}");
-                Ok(ExitCode::from(2))
+                Ok(ExitCode::from(crate::exit::ENDED))
             }
         },
     }
@@ -301,7 +301,9 @@ fn ms_time(ms: u64) -> String {
 /// Prints a pool as `strata pool show` does.
 fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
     let Some(p) = index.pool(name).filter(|p| p.created) else {
-        bail!("pool {name:?} does not exist (see `strata pools`)");
+        return Err(crate::exit::not_found(format!(
+            "pool {name:?} does not exist (see `strata pools`)"
+        )));
     };
     let c = counts(index, name);
     println!("pool {name}: {}", p.description);

@@ -13,6 +13,7 @@
 //! | `tls` | | this connection is in the clear |
 //! | `synchronous_standby` | named but none connected (commits wait) | none named (a failover may lose acknowledged events) |
 //! | `standby_lag` | | a standby more than 10 s behind |
+//! | `takeovers` | | (reported, not judged: where takeovers cut the log) |
 
 use schema::sql::Sql;
 use serde::Serialize;
@@ -353,6 +354,40 @@ pub async fn examine(
                 "a failover to it now would wait for it to catch up",
             ));
         }
+    }
+    // Where takeovers cut the log (`strata.log_epochs`): a timeline's first
+    // position, and the head the standby had when it took over.
+    let has_epochs: bool = client
+        .one("SELECT to_regclass('strata.log_epochs') IS NOT NULL", &[])
+        .await?
+        .get(0);
+    if has_epochs {
+        let rows = client
+            .rows(
+                "SELECT timeline, previous_head, first_position, started_at::text
+                   FROM strata.log_epochs ORDER BY first_position",
+                &[],
+            )
+            .await?;
+        out.push(Finding::ok(
+            "takeovers",
+            if rows.is_empty() {
+                "none recorded: the log is one epoch".to_string()
+            } else {
+                rows.iter()
+                    .map(|r| {
+                        format!(
+                            "timeline {} began after position {} at {}, its positions from {}",
+                            r.get::<_, i32>(0),
+                            r.get::<_, i64>(1),
+                            r.get::<_, String>(3),
+                            r.get::<_, i64>(2)
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            },
+        ));
     }
     Ok(out)
 }

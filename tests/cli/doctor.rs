@@ -56,6 +56,29 @@ fn doctor_reports_what_a_database_lacks_and_fails_on_a_problem() {
     // The test cluster serves no TLS and has no standby: warnings, with advice.
     assert_eq!(status_of(&v, "tls"), vec!["warning"], "{v}");
     assert_eq!(status_of(&v, "synchronous_standby"), vec!["warning"], "{v}");
+    let takeovers = |v: &serde_json::Value| -> String {
+        v["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["check"] == "takeovers")
+            .map(|f| f["detail"].as_str().unwrap().to_string())
+            .unwrap_or_else(|| panic!("{v}"))
+    };
+    assert!(takeovers(&v).contains("none recorded"), "{v}");
+    // Where a takeover cut the log is reported (not a problem).
+    sql(
+        &url,
+        "INSERT INTO strata.log_epochs (first_position, previous_head, timeline)
+         VALUES (1099511627777, 3, 2)",
+    );
+    let (ok, v) = doctor_json(&url);
+    assert!(ok, "{v}");
+    assert!(
+        takeovers(&v).contains("timeline 2 began after position 3")
+            && takeovers(&v).contains("positions from 1099511627777"),
+        "{v}"
+    );
 
     // Problems made on purpose: the publication gone, a slot nobody owns.
     let slot = format!("doctor_orphan_{}", std::process::id());

@@ -528,6 +528,51 @@ fn help_explains_every_command() {
         out.contains("--subscription") && out.contains("STRATA_DATABASE_URL"),
         "{out}"
     );
+    for args in [vec!["--help"], vec!["reserve", "--help"]] {
+        let out = ok(&args);
+        assert!(
+            out.contains("Exit codes") && out.contains("4 timed out waiting"),
+            "{out}"
+        );
+    }
+}
+
+/// Exit codes a script can tell apart: a conflict, a name that does not
+/// exist, and clap's usage error, each its own.
+#[test]
+fn exit_codes_say_what_happened() {
+    let url = database();
+    let code = |args: &[&str]| strata(args).status.code();
+    ok(&append_args(
+        &url,
+        "ex/1",
+        "test.appended",
+        "{}",
+        &["--expect", "0"],
+    ));
+    assert_eq!(
+        code(&append_args(
+            &url,
+            "ex/1",
+            "test.appended",
+            "{}",
+            &["--expect", "0"]
+        )),
+        Some(5)
+    );
+    assert_eq!(
+        code(&["pool", "show", "no-such-pool", "--database-url", &url]),
+        Some(6)
+    );
+    assert_eq!(
+        code(&["sinks", "show", "no-such-sink", "--database-url", &url]),
+        Some(6)
+    );
+    assert_eq!(code(&["pool", "show"]), Some(2));
+    assert_eq!(
+        code(&["pools", "--database-url", "postgres://nobody@127.0.0.1:1/x"]),
+        Some(1)
+    );
 }
 
 #[test]
@@ -733,4 +778,39 @@ fn spans_and_metrics_are_exported_over_otlp_when_an_endpoint_is_set() {
         metrics.iter().any(|m| m == "strata.append.events"),
         "metrics received: {metrics:?}"
     );
+}
+
+/// `strata nodes list | head` and the like: the reader is gone before the
+/// first line is written. The command ends quietly with 0, where it used to
+/// panic with exit code 101.
+#[test]
+fn a_closed_pipe_ends_a_listing_quietly() {
+    let url = database();
+    ok(&append_args(&url, "pool/p", "pool.created", "{}", &[]));
+    for args in [
+        vec!["nodes", "list"],
+        vec!["commands", "list"],
+        vec!["replay", "stream", "pool/p"],
+        vec!["pools"],
+        vec!["events", "tail", "--from", "start", "--limit", "1"],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(&args)
+            .args(["--database-url", &url])
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "strata {args:?}: {:?} {stderr}",
+            out.status
+        );
+        assert!(stderr.is_empty(), "strata {args:?}: {stderr}");
+    }
 }

@@ -112,14 +112,15 @@ fn reserve_release_pools_and_the_replay_check() {
         ],
     ));
     assert!(out.contains("8 GPU(s) on 2 node(s)"), "{out}");
-    // Cannot ever fit: exit code 2 and the reason.
+    // Cannot ever fit: exit code 3 (never fits, not clap's usage error 2)
+    // and the reason.
     let out = strata(&reserve_args(
         &url,
         &["--gpus", "5", "--shape", "island", "--wait"],
     ));
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stdout).contains("largest island has 4"));
-    // Does not fit now: stays queued; the wait times out with exit code 3.
+    // Does not fit now: stays queued; the wait times out with exit code 4.
     let out = strata(&reserve_args(
         &url,
         &[
@@ -136,7 +137,7 @@ fn reserve_release_pools_and_the_replay_check() {
     ));
     assert_eq!(
         out.status.code(),
-        Some(3),
+        Some(4),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -1220,7 +1221,7 @@ fn operators_cordon_drain_uncordon_and_clear_health() {
     ));
     assert_eq!(
         out.status.code(),
-        Some(3),
+        Some(4),
         "second waits: the only free node is cordoned"
     );
 
