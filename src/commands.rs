@@ -609,6 +609,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
             reader(),
             sinks::SinksConfig {
                 webhook_ca: args.webhook_ca.clone(),
+                region: args.region.clone(),
                 ..sinks::SinksConfig::default()
             },
         )

@@ -315,6 +315,9 @@ pub enum ParkedCmd {
         /// PEM certificates to trust for an https:// webhook besides the system's roots
         #[arg(long, env = "STRATA_WEBHOOK_CA", value_name = "FILE")]
         webhook_ca: Option<PathBuf>,
+        /// The region's name, as `strata serve --region` has it (NATS message ids)
+        #[arg(long, env = "STRATA_REGION", default_value = "default")]
+        region: String,
     },
 }
 
@@ -885,6 +888,9 @@ pub struct ServeArgs {
     /// sinks: PEM certificates to trust for https:// webhooks besides the system's roots (a private CA)
     #[arg(long, env = "STRATA_WEBHOOK_CA", value_name = "FILE")]
     pub webhook_ca: Option<PathBuf>,
+    /// The region's name, in the message id of every event a NATS sink publishes (`<region>:<sink>:<position>`): regions that feed one JetStream stream need names of their own
+    #[arg(long, env = "STRATA_REGION", default_value = "default")]
+    pub region: String,
 }
 
 #[derive(Subcommand, Debug)]

@@ -802,6 +802,7 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
             db,
             name,
             webhook_ca,
+            region,
         }) => {
             let client = connect(&db).await?;
             let sink = config::list(&client)
@@ -821,7 +822,7 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 Target::Nats {
                     url,
                     subject_prefix,
-                } => sinks::parked::replay_nats(&client, &name, url, subject_prefix).await,
+                } => sinks::parked::replay_nats(&client, &name, &region, url, subject_prefix).await,
             }
             .map_err(anyhow::Error::msg)?;
             println!("delivered {n} parked event(s) of {name}");

@@ -1,6 +1,9 @@
-//! Delivering a batch to NATS JetStream: every event published with its
-//! position as `Nats-Msg-Id`, all acknowledgements awaited; a failed batch is
-//! published again whole (JetStream drops the duplicates).
+//! Delivering a batch to NATS JetStream: every event published with a
+//! message id naming its region, its sink and its position
+//! (`Nats-Msg-Id: <region>:<sink>:<position>`), all acknowledgements
+//! awaited; a failed batch is published again whole (JetStream drops the
+//! duplicates). Two sinks, or two regions, may feed one stream: their ids
+//! differ, so neither's events are taken for the other's duplicates.
 
 use events::Event;
 use std::time::Duration;
@@ -8,6 +11,11 @@ use std::time::Duration;
 /// The subject of an event: `<prefix>.<stream, '/' as '.'>.<type>`, with
 /// characters NATS does not allow in a token replaced by '_'.
 pub fn subject(prefix: &str, e: &Event) -> String {
+    subject_of(prefix, &e.stream, &e.event_type)
+}
+
+/// [`subject`] from an event's stream and type.
+pub fn subject_of(prefix: &str, stream: &str, event_type: &str) -> String {
     let clean = |s: &str| -> String {
         s.chars()
             .map(|c| {
@@ -21,9 +29,16 @@ pub fn subject(prefix: &str, e: &Event) -> String {
     };
     format!(
         "{prefix}.{}.{}",
-        clean(&e.stream).replace('/', "."),
-        clean(&e.event_type)
+        clean(stream).replace('/', "."),
+        clean(event_type)
     )
+}
+
+/// The message id of the event at `position` delivered by sink `sink` of
+/// region `region`. Positions are never handed out twice within a region
+/// (see `events::EPOCH_SIZE`), so the id names one event.
+pub fn message_id(region: &str, sink: &str, position: u64) -> String {
+    format!("{region}:{sink}:{position}")
 }
 
 pub async fn connect(url: &str) -> Result<async_nats::jetstream::Context, String> {
@@ -39,12 +54,16 @@ pub async fn connect(url: &str) -> Result<async_nats::jetstream::Context, String
 pub async fn publish(
     js: &async_nats::jetstream::Context,
     prefix: &str,
+    ids: (&str, &str),
     events: &[&Event],
 ) -> Result<(), String> {
     let mut acks = Vec::with_capacity(events.len());
     for e in events {
         let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Nats-Msg-Id", e.position.0.to_string().as_str());
+        headers.insert(
+            "Nats-Msg-Id",
+            message_id(ids.0, ids.1, e.position.0).as_str(),
+        );
         headers.insert("Strata-Stream", e.stream.as_str());
         headers.insert("Strata-Type", e.event_type.as_str());
         let ack = js
@@ -63,13 +82,15 @@ pub async fn publish(
 }
 
 /// Publishes with retries (see [`crate::webhook::with_retries`]).
+/// `ids`: the region and the sink, for the message ids.
 pub async fn deliver(
     js: &async_nats::jetstream::Context,
     prefix: &str,
+    ids: (&str, &str),
     events: &[&Event],
     attempts: u32,
     base: Duration,
     cap: Duration,
 ) -> Result<u32, (u32, String)> {
-    crate::webhook::with_retries(attempts, base, cap, || publish(js, prefix, events)).await
+    crate::webhook::with_retries(attempts, base, cap, || publish(js, prefix, ids, events)).await
 }

@@ -117,10 +117,12 @@ pub async fn replay(
 }
 
 /// Publishes a sink's parked events to NATS JetStream again, in order, with
-/// their positions as message ids; removes them once acknowledged.
+/// the message ids the sink gives them (`region` is the sink runner's), on
+/// the subjects it gives them; removes them once acknowledged.
 pub async fn replay_nats(
     client: &tokio_postgres::Client,
     sink: &str,
+    region: &str,
     url: &str,
     prefix: &str,
 ) -> Result<u64, String> {
@@ -140,8 +142,11 @@ pub async fn replay_nats(
         let event_type: String = r.get::<_, Option<String>>(2).unwrap_or_default();
         let body: String = r.get(3);
         let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Nats-Msg-Id", position.to_string().as_str());
-        let subject = format!("{prefix}.{}.{}", stream.replace('/', "."), event_type);
+        headers.insert(
+            "Nats-Msg-Id",
+            crate::nats::message_id(region, sink, position as u64).as_str(),
+        );
+        let subject = crate::nats::subject_of(prefix, &stream, &event_type);
         js.publish_with_headers(subject, headers, body.into())
             .await
             .map_err(|e| format!("{done} published, then: {e}"))?

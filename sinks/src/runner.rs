@@ -34,7 +34,13 @@ pub struct SinksConfig {
     /// PEM certificates trusted for https:// webhooks besides the system's
     /// roots (a private CA).
     pub webhook_ca: Option<std::path::PathBuf>,
+    /// The region's name, in every NATS message id (with the sink's name):
+    /// regions that feed one JetStream stream must each have their own.
+    pub region: String,
 }
+
+/// The region's name when none is given.
+pub const DEFAULT_REGION: &str = "default";
 
 impl Default for SinksConfig {
     fn default() -> Self {
@@ -45,6 +51,7 @@ impl Default for SinksConfig {
             pause_after_parked: 3,
             request_timeout: Duration::from_secs(10),
             webhook_ca: None,
+            region: DEFAULT_REGION.into(),
         }
     }
 }
@@ -309,6 +316,7 @@ async fn worker(
                     crate::nats::deliver(
                         js,
                         prefix,
+                        (&config.region, &cfg.name),
                         &matching,
                         cfg.max_attempts,
                         config.backoff_base,

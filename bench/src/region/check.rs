@@ -271,7 +271,7 @@ pub async fn webhook(
 }
 
 /// Every event up to `upto` whose stream starts with `prefix` is stored in
-/// the JetStream stream exactly once (by its `Nats-Msg-Id`, the position),
+/// the JetStream stream exactly once (by its `Nats-Msg-Id`, ending in the position),
 /// and nothing is stored twice.
 pub async fn jetstream(
     client: &Client,
@@ -307,7 +307,7 @@ pub async fn jetstream(
                 .headers
                 .as_ref()
                 .and_then(|h| h.get("Nats-Msg-Id"))
-                .and_then(|v| v.as_str().parse::<i64>().ok());
+                .and_then(|v| v.as_str().rsplit(':').next()?.parse::<i64>().ok());
             if let Some(p) = id {
                 *counts.entry(p).or_default() += 1;
             }

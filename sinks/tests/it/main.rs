@@ -208,7 +208,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
         backoff_cap: Duration::from_millis(50),
         pause_after_parked: 3,
         request_timeout: Duration::from_secs(5),
-        webhook_ca: None,
+        ..SinksConfig::default()
     };
     let sinks = Sinks::start(cfg.clone(), reader.clone(), sc).unwrap();
     eventually(30, "history delivered", || async {
@@ -401,10 +401,28 @@ async fn a_nats_sink_stores_each_event_once_in_jetstream() {
     );
     assert_eq!(
         first.headers.get("Nats-Msg-Id").unwrap().as_str(),
-        positions[0].to_string()
+        format!("default:js:{}", positions[0])
     );
-    // A second sink publishing the same events again (as a retried or
-    // replayed batch would) adds nothing to the stream.
+    // The same sink publishing a batch again (a retry, a parked replay)
+    // adds nothing to the stream.
+    let again = events::read::after(&client, events::Position(0), 10)
+        .await
+        .unwrap();
+    let again: Vec<&events::Event> = again
+        .iter()
+        .map(|e| &**e)
+        .filter(|e| e.stream == "pool/a")
+        .collect();
+    sinks::nats::publish(&js, &prefix, ("default", "js"), &again)
+        .await
+        .unwrap();
+    assert_eq!(
+        count(&mut stream).await,
+        40,
+        "a retried batch is dropped as duplicates"
+    );
+    // A second sink on the same stream publishes the same events under
+    // its own ids: they are its deliveries, not the first sink's duplicates.
     config::create(&appender, &sink("js-again")).await.unwrap();
     let head = events::read::head(&client).await.unwrap().0 as i64;
     let mut polls = 0;
@@ -428,10 +446,15 @@ async fn a_nats_sink_stores_each_event_once_in_jetstream() {
         80,
         "both sinks published everything"
     );
+    let mut polls = 0;
+    while count(&mut stream).await < 80 && polls < 300 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        polls += 1;
+    }
     assert_eq!(
         count(&mut stream).await,
-        40,
-        "duplicates dropped by JetStream"
+        80,
+        "each sink's events are its own, none dropped as another's duplicates"
     );
     sinks.stop().await;
     let _ = js.delete_stream(&name).await;
@@ -458,7 +481,7 @@ async fn a_slow_receiver_times_out_and_the_batch_is_retried() {
             backoff_cap: Duration::from_millis(50),
             pause_after_parked: 3,
             request_timeout: Duration::from_millis(200),
-            webhook_ca: None,
+            ..SinksConfig::default()
         },
     )
     .unwrap();
