@@ -230,7 +230,7 @@ async fn the_log_reads_from_a_standby_without_writing() {
 /// primary); they are lost, and the new primary's next events must not take
 /// their positions, or every consumer that saw the lost ones would skip the
 /// new ones as already seen (and a sink's receiver would drop them as
-/// duplicates). Deterministic: the standby's WAL receiver is stopped before
+/// duplicates). Deterministic: the standby is pointed away from the primary before
 /// the events it must miss.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_new_primary_never_reuses_a_position_the_old_one_handed_out() {
@@ -267,20 +267,25 @@ async fn the_new_primary_never_reuses_a_position_the_old_one_handed_out() {
         events::read::head(&on_standby).await.unwrap() == head
     })
     .await;
-    // The standby stops receiving; the primary goes on alone.
-    let receiver: i32 = on_standby
-        .query_one("SELECT pid FROM pg_stat_wal_receiver", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let signal = |sig: &str| {
-        let status = std::process::Command::new("kill")
-            .args([sig, &receiver.to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success(), "kill {sig} {receiver}");
-    };
-    signal("-STOP");
+    // The standby is pointed at a port where nothing listens: its WAL
+    // receiver ends and receives nothing more; the primary goes on alone.
+    for sql in [
+        "ALTER SYSTEM SET primary_conninfo = 'host=127.0.0.1 port=1'",
+        "SELECT pg_reload_conf()",
+    ] {
+        on_standby.batch_execute(sql).await.unwrap();
+    }
+    crate::eventually(30, || async {
+        on_standby
+            .query_opt(
+                "SELECT 1 FROM pg_stat_wal_receiver WHERE status = 'streaming'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .is_none()
+    })
+    .await;
     let mut lost = Vec::new();
     for i in 0..5 {
         lost.push(append(format!("lost/{i}")).await);
@@ -288,7 +293,6 @@ async fn the_new_primary_never_reuses_a_position_the_old_one_handed_out() {
     let delivered = crate::take(&mut sub, 5).await;
     assert_eq!(delivered, lost);
     primary.crash();
-    signal("-KILL");
     standby.promote().unwrap();
 
     // New events on the new primary: every one is delivered, at a position
