@@ -344,7 +344,7 @@ async fn tail(
                 })
                 .await?
         }
-        None => reader.subscribe_ephemeral(start).await?,
+        None => reader.subscribe_ephemeral_as("events-tail", start).await?,
     };
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
@@ -511,8 +511,20 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("listen for metrics on {addr}"))?;
-        tracing::info!(%addr, "serving metrics at /metrics");
-        events::task::spawn("metrics", events::metrics::serve(l));
+        tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+        events::task::spawn("metrics", events::http::serve(l));
+    }
+    // Not ready until every role has started.
+    let started = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let started = started.clone();
+        events::http::ready_when("roles", move || {
+            if started.load(Ordering::Relaxed) {
+                Ok(())
+            } else {
+                Err("starting".into())
+            }
+        });
     }
     let slot = args.slot.clone().unwrap_or_else(default_slot);
     if slot.is_empty()
@@ -535,6 +547,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         .iter()
         .any(|r| follows.contains(&r.as_str()))
         .then(|| Reader::start(cfg.clone(), rc));
+    let follower = reader.clone();
     let reader = || {
         reader
             .clone()
@@ -621,12 +634,27 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     };
     if args.roles.iter().any(|r| r == "maintenance") {
         spawn_sealer(cfg.clone(), args.seal_every, args.seal_grace);
+        events::task::spawn(
+            "slot-metrics",
+            events::slots::watch(cfg.clone(), Duration::from_secs(5)),
+        );
     }
     let audit = if args.roles.iter().any(|r| r == "audit") {
         Some(start_audit(&args, &cfg).await?)
     } else {
         None
     };
+    if let Some(r) = follower {
+        events::http::ready_when("replication", move || {
+            if r.streaming() {
+                Ok(())
+            } else {
+                Err("no replication session is streaming (connecting, or reconnecting after a failure)".into())
+            }
+        });
+    }
+    started.store(true, Ordering::Relaxed);
+    tracing::info!(roles = %args.roles.join(","), "every role started");
     let mut report = tokio::time::interval(Duration::from_secs(10));
     report.tick().await;
     let ctrl_c = tokio::signal::ctrl_c();
@@ -648,7 +676,9 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
                     let s = &g.stats;
                     tracing::info!(sessions = s.sessions.load(Ordering::Relaxed),
                         opened = s.sessions_opened.load(Ordering::Relaxed),
-                        refused_admission = s.refused_admission.load(Ordering::Relaxed),
+                        refused_admission = s.refused_rate.load(Ordering::Relaxed)
+                            + s.refused_full.load(Ordering::Relaxed)
+                            + s.refused_pending.load(Ordering::Relaxed),
                         refused_identity = s.refused_identity.load(Ordering::Relaxed),
                         events = s.events_written.load(Ordering::Relaxed),
                         commands = s.commands_dispatched.load(Ordering::Relaxed), "gateway");

@@ -141,7 +141,7 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     println!("  Ctrl-C stops it.");
     println!();
     if let Ok(l) = listener {
-        events::task::spawn("metrics", events::metrics::serve(l));
+        events::task::spawn("metrics", events::http::serve(l));
     }
 
     let mut rc = ReaderConfig::new("strata_dev");

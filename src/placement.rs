@@ -85,7 +85,7 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
         rc.owner = "strata reserve --wait".into();
         let reader = Reader::start(config(&args.db)?, rc);
         let sub = reader
-            .subscribe_ephemeral(Start::Now)
+            .subscribe_ephemeral_as("reserve-wait", Start::Now)
             .await
             .context("subscribe to the log")?;
         waiting = Some((reader, sub));

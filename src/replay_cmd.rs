@@ -503,7 +503,9 @@ async fn live_index(db: &Db, position: u64) -> Result<Index> {
 /// A view folded from a subscription from the first event.
 async fn live_view<P: Projection>(db: &Db, mut view: P, position: u64) -> Result<P> {
     let reader = live_reader(db)?;
-    let mut sub = reader.subscribe_ephemeral(Start::Beginning).await?;
+    let mut sub = reader
+        .subscribe_ephemeral_as("replay", Start::Beginning)
+        .await?;
     while view.position() < position {
         let e = sub.next().await?;
         view.apply(&e)?;

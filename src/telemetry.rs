@@ -7,14 +7,17 @@
 //! attributes, export interval) apply. The returned guard flushes both on
 //! drop, so even a one-shot command exports what it recorded.
 
+use events::metrics::prometheus::proto::{Metric, MetricFamily, MetricType};
 use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::KeyValue;
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::Resource;
+use std::collections::HashSet;
 use std::io::IsTerminal;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
@@ -23,10 +26,14 @@ use tracing_subscriber::EnvFilter;
 pub struct Guard {
     tracer: Option<SdkTracerProvider>,
     meter: Option<SdkMeterProvider>,
+    bridge: Option<Arc<Bridge>>,
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
+        if let Some(b) = &self.bridge {
+            b.sync();
+        }
         if let Some(t) = self.tracer.take() {
             if let Err(e) = t.shutdown() {
                 eprintln!("warning: flush spans over OTLP: {e}");
@@ -54,6 +61,7 @@ pub fn init(long_running: bool) -> Guard {
         return Guard {
             tracer: None,
             meter: None,
+            bridge: None,
         };
     }
     match otlp() {
@@ -65,10 +73,24 @@ pub fn init(long_running: bool) -> Guard {
                 .with(fmt().with_filter(filter))
                 .with(layer.with_filter(tracing_subscriber::filter::LevelFilter::INFO))
                 .try_init();
-            register(&meter.meter("strata"));
+            // The log's own families exist before any role starts.
+            events::metrics::global();
+            let bridge = Arc::new(Bridge {
+                meter: meter.meter("strata"),
+                known: Mutex::default(),
+            });
+            bridge.sync();
+            let b = bridge.clone();
+            events::task::spawn("otlp-metrics", async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    b.sync();
+                }
+            });
             Guard {
                 tracer: Some(tracer),
                 meter: Some(meter),
+                bridge: Some(bridge),
             }
         }
         Err(e) => {
@@ -80,6 +102,7 @@ pub fn init(long_running: bool) -> Guard {
             Guard {
                 tracer: None,
                 meter: None,
+                bridge: None,
             }
         }
     }
@@ -98,8 +121,25 @@ where
         .with_ansi(std::io::stderr().is_terminal())
 }
 
+/// Whether the environment names the service.
+fn resource_has_name() -> bool {
+    let set = |v: &str| std::env::var(v).is_ok_and(|s| !s.trim().is_empty());
+    set("OTEL_SERVICE_NAME")
+        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|a| {
+            a.split(',')
+                .any(|kv| kv.split('=').next().map(str::trim) == Some("service.name"))
+        })
+}
+
 fn otlp() -> Result<(SdkTracerProvider, SdkMeterProvider), Box<dyn std::error::Error>> {
-    let resource = Resource::builder().with_service_name("strata").build();
+    // OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES are read by the
+    // builder's detectors; without either, the service is `strata`.
+    let mut resource = Resource::builder();
+    let named = resource_has_name();
+    if !named {
+        resource = resource.with_service_name("strata");
+    }
+    let resource = resource.build();
     let spans = opentelemetry_otlp::SpanExporter::builder()
         .with_tonic()
         .build()?;
@@ -117,78 +157,111 @@ fn otlp() -> Result<(SdkTracerProvider, SdkMeterProvider), Box<dyn std::error::E
     Ok((tracer, meter))
 }
 
-/// The process's metrics as OpenTelemetry instruments, read from the same
-/// registry the Prometheus endpoint renders.
-fn register(meter: &Meter) {
-    let counter =
-        |name: &'static str, unit: &'static str, description: &'static str, read: fn() -> u64| {
-            meter
-                .u64_observable_counter(name)
-                .with_unit(unit)
-                .with_description(description)
-                .with_callback(move |o| o.observe(read(), &[]))
-                .build();
-        };
-    counter(
-        "strata.append.events",
-        "{event}",
-        "Events appended and committed",
-        || events::metrics::global().append_events.load(Relaxed),
-    );
-    counter(
-        "strata.append.in_events",
-        "{event}",
-        "Events written inside callers' own transactions (counted when written)",
-        || events::metrics::global().append_in_events.load(Relaxed),
-    );
-    counter(
-        "strata.append.transactions",
-        "{transaction}",
-        "Group-commit transactions committed",
-        || events::metrics::global().append_transactions.load(Relaxed),
-    );
-    counter(
-        "strata.append.conflicts",
-        "{append}",
-        "Appends refused for a version conflict",
-        || events::metrics::global().append_conflicts.load(Relaxed),
-    );
-    counter(
-        "strata.replication.events",
-        "{event}",
-        "Events decoded from the replication stream",
-        || events::metrics::global().replication_events.load(Relaxed),
-    );
-    meter
-        .f64_observable_gauge("strata.replication.lag")
-        .with_unit("By")
-        .with_description("WAL between the server's position and what this process acknowledged")
-        .with_callback(|o| o.observe(events::metrics::global().replication_lag_bytes.get(), &[]))
-        .build();
-    meter
-        .f64_observable_gauge("strata.replication.lag.time")
-        .with_unit("s")
-        .with_description("Age of the newest transaction received, at receipt")
-        .with_callback(|o| o.observe(events::metrics::global().replication_lag_seconds.get(), &[]))
-        .build();
-    meter
-        .u64_observable_gauge("strata.subscription.lag")
-        .with_unit("{event}")
-        .with_description("Events committed but not yet acknowledged, per subscription")
-        .with_callback(|o| {
-            for (name, lag) in events::metrics::global().subscription_lags() {
-                o.observe(lag.events, &[KeyValue::new("subscription", name)]);
+/// The OTLP side of the process's one metrics registry: each family of
+/// [`events::metrics::gather`] becomes an observable instrument read from the
+/// registry at each export, so OTLP carries every series `/metrics` does.
+/// Families are looked for at start, every few seconds after (roles register
+/// theirs as they start) and once more before the final flush. Names are the
+/// Prometheus names with `_` as `.` and without `_total`; a histogram is sent
+/// as its `.count` and `.sum` (OpenTelemetry has no observable histogram).
+struct Bridge {
+    meter: Meter,
+    known: Mutex<HashSet<String>>,
+}
+
+/// The registry's families, read at most once a second however many
+/// instruments ask.
+fn families() -> Arc<Vec<MetricFamily>> {
+    type Read = Option<(Instant, Arc<Vec<MetricFamily>>)>;
+    static CACHE: OnceLock<Mutex<Read>> = OnceLock::new();
+    let mut c = CACHE
+        .get_or_init(Mutex::default)
+        .lock()
+        .expect("families cache");
+    match &*c {
+        Some((at, f)) if at.elapsed() < Duration::from_secs(1) => f.clone(),
+        _ => {
+            let f = Arc::new(events::metrics::gather());
+            *c = Some((Instant::now(), f.clone()));
+            f
+        }
+    }
+}
+
+/// The series of family `name`: label pairs and the metric.
+fn series(name: &str, mut each: impl FnMut(Vec<KeyValue>, &Metric)) {
+    if let Some(f) = families().iter().find(|f| f.name() == name) {
+        for m in f.get_metric() {
+            let attrs = m
+                .get_label()
+                .iter()
+                .map(|l| KeyValue::new(l.name().to_string(), l.value().to_string()))
+                .collect();
+            each(attrs, m);
+        }
+    }
+}
+
+fn otel_name(prometheus: &str) -> String {
+    prometheus
+        .strip_suffix("_total")
+        .unwrap_or(prometheus)
+        .replace('_', ".")
+}
+
+impl Bridge {
+    /// Adds an instrument for every family not seen before.
+    fn sync(&self) {
+        let mut known = self.known.lock().expect("bridge lock");
+        for f in events::metrics::gather() {
+            let name = f.name().to_string();
+            if !known.insert(name.clone()) {
+                continue;
             }
-        })
-        .build();
-    meter
-        .f64_observable_gauge("strata.subscription.lag.time")
-        .with_unit("s")
-        .with_description("Age of the newest event delivered, per subscription")
-        .with_callback(|o| {
-            for (name, lag) in events::metrics::global().subscription_lags() {
-                o.observe(lag.seconds, &[KeyValue::new("subscription", name)]);
+            let otel = otel_name(&name);
+            let help = f.help().to_string();
+            match f.get_field_type() {
+                MetricType::COUNTER => {
+                    self.meter
+                        .f64_observable_counter(otel)
+                        .with_description(help)
+                        .with_callback(move |o| {
+                            series(&name, |a, m| o.observe(m.get_counter().get_value(), &a))
+                        })
+                        .build();
+                }
+                MetricType::GAUGE => {
+                    self.meter
+                        .f64_observable_gauge(otel)
+                        .with_description(help)
+                        .with_callback(move |o| {
+                            series(&name, |a, m| o.observe(m.get_gauge().get_value(), &a))
+                        })
+                        .build();
+                }
+                MetricType::HISTOGRAM => {
+                    let n = name.clone();
+                    self.meter
+                        .u64_observable_counter(format!("{otel}.count"))
+                        .with_description(help.clone())
+                        .with_callback(move |o| {
+                            series(&n, |a, m| {
+                                o.observe(m.get_histogram().get_sample_count(), &a)
+                            })
+                        })
+                        .build();
+                    self.meter
+                        .f64_observable_counter(format!("{otel}.sum"))
+                        .with_description(help)
+                        .with_callback(move |o| {
+                            series(&name, |a, m| {
+                                o.observe(m.get_histogram().get_sample_sum(), &a)
+                            })
+                        })
+                        .build();
+                }
+                _ => {}
             }
-        })
-        .build();
+        }
+    }
 }

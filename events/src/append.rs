@@ -344,7 +344,7 @@ pub async fn append_in(
             tx.batch_execute("ROLLBACK TO SAVEPOINT strata_append")
                 .await
                 .map_err(db_err("roll back a conflicting append"))?;
-            metrics::global().append_conflicts.fetch_add(1, Relaxed);
+            metrics::global().append_conflicts.inc();
             return Err(AppendError::VersionConflict {
                 stream: a.stream.clone(),
                 expected: a.expected,
@@ -370,9 +370,7 @@ pub async fn append_in(
     tx.batch_execute("RELEASE SAVEPOINT strata_append")
         .await
         .map_err(db_err("finish an append"))?;
-    metrics::global()
-        .append_in_events
-        .fetch_add(total as u64, Relaxed);
+    metrics::global().append_in_events.inc_by(total as u64);
     let base: i64 = row.get(0);
     let mut next = base as u64 + 1;
     Ok(appends
@@ -779,7 +777,7 @@ impl Flusher {
             let result = match tokio::time::timeout(limit, self.attempt(&reqs, recorded_at)).await {
                 Ok(r) => r,
                 Err(_) => {
-                    metrics::global().append_timeouts.fetch_add(1, Relaxed);
+                    metrics::global().append_timeouts.inc();
                     tracing::warn!(
                         timeout_ms = limit.as_millis() as u64,
                         "the database did not answer an append in time; dropping its connection"
@@ -793,8 +791,8 @@ impl Flusher {
                 Ok(Attempt::Committed(outs)) => {
                     let m = metrics::global();
                     let n: usize = reqs.iter().map(|r| r.events).sum();
-                    m.append_events.fetch_add(n as u64, Relaxed);
-                    m.append_transactions.fetch_add(1, Relaxed);
+                    m.append_events.inc_by(n as u64);
+                    m.append_transactions.inc();
                     m.append_batch_size.observe(n as f64);
                     for (i, out) in idx.into_iter().zip(outs) {
                         let req = live[i].take().expect("live");
@@ -807,7 +805,7 @@ impl Flusher {
                 Ok(Attempt::Conflicts(conflicts)) => {
                     metrics::global()
                         .append_conflicts
-                        .fetch_add(conflicts.len() as u64, Relaxed);
+                        .inc_by(conflicts.len() as u64);
                     // A conflict is judged against versions that other
                     // batches may have committed a moment ago; answer once
                     // those are durable too.

@@ -20,6 +20,7 @@ pub mod append;
 pub mod assemble;
 pub mod db;
 pub mod doctor;
+pub mod http;
 pub mod lease;
 pub mod metrics;
 pub mod pgoutput;

@@ -1,352 +1,492 @@
-//! Process metrics, rendered in the Prometheus text format for
-//! `--metrics-listen`. Names follow OpenTelemetry's conventions (unit suffix,
-//! `_total` for counters) so the same series can be exported over OTLP.
+//! The process's metrics: one [`prometheus::Registry`] for the whole
+//! process, written in the Prometheus text format on `--metrics-listen`
+//! (see [`crate::http`]) and read by the OTLP exporter from the same
+//! registry ([`gather`]), so both carry the same series.
+//!
+//! Three kinds of instrument live here:
+//! - the log's own counters and histograms ([`global`]), updated where the
+//!   work happens;
+//! - values computed when scraped ([`gauge_fn`], and the subscriptions'
+//!   lag, `head - acknowledged`), so a gauge never freezes at a stale value;
+//! - counters kept per instance of a role (a placer, a gateway) and summed
+//!   over the live instances when scraped ([`Instances`]): tests run several
+//!   instances in one process, each with its own counters, and a scrape sees
+//!   the process's total.
+//!
+//! Label values are stable across restarts: no process-generated names
+//! (ephemeral subscriptions are reported under their role, the placer's
+//! holder is not a label).
 
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, MetricFamily, MetricType};
+use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
 use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-/// A histogram with fixed upper bounds.
-#[derive(Debug)]
-pub struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
-    sum_micros: AtomicU64,
-    count: AtomicU64,
+pub use prometheus;
+
+/// The process's registry.
+pub fn registry() -> &'static Registry {
+    static R: OnceLock<Registry> = OnceLock::new();
+    R.get_or_init(Registry::new)
 }
 
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
-        Histogram {
-            bounds,
-            counts: (0..bounds.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum_micros: AtomicU64::new(0),
-            count: AtomicU64::new(0),
+/// Registers a collector. A name already registered (a second instance of
+/// something registering process-wide families) is a programming error
+/// elsewhere; it is logged and the first registration kept.
+pub fn register(c: Box<dyn Collector>) {
+    if let Err(e) = registry().register(c) {
+        tracing::warn!(error = %e, "metric not registered");
+    }
+}
+
+/// Every metric family of the process, as of now.
+pub fn gather() -> Vec<MetricFamily> {
+    registry().gather()
+}
+
+/// Renders every metric in the Prometheus text exposition format (0.0.4).
+pub fn render() -> String {
+    use prometheus::Encoder;
+    let mut out = Vec::with_capacity(8192);
+    if let Err(e) = prometheus::TextEncoder::new().encode(&gather(), &mut out) {
+        tracing::warn!(error = %e, "metrics could not be rendered");
+    }
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// A counter, registered.
+pub fn counter(name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::with_opts(Opts::new(name, help)).expect("valid counter name");
+    register(Box::new(c.clone()));
+    c
+}
+
+/// A counter with labels, registered.
+pub fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter name");
+    register(Box::new(c.clone()));
+    c
+}
+
+/// A histogram, registered.
+pub fn histogram(name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
+        .expect("valid histogram");
+    register(Box::new(h.clone()));
+    h
+}
+
+/// A histogram with labels, registered.
+pub fn histogram_vec(
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: &[f64],
+) -> prometheus::HistogramVec {
+    let h = prometheus::HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        labels,
+    )
+    .expect("valid histogram");
+    register(Box::new(h.clone()));
+    h
+}
+
+/// A gauge set where its value changes, registered.
+pub fn gauge(name: &str, help: &str) -> Gauge {
+    let g = Gauge::with_opts(Opts::new(name, help)).expect("valid gauge name");
+    register(Box::new(g.clone()));
+    g
+}
+
+/// One series of a family computed when scraped: label values (in the
+/// order of the family's label names) and the value.
+pub type Sample = (Vec<String>, f64);
+
+/// A family whose series are computed when scraped.
+struct Computed {
+    desc: Desc,
+    kind: MetricType,
+    labels: Vec<String>,
+    read: Box<dyn Fn() -> Vec<Sample> + Send + Sync>,
+}
+
+impl Collector for Computed {
+    fn desc(&self) -> Vec<&Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        vec![family(
+            &self.desc.fq_name,
+            &self.desc.help,
+            self.kind,
+            &self.labels,
+            (self.read)(),
+        )]
+    }
+}
+
+/// Builds a family of gauges or counters from samples.
+fn family(
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    labels: &[String],
+    samples: Vec<Sample>,
+) -> MetricFamily {
+    let mut f = MetricFamily::default();
+    f.set_name(name.to_string());
+    f.set_help(help.to_string());
+    f.set_field_type(kind);
+    let metrics = samples
+        .into_iter()
+        .map(|(values, v)| {
+            let pairs = labels
+                .iter()
+                .zip(values)
+                .map(|(n, v)| {
+                    let mut p = proto::LabelPair::default();
+                    p.set_name(n.clone());
+                    p.set_value(v);
+                    p
+                })
+                .collect();
+            let mut m = proto::Metric::from_label(pairs);
+            if kind == MetricType::COUNTER {
+                let mut c = proto::Counter::default();
+                c.set_value(v);
+                m.set_counter(c);
+            } else {
+                let mut g = proto::Gauge::default();
+                g.set_value(v);
+                m.set_gauge(g);
+            }
+            m
+        })
+        .collect();
+    f.set_metric(metrics);
+    f
+}
+
+/// Registers a family of gauges whose series `read` computes at each scrape.
+pub fn gauge_fn(
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    read: impl Fn() -> Vec<Sample> + Send + Sync + 'static,
+) {
+    computed(name, help, MetricType::GAUGE, labels, Box::new(read));
+}
+
+fn computed(
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    labels: &[&str],
+    read: Box<dyn Fn() -> Vec<Sample> + Send + Sync>,
+) {
+    let labels: Vec<String> = labels.iter().map(|s| s.to_string()).collect();
+    let desc = Desc::new(
+        name.to_string(),
+        help.to_string(),
+        labels.clone(),
+        Default::default(),
+    )
+    .expect("valid metric name");
+    register(Box::new(Computed {
+        desc,
+        kind,
+        labels,
+        read,
+    }));
+}
+
+/// Whether a field of [`Instances`] counts up or goes up and down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+/// One series of a role's counters: the family it belongs to, its labels
+/// (in the family's label order) and how to read it off one instance.
+pub struct Field<T> {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub kind: Kind,
+    pub labels: &'static [(&'static str, &'static str)],
+    pub read: fn(&T) -> u64,
+}
+
+/// A [`Field`] reading the atomic field `$f` of a stats struct `$t`:
+/// `stat_field!(Stats, "name_total", Counter, "Help.", placed)`, with an
+/// optional label list before the field.
+#[macro_export]
+macro_rules! stat_field {
+    ($t:ty, $name:expr, $kind:ident, $help:expr, $labels:expr, $f:ident) => {
+        $crate::metrics::Field {
+            name: $name,
+            help: $help,
+            kind: $crate::metrics::Kind::$kind,
+            labels: $labels,
+            read: |s: &$t| s.$f.load(::std::sync::atomic::Ordering::Relaxed),
         }
-    }
+    };
+    ($t:ty, $name:expr, $kind:ident, $help:expr, $f:ident) => {
+        $crate::stat_field!($t, $name, $kind, $help, &[], $f)
+    };
+}
 
-    pub fn observe(&self, v: f64) {
-        if let Some(i) = self.bounds.iter().position(|b| v <= *b) {
-            self.counts[i].fetch_add(1, Relaxed);
+/// The live instances of a role's counters, summed when scraped: see the
+/// module's documentation. Create one per type, in a `static`.
+pub struct Instances<T: Send + Sync + 'static> {
+    live: Arc<Mutex<Vec<Weak<T>>>>,
+}
+
+impl<T: Send + Sync + 'static> Instances<T> {
+    /// Registers the families of `fields` (several fields of one name are one
+    /// family, told apart by their labels).
+    pub fn new(fields: &'static [Field<T>]) -> Self {
+        let live: Arc<Mutex<Vec<Weak<T>>>> = Arc::default();
+        let mut names: Vec<&'static str> = Vec::new();
+        for f in fields {
+            if !names.contains(&f.name) {
+                names.push(f.name);
+            }
         }
-        self.sum_micros.fetch_add((v * 1e6) as u64, Relaxed);
-        self.count.fetch_add(1, Relaxed);
-    }
-
-    fn render(&self, name: &str, help: &str, out: &mut String) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cum = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            cum += c.load(Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
+        for name in names {
+            let of: Vec<&'static Field<T>> = fields.iter().filter(|f| f.name == name).collect();
+            let first = of[0];
+            let label_names: Vec<&str> = first.labels.iter().map(|(k, _)| *k).collect();
+            let live = live.clone();
+            let read = move || -> Vec<Sample> {
+                let live: Vec<Arc<T>> = {
+                    let mut l = live.lock().expect("instances lock");
+                    l.retain(|w| w.strong_count() > 0);
+                    l.iter().filter_map(Weak::upgrade).collect()
+                };
+                of.iter()
+                    .map(|f| {
+                        let values = f.labels.iter().map(|(_, v)| v.to_string()).collect();
+                        let sum: u64 = live.iter().map(|t| (f.read)(t)).sum();
+                        (values, sum as f64)
+                    })
+                    .collect()
+            };
+            let kind = match first.kind {
+                Kind::Counter => MetricType::COUNTER,
+                Kind::Gauge => MetricType::GAUGE,
+            };
+            computed(name, first.help, kind, &label_names, Box::new(read));
         }
-        let n = self.count.load(Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {n}");
-        let _ = writeln!(
-            out,
-            "{name}_sum {}",
-            self.sum_micros.load(Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(out, "{name}_count {n}");
+        Instances { live }
+    }
+
+    /// Counts `instance` in until it is dropped.
+    pub fn add(&self, instance: &Arc<T>) {
+        self.live
+            .lock()
+            .expect("instances lock")
+            .push(Arc::downgrade(instance));
     }
 }
 
-/// A gauge holding an f64.
-#[derive(Debug, Default)]
-pub struct Gauge(AtomicU64);
-
-impl Gauge {
-    pub fn set(&self, v: f64) {
-        self.0.store(v.to_bits(), Relaxed);
-    }
-    pub fn get(&self) -> f64 {
-        f64::from_bits(self.0.load(Relaxed))
-    }
-}
-
-/// Lag of one subscription.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct SubscriptionLag {
-    pub events: u64,
-    pub seconds: f64,
-}
-
-/// Every metric Strata keeps in this process.
-#[derive(Debug)]
-pub struct Metrics {
-    pub append_events: AtomicU64,
-    /// Events written by `append_in` inside callers' own transactions,
-    /// counted when written (they commit or roll back with the caller's).
-    pub append_in_events: AtomicU64,
-    pub append_transactions: AtomicU64,
-    pub append_conflicts: AtomicU64,
-    /// Batches the database did not answer within the appender's
-    /// `attempt_timeout`.
-    pub append_timeouts: AtomicU64,
-    pub append_batch_size: Histogram,
-    pub append_duration: Histogram,
-    pub replication_events: AtomicU64,
-    pub replication_transactions: AtomicU64,
-    pub replication_lag_bytes: Gauge,
-    pub replication_lag_seconds: Gauge,
-    pub subscriptions: Mutex<BTreeMap<String, SubscriptionLag>>,
-    /// Restarts of supervised tasks after a failure, by task name.
-    task_restarts: Mutex<BTreeMap<&'static str, u64>>,
-    /// Renderers added by other parts of the process (the placer's counters).
-    extra: Renderers,
-}
-
-#[derive(Default)]
-struct Renderers(Mutex<Vec<Renderer>>);
-
-impl std::fmt::Debug for Renderers {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.0.lock().map_or(0, |v| v.len());
-        write!(f, "{n} renderer(s)")
-    }
-}
-
-/// Appends metrics in the Prometheus text format.
-pub type Renderer = std::sync::Arc<dyn Fn(&mut String) + Send + Sync>;
-
-const SIZE_BOUNDS: &[f64] = &[
+/// Sizes of batches.
+pub const SIZE_BUCKETS: &[f64] = &[
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0,
 ];
-const SECONDS_BOUNDS: &[f64] = &[
+/// Latencies, in seconds.
+pub const SECONDS_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0,
 ];
 
-/// The process-wide metrics.
+/// The log's own metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    pub append_events: IntCounter,
+    /// Events written by `append_in` inside callers' own transactions,
+    /// counted when written (they commit or roll back with the caller's).
+    pub append_in_events: IntCounter,
+    pub append_transactions: IntCounter,
+    pub append_conflicts: IntCounter,
+    /// Batches the database did not answer within the appender's
+    /// `attempt_timeout`.
+    pub append_timeouts: IntCounter,
+    pub append_batch_size: Histogram,
+    pub append_duration: Histogram,
+    pub replication_events: IntCounter,
+    pub replication_transactions: IntCounter,
+    pub replication_lag_bytes: Gauge,
+    pub replication_lag_seconds: Gauge,
+    /// Restarts of supervised tasks after a failure, by task name.
+    pub task_restarts: IntCounterVec,
+}
+
+/// The process-wide metrics of the log.
 pub fn global() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
-    M.get_or_init(|| Metrics {
-        append_events: AtomicU64::new(0),
-        append_in_events: AtomicU64::new(0),
-        append_transactions: AtomicU64::new(0),
-        append_conflicts: AtomicU64::new(0),
-        append_timeouts: AtomicU64::new(0),
-        append_batch_size: Histogram::new(SIZE_BOUNDS),
-        append_duration: Histogram::new(SECONDS_BOUNDS),
-        replication_events: AtomicU64::new(0),
-        replication_transactions: AtomicU64::new(0),
-        replication_lag_bytes: Gauge::default(),
-        replication_lag_seconds: Gauge::default(),
-        subscriptions: Mutex::new(BTreeMap::new()),
-        task_restarts: Mutex::new(BTreeMap::new()),
-        extra: Renderers::default(),
+    M.get_or_init(|| {
+        let m = Metrics {
+            append_events: counter("strata_append_events_total", "Events appended and committed."),
+            append_in_events: counter(
+                "strata_append_in_events_total",
+                "Events written inside callers' own transactions (counted when written; they commit or roll back with the caller's).",
+            ),
+            append_transactions: counter(
+                "strata_append_transactions_total",
+                "Group-commit transactions committed.",
+            ),
+            append_conflicts: counter(
+                "strata_append_conflicts_total",
+                "Appends refused for a version conflict.",
+            ),
+            append_timeouts: counter(
+                "strata_append_timeouts_total",
+                "Append batches the database did not answer in time (their connection was dropped).",
+            ),
+            append_batch_size: histogram(
+                "strata_append_batch_size",
+                "Events per group-commit transaction.",
+                SIZE_BUCKETS,
+            ),
+            append_duration: histogram(
+                "strata_append_duration_seconds",
+                "Time from append call to durable commit.",
+                SECONDS_BUCKETS,
+            ),
+            replication_events: counter(
+                "strata_replication_events_total",
+                "Events decoded from the replication stream.",
+            ),
+            replication_transactions: counter(
+                "strata_replication_transactions_total",
+                "Transactions decoded from the replication stream.",
+            ),
+            replication_lag_bytes: gauge(
+                "strata_replication_lag_bytes",
+                "WAL between the server's position and what this process acknowledged.",
+            ),
+            replication_lag_seconds: gauge(
+                "strata_replication_lag_seconds",
+                "Age of the newest transaction received, at receipt.",
+            ),
+            task_restarts: counter_vec(
+                "strata_task_restarts_total",
+                "Supervised tasks started again after a failure.",
+                &["task"],
+            ),
+        };
+        subscriptions::register();
+        m
     })
 }
 
 impl Metrics {
     /// Counts one restart of the supervised task `task`.
     pub fn count_restart(&self, task: &'static str) {
-        *self
-            .task_restarts
-            .lock()
-            .expect("metrics lock")
-            .entry(task)
-            .or_default() += 1;
+        self.task_restarts.with_label_values(&[task]).inc();
     }
 
     /// How often the supervised task `task` was restarted.
     pub fn restarts(&self, task: &str) -> u64 {
-        self.task_restarts
-            .lock()
-            .expect("metrics lock")
-            .get(task)
-            .copied()
-            .unwrap_or(0)
+        self.task_restarts.with_label_values(&[task]).get()
+    }
+}
+
+/// The lag of every open subscription, computed when scraped.
+pub(crate) mod subscriptions {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    /// What a subscription shares with the scrape.
+    #[derive(Debug, Default)]
+    pub(crate) struct Lag {
+        /// The label: a durable subscription's name, an ephemeral one's role.
+        pub label: String,
+        /// The last position the subscription saw committed (delivered or
+        /// announced), beside its reader's head.
+        pub seen: AtomicU64,
+        /// Milliseconds since the epoch at which the oldest event delivered
+        /// and not yet acknowledged was recorded; 0 when none is.
+        pub pending_since_ms: AtomicU64,
     }
 
-    pub fn set_subscription_lag(&self, name: &str, lag: SubscriptionLag) {
-        if let Ok(mut m) = self.subscriptions.lock() {
-            match m.get_mut(name) {
-                Some(v) => *v = lag,
-                None => {
-                    m.insert(name.to_string(), lag);
-                }
-            }
-        }
+    /// One open subscription: its cursor (with its lag) and its reader.
+    pub(crate) struct Entry {
+        pub cursor: Weak<crate::subscription::Cursor>,
+        pub reader: Weak<crate::reader::Inner>,
     }
 
-    /// A copy of every subscription's lag.
-    pub fn subscription_lags(&self) -> Vec<(String, SubscriptionLag)> {
-        self.subscriptions
-            .lock()
-            .map(|m| m.iter().map(|(k, v)| (k.clone(), *v)).collect())
-            .unwrap_or_default()
+    fn open() -> &'static Mutex<Vec<Entry>> {
+        static OPEN: OnceLock<Mutex<Vec<Entry>>> = OnceLock::new();
+        OPEN.get_or_init(Mutex::default)
     }
 
-    /// Adds a renderer whose output follows the built-in metrics.
-    pub fn register(&self, renderer: Renderer) {
-        if let Ok(mut v) = self.extra.0.lock() {
-            v.push(renderer);
-        }
+    pub(crate) fn add(e: Entry) {
+        open().lock().expect("subscriptions lock").push(e);
     }
 
-    pub fn remove_subscription(&self, name: &str) {
-        if let Ok(mut m) = self.subscriptions.lock() {
-            m.remove(name);
-        }
+    pub(crate) fn millis(t: SystemTime) -> u64 {
+        t.duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
     }
 
-    /// Renders every metric in the Prometheus text exposition format.
-    pub fn render(&self) -> String {
-        let mut out = String::with_capacity(4096);
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-            );
-        };
-        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
-        counter(
-            &mut out,
-            "strata_append_events_total",
-            "Events appended and committed.",
-            self.append_events.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "strata_append_in_events_total",
-            "Events written inside callers' own transactions (counted when written; they commit or roll back with the caller's).",
-            self.append_in_events.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "strata_append_transactions_total",
-            "Group-commit transactions committed.",
-            self.append_transactions.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "strata_append_conflicts_total",
-            "Appends refused for a version conflict.",
-            self.append_conflicts.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "strata_append_timeouts_total",
-            "Append batches the database did not answer in time (their connection was dropped).",
-            self.append_timeouts.load(Relaxed),
-        );
-        self.append_batch_size.render(
-            "strata_append_batch_size",
-            "Events per group-commit transaction.",
-            &mut out,
-        );
-        self.append_duration.render(
-            "strata_append_duration_seconds",
-            "Time from append call to durable commit.",
-            &mut out,
-        );
-        counter(
-            &mut out,
-            "strata_replication_events_total",
-            "Events decoded from the replication stream.",
-            self.replication_events.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "strata_replication_transactions_total",
-            "Transactions decoded from the replication stream.",
-            self.replication_transactions.load(Relaxed),
-        );
-        gauge(
-            &mut out,
-            "strata_replication_lag_bytes",
-            "WAL between the server's position and what this process acknowledged.",
-            self.replication_lag_bytes.get(),
-        );
-        gauge(
-            &mut out,
-            "strata_replication_lag_seconds",
-            "Age of the newest transaction received, at receipt.",
-            self.replication_lag_seconds.get(),
-        );
-        let subs = self
-            .subscriptions
-            .lock()
-            .map(|m| m.clone())
-            .unwrap_or_default();
-        let _ = writeln!(out, "# HELP strata_subscription_lag_events Events committed but not yet acknowledged by the subscription.\n# TYPE strata_subscription_lag_events gauge");
-        for (name, lag) in &subs {
-            let _ = writeln!(
-                out,
-                "strata_subscription_lag_events{{subscription=\"{}\"}} {}",
-                escape(name),
-                lag.events
-            );
-        }
-        let _ = writeln!(out, "# HELP strata_subscription_lag_seconds Age of the oldest event not yet delivered to the subscription.\n# TYPE strata_subscription_lag_seconds gauge");
-        for (name, lag) in &subs {
-            let _ = writeln!(
-                out,
-                "strata_subscription_lag_seconds{{subscription=\"{}\"}} {}",
-                escape(name),
-                lag.seconds
-            );
-        }
-        let restarts = self
-            .task_restarts
-            .lock()
-            .map(|m| m.clone())
-            .unwrap_or_default();
-        let _ = writeln!(out, "# HELP strata_task_restarts_total Supervised tasks started again after a failure.\n# TYPE strata_task_restarts_total counter");
-        for (task, n) in &restarts {
-            let _ = writeln!(
-                out,
-                "strata_task_restarts_total{{task=\"{}\"}} {n}",
-                escape(task)
-            );
-        }
-        let extra = self.extra.0.lock().map(|v| v.clone()).unwrap_or_default();
-        for render in extra {
-            render(&mut out);
+    /// (events, seconds) behind, per label: the largest over the
+    /// subscriptions of a label.
+    pub(crate) fn lags() -> BTreeMap<String, (u64, f64)> {
+        let now = millis(SystemTime::now());
+        let mut out: BTreeMap<String, (u64, f64)> = BTreeMap::new();
+        let mut open = open().lock().expect("subscriptions lock");
+        open.retain(|e| {
+            e.cursor
+                .upgrade()
+                .is_some_and(|c| !c.closed.load(std::sync::atomic::Ordering::Relaxed))
+        });
+        for e in open.iter() {
+            let Some(cursor) = e.cursor.upgrade() else {
+                continue;
+            };
+            let lag = &cursor.lag;
+            let reader = e.reader.upgrade();
+            let head = reader
+                .as_ref()
+                .map_or(0, |r| r.head.load(Relaxed))
+                .max(lag.seen.load(Relaxed));
+            let behind = head.saturating_sub(cursor.acked.load(Relaxed));
+            let since = match lag.pending_since_ms.load(Relaxed) {
+                // Nothing delivered awaits an ack: the oldest event behind
+                // is at most as old as the newest the reader received.
+                0 => reader.as_ref().map_or(0, |r| r.head_at_ms.load(Relaxed)),
+                since => since,
+            };
+            let seconds = if behind == 0 || since == 0 {
+                0.0
+            } else {
+                now.saturating_sub(since) as f64 / 1000.0
+            };
+            let entry = out.entry(lag.label.clone()).or_default();
+            entry.0 = entry.0.max(behind);
+            entry.1 = entry.1.max(seconds);
         }
         out
     }
-}
 
-/// Escapes a label value.
-pub fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-/// Serves `GET /metrics` in the Prometheus text format on `listener` until the
-/// task is dropped. Deliberately minimal: one request per connection.
-pub async fn serve(listener: tokio::net::TcpListener) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        crate::task::spawn("metrics-conn", async move {
-            let mut buf = [0u8; 2048];
-            let n =
-                match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf))
-                    .await
-                {
-                    Ok(Ok(n)) => n,
-                    _ => return,
-                };
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let (status, body) = if req.starts_with("GET /metrics") || req.starts_with("GET / ") {
-                ("200 OK", global().render())
-            } else {
-                ("404 Not Found", "not found; try /metrics\n".to_string())
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = sock.write_all(resp.as_bytes()).await;
-        });
+    pub(super) fn register() {
+        gauge_fn(
+            "strata_subscription_lag_events",
+            "Events committed but not yet acknowledged, per subscription (ephemeral ones by role, the largest).",
+            &["subscription"],
+            || lags().into_iter().map(|(k, (n, _))| (vec![k], n as f64)).collect(),
+        );
+        gauge_fn(
+            "strata_subscription_lag_seconds",
+            "Age of the oldest event delivered and not yet acknowledged, per subscription (ephemeral ones by role, the largest); 0 when caught up.",
+            &["subscription"],
+            || lags().into_iter().map(|(k, (_, s))| (vec![k], s)).collect(),
+        );
     }
 }
 
@@ -354,35 +494,50 @@ pub async fn serve(listener: tokio::net::TcpListener) {
 mod tests {
     use super::*;
 
+    struct Two {
+        a: u64,
+        b: u64,
+    }
+
+    static FIELDS: &[Field<Two>] = &[
+        Field {
+            name: "test_things_total",
+            help: "Things.",
+            kind: Kind::Counter,
+            labels: &[("kind", "a")],
+            read: |t| t.a,
+        },
+        Field {
+            name: "test_things_total",
+            help: "Things.",
+            kind: Kind::Counter,
+            labels: &[("kind", "b")],
+            read: |t| t.b,
+        },
+    ];
+
     #[test]
-    fn histogram_is_cumulative() {
-        let h = Histogram::new(&[1.0, 2.0]);
-        h.observe(0.5);
-        h.observe(1.5);
-        h.observe(3.0);
-        let mut s = String::new();
-        h.render("x", "help", &mut s);
-        assert!(s.contains("x_bucket{le=\"1\"} 1"), "{s}");
-        assert!(s.contains("x_bucket{le=\"2\"} 2"), "{s}");
-        assert!(s.contains("x_bucket{le=\"+Inf\"} 3"), "{s}");
-        assert!(s.contains("x_count 3"), "{s}");
+    fn instances_are_summed_while_they_live_and_fields_of_one_name_are_one_family() {
+        let set = Instances::new(FIELDS);
+        let one = Arc::new(Two { a: 1, b: 10 });
+        let two = Arc::new(Two { a: 2, b: 20 });
+        set.add(&one);
+        set.add(&two);
+        let text = render();
+        assert!(text.contains("test_things_total{kind=\"a\"} 3"), "{text}");
+        assert!(text.contains("test_things_total{kind=\"b\"} 30"), "{text}");
+        assert_eq!(text.matches("# TYPE test_things_total counter").count(), 1);
+        drop(two);
+        let text = render();
+        assert!(text.contains("test_things_total{kind=\"a\"} 1"), "{text}");
     }
 
     #[test]
-    fn subscription_labels_are_escaped() {
-        let m = global();
-        m.set_subscription_lag(
-            "a\"b",
-            SubscriptionLag {
-                events: 3,
-                seconds: 0.5,
-            },
-        );
-        let text = m.render();
-        assert!(
-            text.contains("strata_subscription_lag_events{subscription=\"a\\\"b\"} 3"),
-            "{text}"
-        );
-        m.remove_subscription("a\"b");
+    fn label_values_are_escaped() {
+        gauge_fn("test_escaped", "Escaped.", &["name"], || {
+            vec![(vec!["a\"b".to_string()], 3.0)]
+        });
+        let text = render();
+        assert!(text.contains("test_escaped{name=\"a\\\"b\"} 3"), "{text}");
     }
 }

@@ -128,6 +128,11 @@ pub(crate) struct Inner {
     cmd: mpsc::UnboundedSender<Cmd>,
     /// The last position delivered by the slot.
     pub head: AtomicU64,
+    /// When the transaction ending at `head` committed (ms since the epoch;
+    /// 0 until one arrived).
+    pub head_at_ms: AtomicU64,
+    /// A replication session is streaming now.
+    pub streaming: std::sync::atomic::AtomicBool,
     /// The LSN acknowledged to Postgres.
     pub acked: AtomicU64,
     /// Number of (re)connections so far.
@@ -177,6 +182,8 @@ impl Reader {
             config,
             cmd,
             head: AtomicU64::new(0),
+            head_at_ms: AtomicU64::new(0),
+            streaming: std::sync::atomic::AtomicBool::new(false),
             acked: AtomicU64::new(0),
             sessions: AtomicU64::new(0),
             invalidations: AtomicU64::new(0),
@@ -196,6 +203,11 @@ impl Reader {
     /// The last position that arrived through the slot.
     pub fn head(&self) -> Position {
         Position(self.inner.head.load(Ordering::Relaxed))
+    }
+
+    /// Whether a replication session is streaming now.
+    pub fn streaming(&self) -> bool {
+        self.inner.streaming.load(Ordering::Relaxed)
     }
 
     /// The LSN acknowledged to Postgres so far.
@@ -304,6 +316,7 @@ async fn run(
             r = session(&inner, &mut cmd, &mut attached) => r,
             _ = &mut stop => Ok(()),
         };
+        inner.streaming.store(false, Ordering::Relaxed);
         match result {
             Ok(()) => {
                 tracing::debug!(slot = %inner.config.slot, "replication reader stopped");
@@ -376,6 +389,7 @@ async fn session(
             .map_err(sql("read the log head"))?,
     };
     inner.head.store(head.0, Ordering::Relaxed);
+    inner.streaming.store(true, Ordering::Relaxed);
     tracing::info!(slot = %cfg.slot, server_lsn = %system.xlogpos, head = %head, "replication started");
     broadcast(
         attached,
@@ -642,10 +656,13 @@ async fn base_position(db: &Database, snapshot: &str) -> Result<Position, Sessio
 
 fn deliver(inner: &Inner, state: &mut SlotState, attached: &mut Vec<Attached>, txn: Txn) {
     let m = metrics::global();
-    m.replication_transactions.fetch_add(1, Ordering::Relaxed);
+    m.replication_transactions.inc();
     if let Some(last) = txn.last_position() {
-        m.replication_events
-            .fetch_add(txn.events.len() as u64, Ordering::Relaxed);
+        m.replication_events.inc_by(txn.events.len() as u64);
+        inner.head_at_ms.store(
+            metrics::subscriptions::millis(txn.commit_time),
+            Ordering::Relaxed,
+        );
         let lag = SystemTime::now()
             .duration_since(txn.commit_time)
             .unwrap_or_default();

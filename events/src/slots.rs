@@ -132,3 +132,79 @@ pub async fn drop_slot(client: &Client, name: &str, force: bool) -> Result<(), D
         .await;
     Ok(())
 }
+
+/// The slots' gauges on `/metrics`, refreshed by [`watch`].
+struct SlotGauges {
+    retained: prometheus::GaugeVec,
+    active: prometheus::GaugeVec,
+    stale: prometheus::GaugeVec,
+}
+
+fn gauges() -> &'static SlotGauges {
+    static G: std::sync::OnceLock<SlotGauges> = std::sync::OnceLock::new();
+    G.get_or_init(|| {
+        let vec = |name: &str, help: &str| {
+            let g = prometheus::GaugeVec::new(prometheus::Opts::new(name, help), &["slot"])
+                .expect("valid gauge");
+            crate::metrics::register(Box::new(g.clone()));
+            g
+        };
+        SlotGauges {
+            retained: vec(
+                "strata_slot_retained_wal_bytes",
+                "WAL the replication slot makes the server keep (read every few seconds by the maintenance role).",
+            ),
+            active: vec(
+                "strata_slot_active",
+                "1 while a connection streams from the replication slot.",
+            ),
+            stale: vec(
+                "strata_slot_stale",
+                "1 when the slot is unused and its reader has not been seen for a minute (strata slots list; strata slots drop).",
+            ),
+        }
+    })
+}
+
+/// Reads the server's replication slots every `every` and sets their
+/// gauges; a slot that is gone is gone from the next scrape. Runs until
+/// dropped; a failed read is logged and tried again at the next tick.
+pub async fn watch(db: crate::db::Database, every: Duration) {
+    let db = crate::db::Db::new(db);
+    let g = gauges();
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let slots = match db.get().await {
+            Ok(c) => list(&c, Duration::from_secs(60)).await,
+            Err(e) => {
+                tracing::warn!(error = %e, "slot metrics: cannot connect; trying again");
+                continue;
+            }
+        };
+        match slots {
+            Ok(slots) => {
+                g.retained.reset();
+                g.active.reset();
+                g.stale.reset();
+                for s in slots {
+                    let l = [s.name.as_str()];
+                    g.retained
+                        .with_label_values(&l)
+                        .set(s.retained_bytes.unwrap_or(0) as f64);
+                    g.active
+                        .with_label_values(&l)
+                        .set(f64::from(u8::from(s.active)));
+                    g.stale
+                        .with_label_values(&l)
+                        .set(f64::from(u8::from(s.stale)));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "slot metrics: could not list the slots; trying again");
+                db.reset().await;
+            }
+        }
+    }
+}

@@ -26,7 +26,7 @@ use schema::sql::Sql;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, Notify};
 
 /// Where a new subscription starts. An existing named subscription always
@@ -129,11 +129,13 @@ fn db(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SubscribeE
 }
 
 pub(crate) struct Cursor {
-    acked: AtomicU64,
+    pub(crate) acked: AtomicU64,
     durable: Arc<AtomicU64>,
     notify: Notify,
     /// Set when the subscription is dropped: store once more, then stop.
-    closed: std::sync::atomic::AtomicBool,
+    pub(crate) closed: std::sync::atomic::AtomicBool,
+    /// What `/metrics` reads of it.
+    pub(crate) lag: crate::metrics::subscriptions::Lag,
     /// A named subscription is held by one process at a time.
     lease: Option<Lease>,
     /// Set when the lease could not be renewed.
@@ -236,7 +238,7 @@ impl Reader {
             .map_err(db("read the subscription's cursor"))?;
         let pos = Position(row.get::<_, i64>(0) as u64);
         tracing::info!(subscription = name, cursor = %pos, epoch = lease.epoch, "subscription opened");
-        Ok(self.open(name, pos, Some(lease)))
+        Ok(self.open(name, name, pos, Some(lease)))
     }
 
     /// Like [`Reader::subscribe`], but while another process holds the
@@ -263,9 +265,20 @@ impl Reader {
 
     /// An ad-hoc subscription whose cursor lives only in this process.
     pub async fn subscribe_ephemeral(&self, start: Start) -> Result<Subscription, SubscribeError> {
+        self.subscribe_ephemeral_as("ephemeral", start).await
+    }
+
+    /// An ad-hoc subscription of `role` (what its lag is reported under in
+    /// the metrics: a stable name, where the subscription's own is not).
+    pub async fn subscribe_ephemeral_as(
+        &self,
+        role: &str,
+        start: Start,
+    ) -> Result<Subscription, SubscribeError> {
         let client = self.client().await.map_err(db("connect to postgres"))?;
         let pos = start_position(&client, start).await?;
-        Ok(self.open(&format!("ephemeral-{}", fastrand::u32(..)), pos, None))
+        let name = format!("ephemeral-{}", fastrand::u32(..));
+        Ok(self.open(&name, role, pos, None))
     }
 
     /// Refuses a name this process holds in a live subscription; waits
@@ -297,15 +310,25 @@ impl Reader {
         }
     }
 
-    fn open(&self, name: &str, pos: Position, lease: Option<Lease>) -> Subscription {
+    /// `label` is what the subscription's lag is reported under.
+    fn open(&self, name: &str, label: &str, pos: Position, lease: Option<Lease>) -> Subscription {
         let persisted = lease.is_some();
         let shared = Arc::new(Cursor {
             acked: AtomicU64::new(pos.0),
             durable: Arc::new(AtomicU64::new(pos.0)),
             notify: Notify::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
+            lag: crate::metrics::subscriptions::Lag {
+                label: label.to_string(),
+                ..Default::default()
+            },
             lease,
             lost: std::sync::atomic::AtomicBool::new(false),
+        });
+        crate::metrics::global();
+        crate::metrics::subscriptions::add(crate::metrics::subscriptions::Entry {
+            cursor: Arc::downgrade(&shared),
+            reader: Arc::downgrade(&self.inner),
         });
         if persisted {
             self.inner
@@ -482,6 +505,7 @@ impl Subscription {
     /// within 100 ms; [`Subscription::flush_acks`] stores it now.
     pub fn ack(&self, position: Position) {
         self.shared.acked.fetch_max(position.0, Ordering::AcqRel);
+        self.acked_delivered(position);
         if !self.persisted {
             self.shared.durable.fetch_max(position.0, Ordering::AcqRel);
         }
@@ -547,6 +571,7 @@ impl Subscription {
     /// Records that a cursor written with [`Subscription::ack_in`] committed.
     pub fn committed(&self, position: Position) {
         self.shared.acked.fetch_max(position.0, Ordering::AcqRel);
+        self.acked_delivered(position);
         self.shared.durable.fetch_max(position.0, Ordering::AcqRel);
     }
 
@@ -562,8 +587,13 @@ impl Subscription {
             if let Some(e) = self.buf.pop_front() {
                 self.cursor_pos = e.position;
                 self.delivered += 1;
-                if self.delivered % 256 == 1 || self.buf.is_empty() {
-                    self.report_lag(&e);
+                let lag = &self.shared.lag;
+                lag.seen.fetch_max(e.position.0, Ordering::Relaxed);
+                if lag.pending_since_ms.load(Ordering::Relaxed) == 0 {
+                    lag.pending_since_ms.store(
+                        crate::metrics::subscriptions::millis(e.recorded_at).max(1),
+                        Ordering::Relaxed,
+                    );
                 }
                 return Ok(e);
             }
@@ -751,20 +781,12 @@ impl Subscription {
         self.diverged = Some(err);
     }
 
-    fn report_lag(&self, e: &Event) {
-        let head = self.reader.head().0.max(self.fetched.0);
-        let acked = self.shared.acked.load(Ordering::Relaxed);
-        let seconds = SystemTime::now()
-            .duration_since(e.recorded_at)
-            .unwrap_or_default()
-            .as_secs_f64();
-        crate::metrics::global().set_subscription_lag(
-            &self.name,
-            crate::metrics::SubscriptionLag {
-                events: head.saturating_sub(acked),
-                seconds,
-            },
-        );
+    /// Nothing delivered awaits an ack once everything delivered is
+    /// acknowledged.
+    fn acked_delivered(&self, position: Position) {
+        if position >= self.cursor_pos {
+            self.shared.lag.pending_since_ms.store(0, Ordering::Relaxed);
+        }
     }
 }
 
@@ -772,6 +794,5 @@ impl Drop for Subscription {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.notify.notify_one();
-        crate::metrics::global().remove_subscription(&self.name);
     }
 }

@@ -85,8 +85,6 @@ mod tests {
         let before = crate::metrics::global().restarts("test-task");
         restarted("test-task", &"boom", Duration::from_millis(1));
         assert_eq!(crate::metrics::global().restarts("test-task"), before + 1);
-        assert!(crate::metrics::global()
-            .render()
-            .contains("strata_task_restarts_total{task=\"test-task\"}"));
+        assert!(crate::metrics::render().contains("strata_task_restarts_total{task=\"test-task\"}"));
     }
 }

@@ -28,17 +28,17 @@ impl Shared {
             .expect("bucket lock")
             .take(rate, rate.max(1.0))
         {
-            self.stats.refused_admission.fetch_add(1, Ordering::Relaxed);
+            self.stats.refused_rate.fetch_add(1, Ordering::Relaxed);
             return Err(pushback("too many new sessions per second", 1000));
         }
         let permit = self.streams.clone().try_acquire_owned().map_err(|_| {
-            self.stats.refused_admission.fetch_add(1, Ordering::Relaxed);
+            self.stats.refused_full.fetch_add(1, Ordering::Relaxed);
             pushback("this gateway holds its maximum of sessions", 5000)
         })?;
         let pending = self.pending_hellos.fetch_add(1, Ordering::AcqRel);
         if pending >= self.config.max_pending_hellos {
             self.pending_hellos.fetch_sub(1, Ordering::AcqRel);
-            self.stats.refused_admission.fetch_add(1, Ordering::Relaxed);
+            self.stats.refused_pending.fetch_add(1, Ordering::Relaxed);
             return Err(pushback("too many sessions waiting for their Hello", 1000));
         }
         Ok(permit)

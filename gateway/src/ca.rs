@@ -399,6 +399,25 @@ impl Ca {
     }
 }
 
+/// When the serving certificate of each server of the process expires, on
+/// `/metrics` (alert well before: renewal failed).
+fn serving_expiry() -> &'static events::metrics::prometheus::GaugeVec {
+    use events::metrics::prometheus::{GaugeVec, Opts};
+    static G: std::sync::OnceLock<GaugeVec> = std::sync::OnceLock::new();
+    G.get_or_init(|| {
+        let g = GaugeVec::new(
+            Opts::new(
+                "strata_serving_certificate_expiry_timestamp_seconds",
+                "When the certificate this server serves expires (Unix time); renewed once a third of its validity is left.",
+            ),
+            &["server"],
+        )
+        .expect("valid gauge");
+        events::metrics::register(Box::new(g.clone()));
+        g
+    })
+}
+
 /// Makes a new serving certificate (from the CA in `dir`, for `names`,
 /// valid `validity`) and hands it to `serve` whenever a third of the current
 /// one's validity is left, so it never expires while the server runs. A
@@ -412,6 +431,14 @@ pub async fn keep_renewed(
     serve: impl Fn(&str, &str) -> Result<(), String>,
 ) {
     let mut wait = validity * 2 / 3;
+    let expiry = serving_expiry().with_label_values(&[what]);
+    let expires = |from: std::time::SystemTime| {
+        (from + validity)
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    };
+    // The certificate served now was made when the server started.
+    expiry.set(expires(std::time::SystemTime::now()));
     loop {
         tokio::time::sleep(wait).await;
         let made = Ca::load(&dir)
@@ -420,6 +447,7 @@ pub async fn keep_renewed(
             .and_then(|(cert, key)| serve(&cert, &key));
         match made {
             Ok(()) => {
+                expiry.set(expires(std::time::SystemTime::now()));
                 tracing::info!(server = what, valid_for = %humantime::format_duration(validity), "serving certificate renewed");
                 wait = validity * 2 / 3;
             }

@@ -138,7 +138,7 @@ pub(crate) async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscriptio
 async fn resubscribe(shared: &Shared) -> Result<events::Subscription, String> {
     let sub = shared
         .reader
-        .subscribe_ephemeral(events::Start::Now)
+        .subscribe_ephemeral_as("gateway-dispatch", events::Start::Now)
         .await
         .map_err(|e| format!("subscribe to commands: {e}"))?;
     let client = shared
@@ -260,6 +260,12 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                     if let Some(tx) = tx {
                         if tx.try_send(Ok(to_message(&c))).is_ok() {
                             shared.stats.commands_dispatched.fetch_add(1, Ordering::Relaxed);
+                            crate::metrics::command_dispatch_seconds().observe(
+                                std::time::SystemTime::now()
+                                    .duration_since(e.recorded_at)
+                                    .unwrap_or_default()
+                                    .as_secs_f64(),
+                            );
                         } else {
                             shared.stats.command_drops.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(node = %c.node, command = %c.id, "the session's queue is full; the command is sent again when the node reconnects");

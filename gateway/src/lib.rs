@@ -10,6 +10,7 @@ pub mod grants;
 pub mod identity;
 pub mod join;
 pub mod listener;
+pub mod metrics;
 pub mod renewal;
 pub mod revocation;
 pub mod roles;

@@ -41,6 +41,8 @@ pub struct Limits {
 #[derive(Debug, Default)]
 pub struct ListenerStats {
     pub accepted: AtomicU64,
+    /// TLS handshakes completed.
+    pub handshakes: AtomicU64,
     pub handshake_failures: AtomicU64,
     pub handshake_timeouts: AtomicU64,
     /// Idle connections closed: past the idle timeout, or the longest idle
@@ -343,6 +345,7 @@ pub(crate) fn serve(
             tokio::spawn(async move {
                 match tokio::time::timeout(timeout, acceptor.accept(tracked)).await {
                     Ok(Ok(tls)) => {
+                        stats.handshakes.fetch_add(1, Ordering::Relaxed);
                         let _ = tx.send(Ok(tls)).await;
                     }
                     Ok(Err(e)) => {

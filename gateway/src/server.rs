@@ -82,6 +82,8 @@ pub async fn start(
         })?;
     let stats = Arc::new(GatewayStats::default());
     let listener_stats = Arc::new(crate::listener::ListenerStats::default());
+    crate::metrics::count_gateway(&stats);
+    crate::metrics::count_listener(&listener_stats);
     let conns = crate::listener::Conns::new(
         crate::listener::Limits {
             handshake_timeout: config.handshake_timeout,
@@ -129,7 +131,7 @@ pub async fn start(
     // Follow commands from now, then load the ones still open (an event seen
     // twice is applied once).
     let sub = reader
-        .subscribe_ephemeral(events::Start::Now)
+        .subscribe_ephemeral_as("gateway-commands", events::Start::Now)
         .await
         .map_err(|e| GatewayError::Commands(e.to_string()))?;
     {
@@ -164,6 +166,7 @@ pub async fn start(
         .layer(crate::listener::ActivityLayer {
             conns: conns.clone(),
         })
+        .layer(crate::metrics::RpcLayer)
         .add_service(join)
         .add_service(session)
         .add_service(api)

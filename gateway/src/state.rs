@@ -104,7 +104,12 @@ pub enum GatewayError {
 pub struct GatewayStats {
     pub sessions: AtomicU64,
     pub sessions_opened: AtomicU64,
-    pub refused_admission: AtomicU64,
+    /// Sessions refused: more new ones per second than allowed.
+    pub refused_rate: AtomicU64,
+    /// Sessions refused: the gateway held its maximum.
+    pub refused_full: AtomicU64,
+    /// Sessions refused: too many waiting for their Hello.
+    pub refused_pending: AtomicU64,
     pub refused_identity: AtomicU64,
     pub joins: AtomicU64,
     /// Joins refused: a bad token, an id taken or revoked, too many at once.

@@ -47,8 +47,62 @@ pub struct BinderStats {
     pub releases_issued: AtomicU64,
     pub activated: AtomicU64,
     pub bind_failures: AtomicU64,
+    /// Binds issued again after one went unanswered.
+    pub bind_retries: AtomicU64,
     /// Times the binder failed and started again.
     pub restarts: AtomicU64,
+}
+
+/// The binders' counters on `/metrics`.
+static FIELDS: &[events::metrics::Field<BinderStats>] = &[
+    events::stat_field!(
+        BinderStats,
+        "strata_binder_binds_total",
+        Counter,
+        "allocation.bind commands issued.",
+        binds_issued
+    ),
+    events::stat_field!(
+        BinderStats,
+        "strata_binder_releases_total",
+        Counter,
+        "allocation.release commands issued.",
+        releases_issued
+    ),
+    events::stat_field!(
+        BinderStats,
+        "strata_binder_activated_total",
+        Counter,
+        "Reservations made active once every node bound them.",
+        activated
+    ),
+    events::stat_field!(
+        BinderStats,
+        "strata_binder_bind_retries_total",
+        Counter,
+        "Binds issued again after one went unanswered.",
+        bind_retries
+    ),
+    events::stat_field!(
+        BinderStats,
+        "strata_binder_bind_failures_total",
+        Counter,
+        "Binds that expired unanswered or that a node refused.",
+        bind_failures
+    ),
+    events::stat_field!(
+        BinderStats,
+        "strata_binder_restarts_total",
+        Counter,
+        "Times the binder failed and started again.",
+        restarts
+    ),
+];
+
+fn binders() -> &'static events::metrics::Instances<BinderStats> {
+    static B: std::sync::OnceLock<events::metrics::Instances<BinderStats>> =
+        std::sync::OnceLock::new();
+    B.get_or_init(|| events::metrics::Instances::new(FIELDS))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +146,7 @@ impl Binder {
     ) -> Binder {
         let db = db.into();
         let stats = Arc::new(BinderStats::default());
+        binders().add(&stats);
         let (stop, rx) = oneshot::channel();
         let task = events::task::spawn(
             "binder",
@@ -275,6 +330,7 @@ impl State {
         }
         if outcome == commands::EXPIRED && n + 1 < BIND_ATTEMPTS {
             tracing::warn!(%reservation, %node, attempt = n + 1, "a bind went unanswered; trying again");
+            stats.bind_retries.fetch_add(1, Ordering::Relaxed);
             self.issue_bind(index, &reservation, &node, n + 1, appender, stats);
             return;
         }
@@ -375,7 +431,7 @@ async fn held(
     let client = events::db::connect(db, "binder").await?;
     let mut index = projector::build(&client, Index::new()).await?;
     let mut sub = reader
-        .subscribe_ephemeral(Start::After(events::Position(index.position())))
+        .subscribe_ephemeral_as("binder", Start::After(events::Position(index.position())))
         .await?;
     let mut state = State {
         binds: HashMap::new(),

@@ -120,82 +120,6 @@ pub struct StatsView {
 }
 
 impl Stats {
-    /// Renders the counters in the Prometheus text format, labelled with the
-    /// placer's holder name.
-    pub fn render(&self, holder: &str, out: &mut String) {
-        use std::fmt::Write;
-        let v = self.view();
-        let h = events::metrics::escape(holder);
-        let rows: [(&str, &str, &str, u64); 10] = [
-            (
-                "strata_placer_batches_total",
-                "counter",
-                "Batches committed.",
-                v.batches,
-            ),
-            (
-                "strata_placer_placed_total",
-                "counter",
-                "Reservations placed.",
-                v.placed,
-            ),
-            (
-                "strata_placer_queued_total",
-                "counter",
-                "Reservations queued for capacity.",
-                v.queued,
-            ),
-            (
-                "strata_placer_unschedulable_total",
-                "counter",
-                "Reservations that can never fit.",
-                v.unschedulable,
-            ),
-            (
-                "strata_placer_released_total",
-                "counter",
-                "Reservations released.",
-                v.released,
-            ),
-            (
-                "strata_placer_expired_total",
-                "counter",
-                "Reservations expired.",
-                v.expired,
-            ),
-            (
-                "strata_placer_failed_total",
-                "counter",
-                "Reservations ended because a node of theirs left, was revoked or was lost.",
-                v.failed,
-            ),
-            (
-                "strata_placer_conflicts_total",
-                "counter",
-                "Batches refused by the pool version fence and replanned.",
-                v.conflicts,
-            ),
-            (
-                "strata_placer_errors_total",
-                "counter",
-                "Batches that failed otherwise and were retried.",
-                v.errors,
-            ),
-            (
-                "strata_placer_pools_held",
-                "gauge",
-                "Pools whose lease this placer holds.",
-                v.pools_held,
-            ),
-        ];
-        for (name, kind, help, value) in rows {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{holder=\"{h}\"}} {value}"
-            );
-        }
-    }
-
     pub fn view(&self) -> StatsView {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         StatsView {
@@ -214,6 +138,109 @@ impl Stats {
             leases_lost: l(&self.leases_lost),
         }
     }
+}
+
+use events::metrics::{Field, Instances};
+
+/// The placers' counters on `/metrics`, summed over the placers of the
+/// process.
+static FIELDS: &[Field<Stats>] = &[
+    events::stat_field!(
+        Stats,
+        "strata_placer_batches_total",
+        Counter,
+        "Batches committed.",
+        batches
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_placed_total",
+        Counter,
+        "Reservations placed.",
+        placed
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_queued_total",
+        Counter,
+        "Reservations queued for capacity.",
+        queued
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_unschedulable_total",
+        Counter,
+        "Reservations that can never fit.",
+        unschedulable
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_released_total",
+        Counter,
+        "Reservations released.",
+        released
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_expired_total",
+        Counter,
+        "Reservations expired.",
+        expired
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_failed_total",
+        Counter,
+        "Reservations ended because a node of theirs left, was revoked or was lost.",
+        failed
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_conflicts_total",
+        Counter,
+        "Batches refused by the pool version fence and replanned.",
+        conflicts
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_errors_total",
+        Counter,
+        "Batches that failed otherwise and were retried.",
+        errors
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_leases_acquired_total",
+        Counter,
+        "Pool leases taken.",
+        leases_acquired
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_leases_lost_total",
+        Counter,
+        "Pool leases lost to another placer or to expiry.",
+        leases_lost
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_pools_held",
+        Gauge,
+        "Pools whose lease this process's placer holds.",
+        pools_held
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_position",
+        Gauge,
+        "Position of the log the placer's index has applied.",
+        position
+    ),
+];
+
+fn placers() -> &'static Instances<Stats> {
+    static P: std::sync::OnceLock<Instances<Stats>> = std::sync::OnceLock::new();
+    P.get_or_init(|| Instances::new(FIELDS))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -244,12 +271,7 @@ impl Placer {
     ) -> Placer {
         let db = db.into();
         let stats = Arc::new(Stats::default());
-        let (weak, holder) = (Arc::downgrade(&stats), config.holder.clone());
-        events::metrics::global().register(Arc::new(move |out: &mut String| {
-            if let Some(s) = weak.upgrade() {
-                s.render(&holder, out);
-            }
-        }));
+        placers().add(&stats);
         let (stop, stop_rx) = oneshot::channel();
         let task = events::task::spawn(
             "placer",

@@ -126,7 +126,7 @@ impl Projector {
             0 => Start::Beginning,
             p => Start::After(Position(p)),
         };
-        let sub = reader.subscribe_ephemeral(start).await?;
+        let sub = reader.subscribe_ephemeral_as("projector", start).await?;
         let at = index.position();
         Ok(Projector {
             index,

@@ -5,6 +5,7 @@
 //! be delivered and delivers it again on request.
 
 pub mod config;
+mod metrics;
 pub mod nats;
 pub mod parked;
 pub mod runner;

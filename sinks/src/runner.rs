@@ -82,6 +82,7 @@ impl Sinks {
         let db = db.into();
         let http = webhook::client(config.webhook_ca.as_deref())?;
         let stats = Arc::new(SinkStats::default());
+        crate::metrics::count(&stats);
         let (stop, rx) = oneshot::channel();
         let task = events::task::spawn("sinks", run(db, reader, config, http, stats.clone(), rx));
         Ok(Sinks {
@@ -293,6 +294,7 @@ async fn worker(
             .filter(|e| cfg.filter.matches(e))
             .collect();
         if !matching.is_empty() {
+            let began = std::time::Instant::now();
             let delivered = match &out {
                 Out::Webhook { url, secret } => {
                     let b = body(&cfg.name, &matching);
@@ -326,7 +328,14 @@ async fn worker(
                 }
             };
             match delivered {
-                Ok(_) => {
+                Ok(attempts) => {
+                    crate::metrics::batch(
+                        &cfg.name,
+                        true,
+                        matching.len(),
+                        attempts,
+                        began.elapsed(),
+                    );
                     parked_in_a_row = 0;
                     stats
                         .delivered
@@ -342,6 +351,13 @@ async fn worker(
                         tracing::error!(sink = %cfg.name, error = %e, "could not park a batch; it will be retried");
                         return;
                     }
+                    crate::metrics::batch(
+                        &cfg.name,
+                        false,
+                        matching.len(),
+                        attempts,
+                        began.elapsed(),
+                    );
                     stats
                         .parked
                         .fetch_add(matching.len() as u64, Ordering::Relaxed);

@@ -58,10 +58,6 @@ impl Drop for Server {
     }
 }
 
-fn serve(url: &str, port: u16, ca: &Path, log: &Path) -> Server {
-    serve_with(url, port, ca, log, &[])
-}
-
 /// `strata serve --roles audit` on `port`, once it accepts connections.
 fn serve_with(url: &str, port: u16, ca: &Path, log: &Path, extra: &[&str]) -> Server {
     let listen = format!("127.0.0.1:{port}");
@@ -150,7 +146,15 @@ fn serve_audit_with_psql_passwords_certificates_and_revocation() {
         .unwrap()
         .port();
     let log = dir.path().join("audit.log");
-    let _server = serve(&url, port, &ca, &log);
+    let metrics_at = format!(
+        "127.0.0.1:{}",
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    );
+    let _server = serve_with(&url, port, &ca, &log, &["--metrics-listen", &metrics_at]);
     let tls = format!(
         "host=127.0.0.1 port={port} dbname=audit sslmode=verify-full sslrootcert={}",
         ca.join("ca.pem").display()
@@ -234,6 +238,17 @@ fn serve_audit_with_psql_passwords_certificates_and_revocation() {
     );
     assert!(!okay);
     assert!(err.contains("is revoked"), "{err}");
+    // The endpoint's metrics pass Prometheus' linter and count the above.
+    let text = super::scrape_and_lint(
+        &metrics_at,
+        &[
+            "strata_audit_sessions 0",
+            "strata_audit_logins_total 3",
+            "strata_audit_statements_total",
+            "strata_audit_logins_refused_total 2",
+        ],
+    );
+    assert!(!text.contains("strata_subscription_lag"), "{text}");
     let err = fails(&["ca", "revoke", "--serial", "xyz", "--database-url", &url]);
     assert!(err.contains("not 1 to 20 bytes of hex"), "{err}");
     let err = fails(&["ca", "revoke", "--database-url", &url]);

@@ -385,6 +385,30 @@ fn every_role_survives_a_postgres_crash_restart() {
         dir.path(),
         active("before"),
     );
+    // Every role's metrics pass Prometheus' linter, with stable labels.
+    let text = super::scrape_and_lint(
+        &metrics_at,
+        &[
+            "strata_append_events_total",
+            "strata_subscription_lag_events{subscription=\"projector\"}",
+            "strata_subscription_lag_seconds",
+            "strata_placer_placed_total 1",
+            "strata_placer_pools_held 1",
+            "strata_binder_binds_total 1",
+            "strata_binder_activated_total 1",
+            "strata_gateway_sessions 1",
+            "strata_gateway_handshakes_total{result=\"ok\"}",
+            "strata_gateway_refused_total{reason=\"identity\"}",
+            "strata_gateway_rpcs_total{code=\"Ok\",method=\"Join\",service=\"strata.node.v1.Join\"}",
+            "strata_gateway_command_dispatch_seconds_count",
+            "strata_sink_workers 0",
+            "strata_replication_lag_bytes",
+            "strata_slot_retained_wal_bytes{slot=\"all_roles\"}",
+            "strata_slot_active{slot=\"all_roles\"} 1",
+            "strata_serving_certificate_expiry_timestamp_seconds{server=\"gateway\"}",
+        ],
+    );
+    assert!(!text.contains("holder="), "{text}");
 
     // PostgreSQL crashes (every server process ends at once) and stays
     // away for a while: the roles say so in their log and metrics and keep

@@ -1,6 +1,7 @@
 //! The `strata` binary end to end: real processes against a private Postgres.
 
 mod audit;
+mod deploy;
 mod doctor;
 mod gateway;
 mod placement;
@@ -756,6 +757,8 @@ fn spans_and_metrics_are_exported_over_otlp_when_an_endpoint_is_set() {
             "OTEL_EXPORTER_OTLP_ENDPOINT",
             format!("http://127.0.0.1:{port}"),
         )
+        .env("OTEL_SERVICE_NAME", "strata-eu-1")
+        .env("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
         .output()
         .unwrap();
     assert!(
@@ -769,15 +772,24 @@ fn spans_and_metrics_are_exported_over_otlp_when_an_endpoint_is_set() {
         "spans received: {spans:?}"
     );
     let services = received.services.lock().unwrap().clone();
+    // OTEL_SERVICE_NAME is honoured (it used to be always `strata`).
     assert!(
-        services.iter().any(|s| s.contains("strata")),
+        services.iter().any(|s| s.contains("strata-eu-1")),
         "{services:?}"
     );
+    // The same registry as /metrics: counters, gauges and histograms.
     let metrics = received.metrics.lock().unwrap().clone();
-    assert!(
-        metrics.iter().any(|m| m == "strata.append.events"),
-        "metrics received: {metrics:?}"
-    );
+    for name in [
+        "strata.append.events",
+        "strata.append.duration.seconds.count",
+        "strata.append.duration.seconds.sum",
+        "strata.replication.lag.bytes",
+    ] {
+        assert!(
+            metrics.iter().any(|m| m == name),
+            "{name} not among the metrics received: {metrics:?}"
+        );
+    }
 }
 
 /// `strata nodes list | head` and the like: the reader is gone before the
@@ -813,4 +825,76 @@ fn a_closed_pipe_ends_a_listing_quietly() {
         );
         assert!(stderr.is_empty(), "strata {args:?}: {stderr}");
     }
+}
+
+/// An HTTP GET on a process's operations endpoint: the status code and
+/// the body.
+fn http_get(at: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(at).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {at}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let code = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (code, body.to_string())
+}
+
+/// Scrapes `/metrics` at `at` once `/readyz` says ready, checks the text
+/// with Prometheus' own linter (`promtool check metrics`, Debian's
+/// `prometheus` package) and that every family in `families` is there.
+/// Returns the text.
+fn scrape_and_lint(at: &str, families: &[&str]) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, body) = http_get(at, "/readyz");
+        if code == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "/readyz stayed {code}: {body}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(http_get(at, "/healthz").0, 200);
+    let (code, text) = http_get(at, "/metrics");
+    assert_eq!(code, 200, "{text}");
+    let mut lint = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian's prometheus package) runs");
+    {
+        use std::io::Write;
+        lint.stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+    }
+    let out = lint.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for f in families {
+        assert!(
+            text.lines().any(|l| l.starts_with(f)),
+            "{f} missing from:\n{text}"
+        );
+    }
+    // No label value made up by a process: they would change at every
+    // restart.
+    assert!(!text.contains("ephemeral-"), "{text}");
+    text
 }

@@ -472,10 +472,10 @@ async fn admission_refusals_carry_pushback_and_daemons_wait() {
         third.pushback_wait_ms.load(Ordering::Relaxed) >= 2500,
         "{third:?}"
     );
-    let refused = gw.stats.refused_admission.load(Ordering::Relaxed);
+    let refused = gw.stats.refused_full.load(Ordering::Relaxed);
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
-        gw.stats.refused_admission.load(Ordering::Relaxed),
+        gw.stats.refused_full.load(Ordering::Relaxed),
         refused,
         "no retry storm while pushed back"
     );

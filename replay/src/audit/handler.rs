@@ -48,66 +48,69 @@ pub struct Stats {
     pub transactions_expired: AtomicU64,
 }
 
-impl Stats {
-    fn render(&self, out: &mut String) {
-        use std::fmt::Write;
-        for (name, help, kind, v) in [
-            (
-                "strata_audit_sessions",
-                "auditor sessions open",
-                "gauge",
-                &self.sessions,
-            ),
-            (
-                "strata_audit_logins_total",
-                "auditors logged in",
-                "counter",
-                &self.logins,
-            ),
-            (
-                "strata_audit_logins_refused_total",
-                "logins refused (password, certificate, revoked)",
-                "counter",
-                &self.logins_refused,
-            ),
-            (
-                "strata_audit_statements_total",
-                "auditor statements run (each recorded first)",
-                "counter",
-                &self.statements,
-            ),
-            (
-                "strata_audit_statement_errors_total",
-                "auditor statements PostgreSQL refused or failed",
-                "counter",
-                &self.statement_errors,
-            ),
-            (
-                "strata_audit_cancels_total",
-                "cancel requests passed on to PostgreSQL",
-                "counter",
-                &self.cancels,
-            ),
-            (
-                "strata_audit_transactions_expired_total",
-                "auditor transactions ended at the endpoint's maximum age",
-                "counter",
-                &self.transactions_expired,
-            ),
-            (
-                "strata_audit_unrecorded_total",
-                "statements not run because recording them failed",
-                "counter",
-                &self.unrecorded,
-            ),
-        ] {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}",
-                v.load(Ordering::Relaxed)
-            );
-        }
-    }
+/// The endpoint's counters on `/metrics`.
+static FIELDS: &[events::metrics::Field<Stats>] = &[
+    events::stat_field!(
+        Stats,
+        "strata_audit_sessions",
+        Gauge,
+        "Auditor sessions open.",
+        sessions
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_audit_logins_total",
+        Counter,
+        "Auditors logged in.",
+        logins
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_audit_logins_refused_total",
+        Counter,
+        "Logins refused (password, certificate, revoked).",
+        logins_refused
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_audit_statements_total",
+        Counter,
+        "Auditor statements run (each recorded first).",
+        statements
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_audit_statement_errors_total",
+        Counter,
+        "Auditor statements PostgreSQL refused or failed.",
+        statement_errors
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_audit_cancels_total",
+        Counter,
+        "Cancel requests passed on to PostgreSQL.",
+        cancels
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_audit_transactions_expired_total",
+        Counter,
+        "Auditor transactions ended at the endpoint's maximum age.",
+        transactions_expired
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_audit_unrecorded_total",
+        Counter,
+        "Statements not run because recording them failed.",
+        unrecorded
+    ),
+];
+
+fn endpoints() -> &'static events::metrics::Instances<Stats> {
+    static E: std::sync::OnceLock<events::metrics::Instances<Stats>> = std::sync::OnceLock::new();
+    E.get_or_init(|| events::metrics::Instances::new(FIELDS))
 }
 
 /// What every connection shares.
@@ -147,12 +150,7 @@ impl Shared {
         tls: bool,
     ) -> Result<Arc<Shared>, AuditError> {
         let stats = Arc::new(Stats::default());
-        let weak = Arc::downgrade(&stats);
-        events::metrics::global().register(Arc::new(move |out: &mut String| {
-            if let Some(s) = weak.upgrade() {
-                s.render(out);
-            }
-        }));
+        endpoints().add(&stats);
         let shared = Shared {
             stats,
             database: config.database.clone(),

@@ -1,0 +1,439 @@
+//! The gateway's metrics on `/metrics`: its counters summed over the
+//! gateways of the process ([`events::metrics::Instances`]), every RPC by
+//! service, method and status code ([`RpcLayer`]), and how long commands
+//! take from the log to a node's session.
+
+use crate::listener::ListenerStats;
+use crate::state::GatewayStats;
+use events::metrics::{Field, Instances};
+use prometheus::{Histogram, IntCounterVec};
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use events::metrics::prometheus;
+
+const REFUSED: &str = "Sessions, joins and messages refused, by reason.";
+
+static GATEWAY: &[Field<GatewayStats>] = &[
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_sessions",
+        Gauge,
+        "Node sessions held.",
+        &[],
+        sessions
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_sessions_opened_total",
+        Counter,
+        "Node sessions opened.",
+        &[],
+        sessions_opened
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_refused_total",
+        Counter,
+        REFUSED,
+        &[("reason", "rate")],
+        refused_rate
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_refused_total",
+        Counter,
+        REFUSED,
+        &[("reason", "full")],
+        refused_full
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_refused_total",
+        Counter,
+        REFUSED,
+        &[("reason", "pending_hellos")],
+        refused_pending
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_refused_total",
+        Counter,
+        REFUSED,
+        &[("reason", "identity")],
+        refused_identity
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_refused_total",
+        Counter,
+        REFUSED,
+        &[("reason", "join")],
+        refused_joins
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_refused_total",
+        Counter,
+        REFUSED,
+        &[("reason", "message_rate")],
+        refused_messages
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_joins_total",
+        Counter,
+        "Nodes joined with a token.",
+        &[],
+        joins
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_write_batches_total",
+        Counter,
+        "Batches of node events written to the log.",
+        &[],
+        batches
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_events_written_total",
+        Counter,
+        "Node events written to the log.",
+        &[],
+        events_written
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_fenced_total",
+        Counter,
+        "Node events refused by a session's fence (a newer session of the node).",
+        &[],
+        fenced
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_write_errors_total",
+        Counter,
+        "Batches of node events that failed to be written.",
+        &[],
+        write_errors
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_write_retries_total",
+        Counter,
+        "Batches of node events written again after a transient failure.",
+        &[],
+        write_retries
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_health_coalesced_total",
+        Counter,
+        "Health reports not written: repeats, and clears of a flapping condition held back.",
+        &[],
+        health_coalesced
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_commands_dispatched_total",
+        Counter,
+        "Commands sent to nodes' sessions.",
+        &[],
+        commands_dispatched
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_commands_finished_total",
+        Counter,
+        "Commands whose outcome a node reported.",
+        &[],
+        commands_finished
+    ),
+    events::stat_field!(
+        GatewayStats,
+        "strata_gateway_command_drops_total",
+        Counter,
+        "Commands that could not be queued to a live session (sent again on reconnect).",
+        &[],
+        command_drops
+    ),
+];
+
+const HANDSHAKES: &str = "TLS handshakes, by result.";
+
+static LISTENER: &[Field<ListenerStats>] = &[
+    events::stat_field!(
+        ListenerStats,
+        "strata_gateway_connections_accepted_total",
+        Counter,
+        "TCP connections accepted.",
+        &[],
+        accepted
+    ),
+    events::stat_field!(
+        ListenerStats,
+        "strata_gateway_handshakes_total",
+        Counter,
+        HANDSHAKES,
+        &[("result", "ok")],
+        handshakes
+    ),
+    events::stat_field!(
+        ListenerStats,
+        "strata_gateway_handshakes_total",
+        Counter,
+        HANDSHAKES,
+        &[("result", "failed")],
+        handshake_failures
+    ),
+    events::stat_field!(
+        ListenerStats,
+        "strata_gateway_handshakes_total",
+        Counter,
+        HANDSHAKES,
+        &[("result", "timed_out")],
+        handshake_timeouts
+    ),
+    events::stat_field!(
+        ListenerStats,
+        "strata_gateway_idle_closed_total",
+        Counter,
+        "Idle connections closed (past the idle timeout, or the longest idle when too many were).",
+        &[],
+        idle_closed
+    ),
+    events::stat_field!(
+        ListenerStats,
+        "strata_gateway_out_of_descriptors_total",
+        Counter,
+        "Accepts that failed for want of a file descriptor.",
+        &[],
+        out_of_descriptors
+    ),
+];
+
+/// Counts `stats` into `/metrics` while it lives.
+pub(crate) fn count_gateway(stats: &Arc<GatewayStats>) {
+    static G: OnceLock<Instances<GatewayStats>> = OnceLock::new();
+    G.get_or_init(|| Instances::new(GATEWAY)).add(stats);
+}
+
+/// Counts `stats` into `/metrics` while it lives.
+pub(crate) fn count_listener(stats: &Arc<ListenerStats>) {
+    static L: OnceLock<Instances<ListenerStats>> = OnceLock::new();
+    L.get_or_init(|| Instances::new(LISTENER)).add(stats);
+}
+
+fn rpcs() -> &'static IntCounterVec {
+    static R: OnceLock<IntCounterVec> = OnceLock::new();
+    R.get_or_init(|| {
+        events::metrics::counter_vec(
+            "strata_gateway_rpcs_total",
+            "RPCs answered, by service, method and gRPC status code (a stream counts when it ends).",
+            &["service", "method", "code"],
+        )
+    })
+}
+
+fn rpc_seconds() -> &'static prometheus::HistogramVec {
+    static R: OnceLock<prometheus::HistogramVec> = OnceLock::new();
+    R.get_or_init(|| {
+        events::metrics::histogram_vec(
+            "strata_gateway_rpc_duration_seconds",
+            "Time to answer unary RPCs (streams are not timed), by service and method.",
+            &["service", "method"],
+            &[
+                0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0,
+            ],
+        )
+    })
+}
+
+/// Time from a command's event to its sending on the node's session.
+pub(crate) fn command_dispatch_seconds() -> &'static Histogram {
+    static H: OnceLock<Histogram> = OnceLock::new();
+    H.get_or_init(|| {
+        events::metrics::histogram(
+            "strata_gateway_command_dispatch_seconds",
+            "Time from a command's event being recorded to its sending on the node's session.",
+            events::metrics::SECONDS_BUCKETS,
+        )
+    })
+}
+
+/// The services of this gateway: a method outside them is not a label.
+const SERVICES: &[&str] = &[
+    "strata.node.v1.Join",
+    "strata.node.v1.Session",
+    "strata.api.v1.Api",
+];
+
+/// Splits `/pkg.Service/Method` into bounded label values: a path that is
+/// not one of this gateway's services is `other`.
+fn labels(path: &str) -> (&'static str, String) {
+    let mut parts = path.trim_start_matches('/').splitn(2, '/');
+    let (service, method) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    match SERVICES.iter().find(|s| **s == service) {
+        Some(s)
+            if !method.is_empty()
+                && method.len() <= 64
+                && method.bytes().all(|b| b.is_ascii_alphanumeric()) =>
+        {
+            (s, method.to_string())
+        }
+        _ => ("other", "other".to_string()),
+    }
+}
+
+fn code_name(code: i32) -> String {
+    format!("{:?}", tonic::Code::from_i32(code))
+}
+
+/// One RPC, counted once when its response ends (or is dropped unfinished:
+/// `Cancelled`).
+struct Rpc {
+    service: &'static str,
+    method: String,
+    started: Instant,
+    /// A unary call is timed.
+    unary: bool,
+    code: Option<i32>,
+}
+
+impl Drop for Rpc {
+    fn drop(&mut self) {
+        // An UNIMPLEMENTED method is not a label value: any client could
+        // make up as many as it liked.
+        let method = match self.code {
+            Some(12) => "other",
+            _ => self.method.as_str(),
+        };
+        let code = code_name(self.code.unwrap_or(1));
+        rpcs()
+            .with_label_values(&[self.service, method, &code])
+            .inc();
+        if self.unary && self.code.is_some() {
+            rpc_seconds()
+                .with_label_values(&[self.service, method])
+                .observe(self.started.elapsed().as_secs_f64());
+        }
+    }
+}
+
+fn grpc_status(headers: &http::HeaderMap) -> Option<i32> {
+    headers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Counts every RPC by service, method and code.
+#[derive(Clone, Default)]
+pub(crate) struct RpcLayer;
+
+impl<S> tower_layer::Layer<S> for RpcLayer {
+    type Service = RpcService<S>;
+    fn layer(&self, inner: S) -> RpcService<S> {
+        RpcService { inner }
+    }
+}
+
+#[derive(Clone)]
+pub(crate) struct RpcService<S> {
+    inner: S,
+}
+
+/// The streaming methods (not timed).
+const STREAMS: &[&str] = &["Open", "Subscribe"];
+
+impl<S, B> tower_service::Service<http::Request<B>> for RpcService<S>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = futures_util::future::BoxFuture<'static, Result<Self::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let (service, method) = labels(req.uri().path());
+        let unary = !STREAMS.contains(&method.as_str());
+        let mut rpc = Rpc {
+            service,
+            method,
+            started: Instant::now(),
+            unary,
+            code: None,
+        };
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let resp = fut.await?;
+            // A trailers-only answer (an error) carries its status here.
+            if let Some(code) = grpc_status(resp.headers()) {
+                rpc.code = Some(code);
+            }
+            Ok(resp.map(|body| tonic::body::Body::new(RpcBody { body, rpc })))
+        })
+    }
+}
+
+/// A response body that reads the status from the trailers.
+struct RpcBody {
+    body: tonic::body::Body,
+    rpc: Rpc,
+}
+
+impl http_body::Body for RpcBody {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            if let Some(code) = frame.trailers_ref().and_then(grpc_status) {
+                this.rpc.code = Some(code);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_this_gateways_methods_are_label_values() {
+        assert_eq!(
+            labels("/strata.api.v1.Api/Reserve"),
+            ("strata.api.v1.Api", "Reserve".to_string())
+        );
+        assert_eq!(labels("/evil.Svc/Whatever"), ("other", "other".to_string()));
+        assert_eq!(
+            labels("/strata.api.v1.Api/a\"b"),
+            ("other", "other".to_string())
+        );
+        assert_eq!(code_name(0), "Ok");
+        assert_eq!(code_name(5), "NotFound");
+    }
+}
