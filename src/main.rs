@@ -220,6 +220,20 @@ pub enum GrantsCmd {
         #[arg(long, value_delimiter = ',')]
         types: Vec<String>,
     },
+    /// List every caller's grant
+    List {
+        #[command(flatten)]
+        db: Db,
+        /// One JSON object per line
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a caller's grant: its Subscribe streams get nothing more (exit code 6 if it had none)
+    Remove {
+        #[command(flatten)]
+        db: Db,
+        caller: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -404,6 +418,21 @@ pub enum TokensCmd {
         /// Node ids it admits, `*` standing for any characters: gpu-rack7-*, or '*' for any id not taken
         #[arg(long)]
         nodes: Option<String>,
+    },
+    /// List join tokens (their ids, never the tokens): pool, what they admit, valid, used or expired
+    List {
+        #[command(flatten)]
+        db: Db,
+        /// One JSON object per line
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke an unspent token by its id (from `tokens create` or `tokens list`): joins with it are refused from now on
+    Revoke {
+        #[command(flatten)]
+        db: Db,
+        /// 16 hex digits
+        id: String,
     },
 }
 
@@ -1052,12 +1081,7 @@ fn main() -> ExitCode {
                 nodes::audit_verify(&db, &month).await
             }
             Command::Audit(AuditCmd::Users(c)) => nodes::audit_users(c).await,
-            Command::Grants(crate::GrantsCmd::Set {
-                db,
-                caller,
-                prefixes,
-                types,
-            }) => nodes::grant(&db, &caller, prefixes, types).await,
+            Command::Grants(c) => nodes::grants(c).await,
             Command::Roles(c) => nodes::roles(c).await,
         }
     });

@@ -225,10 +225,99 @@ pub async fn tokens(cmd: TokensCmd) -> Result<ExitCode> {
                 (None, None) => String::new(),
             };
             eprintln!(
-                "a one-time token for pool {pool}{only}, valid for {}; it is not shown again:",
-                humantime::format_duration(ttl)
+                "a one-time token for pool {pool}{only}, valid for {} (id {}, for `strata tokens revoke`); it is not shown again:",
+                humantime::format_duration(ttl),
+                gateway::identity::token_id(&token)
             );
             println!("{token}");
+        }
+        TokensCmd::List { db, json } => {
+            let client = connect(&db).await?;
+            let tokens = gateway::identity::list_tokens(&client).await?;
+            if json {
+                for t in &tokens {
+                    println!("{}", serde_json::to_string(t)?);
+                }
+            } else {
+                println!(
+                    "{:<16}  {:<16}  {:<16}  {:<7}  {:<20}  USED BY",
+                    "ID", "POOL", "ADMITS", "STATE", "EXPIRES"
+                );
+                for t in &tokens {
+                    println!(
+                        "{:<16}  {:<16}  {:<16}  {:<7}  {:<20}  {}",
+                        t.id,
+                        t.pool,
+                        t.admits.as_deref().unwrap_or("*"),
+                        t.state,
+                        t.expires_at,
+                        t.used_by.as_deref().unwrap_or("-")
+                    );
+                }
+            }
+        }
+        TokensCmd::Revoke { db, id } => {
+            let client = connect(&db).await?;
+            use gateway::identity::TokenRevoked;
+            match gateway::identity::revoke_token(&client, &id).await? {
+                TokenRevoked::Revoked => println!("revoked token {id}: joins with it are refused"),
+                TokenRevoked::AlreadyUnusable => {
+                    println!("token {id} was already spent or expired; nothing to do")
+                }
+                TokenRevoked::NotFound => {
+                    return Err(crate::exit::not_found(format!(
+                        "no join token with id {id} (see `strata tokens list`)"
+                    )))
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn grants(cmd: crate::GrantsCmd) -> Result<ExitCode> {
+    match cmd {
+        crate::GrantsCmd::Set {
+            db,
+            caller,
+            prefixes,
+            types,
+        } => return grant(&db, &caller, prefixes, types).await,
+        crate::GrantsCmd::List { db, json } => {
+            let client = connect(&db).await?;
+            let grants = gateway::grants::list(&client).await?;
+            if json {
+                for (caller, g) in &grants {
+                    println!(
+                        "{}",
+                        serde_json::json!({"caller": caller, "stream_prefixes": g.stream_prefixes, "types": g.types})
+                    );
+                }
+            } else {
+                println!("{:<24}  {:<40}  TYPES", "CALLER", "STREAM PREFIXES");
+                for (caller, g) in &grants {
+                    let types = if g.types.is_empty() {
+                        "all".to_string()
+                    } else {
+                        g.types.join(",")
+                    };
+                    println!("{caller:<24}  {:<40}  {types}", g.stream_prefixes.join(","));
+                }
+            }
+        }
+        crate::GrantsCmd::Remove { db, caller } => {
+            let client = connect(&db).await?;
+            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            if gateway::grants::remove(&appender, &client, &caller)
+                .await
+                .map_err(anyhow::Error::msg)?
+            {
+                println!("removed {caller}'s grant");
+            } else {
+                return Err(crate::exit::not_found(format!(
+                    "{caller} has no grant (see `strata grants list`)"
+                )));
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -831,7 +920,7 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn grant(
+async fn grant(
     db: &crate::Db,
     caller: &str,
     prefixes: Vec<String>,

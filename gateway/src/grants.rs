@@ -83,6 +83,60 @@ pub async fn set(appender: &Appender, caller: &str, grant: &Grant) -> Result<(),
         .map(|_| ())
 }
 
+/// Removes the caller's grant (a `grant.revoked` event): its Subscribe
+/// streams get nothing more. `false` when it had none.
+pub async fn remove(
+    appender: &Appender,
+    client: &tokio_postgres::Client,
+    caller: &str,
+) -> Result<bool, String> {
+    let row = client
+        .opt(
+            "SELECT version, type FROM strata.events WHERE stream = $1 ORDER BY version DESC LIMIT 1",
+            &[&grant_stream(caller)],
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let Some(row) = row else { return Ok(false) };
+    let (version, kind): (i64, &str) = (row.get(0), row.get(1));
+    if kind != "grant.set" {
+        return Ok(false);
+    }
+    // At the version read: a grant set meanwhile is not removed unseen.
+    appender
+        .append(
+            &grant_stream(caller),
+            ExpectedVersion::Exact(version as u64),
+            vec![NewEvent::new("grant.revoked", &serde_json::json!({}))],
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(true)
+}
+
+/// Every caller's current grant, by caller.
+pub async fn list(
+    client: &tokio_postgres::Client,
+) -> Result<Vec<(String, Grant)>, tokio_postgres::Error> {
+    // A range on the (stream, version) index: '0' follows '/'.
+    let rows = client
+        .rows(
+            "SELECT DISTINCT ON (stream) stream, type, payload::text FROM strata.events
+              WHERE stream >= 'grant/' AND stream < 'grant0'
+              ORDER BY stream, version DESC",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .filter(|r| r.get::<_, &str>(1) == "grant.set")
+        .filter_map(|r| {
+            let caller = r.get::<_, &str>(0).trim_start_matches("grant/").to_string();
+            serde_json::from_str(r.get(2)).ok().map(|g| (caller, g))
+        })
+        .collect())
+}
+
 /// The caller's current grant, if any.
 pub async fn get(
     client: &tokio_postgres::Client,

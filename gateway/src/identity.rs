@@ -119,6 +119,93 @@ async fn insert_token(
     Ok(token)
 }
 
+/// A join token as `strata tokens list` shows it (never the token itself).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TokenInfo {
+    /// The first 16 hex digits of the token's SHA-256: what `strata tokens
+    /// revoke` takes (`strata tokens create` prints it).
+    pub id: String,
+    pub pool: String,
+    /// The node id or pattern it admits.
+    pub admits: Option<String>,
+    pub created_at: String,
+    pub expires_at: String,
+    /// `valid`, `used` or `expired` (a revoked token expired when revoked).
+    pub state: String,
+    pub used_by: Option<String>,
+}
+
+/// The id `strata tokens list` and `revoke` name a token by.
+pub fn token_id(token: &str) -> String {
+    events::hex(&digest(token)[..8])
+}
+
+/// Every join token, newest first.
+pub async fn list_tokens(client: &Client) -> Result<Vec<TokenInfo>, IdentityError> {
+    let rows = client
+        .rows(
+            "SELECT encode(substr(hash, 1, 8), 'hex'), pool, node,
+                    to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
+                    to_char(expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
+                    CASE WHEN used_at IS NOT NULL THEN 'used'
+                         WHEN expires_at <= now() THEN 'expired' ELSE 'valid' END,
+                    used_by
+               FROM strata.join_tokens ORDER BY created_at DESC, hash",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| TokenInfo {
+            id: r.get(0),
+            pool: r.get(1),
+            admits: r.get(2),
+            created_at: r.get(3),
+            expires_at: r.get(4),
+            state: r.get(5),
+            used_by: r.get(6),
+        })
+        .collect())
+}
+
+/// What revoking a token did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum TokenRevoked {
+    /// It could have been used until now; from now on it is refused.
+    Revoked,
+    /// It was spent or expired already: nothing to do.
+    AlreadyUnusable,
+    NotFound,
+}
+
+/// Makes the unspent token `id` (see [`token_id`]) expire now, so every
+/// gateway refuses it at its next join (the join reads the table in its
+/// transaction).
+pub async fn revoke_token(client: &Client, id: &str) -> Result<TokenRevoked, IdentityError> {
+    if id.len() != 16 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(IdentityError::Invalid(format!(
+            "token id {id:?}: 16 hex digits, as `strata tokens list` shows them"
+        )));
+    }
+    let row = client
+        .opt(
+            "WITH t AS (SELECT hash, used_at IS NULL AND expires_at > now() AS usable
+                          FROM strata.join_tokens
+                         WHERE substr(hash, 1, 8) = decode($1, 'hex') FOR UPDATE),
+                  u AS (UPDATE strata.join_tokens j SET expires_at = now()
+                          FROM t WHERE j.hash = t.hash AND t.usable RETURNING 1)
+             SELECT (SELECT count(*) FROM u) > 0, (SELECT count(*) FROM t) > 0",
+            &[&id.to_ascii_lowercase()],
+        )
+        .await?;
+    let (revoked, found) = row.map_or((false, false), |r| (r.get(0), r.get(1)));
+    Ok(match (revoked, found) {
+        (true, _) => TokenRevoked::Revoked,
+        (false, true) => TokenRevoked::AlreadyUnusable,
+        (false, false) => TokenRevoked::NotFound,
+    })
+}
+
 /// Joins `node` with `token`: checks the token and the node's id first,
 /// then signs (`sign`, only once both are good), spends the token and
 /// records the certificate, in one transaction with the

@@ -480,3 +480,100 @@ fn every_role_survives_a_postgres_crash_restart() {
     assert_eq!(inv["violations"], serde_json::json!([]), "{inv}");
     assert!(inv["placements"].as_u64().unwrap() >= 3, "{inv}");
 }
+
+/// `strata tokens list|revoke` and `strata grants list|remove`, for scripts
+/// as for people.
+#[test]
+fn tokens_and_grants_are_listed_and_taken_back() {
+    let url = database();
+    ok(&["pool", "create", "p", "--database-url", &url]);
+    let out = super::strata(&[
+        "tokens",
+        "create",
+        "--pool",
+        "p",
+        "--nodes",
+        "gpu-*",
+        "--database-url",
+        &url,
+    ]);
+    assert!(out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    let id = said
+        .split("(id ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap_or_else(|| panic!("{said}"))
+        .to_string();
+    let token = String::from_utf8(out.stdout).unwrap();
+    let listed = ok(&["tokens", "list", "--json", "--database-url", &url]);
+    let rows = super::lines(&listed);
+    assert_eq!(rows.len(), 1, "{listed}");
+    assert_eq!(rows[0]["id"], id.as_str());
+    assert_eq!(rows[0]["state"], "valid");
+    assert_eq!(rows[0]["admits"], "gpu-*");
+    assert!(
+        !listed.contains(token.trim()),
+        "the token itself is never shown"
+    );
+    let out = ok(&["tokens", "revoke", &id, "--database-url", &url]);
+    assert!(out.contains("revoked"), "{out}");
+    let table = ok(&["tokens", "list", "--database-url", &url]);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with(&id) && l.contains("expired")),
+        "{table}"
+    );
+    let out = ok(&["tokens", "revoke", &id, "--database-url", &url]);
+    assert!(out.contains("nothing to do"), "{out}");
+    let out = super::strata(&[
+        "tokens",
+        "revoke",
+        "00000000000000aa",
+        "--database-url",
+        &url,
+    ]);
+    assert_eq!(out.status.code(), Some(6), "not found");
+    let out = super::strata(&["tokens", "revoke", "nope", "--database-url", &url]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("16 hex digits"));
+
+    ok(&[
+        "grants",
+        "set",
+        "alice",
+        "--prefixes",
+        "pool/,reservation/",
+        "--database-url",
+        &url,
+    ]);
+    ok(&[
+        "grants",
+        "set",
+        "bob",
+        "--prefixes",
+        "sink/",
+        "--types",
+        "sink.created",
+        "--database-url",
+        &url,
+    ]);
+    let rows = super::lines(&ok(&["grants", "list", "--json", "--database-url", &url]));
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(rows[0]["caller"], "alice");
+    assert_eq!(
+        rows[0]["stream_prefixes"],
+        serde_json::json!(["pool/", "reservation/"])
+    );
+    assert_eq!(rows[1]["types"], serde_json::json!(["sink.created"]));
+    ok(&["grants", "remove", "alice", "--database-url", &url]);
+    let table = ok(&["grants", "list", "--database-url", &url]);
+    assert!(!table.contains("alice") && table.contains("bob"), "{table}");
+    let out = super::strata(&["grants", "remove", "alice", "--database-url", &url]);
+    assert_eq!(
+        out.status.code(),
+        Some(6),
+        "a grant removed twice is not found"
+    );
+}

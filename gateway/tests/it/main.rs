@@ -2011,6 +2011,39 @@ async fn a_join_token_cannot_take_an_existing_or_revoked_node_id() {
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
     assert!(err.message().contains("matching \"rack7-*\""), "{err:?}");
     join_as(r, &gw, &rack, "rack7-1").await.unwrap();
+    // A token revoked before it is used admits nobody; one spent cannot be
+    // revoked, nor one unknown.
+    let leaked = r.token().await;
+    let id = identity::token_id(&leaked);
+    assert_eq!(
+        identity::revoke_token(&r.client, &id).await.unwrap(),
+        identity::TokenRevoked::Revoked
+    );
+    let err = join_as(r, &gw, &leaked, "leak-1").await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(
+        err.message().contains("unknown, already used or expired"),
+        "{err:?}"
+    );
+    assert_eq!(certificates("leak-1").await, 0);
+    assert_eq!(
+        identity::revoke_token(&r.client, &identity::token_id(&rack))
+            .await
+            .unwrap(),
+        identity::TokenRevoked::AlreadyUnusable
+    );
+    assert_eq!(
+        identity::revoke_token(&r.client, "00000000000000ff")
+            .await
+            .unwrap(),
+        identity::TokenRevoked::NotFound
+    );
+    let listed = identity::list_tokens(&r.client).await.unwrap();
+    let row = listed.iter().find(|t| t.id == id).expect("listed");
+    assert_eq!(row.state, "expired");
+    assert!(listed
+        .iter()
+        .any(|t| t.admits.as_deref() == Some("rack7-*") && t.state == "used"));
     // Revoked: a fresh pool token does not bring alpha back; one made for
     // alpha does.
     let mut admin = events::db::connect(&r.cfg, "admin").await.unwrap();
