@@ -425,8 +425,18 @@ pub(crate) mod subscriptions {
         OPEN.get_or_init(Mutex::default)
     }
 
+    /// An entry whose subscription is still open.
+    fn live(e: &Entry) -> bool {
+        e.cursor
+            .upgrade()
+            .is_some_and(|c| !c.closed.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     pub(crate) fn add(e: Entry) {
-        open().lock().expect("subscriptions lock").push(e);
+        let mut open = open().lock().expect("subscriptions lock");
+        // Pruned here too, so a process nobody scrapes keeps only the open.
+        open.retain(live);
+        open.push(e);
     }
 
     pub(crate) fn millis(t: SystemTime) -> u64 {
@@ -440,11 +450,7 @@ pub(crate) mod subscriptions {
         let now = millis(SystemTime::now());
         let mut out: BTreeMap<String, (u64, f64)> = BTreeMap::new();
         let mut open = open().lock().expect("subscriptions lock");
-        open.retain(|e| {
-            e.cursor
-                .upgrade()
-                .is_some_and(|c| !c.closed.load(std::sync::atomic::Ordering::Relaxed))
-        });
+        open.retain(live);
         for e in open.iter() {
             let Some(cursor) = e.cursor.upgrade() else {
                 continue;
@@ -474,19 +480,51 @@ pub(crate) mod subscriptions {
         out
     }
 
+    /// Both lag families from one reading of the subscriptions.
+    struct Lags {
+        events: Desc,
+        seconds: Desc,
+    }
+
+    impl Collector for Lags {
+        fn desc(&self) -> Vec<&Desc> {
+            vec![&self.events, &self.seconds]
+        }
+
+        fn collect(&self) -> Vec<MetricFamily> {
+            let lags = lags();
+            let labels = ["subscription".to_string()];
+            let of = |d: &Desc, v: &dyn Fn(&(u64, f64)) -> f64| {
+                let samples = lags.iter().map(|(k, l)| (vec![k.clone()], v(l))).collect();
+                family(&d.fq_name, &d.help, MetricType::GAUGE, &labels, samples)
+            };
+            vec![
+                of(&self.events, &|l| l.0 as f64),
+                of(&self.seconds, &|l| l.1),
+            ]
+        }
+    }
+
     pub(super) fn register() {
-        gauge_fn(
-            "strata_subscription_lag_events",
-            "Events committed but not yet acknowledged, per subscription (ephemeral ones by role, the largest).",
-            &["subscription"],
-            || lags().into_iter().map(|(k, (n, _))| (vec![k], n as f64)).collect(),
-        );
-        gauge_fn(
-            "strata_subscription_lag_seconds",
-            "Age of the oldest event delivered and not yet acknowledged, per subscription (ephemeral ones by role, the largest); 0 when caught up.",
-            &["subscription"],
-            || lags().into_iter().map(|(k, (_, s))| (vec![k], s)).collect(),
-        );
+        let desc = |name: &str, help: &str| {
+            Desc::new(
+                name.to_string(),
+                help.to_string(),
+                vec!["subscription".to_string()],
+                Default::default(),
+            )
+            .expect("valid metric name")
+        };
+        super::register(Box::new(Lags {
+            events: desc(
+                "strata_subscription_lag_events",
+                "Events committed but not yet acknowledged, per subscription (ephemeral ones by role, the largest).",
+            ),
+            seconds: desc(
+                "strata_subscription_lag_seconds",
+                "Age of the oldest event delivered and not yet acknowledged, per subscription (ephemeral ones by role, the largest); 0 when caught up.",
+            ),
+        }));
     }
 }
 

@@ -118,23 +118,7 @@ pub async fn remove(
 pub async fn list(
     client: &tokio_postgres::Client,
 ) -> Result<Vec<(String, Grant)>, tokio_postgres::Error> {
-    // A range on the (stream, version) index: '0' follows '/'.
-    let rows = client
-        .rows(
-            "SELECT DISTINCT ON (stream) stream, type, payload::text FROM strata.events
-              WHERE stream >= 'grant/' AND stream < 'grant0'
-              ORDER BY stream, version DESC",
-            &[],
-        )
-        .await?;
-    Ok(rows
-        .iter()
-        .filter(|r| r.get::<_, &str>(1) == "grant.set")
-        .filter_map(|r| {
-            let caller = r.get::<_, &str>(0).trim_start_matches("grant/").to_string();
-            serde_json::from_str(r.get(2)).ok().map(|g| (caller, g))
-        })
-        .collect())
+    crate::latest::all(client, "grant/", "grant.set").await
 }
 
 /// The caller's current grant, if any.
@@ -142,18 +126,7 @@ pub async fn get(
     client: &tokio_postgres::Client,
     caller: &str,
 ) -> Result<Option<Grant>, tokio_postgres::Error> {
-    let row = client
-        .opt(
-            "SELECT type, payload::text FROM strata.events WHERE stream = $1 ORDER BY version DESC LIMIT 1",
-            &[&grant_stream(caller)],
-        )
-        .await?;
-    Ok(row.and_then(|r| {
-        let t: &str = r.get(0);
-        (t == "grant.set")
-            .then(|| serde_json::from_str(r.get(1)).ok())
-            .flatten()
-    }))
+    crate::latest::current(client, &grant_stream(caller), "grant.set").await
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod dispatch;
 pub mod grants;
 pub mod identity;
 pub mod join;
+pub mod latest;
 pub mod listener;
 pub mod metrics;
 pub mod renewal;

@@ -12,7 +12,6 @@
 //! Releasing a reservation takes its owner (the operator who asked for it)
 //! or an admin.
 
-use events::db::Sql;
 use events::{AppendError, Appender, ExpectedVersion, NewEvent};
 use serde::{Deserialize, Serialize};
 
@@ -145,40 +144,14 @@ pub async fn get(
     client: &tokio_postgres::Client,
     operator: &str,
 ) -> Result<Option<Assignment>, tokio_postgres::Error> {
-    let row = client
-        .opt(
-            "SELECT type, payload::text FROM strata.events WHERE stream = $1
-              ORDER BY version DESC LIMIT 1",
-            &[&role_stream(operator)],
-        )
-        .await?;
-    Ok(row.and_then(|r| {
-        let t: &str = r.get(0);
-        (t == "role.set")
-            .then(|| serde_json::from_str(r.get(1)).ok())
-            .flatten()
-    }))
+    crate::latest::current(client, &role_stream(operator), "role.set").await
 }
 
 /// Every operator with a role, by name.
 pub async fn list(
     client: &tokio_postgres::Client,
 ) -> Result<Vec<(String, Assignment)>, tokio_postgres::Error> {
-    let rows = client
-        .rows(
-            "SELECT DISTINCT ON (stream) stream, type, payload::text FROM strata.events
-              WHERE stream LIKE 'role/%' ORDER BY stream, version DESC",
-            &[],
-        )
-        .await?;
-    Ok(rows
-        .iter()
-        .filter(|r| r.get::<_, &str>(1) == "role.set")
-        .filter_map(|r| {
-            let name = r.get::<_, &str>(0).strip_prefix("role/")?.to_string();
-            Some((name, serde_json::from_str(r.get(2)).ok()?))
-        })
-        .collect())
+    crate::latest::all(client, "role/", "role.set").await
 }
 
 #[cfg(test)]
