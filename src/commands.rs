@@ -476,22 +476,6 @@ pub async fn slots(cmd: SlotsCmd) -> Result<ExitCode> {
 /// Migrates, keeps partitions ahead, runs the replication reader and serves
 /// metrics until Ctrl-C.
 pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
-    for r in &args.roles {
-        if ![
-            "maintenance",
-            "placer",
-            "gateway",
-            "binder",
-            "sinks",
-            "audit",
-        ]
-        .contains(&r.as_str())
-        {
-            bail!(
-                "unknown role {r:?}; this build runs: maintenance, placer, gateway, binder, sinks, audit"
-            );
-        }
-    }
     let cfg = config(&args.db)?;
     let mut client = connect_long(&args.db).await?;
     schema::migrate(&mut client).await.context("migrate")?;
@@ -526,7 +510,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
             }
         });
     }
-    let slot = args.slot.clone().unwrap_or_else(default_slot);
+    let slot = slot_name(args.slot.as_deref());
     if slot.is_empty()
         || slot.len() > 63
         || !slot
@@ -902,9 +886,22 @@ pub fn hostname() -> Option<String> {
 
 /// `strata_<host>` in the characters a slot name allows.
 pub fn default_slot() -> String {
+    format!("strata_{}", host_token())
+}
+
+/// `--slot` with `{host}` read as this host's name in slot characters, so
+/// one configuration file serves every host: `strata_{host}_control`.
+pub fn slot_name(given: Option<&str>) -> String {
+    match given {
+        Some(s) => s.replace("{host}", &host_token()),
+        None => default_slot(),
+    }
+}
+
+/// The host name in the characters a slot name may hold.
+fn host_token() -> String {
     let host = hostname().unwrap_or_else(|| "local".into());
-    let clean: String = host
-        .chars()
+    host.chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() {
                 c.to_ascii_lowercase()
@@ -913,6 +910,5 @@ pub fn default_slot() -> String {
             }
         })
         .take(40)
-        .collect();
-    format!("strata_{clean}")
+        .collect()
 }

@@ -13,6 +13,7 @@ macro_rules! println {
 }
 
 mod commands;
+mod config;
 mod dev;
 mod exit;
 mod nodes;
@@ -131,6 +132,21 @@ enum Command {
     /// Verify sealed history; manage the auditors of the audit endpoint
     #[command(subcommand)]
     Audit(AuditCmd),
+    /// Configuration files for `serve --config`
+    #[command(subcommand)]
+    Config(ConfigCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ConfigCmd {
+    /// Validate a configuration file as `serve --config FILE` reads it (with the STRATA_* variables set now), and print every setting with its value and where it came from (file, env, default); exits 2 on an unknown key or a bad value, naming both
+    Check {
+        /// The TOML file
+        file: PathBuf,
+        /// Print one JSON object: {"ok": true, "file": ..., "settings": {name: {"value": ..., "source": "file"|"env"|"default"}}}
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -809,16 +825,19 @@ pub struct DevArgs {
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
+    /// A TOML file with any of these flags as keys (`roles = ["placer", "binder"]`, `metrics_listen = "0.0.0.0:9464"`, `lease_ttl = "5s"`); a flag given here or a STRATA_* variable set wins over the file. Check one with `strata config check`
+    #[arg(long, env = "STRATA_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
     #[command(flatten)]
     pub db: Db,
     /// Roles to run, comma-separated. maintenance: partitions ahead, seals of closed months and checkpoints of the open one; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks; audit: the Postgres-protocol endpoint for auditors
-    #[arg(long, value_delimiter = ',', default_value = "maintenance")]
+    #[arg(long, value_delimiter = ',', default_value = "maintenance", value_parser = clap::builder::PossibleValuesParser::new(config::ROLES))]
     pub roles: Vec<String>,
     /// Serve Prometheus metrics at this address
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
-    /// Name of this process's replication slot (default strata_<host>; give each process on a host its own)
-    #[arg(long)]
+    /// Name of this process's replication slot (default strata_<host>; give each process on a host its own). `{host}` stands for the host's name, so one file serves every host: strata_{host}_gateway
+    #[arg(long, env = "STRATA_SLOT")]
     pub slot: Option<String>,
     /// placer: most reservations planned in one batch
     #[arg(long, default_value_t = 1024)]
@@ -1030,7 +1049,14 @@ pub enum SlotsCmd {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match config::expand(std::env::args_os().collect()).and_then(config::Expanded::parse)
+    {
+        Ok(cli) => cli,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let long_running = matches!(
         cli.command,
         Command::Dev(_) | Command::Serve(_) | Command::Node(_) | Command::Fleet(_)
@@ -1083,6 +1109,13 @@ fn main() -> ExitCode {
             Command::Audit(AuditCmd::Users(c)) => nodes::audit_users(c).await,
             Command::Grants(c) => nodes::grants(c).await,
             Command::Roles(c) => nodes::roles(c).await,
+            Command::Config(ConfigCmd::Check { file, json }) => match config::check(&file, json) {
+                Ok(code) => Ok(code),
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    Ok(ExitCode::from(2))
+                }
+            },
         }
     });
     drop(telemetry);

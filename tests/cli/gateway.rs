@@ -6,7 +6,7 @@ use super::{database, ok, spawn};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -42,7 +42,7 @@ fn slot(gateway: &str) -> String {
     format!("gw_{}", gateway.replace('-', "_"))
 }
 
-fn query(url: &str, sql: &str) -> Vec<Vec<String>> {
+pub(crate) fn query(url: &str, sql: &str) -> Vec<Vec<String>> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -252,7 +252,7 @@ fn restarts(at: &str) -> f64 {
 }
 
 /// A child process killed when dropped, so a failed test leaves none behind.
-struct Killed(Child);
+pub(crate) struct Killed(pub(crate) Child);
 
 impl Drop for Killed {
     fn drop(&mut self) {
