@@ -60,7 +60,7 @@ pub async fn migrate(args: &crate::MigrateArgs) -> Result<ExitCode> {
             .await
             .context("plan the migrations")?;
         let waits = plan.pending.iter().any(|p| !p.blocked_by.is_empty());
-        if args.json {
+        if args.json || crate::exit::json() {
             println!("{}", serde_json::to_string(&plan)?);
         } else {
             print_plan(&plan);
@@ -222,6 +222,14 @@ pub async fn partitions(cmd: PartitionsCmd) -> Result<ExitCode> {
             let parts = schema::partitions::list(&client)
                 .await
                 .context("list partitions")?;
+            if crate::exit::json() {
+                for p in &parts {
+                    crate::exit::print_json(&serde_json::json!({
+                        "partition": p.name, "rows": p.rows, "bytes": p.bytes, "bounds": p.bounds,
+                    }));
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             println!("{:<18} {:>12} {:>12}  BOUNDS", "PARTITION", "ROWS", "SIZE");
             for p in parts {
                 println!(
@@ -265,6 +273,13 @@ fn parse_expect(s: &str) -> Result<ExpectedVersion> {
 
 pub async fn events(cmd: EventsCmd) -> Result<ExitCode> {
     match cmd {
+        EventsCmd::Types { json, markdown } => return crate::catalog::types(json, markdown),
+        EventsCmd::Check {
+            db,
+            after,
+            allow_unknown,
+            json,
+        } => return crate::catalog::check(&db, after, allow_unknown, json).await,
         EventsCmd::Append {
             db,
             stream,
@@ -403,7 +418,7 @@ pub async fn doctor(db: &Db, json: bool, stale_after: Duration) -> Result<ExitCo
         .context("examine the database")?;
     let count = |s: Status| findings.iter().filter(|f| f.status == s).count();
     let (problems, warnings) = (count(Status::Problem), count(Status::Warning));
-    if json {
+    if json || crate::exit::json() {
         println!(
             "{}",
             serde_json::json!({
@@ -441,6 +456,23 @@ pub async fn slots(cmd: SlotsCmd) -> Result<ExitCode> {
             let slots = events::slots::list(&client, stale_after)
                 .await
                 .context("list replication slots")?;
+            if crate::exit::json() {
+                for s in &slots {
+                    crate::exit::print_json(&serde_json::json!({
+                        "slot": s.name,
+                        "plugin": s.plugin,
+                        "active": s.active,
+                        "temporary": s.temporary,
+                        "owner": s.owner,
+                        "owner_seen_seconds": s.owner_seen_secs,
+                        "lag_bytes": s.lag_bytes,
+                        "retained_bytes": s.retained_bytes,
+                        "wal_status": s.wal_status,
+                        "stale": s.stale,
+                    }));
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             println!(
                 "{:<28} {:<7} {:<34} {:>10} {:>12} {:>12} {:<10}",
                 "SLOT", "ACTIVE", "OWNER", "SEEN", "LAG", "RETAINED", "WAL"

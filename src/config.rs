@@ -297,7 +297,7 @@ pub fn check(path: &Path, json: bool) -> anyhow::Result<std::process::ExitCode> 
             source,
         });
     }
-    if json {
+    if json || crate::exit::json() {
         let obj: BTreeMap<_, _> = settings
             .iter()
             .map(|s| {

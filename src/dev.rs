@@ -326,7 +326,7 @@ async fn demo_writer(appender: Appender, rate: u32, appended: Arc<AtomicU64>) {
             n += 1;
             let stream = format!("demo/{i}");
             let expected = versions[i].map_or(ExpectedVersion::Any, ExpectedVersion::Exact);
-            let ev = NewEvent::new("demo.tick", &serde_json::json!({"n": n, "writer": i}));
+            let ev = NewEvent::new("demo.ticked", &serde_json::json!({"n": n, "writer": i}));
             match appender.append(&stream, expected, vec![ev]).await {
                 Ok(out) => {
                     versions[i] = Some(out.version);

@@ -55,6 +55,27 @@ pub fn of(e: &anyhow::Error) -> ExitCode {
 }
 
 static ONE_SHOT: AtomicBool = AtomicBool::new(false);
+static JSON: AtomicBool = AtomicBool::new(false);
+
+/// `--output json`: lists print one JSON object per line, shows one object.
+pub fn set_json(yes: bool) {
+    JSON.store(yes, Ordering::Relaxed);
+}
+
+/// Whether this run prints JSON (`--output json`, or a command's `--json`).
+pub fn json() -> bool {
+    JSON.load(Ordering::Relaxed)
+}
+
+/// Prints `value` as one line of JSON.
+pub fn print_json(value: &serde_json::Value) {
+    print_line(format_args!("{value}"));
+}
+
+/// A time as RFC 3339 (seconds), for JSON.
+pub fn time(t: std::time::SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
 
 /// Whether this run is a one-shot command (not `serve`, `dev`, `node`,
 /// `fleet`): one whose stdout closing ends it.

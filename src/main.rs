@@ -12,6 +12,7 @@ macro_rules! println {
     };
 }
 
+mod catalog;
 mod commands;
 mod config;
 mod dev;
@@ -35,8 +36,17 @@ use std::process::ExitCode;
 #[derive(Parser, Debug)]
 #[command(name = "strata", version, propagate_version = true, after_help = exit::HELP)]
 pub struct Cli {
+    /// How list and show commands print: text (tables for people) or json (one JSON object per line for lists, one object for a show)
+    #[arg(long, global = true, value_enum, default_value_t = Output::Text, env = "STRATA_OUTPUT")]
+    output: Output,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    Text,
+    Json,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -268,9 +278,12 @@ pub enum SinksCmd {
         /// NATS JetStream: the server's URL (nats://host:port)
         #[arg(long, requires = "subject_prefix")]
         nats: Option<String>,
-        /// NATS: subjects are PREFIX.<stream with '/' as '.'>.<type>
+        /// NATS: subjects are PREFIX.<stream's segments>.<noun>.<verb>, e.g. PREFIX.pool.p1.reservation.placed (a '.', '*', '>', '%' or space inside a token is written %XX)
         #[arg(long)]
         subject_prefix: Option<String>,
+        /// NATS: create the JetStream stream for PREFIX.> when none stores it (named after the prefix); without it, a missing stream is an error here rather than parked batches later
+        #[arg(long, requires = "nats")]
+        create_stream: bool,
         /// Only these event types (comma-separated; default all)
         #[arg(long, value_delimiter = ',')]
         types: Vec<String>,
@@ -286,6 +299,12 @@ pub enum SinksCmd {
         /// Attempts before a batch is parked
         #[arg(long, default_value_t = 8)]
         attempts: u32,
+        /// The first wait between attempts; each later one doubles, up to --retry-cap, and is drawn between half and all of that (default 500ms: with 8 attempts a batch is retried for 45 s to 90 s)
+        #[arg(long, value_parser = humantime::parse_duration)]
+        retry_base: Option<std::time::Duration>,
+        /// The longest wait between attempts (default 30s)
+        #[arg(long, value_parser = humantime::parse_duration)]
+        retry_cap: Option<std::time::Duration>,
     },
     /// List sinks with their state and lag
     List {
@@ -304,7 +323,7 @@ pub enum SinksCmd {
         db: Db,
         name: String,
     },
-    /// Remove a sink
+    /// Remove a sink; deleting a deleted sink does nothing (exit 0), and its name can be used again by `create`
     Delete {
         #[command(flatten)]
         db: Db,
@@ -987,6 +1006,29 @@ pub enum PartitionsCmd {
 
 #[derive(Subcommand, Debug)]
 pub enum EventsCmd {
+    /// The event reference: every event type Strata writes, its stream and its payload's fields (docs/events.md is `--markdown`)
+    Types {
+        /// One JSON object per type: {type, stream, written_by, about, formerly, fields: [{name, type, optional, about}]}
+        #[arg(long, conflicts_with = "markdown")]
+        json: bool,
+        /// The reference page in Markdown
+        #[arg(long)]
+        markdown: bool,
+    },
+    /// Check the stored log against the event reference: every event's type is known, it is on the stream its type goes to, and its payload has the fields its type declares, of their types. Exits 1 on a problem
+    Check {
+        #[command(flatten)]
+        db: Db,
+        /// Only events after this position
+        #[arg(long, default_value_t = 0)]
+        after: i64,
+        /// Types the reference does not know (appended with `events append`, say) are counted, not a problem
+        #[arg(long)]
+        allow_unknown: bool,
+        /// One JSON object: {ok, checked, types: {type: n}, unknown_types: {type: n}, problems: [{position, problem}]}
+        #[arg(long)]
+        json: bool,
+    },
     /// Append one event to a stream
     Append {
         #[command(flatten)]
@@ -1062,6 +1104,7 @@ fn main() -> ExitCode {
         Command::Dev(_) | Command::Serve(_) | Command::Node(_) | Command::Fleet(_)
     );
     exit::one_shot(!long_running);
+    exit::set_json(cli.output == Output::Json);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -60,6 +60,19 @@ pub async fn ca(cmd: CaCmd) -> Result<ExitCode> {
         CaCmd::Revoked { db } => {
             let client = connect(&db).await?;
             let list = gateway::revocation::list(&client).await?;
+            if crate::exit::json() {
+                for r in &list {
+                    crate::exit::print_json(&serde_json::json!({
+                        "serial": r.serial,
+                        "kind": r.kind,
+                        "name": r.name,
+                        "not_after": r.not_after.map(crate::exit::time),
+                        "reason": r.reason,
+                        "revoked_at": crate::exit::time(r.revoked_at),
+                    }));
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             if list.is_empty() {
                 println!("no certificates are revoked");
             }
@@ -179,6 +192,17 @@ pub async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
         AuditUsersCmd::List { db } => {
             let client = connect(&db).await?;
             let list = ::replay::audit::accounts::list(&client).await?;
+            if crate::exit::json() {
+                for a in &list {
+                    crate::exit::print_json(&serde_json::json!({
+                        "name": a.name,
+                        "password": a.has_password,
+                        "created_at": crate::exit::time(a.created_at),
+                        "revoked_at": a.revoked_at.map(crate::exit::time),
+                    }));
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             println!("{:<24} {:<9} {:<20} REVOKED", "NAME", "PASSWORD", "CREATED");
             for a in list {
                 println!(
@@ -234,7 +258,7 @@ pub async fn tokens(cmd: TokensCmd) -> Result<ExitCode> {
         TokensCmd::List { db, json } => {
             let client = connect(&db).await?;
             let tokens = gateway::identity::list_tokens(&client).await?;
-            if json {
+            if json || crate::exit::json() {
                 for t in &tokens {
                     println!("{}", serde_json::to_string(t)?);
                 }
@@ -286,7 +310,7 @@ pub async fn grants(cmd: crate::GrantsCmd) -> Result<ExitCode> {
         crate::GrantsCmd::List { db, json } => {
             let client = connect(&db).await?;
             let grants = gateway::grants::list(&client).await?;
-            if json {
+            if json || crate::exit::json() {
                 for (caller, g) in &grants {
                     println!(
                         "{}",
@@ -334,6 +358,19 @@ pub async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
                     &[],
                 )
                 .await?;
+            if crate::exit::json() {
+                for r in &rows {
+                    crate::exit::print_json(&serde_json::json!({
+                        "node": r.get::<_, String>(0),
+                        "pool": r.get::<_, String>(1),
+                        "serial": r.get::<_, String>(2),
+                        "issued_at": r.get::<_, String>(3),
+                        "not_after": r.get::<_, String>(4),
+                        "revoked_at": r.get::<_, Option<String>>(5),
+                    }));
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             println!(
                 "{:<24} {:<16} {:<34} {:<12}",
                 "NODE", "POOL", "SERIAL", "STATE"
@@ -435,7 +472,7 @@ async fn standing(target: NodeTarget, change: Change) -> Result<()> {
             "the condition no longer keeps its GPUs out of placement".to_string(),
         ),
     };
-    if target.json {
+    if target.json || crate::exit::json() {
         println!(
             "{}",
             serde_json::json!({ "node": node, "pool": pool, "change": what, "operator": who })
@@ -540,11 +577,18 @@ pub async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
         }
         CommandsCmd::List { db, node, limit } => {
             let client = connect(&db).await?;
+            let list = commands::list(&client, node.as_deref(), limit).await?;
+            if crate::exit::json() {
+                for t in &list {
+                    crate::exit::print_json(&serde_json::to_value(t)?);
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             println!(
                 "{:<40} {:<20} {:<20} {:<10} DETAIL",
                 "ID", "NODE", "KIND", "STATE"
             );
-            for t in commands::list(&client, node.as_deref(), limit).await? {
+            for t in list {
                 print_command(&t);
             }
         }
@@ -567,7 +611,11 @@ pub async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
                 .iter()
                 .find(|t| t.command.id == id)
                 .context("command not found")?;
-            println!("{}", serde_json::to_string_pretty(t)?);
+            if crate::exit::json() {
+                crate::exit::print_json(&serde_json::to_value(t)?);
+            } else {
+                println!("{}", serde_json::to_string_pretty(t)?);
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -729,9 +777,15 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
     let change = |db: &crate::Db, name: String, t: &'static str| {
         let db = db.clone();
         async move {
+            let client = connect(&db).await?;
             let appender = Appender::start(config(&db)?, AppenderConfig::default());
-            config::change(&appender, &name, t).await?;
-            anyhow::Ok(name)
+            match config::apply(&client, &appender, &name, t).await {
+                Ok(changed) => anyhow::Ok((name, changed)),
+                Err(config::SinkError::NotFound(n)) => {
+                    Err(crate::exit::not_found(format!("sink {n:?} does not exist")))
+                }
+                Err(e) => Err(e.into()),
+            }
         }
     };
     match cmd {
@@ -747,6 +801,9 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
             from,
             batch,
             attempts,
+            create_stream,
+            retry_base,
+            retry_cap,
         } => {
             let target = match (webhook, nats) {
                 (Some(url), None) => Target::Webhook {
@@ -766,18 +823,43 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 start: from,
                 batch_max: batch,
                 max_attempts: attempts,
+                retry: (retry_base.is_some() || retry_cap.is_some()).then(|| {
+                    let d = config::Retry::default();
+                    config::Retry {
+                        base_ms: retry_base.map_or(d.base_ms, |b| b.as_millis() as u64),
+                        cap_ms: retry_cap.map_or(d.cap_ms, |c| c.as_millis() as u64),
+                    }
+                }),
             };
-            let appender = Appender::start(config(&db)?, AppenderConfig::default());
-            config::create(&appender, &c).await?;
+            c.validate().map_err(anyhow::Error::msg)?;
+            if let Target::Nats {
+                url,
+                subject_prefix,
+            } = &c.target
+            {
+                let (stream, created) =
+                    sinks::nats::ensure_stream(url, subject_prefix, create_stream)
+                        .await
+                        .map_err(anyhow::Error::msg)?;
+                if created {
+                    eprintln!("created the JetStream stream {stream} for {subject_prefix}.>");
+                } else {
+                    eprintln!("JetStream stream {stream} stores {subject_prefix}.>");
+                }
+            }
+            let mut client = connect(&db).await?;
+            config::create_in(&mut client, &c).await?;
             println!("created sink {name}; processes running `serve --roles sinks` deliver it");
         }
         SinksCmd::List { db } => {
             let client = connect(&db).await?;
             let head = events::read::head(&client).await?.0 as i64;
-            println!(
-                "{:<20} {:<8} {:>12} {:>10} {:>8}  TARGET",
-                "SINK", "STATE", "LAG EVENTS", "LAG S", "PARKED"
-            );
+            if !crate::exit::json() {
+                println!(
+                    "{:<20} {:<8} {:>12} {:>10} {:>8}  TARGET",
+                    "SINK", "STATE", "LAG EVENTS", "LAG S", "PARKED"
+                );
+            }
             for s in config::list(&client).await? {
                 let cursor: Option<i64> = client
                     .opt(
@@ -812,6 +894,19 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                     Some(_) => Some(0.0),
                     None => None,
                 };
+                if crate::exit::json() {
+                    crate::exit::print_json(&serde_json::json!({
+                        "name": s.config.name,
+                        "paused": s.paused,
+                        "cursor": cursor,
+                        "lag_events": cursor.map(|c| (head - c).max(0)),
+                        "lag_seconds": lag_s,
+                        "parked": parked,
+                        "target": url,
+                        "config": s.config,
+                    }));
+                    continue;
+                }
                 println!(
                     "{:<20} {:<8} {:>12} {:>10} {:>8}  {url}",
                     s.config.name,
@@ -822,15 +917,18 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 );
             }
         }
-        SinksCmd::Pause { db, name } => {
-            println!("paused {}", change(&db, name, "sink.paused").await?)
-        }
-        SinksCmd::Resume { db, name } => {
-            println!("resumed {}", change(&db, name, "sink.resumed").await?)
-        }
-        SinksCmd::Delete { db, name } => {
-            println!("deleted {}", change(&db, name, "sink.deleted").await?)
-        }
+        SinksCmd::Pause { db, name } => match change(&db, name, "sink.paused").await? {
+            (name, true) => println!("paused {name}"),
+            (name, false) => println!("{name} was paused already"),
+        },
+        SinksCmd::Resume { db, name } => match change(&db, name, "sink.resumed").await? {
+            (name, true) => println!("resumed {name}"),
+            (name, false) => println!("{name} was not paused"),
+        },
+        SinksCmd::Delete { db, name } => match change(&db, name, "sink.deleted").await? {
+            (name, true) => println!("deleted {name}"),
+            (name, false) => println!("{name} was deleted already"),
+        },
         SinksCmd::Show { db, name } => {
             let client = connect(&db).await?;
             let s = config::list(&client)
@@ -841,16 +939,18 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
             let head = events::read::head(&client).await?.0;
             let cursor = config::cursor(&client, &name).await?;
             let parked = sinks::parked::list(&client, &name).await?.len();
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&serde_json::json!({
+            let shown = serde_json::json!({
                     "config": s.config,
                     "paused": s.paused,
                     "cursor": cursor,
                     "lag_events": cursor.map(|c| head.saturating_sub(c)),
                     "parked": parked,
-                }))?
-            );
+            });
+            if crate::exit::json() {
+                crate::exit::print_json(&shown);
+            } else {
+                println!("{}", serde_json::to_string_pretty(&shown)?);
+            }
         }
         SinksCmd::Reset { db, name, to } => {
             let mut client = connect(&db).await?;
@@ -876,11 +976,18 @@ pub async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
         }
         SinksCmd::Parked(ParkedCmd::List { db, name }) => {
             let client = connect(&db).await?;
+            let list = sinks::parked::list(&client, &name).await?;
+            if crate::exit::json() {
+                for p in &list {
+                    crate::exit::print_json(&serde_json::to_value(p)?);
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             println!(
                 "{:>10} {:<24} {:<24} {:>8}  ERROR",
                 "POSITION", "STREAM", "TYPE", "ATTEMPTS"
             );
-            for p in sinks::parked::list(&client, &name).await? {
+            for p in list {
                 println!(
                     "{:>10} {:<24} {:<24} {:>8}  {}",
                     p.position, p.stream, p.event_type, p.attempts, p.error
@@ -969,7 +1076,7 @@ pub async fn roles(cmd: crate::RolesCmd) -> Result<ExitCode> {
         crate::RolesCmd::List { db, json } => {
             let client = connect(&db).await?;
             for (name, a) in roles::list(&client).await? {
-                if json {
+                if json || crate::exit::json() {
                     println!(
                         "{}",
                         serde_json::json!({ "operator": name, "role": a.role, "pools": a.pools })

@@ -205,6 +205,29 @@ fn counts(index: &Index, pool: &str) -> Counts {
 
 pub async fn pools(db: &Db) -> Result<ExitCode> {
     let index = index(db).await?;
+    if crate::exit::json() {
+        for p in index.state().pools.values().filter(|p| p.created) {
+            let c = counts(&index, &p.name);
+            let classes: Vec<_> = index
+                .classes(&p.name)
+                .map(|(class, ci)| {
+                    serde_json::json!({
+                        "class": class, "gpus": ci.total, "free": ci.free,
+                        "booked": booked(&index, &p.name, class),
+                    })
+                })
+                .collect();
+            crate::exit::print_json(&serde_json::json!({
+                "pool": p.name,
+                "nodes": c.nodes,
+                "schedulable": c.schedulable,
+                "live": c.live,
+                "waiting": c.pending,
+                "classes": classes,
+            }));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     println!(
         "{:<20} {:>7} {:>11} {:<14} {:>8} {:>8} {:>8} {:>8} {:>8}",
         "POOL", "NODES", "SCHEDULABLE", "CLASS", "GPUS", "FREE", "BOOKED", "LIVE", "WAITING"
@@ -286,7 +309,11 @@ pub async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
         }
         PoolCmd::Show { db, name, nodes } => {
             let index = index(&db).await?;
-            show_pool(&index, &name, nodes)?;
+            if crate::exit::json() {
+                show_pool_json(&index, &name, nodes)?;
+            } else {
+                show_pool(&index, &name, nodes)?;
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -336,35 +363,7 @@ fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
             "NODE", "GPUS", "FREE", "BOOKED"
         );
         for (n, node) in &p.nodes {
-            let state = if node.left {
-                match node.left_reason.as_str() {
-                    "" => "left".to_string(),
-                    why => format!("left ({why})"),
-                }
-            } else if let Some(since) = node.unreachable_since_ms {
-                format!("unreachable since {}", ms_time(since))
-            } else if let Some(r) = &node.drained {
-                match node.drain_deadline_ms {
-                    Some(at) => format!("draining {r} (live reservations end at {})", ms_time(at)),
-                    None => format!("drained {r}"),
-                }
-            } else if let Some(r) = &node.cordoned {
-                format!("cordoned {r}")
-            } else if !node.conditions.is_empty() {
-                format!("unhealthy {}", node.conditions.join(","))
-            } else {
-                let sick: Vec<_> = node
-                    .devices
-                    .iter()
-                    .filter(|d| !d.conditions.is_empty())
-                    .map(|d| format!("{}:{}", d.spec.id, d.conditions.join("+")))
-                    .collect();
-                if sick.is_empty() {
-                    "ready".into()
-                } else {
-                    format!("ready, unhealthy devices {}", sick.join(" "))
-                }
-            };
+            let state = node_state(node);
             let free = node
                 .devices
                 .iter()
@@ -411,6 +410,87 @@ fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
     Ok(())
 }
 
+/// `strata pool show --output json`: one object.
+fn show_pool_json(index: &Index, name: &str, nodes: bool) -> Result<()> {
+    let Some(p) = index.pool(name).filter(|p| p.created) else {
+        return Err(crate::exit::not_found(format!(
+            "pool {name:?} does not exist (see `strata pools`)"
+        )));
+    };
+    let c = counts(index, name);
+    let classes: Vec<_> = index
+        .classes(name)
+        .map(|(class, ci)| {
+            serde_json::json!({
+                "class": class,
+                "gpus": ci.total,
+                "free": ci.free,
+                "booked": booked(index, name, class),
+                "nodes_with_free": ci.schedulable_nodes(),
+            })
+        })
+        .collect();
+    let mut out = serde_json::json!({
+        "pool": name,
+        "description": p.description,
+        "version": p.version,
+        "nodes": c.nodes,
+        "schedulable": c.schedulable,
+        "live": c.live,
+        "waiting": c.pending,
+        "classes": classes,
+    });
+    if nodes {
+        out["node_list"] = p
+            .nodes
+            .iter()
+            .map(|(n, node)| {
+                serde_json::json!({
+                    "node": n,
+                    "gpus": node.devices.len(),
+                    "free": node.devices.iter().filter(|d| node.schedulable() && d.free()).count(),
+                    "booked": node.devices.iter().filter(|d| d.booked_by.is_some()).count(),
+                    "state": node_state(node),
+                })
+            })
+            .collect();
+    }
+    crate::exit::print_json(&out);
+    Ok(())
+}
+/// A node's standing as `pool show` prints it.
+fn node_state(node: &projections::index::Node) -> String {
+    if node.left {
+        match node.left_reason.as_str() {
+            "" => "left".to_string(),
+            why => format!("left ({why})"),
+        }
+    } else if let Some(since) = node.unreachable_since_ms {
+        format!("unreachable since {}", ms_time(since))
+    } else if let Some(r) = &node.drained {
+        match node.drain_deadline_ms {
+            Some(at) => format!("draining {r} (live reservations end at {})", ms_time(at)),
+            None => format!("drained {r}"),
+        }
+    } else if let Some(r) = &node.cordoned {
+        format!("cordoned {r}")
+    } else if !node.conditions.is_empty() {
+        format!("unhealthy {}", node.conditions.join(","))
+    } else {
+        let sick: Vec<_> = node
+            .devices
+            .iter()
+            .filter(|d| !d.conditions.is_empty())
+            .map(|d| format!("{}:{}", d.spec.id, d.conditions.join("+")))
+            .collect();
+        if sick.is_empty() {
+            "ready".into()
+        } else {
+            format!("ready, unhealthy devices {}", sick.join(" "))
+        }
+    }
+}
+
 pub async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
     match cmd {
         ReplayCmd::Run(args) => crate::replay_cmd::run(args).await,
@@ -451,7 +531,7 @@ pub async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
             let r = ::replay::invariants::check(&client)
                 .await
                 .context("check the log's invariants")?;
-            if json {
+            if json || crate::exit::json() {
                 println!("{}", serde_json::to_string(&r)?);
             } else if r.violations.is_empty() {
                 println!(
@@ -487,7 +567,7 @@ pub async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
             }
             match result {
                 Ok(r) => {
-                    if json {
+                    if json || crate::exit::json() {
                         println!("{}", serde_json::to_string(&r)?);
                     } else {
                         println!(

@@ -304,7 +304,7 @@ pub async fn run(args: RunArgs) -> Result<ExitCode> {
             let index = w.inner;
             report_window(&label, from, index.position(), &w.by_type, started);
             let r = projections::check::verify(&index)?;
-            if args.json {
+            if args.json || crate::exit::json() {
                 println!(
                     "{}",
                     serde_json::json!({
@@ -333,12 +333,12 @@ pub async fn run(args: RunArgs) -> Result<ExitCode> {
         }
         Which::Nodes => {
             let view: NodesView = view(&src, from, to, &label, started).await?;
-            print_nodes(&view, args.json);
+            print_nodes(&view, args.json || crate::exit::json());
             compare_view(&args, need_db, view).await?
         }
         Which::Reservations => {
             let view: ReservationsView = view(&src, from, to, &label, started).await?;
-            print_reservations(&view, args.json);
+            print_reservations(&view, args.json || crate::exit::json());
             compare_view(&args, need_db, view).await?
         }
     };

@@ -73,6 +73,11 @@ pub fn init(long_running: bool) -> Guard {
                 .with(fmt().with_filter(filter))
                 .with(layer.with_filter(tracing_subscriber::filter::LevelFilter::INFO))
                 .try_init();
+            // Trace context travels in event metadata (events::trace).
+            events::trace::install(events::trace::Hooks {
+                current: current_traceparent,
+                follow: follow_traceparent,
+            });
             // The log's own families exist before any role starts.
             events::metrics::global();
             let bridge = Arc::new(Bridge {
@@ -111,6 +116,49 @@ pub fn init(long_running: bool) -> Guard {
 use tracing_subscriber::Layer as _;
 
 /// Human-readable logs on stderr, coloured only on a terminal.
+/// The W3C `traceparent` of the current `tracing` span, as OpenTelemetry
+/// has it.
+fn current_traceparent() -> Option<String> {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let cx = tracing::Span::current().context();
+    let span = cx.span();
+    let sc = span.span_context();
+    sc.is_valid().then(|| {
+        format!(
+            "00-{}-{}-{:02x}",
+            sc.trace_id(),
+            sc.span_id(),
+            sc.trace_flags().to_u8()
+        )
+    })
+}
+
+/// Makes `span` a child of the remote span `traceparent` names (checked by
+/// `events::trace::follow` before this is called).
+fn follow_traceparent(span: &tracing::Span, traceparent: &str) {
+    use opentelemetry::trace::{
+        SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
+    };
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let parts: Vec<&str> = traceparent.split('-').collect();
+    let (Ok(trace), Ok(id), Ok(flags)) = (
+        TraceId::from_hex(parts[1]),
+        SpanId::from_hex(parts[2]),
+        u8::from_str_radix(parts[3], 16),
+    ) else {
+        return;
+    };
+    let sc = SpanContext::new(
+        trace,
+        id,
+        TraceFlags::new(flags),
+        true,
+        TraceState::default(),
+    );
+    let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(sc));
+}
+
 fn fmt<S>() -> impl tracing_subscriber::Layer<S>
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,

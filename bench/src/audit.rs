@@ -4,7 +4,7 @@
 //! position) on both, in the simple and the extended protocol.
 //!
 //! Every statement through the endpoint is recorded in the log first (an
-//! `audit.query` append, a durable commit) and runs as the auditor's own
+//! `audit.query_recorded` append, a durable commit) and runs as the auditor's own
 //! read-only role; directly, it runs as the superuser. pgbench, the
 //! endpoint and PostgreSQL share the same two cores.
 
@@ -156,7 +156,7 @@ pub async fn run(args: Args) -> Result<()> {
         "statement": "SELECT position, stream, type FROM strata.events WHERE position = :p (random p)",
         "runs": runs,
         "statements_recorded": recorded,
-        "note": "through the endpoint every statement is first recorded as an audit.query event (a durable append) and runs as the auditor's own read-only role in a read-only transaction; directly it runs as the superuser. pgbench, the endpoint and PostgreSQL share the same two cores",
+        "note": "through the endpoint every statement is first recorded as an audit.query_recorded event (a durable append) and runs as the auditor's own read-only role in a read-only transaction; directly it runs as the superuser. pgbench, the endpoint and PostgreSQL share the same two cores",
     });
     util::finish(if args.quick { "audit-quick" } else { "audit" }, &result)?;
     drop(cluster);

@@ -199,7 +199,7 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
         }
         g.push(
             &format!("node/n{node}"),
-            "node.status",
+            "node.status_reported",
             &format!(
                 "{{\"node\":\"n{node}\",\"status\":\"ready\",\"gpus_busy\":{}}}",
                 i % 8

@@ -255,6 +255,7 @@ pub async fn run(args: Args) -> Result<()> {
         start: "now".into(),
         batch_max: 1000,
         max_attempts: 8,
+        retry: None,
     };
     let exe = std::env::current_exe()?;
     let mut child = tokio::process::Command::new(exe)

@@ -18,6 +18,7 @@
 
 pub mod append;
 pub mod assemble;
+pub mod catalog;
 pub mod db;
 pub mod doctor;
 pub mod http;
@@ -32,6 +33,7 @@ pub mod slots;
 pub mod subscription;
 pub mod task;
 pub mod tls;
+pub mod trace;
 pub mod types;
 
 pub use append::{AppendError, Appended, Appender, AppenderConfig, StreamAppend};

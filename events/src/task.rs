@@ -15,7 +15,10 @@ where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    tokio::spawn(fut.instrument(tracing::info_span!("task", name)))
+    // A root span: a task outlives whatever request started it (a database
+    // connection opened during an RPC), and as a child it would keep that
+    // request's span open, and unexported, for as long as it runs.
+    tokio::spawn(fut.instrument(tracing::info_span!(parent: None, "task", name)))
 }
 
 /// Delays between attempts: doubling from `min` up to `max`, each drawn at

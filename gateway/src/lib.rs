@@ -3,6 +3,7 @@
 pub mod admission;
 pub mod api;
 pub mod ca;
+pub mod catalog;
 pub mod codec;
 pub mod damping;
 pub mod dispatch;

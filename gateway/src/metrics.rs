@@ -373,15 +373,41 @@ where
             unary,
             code: None,
         };
-        let fut = self.inner.call(req);
-        Box::pin(async move {
-            let resp = fut.await?;
-            // A trailers-only answer (an error) carries its status here.
-            if let Some(code) = grpc_status(resp.headers()) {
-                rpc.code = Some(code);
+        // A span per unary call (a session or a subscription would be one
+        // span as long as the connection), continuing the caller's trace
+        // when it sent a `traceparent`.
+        let span = if unary {
+            let span = tracing::info_span!(
+                "rpc",
+                otel.kind = "server",
+                rpc.system = "grpc",
+                rpc.service = service,
+                rpc.method = %rpc.method
+            );
+            if let Some(tp) = req
+                .headers()
+                .get("traceparent")
+                .and_then(|v| v.to_str().ok())
+            {
+                events::trace::follow(&span, tp);
             }
-            Ok(resp.map(|body| tonic::body::Body::new(RpcBody { body, rpc })))
-        })
+            span
+        } else {
+            tracing::Span::none()
+        };
+        let fut = span.in_scope(|| self.inner.call(req));
+        use tracing::Instrument as _;
+        Box::pin(
+            async move {
+                let resp = fut.await?;
+                // A trailers-only answer (an error) carries its status here.
+                if let Some(code) = grpc_status(resp.headers()) {
+                    rpc.code = Some(code);
+                }
+                Ok(resp.map(|body| tonic::body::Body::new(RpcBody { body, rpc })))
+            }
+            .instrument(span),
+        )
     }
 }
 

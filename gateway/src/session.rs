@@ -9,7 +9,7 @@
 //! with the exact version this session last wrote, so once another gateway
 //! opens a newer session the older owner's writes are refused (and it closes
 //! its session). Heartbeats stay in memory; only transitions
-//! (`node.unreachable`, `node.reachable`) and statuses that changed are
+//! (`node.marked_unreachable`, `node.marked_reachable`) and statuses that changed are
 //! written. A session the node's side ended (it closed the stream, the
 //! connection broke) writes `node.disconnected` with the pool's
 //! `node.contact_lost` at once, so nothing new is placed on a node that is
@@ -391,7 +391,8 @@ pub(crate) async fn open_session(
         let lost: bool = client
             .opt(
                 "SELECT type FROM strata.events WHERE stream = $1
-                    AND type IN ('node.unreachable', 'node.disconnected', 'node.reachable', 'node.session_opened')
+                    AND type IN ('node.marked_unreachable', 'node.disconnected', 'node.marked_reachable',
+                                 'node.session_opened', 'node.unreachable', 'node.reachable')
                   ORDER BY version DESC LIMIT 1",
                 &[&stream],
             )
@@ -400,7 +401,7 @@ pub(crate) async fn open_session(
             .is_some_and(|r| {
                 matches!(
                     r.get::<_, String>(0).as_str(),
-                    "node.unreachable" | "node.disconnected"
+                    "node.marked_unreachable" | "node.disconnected" | "node.unreachable"
                 )
             });
         let also = if lost {
@@ -505,7 +506,10 @@ pub(crate) async fn handle(
                 shared
                     .session_write(
                         node,
-                        NewEvent::new("node.reachable", &serde_json::json!({ "node": node })),
+                        NewEvent::new(
+                            "node.marked_reachable",
+                            &serde_json::json!({ "node": node }),
+                        ),
                         vec![(
                             pool_stream(pool),
                             Fact::NodeContactRestored {
@@ -538,7 +542,7 @@ pub(crate) async fn handle(
                     .session_write(
                         node,
                         NewEvent::new(
-                            "node.status",
+                            "node.status_reported",
                             &serde_json::json!({ "node": node, "state": s.state, "detail": s.detail }),
                         ),
                         Vec::new(),
@@ -727,7 +731,7 @@ pub(crate) async fn sweeper(shared: Arc<Shared>) {
                     session: Some((node.clone(), epoch)),
                     expected: ExpectedVersion::Exact(version),
                     events: vec![NewEvent::new(
-                        "node.unreachable",
+                        "node.marked_unreachable",
                         &serde_json::json!({ "node": node }),
                     )],
                     also: vec![(pool_stream(&pool), contact)],

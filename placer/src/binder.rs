@@ -254,6 +254,9 @@ struct State {
     /// binder that lost its lease (or missed an event) cannot mark a
     /// reservation active twice or after it changed.
     versions: HashMap<String, u64>,
+    /// Reservation -> the trace context of its bind span, for its
+    /// activation (only placements that carried one).
+    traces: HashMap<String, String>,
 }
 
 impl State {
@@ -437,6 +440,7 @@ async fn held(
         binds: HashMap::new(),
         waiting: HashMap::new(),
         versions: HashMap::new(),
+        traces: HashMap::new(),
     };
     // Placements not active yet: (re)issue their binds and learn which
     // already succeeded.
@@ -523,6 +527,7 @@ async fn held(
                 }
                 state.waiting.remove(reservation);
                 state.versions.remove(reservation);
+                state.traces.remove(reservation);
             }
             Some(Fact::ReservationUnschedulable { reservation, .. }) => {
                 state.versions.remove(reservation);
@@ -545,7 +550,19 @@ async fn held(
             }
         }
         if let Some(Fact::ReservationPlaced { reservation, .. }) = &fact {
-            state.expect_binds(&index, reservation, &appender, &stats);
+            // A placement with a trace context: the binds and the activation
+            // continue its trace.
+            match events::trace::of_metadata(&e.metadata) {
+                Some(tp) => {
+                    let span = tracing::info_span!("reservation.bind", reservation = %reservation);
+                    events::trace::follow(&span, &tp);
+                    span.in_scope(|| state.expect_binds(&index, reservation, &appender, &stats));
+                    if let Some(tp) = span.in_scope(events::trace::current) {
+                        state.traces.insert(reservation.clone(), tp);
+                    }
+                }
+                None => state.expect_binds(&index, reservation, &appender, &stats),
+            }
         }
         match e.event_type.as_str() {
             commands::SUCCEEDED | commands::FAILED | commands::EXPIRED => {
@@ -737,12 +754,15 @@ async fn bound(
         return;
     };
     let expected = ExpectedVersion::Exact(seen);
+    let span = tracing::info_span!("reservation.activate", reservation = %reservation);
+    if let Some(tp) = state.traces.remove(reservation) {
+        events::trace::follow(&span, &tp);
+    }
+    let event = span.in_scope(|| events::trace::traced(fact.to_event()));
+    use tracing::Instrument as _;
     match appender
-        .append(
-            &reservation_stream(reservation),
-            expected,
-            vec![fact.to_event()],
-        )
+        .append(&reservation_stream(reservation), expected, vec![event])
+        .instrument(span)
         .await
     {
         Ok(_) => {

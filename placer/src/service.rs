@@ -373,6 +373,9 @@ async fn run(
     let mut clock = tokio::time::interval(Duration::from_millis(100));
     clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let member = format!("placer/{}", config.holder);
+    // The trace context of requests that came with one (see events::trace),
+    // until the placer decided them: empty unless spans are exported.
+    let mut traces: HashMap<String, String> = HashMap::new();
     tracing::info!(holder = %config.holder, from = proj.started_at, "placer started");
     loop {
         tokio::select! {
@@ -399,7 +402,7 @@ async fn run(
                     }
                     // A new pool: look for its lease now, not at the next tick.
                     Ok(e) if projections::domain::canonical_type(&e.event_type) == "pool.created" => upkeep.reset_immediately(),
-                    Ok(_) => {}
+                    Ok(e) => remember_trace(&mut traces, &e),
                 }
                 stats.position.store(proj.index.position(), Ordering::Relaxed);
             }
@@ -420,7 +423,14 @@ async fn run(
             _ = clock.tick() => {}
         }
         drop_unrenewed(&mut work, config.lease_ttl, &stats);
-        plan_ready(&mut proj.index, &mut work, &appender, &mut commits, &config);
+        plan_ready(
+            &mut proj.index,
+            &mut work,
+            &appender,
+            &mut commits,
+            &config,
+            &mut traces,
+        );
     }
     // Let commits in flight land, then give the pools back.
     while let Some(done) = commits.next().await {
@@ -523,12 +533,26 @@ fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stat
 }
 
 /// Plans and starts the commit of every pool that is ready.
+/// Keeps the `traceparent` of a request that carries one.
+fn remember_trace(traces: &mut HashMap<String, String>, e: &events::Event) {
+    if projections::domain::canonical_type(&e.event_type) != "reservation.requested" {
+        return;
+    }
+    if let (Some(id), Some(tp)) = (
+        projections::domain::reservation_of(&e.stream),
+        events::trace::of_metadata(&e.metadata),
+    ) {
+        traces.insert(id.to_string(), tp);
+    }
+}
+
 fn plan_ready(
     index: &mut Index,
     work: &mut HashMap<String, PoolWork>,
     appender: &Appender,
     commits: &mut FuturesUnordered<CommitFuture>,
     config: &PlacerConfig,
+    traces: &mut HashMap<String, String>,
 ) {
     let now = Instant::now();
     let now_ms = now_ms();
@@ -586,12 +610,13 @@ fn plan_ready(
             keys.truncate(max);
         }
         let ids: Vec<String> = keys.into_iter().map(|k| k.2.clone()).collect();
+        let batch = tracing::info_span!("placement.batch", pool = %pool, requests = ids.len());
         let Plan {
             placed,
             queued,
             unschedulable,
             ..
-        } = plan::plan_batch(index, pool, &ids);
+        } = batch.in_scope(|| plan::plan_batch(index, pool, &ids));
         let counts = [
             placed.len() as u64,
             queued.len() as u64,
@@ -660,7 +685,8 @@ fn plan_ready(
             continue;
         }
         w.inflight = true;
-        let mut appends = batch_appends(&pool_stream(pool), version, &facts);
+        let mut appends =
+            batch.in_scope(|| batch_appends(&pool_stream(pool), version, &facts, traces));
         appends.extend(replacements.into_iter().map(|r| StreamAppend {
             stream: reservation_stream(&r.reservation),
             expected: ExpectedVersion::NoStream,
@@ -668,13 +694,18 @@ fn plan_ready(
         }));
         let appender = appender.clone();
         let pool = pool.clone();
+        use tracing::Instrument as _;
         commits.push(Box::pin(async move {
-            let result = appender.append_batch(appends).await.and_then(|mut out| {
-                // The pool's stream is the batch's first.
-                (!out.is_empty())
-                    .then(|| out.swap_remove(0))
-                    .ok_or(AppendError::Closed)
-            });
+            let result = appender
+                .append_batch(appends)
+                .instrument(batch)
+                .await
+                .and_then(|mut out| {
+                    // The pool's stream is the batch's first.
+                    (!out.is_empty())
+                        .then(|| out.swap_remove(0))
+                        .ok_or(AppendError::Closed)
+                });
             Committed {
                 pool,
                 plan_counts: counts,
@@ -737,11 +768,47 @@ fn failures_due(
 /// transaction, so a reservation's end moves its stream's version, and any
 /// writer of its life cycle that appends at a version seen before the end
 /// (the binder's activation) conflicts.
-fn batch_appends(pool_stream: &str, version: u64, facts: &[Fact]) -> Vec<StreamAppend> {
+///
+/// A decision about a request that came with a trace context continues
+/// that trace: a `reservation.place` span whose parent is the request's,
+/// with its own context in the fact's metadata (where the binder picks it
+/// up). The context is forgotten once the request is decided.
+fn batch_appends(
+    pool_stream: &str,
+    version: u64,
+    facts: &[Fact],
+    traces: &mut HashMap<String, String>,
+) -> Vec<StreamAppend> {
+    let events = facts
+        .iter()
+        .map(|fact| {
+            let Some(id) = fact.reservation() else {
+                return fact.to_event();
+            };
+            let decided = !matches!(fact, Fact::ReservationQueued { .. });
+            let tp = if decided {
+                traces.remove(id)
+            } else {
+                traces.get(id).cloned()
+            };
+            match tp {
+                Some(tp) => {
+                    let span = tracing::info_span!(
+                        "reservation.place",
+                        reservation = %id,
+                        outcome = fact.event_type()
+                    );
+                    events::trace::follow(&span, &tp);
+                    span.in_scope(|| events::trace::traced(fact.to_event()))
+                }
+                None => fact.to_event(),
+            }
+        })
+        .collect();
     let mut appends = vec![StreamAppend {
         stream: pool_stream.to_string(),
         expected: ExpectedVersion::Exact(version),
-        events: facts.iter().map(Fact::to_event).collect(),
+        events,
     }];
     for fact in facts {
         let outcome = match fact {

@@ -276,7 +276,7 @@ pub enum Fact {
         reason: String,
     },
     /// The region lost contact with the node (its session went silent past
-    /// the gateway's grace period), committed with `node.unreachable` on the
+    /// the gateway's grace period), committed with `node.marked_unreachable` on the
     /// node's stream. Nothing new is placed on it; live reservations on it
     /// end once it stays out of contact past the placer's bound.
     #[serde(rename = "node.contact_lost")]

@@ -6,6 +6,7 @@
 //! [`snapshot`] and resumed from one plus the events after it.
 //! [`check`] replays the log and verifies the placement invariants.
 
+pub mod catalog;
 pub mod check;
 pub mod commands;
 pub mod domain;

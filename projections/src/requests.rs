@@ -50,16 +50,27 @@ pub async fn reserve(
     if !pool_exists(client, &request.pool).await? {
         return Err(RequestError::NoSuchPool(request.pool.clone()));
     }
+    // The request's span: its context goes into the event's metadata, and
+    // the placer and the binder continue the trace from there.
+    let span = tracing::info_span!(
+        "reservation.request",
+        reservation = %request.reservation,
+        pool = %request.pool,
+        gpus = request.gpus
+    );
     let mut event = Fact::ReservationRequested(request.clone()).to_event();
     if let Some(m) = metadata {
         event = event.with_metadata(m);
     }
+    let event = span.in_scope(|| events::trace::traced(event));
+    use tracing::Instrument as _;
     match appender
         .append(
             &reservation_stream(&request.reservation),
             ExpectedVersion::NoStream,
             vec![event],
         )
+        .instrument(span)
         .await
     {
         Ok(_) => Ok(()),

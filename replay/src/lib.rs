@@ -6,6 +6,7 @@
 
 pub mod archive;
 pub mod audit;
+pub mod catalog;
 pub mod invariants;
 pub mod rebuild;
 pub mod seal;

@@ -162,6 +162,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0015_log_epochs.sql"),
         change: Change::Expand,
     },
+    Migration {
+        version: 16,
+        name: "event_names",
+        sql: include_str!("../migrations/0016_event_names.sql"),
+        change: Change::Expand,
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

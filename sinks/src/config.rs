@@ -64,9 +64,10 @@ pub enum Target {
     /// log).
     Webhook { url: String, secret_env: String },
     /// Published to NATS JetStream, one message per event, on the subject
-    /// `<subject_prefix>.<stream with '/' as '.'>.<type>`, with the event's
-    /// position as `Nats-Msg-Id`, so a publish retried within the stream's
-    /// duplicate window is stored once.
+    /// `<subject_prefix>.<stream's segments>.<noun>.<verb>` (each token
+    /// escaped, see `nats::subject_of`), with `<region>:<sink>:<position>`
+    /// as `Nats-Msg-Id`, so a publish retried within the stream's duplicate
+    /// window is stored once.
     Nats { url: String, subject_prefix: String },
 }
 
@@ -84,6 +85,48 @@ pub struct SinkConfig {
     /// Attempts before a batch is parked.
     #[serde(default = "default_attempts")]
     pub max_attempts: u32,
+    /// The waits between attempts; absent, the sinks process's defaults
+    /// (`Retry::default`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<Retry>,
+}
+
+/// Backoff between a batch's attempts: before attempt n+1 a wait drawn
+/// between half and all of `min(base * 2^n, cap)` (jitter that keeps the
+/// waits from collapsing to nothing). With the defaults (500 ms, 30 s) and
+/// 8 attempts a batch is retried for at least 45 s before it is parked, so
+/// a receiver's restart does not park it, let alone pause the sink.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retry {
+    pub base_ms: u64,
+    pub cap_ms: u64,
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Retry {
+            base_ms: 500,
+            cap_ms: 30_000,
+        }
+    }
+}
+
+impl Retry {
+    pub fn base(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.base_ms)
+    }
+    pub fn cap(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.cap_ms)
+    }
+    /// The shortest and the longest a batch is retried for in all, over
+    /// `attempts` attempts.
+    pub fn bounds(&self, attempts: u32) -> (std::time::Duration, std::time::Duration) {
+        let mut most = std::time::Duration::ZERO;
+        for n in 1..attempts.max(1) {
+            most += crate::webhook::ceiling(self.base(), self.cap(), n);
+        }
+        (most / 2, most)
+    }
 }
 
 fn default_start() -> String {
@@ -111,6 +154,14 @@ impl SinkConfig {
             ));
         }
         self.start.parse::<events::Start>()?;
+        if let Some(r) = &self.retry {
+            if r.base_ms == 0 || r.cap_ms < r.base_ms || r.cap_ms > 3_600_000 {
+                return Err(format!(
+                    "retry backoff {}ms to {}ms: the base must be above 0 and at most the cap, the cap at most an hour",
+                    r.base_ms, r.cap_ms
+                ));
+            }
+        }
         if self.batch_max == 0 || self.batch_max > 10_000 {
             return Err("batch size must be 1 to 10,000".into());
         }
@@ -215,13 +266,153 @@ pub async fn change(appender: &Appender, name: &str, event_type: &str) -> Result
 
 /// Every sink, folded from its stream.
 pub async fn list(client: &tokio_postgres::Client) -> Result<Vec<SinkState>, SinkError> {
-    let rows = client
-        .rows(
-            "SELECT stream, version, type, payload::text FROM strata.events
-              WHERE stream LIKE 'sink/%' ORDER BY position",
-            &[],
+    Ok(fold(client, None)
+        .await?
+        .into_iter()
+        .filter(|s| !s.deleted)
+        .collect())
+}
+
+/// One sink as its stream has it now, deleted or not; `None` for a name
+/// never used.
+pub async fn state(
+    client: &(impl tokio_postgres::GenericClient + Sync),
+    name: &str,
+) -> Result<Option<SinkState>, SinkError> {
+    Ok(fold(client, Some(name)).await?.pop())
+}
+
+/// Creates a sink, or defines a deleted sink's name again. The new sink
+/// starts where its definition says, with none of the old one's cursor or
+/// parked events: they go in the same transaction as its `sink.created`,
+/// which is appended at the deleted stream's exact version, so two
+/// creators cannot both win. Refused while a worker of the deleted sink
+/// still holds its subscription.
+pub async fn create_in(
+    client: &mut tokio_postgres::Client,
+    config: &SinkConfig,
+) -> Result<(), SinkError> {
+    config.validate().map_err(SinkError::Invalid)?;
+    let name = &config.name;
+    let tx = client.transaction().await?;
+    let expected = match state(&tx, name).await? {
+        None => ExpectedVersion::NoStream,
+        Some(s) if !s.deleted => return Err(SinkError::Exists(name.clone())),
+        Some(s) => {
+            let subscription = format!("sink.{name}");
+            if worker_holds(&tx, name).await? {
+                return Err(SinkError::Invalid(format!(
+                    "the deleted sink {name:?} is still being stopped; try again in a moment"
+                )));
+            }
+            tx.exec(
+                "DELETE FROM strata.subscriptions WHERE name = $1",
+                &[&subscription],
+            )
+            .await?;
+            tx.exec("DELETE FROM strata.sink_parked WHERE sink = $1", &[name])
+                .await?;
+            ExpectedVersion::Exact(s.version)
+        }
+    };
+    let payload = serde_json::to_value(config).expect("configs serialize");
+    let event = NewEvent::new("sink.created", &payload);
+    match events::append::append_one_in(&tx, sink_stream(name), expected, vec![event]).await {
+        Ok(_) => {}
+        Err(AppendError::VersionConflict { .. }) => return Err(SinkError::Exists(name.clone())),
+        Err(e) => return Err(e.into()),
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Pauses, resumes or deletes a sink (`sink.paused`, `sink.resumed`,
+/// `sink.deleted`) at the version its state was read at. `Ok(false)` when
+/// there is nothing to do: deleting a deleted sink, pausing a paused one,
+/// resuming a running one. A name never used, or a deleted sink paused or
+/// resumed, is `NotFound`.
+pub async fn apply(
+    client: &tokio_postgres::Client,
+    appender: &Appender,
+    name: &str,
+    event_type: &str,
+) -> Result<bool, SinkError> {
+    let s = state(client, name)
+        .await?
+        .ok_or_else(|| SinkError::NotFound(name.to_string()))?;
+    let nothing_to_do = match event_type {
+        "sink.deleted" => s.deleted,
+        _ if s.deleted => return Err(SinkError::NotFound(name.to_string())),
+        "sink.paused" => s.paused,
+        "sink.resumed" => !s.paused,
+        other => {
+            return Err(SinkError::Invalid(format!(
+                "{other} is not a change of a sink"
+            )))
+        }
+    };
+    if nothing_to_do {
+        return Ok(false);
+    }
+    match appender
+        .append(
+            &sink_stream(name),
+            ExpectedVersion::Exact(s.version),
+            vec![NewEvent::new(
+                event_type,
+                &serde_json::json!({ "name": name }),
+            )],
         )
-        .await?;
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(AppendError::VersionConflict { .. }) => Err(SinkError::Invalid(format!(
+            "sink {name:?} changed meanwhile; look at it again and retry"
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether a worker still holds sink `name`'s subscription (its lease has
+/// not run out or been given back).
+async fn worker_holds(
+    client: &(impl tokio_postgres::GenericClient + Sync),
+    name: &str,
+) -> Result<bool, SinkError> {
+    Ok(client
+        .opt(
+            "SELECT 1 FROM strata.leases WHERE name = $1 AND expires_at > now()",
+            &[&format!("subscription/sink.{name}")],
+        )
+        .await?
+        .is_some())
+}
+
+/// Sinks folded from their streams (one sink's with `only`), in name order.
+async fn fold(
+    client: &(impl tokio_postgres::GenericClient + Sync),
+    only: Option<&str>,
+) -> Result<Vec<SinkState>, SinkError> {
+    let rows = match only {
+        Some(name) => {
+            client
+                .query(
+                    "SELECT stream, version, type, payload::text FROM strata.events
+                      WHERE stream = $1 ORDER BY position",
+                    &[&sink_stream(name)],
+                )
+                .await?
+        }
+        None => {
+            client
+                .query(
+                    "SELECT stream, version, type, payload::text FROM strata.events
+                      WHERE stream LIKE 'sink/%' ORDER BY position",
+                    &[],
+                )
+                .await?
+        }
+    };
     let mut sinks: BTreeMap<String, SinkState> = BTreeMap::new();
     for r in rows {
         let stream: String = r.get(0);
@@ -252,7 +443,7 @@ pub async fn list(client: &tokio_postgres::Client) -> Result<Vec<SinkState>, Sin
             }
         }
     }
-    Ok(sinks.into_values().filter(|s| !s.deleted).collect())
+    Ok(sinks.into_values().collect())
 }
 
 /// Moves a paused sink's cursor: it delivers again from the event after
@@ -276,14 +467,7 @@ pub async fn reset(
         )));
     }
     let subscription = format!("sink.{name}");
-    let held = client
-        .opt(
-            "SELECT 1 FROM strata.leases WHERE name = $1 AND expires_at > now()",
-            &[&format!("subscription/{subscription}")],
-        )
-        .await?
-        .is_some();
-    if held {
+    if worker_holds(client, name).await? {
         return Err(SinkError::Invalid(format!(
             "sink {name:?} is still being stopped; try again in a moment"
         )));
@@ -320,4 +504,19 @@ pub async fn cursor(client: &tokio_postgres::Client, name: &str) -> Result<Optio
         )
         .await?
         .map(|r| r.get::<_, i64>(0) as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default backoff retries a batch for longer than a receiver takes
+    /// to restart (the 20 s that used to pause a sink: the old full jitter
+    /// could retry all 8 attempts within milliseconds).
+    #[test]
+    fn the_default_backoff_rides_out_a_receiver_restart() {
+        let (least, most) = Retry::default().bounds(default_attempts());
+        assert!(least >= std::time::Duration::from_secs(45), "{least:?}");
+        assert!(most <= std::time::Duration::from_secs(100), "{most:?}");
+    }
 }

@@ -4,6 +4,7 @@
 //! role; [`webhook`] delivers signed batches; [`parked`] keeps what could not
 //! be delivered and delivers it again on request.
 
+pub mod catalog;
 pub mod config;
 mod metrics;
 pub mod nats;

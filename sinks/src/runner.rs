@@ -18,15 +18,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::oneshot;
+use tracing::Instrument as _;
 
 #[derive(Debug, Clone)]
 pub struct SinksConfig {
     /// How often the sink definitions are read.
     pub poll: Duration,
+    /// The backoff of sinks whose definition has none (`SinkConfig::retry`).
     pub backoff_base: Duration,
     pub backoff_cap: Duration,
     /// After this many batches parked in a row, the sink is paused with a
-    /// `sink.alert` event.
+    /// `sink.alerted` event.
     pub pause_after_parked: u32,
     /// How long a webhook may take to answer before the attempt counts as
     /// failed.
@@ -46,8 +48,8 @@ impl Default for SinksConfig {
     fn default() -> Self {
         SinksConfig {
             poll: Duration::from_secs(1),
-            backoff_base: Duration::from_millis(200),
-            backoff_cap: Duration::from_secs(10),
+            backoff_base: config::Retry::default().base(),
+            backoff_cap: config::Retry::default().cap(),
             pause_after_parked: 3,
             request_timeout: Duration::from_secs(10),
             webhook_ca: None,
@@ -295,14 +297,18 @@ async fn worker(
             .collect();
         if !matching.is_empty() {
             let began = std::time::Instant::now();
-            let delivered = match &out {
-                Out::Webhook { url, secret } => {
-                    let b = body(&cfg.name, &matching);
-                    webhook::with_retries(
-                        cfg.max_attempts,
-                        config.backoff_base,
-                        config.backoff_cap,
-                        || {
+            let (base, cap) = cfg
+                .retry
+                .map_or((config.backoff_base, config.backoff_cap), |r| {
+                    (r.base(), r.cap())
+                });
+            let span =
+                tracing::info_span!("sink.deliver", sink = %cfg.name, events = matching.len());
+            let delivered = async {
+                match &out {
+                    Out::Webhook { url, secret } => {
+                        let b = body(&cfg.name, &matching);
+                        webhook::with_retries(cfg.max_attempts, base, cap, || {
                             webhook::post(
                                 &http,
                                 url,
@@ -310,23 +316,25 @@ async fn worker(
                                 b.clone(),
                                 config.request_timeout,
                             )
-                        },
-                    )
-                    .await
+                        })
+                        .await
+                    }
+                    Out::Nats { js, prefix } => {
+                        crate::nats::deliver(
+                            js,
+                            prefix,
+                            (&config.region, &cfg.name),
+                            &matching,
+                            cfg.max_attempts,
+                            base,
+                            cap,
+                        )
+                        .await
+                    }
                 }
-                Out::Nats { js, prefix } => {
-                    crate::nats::deliver(
-                        js,
-                        prefix,
-                        (&config.region, &cfg.name),
-                        &matching,
-                        cfg.max_attempts,
-                        config.backoff_base,
-                        config.backoff_cap,
-                    )
-                    .await
-                }
-            };
+            }
+            .instrument(span)
+            .await;
             match delivered {
                 Ok(attempts) => {
                     crate::metrics::batch(
@@ -380,11 +388,11 @@ async fn worker(
     let _ = sub.close().await;
 }
 
-/// Appends `sink.alert` and `sink.paused` for a sink that keeps failing.
+/// Appends `sink.alerted` and `sink.paused` for a sink that keeps failing.
 async fn pause_with_alert(db: &events::db::Database, name: &str, error: &str, batches: u32) {
     let appender = events::Appender::start(db.clone(), events::AppenderConfig::default());
     let alert = events::NewEvent::new(
-        "sink.alert",
+        "sink.alerted",
         &serde_json::json!({
             "name": name,
             "reason": format!("{batches} batches in a row could not be delivered; paused"),

@@ -134,6 +134,12 @@ pub async fn post(
 /// Tries `attempt` up to `attempts` times, sleeping between tries with
 /// exponential backoff from `base` to `cap` and full jitter. Returns the
 /// attempts used, or the attempts and the last error.
+/// The longest wait after the `n`th failed attempt: `min(base * 2^n, cap)`;
+/// the wait is drawn between half of it and all of it.
+pub fn ceiling(base: Duration, cap: Duration, n: u32) -> Duration {
+    base.saturating_mul(1 << n.min(16)).min(cap)
+}
+
 pub async fn with_retries<F, Fut>(
     attempts: u32,
     base: Duration,
@@ -154,8 +160,8 @@ where
             }
         }
         if n < attempts {
-            let ceiling = base.saturating_mul(1 << n.min(16)).min(cap);
-            tokio::time::sleep(ceiling.mul_f64(fastrand::f64())).await;
+            let ceiling = ceiling(base, cap, n);
+            tokio::time::sleep(ceiling.mul_f64(0.5 + fastrand::f64() / 2.0)).await;
         }
     }
     Err((attempts, last))

@@ -275,6 +275,7 @@ fn serve_audit_with_psql_passwords_certificates_and_revocation() {
     );
     assert!(okay, "{err}");
     assert_eq!(out.trim(), "0", "the audit-only process made a slot");
+    super::events_conform(&url, &[]);
 }
 
 /// The serial of the certificate under `dir`, as `strata ca revoked` prints it.

@@ -112,3 +112,78 @@ fn the_shipped_alerts_and_dashboard_check_and_name_only_real_metrics() {
         );
     }
 }
+
+/// `docs/events.md` is what `strata events types --markdown` prints from
+/// the code's catalogs, and every type there is `noun.verb_past`.
+#[test]
+fn the_event_reference_is_generated_from_the_code_and_named_alike() {
+    let page = super::ok(&["events", "types", "--markdown"]);
+    let file = root().join("docs/events.md");
+    let stored = std::fs::read_to_string(&file).unwrap_or_default();
+    assert!(
+        stored == page,
+        "docs/events.md differs from the code's event catalogs: regenerate it with \
+         `cargo run -- events types --markdown > docs/events.md`"
+    );
+    let types = super::lines(&super::ok(&["events", "types", "--json"]));
+    assert!(types.len() >= 45, "{} types", types.len());
+    for t in &types {
+        let name = t["type"].as_str().unwrap();
+        assert!(
+            events::catalog::well_named(name),
+            "{name} is not noun.verb_past"
+        );
+        assert!(
+            page.contains(&format!("### {name}\n")),
+            "{name} has a section"
+        );
+        for f in t["fields"].as_array().unwrap() {
+            assert!(
+                !f["about"].as_str().unwrap().is_empty(),
+                "{name}.{} is described",
+                f["name"]
+            );
+        }
+    }
+}
+
+/// `strata events check` finds what the reference does not declare: an
+/// unknown type, a known type on the wrong stream or with a field missing.
+#[test]
+fn events_check_reports_events_the_reference_does_not_declare() {
+    let url = super::database();
+    assert!(
+        super::events_conform(&url, &[]).is_empty(),
+        "a fresh log is empty"
+    );
+    for (stream, t, data) in [
+        ("pool/p", "pool.created", "{}"),
+        ("x/1", "thing.happened", "{}"),
+        ("node/n1", "pool.created", "{}"),
+        ("pool/p", "reservation.placed", "{\"reservation\":\"r1\"}"),
+    ] {
+        super::ok(&super::append_args(&url, stream, t, data, &[]));
+    }
+    let out = super::strata(&["events", "check", "--json", "--database-url", &url]);
+    assert_eq!(out.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["checked"], 4);
+    assert_eq!(report["unknown_types"]["thing.happened"], 1);
+    let problems = report["problems"].to_string();
+    assert!(problems.contains("goes to pool/<pool>"), "{problems}");
+    assert!(
+        problems.contains("required field allocations missing"),
+        "{problems}"
+    );
+    assert_eq!(
+        report["problems"].as_array().unwrap().len(),
+        2,
+        "{problems}"
+    );
+    let out = super::strata(&["events", "check", "--allow-unknown", "--database-url", &url]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "the two bad payloads still fail"
+    );
+}

@@ -236,6 +236,7 @@ fn a_gateway_killed_mid_command_hands_its_node_over_and_the_command_runs_once() 
         &url,
         "--force",
     ]);
+    super::events_conform(&url, &[]);
 }
 
 /// The sum of `strata_task_restarts_total` on a process's metrics endpoint.
@@ -479,6 +480,7 @@ fn every_role_survives_a_postgres_crash_restart() {
     .unwrap();
     assert_eq!(inv["violations"], serde_json::json!([]), "{inv}");
     assert!(inv["placements"].as_u64().unwrap() >= 3, "{inv}");
+    super::events_conform(&url, &[]);
 }
 
 /// `strata tokens list|revoke` and `strata grants list|remove`, for scripts
@@ -576,4 +578,202 @@ fn tokens_and_grants_are_listed_and_taken_back() {
         Some(6),
         "a grant removed twice is not found"
     );
+    super::events_conform(&url, &[]);
+}
+
+/// One trace follows a reservation across processes: `strata reserve`
+/// stores its span's `traceparent` in `reservation.requested`'s metadata,
+/// the placer continues it in `reservation.placed`'s, the binder in
+/// `reservation.activated`'s, and every process exports its spans of that
+/// trace over OTLP.
+#[test]
+fn one_trace_follows_a_reservation_from_the_request_to_active() {
+    let url = database();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let received = super::otlp::Received::default();
+    let otlp = format!(
+        "http://127.0.0.1:{}",
+        super::otlp::serve(&rt, received.clone())
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca");
+    let ca_s = ca.to_str().unwrap();
+    ok(&["ca", "init", "--dir", ca_s]);
+    ok(&["pool", "create", "p", "--database-url", &url]);
+    let token = ok(&[
+        "tokens",
+        "create",
+        "--pool",
+        "p",
+        "--nodes",
+        "*",
+        "--database-url",
+        &url,
+    ]);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let traced = |args: &[&str], log: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp)
+            .env("OTEL_BSP_SCHEDULE_DELAY", "200")
+            .env("STRATA_SINK_SECRET_TRACE", "trace-secret")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join(log)).unwrap())
+            .spawn()
+            .unwrap()
+    };
+    // A webhook sink, so that a delivery is traced too.
+    let (hook, delivered) = super::placement::http_receiver();
+    ok(&[
+        "sinks",
+        "create",
+        "h",
+        "--database-url",
+        &url,
+        "--webhook",
+        &hook,
+        "--secret-env",
+        "STRATA_SINK_SECRET_TRACE",
+        "--prefixes",
+        "reservation/",
+    ]);
+    let _serve = Killed(traced(
+        &[
+            "serve",
+            "--roles",
+            "gateway,placer,binder,sinks",
+            "--database-url",
+            &url,
+            "--listen",
+            &listen,
+            "--ca-dir",
+            ca_s,
+            "--slot",
+            "traced",
+        ],
+        "a.log",
+    ));
+    let ca_pem = ca.join("ca.pem");
+    let _node = Killed(spawn(
+        &[
+            "node",
+            "--gateway",
+            &format!("https://{listen}"),
+            "--data-dir",
+            dir.path().join("n1").to_str().unwrap(),
+            "--node-id",
+            "n1",
+            "--token",
+            token.trim(),
+            "--ca",
+            ca_pem.to_str().unwrap(),
+            "--fake-gpus",
+            "8xH100-80GB",
+        ],
+        &dir.path().join("node.log"),
+    ));
+    wait_until(60, "the node's GPUs are in the pool", dir.path(), || {
+        query(
+            &url,
+            "SELECT 1::text FROM strata.events WHERE stream = 'pool/p' AND type = 'node.joined'",
+        )
+        .len()
+            == 1
+    });
+    let reserve = traced(
+        &[
+            "reserve",
+            "--database-url",
+            &url,
+            "--pool",
+            "p",
+            "--class",
+            "H100-80GB",
+            "--gpus",
+            "2",
+            "--id",
+            "r1",
+            "--wait",
+            "--timeout",
+            "60s",
+        ],
+        "reserve.log",
+    )
+    .wait_with_output()
+    .unwrap();
+    assert!(
+        reserve.status.success(),
+        "{}",
+        std::fs::read_to_string(dir.path().join("reserve.log")).unwrap()
+    );
+    let trace_of = |stream: &str, t: &str| -> Option<String> {
+        let rows = query(
+            &url,
+            &format!(
+                "SELECT metadata->>'traceparent' FROM strata.events WHERE stream = '{stream}' AND type = '{t}'"
+            ),
+        );
+        rows.first()
+            .map(|r| r[0].clone())
+            .filter(|tp| !tp.is_empty())
+    };
+    wait_until(60, "the reservation is active", dir.path(), || {
+        trace_of("reservation/r1", "reservation.activated").is_some()
+    });
+    let requested =
+        trace_of("reservation/r1", "reservation.requested").expect("the request's traceparent");
+    let placed = trace_of("pool/p", "reservation.placed").expect("the placement's traceparent");
+    let activated = trace_of("reservation/r1", "reservation.activated").unwrap();
+    let trace = events::trace::trace_id(&requested)
+        .expect("a W3C traceparent")
+        .to_string();
+    assert_eq!(
+        events::trace::trace_id(&placed),
+        Some(trace.as_str()),
+        "{requested} {placed}"
+    );
+    assert_eq!(
+        events::trace::trace_id(&activated),
+        Some(trace.as_str()),
+        "{activated}"
+    );
+    assert_ne!(requested, placed, "each step is a span of its own");
+    // The spans of that trace, from both processes, reach the collector.
+    let want = [
+        "reservation.request",
+        "reservation.place",
+        "reservation.bind",
+        "reservation.activate",
+    ];
+    wait_until(30, "every step's span is exported", dir.path(), || {
+        let got = received.traces.lock().unwrap();
+        want.iter()
+            .all(|w| got.iter().any(|(n, t)| n == w && *t == trace))
+    });
+    wait_until(
+        30,
+        "the sink delivered the reservation's events",
+        dir.path(),
+        || delivered.lock().unwrap().len() >= 2,
+    );
+    // The node's Join was a unary call on the gateway: a span of its own;
+    // the sink's deliveries are spans too.
+    wait_until(30, "a sink.deliver span is exported", dir.path(), || {
+        received
+            .spans
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|n| n == "sink.deliver")
+    });
+    let names = received.spans.lock().unwrap().clone();
+    for name in ["placement.batch", "rpc", "sink.deliver"] {
+        assert!(names.iter().any(|n| n == name), "{name}: {names:?}");
+    }
 }

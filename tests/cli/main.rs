@@ -645,7 +645,7 @@ fn dev_starts_a_private_postgres_shows_the_log_and_stops() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-mod otlp {
+pub(crate) mod otlp {
     //! A real OTLP/gRPC receiver, to check what `strata` exports.
     use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
         MetricsService, MetricsServiceServer,
@@ -664,6 +664,8 @@ mod otlp {
     #[derive(Clone, Default)]
     pub struct Received {
         pub spans: Arc<Mutex<Vec<String>>>,
+        /// (span name, trace id in hex) of every span.
+        pub traces: Arc<Mutex<Vec<(String, String)>>>,
         pub metrics: Arc<Mutex<Vec<String>>>,
         pub services: Arc<Mutex<Vec<String>>>,
     }
@@ -690,6 +692,10 @@ mod otlp {
                         .extend(service_names(&r.attributes));
                 }
                 for ss in rs.scope_spans {
+                    self.traces.lock().unwrap().extend(ss.spans.iter().map(|s| {
+                        let hex: String = s.trace_id.iter().map(|b| format!("{b:02x}")).collect();
+                        (s.name.clone(), hex)
+                    }));
                     self.spans
                         .lock()
                         .unwrap()
@@ -852,6 +858,38 @@ fn http_get(at: &str, path: &str) -> (u16, String) {
     (code, body.to_string())
 }
 
+/// `strata events check`: every event in the test's log has a type the
+/// reference (`docs/events.md`) declares, on its stream, with its fields;
+/// `written` names the types the test appended itself. Returns the count of
+/// each declared type checked.
+fn events_conform(url: &str, written: &[&str]) -> serde_json::Map<String, serde_json::Value> {
+    let out = strata(&[
+        "events",
+        "check",
+        "--json",
+        "--allow-unknown",
+        "--database-url",
+        url,
+    ]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "events check: {e}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert!(
+        out.status.success() && report["ok"] == true,
+        "the log does not match the event reference: {report:#}"
+    );
+    for t in report["unknown_types"].as_object().unwrap().keys() {
+        assert!(
+            written.contains(&t.as_str()),
+            "{t} is in the log but not in the event reference: {report:#}"
+        );
+    }
+    report["types"].as_object().unwrap().clone()
+}
+
 /// Scrapes `/metrics` at `at` once `/readyz` says ready, checks the text
 /// with Prometheus' own linter (`promtool check metrics`, Debian's
 /// `prometheus` package) and that every family in `families` is there.
@@ -901,4 +939,90 @@ fn scrape_and_lint(at: &str, families: &[&str]) -> String {
     // restart.
     assert!(!text.contains("ephemeral-"), "{text}");
     text
+}
+
+/// `--output json` on every list and show: one JSON object per line for a
+/// list, one object for a show, nothing else on stdout.
+#[test]
+fn every_list_and_show_prints_json_when_asked() {
+    let url = database();
+    ok(&["pool", "create", "p", "--database-url", &url]);
+    ok(&[
+        "pool",
+        "seed",
+        "p",
+        "--nodes",
+        "3",
+        "--gpus",
+        "4",
+        "--database-url",
+        &url,
+    ]);
+    ok(&[
+        "sinks",
+        "create",
+        "h1",
+        "--database-url",
+        &url,
+        "--webhook",
+        "http://127.0.0.1:9/h",
+        "--secret-env",
+        "STRATA_SINK_SECRET_H1",
+    ]);
+    let cases: &[(&[&str], usize)] = &[
+        (&["pools"], 1),
+        (&["pool", "show", "p", "--nodes"], 1),
+        (&["nodes", "list"], 0),
+        (&["commands", "list"], 0),
+        (&["sinks", "list"], 1),
+        (&["sinks", "show", "h1"], 1),
+        (&["sinks", "parked", "list", "h1"], 0),
+        (&["ca", "revoked"], 0),
+        (&["audit", "users", "list"], 0),
+        (&["partitions", "list"], 2),
+        (&["slots", "list"], 0),
+        (&["tokens", "list"], 0),
+        (&["grants", "list"], 0),
+        (&["roles", "list"], 0),
+    ];
+    for (args, at_least) in cases {
+        let mut full: Vec<&str> = args.to_vec();
+        full.extend(["--database-url", &url, "--output", "json"]);
+        let out = ok(&full);
+        let objects = lines(&out);
+        assert!(objects.len() >= *at_least, "{args:?}: {out}");
+        assert_eq!(
+            objects.len(),
+            out.lines().count(),
+            "{args:?}: only JSON lines: {out}"
+        );
+        for o in &objects {
+            assert!(o.is_object(), "{args:?}: {o}");
+        }
+    }
+    let show = lines(&ok(&[
+        "pool",
+        "show",
+        "p",
+        "--nodes",
+        "--database-url",
+        &url,
+        "--output",
+        "json",
+    ]));
+    assert_eq!(show[0]["nodes"], 3);
+    assert_eq!(show[0]["classes"][0]["gpus"], 12);
+    assert_eq!(show[0]["node_list"].as_array().unwrap().len(), 3);
+    let sinks = lines(&ok(&[
+        "sinks",
+        "list",
+        "--database-url",
+        &url,
+        "--output",
+        "json",
+    ]));
+    assert_eq!(sinks[0]["name"], "h1");
+    assert_eq!(sinks[0]["paused"], false);
+    // The text tables are still the default.
+    assert!(ok(&["pools", "--database-url", &url]).starts_with("POOL"));
 }

@@ -389,6 +389,7 @@ fn reserve_release_pools_and_the_replay_check() {
         &url,
         "--force",
     ]);
+    super::events_conform(&url, &[]);
 }
 
 #[test]
@@ -636,11 +637,131 @@ fn sinks_commands_define_list_pause_and_refuse_bad_input() {
     ] {
         assert!(log.contains(t), "{t} missing: {log}");
     }
+    // Deleting again does nothing and says so; a deleted sink is not there
+    // to pause; its name can be used again, from the new definition's start.
+    let again = ok(&["sinks", "delete", "h1", "--database-url", &url]);
+    assert!(again.contains("deleted already"), "{again}");
+    let deleted = super::gateway::query(
+        &url,
+        "SELECT count(*)::text FROM strata.events WHERE stream = 'sink/h1' AND type = 'sink.deleted'",
+    );
+    assert_eq!(
+        deleted[0][0], "1",
+        "one sink.deleted however often it is deleted"
+    );
+    let out = super::strata(&["sinks", "pause", "h1", "--database-url", &url]);
+    assert_eq!(out.status.code(), Some(6), "a deleted sink is not found");
+    let err = fails(&[
+        "sinks",
+        "create",
+        "h1",
+        "--database-url",
+        &url,
+        "--webhook",
+        "http://127.0.0.1:9/h",
+        "--secret-env",
+        "STRATA_SINK_SECRET_H1",
+        "--retry-base",
+        "0s",
+    ]);
+    assert!(err.contains("retry backoff"), "{err}");
+    ok(&[
+        "sinks",
+        "create",
+        "h1",
+        "--database-url",
+        &url,
+        "--webhook",
+        "http://127.0.0.1:9/h",
+        "--secret-env",
+        "STRATA_SINK_SECRET_H1",
+        "--from",
+        "now",
+        "--retry-base",
+        "1s",
+        "--retry-cap",
+        "5s",
+    ]);
+    let shown: serde_json::Value =
+        serde_json::from_str(&ok(&["sinks", "show", "h1", "--database-url", &url])).unwrap();
+    assert_eq!(shown["paused"], false, "{shown}");
+    assert_eq!(
+        shown["cursor"],
+        serde_json::Value::Null,
+        "none of the old cursor: {shown}"
+    );
+    assert_eq!(shown["config"]["start"], "now", "{shown}");
+    assert_eq!(
+        shown["config"]["retry"],
+        serde_json::json!({"base_ms": 1000, "cap_ms": 5000})
+    );
+    let err = fails(&[
+        "sinks",
+        "create",
+        "h1",
+        "--database-url",
+        &url,
+        "--webhook",
+        "http://127.0.0.1:9/h",
+        "--secret-env",
+        "STRATA_SINK_SECRET_H1",
+    ]);
+    assert!(
+        err.contains("already exists"),
+        "a live sink's name is taken: {err}"
+    );
+
+    // NATS: a stream nobody created is an error at create, unless asked to
+    // create it; a second sink on the same subjects finds it.
+    let nats_url =
+        std::env::var("STRATA_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let prefix = format!("strata_cli_{}", std::process::id());
+    let nats = |name: &str, extra: &[&str]| {
+        let mut args = vec![
+            "sinks",
+            "create",
+            name,
+            "--database-url",
+            &url,
+            "--nats",
+            &nats_url,
+            "--subject-prefix",
+            &prefix,
+        ];
+        args.extend_from_slice(extra);
+        super::strata(&args)
+    };
+    let out = nats("n1", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("no JetStream stream") && err.contains("--create-stream"),
+        "{err}"
+    );
+    assert!(
+        !ok(&["sinks", "list", "--database-url", &url]).contains("n1"),
+        "not defined"
+    );
+    let out = nats("n1", &["--create-stream"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("created the JetStream stream {prefix}")),
+        "{err}"
+    );
+    let out = nats("n2", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("JetStream stream {prefix} stores")),
+        "{err}"
+    );
+    super::events_conform(&url, &[]);
 }
 
 /// A minimal HTTP/1.1 receiver on a thread: records the positions of every
 /// event POSTed to it, in arrival order, and answers 200.
-fn http_receiver() -> (String, std::sync::Arc<std::sync::Mutex<Vec<u64>>>) {
+pub(crate) fn http_receiver() -> (String, std::sync::Arc<std::sync::Mutex<Vec<u64>>>) {
     use std::io::{BufRead, BufReader, Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/hook", listener.local_addr().unwrap());
@@ -854,6 +975,7 @@ fn a_sinks_process_killed_mid_stream_loses_nothing() {
     for slot in ["sinks_a", "sinks_b"] {
         ok(&["slots", "drop", slot, "--database-url", &url, "--force"]);
     }
+    super::events_conform(&url, &["load.tick"]);
 }
 
 #[test]
@@ -1355,6 +1477,7 @@ fn operators_cordon_drain_uncordon_and_clear_health() {
         &url,
         "--force",
     ]);
+    super::events_conform(&url, &[]);
 }
 
 #[test]
@@ -1423,6 +1546,7 @@ fn roles_are_set_listed_and_removed_and_bad_ones_refused() {
     assert!(err.contains("nobody has no role"), "{err}");
     let listed = lines(&ok(&["roles", "list", "--json", "--database-url", &url]));
     assert_eq!(listed.len(), 1, "{listed:?}");
+    super::events_conform(&url, &[]);
 }
 
 /// A placer process and the CLI against a primary and its streaming

@@ -443,6 +443,7 @@ pub async fn start(o: &Options) -> Result<Region> {
             start: "start".into(),
             batch_max: 1000,
             max_attempts: 100,
+            retry: None,
         },
     )
     .await?;
@@ -468,6 +469,7 @@ pub async fn start(o: &Options) -> Result<Region> {
                     start: "start".into(),
                     batch_max: 1000,
                     max_attempts: 100,
+                    retry: None,
                 },
             )
             .await?;

@@ -515,7 +515,7 @@ pub async fn gateway_kill(r: &mut Region, o: &Options) -> Result<serde_json::Val
     let c = r.client().await?;
     let unreachable: i64 = c
         .query_one(
-            "SELECT count(*) FROM strata.events WHERE type = 'node.unreachable'
+            "SELECT count(*) FROM strata.events WHERE type = 'node.marked_unreachable'
                 AND recorded_at >= to_timestamp($1)",
             &[&unix(t)],
         )

@@ -527,14 +527,14 @@ async fn heartbeats_become_transitions_and_a_newer_session_fences_the_older() {
     })
     .await;
     assert_eq!(
-        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.unreachable'").await,
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.marked_unreachable'").await,
         0,
         "the fenced owner wrote nothing"
     );
     // b writes the transition when the node goes quiet.
     n.stop().await.unwrap();
     eventually(20, "b marks n1 unreachable", || async {
-        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.unreachable'").await == 1
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.marked_unreachable'").await == 1
     })
     .await;
     a.stop().await.unwrap();
@@ -1333,7 +1333,7 @@ async fn xid_and_ecc_conditions_reach_the_pool_and_make_the_device_unschedulable
     // Statuses are written when they change: ready, then degraded.
     eventually(20, "the degraded status is written", || async {
         r.count(
-            "SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.status'",
+            "SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.status_reported'",
         )
         .await
             == 2
@@ -1343,7 +1343,7 @@ async fn xid_and_ecc_conditions_reach_the_pool_and_make_the_device_unschedulable
     let states: Vec<String> = r
         .client
         .query(
-            "SELECT payload->>'state' FROM strata.events WHERE stream = 'node/n1' AND type = 'node.status' ORDER BY version",
+            "SELECT payload->>'state' FROM strata.events WHERE stream = 'node/n1' AND type = 'node.status_reported' ORDER BY version",
             &[],
         )
         .await
@@ -1601,7 +1601,7 @@ async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() 
         1
     );
     assert_eq!(
-        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.unreachable'").await,
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.marked_unreachable'").await,
         0,
         "not marked unreachable: its heartbeats are not overdue yet"
     );

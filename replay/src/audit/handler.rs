@@ -1,5 +1,5 @@
 //! pgwire's side: start-up and authentication, then simple and extended
-//! queries, each recorded as an `audit.query` event before it runs.
+//! queries, each recorded as an `audit.query_recorded` event before it runs.
 
 use crate::audit::accounts;
 use crate::audit::backend::{Backend, BackendError, Column, Limits, Outcome, TxChange};
@@ -726,6 +726,7 @@ impl Queries {
     /// Runs one recorded statement on the session's PostgreSQL connection,
     /// passes its notices on, and watches the auditor's transaction's age.
     #[allow(clippy::too_many_arguments)]
+    #[tracing::instrument(name = "audit.statement", level = "info", skip_all, fields(auditor = %s.auditor, session = %s.id))]
     async fn run<C>(
         &self,
         client: &mut C,
@@ -848,7 +849,7 @@ impl Queries {
             .append(
                 &stream,
                 ExpectedVersion::Any,
-                vec![NewEvent::new("audit.query", &payload)],
+                vec![NewEvent::new("audit.query_recorded", &payload)],
             )
             .await
         {

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!  auditor --pgwire (TLS: SCRAM-SHA-256 or client certificate)--> endpoint
-//!     endpoint --append audit.query on auditor/<name>--> log   (before it runs)
+//!     endpoint --append audit.query_recorded on auditor/<name>--> log   (before it runs)
 //!     endpoint --extended protocol, as the audit role, in a READ ONLY txn--> Postgres
 //! ```
 //!

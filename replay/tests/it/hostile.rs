@@ -282,7 +282,7 @@ async fn plaintext_is_refused_where_tls_is_configured_and_the_record_names_the_t
         .db
         .query(
             "SELECT (payload->>'tls')::boolean FROM strata.events
-              WHERE stream = 'auditor/alice' AND type = 'audit.query'",
+              WHERE stream = 'auditor/alice' AND type = 'audit.query_recorded'",
             &[],
         )
         .await
@@ -303,7 +303,7 @@ async fn plaintext_is_refused_where_tls_is_configured_and_the_record_names_the_t
         .db
         .query_one(
             "SELECT (payload->>'tls')::boolean FROM strata.events
-              WHERE stream = 'auditor/alice' AND type = 'audit.query'",
+              WHERE stream = 'auditor/alice' AND type = 'audit.query_recorded'",
             &[],
         )
         .await

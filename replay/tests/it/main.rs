@@ -121,7 +121,7 @@ impl Env {
         self.db
             .query(
                 "SELECT payload->>'sql' FROM strata.events
-                  WHERE stream = $1 AND type = 'audit.query' ORDER BY position",
+                  WHERE stream = $1 AND type = 'audit.query_recorded' ORDER BY position",
                 &[&format!("auditor/{auditor}")],
             )
             .await

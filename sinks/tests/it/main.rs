@@ -143,6 +143,7 @@ fn webhook_sink(
         start: "start".into(),
         batch_max,
         max_attempts,
+        retry: None,
     }
 }
 
@@ -295,7 +296,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     assert_eq!(sinks.stats.alerts.load(Ordering::Relaxed), 1);
     let alerts: i64 = client
         .query_one(
-            "SELECT count(*) FROM strata.events WHERE stream = 'sink/hook' AND type = 'sink.alert'",
+            "SELECT count(*) FROM strata.events WHERE stream = 'sink/hook' AND type = 'sink.alerted'",
             &[],
         )
         .await
@@ -321,6 +322,50 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
         .await
         .unwrap();
     assert!(config::list(&client).await.unwrap().is_empty());
+
+    // The name again, while the sinks process runs: a new sink from its own
+    // start (now), with none of the old one's cursor or parked events.
+    eventually(10, "the deleted sink's worker stops", || async {
+        sinks.stats.workers.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    let mut admin = events::db::connect(&cfg, "test").await.unwrap();
+    let again = SinkConfig {
+        start: "now".into(),
+        ..webhook_sink("hook", &url, "STRATA_SINK_SECRET_TEST", "pool/", 7, 3)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match config::create_in(&mut admin, &again).await {
+            Ok(()) => break,
+            Err(e) if e.to_string().contains("still being stopped") => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the old subscription stays held"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(parked::list(&client, "hook").await.unwrap().is_empty());
+    let err = config::create_in(&mut admin, &again).await.unwrap_err();
+    assert!(err.to_string().contains("already exists"), "{err}");
+    eventually(10, "the new sink's worker starts", || async {
+        sinks.stats.workers.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    let before = rx.positions.lock().unwrap().len();
+    let fresh = append(&appender, "pool/a", 3).await;
+    eventually(30, "the new sink delivers", || async {
+        rx.positions.lock().unwrap().len() >= before + 3
+    })
+    .await;
+    assert_eq!(
+        rx.positions.lock().unwrap()[before..],
+        fresh[..],
+        "only what came after it"
+    );
     sinks.stop().await;
 }
 
@@ -365,6 +410,7 @@ async fn a_nats_sink_stores_each_event_once_in_jetstream() {
         start: "start".into(),
         batch_max: 16,
         max_attempts: 3,
+        retry: None,
     };
     config::create(&appender, &sink("js")).await.unwrap();
     let mut rc = ReaderConfig::new(format!("sink_n_{}", std::process::id()));

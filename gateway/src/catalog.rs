@@ -1,0 +1,148 @@
+//! The event reference for what gateways write about nodes, certificates,
+//! grants and roles (see `events::catalog`). The CLI tests check the events
+//! real gateways wrote against it.
+
+use events::catalog::{opt, req, EventSpec, Ty};
+
+const NODE: events::catalog::Field = req("node", Ty::String, "The node's id.");
+
+/// Every event the gateway crate writes.
+pub const EVENTS: &[EventSpec] = &[
+    EventSpec {
+        event_type: "node.certificate_issued",
+        stream: "node/<node>",
+        written_by: "the gateway, on a join",
+        about: "The node spent a join token and got its first certificate for this pool.",
+        fields: &[
+            NODE,
+            req("pool", Ty::String, "The pool the node joins."),
+            req("serial", Ty::String, "The certificate's serial number (hex)."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: "node.certificate_renewed",
+        stream: "node/<node>",
+        written_by: "the gateway, when a node renews",
+        about: "The node has a new certificate; the one it follows stays valid until it expires.",
+        fields: &[
+            NODE,
+            req("pool", Ty::String, "The node's pool."),
+            req("serial", Ty::String, "The new certificate's serial number (hex)."),
+            req("follows", Ty::String, "The serial of the certificate it renews."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: "node.revoked",
+        stream: "node/<node>",
+        written_by: "operators (`strata nodes revoke`, the client API)",
+        about: "Every certificate of the node is revoked; committed with `node.left` (reason `revoked`) on each pool's stream. Gateways end its sessions.",
+        fields: &[
+            NODE,
+            req("reason", Ty::String, "Why."),
+            req("certificates", Ty::Integer, "How many certificates were revoked."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: "node.session_opened",
+        stream: "node/<node>",
+        written_by: "the gateway the node connected to",
+        about: "A session with the node opened. It is appended at the stream's exact version, so it takes ownership from any older session: the older owner's later writes are refused.",
+        fields: &[
+            NODE,
+            req("gateway", Ty::String, "The gateway holding the session."),
+            req("generation", Ty::Integer, "The node daemon's start count (grows on every start)."),
+            req("agent_version", Ty::String, "The daemon's version."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: "node.disconnected",
+        stream: "node/<node>",
+        written_by: "the gateway holding the session",
+        about: "The node's side ended the session (it closed the stream, the connection broke); committed with `node.contact_lost` on the pool's stream.",
+        fields: &[NODE, req("gateway", Ty::String, "The gateway that held the session.")],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: "node.marked_unreachable",
+        stream: "node/<node>",
+        written_by: "the gateway holding the session",
+        about: "The session went silent for three heartbeat intervals; committed with `node.contact_lost` on the pool's stream.",
+        fields: &[NODE],
+        formerly: &["node.unreachable"],
+    },
+    EventSpec {
+        event_type: "node.marked_reachable",
+        stream: "node/<node>",
+        written_by: "the gateway holding the session",
+        about: "A node marked unreachable was heard again; committed with `node.contact_restored` on the pool's stream.",
+        fields: &[NODE],
+        formerly: &["node.reachable"],
+    },
+    EventSpec {
+        event_type: "node.status_reported",
+        stream: "node/<node>",
+        written_by: "the gateway holding the session, when the node's status changes",
+        about: "The node daemon's own state.",
+        fields: &[
+            NODE,
+            req("state", Ty::String, "The daemon's state, e.g. `ready`."),
+            req("detail", Ty::String, "Free text."),
+        ],
+        formerly: &["node.status"],
+    },
+    EventSpec {
+        event_type: "certificate.revoked",
+        stream: "<kind>/<name> (node/, operator/, auditor/) or certificate/<serial>",
+        written_by: "operators (`strata ca revoke`)",
+        about: "One certificate is revoked; every gateway and the audit endpoint refuse it from then on.",
+        fields: &[
+            req("serial", Ty::String, "The certificate's serial number (hex)."),
+            opt("kind", Ty::String, "Whose: `operator`, `auditor` (null when only the serial was given)."),
+            opt("name", Ty::String, "The holder's name (null when only the serial was given)."),
+            req("reason", Ty::String, "Why."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: "grant.set",
+        stream: "grant/<caller>",
+        written_by: "admins (`strata grants set`, the client API)",
+        about: "What an operator certificate may read through the API's Subscribe; replaces the caller's grant.",
+        fields: &[
+            req("stream_prefixes", Ty::Array, "Stream prefixes it may read (strings); empty: none."),
+            opt("types", Ty::Array, "Event types it may read (strings); empty: every type within the prefixes."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: "grant.revoked",
+        stream: "grant/<caller>",
+        written_by: "admins (`strata grants remove`)",
+        about: "The caller's grant is gone: its Subscribe streams get nothing more.",
+        fields: &[],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: "role.set",
+        stream: "role/<operator>",
+        written_by: "admins (`strata roles set`, the client API)",
+        about: "What the operator may do through the client API; replaces the operator's role.",
+        fields: &[
+            req("role", Ty::String, "`admin`, `operator` or `viewer`."),
+            opt("pools", Ty::Array, "The pools an `operator` acts in (strings); empty for the others."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: "role.removed",
+        stream: "role/<operator>",
+        written_by: "admins (`strata roles remove`)",
+        about: "The operator has no role: the client API refuses it.",
+        fields: &[],
+        formerly: &[],
+    },
+];
