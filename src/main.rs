@@ -103,6 +103,9 @@ enum Command {
         #[arg(long, default_value = "")]
         reason: String,
     },
+    /// Reservations: where each stands, and why one waits
+    #[command(subcommand)]
+    Reservations(ReservationsCmd),
     /// List pools with their nodes and free and booked GPUs by class
     Pools {
         #[command(flatten)]
@@ -145,6 +148,25 @@ enum Command {
     /// Configuration files for `serve --config`
     #[command(subcommand)]
     Config(ConfigCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ReservationsCmd {
+    /// One reservation: its request, its phase, its devices once placed; while it waits, why (the placer's reason, how many requests are ahead of it in its pool, the GPUs they ask for) and its earliest start from the live reservations' expiries. Exit 6 if there is no such reservation
+    Show {
+        #[command(flatten)]
+        db: Db,
+        /// The reservation's id
+        id: String,
+    },
+    /// Reservations waiting or live, in the order each pool's placer tries them
+    List {
+        #[command(flatten)]
+        db: Db,
+        /// Only this pool
+        #[arg(long)]
+        pool: Option<String>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -1137,6 +1159,7 @@ fn main() -> ExitCode {
             Command::Reserve(a) => placement::reserve(a).await,
             Command::Release { db, id, reason } => placement::release(&db, &id, &reason).await,
             Command::Pools { db } => placement::pools(&db).await,
+            Command::Reservations(c) => placement::reservations(c).await,
             Command::Pool(c) => placement::pool(c).await,
             Command::Replay(c) => placement::replay(c).await,
             Command::Ca(c) => nodes::ca(c).await,

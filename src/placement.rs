@@ -203,6 +203,170 @@ fn counts(index: &Index, pool: &str) -> Counts {
     }
 }
 
+/// Unix milliseconds now.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A reservation of the index as JSON, with its standing while it waits.
+fn reservation_json(
+    index: &Index,
+    r: &projections::index::Reservation,
+    now: u64,
+) -> serde_json::Value {
+    let id = &r.request.reservation;
+    let mut out = serde_json::json!({
+        "reservation": id,
+        "pool": r.request.pool,
+        "class": r.request.class,
+        "gpus": r.request.gpus,
+        "shape": r.request.shape,
+        "priority": r.request.priority,
+        "ttl_ms": r.request.ttl_ms,
+        "phase": r.phase.name(),
+        "requested_at_position": r.requested_at,
+    });
+    if r.phase.is_live() {
+        out["allocations"] = serde_json::to_value(&r.allocations).unwrap_or_default();
+        out["placed_at"] = r.placed_at_ms.map(ms_time).into();
+        out["expires_at"] = r.expires_at_ms.map(ms_time).into();
+        out["release_requested"] = r.release_requested.into();
+    }
+    if let Some(s) = projections::waiting::standing(index, id, now) {
+        let mut w = serde_json::to_value(&s).unwrap_or_default();
+        w["earliest_start"] = s.earliest_start_ms.map(ms_time).into();
+        out["waiting"] = w;
+    }
+    out
+}
+
+/// `strata reservations show|list`.
+pub async fn reservations(cmd: crate::ReservationsCmd) -> Result<ExitCode> {
+    let now = now_ms();
+    match cmd {
+        crate::ReservationsCmd::Show { db, id } => {
+            let index = index(&db).await?;
+            let Some(r) = index.reservation(&id) else {
+                // Not live or waiting: ended, or never asked for.
+                let client = connect(&db).await?;
+                let ended: Option<String> = client
+                    .opt(
+                        "SELECT payload->>'outcome' FROM strata.events
+                          WHERE stream = $1 AND type = 'reservation.ended'
+                          ORDER BY version DESC LIMIT 1",
+                        &[&projections::domain::reservation_stream(&id)],
+                    )
+                    .await?
+                    .map(|r| r.get(0));
+                return match ended {
+                    Some(outcome) => {
+                        if crate::exit::json() {
+                            crate::exit::print_json(&serde_json::json!({
+                                "reservation": id, "phase": "ended", "outcome": outcome,
+                            }));
+                        } else {
+                            println!("reservation {id}: ended ({outcome})");
+                        }
+                        Ok(ExitCode::SUCCESS)
+                    }
+                    None => Err(crate::exit::not_found(format!(
+                        "reservation {id:?} does not exist"
+                    ))),
+                };
+            };
+            let out = reservation_json(&index, r, now);
+            if crate::exit::json() {
+                crate::exit::print_json(&out);
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!(
+                "reservation {id}: {} x {} ({}) in pool {}, priority {}",
+                r.request.gpus,
+                r.request.class,
+                r.request.shape,
+                r.request.pool,
+                r.request.priority
+            );
+            println!("  {}", r.phase.name());
+            if r.phase.is_live() {
+                for a in &r.allocations {
+                    println!("  on {}: {}", a.node, a.devices.join(", "));
+                }
+                if let Some(at) = r.expires_at_ms {
+                    println!("  expires at {}", ms_time(at));
+                }
+            }
+            if let Some(s) = projections::waiting::standing(&index, &id, now) {
+                println!(
+                    "  waits: {} (position {} of {} waiting in the pool)",
+                    s.why, s.position, s.waiting
+                );
+                if !s.reason.is_empty() {
+                    println!("  the placer said: {}", s.reason);
+                }
+                println!(
+                    "  {} GPUs of its class free now; {} asked for by the requests ahead of it",
+                    s.free_now, s.ahead_gpus
+                );
+                match s.earliest_start_ms {
+                    Some(at) => println!(
+                        "  earliest start: {} (as live reservations' time runs out; sooner if one is released)",
+                        ms_time(at)
+                    ),
+                    None => println!(
+                        "  earliest start: unknown: the live reservations with a time limit do not free enough GPUs of its class"
+                    ),
+                }
+            }
+        }
+        crate::ReservationsCmd::List { db, pool } => {
+            let index = index(&db).await?;
+            let mut all: Vec<_> = index
+                .state()
+                .reservations
+                .values()
+                .filter(|r| pool.as_ref().is_none_or(|p| *p == r.request.pool))
+                .collect();
+            // Live first, then waiting in the order they are tried.
+            all.sort_by_key(|r| {
+                (
+                    r.request.pool.clone(),
+                    !r.phase.is_live(),
+                    std::cmp::Reverse(r.request.priority),
+                    r.requested_at,
+                )
+            });
+            if crate::exit::json() {
+                for r in all {
+                    crate::exit::print_json(&reservation_json(&index, r, now));
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!(
+                "{:<36} {:<16} {:<14} {:>5} {:>8} {:<8}  WHY",
+                "RESERVATION", "POOL", "CLASS", "GPUS", "PRIORITY", "PHASE"
+            );
+            for r in all {
+                let why = projections::waiting::standing(&index, &r.request.reservation, now)
+                    .map(|s| s.why)
+                    .unwrap_or_default();
+                println!(
+                    "{:<36} {:<16} {:<14} {:>5} {:>8} {:<8}  {why}",
+                    r.request.reservation,
+                    r.request.pool,
+                    r.request.class,
+                    r.request.gpus,
+                    r.request.priority,
+                    r.phase.name()
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub async fn pools(db: &Db) -> Result<ExitCode> {
     let index = index(db).await?;
     if crate::exit::json() {

@@ -17,6 +17,7 @@ pub mod snapshot;
 pub mod standing;
 pub mod testing;
 pub mod views;
+pub mod waiting;
 
 pub use domain::{Allocation, DeviceSpec, Fact, Request, Shape};
 pub use index::{ApplyError, Index, Phase, State, Violation};

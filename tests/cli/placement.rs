@@ -1668,3 +1668,122 @@ fn a_command_behind_a_held_lock_fails_after_the_statement_timeout_and_says_why()
     let help = ok(&["nodes", "list", "--help"]);
     assert!(help.contains("--statement-timeout"), "{help}");
 }
+
+/// `strata reservations show` says why a reservation waits: how many
+/// requests are ahead of it, what the placer said, and its earliest start
+/// from the live reservations' expiries; then that it was placed, and how
+/// an ended one ended.
+#[test]
+fn reservations_show_why_one_waits_and_where_it_stands() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    ok(&["pool", "create", "gpu", "--database-url", &url]);
+    ok(&[
+        "pool",
+        "seed",
+        "gpu",
+        "--nodes",
+        "1",
+        "--gpus",
+        "8",
+        "--database-url",
+        &url,
+    ]);
+    let _placer = crate::gateway::Killed(placer(&url, "w1", &dir.path().join("placer.log")));
+    let show = |id: &str| -> serde_json::Value {
+        serde_json::from_str(&ok(&[
+            "reservations",
+            "show",
+            id,
+            "--database-url",
+            &url,
+            "--output",
+            "json",
+        ]))
+        .unwrap()
+    };
+    // The node is full for an hour.
+    ok(&reserve_args(
+        &url,
+        &["--gpus", "8", "--id", "big", "--ttl", "1h", "--wait"],
+    ));
+    let big = show("big");
+    assert_eq!(big["phase"], "placed", "{big}");
+    assert_eq!(
+        big["allocations"][0]["devices"].as_array().unwrap().len(),
+        8
+    );
+    // Two wait behind it, the higher priority first.
+    ok(&reserve_args(
+        &url,
+        &["--gpus", "4", "--id", "second", "--priority", "0"],
+    ));
+    ok(&reserve_args(
+        &url,
+        &["--gpus", "6", "--id", "first", "--priority", "5"],
+    ));
+    let queued = |id: &str| wait_for(30, || Some(show(id)).filter(|v| v["phase"] == "queued"));
+    let first = queued("first").expect("first is queued");
+    let second = queued("second").expect("second is queued");
+    assert_eq!(first["waiting"]["position"], 1, "{first}");
+    assert_eq!(first["waiting"]["ahead"], 0);
+    assert_eq!(second["waiting"]["position"], 2, "{second}");
+    assert_eq!(second["waiting"]["ahead"], 1);
+    assert_eq!(second["waiting"]["ahead_gpus"], 6);
+    assert!(
+        second["waiting"]["why"]
+            .as_str()
+            .unwrap()
+            .contains("behind 1 request"),
+        "{second}"
+    );
+    assert!(
+        !first["waiting"]["reason"].as_str().unwrap().is_empty(),
+        "the placer's words: {first}"
+    );
+    assert_eq!(first["waiting"]["free_now"], 0);
+    // The first can start when the big one's hour is up; the second not
+    // even then (the first takes 6 of the 8), and nothing else ends.
+    assert_eq!(
+        first["waiting"]["earliest_start"], big["expires_at"],
+        "{first} {big}"
+    );
+    assert_eq!(
+        second["waiting"]["earliest_start"],
+        serde_json::Value::Null,
+        "{second}"
+    );
+    let text = ok(&["reservations", "show", "second", "--database-url", &url]);
+    assert!(
+        text.contains("behind 1 request") && text.contains("earliest start"),
+        "{text}"
+    );
+    let list = lines(&ok(&[
+        "reservations",
+        "list",
+        "--database-url",
+        &url,
+        "--output",
+        "json",
+    ]));
+    let order: Vec<&str> = list
+        .iter()
+        .map(|r| r["reservation"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        order,
+        ["big", "first", "second"],
+        "live first, then in the order tried"
+    );
+    // Released, the big one ends and the first takes its place.
+    ok(&["release", "big", "--database-url", &url]);
+    let placed = wait_for(30, || {
+        Some(show("first")).filter(|v| v["phase"] == "placed")
+    });
+    assert!(placed.is_some(), "first placed after the release");
+    let ended =
+        wait_for(30, || Some(show("big")).filter(|v| v["phase"] == "ended")).expect("big ended");
+    assert_eq!(ended["outcome"], "released");
+    let out = strata(&["reservations", "show", "nope", "--database-url", &url]);
+    assert_eq!(out.status.code(), Some(6));
+}

@@ -1,0 +1,113 @@
+//! Why a reservation waits: its place in its pool's queue, the reason the
+//! placer gave, and when it could start at the earliest, from the index
+//! alone (what `strata reservations show` and the client API report).
+
+use crate::index::{Index, Phase, Reservation};
+use std::cmp::Reverse;
+
+/// Where a waiting reservation stands.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Standing {
+    /// `pending` (not tried yet) or `queued` (tried, waiting).
+    pub phase: &'static str,
+    /// What the placer said when it queued it (empty before it tried).
+    pub reason: String,
+    /// 1 for the next request its pool's placer tries.
+    pub position: usize,
+    /// Requests tried before it (higher priority, or asked earlier).
+    pub ahead: usize,
+    /// GPUs of its class that those requests ask for.
+    pub ahead_gpus: u64,
+    /// Requests waiting in its pool.
+    pub waiting: usize,
+    /// GPUs of its class free now and schedulable.
+    pub free_now: u64,
+    /// The earliest time (Unix ms) at which enough GPUs of its class are
+    /// free for it and every request ahead of it, counting only the live
+    /// reservations whose time runs out; `None` when those never free
+    /// enough. A lower bound: releases make it sooner, shapes later.
+    pub earliest_start_ms: Option<u64>,
+    /// Why it waits, in a phrase: `behind N requests`, `waiting for
+    /// capacity`, `the shape cannot be met now`.
+    pub why: String,
+}
+
+/// The standing of reservation `id`, if it waits.
+pub fn standing(index: &Index, id: &str, now_ms: u64) -> Option<Standing> {
+    let r = index.reservation(id)?;
+    if !matches!(r.phase, Phase::Pending | Phase::Queued) {
+        return None;
+    }
+    let pool = &r.request.pool;
+    let me = (Reverse(r.request.priority), r.requested_at, id.to_string());
+    let q = index.queues(pool)?;
+    let waiting = q.pending.len() + q.queued.len();
+    let ahead_keys: Vec<_> = q
+        .pending
+        .iter()
+        .chain(q.queued.iter())
+        .filter(|k| **k < me)
+        .collect();
+    let ahead = ahead_keys.len();
+    let ahead_gpus: u64 = ahead_keys
+        .iter()
+        .filter_map(|k| index.reservation(&k.2))
+        .filter(|o| o.request.class == r.request.class)
+        .map(|o| o.request.gpus as u64)
+        .sum();
+    let free_now = index.class(pool, &r.request.class).map_or(0, |c| c.free);
+    let need = ahead_gpus + r.request.gpus as u64;
+    let earliest_start_ms = earliest(index, r, need, free_now, now_ms);
+    let why = if ahead > 0 {
+        format!("behind {ahead} request(s) in pool {pool}")
+    } else if free_now >= r.request.gpus as u64 && r.phase == Phase::Queued {
+        "the shape cannot be met now: enough GPUs are free, but not where it needs them".into()
+    } else if r.phase == Phase::Pending {
+        "not tried yet".into()
+    } else {
+        "waiting for capacity".into()
+    };
+    Some(Standing {
+        phase: r.phase.name(),
+        reason: r.reason.clone(),
+        position: ahead + 1,
+        ahead,
+        ahead_gpus,
+        waiting,
+        free_now,
+        earliest_start_ms,
+        why,
+    })
+}
+
+/// When `need` GPUs of `r`'s class are free at the earliest: now if they
+/// are, else at the expiry of the live reservation whose end frees the
+/// last of them.
+fn earliest(index: &Index, r: &Reservation, need: u64, free_now: u64, now_ms: u64) -> Option<u64> {
+    if free_now >= need {
+        return Some(now_ms);
+    }
+    let mut ending: Vec<(u64, u64)> = index
+        .state()
+        .reservations
+        .values()
+        .filter(|o| {
+            o.request.pool == r.request.pool
+                && o.request.class == r.request.class
+                && o.phase.is_live()
+        })
+        .filter_map(|o| {
+            let gpus: usize = o.allocations.iter().map(|a| a.devices.len()).sum();
+            o.expires_at_ms.map(|at| (at, gpus as u64))
+        })
+        .collect();
+    ending.sort_unstable();
+    let mut free = free_now;
+    for (at, gpus) in ending {
+        free += gpus;
+        if free >= need {
+            return Some(at.max(now_ms));
+        }
+    }
+    None
+}
