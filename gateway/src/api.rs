@@ -2,9 +2,10 @@
 
 use crate::api_proto::{
     api_server, subscribe_message, Allocation, CommandStatus, GetCommandRequest,
-    IssueCommandRequest, ListNodesRequest, ListNodesResponse, ListPoolsRequest, ListPoolsResponse,
-    Node, NodeStandingRequest, NodeStandingResponse, Pool, PoolClass, ReleaseRequest,
-    ReleaseResponse, Reservation, ReserveRequest, SubscribeMessage, SubscribedEvent,
+    GetReservationRequest, IssueCommandRequest, ListNodesRequest, ListNodesResponse,
+    ListPoolsRequest, ListPoolsResponse, Node, NodeStandingRequest, NodeStandingResponse, Pool,
+    PoolClass, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest, SubscribeMessage,
+    SubscribedEvent, Waiting,
 };
 use crate::revocation;
 use crate::roles::Need;
@@ -430,6 +431,85 @@ impl api_server::Api for ApiService {
             }
         }
         Ok(Response::new(out))
+    }
+
+    async fn get_reservation(
+        &self,
+        req: Request<GetReservationRequest>,
+    ) -> Result<Response<Reservation>, Status> {
+        authorized(&self.shared, &req, Need::Read).await?;
+        let id = req.into_inner().id;
+        let client = self.db().await?;
+        let mut index = self.shared.pools.lock().await;
+        projections::projector::catch_up(
+            &client,
+            &mut index,
+            |v| {
+                tracing::warn!(violation = %v, "the log breaks an invariant");
+                true
+            },
+            |_| {},
+        )
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+        if let Some(r) = index.reservation(&id) {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            let waiting = projections::waiting::standing(&index, &id, now).map(|s| Waiting {
+                why: s.why,
+                position: s.position as u32,
+                ahead: s.ahead as u32,
+                ahead_gpus: s.ahead_gpus,
+                waiting: s.waiting as u32,
+                free_now: s.free_now,
+                earliest_start_ms: s.earliest_start_ms.unwrap_or(0),
+            });
+            let state = match r.phase {
+                projections::index::Phase::Pending => "requested",
+                other => other.name(),
+            };
+            return Ok(Response::new(Reservation {
+                id,
+                state: state.into(),
+                reason: r.reason.clone(),
+                allocations: r
+                    .allocations
+                    .iter()
+                    .map(|a| Allocation {
+                        node: a.node.clone(),
+                        devices: a.devices.clone(),
+                    })
+                    .collect(),
+                waiting,
+            }));
+        }
+        drop(index);
+        // Not live or waiting: how it ended, if it was ever asked for.
+        let ended: Option<String> = client
+            .opt(
+                "SELECT payload->>'outcome' FROM strata.events
+                  WHERE stream = $1 AND type = 'reservation.ended'
+                  ORDER BY version DESC LIMIT 1",
+                &[&projections::domain::reservation_stream(&id)],
+            )
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?
+            .map(|r| r.get(0));
+        match ended {
+            Some(outcome) => Ok(Response::new(Reservation {
+                id,
+                state: if outcome == "rejected" {
+                    "unschedulable".into()
+                } else {
+                    outcome
+                },
+                ..Reservation::default()
+            })),
+            None => Err(Status::not_found(format!(
+                "reservation {id:?} does not exist"
+            ))),
+        }
     }
 
     async fn release(

@@ -1105,6 +1105,62 @@ async fn the_client_api_serves_operators_only() {
     assert_eq!(placed.state, "placed", "{placed:?}");
     assert_eq!(placed.allocations[0].node, "n1");
     assert_eq!(placed.allocations[0].devices.len(), 2);
+    // GetReservation says why one waits: 8 GPUs asked for, 6 free, nothing
+    // with a time limit to free more.
+    api.reserve(ReserveRequest {
+        id: "api-wait".into(),
+        pool: "p".into(),
+        class: "H100-80GB".into(),
+        gpus: 8,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let get = |id: &str| GetReservationRequest { id: id.into() };
+    let mut waits = None;
+    for _ in 0..200 {
+        let got = api
+            .get_reservation(get("api-wait"))
+            .await
+            .unwrap()
+            .into_inner();
+        if got.state == "queued" {
+            waits = Some(got);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let waits = waits.expect("api-wait queued");
+    let w = waits
+        .waiting
+        .clone()
+        .expect("a waiting reservation says why");
+    assert_eq!((w.position, w.ahead, w.waiting), (1, 0, 1), "{w:?}");
+    assert_eq!(w.free_now, 6);
+    assert_eq!(w.earliest_start_ms, 0, "nothing live has a time limit");
+    assert!(!waits.reason.is_empty(), "{waits:?}");
+    let live = api
+        .get_reservation(get("api-1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(live.state, "placed");
+    assert!(live.waiting.is_none());
+    api.release(ReleaseRequest {
+        id: "api-wait".into(),
+        reason: "not needed".into(),
+    })
+    .await
+    .unwrap();
+    eventually(20, "api-wait released", || async {
+        let mut api = api.clone();
+        api.get_reservation(get("api-wait"))
+            .await
+            .is_ok_and(|g| g.into_inner().state == "released")
+    })
+    .await;
+    let err = api.get_reservation(get("nope")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
     // Two binders, started after the placement (so the one that takes the
     // lease finds it while starting up, with its stream's version): one
     // holds the lease and works, the other waits.
