@@ -98,16 +98,21 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
     eprintln!("requested {id}; waiting for its placement");
     let outcome = tokio::time::timeout(
         args.timeout,
-        client::wait(&mut sub, &id, |reason| eprintln!("queued: {reason}")),
+        client::wait(&mut sub, &id, |reason| {
+            eprintln!("queued: {reason}");
+            // Where it stands, once the log is read (the wait goes on).
+            let (db, id) = (args.db.clone(), id.clone());
+            tokio::spawn(async move { print_standing(&db, &id).await });
+        }),
     )
     .await;
     match outcome {
         Err(_) => {
             eprintln!(
-                "not placed after {}; it stays queued (see `strata pool show {}`)",
+                "not placed after {}; it stays queued (see `strata reservations show {id}`)",
                 humantime::format_duration(args.timeout),
-                args.pool
             );
+            print_standing(&args.db, &id).await;
             Ok(ExitCode::from(crate::exit::TIMED_OUT))
         }
         Ok(r) => match r? {
@@ -201,6 +206,25 @@ fn counts(index: &Index, pool: &str) -> Counts {
             .filter(|r| r.request.pool == pool && r.phase.is_live())
             .count(),
     }
+}
+
+/// Prints where a waiting reservation stands (to stderr); nothing when it
+/// does not wait or the log cannot be read.
+async fn print_standing(db: &Db, id: &str) {
+    let Ok(index) = index(db).await else { return };
+    let Some(s) = projections::waiting::standing(&index, id, now_ms()) else {
+        return;
+    };
+    eprintln!(
+        "  {}: position {} of {} waiting; {} GPUs of its class asked for ahead of it, {} free; earliest start {}",
+        s.why,
+        s.position,
+        s.waiting,
+        s.ahead_gpus,
+        s.free_now,
+        s.earliest_start_ms
+            .map_or("unknown (nothing live with a time limit frees enough)".into(), ms_time)
+    );
 }
 
 /// Unix milliseconds now.

@@ -1753,6 +1753,21 @@ fn reservations_show_why_one_waits_and_where_it_stands() {
         serde_json::Value::Null,
         "{second}"
     );
+    // A third, asked for with --wait, says where it stands when its wait
+    // runs out.
+    let third = strata(&reserve_args(
+        &url,
+        &["--gpus", "1", "--id", "third", "--wait", "--timeout", "3s"],
+    ));
+    let said = String::from_utf8_lossy(&third.stderr);
+    assert_eq!(third.status.code(), Some(4), "{said}");
+    assert!(
+        said.contains("behind 2 request(s)") && said.contains("position 3 of 3"),
+        "{said}"
+    );
+    ok(&["release", "third", "--database-url", &url]);
+    wait_for(30, || Some(show("third")).filter(|v| v["phase"] == "ended"))
+        .expect("third cancelled");
     let text = ok(&["reservations", "show", "second", "--database-url", &url]);
     assert!(
         text.contains("behind 1 request") && text.contains("earliest start"),
