@@ -321,10 +321,10 @@ pub enum SinksCmd {
         /// Attempts before a batch is parked
         #[arg(long, default_value_t = 8)]
         attempts: u32,
-        /// The first wait between attempts; each later one doubles, up to --retry-cap, and is drawn between half and all of that (default 500ms: with 8 attempts a batch is retried for 45 s to 90 s)
+        /// The first wait between attempts; each later one doubles, up to --retry-cap, and is drawn between half and all of that (default 500ms: with 8 attempts a batch is retried for 22 s to 45 s)
         #[arg(long, value_parser = humantime::parse_duration)]
         retry_base: Option<std::time::Duration>,
-        /// The longest wait between attempts (default 30s)
+        /// The longest wait between attempts (default 10s)
         #[arg(long, value_parser = humantime::parse_duration)]
         retry_cap: Option<std::time::Duration>,
     },

@@ -36,7 +36,7 @@ pub const EVENTS: &[EventSpec] = &[
     EventSpec {
         event_type: "node.revoked",
         stream: "node/<node>",
-        written_by: "operators (`strata nodes revoke`, the client API)",
+        written_by: "operators (`strata nodes revoke`, `strata nodes replace`)",
         about: "Every certificate of the node is revoked; committed with `node.left` (reason `revoked`) on each pool's stream. Gateways end its sessions.",
         fields: &[
             NODE,
@@ -110,7 +110,7 @@ pub const EVENTS: &[EventSpec] = &[
     EventSpec {
         event_type: "grant.set",
         stream: "grant/<caller>",
-        written_by: "admins (`strata grants set`, the client API)",
+        written_by: "admins (`strata grants set`)",
         about: "What an operator certificate may read through the API's Subscribe; replaces the caller's grant.",
         fields: &[
             req("stream_prefixes", Ty::Array, "Stream prefixes it may read (strings); empty: none."),
@@ -129,7 +129,7 @@ pub const EVENTS: &[EventSpec] = &[
     EventSpec {
         event_type: "role.set",
         stream: "role/<operator>",
-        written_by: "admins (`strata roles set`, the client API)",
+        written_by: "admins (`strata roles set`)",
         about: "What the operator may do through the client API; replaces the operator's role.",
         fields: &[
             req("role", Ty::String, "`admin`, `operator` or `viewer`."),

@@ -18,7 +18,7 @@ pub const EVENTS: &[EventSpec] = &[
     EventSpec {
         event_type: "pool.created",
         stream: "pool/<pool>",
-        written_by: "operators (`strata pool create`, the client API)",
+        written_by: "operators (`strata pool create`)",
         about: "A pool exists. Its stream holds everything that changes what can be placed in it; its version is the fence a placer commits against.",
         fields: &[opt("description", Ty::String, "Free text (default empty).")],
         formerly: &["PoolCreated"],
@@ -26,7 +26,7 @@ pub const EVENTS: &[EventSpec] = &[
     EventSpec {
         event_type: "pool.updated",
         stream: "pool/<pool>",
-        written_by: "operators",
+        written_by: "operators (`strata events append`: no command writes it yet)",
         about: "The pool's description changed.",
         fields: &[opt("description", Ty::String, "Free text (default empty).")],
         formerly: &["PoolUpdated"],
@@ -34,7 +34,7 @@ pub const EVENTS: &[EventSpec] = &[
     EventSpec {
         event_type: "node.joined",
         stream: "pool/<pool>",
-        written_by: "the gateway, when a node's session opens in the pool",
+        written_by: "the gateway, when a node's session opens in the pool; `strata pool seed` (simulated fleets)",
         about: "A node joined the pool with this inventory; joining again replaces it.",
         fields: &[NODE, DEVICES],
         formerly: &["NodeJoined"],
@@ -50,7 +50,7 @@ pub const EVENTS: &[EventSpec] = &[
     EventSpec {
         event_type: "node.left",
         stream: "pool/<pool>",
-        written_by: "the gateway (a revoked identity), operators",
+        written_by: "operators (`strata nodes revoke`, `strata nodes replace`, `strata nodes leave`, the client API's RemoveNode)",
         about: "The node is gone from the pool; its capacity goes with it and the placer fails its live reservations (`reservation.failed`).",
         fields: &[NODE, opt("reason", Ty::String, "Why, e.g. `revoked` (absent: it left).")],
         formerly: &["NodeLeft"],
@@ -116,7 +116,7 @@ pub const EVENTS: &[EventSpec] = &[
     EventSpec {
         event_type: "health.cleared",
         stream: "pool/<pool>",
-        written_by: "the gateway",
+        written_by: "the gateway, from the node's report; operators (`strata nodes clear-health`, the client API's ClearNodeHealth)",
         about: "The condition raised by `health.raised` with the same node, device and condition is over.",
         fields: &[
             NODE,

@@ -18,7 +18,7 @@ pub const EVENTS: &[EventSpec] = &[
             opt("start", Ty::String, "`start`, `now` or a position (default `start`)."),
             opt("batch_max", Ty::Integer, "Most events in one delivery (default 500)."),
             opt("max_attempts", Ty::Integer, "Attempts before a batch is parked (default 8)."),
-            opt("retry", Ty::Object, "`{base_ms, cap_ms}`: the wait before attempt n+1 is drawn between half and all of min(base * 2^n, cap) (absent: the sinks process's default, 500 ms and 30 s)."),
+            opt("retry", Ty::Object, "`{base_ms, cap_ms}`: the wait before attempt n+1 is drawn between half and all of min(base * 2^n, cap) (absent: the sinks process's default, 500 ms and 10 s)."),
         ],
         formerly: &[],
     },
