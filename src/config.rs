@@ -23,7 +23,6 @@ const SERVE: &str = "serve";
 pub enum Source {
     File,
     Env,
-    Flag,
     Default,
 }
 
@@ -32,7 +31,6 @@ impl Source {
         match self {
             Source::File => "file",
             Source::Env => "env",
-            Source::Flag => "flag",
             Source::Default => "default",
         }
     }
@@ -252,7 +250,7 @@ struct Setting {
 /// setting with its value and where it came from. Errors name the file and
 /// the key.
 pub fn check(path: &Path, json: bool) -> anyhow::Result<std::process::ExitCode> {
-    let (flags, used) = file_flags(path, &[]).map_err(anyhow::Error::msg)?;
+    let (flags, _) = file_flags(path, &[]).map_err(anyhow::Error::msg)?;
     let mut argv: Vec<OsString> = vec!["strata".into(), SERVE.into()];
     argv.extend(flags);
     let matches = crate::Cli::command()
@@ -279,15 +277,8 @@ pub fn check(path: &Path, json: bool) -> anyhow::Result<std::process::ExitCode> 
         let name = long.replace('-', "_");
         let source = match serve.value_source(id) {
             Some(clap::parser::ValueSource::EnvVariable) => Source::Env,
-            Some(clap::parser::ValueSource::CommandLine) if used.contains(&name) => Source::File,
-            Some(clap::parser::ValueSource::CommandLine) => {
-                // A key written with dashes.
-                if used.iter().any(|u| u.replace('-', "_") == name) {
-                    Source::File
-                } else {
-                    Source::Flag
-                }
-            }
+            // Only the file's settings are on this command line.
+            Some(clap::parser::ValueSource::CommandLine) => Source::File,
             _ => Source::Default,
         };
         let secret = name.contains("url");

@@ -275,16 +275,7 @@ pub async fn reservations(cmd: crate::ReservationsCmd) -> Result<ExitCode> {
             let Some(r) = index.reservation(&id) else {
                 // Not live or waiting: ended, or never asked for.
                 let client = connect(&db).await?;
-                let ended: Option<String> = client
-                    .opt(
-                        "SELECT payload->>'outcome' FROM strata.events
-                          WHERE stream = $1 AND type = 'reservation.ended'
-                          ORDER BY version DESC LIMIT 1",
-                        &[&projections::domain::reservation_stream(&id)],
-                    )
-                    .await?
-                    .map(|r| r.get(0));
-                return match ended {
+                return match projections::requests::outcome(&client, &id).await? {
                     Some(outcome) => {
                         if crate::exit::json() {
                             crate::exit::print_json(&serde_json::json!({
@@ -300,9 +291,8 @@ pub async fn reservations(cmd: crate::ReservationsCmd) -> Result<ExitCode> {
                     ))),
                 };
             };
-            let out = reservation_json(&index, r, now);
             if crate::exit::json() {
-                crate::exit::print_json(&out);
+                crate::exit::print_json(&reservation_json(&index, r, now));
                 return Ok(ExitCode::SUCCESS);
             }
             println!(

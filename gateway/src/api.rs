@@ -174,6 +174,28 @@ impl ApiService {
             .map_err(|e| Status::unavailable(format!("database: {e}")))
     }
 
+    /// The gateway's pool index, brought up to date: only the events since
+    /// the previous call are read (all of them on the first); one caller at
+    /// a time brings it up to date.
+    async fn pools(
+        &self,
+        client: &tokio_postgres::Client,
+    ) -> Result<tokio::sync::MutexGuard<'_, projections::Index>, Status> {
+        let mut index = self.shared.pools.lock().await;
+        projections::projector::catch_up(
+            client,
+            &mut index,
+            |v| {
+                tracing::warn!(violation = %v, "the log breaks an invariant");
+                true
+            },
+            |_| {},
+        )
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(index)
+    }
+
     async fn wait(
         &self,
         key: String,
@@ -440,18 +462,7 @@ impl api_server::Api for ApiService {
         authorized(&self.shared, &req, Need::Read).await?;
         let id = req.into_inner().id;
         let client = self.db().await?;
-        let mut index = self.shared.pools.lock().await;
-        projections::projector::catch_up(
-            &client,
-            &mut index,
-            |v| {
-                tracing::warn!(violation = %v, "the log breaks an invariant");
-                true
-            },
-            |_| {},
-        )
-        .await
-        .map_err(|e| Status::unavailable(e.to_string()))?;
+        let index = self.pools(&client).await?;
         if let Some(r) = index.reservation(&id) {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -486,17 +497,10 @@ impl api_server::Api for ApiService {
         }
         drop(index);
         // Not live or waiting: how it ended, if it was ever asked for.
-        let ended: Option<String> = client
-            .opt(
-                "SELECT payload->>'outcome' FROM strata.events
-                  WHERE stream = $1 AND type = 'reservation.ended'
-                  ORDER BY version DESC LIMIT 1",
-                &[&projections::domain::reservation_stream(&id)],
-            )
+        match requests::outcome(&client, &id)
             .await
-            .map_err(|e| Status::unavailable(e.to_string()))?
-            .map(|r| r.get(0));
-        match ended {
+            .map_err(request_status)?
+        {
             Some(outcome) => Ok(Response::new(Reservation {
                 id,
                 state: if outcome == "rejected" {
@@ -549,20 +553,7 @@ impl api_server::Api for ApiService {
     ) -> Result<Response<ListPoolsResponse>, Status> {
         authorized(&self.shared, &req, Need::Read).await?;
         let client = self.db().await?;
-        // Only the events since the previous call are read (all of them on
-        // the first); one caller at a time brings the index up to date.
-        let mut index = self.shared.pools.lock().await;
-        projections::projector::catch_up(
-            &client,
-            &mut index,
-            |v| {
-                tracing::warn!(violation = %v, "the log breaks an invariant");
-                true
-            },
-            |_| {},
-        )
-        .await
-        .map_err(|e| Status::unavailable(e.to_string()))?;
+        let index = self.pools(&client).await?;
         let mut pools = Vec::new();
         for p in index.state().pools.values().filter(|p| p.created) {
             let q = index.queues(&p.name);

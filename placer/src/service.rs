@@ -532,7 +532,6 @@ fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stat
     }
 }
 
-/// Plans and starts the commit of every pool that is ready.
 /// Keeps the `traceparent` of a request that carries one.
 fn remember_trace(traces: &mut HashMap<String, String>, e: &events::Event) {
     if projections::domain::canonical_type(&e.event_type) != "reservation.requested" {
@@ -546,6 +545,7 @@ fn remember_trace(traces: &mut HashMap<String, String>, e: &events::Event) {
     }
 }
 
+/// Plans and starts the commit of every pool that is ready.
 fn plan_ready(
     index: &mut Index,
     work: &mut HashMap<String, PoolWork>,

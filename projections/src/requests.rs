@@ -103,6 +103,25 @@ pub async fn owner(
     Ok(row.map(|r| r.get(0)))
 }
 
+/// How reservation `id` ended (`released`, `expired`, `rejected` or
+/// `failed`, from its `reservation.ended`); `None` while it lives, or when
+/// there is no such reservation.
+pub async fn outcome(
+    client: &tokio_postgres::Client,
+    id: &str,
+) -> Result<Option<String>, RequestError> {
+    let row = client
+        .opt(
+            "SELECT payload->>'outcome' FROM strata.events
+              WHERE stream = $1 AND type = 'reservation.ended'
+              ORDER BY version DESC LIMIT 1",
+            &[&reservation_stream(id)],
+        )
+        .await
+        .map_err(RequestError::Database)?;
+    Ok(row.map(|r| r.get(0)))
+}
+
 pub async fn release(
     appender: &Appender,
     id: &str,
