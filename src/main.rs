@@ -19,6 +19,7 @@ mod dev;
 mod exit;
 mod nodes;
 mod placement;
+mod queues;
 mod replay_cmd;
 mod telemetry;
 
@@ -106,6 +107,9 @@ enum Command {
     /// Reservations: where each stands, and why one waits
     #[command(subcommand)]
     Reservations(ReservationsCmd),
+    /// Queues: teams' shares of a pool (quotas per GPU class, cohorts that lend unused quota, weights for fair sharing)
+    #[command(subcommand)]
+    Queues(QueuesCmd),
     /// List pools with their nodes and free and booked GPUs by class
     Pools {
         #[command(flatten)]
@@ -148,6 +152,73 @@ enum Command {
     /// Configuration files for `serve --config`
     #[command(subcommand)]
     Config(ConfigCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum QueuesCmd {
+    /// Create a queue in a pool. Once a pool has a queue, it places only requests that name one (reserve --queue); each is admitted when its queue stays within its nominal quota, or borrows within its borrowing limit what its cohort leaves unused. Exit 6 if the pool does not exist
+    Create {
+        #[command(flatten)]
+        db: Db,
+        /// The queue's name (a team), unique within the pool
+        name: String,
+        /// The pool it shares
+        #[arg(long)]
+        pool: String,
+        /// The cohort it lends its unused quota to and borrows from (none: it only uses its own)
+        #[arg(long)]
+        cohort: Option<String>,
+        /// Its weight in fair sharing within the cohort (1 to 1000): weight 2 is served as if it held half of what it holds
+        #[arg(long, default_value_t = 1)]
+        weight: u32,
+        /// Its nominal quota of a GPU class, CLASS=GPUS (repeat for more classes): guaranteed to it, lent to its cohort while unused
+        #[arg(long, value_name = "CLASS=GPUS")]
+        quota: Vec<String>,
+        /// The most it may borrow of a class beyond its quota, CLASS=GPUS (default: whatever its cohort has unused)
+        #[arg(long, value_name = "CLASS=GPUS")]
+        borrowing_limit: Vec<String>,
+    },
+    /// Change a queue: only what is given changes. The change is appended at the pool's version it was read at, so concurrent changes are both kept; waiting requests are tried again under the new quota. Exit 6 if there is no such queue
+    Set {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+        #[arg(long)]
+        pool: String,
+        /// Move it to this cohort
+        #[arg(long, conflicts_with = "no_cohort")]
+        cohort: Option<String>,
+        /// Take it out of its cohort: it neither lends nor borrows
+        #[arg(long)]
+        no_cohort: bool,
+        #[arg(long)]
+        weight: Option<u32>,
+        /// Set the nominal quota of a class, CLASS=GPUS (repeatable)
+        #[arg(long, value_name = "CLASS=GPUS")]
+        quota: Vec<String>,
+        /// Set the borrowing limit of a class, CLASS=GPUS, or CLASS=none for no limit (repeatable)
+        #[arg(long, value_name = "CLASS=GPUS")]
+        borrowing_limit: Vec<String>,
+        /// Remove the quota of a class (repeatable)
+        #[arg(long, value_name = "CLASS")]
+        remove_quota: Vec<String>,
+    },
+    /// Every queue per class: its quota, what it holds, what its waiting requests ask for, and its fair share (the cohort's quota divided by weight among the queues that want it)
+    List {
+        #[command(flatten)]
+        db: Db,
+        /// Only this pool
+        #[arg(long)]
+        pool: Option<String>,
+    },
+    /// One queue: its spec, its waiting requests, its weighted dominant share, and per class what it holds against its quota and fair share. Exit 6 if there is no such queue
+    Show {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+        #[arg(long)]
+        pool: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -715,9 +786,12 @@ pub struct ReserveArgs {
     /// GPUs on each node of a gang
     #[arg(long, requires = "nodes")]
     pub gpus_per_node: Option<u32>,
-    /// Higher places first within a batch
+    /// Higher places first within a batch (in a pool shared by queues: within its queue)
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub priority: i32,
+    /// The queue to be admitted under, in a pool shared by queues (see `strata queues list`)
+    #[arg(long)]
+    pub queue: Option<String>,
     /// Release automatically this long after placement (e.g. 2h)
     #[arg(long, value_parser = humantime::parse_duration)]
     pub ttl: Option<std::time::Duration>,
@@ -1160,6 +1234,7 @@ fn main() -> ExitCode {
             Command::Release { db, id, reason } => placement::release(&db, &id, &reason).await,
             Command::Pools { db } => placement::pools(&db).await,
             Command::Reservations(c) => placement::reservations(c).await,
+            Command::Queues(c) => queues::queues(c).await,
             Command::Pool(c) => placement::pool(c).await,
             Command::Replay(c) => placement::replay(c).await,
             Command::Ca(c) => nodes::ca(c).await,

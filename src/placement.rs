@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-fn appender(db: &Db) -> Result<Appender> {
+pub(crate) fn appender(db: &Db) -> Result<Appender> {
     Ok(Appender::start(config(db)?, AppenderConfig::default()))
 }
 
@@ -71,6 +71,7 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
         ttl_ms: args.ttl.map(|t| t.as_millis() as u64),
         replace_on_failure: args.replace_on_failure,
         replaces: None,
+        queue: args.queue.clone(),
     };
     request
         .validate()
@@ -148,7 +149,7 @@ pub async fn release(db: &Db, id: &str, reason: &str) -> Result<ExitCode> {
 }
 
 /// The index built from the whole log, with progress on a terminal.
-async fn index(db: &Db) -> Result<Index> {
+pub(crate) async fn index(db: &Db) -> Result<Index> {
     index_until(db, None).await
 }
 
@@ -248,6 +249,7 @@ fn reservation_json(
         "gpus": r.request.gpus,
         "shape": r.request.shape,
         "priority": r.request.priority,
+        "queue": r.request.queue,
         "ttl_ms": r.request.ttl_ms,
         "phase": r.phase.name(),
         "requested_at_position": r.requested_at,
@@ -296,11 +298,15 @@ pub async fn reservations(cmd: crate::ReservationsCmd) -> Result<ExitCode> {
                 return Ok(ExitCode::SUCCESS);
             }
             println!(
-                "reservation {id}: {} x {} ({}) in pool {}, priority {}",
+                "reservation {id}: {} x {} ({}) in pool {}{}, priority {}",
                 r.request.gpus,
                 r.request.class,
                 r.request.shape,
                 r.request.pool,
+                r.request
+                    .queue
+                    .as_deref()
+                    .map_or(String::new(), |q| format!(", queue {q}")),
                 r.request.priority
             );
             println!("  {}", r.phase.name());
@@ -314,8 +320,13 @@ pub async fn reservations(cmd: crate::ReservationsCmd) -> Result<ExitCode> {
             }
             if let Some(s) = projections::waiting::standing(&index, &id, now) {
                 println!(
-                    "  waits: {} (position {} of {} waiting in the pool)",
-                    s.why, s.position, s.waiting
+                    "  waits: {} (position {} of {} waiting in the {})",
+                    s.why,
+                    s.position,
+                    s.waiting,
+                    s.queue
+                        .as_deref()
+                        .map_or("pool".to_string(), |q| format!("queue {q}"))
                 );
                 if !s.reason.is_empty() {
                     println!("  the placer said: {}", s.reason);

@@ -1,11 +1,12 @@
 //! The client API (`strata.api.v1`), for holders of an operator certificate.
 
 use crate::api_proto::{
-    api_server, subscribe_message, Allocation, CommandStatus, GetCommandRequest,
-    GetReservationRequest, IssueCommandRequest, ListNodesRequest, ListNodesResponse,
-    ListPoolsRequest, ListPoolsResponse, Node, NodeStandingRequest, NodeStandingResponse, Pool,
-    PoolClass, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest, SubscribeMessage,
-    SubscribedEvent, Waiting,
+    api_server, subscribe_message, Allocation, CommandStatus, ConfigureQueueRequest,
+    GetCommandRequest, GetReservationRequest, IssueCommandRequest, ListNodesRequest,
+    ListNodesResponse, ListPoolsRequest, ListPoolsResponse, ListQueuesRequest, ListQueuesResponse,
+    Node, NodeStandingRequest, NodeStandingResponse, Pool, PoolClass, QueueShare,
+    QueueSpec as ApiQueueSpec, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest,
+    SubscribeMessage, SubscribedEvent, Waiting,
 };
 use crate::revocation;
 use crate::roles::Need;
@@ -91,10 +92,13 @@ async fn still_valid(shared: &Shared, who: &str, serial: &str) -> Result<(), Sta
 fn request_status(e: RequestError) -> Status {
     match e {
         RequestError::Invalid(m) => Status::invalid_argument(m),
-        RequestError::NoSuchPool(_) | RequestError::NotFound(_) | RequestError::NoSuchNode(_) => {
-            Status::not_found(e.to_string())
+        RequestError::NoSuchPool(_)
+        | RequestError::NotFound(_)
+        | RequestError::NoSuchNode(_)
+        | RequestError::NoSuchQueue { .. } => Status::not_found(e.to_string()),
+        RequestError::Exists(_) | RequestError::QueueExists { .. } => {
+            Status::already_exists(e.to_string())
         }
-        RequestError::Exists(_) => Status::already_exists(e.to_string()),
         RequestError::Append(e) => append_status(e),
         RequestError::Database(e) => Status::unavailable(format!("database: {e}")),
     }
@@ -413,6 +417,7 @@ impl api_server::Api for ApiService {
             ttl_ms: (r.ttl_ms > 0).then_some(r.ttl_ms),
             replace_on_failure: r.replace_on_failure,
             replaces: None,
+            queue: (!r.queue.is_empty()).then_some(r.queue),
         };
         let client = self.db().await?;
         // Listen before asking, so the outcome cannot slip past.
@@ -475,6 +480,7 @@ impl api_server::Api for ApiService {
                 waiting: s.waiting as u32,
                 free_now: s.free_now,
                 earliest_start_ms: s.earliest_start_ms.unwrap_or(0),
+                queue: s.queue.unwrap_or_default(),
             });
             let state = match r.phase {
                 projections::index::Phase::Pending => "requested",
@@ -579,6 +585,86 @@ impl api_server::Api for ApiService {
             });
         }
         Ok(Response::new(ListPoolsResponse { pools }))
+    }
+
+    async fn configure_queue(
+        &self,
+        req: Request<ConfigureQueueRequest>,
+    ) -> Result<Response<ApiQueueSpec>, Status> {
+        let who = authorized(&self.shared, &req, Need::Admin("change a pool's queues")).await?;
+        let r = req.into_inner();
+        let Some(given) = r.spec else {
+            return Err(Status::invalid_argument("give the queue's spec"));
+        };
+        let spec = projections::QueueSpec {
+            queue: given.queue.clone(),
+            cohort: (!given.cohort.is_empty()).then(|| given.cohort.clone()),
+            weight: given.weight.max(1),
+            quotas: given
+                .quotas
+                .iter()
+                .map(|q| projections::Quota {
+                    class: q.class.clone(),
+                    nominal: q.nominal,
+                    borrowing_limit: q.borrowing_limit,
+                })
+                .collect(),
+        };
+        let client = self.db().await?;
+        let (pool, queue, create_only) = (given.pool.clone(), given.queue.clone(), r.create_only);
+        let edit = |now: Option<&projections::QueueSpec>| {
+            if create_only && now.is_some() {
+                return Err(RequestError::QueueExists {
+                    pool: pool.clone(),
+                    queue: queue.clone(),
+                });
+            }
+            Ok(spec.clone())
+        };
+        projections::queues::configure(
+            &client,
+            &self.shared.appender,
+            &given.pool,
+            &given.queue,
+            &edit,
+            Some(&serde_json::json!({ "operator": who })),
+        )
+        .await
+        .map_err(request_status)?;
+        Ok(Response::new(given))
+    }
+
+    async fn list_queues(
+        &self,
+        req: Request<ListQueuesRequest>,
+    ) -> Result<Response<ListQueuesResponse>, Status> {
+        authorized(&self.shared, &req, Need::Read).await?;
+        let only = req.into_inner().pool;
+        let client = self.db().await?;
+        let index = self.pools(&client).await?;
+        let mut queues = Vec::new();
+        for pool in index.state().pools.keys() {
+            if !only.is_empty() && *pool != only {
+                continue;
+            }
+            queues.extend(
+                projections::quota::fair_shares(&index, pool)
+                    .into_iter()
+                    .map(|s| QueueShare {
+                        pool: pool.clone(),
+                        queue: s.queue,
+                        cohort: s.cohort.unwrap_or_default(),
+                        weight: s.weight,
+                        class: s.class,
+                        nominal: s.nominal,
+                        borrowing_limit: s.borrowing_limit,
+                        used: s.used,
+                        waiting: s.waiting,
+                        fair: s.fair,
+                    }),
+            );
+        }
+        Ok(Response::new(ListQueuesResponse { queues }))
     }
 
     async fn list_nodes(

@@ -68,6 +68,8 @@ pub enum Need<'a> {
     /// Releasing a reservation owned by this operator (`None`: by nobody
     /// the API knows, such as one asked for with database access).
     Release { owner: Option<&'a str> },
+    /// What only an admin does (changing a pool's queues), said as such.
+    Admin(&'a str),
 }
 
 impl Assignment {
@@ -90,6 +92,7 @@ impl Assignment {
                     |o| { format!("operator {o}") }
                 )
             )),
+            (_, Need::Admin(what)) => Err(format!("only an admin may {what}; {who} is not one")),
             (Role::Viewer, _) => Err(format!("{who} is a viewer: it may read, nothing else")),
         }
     }

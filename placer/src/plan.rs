@@ -8,8 +8,9 @@
 //! possible. A gang takes its nodes all at once or not at all.
 
 use projections::index::{ClassIndex, Index};
-use projections::{Allocation, Request, Shape};
-use std::collections::BTreeMap;
+use projections::{quota, Allocation, Request, Shape};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
 /// What a batch decided.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -166,35 +167,47 @@ pub fn place_one(index: &Index, pool: &str, r: &Request) -> Option<Vec<Allocatio
 /// against the index. Each placement is booked in the index while the batch
 /// is planned, so later requests see it, and every booking is undone before
 /// returning: the index is left as it was.
+///
+/// In a pool shared by queues, each request must first be admitted by its
+/// queue's quota ([`quota::admit`]), and the queues take turns by weighted
+/// dominant resource fairness: the next request planned is the next (by
+/// priority) of the queue with the smallest dominant share so far, counting
+/// what the batch has placed ([`quota::dominant_share`]).
 pub fn plan_batch(index: &mut Index, pool: &str, ids: &[String]) -> Plan {
     let mut plan = Plan::default();
-    for id in ids {
-        let Some(r) = index.reservation(id) else {
-            continue;
-        };
-        let (request, queued) = (r.request.clone(), r.phase == projections::Phase::Queued);
-        if let Some(reason) = never_fits(index, pool, &request) {
-            plan.unschedulable.push((id.clone(), reason));
-            continue;
+    let mut batch = quota::Batch::default();
+    let shared = index.pool(pool).is_some_and(|p| !p.queues.is_empty());
+    if !shared {
+        for id in ids {
+            plan_one(index, pool, id, &mut plan, &mut batch);
         }
-        match place_one(index, pool, &request) {
-            Some(allocs) => {
-                for a in &allocs {
-                    let refused = index.book(pool, a, id);
-                    debug_assert!(refused.is_empty(), "planned devices are free");
-                }
-                plan.placed.push((id.clone(), allocs));
-            }
-            None if queued => plan.still_waiting += 1,
-            None => {
-                let free = index.class(pool, &request.class).map_or(0, |c| c.free);
-                plan.queued.push((
-                    id.clone(),
-                    format!(
-                        "waiting for capacity: {} {} GPUs ({}) asked, {free} free",
-                        request.gpus, request.class, request.shape
-                    ),
+    } else {
+        // Per queue, its requests in placement order (those naming no queue,
+        // or an unknown one, under their name: they are rejected in turn).
+        let mut groups: BTreeMap<String, VecDeque<Turn>> = BTreeMap::new();
+        for id in ids {
+            if let Some(r) = index.reservation(id) {
+                let q = r.request.queue.clone().unwrap_or_default();
+                groups.entry(q).or_default().push_back((
+                    Reverse(r.request.priority),
+                    r.requested_at,
+                    id,
                 ));
+            }
+        }
+        let mut turns = BinaryHeap::new();
+        for (q, g) in groups.iter_mut() {
+            g.make_contiguous().sort();
+            turns.push(Reverse((share_key(index, pool, q, &batch), q.clone())));
+        }
+        while let Some(Reverse((_, q))) = turns.pop() {
+            let g = groups.get_mut(&q).expect("every turn has a group");
+            let Some((_, _, id)) = g.pop_front() else {
+                continue;
+            };
+            plan_one(index, pool, id, &mut plan, &mut batch);
+            if !g.is_empty() {
+                turns.push(Reverse((share_key(index, pool, &q, &batch), q)));
             }
         }
     }
@@ -204,6 +217,75 @@ pub fn plan_batch(index: &mut Index, pool: &str, ids: &[String]) -> Plan {
         }
     }
     plan
+}
+
+/// A request in its queue's turn: priority (highest first), position, id.
+type Turn<'a> = (Reverse<i32>, u64, &'a String);
+
+/// A queue's dominant share as an orderable key (parts per billion).
+fn share_key(index: &Index, pool: &str, queue: &str, batch: &quota::Batch) -> u64 {
+    (quota::dominant_share(index, pool, queue, batch) * 1e9) as u64
+}
+
+/// What a reason is about: the words before its first colon (`waiting for
+/// capacity`, `over quota`). A waiting request is queued again only when
+/// this changes, not when its figures do.
+fn reason_kind(reason: &str) -> &str {
+    reason.split(':').next().unwrap_or(reason)
+}
+
+/// Plans one request into `plan`, booking its placement in the index and
+/// counting it in `batch`.
+fn plan_one(index: &mut Index, pool: &str, id: &str, plan: &mut Plan, batch: &mut quota::Batch) {
+    let Some(r) = index.reservation(id) else {
+        return;
+    };
+    let (request, queued) = (r.request.clone(), r.phase == projections::Phase::Queued);
+    let was = r.reason.clone();
+    if let Some(reason) = never_fits(index, pool, &request) {
+        plan.unschedulable.push((id.to_string(), reason));
+        return;
+    }
+    let wait = |plan: &mut Plan, reason: String| {
+        if queued && reason_kind(&reason) == reason_kind(&was) {
+            plan.still_waiting += 1;
+        } else {
+            plan.queued.push((id.to_string(), reason));
+        }
+    };
+    match quota::admit(index, pool, &request, batch) {
+        Ok(()) => {}
+        Err(quota::Refusal::NoQueue(reason)) => {
+            plan.unschedulable.push((id.to_string(), reason));
+            return;
+        }
+        Err(refusal @ quota::Refusal::OverQuota(_)) => {
+            wait(plan, refusal.to_string());
+            return;
+        }
+    }
+    match place_one(index, pool, &request) {
+        Some(allocs) => {
+            for a in &allocs {
+                let refused = index.book(pool, a, id);
+                debug_assert!(refused.is_empty(), "planned devices are free");
+            }
+            if let Some(q) = &request.queue {
+                batch.add(q, &request.class, request.gpus as u64);
+            }
+            plan.placed.push((id.to_string(), allocs));
+        }
+        None => {
+            let free = index.class(pool, &request.class).map_or(0, |c| c.free);
+            wait(
+                plan,
+                format!(
+                    "waiting for capacity: {} {} GPUs ({}) asked, {free} free",
+                    request.gpus, request.class, request.shape
+                ),
+            );
+        }
+    }
 }
 
 #[cfg(test)]
@@ -267,6 +349,17 @@ mod tests {
         }
 
         fn request(&mut self, id: &str, gpus: u32, shape: Shape, priority: i32) {
+            self.request_in(None, id, gpus, shape, priority);
+        }
+
+        fn request_in(
+            &mut self,
+            queue: Option<&str>,
+            id: &str,
+            gpus: u32,
+            shape: Shape,
+            priority: i32,
+        ) {
             let r = Request {
                 reservation: id.into(),
                 pool: "p".into(),
@@ -277,6 +370,7 @@ mod tests {
                 ttl_ms: None,
                 replace_on_failure: false,
                 replaces: None,
+                queue: queue.map(str::to_string),
             };
             let e = self
                 .log
@@ -339,6 +433,36 @@ mod tests {
                 );
             }
             plan
+        }
+
+        /// Configures queue `name` with `nominal` GPUs of class C.
+        fn queue(
+            &mut self,
+            name: &str,
+            cohort: Option<&str>,
+            weight: u32,
+            nominal: u32,
+            borrowing_limit: Option<u32>,
+        ) {
+            let spec = projections::QueueSpec {
+                queue: name.into(),
+                cohort: cohort.map(str::to_string),
+                weight,
+                quotas: vec![projections::Quota {
+                    class: C.into(),
+                    nominal,
+                    borrowing_limit,
+                }],
+            };
+            assert_eq!(self.pool(&Fact::QueueConfigured(spec)), None);
+        }
+
+        fn phase(&self, id: &str) -> Option<Phase> {
+            self.index.reservation(id).map(|r| r.phase)
+        }
+
+        fn used(&self, queue: &str) -> u64 {
+            self.index.queues("p").map_or(0, |q| q.used(queue, C))
         }
 
         fn allocs(&self, id: &str) -> Vec<Allocation> {
@@ -448,6 +572,164 @@ mod tests {
         w.release("g");
         w.run();
         assert_eq!(w.index.reservation("h").unwrap().phase, Phase::Placed);
+    }
+
+    #[test]
+    fn queues_are_held_to_their_quota_and_borrow_within_their_cohort() {
+        // 32 GPUs; queues a and b share cohort c (8 each, b borrows at most
+        // 4), solo has 8 of its own.
+        let mut w = World::new(4);
+        w.queue("a", Some("c"), 1, 8, None);
+        w.queue("b", Some("c"), 1, 8, Some(4));
+        w.queue("solo", None, 1, 8, None);
+        // Without a queue, or with one the pool does not have: rejected.
+        w.request("nobody", 1, Shape::Any, 0);
+        w.request_in(Some("typo"), "typo", 1, Shape::Any, 0);
+        let plan = w.run();
+        assert_eq!(plan.unschedulable.len(), 2, "{plan:?}");
+        assert!(plan.unschedulable[0].1.contains("name one"), "{plan:?}");
+        assert!(
+            plan.unschedulable[1].1.contains("no queue typo"),
+            "{plan:?}"
+        );
+        // solo fills its quota and cannot borrow.
+        w.request_in(Some("solo"), "s1", 8, Shape::Any, 0);
+        w.request_in(Some("solo"), "s2", 1, Shape::Any, 0);
+        let plan = w.run();
+        assert_eq!(w.phase("s1"), Some(Phase::Placed));
+        assert_eq!(w.phase("s2"), Some(Phase::Queued));
+        assert!(plan.queued[0]
+            .1
+            .starts_with("over quota: queue solo holds 8 of its 8"));
+        assert!(plan.queued[0].1.contains("borrows nothing"), "{plan:?}");
+        // a borrows b's unused quota: 12 of the cohort's 16.
+        w.request_in(Some("a"), "a1", 12, Shape::Any, 0);
+        w.run();
+        assert_eq!(w.phase("a1"), Some(Phase::Placed));
+        assert_eq!(w.used("a"), 12);
+        // b's nominal quota is its own whatever a borrowed: admitted (the
+        // GPUs are there), but beyond it the cohort has nothing to lend.
+        w.request_in(Some("b"), "b1", 8, Shape::Any, 0);
+        w.request_in(Some("b"), "b2", 2, Shape::Any, 0);
+        let plan = w.run();
+        assert_eq!(w.phase("b1"), Some(Phase::Placed));
+        assert_eq!(w.phase("b2"), Some(Phase::Queued));
+        assert!(
+            plan.queued[0].1.contains("cohort c has 0 of its 16 unused"),
+            "{plan:?}"
+        );
+        // b may never borrow more than 4.
+        w.request_in(Some("b"), "b3", 5, Shape::Any, 0);
+        let plan = w.run();
+        assert!(plan.queued[0].1.contains("borrow at most 4"), "{plan:?}");
+        // a gives its GPUs back: b2 is admitted; what still waits keeps its
+        // reason and is not queued again.
+        w.release("a1");
+        let plan = w.run();
+        assert_eq!(w.phase("b2"), Some(Phase::Placed));
+        assert_eq!(w.phase("b3"), Some(Phase::Queued));
+        assert!(plan.queued.is_empty(), "{plan:?}");
+        assert_eq!(plan.still_waiting, 2, "{plan:?}");
+        assert!(w.index.derived_is_consistent());
+        // A placement over quota in the log is a violation.
+        let over = w.log.push(
+            &reservation_stream("s3"),
+            &Fact::ReservationRequested(Request {
+                reservation: "s3".into(),
+                pool: "p".into(),
+                class: C.into(),
+                gpus: 1,
+                shape: Shape::Any,
+                priority: 0,
+                ttl_ms: None,
+                replace_on_failure: false,
+                replaces: None,
+                queue: Some("solo".into()),
+            }),
+        );
+        assert_eq!(w.index.apply(&over).unwrap(), None);
+        let node = w
+            .index
+            .class("p", C)
+            .unwrap()
+            .nodes_most_free()
+            .next()
+            .unwrap()
+            .0
+            .to_string();
+        let device = w.index.pool("p").unwrap().nodes[&node]
+            .devices
+            .iter()
+            .find(|d| d.free())
+            .unwrap()
+            .spec
+            .id
+            .clone();
+        let v = w
+            .pool(&Fact::ReservationPlaced {
+                reservation: "s3".into(),
+                allocations: vec![Allocation {
+                    node,
+                    devices: vec![device],
+                }],
+            })
+            .expect("a violation");
+        assert!(v.message.contains("placed against its quota"), "{v}");
+        assert!(v.message.contains("queue solo holds 8 of its 8"), "{v}");
+    }
+
+    #[test]
+    fn a_waiting_request_is_queued_again_when_why_it_waits_changes() {
+        let mut w = World::new(1);
+        w.queue("a", Some("c"), 1, 4, None);
+        w.queue("b", Some("c"), 1, 4, None);
+        w.request_in(Some("a"), "a1", 4, Shape::Any, 0);
+        w.request_in(Some("b"), "b1", 2, Shape::Any, 0);
+        w.run();
+        // a asks for more than the cohort has unused: over quota.
+        w.request_in(Some("a"), "a2", 4, Shape::Any, 0);
+        let plan = w.run();
+        assert!(plan.queued[0].1.starts_with("over quota"), "{plan:?}");
+        // b's quota grows: a2 is admitted, but 2 GPUs are free, not 4.
+        w.queue("b", Some("c"), 1, 8, None);
+        let plan = w.run();
+        assert_eq!(plan.queued.len(), 1, "{plan:?}");
+        assert!(
+            plan.queued[0].1.starts_with("waiting for capacity"),
+            "{plan:?}"
+        );
+        assert!(w
+            .index
+            .reservation("a2")
+            .unwrap()
+            .reason
+            .starts_with("waiting for capacity"));
+        assert_eq!(w.run().still_waiting, 1);
+    }
+
+    #[test]
+    fn queues_are_served_by_weighted_dominant_share() {
+        for (wx, wy, want_x) in [(1, 1, 8), (3, 1, 12)] {
+            // 16 GPUs, two queues of 8 in one cohort; each asks for all 16,
+            // x at a higher priority.
+            let mut w = World::new(2);
+            w.queue("x", Some("c"), wx, 8, None);
+            w.queue("y", Some("c"), wy, 8, None);
+            for i in 0..16 {
+                w.request_in(Some("x"), &format!("x{i:02}"), 1, Shape::Any, 10);
+                w.request_in(Some("y"), &format!("y{i:02}"), 1, Shape::Any, 0);
+            }
+            let shares = projections::quota::fair_shares(&w.index, "p");
+            let fair: Vec<u64> = shares.iter().map(|s| s.fair).collect();
+            assert_eq!(fair, [want_x, 16 - want_x], "{shares:?}");
+            w.run();
+            // Priority decides within a queue, fairness across them.
+            assert_eq!(w.used("x"), want_x, "weights {wx}:{wy}");
+            assert_eq!(w.used("y"), 16 - want_x, "weights {wx}:{wy}");
+            assert_eq!(w.phase("x00"), Some(Phase::Placed));
+            let shares = projections::quota::fair_shares(&w.index, "p");
+            assert!(shares.iter().all(|s| s.used == s.fair), "{shares:?}");
+        }
     }
 
     #[test]
@@ -579,13 +861,20 @@ mod tests {
     /// never produces an invalid placement, and bookings stay consistent.
     #[test]
     fn random_runs_keep_the_index_consistent() {
-        for seed in [7, 8] {
+        for seed in [7, 8, 9] {
             random_run(
                 seed,
-                if seed == 7 {
-                    World::new(12)
-                } else {
-                    World::mixed(12)
+                match seed {
+                    7 => World::new(12),
+                    8 => World::mixed(12),
+                    _ => {
+                        // Shared by queues: two in a cohort, one alone.
+                        let mut w = World::new(12);
+                        w.queue("q0", Some("c"), 1, 30, None);
+                        w.queue("q1", Some("c"), 2, 30, Some(10));
+                        w.queue("q2", None, 1, 20, None);
+                        w
+                    }
                 },
             );
         }
@@ -616,7 +905,13 @@ mod tests {
                         Shape::Island => rng.u32(1..5),
                         _ => rng.u32(1..9),
                     };
-                    w.request(&id, gpus, shape, rng.i32(0..3));
+                    let shared = !w.index.pool("p").unwrap().queues.is_empty();
+                    let queue = shared.then(|| format!("q{}", rng.u32(0..3)));
+                    w.request_in(queue.as_deref(), &id, gpus, shape, rng.i32(0..3));
+                    // Now and then a quota changes.
+                    if shared && rng.u32(0..20) == 0 {
+                        w.queue("q0", Some("c"), 1, rng.u32(10..40), None);
+                    }
                 }
                 5..=6 if !live.is_empty() => {
                     let id = live.swap_remove(rng.usize(..live.len()));

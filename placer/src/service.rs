@@ -599,7 +599,7 @@ fn plan_ready(
             .filter(|k| !q.releases.contains(&k.2))
             .take(max)
             .collect();
-        if retry_queued {
+        if retry_queued && q.queued_by_queue.is_empty() {
             keys.extend(
                 q.queued
                     .iter()
@@ -608,6 +608,20 @@ fn plan_ready(
             );
             keys.sort();
             keys.truncate(max);
+        } else if retry_queued {
+            // A pool shared by queues: the queued are retried from every
+            // queue in turn, so one queue's backlog cannot keep another's
+            // out of the batch, and at least half the batch is retries
+            // while requests are pending.
+            let retries = retry_in_turn(q, max);
+            let room = if keys.len() >= max {
+                max / 2
+            } else {
+                max - keys.len()
+            };
+            let retries = &retries[..retries.len().min(room.max(1))];
+            keys.truncate(max - retries.len());
+            keys.extend(retries.iter().copied());
         }
         let ids: Vec<String> = keys.into_iter().map(|k| k.2.clone()).collect();
         let batch = tracing::info_span!("placement.batch", pool = %pool, requests = ids.len());
@@ -715,6 +729,41 @@ fn plan_ready(
         }));
     }
 }
+
+/// Up to `max` queued requests of a pool shared by queues: one from each
+/// queue in turn (each queue's in placement order), then those that name no
+/// queue (queued before the pool had queues). None whose release is asked.
+fn retry_in_turn(q: &projections::index::Queues, max: usize) -> Vec<&Key> {
+    let mut out: Vec<&Key> = Vec::new();
+    let mut seen: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    let mut turns: Vec<_> = q
+        .queued_by_queue
+        .values()
+        .map(|set| set.iter().filter(|k| !q.releases.contains(&k.2)))
+        .collect();
+    let mut rest = q.queued.iter().filter(|k| !q.releases.contains(&k.2));
+    while out.len() < max && !turns.is_empty() {
+        turns.retain_mut(|it| match it.next() {
+            Some(k) if out.len() < max => {
+                seen.insert(&k.2);
+                out.push(k);
+                true
+            }
+            _ => false,
+        });
+    }
+    while out.len() < max {
+        match rest.next() {
+            Some(k) if !seen.contains(k.2.as_str()) => out.push(k),
+            Some(_) => {}
+            None => break,
+        }
+    }
+    out
+}
+
+/// A queue entry: priority (highest first), position, reservation.
+type Key = (std::cmp::Reverse<i32>, u64, String);
 
 /// Live reservations that must end because a node of theirs is troubled:
 /// it left (`node_left`), was revoked (`node_revoked`), has been out of

@@ -126,6 +126,19 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &["HealthCleared"],
     },
     EventSpec {
+        event_type: "queue.configured",
+        stream: "pool/<pool>",
+        written_by: "operators (`strata queues create|set`, the client API)",
+        about: "A queue of the pool (a team's share of it) is created or changed; the whole spec replaces the one before. On the pool's stream, so the pool's version fences quota against placement.",
+        fields: &[
+            req("queue", Ty::String, "The queue's name, unique within the pool."),
+            opt("cohort", Ty::String, "Queues of one cohort lend each other their unused quota (absent: it borrows and lends nothing)."),
+            opt("weight", Ty::Integer, "Its weight in fair sharing, 1 to 1000 (default 1)."),
+            req("quotas", Ty::Array, "Per GPU class `{class, nominal, borrowing_limit?}`: `nominal` GPUs it is guaranteed, `borrowing_limit` the most it may borrow beyond them (absent: what its cohort has unused)."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
         event_type: "reservation.requested",
         stream: "reservation/<id>",
         written_by: "clients (`strata reserve`, the client API); the placer for a replacement",
@@ -140,6 +153,7 @@ pub const EVENTS: &[EventSpec] = &[
             opt("ttl_ms", Ty::Integer, "Released automatically this long after placement (absent: never)."),
             opt("replace_on_failure", Ty::Boolean, "Placed again as `<id>~<n>` when a node it is on fails (default false)."),
             opt("replaces", Ty::String, "The reservation this one replaces (written by the placer)."),
+            opt("queue", Ty::String, "The queue it is admitted under (`queue.configured`). A pool with queues places only requests naming one of them."),
         ],
         formerly: &["ReservationRequested"],
     },
@@ -147,7 +161,7 @@ pub const EVENTS: &[EventSpec] = &[
         event_type: "reservation.queued",
         stream: "pool/<pool>",
         written_by: "the placer",
-        about: "The request does not fit now and waits for capacity; written once, when it first does not fit.",
+        about: "The request does not fit now and waits: written when it first does not fit, and again whenever why it waits changes (`waiting for capacity: ...`, `over quota: ...`).",
         fields: &[RESERVATION, req("reason", Ty::String, "Why it does not fit now.")],
         formerly: &["ReservationQueued"],
     },
@@ -417,8 +431,22 @@ mod tests {
                     ttl_ms: Some(5),
                     replace_on_failure: true,
                     replaces: Some("r0".into()),
+                    queue: Some("ml".into()),
                 }),
                 "reservation/r1",
+            ),
+            (
+                Fact::QueueConfigured(crate::QueueSpec {
+                    queue: "ml".into(),
+                    cohort: Some("research".into()),
+                    weight: 2,
+                    quotas: vec![crate::Quota {
+                        class: "c".into(),
+                        nominal: 8,
+                        borrowing_limit: Some(4),
+                    }],
+                }),
+                "pool/p",
             ),
             (
                 Fact::ReservationQueued {

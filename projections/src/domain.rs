@@ -131,6 +131,11 @@ pub struct Request {
     /// The reservation this one replaces, for one the placer requested.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replaces: Option<String>,
+    /// The queue (a team's share of the pool, see [`Fact::QueueConfigured`])
+    /// it is admitted under. A pool with queues places only requests that
+    /// name one of them; a pool without places only those that name none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
 }
 
 /// Most GPUs one reservation may ask for.
@@ -142,6 +147,9 @@ impl Request {
         valid_name("reservation id", &self.reservation)?;
         valid_name("pool", &self.pool)?;
         valid_name("class", &self.class)?;
+        if let Some(q) = &self.queue {
+            valid_name("queue", q)?;
+        }
         if self.gpus == 0 {
             return Err("a reservation needs at least one GPU".into());
         }
@@ -221,6 +229,99 @@ pub fn valid_name(what: &str, name: &str) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// A queue's share of one GPU class in its pool.
+#[derive(
+    Debug,
+    Clone,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+pub struct Quota {
+    pub class: String,
+    /// GPUs the queue is guaranteed: what it may use whatever the others
+    /// in its cohort do, and what it lends them while it does not.
+    pub nominal: u32,
+    /// How many GPUs beyond `nominal` it may borrow from its cohort's
+    /// unused quota; `None`: as many as the cohort has unused. Without a
+    /// cohort a queue borrows nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub borrowing_limit: Option<u32>,
+}
+
+/// Most a queue's weight may be.
+pub const MAX_WEIGHT: u32 = 1000;
+
+/// A queue as it is configured: what `queue.configured` says.
+#[derive(
+    Debug,
+    Clone,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+pub struct QueueSpec {
+    pub queue: String,
+    /// Queues of one cohort lend each other their unused quota.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cohort: Option<String>,
+    /// Its weight in the cohort's fair sharing (1 to [`MAX_WEIGHT`]): a
+    /// queue of weight 2 is served as if it used half of what it uses.
+    #[serde(default = "one")]
+    pub weight: u32,
+    /// Per class; a class it has no quota of it may only borrow.
+    pub quotas: Vec<Quota>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl QueueSpec {
+    /// Checks the spec's own consistency.
+    pub fn validate(&self) -> Result<(), String> {
+        valid_name("queue", &self.queue)?;
+        if let Some(c) = &self.cohort {
+            valid_name("cohort", c)?;
+        }
+        if self.weight == 0 || self.weight > MAX_WEIGHT {
+            return Err(format!(
+                "a queue's weight is 1 to {MAX_WEIGHT}, got {}",
+                self.weight
+            ));
+        }
+        for (i, q) in self.quotas.iter().enumerate() {
+            valid_name("class", &q.class)?;
+            if self.quotas[..i].iter().any(|o| o.class == q.class) {
+                return Err(format!("class {} has two quotas", q.class));
+            }
+            if q.nominal > MAX_QUOTA || q.borrowing_limit.is_some_and(|b| b > MAX_QUOTA) {
+                return Err(format!(
+                    "a quota is at most {MAX_QUOTA} GPUs (class {})",
+                    q.class
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The quota of `class`, if it has one.
+    pub fn quota(&self, class: &str) -> Option<&Quota> {
+        self.quotas.iter().find(|q| q.class == class)
+    }
+}
+
+/// Most GPUs one quota may name.
+pub const MAX_QUOTA: u32 = 10_000_000;
 
 /// The devices a placement booked on one node.
 #[derive(
@@ -329,10 +430,16 @@ pub enum Fact {
         device: Option<String>,
         condition: String,
     },
+    /// A queue of the pool is created or changed: the whole spec, which
+    /// replaces the one before. On the pool's stream, so the pool's version
+    /// fences quota against placement.
+    #[serde(rename = "queue.configured")]
+    QueueConfigured(QueueSpec),
     /// On the reservation's stream.
     #[serde(rename = "reservation.requested")]
     ReservationRequested(Request),
-    /// Waiting for capacity (written once, when it first does not fit).
+    /// Waiting: written when it first does not fit, and again whenever why
+    /// it waits changes (capacity, quota).
     #[serde(rename = "reservation.queued")]
     ReservationQueued { reservation: String, reason: String },
     #[serde(rename = "reservation.placed")]
@@ -402,6 +509,7 @@ pub const FACT_TYPES: &[&str] = &[
     "node.drained",
     "health.raised",
     "health.cleared",
+    "queue.configured",
     "reservation.requested",
     "reservation.queued",
     "reservation.placed",
@@ -612,6 +720,7 @@ impl Fact {
             Fact::NodeDrained { .. } => "node.drained",
             Fact::HealthRaised { .. } => "health.raised",
             Fact::HealthCleared { .. } => "health.cleared",
+            Fact::QueueConfigured(_) => "queue.configured",
             Fact::ReservationRequested(_) => "reservation.requested",
             Fact::ReservationQueued { .. } => "reservation.queued",
             Fact::ReservationPlaced { .. } => "reservation.placed",
@@ -748,6 +857,7 @@ mod tests {
                 ttl_ms: None,
                 replace_on_failure: false,
                 replaces: None,
+                queue: None,
             }),
             Fact::ReservationReleased {
                 reservation: "r1".into(),
@@ -835,6 +945,7 @@ mod tests {
             ttl_ms: None,
             replace_on_failure: false,
             replaces: None,
+            queue: None,
         };
         assert!(r.validate().unwrap_err().contains("is 6 GPUs"));
         r.shape = Shape::Any;

@@ -9,7 +9,7 @@
 //! node or island for a request is found by a range lookup in a `BTreeMap`
 //! (logarithmic in the number of distinct free counts), never by a scan.
 
-use crate::domain::{Allocation, DeviceSpec, Fact, Request, Shape};
+use crate::domain::{Allocation, DeviceSpec, Fact, QueueSpec, Request, Shape};
 use events::Event;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -45,6 +45,9 @@ pub struct Pool {
     /// reservations are tried again only when something changed.
     pub capacity_epoch: u64,
     pub nodes: BTreeMap<String, Node>,
+    /// The pool's queues (`queue.configured`), by name: who may use how
+    /// much of it.
+    pub queues: BTreeMap<String, QueueSpec>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
@@ -335,11 +338,26 @@ pub struct Queues {
     /// [`Node::troubled`]): where
     /// the placer looks for reservations to end.
     pub troubled: BTreeSet<String>,
+    /// The queued requests of each queue (those naming one), in placement
+    /// order: what the placer retries from each queue in turn.
+    pub queued_by_queue: BTreeMap<String, BTreeSet<(Reverse<i32>, u64, String)>>,
+    /// GPUs of each class held by each queue's live reservations:
+    /// `(queue, class) -> GPUs`.
+    pub usage: HashMap<(String, String), u64>,
 }
 
 impl Queues {
     pub fn is_idle(&self) -> bool {
         self.pending.is_empty() && self.queued.is_empty() && self.releases.is_empty()
+    }
+
+    /// GPUs of `class` that `queue`'s live reservations hold.
+    pub fn used(&self, queue: &str, class: &str) -> u64 {
+        // Looked up without building an owned key.
+        self.usage
+            .iter()
+            .find(|((q, c), _)| q == queue && c == class)
+            .map_or(0, |(_, n)| *n)
     }
 }
 
@@ -594,7 +612,8 @@ impl Index {
         };
         let queued = matches!(r.phase, Phase::Pending | Phase::Queued);
         let expiring = r.expires_at_ms.is_some() && r.phase.is_live();
-        if !queued && !r.release_requested && !expiring {
+        let counted = r.phase.is_live() && r.request.queue.is_some();
+        if !queued && !r.release_requested && !expiring && !counted {
             // Placed or active, nothing to release or expire: in no queue.
             return;
         }
@@ -602,6 +621,29 @@ impl Index {
             Some(q) => q,
             None => self.queues.entry(r.request.pool.clone()).or_default(),
         };
+        if let (Some(name), true) = (&r.request.queue, r.phase.is_live()) {
+            let k = (name.clone(), r.request.class.clone());
+            let gpus = r.request.gpus as u64;
+            if add {
+                *q.usage.entry(k).or_default() += gpus;
+            } else if let Some(n) = q.usage.get_mut(&k) {
+                *n = n.saturating_sub(gpus);
+                if *n == 0 {
+                    q.usage.remove(&k);
+                }
+            }
+        }
+        if let (Some(name), Phase::Queued) = (&r.request.queue, r.phase) {
+            let k = key(r);
+            if add {
+                q.queued_by_queue.entry(name.clone()).or_default().insert(k);
+            } else if let Some(set) = q.queued_by_queue.get_mut(name) {
+                set.remove(&k);
+                if set.is_empty() {
+                    q.queued_by_queue.remove(name);
+                }
+            }
+        }
         let set = match r.phase {
             Phase::Pending => Some(&mut q.pending),
             Phase::Queued => Some(&mut q.queued),
@@ -1027,6 +1069,17 @@ impl Index {
                 });
                 bump_capacity(self);
             }
+            Fact::QueueConfigured(spec) => {
+                spec.validate().map_err(|e| format!("invalid queue: {e}"))?;
+                self.state
+                    .pools
+                    .get_mut(&pool)
+                    .expect("made on the stream's first event")
+                    .queues
+                    .insert(spec.queue.clone(), spec);
+                // More quota may admit what waits.
+                bump_capacity(self);
+            }
             Fact::ReservationRequested(request) => {
                 let id = request.reservation.clone();
                 if self.state.reservations.contains_key(&id) {
@@ -1098,7 +1151,8 @@ impl Index {
             } => {
                 self.check_in_pool(&reservation, &pool)?;
                 self.with_reservation(&reservation, |r| {
-                    if r.phase == Phase::Pending {
+                    // Queued again when why it waits changes.
+                    if matches!(r.phase, Phase::Pending | Phase::Queued) {
                         r.phase = Phase::Queued;
                         r.reason = reason;
                         Ok(())
@@ -1218,7 +1272,13 @@ impl Index {
             ));
         }
         // Check everything before booking anything.
-        let problem = self.placement_problem(pool, &r.request, &allocations);
+        let problem = self
+            .placement_problem(pool, &r.request, &allocations)
+            .or_else(|| {
+                crate::quota::admit(self, pool, &r.request, &crate::quota::Batch::default())
+                    .err()
+                    .map(|refusal| format!("placed against its quota: {refusal}"))
+            });
         self.queue(id, false);
         let mut refused = Vec::new();
         for a in &allocations {
@@ -1376,6 +1436,7 @@ mod replacement_tests {
             ttl_ms: None,
             replace_on_failure: true,
             replaces: replaces.map(str::to_string),
+            queue: None,
         }
     }
 

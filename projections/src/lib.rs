@@ -12,6 +12,8 @@ pub mod commands;
 pub mod domain;
 pub mod index;
 pub mod projector;
+pub mod queues;
+pub mod quota;
 pub mod requests;
 pub mod snapshot;
 pub mod standing;
@@ -19,7 +21,7 @@ pub mod testing;
 pub mod views;
 pub mod waiting;
 
-pub use domain::{Allocation, DeviceSpec, Fact, Request, Shape};
+pub use domain::{Allocation, DeviceSpec, Fact, QueueSpec, Quota, Request, Shape};
 pub use index::{ApplyError, Index, Phase, State, Violation};
 pub use projector::Projector;
 pub use snapshot::SnapshotStore;

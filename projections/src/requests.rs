@@ -20,6 +20,12 @@ pub enum RequestError {
     NotFound(String),
     #[error("node {0:?} is in no pool (see `strata pool show --nodes`)")]
     NoSuchNode(String),
+    #[error("pool {pool:?} has no queue {queue:?} (see `strata queues list --pool {pool}`)")]
+    NoSuchQueue { pool: String, queue: String },
+    #[error(
+        "queue {queue:?} already exists in pool {pool:?} (change it with `strata queues set`)"
+    )]
+    QueueExists { pool: String, queue: String },
     #[error(transparent)]
     Append(#[from] AppendError),
     #[error("read the log: {0}")]
@@ -49,6 +55,35 @@ pub async fn reserve(
     }
     if !pool_exists(client, &request.pool).await? {
         return Err(RequestError::NoSuchPool(request.pool.clone()));
+    }
+    // Told at once rather than by the placer's rejection: the queue it
+    // names must exist, and a pool shared by queues takes none without.
+    let mut queues: Vec<String> = client
+        .rows(
+            "SELECT DISTINCT payload->>'queue' FROM strata.events
+              WHERE stream = $1 AND type = 'queue.configured'",
+            &[&crate::domain::pool_stream(&request.pool)],
+        )
+        .await?
+        .iter()
+        .filter_map(|r| r.get::<_, Option<String>>(0))
+        .collect();
+    queues.sort();
+    match &request.queue {
+        Some(q) if !queues.contains(q) => {
+            return Err(RequestError::NoSuchQueue {
+                pool: request.pool.clone(),
+                queue: q.clone(),
+            })
+        }
+        None if !queues.is_empty() => {
+            return Err(RequestError::Invalid(format!(
+                "pool {} is shared by queues ({}): name one with --queue",
+                request.pool,
+                queues.join(", ")
+            )))
+        }
+        _ => {}
     }
     // The request's span: its context goes into the event's metadata, and
     // the placer and the binder continue the trace from there.

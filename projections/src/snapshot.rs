@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 const MAGIC: &[u8; 8] = b"STRATAIX";
 // 2: nodes record contact lost and why they left.
-const FORMAT: u32 = 2;
+const FORMAT: u32 = 3;
 const HEADER: usize = 40;
 
 #[derive(Debug, thiserror::Error)]

@@ -12,13 +12,18 @@ pub struct Standing {
     pub phase: &'static str,
     /// What the placer said when it queued it (empty before it tried).
     pub reason: String,
-    /// 1 for the next request its pool's placer tries.
+    /// The queue it waits in (a pool shared by queues), or `None`: the
+    /// pool's.
+    pub queue: Option<String>,
+    /// 1 for the next request its placer tries (in its queue, in a pool
+    /// shared by queues).
     pub position: usize,
-    /// Requests tried before it (higher priority, or asked earlier).
+    /// Requests tried before it (higher priority, or asked earlier), in
+    /// its queue or, without one, its pool.
     pub ahead: usize,
     /// GPUs of its class that those requests ask for.
     pub ahead_gpus: u64,
-    /// Requests waiting in its pool.
+    /// Requests waiting in its queue (or pool).
     pub waiting: usize,
     /// GPUs of its class free now and schedulable.
     pub free_now: u64,
@@ -27,8 +32,9 @@ pub struct Standing {
     /// reservations whose time runs out; `None` when those never free
     /// enough. A lower bound: releases make it sooner, shapes later.
     pub earliest_start_ms: Option<u64>,
-    /// Why it waits, in a phrase: `behind N requests`, `waiting for
-    /// capacity`, `the shape cannot be met now`.
+    /// Why it waits, in a phrase: `over quota: ...` (its queue's, as it
+    /// stands now), `behind N requests`, `waiting for capacity`, `the
+    /// shape cannot be met now`.
     pub why: String,
 }
 
@@ -41,12 +47,20 @@ pub fn standing(index: &Index, id: &str, now_ms: u64) -> Option<Standing> {
     let pool = &r.request.pool;
     let me = (Reverse(r.request.priority), r.requested_at, id.to_string());
     let q = index.queues(pool)?;
-    let waiting = q.pending.len() + q.queued.len();
+    let queue = r.request.queue.clone();
+    let mine = |k: &&(Reverse<i32>, u64, String)| {
+        queue.is_none()
+            || index
+                .reservation(&k.2)
+                .is_some_and(|o| o.request.queue == queue)
+    };
+    let waiting = q.pending.iter().chain(q.queued.iter()).filter(mine).count();
     let ahead_keys: Vec<_> = q
         .pending
         .iter()
         .chain(q.queued.iter())
         .filter(|k| **k < me)
+        .filter(mine)
         .collect();
     let ahead = ahead_keys.len();
     let ahead_gpus: u64 = ahead_keys
@@ -58,8 +72,17 @@ pub fn standing(index: &Index, id: &str, now_ms: u64) -> Option<Standing> {
     let free_now = index.class(pool, &r.request.class).map_or(0, |c| c.free);
     let need = ahead_gpus + r.request.gpus as u64;
     let earliest_start_ms = earliest(index, r, need, free_now, now_ms);
-    let why = if ahead > 0 {
-        format!("behind {ahead} request(s) in pool {pool}")
+    let over_quota = match crate::quota::admit(index, pool, &r.request, &Default::default()) {
+        Err(refusal @ crate::quota::Refusal::OverQuota(_)) => Some(refusal.to_string()),
+        _ => None,
+    };
+    let why = if let Some(why) = over_quota {
+        why
+    } else if ahead > 0 {
+        match &queue {
+            Some(q) => format!("behind {ahead} request(s) in queue {q}"),
+            None => format!("behind {ahead} request(s) in pool {pool}"),
+        }
     } else if free_now >= r.request.gpus as u64 && r.phase == Phase::Queued {
         "the shape cannot be met now: enough GPUs are free, but not where it needs them".into()
     } else if r.phase == Phase::Pending {
@@ -70,6 +93,7 @@ pub fn standing(index: &Index, id: &str, now_ms: u64) -> Option<Standing> {
     Some(Standing {
         phase: r.phase.name(),
         reason: r.reason.clone(),
+        queue,
         position: ahead + 1,
         ahead,
         ahead_gpus,

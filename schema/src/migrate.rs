@@ -168,6 +168,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0016_event_names.sql"),
         change: Change::Expand,
     },
+    Migration {
+        version: 17,
+        name: "queue_index",
+        sql: include_str!("../migrations/0017_queue_index.sql"),
+        change: Change::Expand,
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

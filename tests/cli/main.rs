@@ -7,6 +7,7 @@ mod doctor;
 mod gateway;
 mod placement;
 mod pooler;
+mod queues;
 mod region;
 mod upgrade;
 

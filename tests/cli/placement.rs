@@ -5,7 +5,7 @@ use super::{append_args, database, fails, lines, ok, reserve_args, strata};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn rt() -> tokio::runtime::Runtime {
+pub(crate) fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -13,7 +13,7 @@ fn rt() -> tokio::runtime::Runtime {
 }
 
 /// A placer process: `strata serve --roles placer`.
-fn placer(url: &str, holder: &str, log: &std::path::Path) -> Child {
+pub(crate) fn placer(url: &str, holder: &str, log: &std::path::Path) -> Child {
     crate::spawn(
         &[
             "serve",
@@ -46,7 +46,7 @@ async fn holders(client: &tokio_postgres::Client) -> Vec<(String, String)> {
         .collect()
 }
 
-fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+pub(crate) fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + Duration::from_secs(secs);
     while Instant::now() < deadline {
         if let Some(v) = f() {
@@ -57,8 +57,22 @@ fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     None
 }
 
+/// `strata reservations show ID --output json`, parsed.
+pub(crate) fn show_reservation(url: &str, id: &str) -> serde_json::Value {
+    serde_json::from_str(&ok(&[
+        "reservations",
+        "show",
+        id,
+        "--database-url",
+        url,
+        "--output",
+        "json",
+    ]))
+    .unwrap()
+}
+
 /// `strata replay check --json`, parsed.
-fn check_json(url: &str) -> serde_json::Value {
+pub(crate) fn check_json(url: &str) -> serde_json::Value {
     serde_json::from_str(&ok(&["replay", "check", "--database-url", url, "--json"])).unwrap()
 }
 
@@ -437,6 +451,7 @@ fn placers_split_pools_and_a_killed_one_hands_them_over() {
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        queue: None,
     };
     let total = 120;
     for i in 0..total / 2 {
@@ -1690,18 +1705,7 @@ fn reservations_show_why_one_waits_and_where_it_stands() {
         &url,
     ]);
     let _placer = crate::gateway::Killed(placer(&url, "w1", &dir.path().join("placer.log")));
-    let show = |id: &str| -> serde_json::Value {
-        serde_json::from_str(&ok(&[
-            "reservations",
-            "show",
-            id,
-            "--database-url",
-            &url,
-            "--output",
-            "json",
-        ]))
-        .unwrap()
-    };
+    let show = |id: &str| show_reservation(&url, id);
     // The node is full for an hour.
     ok(&reserve_args(
         &url,

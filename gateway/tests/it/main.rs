@@ -1069,6 +1069,129 @@ async fn a_node_returns_to_its_home_gateway_once_it_is_back() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admins_configure_queues_through_the_api_and_requests_wait_by_their_quota() {
+    use gateway::api_proto::*;
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (n, placer) = n1_and_a_placer(&r, &gw, dir.path()).await;
+    let ca = Ca::load(r.ca_dir.path()).unwrap();
+    let (cert, key) = ca.issue_operator("alice", 1).unwrap();
+    admin(&r, "alice").await;
+    let mut alice = api_as(&r, &gw, cert, key).await;
+    let (cert, key) = ca.issue_operator("bob", 1).unwrap();
+    gateway::roles::set(
+        &r.appender,
+        "bob",
+        &gateway::roles::Assignment {
+            role: gateway::roles::Role::Operator,
+            pools: vec!["p".into()],
+        },
+    )
+    .await
+    .unwrap();
+    let mut bob = api_as(&r, &gw, cert, key).await;
+    let team = |nominal: u32, create_only: bool| ConfigureQueueRequest {
+        spec: Some(QueueSpec {
+            pool: "p".into(),
+            queue: "team".into(),
+            cohort: String::new(),
+            weight: 1,
+            quotas: vec![Quota {
+                class: "H100-80GB".into(),
+                nominal,
+                borrowing_limit: None,
+            }],
+        }),
+        create_only,
+    };
+    // An operator of the pool may reserve in it, not set its quotas.
+    let err = bob.configure_queue(team(4, true)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("only an admin"), "{err:?}");
+    alice.configure_queue(team(4, true)).await.unwrap();
+    let err = alice.configure_queue(team(4, true)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::AlreadyExists, "{err:?}");
+    let mut bad = team(4, false);
+    bad.spec.as_mut().unwrap().weight = 5000;
+    let err = alice.configure_queue(bad).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    let ask = |id: &str, gpus: u32, queue: &str, wait_ms: u32| ReserveRequest {
+        id: id.into(),
+        pool: "p".into(),
+        class: "H100-80GB".into(),
+        gpus,
+        queue: queue.into(),
+        wait_ms,
+        ..Default::default()
+    };
+    // The pool is shared by queues now: a request names one.
+    let err = bob.reserve(ask("none", 1, "", 0)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    let err = bob.reserve(ask("typo", 1, "typo", 0)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    let placed = bob
+        .reserve(ask("t-1", 4, "team", 20_000))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(placed.state, "placed", "{placed:?}");
+    // Four more GPUs are free, but the team holds its whole quota.
+    bob.reserve(ask("t-2", 2, "team", 0)).await.unwrap();
+    let mut got = None;
+    for _ in 0..200 {
+        let g = bob
+            .get_reservation(GetReservationRequest { id: "t-2".into() })
+            .await
+            .unwrap()
+            .into_inner();
+        if g.state == "queued" {
+            got = Some(g);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let got = got.expect("t-2 queued");
+    assert!(got.reason.starts_with("over quota"), "{got:?}");
+    let w = got.waiting.expect("it waits");
+    assert_eq!(w.queue, "team");
+    assert!(w.why.contains("queue team holds 4 of its 4"), "{w:?}");
+    let shares = bob
+        .list_queues(ListQueuesRequest { pool: "p".into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .queues;
+    assert_eq!(shares.len(), 1, "{shares:?}");
+    let s = &shares[0];
+    assert_eq!(
+        (s.queue.as_str(), s.nominal, s.used, s.waiting, s.fair),
+        ("team", 4, 4, 2, 4),
+        "{s:?}"
+    );
+    // More quota: the waiting request is placed without being asked again.
+    alice.configure_queue(team(8, false)).await.unwrap();
+    eventually(20, "t-2 placed under the new quota", || async {
+        let mut bob = bob.clone();
+        bob.get_reservation(GetReservationRequest { id: "t-2".into() })
+            .await
+            .is_ok_and(|g| g.into_inner().state == "placed")
+    })
+    .await;
+    assert_eq!(
+        r.count(
+            "SELECT count(*) FROM strata.events WHERE type = 'queue.configured'
+               AND metadata->>'operator' = 'alice'"
+        )
+        .await,
+        2
+    );
+    placer.stop().await.unwrap();
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_client_api_serves_operators_only() {
     use gateway::api_proto::*;
     let r = region().await;
@@ -1671,6 +1794,7 @@ async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() 
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        queue: None,
     };
     placer::client::reserve(&r.client, &r.appender, &whole)
         .await
@@ -1734,6 +1858,7 @@ async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fa
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        queue: None,
     };
     for id in ["a", "b"] {
         placer::client::reserve(&r.client, &r.appender, &whole(id))
@@ -1966,6 +2091,7 @@ async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_f
             ttl_ms: None,
             replace_on_failure: false,
             replaces: None,
+            queue: None,
         };
         let asked = std::time::Instant::now();
         placer::client::reserve(&r.client, &r.appender, &req)

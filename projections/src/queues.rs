@@ -1,0 +1,111 @@
+//! Creating and changing a pool's queues: `queue.configured` on the pool's
+//! stream, appended at the version of the pool the change was read from, so
+//! two operators changing one queue at once cannot lose either change (the
+//! second is read again and applied to the first), and a quota change
+//! commits between placements, never inside a batch planned against the old
+//! quota. The CLI (`strata queues`) and the client API come through here.
+
+use crate::domain::{pool_exists, pool_stream, valid_name, QueueSpec};
+use crate::requests::RequestError;
+use crate::Fact;
+use events::db::Sql;
+use events::{AppendError, Appender, ExpectedVersion};
+use std::collections::BTreeMap;
+use tokio_postgres::Client;
+
+/// How many times a change is read again after the pool moved under it
+/// (placements move it all the time) before giving up.
+const ATTEMPTS: u32 = 50;
+
+/// The queues of `pool` as the log has them, and the pool stream's version
+/// they were read at (read first: a change committed between the two reads
+/// makes the append conflict, and the change is read again).
+pub async fn specs(
+    client: &Client,
+    pool: &str,
+) -> Result<(u64, BTreeMap<String, QueueSpec>), RequestError> {
+    let stream = pool_stream(pool);
+    let version: Option<i64> = client
+        .opt(
+            "SELECT version FROM strata.streams WHERE stream = $1",
+            &[&stream],
+        )
+        .await?
+        .map(|r| r.get(0));
+    let Some(version) = version else {
+        return Err(RequestError::NoSuchPool(pool.to_string()));
+    };
+    let rows = client
+        .rows(
+            "SELECT payload::text FROM strata.events
+              WHERE stream = $1 AND type = 'queue.configured' ORDER BY position",
+            &[&stream],
+        )
+        .await?;
+    let mut out = BTreeMap::new();
+    for row in rows {
+        let payload: String = row.get(0);
+        // A malformed spec is skipped, as the index skips it.
+        if let Ok(spec) = serde_json::from_str::<QueueSpec>(&payload) {
+            out.insert(spec.queue.clone(), spec);
+        }
+    }
+    Ok((version as u64, out))
+}
+
+/// What a change does to the spec in force (`None`: the queue does not
+/// exist yet): the spec to write, or why not.
+pub type Edit<'a> =
+    dyn Fn(Option<&QueueSpec>) -> Result<QueueSpec, RequestError> + Send + Sync + 'a;
+
+/// Applies `edit` to queue `queue` of `pool` and appends the result, with
+/// `metadata` (who asked). Returns the spec written.
+pub async fn configure(
+    client: &Client,
+    appender: &Appender,
+    pool: &str,
+    queue: &str,
+    edit: &Edit<'_>,
+    metadata: Option<&serde_json::Value>,
+) -> Result<QueueSpec, RequestError> {
+    valid_name("queue", queue).map_err(RequestError::Invalid)?;
+    if !pool_exists(client, pool).await? {
+        return Err(RequestError::NoSuchPool(pool.to_string()));
+    }
+    let mut last = None;
+    for attempt in 0..ATTEMPTS {
+        let (version, specs) = specs(client, pool).await?;
+        let spec = edit(specs.get(queue))?;
+        if spec.queue != queue {
+            return Err(RequestError::Invalid(format!(
+                "the spec names queue {:?}, not {queue:?}",
+                spec.queue
+            )));
+        }
+        spec.validate().map_err(RequestError::Invalid)?;
+        let mut event = Fact::QueueConfigured(spec.clone()).to_event();
+        if let Some(m) = metadata {
+            event = event.with_metadata(m);
+        }
+        match appender
+            .append(
+                &pool_stream(pool),
+                ExpectedVersion::Exact(version),
+                vec![event],
+            )
+            .await
+        {
+            Ok(_) => return Ok(spec),
+            Err(e @ AppendError::VersionConflict { .. }) => {
+                last = Some(e);
+                // The pool moved: read it again, a little later each time.
+                tokio::time::sleep(std::time::Duration::from_millis(
+                    (1 << attempt.min(6)) + fastrand::u64(0..5),
+                ))
+                .await;
+            }
+            Err(e) => return Err(RequestError::Append(e)),
+        }
+    }
+    Err(RequestError::Append(last.expect("at least one attempt")))
+}

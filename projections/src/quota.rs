@@ -1,0 +1,355 @@
+//! Quota: which queue may use how much of its pool, and in what order
+//! queues are served when they want more than there is.
+//!
+//! A queue (`queue.configured`, on the pool's stream) has a nominal quota
+//! per GPU class: GPUs it is guaranteed, and lends to the other queues of its
+//! cohort while it does not use them. A request names its queue; it is
+//! admitted when the queue stays within its nominal quota, or, borrowing,
+//! within its borrowing limit and within what its cohort as a whole is
+//! nominally given. [`admit`] is the one rule: the placer applies it before
+//! it places, and the index applies it again to every placement in the log,
+//! so a placement over quota is a violation that `strata replay check`
+//! reports.
+//!
+//! When demand exceeds what there is, queues are served by weighted dominant
+//! resource fairness: the next request comes from the queue whose largest
+//! share of any class (its usage over its cohort's nominal total, divided
+//! by its weight) is smallest ([`dominant_share`]). [`fair_shares`] is what
+//! each queue would hold if the cohort's quota were divided that way.
+
+use crate::domain::{QueueSpec, Request};
+use crate::index::Index;
+use std::collections::{BTreeMap, HashMap};
+
+/// Usage a batch being planned adds to the index's: `(queue, class) ->
+/// GPUs` of the placements planned so far.
+#[derive(Debug, Default, Clone)]
+pub struct Batch {
+    added: HashMap<(String, String), u64>,
+}
+
+impl Batch {
+    pub fn add(&mut self, queue: &str, class: &str, gpus: u64) {
+        *self
+            .added
+            .entry((queue.to_string(), class.to_string()))
+            .or_default() += gpus;
+    }
+
+    fn get(&self, queue: &str, class: &str) -> u64 {
+        if self.added.is_empty() {
+            return 0;
+        }
+        self.added
+            .iter()
+            .find(|((q, c), _)| q == queue && c == class)
+            .map_or(0, |(_, n)| *n)
+    }
+}
+
+/// Why a request is not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// It names no queue of the pool (or names one where the pool has
+    /// none): it never will be admitted as it is.
+    #[error("{0}")]
+    NoQueue(String),
+    /// Its queue has no room for it now.
+    #[error("over quota: {0}")]
+    OverQuota(String),
+}
+
+/// GPUs of `class` that `queue` holds, with the batch's.
+fn used(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
+    index.queues(pool).map_or(0, |q| q.used(queue, class)) + batch.get(queue, class)
+}
+
+/// The queues of `cohort` in a pool.
+fn members<'a>(
+    queues: &'a BTreeMap<String, QueueSpec>,
+    cohort: &'a str,
+) -> impl Iterator<Item = &'a QueueSpec> {
+    queues
+        .values()
+        .filter(move |s| s.cohort.as_deref() == Some(cohort))
+}
+
+/// Whether `request` may be placed as far as quota goes, with `batch`'s
+/// placements counted as made.
+pub fn admit(index: &Index, pool: &str, request: &Request, batch: &Batch) -> Result<(), Refusal> {
+    let Some(p) = index.pool(pool) else {
+        return Ok(());
+    };
+    let (queues, asked) = (&p.queues, request.queue.as_deref());
+    let name = match (queues.is_empty(), asked) {
+        (true, None) => return Ok(()),
+        (true, Some(q)) => {
+            return Err(Refusal::NoQueue(format!(
+                "pool {pool} has no queues; ask without one (not queue {q})"
+            )))
+        }
+        (false, None) => {
+            return Err(Refusal::NoQueue(format!(
+                "pool {pool} is shared by queues: name one (see `strata queues list --pool {pool}`)"
+            )))
+        }
+        (false, Some(q)) => q,
+    };
+    let Some(spec) = queues.get(name) else {
+        return Err(Refusal::NoQueue(format!(
+            "pool {pool} has no queue {name} (see `strata queues list --pool {pool}`)"
+        )));
+    };
+    let class = request.class.as_str();
+    let gpus = request.gpus as u64;
+    let mine = used(index, pool, name, class, batch);
+    let nominal = spec.quota(class).map_or(0, |q| q.nominal) as u64;
+    if mine + gpus <= nominal {
+        return Ok(());
+    }
+    let holds =
+        format!("queue {name} holds {mine} of its {nominal} {class} GPUs and asks for {gpus}");
+    let Some(cohort) = spec.cohort.as_deref() else {
+        return Err(Refusal::OverQuota(format!(
+            "{holds}; it is in no cohort, so it borrows nothing"
+        )));
+    };
+    if let Some(limit) = spec.quota(class).and_then(|q| q.borrowing_limit) {
+        if mine + gpus > nominal + limit as u64 {
+            return Err(Refusal::OverQuota(format!(
+                "{holds}; it may borrow at most {limit}"
+            )));
+        }
+    }
+    let (mut total, mut held) = (0u64, 0u64);
+    for m in members(queues, cohort) {
+        total += m.quota(class).map_or(0, |q| q.nominal) as u64;
+        held += used(index, pool, &m.queue, class, batch);
+    }
+    if held + gpus > total {
+        return Err(Refusal::OverQuota(format!(
+            "{holds}; cohort {cohort} has {} of its {total} unused to lend",
+            total.saturating_sub(held)
+        )));
+    }
+    Ok(())
+}
+
+/// The GPUs of `class` that `spec`'s share is measured against: its
+/// cohort's nominal total, or its own nominal quota without a cohort (at
+/// least 1).
+fn capacity(queues: &BTreeMap<String, QueueSpec>, spec: &QueueSpec, class: &str) -> u64 {
+    let total: u64 = match spec.cohort.as_deref() {
+        Some(c) => members(queues, c)
+            .map(|m| m.quota(class).map_or(0, |q| q.nominal) as u64)
+            .sum(),
+        None => spec.quota(class).map_or(0, |q| q.nominal) as u64,
+    };
+    total.max(1)
+}
+
+/// A queue's weighted dominant share: the largest, over the classes it
+/// holds (with the batch's placements), of what it holds over what its
+/// cohort is given, divided by its weight. Queues with smaller shares are
+/// served first.
+pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> f64 {
+    let Some(spec) = index.pool(pool).and_then(|p| p.queues.get(queue)) else {
+        return 0.0;
+    };
+    let queues = &index.pool(pool).expect("looked up above").queues;
+    let mut classes: Vec<&str> = spec.quotas.iter().map(|q| q.class.as_str()).collect();
+    if let Some(q) = index.queues(pool) {
+        classes.extend(
+            q.usage
+                .keys()
+                .filter(|(q, _)| q == queue)
+                .map(|(_, c)| c.as_str()),
+        );
+    }
+    classes.extend(
+        batch
+            .added
+            .keys()
+            .filter(|(q, _)| q == queue)
+            .map(|(_, c)| c.as_str()),
+    );
+    classes
+        .into_iter()
+        .map(|c| used(index, pool, queue, c, batch) as f64 / capacity(queues, spec, c) as f64)
+        .fold(0.0, f64::max)
+        / spec.weight.max(1) as f64
+}
+
+/// One queue's standing in one class.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Share {
+    pub queue: String,
+    pub cohort: Option<String>,
+    pub weight: u32,
+    pub class: String,
+    pub nominal: u64,
+    pub borrowing_limit: Option<u32>,
+    /// GPUs its live reservations hold.
+    pub used: u64,
+    /// GPUs its waiting requests ask for.
+    pub waiting: u64,
+    /// What it would hold if its cohort's quota of the class were divided
+    /// by weight among the queues that want it (each getting at most what
+    /// it wants): weighted max-min fairness by water filling. Without a
+    /// cohort, its nominal quota or what it wants, whichever is less.
+    pub fair: u64,
+}
+
+/// Every queue of the pool, per class it has quota of or uses, with its
+/// fair share. Sorted by queue, then class.
+pub fn fair_shares(index: &Index, pool: &str) -> Vec<Share> {
+    let Some(p) = index.pool(pool) else {
+        return Vec::new();
+    };
+    let queues = &p.queues;
+    // What each queue's waiting requests ask for, per class.
+    let mut waiting: HashMap<(&str, &str), u64> = HashMap::new();
+    if let Some(q) = index.queues(pool) {
+        for k in q.pending.iter().chain(&q.queued) {
+            if let Some(r) = index.reservation(&k.2) {
+                if let Some(name) = r.request.queue.as_deref() {
+                    *waiting.entry((name, r.request.class.as_str())).or_default() +=
+                        r.request.gpus as u64;
+                }
+            }
+        }
+    }
+    let mut out: Vec<Share> = Vec::new();
+    for spec in queues.values() {
+        let mut classes: Vec<String> = spec.quotas.iter().map(|q| q.class.clone()).collect();
+        if let Some(q) = index.queues(pool) {
+            for (name, class) in q.usage.keys() {
+                if name == &spec.queue && !classes.contains(class) {
+                    classes.push(class.clone());
+                }
+            }
+        }
+        for ((name, class), _) in waiting.iter() {
+            if *name == spec.queue && !classes.iter().any(|c| c == class) {
+                classes.push(class.to_string());
+            }
+        }
+        for class in classes {
+            let quota = spec.quota(&class);
+            out.push(Share {
+                queue: spec.queue.clone(),
+                cohort: spec.cohort.clone(),
+                weight: spec.weight,
+                nominal: quota.map_or(0, |q| q.nominal) as u64,
+                borrowing_limit: quota.and_then(|q| q.borrowing_limit),
+                used: index
+                    .queues(pool)
+                    .map_or(0, |q| q.used(&spec.queue, &class)),
+                waiting: waiting
+                    .get(&(spec.queue.as_str(), class.as_str()))
+                    .copied()
+                    .unwrap_or(0),
+                fair: 0,
+                class,
+            });
+        }
+    }
+    // Water filling per (cohort, class); a queue without a cohort is its
+    // own.
+    let mut groups: BTreeMap<(String, String), Vec<usize>> = BTreeMap::new();
+    for (i, s) in out.iter().enumerate() {
+        let group = s.cohort.clone().unwrap_or_else(|| format!("\0{}", s.queue));
+        groups.entry((group, s.class.clone())).or_default().push(i);
+    }
+    for members in groups.values() {
+        let capacity: u64 = members.iter().map(|&i| out[i].nominal).sum();
+        // What each may hold at most: what it wants, within its limit.
+        let cap = |s: &Share| {
+            let want = s.used + s.waiting;
+            let limit = match (&s.cohort, s.borrowing_limit) {
+                (None, _) => s.nominal,
+                (Some(_), Some(b)) => s.nominal + b as u64,
+                (Some(_), None) => u64::MAX,
+            };
+            want.min(limit)
+        };
+        let fills = water_fill(
+            capacity,
+            &members
+                .iter()
+                .map(|&i| (out[i].weight as u64, cap(&out[i])))
+                .collect::<Vec<_>>(),
+        );
+        for (&i, fill) in members.iter().zip(fills) {
+            out[i].fair = fill;
+        }
+    }
+    out.sort_by(|a, b| (&a.queue, &a.class).cmp(&(&b.queue, &b.class)));
+    out
+}
+
+/// Divides `capacity` among claimants `(weight, most it takes)` by
+/// weighted max-min fairness: everyone gets `level * weight` or what it
+/// takes, whichever is less, with `level` as high as the capacity allows.
+/// Whole GPUs: the remainder of the division goes one each to the heaviest
+/// claimants still short, so the fills sum to `min(capacity, sum of most)`.
+pub fn water_fill(capacity: u64, claims: &[(u64, u64)]) -> Vec<u64> {
+    let mut fill = vec![0u64; claims.len()];
+    let mut left = capacity;
+    let mut open: Vec<usize> = (0..claims.len())
+        .filter(|&i| claims[i].1 > 0 && claims[i].0 > 0)
+        .collect();
+    while left > 0 && !open.is_empty() {
+        let weights: u64 = open.iter().map(|&i| claims[i].0).sum();
+        let per = left / weights;
+        if per == 0 {
+            // Fewer GPUs left than weight: one each, heaviest first.
+            open.sort_by_key(|&i| (std::cmp::Reverse(claims[i].0), i));
+            for &i in &open {
+                if left == 0 {
+                    break;
+                }
+                fill[i] += 1;
+                left -= 1;
+            }
+            break;
+        }
+        let mut next = Vec::with_capacity(open.len());
+        for &i in &open {
+            let give = (per * claims[i].0).min(claims[i].1 - fill[i]);
+            fill[i] += give;
+            left -= give;
+            if fill[i] < claims[i].1 {
+                next.push(i);
+            }
+        }
+        open = next;
+    }
+    fill
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn water_filling_gives_by_weight_and_never_more_than_wanted() {
+        // Equal weights, everyone wants more: an even split.
+        assert_eq!(
+            water_fill(90, &[(1, 100), (1, 100), (1, 100)]),
+            [30, 30, 30]
+        );
+        // One wants little: the rest is divided among the others.
+        assert_eq!(water_fill(90, &[(1, 10), (1, 100), (1, 100)]), [10, 40, 40]);
+        // Weight 2 gets twice as much.
+        assert_eq!(water_fill(90, &[(2, 100), (1, 100)]), [60, 30]);
+        // More capacity than wanted: everyone gets what it wants.
+        assert_eq!(water_fill(100, &[(1, 5), (3, 7)]), [5, 7]);
+        // Whole GPUs: the remainder goes to the heaviest.
+        let f = water_fill(10, &[(1, 100), (1, 100), (1, 100)]);
+        assert_eq!(f.iter().sum::<u64>(), 10);
+        assert!(f.iter().all(|&x| (3..=4).contains(&x)), "{f:?}");
+        assert_eq!(water_fill(0, &[(1, 5)]), [0]);
+        assert_eq!(water_fill(5, &[(1, 0), (1, 9)]), [0, 5]);
+    }
+}

@@ -1,0 +1,364 @@
+//! `strata queues create|set|list|show`: a pool's queues, their quotas, and
+//! per queue what it holds against its fair share.
+
+use crate::commands::connect;
+use crate::placement::{appender, index};
+use crate::QueuesCmd;
+use anyhow::{bail, Result};
+use projections::quota::{self, Share};
+use projections::requests::RequestError;
+use projections::{Index, QueueSpec, Quota};
+use std::process::ExitCode;
+
+/// `CLASS=N` from `--quota` or `--borrowing-limit` (`none` for no limit).
+fn class_value(flag: &str, s: &str) -> Result<(String, Option<u32>)> {
+    let Some((class, n)) = s.split_once('=') else {
+        bail!("{flag} {s:?}: write CLASS=GPUS, e.g. H100-80GB=64");
+    };
+    if n == "none" && flag == "--borrowing-limit" {
+        return Ok((class.to_string(), None));
+    }
+    let n: u32 = n
+        .parse()
+        .map_err(|_| anyhow::anyhow!("{flag} {s:?}: {n:?} is not a number of GPUs"))?;
+    Ok((class.to_string(), Some(n)))
+}
+
+/// What the flags of `create` or `set` change.
+struct Changes {
+    cohort: Option<Option<String>>,
+    weight: Option<u32>,
+    quotas: Vec<(String, u32)>,
+    limits: Vec<(String, Option<u32>)>,
+    remove: Vec<String>,
+}
+
+impl Changes {
+    fn parse(
+        cohort: Option<String>,
+        no_cohort: bool,
+        weight: Option<u32>,
+        quota: &[String],
+        borrowing_limit: &[String],
+        remove: Vec<String>,
+    ) -> Result<Changes> {
+        let quotas = quota
+            .iter()
+            .map(|s| class_value("--quota", s).map(|(c, n)| (c, n.expect("a number"))))
+            .collect::<Result<_>>()?;
+        let limits = borrowing_limit
+            .iter()
+            .map(|s| class_value("--borrowing-limit", s))
+            .collect::<Result<_>>()?;
+        Ok(Changes {
+            cohort: if no_cohort {
+                Some(None)
+            } else {
+                cohort.map(Some)
+            },
+            weight,
+            quotas,
+            limits,
+            remove,
+        })
+    }
+
+    /// The spec these changes make of `spec`.
+    fn apply(&self, mut spec: QueueSpec) -> Result<QueueSpec, RequestError> {
+        if let Some(c) = &self.cohort {
+            spec.cohort = c.clone();
+        }
+        if let Some(w) = self.weight {
+            spec.weight = w;
+        }
+        for class in &self.remove {
+            if spec.quota(class).is_none() {
+                return Err(RequestError::Invalid(format!(
+                    "queue {} has no quota of {class} to remove",
+                    spec.queue
+                )));
+            }
+            spec.quotas.retain(|q| &q.class != class);
+        }
+        for (class, nominal) in &self.quotas {
+            match spec.quotas.iter_mut().find(|q| &q.class == class) {
+                Some(q) => q.nominal = *nominal,
+                None => spec.quotas.push(Quota {
+                    class: class.clone(),
+                    nominal: *nominal,
+                    borrowing_limit: None,
+                }),
+            }
+        }
+        for (class, limit) in &self.limits {
+            match spec.quotas.iter_mut().find(|q| &q.class == class) {
+                Some(q) => q.borrowing_limit = *limit,
+                None => {
+                    return Err(RequestError::Invalid(format!(
+                        "--borrowing-limit {class}: queue {} has no quota of {class} (give it one with --quota {class}=N)",
+                        spec.queue
+                    )))
+                }
+            }
+        }
+        spec.quotas.sort_by(|a, b| a.class.cmp(&b.class));
+        Ok(spec)
+    }
+}
+
+/// Applies `edit` to queue `name` of `pool` in the log, as who runs this.
+async fn write(
+    db: &crate::Db,
+    pool: &str,
+    name: &str,
+    edit: &projections::queues::Edit<'_>,
+) -> Result<QueueSpec> {
+    let client = connect(db).await?;
+    projections::queues::configure(
+        &client,
+        &appender(db)?,
+        pool,
+        name,
+        edit,
+        Some(&crate::nodes::asked_by()),
+    )
+    .await
+    .map_err(cli_error)
+}
+
+/// A request error as the CLI reports it (what does not exist: exit 6).
+fn cli_error(e: RequestError) -> anyhow::Error {
+    match e {
+        RequestError::NoSuchPool(_) | RequestError::NoSuchQueue { .. } => {
+            crate::exit::not_found(e.to_string())
+        }
+        e => e.into(),
+    }
+}
+
+pub async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
+    match cmd {
+        QueuesCmd::Create {
+            db,
+            name,
+            pool,
+            cohort,
+            weight,
+            quota,
+            borrowing_limit,
+        } => {
+            let changes = Changes::parse(
+                cohort,
+                false,
+                Some(weight),
+                &quota,
+                &borrowing_limit,
+                vec![],
+            )?;
+            let edit = |now: Option<&QueueSpec>| match now {
+                Some(_) => Err(RequestError::QueueExists {
+                    pool: pool.clone(),
+                    queue: name.clone(),
+                }),
+                None => changes.apply(QueueSpec {
+                    queue: name.clone(),
+                    cohort: None,
+                    weight: 1,
+                    quotas: Vec::new(),
+                }),
+            };
+            let spec = write(&db, &pool, &name, &edit).await?;
+            println!("created queue {name} in pool {pool}: {}", describe(&spec));
+        }
+        QueuesCmd::Set {
+            db,
+            name,
+            pool,
+            cohort,
+            no_cohort,
+            weight,
+            quota,
+            borrowing_limit,
+            remove_quota,
+        } => {
+            let changes = Changes::parse(
+                cohort,
+                no_cohort,
+                weight,
+                &quota,
+                &borrowing_limit,
+                remove_quota,
+            )?;
+            let edit = |now: Option<&QueueSpec>| match now {
+                None => Err(RequestError::NoSuchQueue {
+                    pool: pool.clone(),
+                    queue: name.clone(),
+                }),
+                Some(spec) => changes.apply(spec.clone()),
+            };
+            let spec = write(&db, &pool, &name, &edit).await?;
+            println!("queue {name} in pool {pool}: {}", describe(&spec));
+        }
+        QueuesCmd::List { db, pool } => {
+            let index = index(&db).await?;
+            let pools: Vec<String> = match pool {
+                Some(p) => {
+                    exists(&index, &p)?;
+                    vec![p]
+                }
+                None => index.state().pools.keys().cloned().collect(),
+            };
+            if !crate::exit::json() {
+                println!(
+                    "{:<16} {:<16} {:<12} {:>6} {:<14} {:>8} {:>8} {:>6} {:>8} {:>6}",
+                    "POOL",
+                    "QUEUE",
+                    "COHORT",
+                    "WEIGHT",
+                    "CLASS",
+                    "NOMINAL",
+                    "BORROW",
+                    "USED",
+                    "WAITING",
+                    "FAIR"
+                );
+            }
+            for p in &pools {
+                for s in quota::fair_shares(&index, p) {
+                    if crate::exit::json() {
+                        crate::exit::print_json(&share_json(p, &s));
+                    } else {
+                        println!(
+                            "{:<16} {:<16} {:<12} {:>6} {:<14} {:>8} {:>8} {:>6} {:>8} {:>6}",
+                            p,
+                            s.queue,
+                            s.cohort.as_deref().unwrap_or("-"),
+                            s.weight,
+                            s.class,
+                            s.nominal,
+                            borrow(&s),
+                            s.used,
+                            s.waiting,
+                            s.fair
+                        );
+                    }
+                }
+            }
+        }
+        QueuesCmd::Show { db, name, pool } => {
+            let index = index(&db).await?;
+            exists(&index, &pool)?;
+            let Some(spec) = index.pool(&pool).and_then(|p| p.queues.get(&name)) else {
+                return Err(crate::exit::not_found(format!(
+                    "pool {pool:?} has no queue {name:?} (see `strata queues list --pool {pool}`)"
+                )));
+            };
+            let shares: Vec<Share> = quota::fair_shares(&index, &pool)
+                .into_iter()
+                .filter(|s| s.queue == name)
+                .collect();
+            let (pending, queued) = waiting_in(&index, &pool, &name);
+            let share = quota::dominant_share(&index, &pool, &name, &quota::Batch::default());
+            if crate::exit::json() {
+                crate::exit::print_json(&serde_json::json!({
+                    "pool": pool,
+                    "queue": name,
+                    "cohort": spec.cohort,
+                    "weight": spec.weight,
+                    "dominant_share": share,
+                    "pending": pending,
+                    "queued": queued,
+                    "classes": shares.iter().map(|s| share_json(&pool, s)).collect::<Vec<_>>(),
+                }));
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!("queue {name} in pool {pool}: {}", describe(spec));
+            println!(
+                "  waiting: {pending} pending, {queued} queued; weighted dominant share {:.3}",
+                share
+            );
+            for s in &shares {
+                println!(
+                    "  {}: holds {} of its {} nominal (borrows up to {}); waiting requests ask for {}; fair share {}",
+                    s.class,
+                    s.used,
+                    s.nominal,
+                    borrow(s),
+                    s.waiting,
+                    s.fair
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn exists(index: &Index, pool: &str) -> Result<()> {
+    if index.pool(pool).is_some_and(|p| p.created) {
+        return Ok(());
+    }
+    Err(crate::exit::not_found(format!(
+        "pool {pool:?} does not exist (see `strata pools`)"
+    )))
+}
+
+/// How many of `queue`'s requests wait: (pending, queued).
+fn waiting_in(index: &Index, pool: &str, queue: &str) -> (usize, usize) {
+    let Some(q) = index.queues(pool) else {
+        return (0, 0);
+    };
+    let of = |k: &&(std::cmp::Reverse<i32>, u64, String)| {
+        index
+            .reservation(&k.2)
+            .is_some_and(|r| r.request.queue.as_deref() == Some(queue))
+    };
+    (
+        q.pending.iter().filter(of).count(),
+        q.queued_by_queue.get(queue).map_or(0, |s| s.len()),
+    )
+}
+
+/// A borrowing limit as a table shows it.
+fn borrow(s: &Share) -> String {
+    match (&s.cohort, s.borrowing_limit) {
+        (None, _) => "0".into(),
+        (Some(_), Some(b)) => b.to_string(),
+        (Some(_), None) => "any".into(),
+    }
+}
+
+fn describe(spec: &QueueSpec) -> String {
+    let quotas: Vec<String> = spec
+        .quotas
+        .iter()
+        .map(|q| match (spec.cohort.is_some(), q.borrowing_limit) {
+            (true, Some(b)) => format!("{} {} (borrows up to {b})", q.nominal, q.class),
+            _ => format!("{} {}", q.nominal, q.class),
+        })
+        .collect();
+    format!(
+        "{}; cohort {}; weight {}",
+        if quotas.is_empty() {
+            "no quota".to_string()
+        } else {
+            quotas.join(", ")
+        },
+        spec.cohort.as_deref().unwrap_or("none"),
+        spec.weight
+    )
+}
+
+fn share_json(pool: &str, s: &Share) -> serde_json::Value {
+    serde_json::json!({
+        "pool": pool,
+        "queue": s.queue,
+        "cohort": s.cohort,
+        "weight": s.weight,
+        "class": s.class,
+        "nominal": s.nominal,
+        "borrowing_limit": s.borrowing_limit,
+        "used": s.used,
+        "waiting": s.waiting,
+        "fair": s.fair,
+    })
+}

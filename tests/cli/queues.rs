@@ -1,0 +1,297 @@
+//! Queues end to end: `strata queues` against a real placer process, the
+//! quota it enforces, why a request waits as it changes, and the log's own
+//! record of it.
+
+use super::placement::{check_json, placer, rt, show_reservation, wait_for};
+use super::{append_args, database, fails, lines, ok, reserve_args, strata};
+
+const CLASS: &str = "H100-80GB";
+
+/// `strata queues <args> --database-url url`.
+fn queues<'a>(url: &'a str, args: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["queues"];
+    v.extend_from_slice(args);
+    v.extend_from_slice(&["--database-url", url]);
+    v
+}
+
+/// The reasons given for queuing `id`, in the order written.
+fn queued_reasons(url: &str, id: &str) -> Vec<String> {
+    rt().block_on(async {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        client
+            .query(
+                "SELECT payload->>'reason' FROM strata.events
+                  WHERE type = 'reservation.queued' AND payload->>'reservation' = $1
+                  ORDER BY position",
+                &[&id],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    })
+}
+
+#[test]
+fn queues_hold_teams_to_their_quota_and_say_why_a_request_waits() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    ok(&["pool", "create", "gpu", "--database-url", &url]);
+    ok(&[
+        "pool",
+        "seed",
+        "gpu",
+        "--nodes",
+        "2",
+        "--gpus",
+        "8",
+        "--database-url",
+        &url,
+    ]);
+    let quota = format!("{CLASS}=8");
+    let limit = format!("{CLASS}=2");
+    // Two teams in one cohort share the pool's 16 GPUs, 8 each.
+    let out = ok(&queues(
+        &url,
+        &[
+            "create", "ml", "--pool", "gpu", "--cohort", "research", "--quota", &quota,
+        ],
+    ));
+    assert!(
+        out.contains("created queue ml in pool gpu: 8 H100-80GB"),
+        "{out}"
+    );
+    ok(&queues(
+        &url,
+        &[
+            "create",
+            "cv",
+            "--pool",
+            "gpu",
+            "--cohort",
+            "research",
+            "--quota",
+            &quota,
+            "--borrowing-limit",
+            &limit,
+            "--weight",
+            "2",
+        ],
+    ));
+    // What is wrong is said, with exit 6 for what does not exist.
+    let again = strata(&queues(
+        &url,
+        &["create", "ml", "--pool", "gpu", "--quota", &quota],
+    ));
+    assert_eq!(again.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
+    let nopool = strata(&queues(
+        &url,
+        &["create", "ml", "--pool", "nope", "--quota", &quota],
+    ));
+    assert_eq!(nopool.status.code(), Some(6));
+    let noqueue = strata(&queues(
+        &url,
+        &["set", "typo", "--pool", "gpu", "--weight", "3"],
+    ));
+    assert_eq!(noqueue.status.code(), Some(6));
+    let err = fails(&queues(
+        &url,
+        &["set", "ml", "--pool", "gpu", "--quota", "H100-80GB=lots"],
+    ));
+    assert!(err.contains("is not a number of GPUs"), "{err}");
+    let err = fails(&queues(
+        &url,
+        &["set", "ml", "--pool", "gpu", "--weight", "0"],
+    ));
+    assert!(err.contains("weight is 1 to 1000"), "{err}");
+    let err = fails(&reserve_args(&url, &["--gpus", "1"]));
+    assert!(
+        err.contains("shared by queues (cv, ml): name one with --queue"),
+        "{err}"
+    );
+    let err = fails(&reserve_args(&url, &["--gpus", "1", "--queue", "typo"]));
+    assert!(err.contains("no queue \"typo\""), "{err}");
+
+    let placer = crate::gateway::Killed(placer(&url, "queues", &dir.path().join("placer.log")));
+    let show = |id: &str| show_reservation(&url, id);
+    // ml takes its 8, cv 4 of its 8: 4 GPUs are free.
+    for (id, queue, gpus) in [("ml-1", "ml", "8"), ("cv-1", "cv", "4")] {
+        ok(&reserve_args(
+            &url,
+            &["--gpus", gpus, "--queue", queue, "--id", id, "--wait"],
+        ));
+    }
+    // ml asks for 6 more: the cohort has only 4 of its 16 unused to lend,
+    // so it waits over quota though 4 GPUs are free.
+    let timed_out = strata(&reserve_args(
+        &url,
+        &[
+            "--gpus",
+            "6",
+            "--queue",
+            "ml",
+            "--id",
+            "ml-2",
+            "--wait",
+            "--timeout",
+            "3s",
+        ],
+    ));
+    let said = String::from_utf8_lossy(&timed_out.stderr);
+    assert_eq!(timed_out.status.code(), Some(4), "{said}");
+    assert!(
+        said.contains("over quota: queue ml holds 8 of its 8 H100-80GB GPUs and asks for 6; cohort research has 4 of its 16 unused to lend"),
+        "{said}"
+    );
+    let ml2 = show("ml-2");
+    assert_eq!(ml2["queue"], "ml", "{ml2}");
+    assert_eq!(ml2["waiting"]["queue"], "ml", "{ml2}");
+    assert!(
+        ml2["waiting"]["why"]
+            .as_str()
+            .unwrap()
+            .starts_with("over quota"),
+        "{ml2}"
+    );
+    // cv's quota grows to 10: ml-2 is within what the cohort may lend now,
+    // but 4 GPUs are free, not 6. Why it waits changes, and the log says so.
+    ok(&queues(
+        &url,
+        &[
+            "set",
+            "cv",
+            "--pool",
+            "gpu",
+            "--quota",
+            &format!("{CLASS}=10"),
+        ],
+    ));
+    let reasons = wait_for(30, || {
+        Some(queued_reasons(&url, "ml-2")).filter(|r| r.len() == 2)
+    })
+    .expect("ml-2 is queued again with its new reason");
+    assert!(reasons[0].starts_with("over quota"), "{reasons:?}");
+    assert!(
+        reasons[1].starts_with("waiting for capacity"),
+        "{reasons:?}"
+    );
+    let ml2 = show("ml-2");
+    assert!(
+        ml2["waiting"]["why"]
+            .as_str()
+            .unwrap()
+            .contains("waiting for capacity")
+            || ml2["waiting"]["why"]
+                .as_str()
+                .unwrap()
+                .contains("not met now"),
+        "{ml2}"
+    );
+    // cv gives its 4 back: ml-2 is placed, borrowing 6 of cv's quota.
+    ok(&["release", "cv-1", "--database-url", &url]);
+    wait_for(30, || Some(show("ml-2")).filter(|v| v["phase"] == "placed"))
+        .expect("ml-2 placed once cv's GPUs are free");
+
+    // Per queue: what it holds, its quota, its fair share.
+    let list = lines(&ok(&queues(&url, &["list", "--output", "json"])));
+    let row = |q: &str| list.iter().find(|r| r["queue"] == q).unwrap().clone();
+    let (ml, cv) = (row("ml"), row("cv"));
+    assert_eq!(ml["used"], 14, "{ml}");
+    assert_eq!(ml["nominal"], 8);
+    assert_eq!(ml["cohort"], "research");
+    assert_eq!(cv["used"], 0, "{cv}");
+    assert_eq!(cv["nominal"], 10);
+    assert_eq!(cv["borrowing_limit"], 2);
+    assert_eq!(cv["weight"], 2);
+    // Nothing waits: each queue's fair share is what it wants.
+    assert_eq!(ml["fair"], 14, "{ml}");
+    assert_eq!(cv["fair"], 0, "{cv}");
+    let text = ok(&queues(&url, &["show", "ml", "--pool", "gpu"]));
+    assert!(
+        text.contains("queue ml in pool gpu: 8 H100-80GB; cohort research; weight 1")
+            && text.contains("holds 14 of its 8 nominal"),
+        "{text}"
+    );
+    let text = ok(&queues(&url, &["list"]));
+    assert!(text.contains("POOL") && text.contains("research"), "{text}");
+    assert_eq!(
+        strata(&queues(&url, &["show", "typo", "--pool", "gpu"]))
+            .status
+            .code(),
+        Some(6)
+    );
+
+    // A request written straight into the log without a queue (past the
+    // CLI's check) is rejected by the placer: the rule is the placer's.
+    ok(&append_args(
+        &url,
+        "reservation/sneaky",
+        "reservation.requested",
+        r#"{"reservation":"sneaky","pool":"gpu","class":"H100-80GB","gpus":1,"shape":{"kind":"any"}}"#,
+        &[],
+    ));
+    let outcome = wait_for(30, || {
+        let v = show("sneaky");
+        (v["phase"] == "ended").then_some(v)
+    })
+    .expect("sneaky is decided");
+    assert_eq!(outcome["outcome"], "rejected", "{outcome}");
+
+    let report = check_json(&url);
+    assert_eq!(report["live"], 2, "ml-1 and ml-2: {report}");
+    crate::events_conform(&url, &[]);
+
+    // With no placer running, a placement over quota written straight into
+    // the log is caught by the replay check. ml leaves its cohort, so it
+    // may hold its 8 only; it holds 14.
+    drop(placer);
+    ok(&queues(
+        &url,
+        &["set", "ml", "--pool", "gpu", "--no-cohort"],
+    ));
+    ok(&reserve_args(
+        &url,
+        &["--gpus", "1", "--queue", "ml", "--id", "ml-3"],
+    ));
+    let mut booked = std::collections::BTreeSet::new();
+    for id in ["ml-1", "ml-2"] {
+        for a in show(id)["allocations"].as_array().unwrap() {
+            for d in a["devices"].as_array().unwrap() {
+                booked.insert(format!(
+                    "{}/{}",
+                    a["node"].as_str().unwrap(),
+                    d.as_str().unwrap()
+                ));
+            }
+        }
+    }
+    let (node, device) = (0..2)
+        .flat_map(|n| (0..8).map(move |d| (format!("gpu-n{n:05}"), format!("gpu{d}"))))
+        .find(|(n, d)| !booked.contains(&format!("{n}/{d}")))
+        .expect("2 GPUs are free");
+    let placed = serde_json::json!({
+        "reservation": "ml-3",
+        "allocations": [{"node": node, "devices": [device]}],
+    })
+    .to_string();
+    ok(&append_args(
+        &url,
+        "pool/gpu",
+        "reservation.placed",
+        &placed,
+        &[],
+    ));
+    let out = strata(&["replay", "check", "--database-url", &url]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("placed against its quota: over quota: queue ml holds 14 of its 8 H100-80GB GPUs and asks for 1; it is in no cohort"),
+        "{said}"
+    );
+}
