@@ -578,6 +578,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         pc.max_batch = args.max_batch.max(1);
         pc.lease_ttl = args.lease_ttl;
         pc.node_lost_after = args.node_lost_after;
+        pc.preemption_grace = args.preemption_grace;
         if !args.pools.is_empty() {
             pc.pools = Some(args.pools.iter().cloned().collect());
         }

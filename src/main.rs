@@ -792,6 +792,9 @@ pub struct ReserveArgs {
     /// The queue to be admitted under, in a pool shared by queues (see `strata queues list`)
     #[arg(long)]
     pub queue: Option<String>,
+    /// When preempted (by a request of higher priority, or a queue taking back quota it lent), request it again under a new id, <id>~<n>, to wait in its queue, instead of only ending it
+    #[arg(long)]
+    pub requeue_on_preemption: bool,
     /// Release automatically this long after placement (e.g. 2h)
     #[arg(long, value_parser = humantime::parse_duration)]
     pub ttl: Option<std::time::Duration>,
@@ -964,6 +967,9 @@ pub struct ServeArgs {
     /// reservations fail (node_lost); a revoked or drained node's fail at once
     #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
     pub node_lost_after: std::time::Duration,
+    /// placer: how long a reservation being preempted keeps its devices after its nodes are told (allocation.preempting), before it ends and the request it makes room for is placed
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub preemption_grace: std::time::Duration,
     /// placer: only these pools (comma-separated; default all)
     #[arg(long, value_delimiter = ',')]
     pub pools: Vec<String>,

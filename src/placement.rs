@@ -71,6 +71,7 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
         ttl_ms: args.ttl.map(|t| t.as_millis() as u64),
         replace_on_failure: args.replace_on_failure,
         replaces: None,
+        requeue_on_preemption: args.requeue_on_preemption,
         queue: args.queue.clone(),
     };
     request
@@ -135,6 +136,10 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
             }
             Outcome::Failed(reason) => {
                 println!("failed {id}: {reason}");
+                Ok(ExitCode::from(crate::exit::ENDED))
+            }
+            Outcome::Preempted(reason) => {
+                println!("preempted {id}: {reason}");
                 Ok(ExitCode::from(crate::exit::ENDED))
             }
         },
@@ -254,6 +259,11 @@ fn reservation_json(
         "phase": r.phase.name(),
         "requested_at_position": r.requested_at,
     });
+    if let Some(by) = &r.preempted_by {
+        out["preempted_by"] = by.clone().into();
+        out["preemption"] = r.preempt_reason.clone().into();
+        out["preempted_at"] = r.preempt_deadline_ms.map(ms_time).into();
+    }
     if r.phase.is_live() {
         out["allocations"] = serde_json::to_value(&r.allocations).unwrap_or_default();
         out["placed_at"] = r.placed_at_ms.map(ms_time).into();
@@ -316,6 +326,13 @@ pub async fn reservations(cmd: crate::ReservationsCmd) -> Result<ExitCode> {
                 }
                 if let Some(at) = r.expires_at_ms {
                     println!("  expires at {}", ms_time(at));
+                }
+                if let Some(by) = &r.preempted_by {
+                    println!(
+                        "  being preempted ({}) for {by}: it ends at {}",
+                        r.preempt_reason,
+                        r.preempt_deadline_ms.map_or("once seen".into(), ms_time)
+                    );
                 }
             }
             if let Some(s) = projections::waiting::standing(&index, &id, now) {

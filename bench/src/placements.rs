@@ -103,6 +103,7 @@ fn request(id: String, pool: &str, gpus: u32, shape: Shape) -> Request {
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        requeue_on_preemption: false,
         queue: None,
     }
 }

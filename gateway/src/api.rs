@@ -417,6 +417,7 @@ impl api_server::Api for ApiService {
             ttl_ms: (r.ttl_ms > 0).then_some(r.ttl_ms),
             replace_on_failure: r.replace_on_failure,
             replaces: None,
+            requeue_on_preemption: r.requeue_on_preemption,
             queue: (!r.queue.is_empty()).then_some(r.queue),
         };
         let client = self.db().await?;

@@ -210,6 +210,7 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                         "reservation.released" => Some("released"),
                         "reservation.expired" => Some("expired"),
                         "reservation.failed" => Some("failed"),
+                        "reservation.preempted" => Some("preempted"),
                         _ => None,
                     };
                     if let (Some(state), Ok(Some(fact))) = (outcome, Fact::parse(&e.event_type, &e.payload, &e.metadata)) {
@@ -219,6 +220,9 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                                 Fact::ReservationUnschedulable { reason, .. } => (reason.clone(), Vec::new()),
                                 Fact::ReservationFailed { reason, replaced_by, .. } => {
                                     (Fact::failure_reason(reason, replaced_by.as_deref()), Vec::new())
+                                }
+                                Fact::ReservationPreempted { by, reason, replaced_by, .. } => {
+                                    (Fact::failure_reason(&format!("{reason}, by {by}"), replaced_by.as_deref()), Vec::new())
                                 }
                                 _ => (String::new(), Vec::new()),
                             };

@@ -13,6 +13,11 @@
 //! binding devices the log has freed. Both hold one lock while they touch
 //! the folder. Tombstones older than two days are pruned: by then the bind
 //! has long expired.
+//!
+//! Preemption: `allocation.preempting` writes `<reservation>.preempting`
+//! (who preempts it, and when its grace period ends) beside the binding,
+//! for the workload's runtime to see and checkpoint before the release
+//! comes; the release removes it.
 
 use crate::gpu::GpuBackend;
 use serde::{Deserialize, Serialize};
@@ -285,6 +290,7 @@ impl Executor {
                     return fail(format!("record the release: {e}"));
                 }
                 prune_tombstones(allocations);
+                let _ = std::fs::remove_file(allocations.join(format!("{reservation}.preempting")));
                 let path = allocations.join(format!("{reservation}.json"));
                 match std::fs::remove_file(&path) {
                     Ok(()) => Outcome {
@@ -298,6 +304,36 @@ impl Executor {
                         output: serde_json::Value::Null,
                     },
                     Err(e) => fail(format!("remove the allocation: {e}")),
+                }
+            }
+            "allocation.preempting" => {
+                let Some(reservation) = args["reservation"].as_str().filter(|r| valid_file_name(r))
+                else {
+                    return fail("allocation.preempting needs a reservation".into());
+                };
+                let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
+                if !allocations.join(format!("{reservation}.json")).exists() {
+                    return Outcome {
+                        ok: true,
+                        detail: format!("reservation {reservation} is not bound here"),
+                        output: serde_json::Value::Null,
+                    };
+                }
+                let written = std::fs::write(
+                    allocations.join(format!("{reservation}.preempting")),
+                    args.to_string(),
+                );
+                match written {
+                    Ok(()) => Outcome {
+                        ok: true,
+                        detail: format!(
+                            "reservation {reservation} is preempted by {}; it keeps its devices until {}",
+                            args["by"].as_str().unwrap_or("another request"),
+                            args["deadline_ms"]
+                        ),
+                        output: args.clone(),
+                    },
+                    Err(e) => fail(format!("record the preemption: {e}")),
                 }
             }
             other => fail(format!("unknown command kind {other:?}")),

@@ -502,10 +502,42 @@ async fn held(
             .ok()
             .flatten();
         match &fact {
+            Some(Fact::ReservationPreempting {
+                reservation,
+                by,
+                reason,
+                deadline_ms,
+            }) => {
+                // Its nodes are told, so its workload can wind down before
+                // the grace period ends.
+                if let Some(r) = index.reservation(reservation) {
+                    for a in &r.allocations {
+                        issue(
+                            &appender,
+                            Command {
+                                id: format!("preempting:{reservation}:{}", a.node),
+                                node: a.node.clone(),
+                                kind: "allocation.preempting".into(),
+                                args: serde_json::json!({
+                                    "reservation": reservation,
+                                    "by": by,
+                                    "reason": reason,
+                                    "deadline_ms": deadline_ms,
+                                }),
+                                deadline_ms: release_deadline(),
+                                issued_by: ISSUER.into(),
+                            },
+                            stats.clone(),
+                            true,
+                        );
+                    }
+                }
+            }
             Some(
                 Fact::ReservationReleased { reservation }
                 | Fact::ReservationExpired { reservation }
-                | Fact::ReservationFailed { reservation, .. },
+                | Fact::ReservationFailed { reservation, .. }
+                | Fact::ReservationPreempted { reservation, .. },
             ) => {
                 // Before the index forgets the reservation's allocations.
                 if let Some(r) = index.reservation(reservation) {

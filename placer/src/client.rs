@@ -86,6 +86,9 @@ pub enum Outcome {
     Expired,
     /// A node it was on left, was revoked or was lost (the reason).
     Failed(String),
+    /// Preempted to make room for another request (why, by whom, and its
+    /// replacement if it asked to be requeued).
+    Preempted(String),
 }
 
 /// Waits on a subscription (started before the request was made) for the
@@ -121,6 +124,17 @@ pub async fn wait(
             } => {
                 return Ok(Outcome::Failed(Fact::failure_reason(
                     &reason,
+                    replaced_by.as_deref(),
+                )))
+            }
+            Fact::ReservationPreempted {
+                by,
+                reason,
+                replaced_by,
+                ..
+            } => {
+                return Ok(Outcome::Preempted(Fact::failure_reason(
+                    &format!("{reason}, by {by}"),
                     replaced_by.as_deref(),
                 )))
             }

@@ -10,7 +10,7 @@
 use projections::index::{ClassIndex, Index};
 use projections::{quota, Allocation, Request, Shape};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 
 /// What a batch decided.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -23,6 +23,9 @@ pub struct Plan {
     pub still_waiting: usize,
     /// Reservations that can never fit the pool as it is.
     pub unschedulable: Vec<(String, String)>,
+    /// Live reservations to preempt: (victim, the request it makes room
+    /// for, `priority` or `reclaim`). The request is queued meanwhile.
+    pub preempting: Vec<(String, String, String)>,
 }
 
 /// Why a request can never fit the pool (counting every present device,
@@ -173,19 +176,68 @@ pub fn place_one(index: &Index, pool: &str, r: &Request) -> Option<Vec<Allocatio
 /// dominant resource fairness: the next request planned is the next (by
 /// priority) of the queue with the smallest dominant share so far, counting
 /// what the batch has placed ([`quota::dominant_share`]).
+///
+/// A request that does not fit may preempt (see [`Plan::preempting`]).
 pub fn plan_batch(index: &mut Index, pool: &str, ids: &[String]) -> Plan {
+    plan_with(index, pool, ids, &Ending::default())
+}
+
+/// The live reservations the batch ends (released, expired, failed, and
+/// preempted once their grace period is over), and the requests those
+/// preempted make room for.
+#[derive(Debug, Default, Clone)]
+pub struct Ending {
+    /// The reservations ended now: planned as gone (their devices free,
+    /// their GPUs off their queues).
+    pub victims: Vec<String>,
+    /// The preemptors of those preempted now, planned before anything
+    /// else.
+    pub first: Vec<String>,
+}
+
+/// [`plan_batch`] with `ending`'s victims planned as gone and their
+/// preemptors planned first.
+pub fn plan_with(index: &mut Index, pool: &str, ids: &[String], ending: &Ending) -> Plan {
     let mut plan = Plan::default();
     let mut batch = quota::Batch::default();
+    let mut gone: Vec<(String, Vec<Allocation>)> = Vec::new();
+    for v in &ending.victims {
+        if let Some(r) = index.reservation(v) {
+            if !r.phase.is_live() {
+                continue;
+            }
+            batch.end(
+                v,
+                r.request.queue.as_deref(),
+                &r.request.class,
+                r.request.gpus as u64,
+            );
+            gone.push((v.clone(), r.allocations.clone()));
+        }
+    }
+    for (v, allocs) in &gone {
+        for a in allocs {
+            index.unbook(pool, a, v);
+        }
+    }
+    for id in &ending.first {
+        plan_one(index, pool, id, &mut plan, &mut batch, true);
+    }
+    let ids: Vec<String> = ids
+        .iter()
+        .filter(|id| !ending.first.contains(id))
+        .cloned()
+        .collect();
     let shared = index.pool(pool).is_some_and(|p| !p.queues.is_empty());
     if !shared {
-        for id in ids {
-            plan_one(index, pool, id, &mut plan, &mut batch);
+        for id in &ids {
+            plan_one(index, pool, id, &mut plan, &mut batch, false);
         }
     } else {
         // Per queue, its requests in placement order (those naming no queue,
         // or an unknown one, under their name: they are rejected in turn).
         let mut groups: BTreeMap<String, VecDeque<Turn>> = BTreeMap::new();
-        for id in ids {
+        for id in &ids {
             if let Some(r) = index.reservation(id) {
                 let q = r.request.queue.clone().unwrap_or_default();
                 groups.entry(q).or_default().push_back((
@@ -205,7 +257,11 @@ pub fn plan_batch(index: &mut Index, pool: &str, ids: &[String]) -> Plan {
             let Some((_, _, id)) = g.pop_front() else {
                 continue;
             };
-            plan_one(index, pool, id, &mut plan, &mut batch);
+            if plan_one(index, pool, id, &mut plan, &mut batch, false) {
+                // It preempts: nothing more of its queue in this batch (see
+                // quota::may_preempt), tried again in the next.
+                g.clear();
+            }
             if !g.is_empty() {
                 turns.push(Reverse((share_key(index, pool, &q, &batch), q)));
             }
@@ -214,6 +270,12 @@ pub fn plan_batch(index: &mut Index, pool: &str, ids: &[String]) -> Plan {
     for (id, allocs) in &plan.placed {
         for a in allocs {
             index.unbook(pool, a, id);
+        }
+    }
+    for (v, allocs) in &gone {
+        for a in allocs {
+            let refused = index.book(pool, a, v);
+            debug_assert!(refused.is_empty(), "a victim's devices are as they were");
         }
     }
     plan
@@ -235,16 +297,23 @@ fn reason_kind(reason: &str) -> &str {
 }
 
 /// Plans one request into `plan`, booking its placement in the index and
-/// counting it in `batch`.
-fn plan_one(index: &mut Index, pool: &str, id: &str, plan: &mut Plan, batch: &mut quota::Batch) {
+/// counting it in `batch`. Whether it preempts.
+fn plan_one(
+    index: &mut Index,
+    pool: &str,
+    id: &str,
+    plan: &mut Plan,
+    batch: &mut quota::Batch,
+    ending: bool,
+) -> bool {
     let Some(r) = index.reservation(id) else {
-        return;
+        return false;
     };
     let (request, queued) = (r.request.clone(), r.phase == projections::Phase::Queued);
     let was = r.reason.clone();
     if let Some(reason) = never_fits(index, pool, &request) {
         plan.unschedulable.push((id.to_string(), reason));
-        return;
+        return false;
     }
     let wait = |plan: &mut Plan, reason: String| {
         if queued && reason_kind(&reason) == reason_kind(&was) {
@@ -253,39 +322,239 @@ fn plan_one(index: &mut Index, pool: &str, id: &str, plan: &mut Plan, batch: &mu
             plan.queued.push((id.to_string(), reason));
         }
     };
-    match quota::admit(index, pool, &request, batch) {
-        Ok(()) => {}
-        Err(quota::Refusal::NoQueue(reason)) => {
-            plan.unschedulable.push((id.to_string(), reason));
-            return;
-        }
-        Err(refusal @ quota::Refusal::OverQuota(_)) => {
-            wait(plan, refusal.to_string());
-            return;
-        }
+    // Room is being made for it: it waits for the grace period's end
+    // (unless that is now, and its victims are planned as gone).
+    let making_room = index.queues(pool).and_then(|q| q.preemptors.get(id));
+    if let (Some(victims), false) = (making_room, ending) {
+        let reason = format!(
+            "preempting: {} reservation(s) make room for it; it is placed when their grace period ends",
+            victims.len()
+        );
+        wait(plan, reason);
+        return false;
     }
-    match place_one(index, pool, &request) {
-        Some(allocs) => {
-            for a in &allocs {
-                let refused = index.book(pool, a, id);
-                debug_assert!(refused.is_empty(), "planned devices are free");
+    let why = match quota::admit(index, pool, &request, batch) {
+        Ok(()) => match place_one(index, pool, &request) {
+            Some(allocs) => {
+                for a in &allocs {
+                    let refused = index.book(pool, a, id);
+                    debug_assert!(refused.is_empty(), "planned devices are free");
+                }
+                if let Some(q) = &request.queue {
+                    batch.add(q, &request.class, request.gpus as u64);
+                }
+                plan.placed.push((id.to_string(), allocs));
+                return false;
             }
-            if let Some(q) = &request.queue {
-                batch.add(q, &request.class, request.gpus as u64);
-            }
-            plan.placed.push((id.to_string(), allocs));
-        }
-        None => {
-            let free = index.class(pool, &request.class).map_or(0, |c| c.free);
-            wait(
-                plan,
+            None => {
+                let free = index.class(pool, &request.class).map_or(0, |c| c.free);
                 format!(
                     "waiting for capacity: {} {} GPUs ({}) asked, {free} free",
                     request.gpus, request.class, request.shape
+                )
+            }
+        },
+        Err(quota::Refusal::NoQueue(reason)) => {
+            plan.unschedulable.push((id.to_string(), reason));
+            return false;
+        }
+        Err(refusal @ quota::Refusal::OverQuota(_)) => refusal.to_string(),
+    };
+    match (!ending)
+        .then(|| victims(index, pool, &request, batch))
+        .flatten()
+    {
+        Some(chosen) => {
+            let kinds: BTreeSet<&str> = chosen.iter().map(|(_, k)| *k).collect();
+            for (v, kind) in &chosen {
+                if let Some(r) = index.reservation(v) {
+                    batch.preempt(
+                        v,
+                        r.request.queue.as_deref(),
+                        &r.request.class,
+                        r.request.gpus as u64,
+                    );
+                }
+                plan.preempting
+                    .push((v.clone(), id.to_string(), kind.to_string()));
+            }
+            plan.queued.push((
+                id.to_string(),
+                format!(
+                    "preempting: {} reservation(s) make room for it ({}); it is placed when their grace period ends",
+                    chosen.len(),
+                    kinds.into_iter().collect::<Vec<_>>().join(", ")
                 ),
-            );
+            ));
+            true
+        }
+        None => {
+            wait(plan, why);
+            false
         }
     }
+}
+
+/// Most reservations one request preempts.
+const MAX_VICTIMS: usize = 256;
+/// Most live reservations looked at for one request's victims.
+const MAX_CANDIDATES: usize = 4096;
+
+/// The smallest set of live reservations whose preemption lets `request`
+/// be admitted and placed, each with why it may be preempted
+/// ([`quota::may_preempt`]), or `None` when no such set is found.
+///
+/// Lowest priority first, and within a priority the most recently
+/// requested: each is counted as gone (its devices free, its GPUs off its
+/// queue's usage) until the request fits; then each chosen one is put back
+/// if the request still fits without it, last chosen first. The index is
+/// left as it was.
+fn victims(
+    index: &mut Index,
+    pool: &str,
+    request: &Request,
+    batch: &quota::Batch,
+) -> Option<Vec<(String, &'static str)>> {
+    // Only a pool shared by queues preempts.
+    request.queue.as_ref()?;
+    let q = index.queues(pool)?;
+    let class = request.class.clone();
+    let mine = request.queue.clone().unwrap_or_default();
+    let mut candidates: Vec<String> = Vec::new();
+    // First what other queues of its cohort borrowed, when its own queue
+    // may take it back (within its nominal quota with the request).
+    let cohort = request
+        .queue
+        .as_deref()
+        .and_then(|n| index.pool(pool)?.queues.get(n))
+        .and_then(|s| s.cohort.clone());
+    let within = cohort.is_some() && {
+        let spec = &index.pool(pool)?.queues[&mine];
+        let nominal = spec.quota(&class).map_or(0, |x| x.nominal) as u64;
+        quota::held(index, pool, &mine, &class, batch) + request.gpus as u64 <= nominal
+    };
+    if within {
+        for spec in index.pool(pool)?.queues.values() {
+            if spec.queue == mine || spec.cohort != cohort {
+                continue;
+            }
+            let nominal = spec.quota(&class).map_or(0, |x| x.nominal) as u64;
+            if quota::held(index, pool, &spec.queue, &class, batch) <= nominal {
+                continue;
+            }
+            if let Some(set) = q.live.get(&(class.clone(), spec.queue.clone())) {
+                candidates.extend(set.iter().take(MAX_CANDIDATES).map(|k| k.2.clone()));
+            }
+        }
+    }
+    // Then its own queue's (or pool's) of lower priority.
+    if let Some(set) = q.live.get(&(class.clone(), mine)) {
+        candidates.extend(
+            set.range(..(request.priority, Reverse(u64::MAX), String::new()))
+                .take(MAX_CANDIDATES)
+                .map(|k| k.2.clone()),
+        );
+    }
+    if candidates.is_empty() {
+        return None;
+    }
+    candidates.truncate(MAX_CANDIDATES);
+    // What fits without the chosen (their GPUs freed), and what may still
+    // be preempted with them chosen (counted as being preempted).
+    let (mut sim, mut picked) = (batch.clone(), batch.clone());
+    let mut chosen: Vec<(String, &'static str, Vec<Allocation>)> = Vec::new();
+    let fits = |index: &Index, sim: &quota::Batch| {
+        quota::admit(index, pool, request, sim).is_ok() && place_one(index, pool, request).is_some()
+    };
+    let mut fit = false;
+    for v in candidates {
+        if chosen.len() >= MAX_VICTIMS {
+            break;
+        }
+        let Some(r) = index.reservation(&v) else {
+            continue;
+        };
+        if r.preempted_by.is_some() || v == request.reservation || batch.preempts(&v) {
+            continue;
+        }
+        let Ok(kind) = quota::may_preempt(index, pool, request, r, &picked) else {
+            continue;
+        };
+        let (allocs, queue, gpus) = (
+            r.allocations.clone(),
+            r.request.queue.clone(),
+            r.request.gpus,
+        );
+        if let Some(q) = &queue {
+            sim.free(q, &request.class, gpus as u64);
+        }
+        picked.preempt(&v, queue.as_deref(), &request.class, gpus as u64);
+        for a in &allocs {
+            index.unbook(pool, a, &v);
+        }
+        chosen.push((v, kind, allocs));
+        if fits(index, &sim) {
+            fit = true;
+            break;
+        }
+    }
+    let put_back = |index: &mut Index, v: &str, allocs: &[Allocation]| {
+        for a in allocs {
+            index.book(pool, a, v);
+        }
+    };
+    if !fit {
+        for (v, _, allocs) in &chosen {
+            put_back(index, v, allocs);
+        }
+        return None;
+    }
+    // The smallest set: drop each one the request fits without.
+    let mut keep = vec![true; chosen.len()];
+    for i in (0..chosen.len()).rev() {
+        let (v, _, allocs) = &chosen[i];
+        put_back(index, v, allocs);
+        let mut without = batch.clone();
+        for (j, (w, _, _)) in chosen.iter().enumerate() {
+            if j != i && keep[j] {
+                if let Some(q) = index.reservation(w).and_then(|r| r.request.queue.clone()) {
+                    let g = index.reservation(w).map_or(0, |r| r.request.gpus as u64);
+                    without.free(&q, &request.class, g);
+                }
+            }
+        }
+        if fits(index, &without) {
+            keep[i] = false;
+        } else {
+            for a in allocs {
+                index.unbook(pool, a, v);
+            }
+        }
+    }
+    for (i, (v, _, allocs)) in chosen.iter().enumerate() {
+        if keep[i] {
+            put_back(index, v, allocs);
+        }
+    }
+    // Each kept one must still be preemptable in the order written (the
+    // index checks them so).
+    let mut check = batch.clone();
+    let mut out = Vec::new();
+    for (i, (v, _, _)) in chosen.iter().enumerate() {
+        if !keep[i] {
+            continue;
+        }
+        let r = index.reservation(v)?;
+        let kind = quota::may_preempt(index, pool, request, r, &check).ok()?;
+        check.preempt(
+            v,
+            r.request.queue.as_deref(),
+            &request.class,
+            r.request.gpus as u64,
+        );
+        out.push((v.clone(), kind));
+    }
+    Some(out)
 }
 
 #[cfg(test)]
@@ -370,6 +639,7 @@ mod tests {
                 ttl_ms: None,
                 replace_on_failure: false,
                 replaces: None,
+                requeue_on_preemption: false,
                 queue: queue.map(str::to_string),
             };
             let e = self
@@ -381,6 +651,37 @@ mod tests {
         /// Plans the pending reservations and applies the outcome as a
         /// placer's commit would.
         fn run(&mut self) -> Plan {
+            self.run_with(false)
+        }
+
+        /// [`World::run`] with every grace period over: the reservations
+        /// being preempted end, and their preemptors are planned first.
+        fn run_ending(&mut self) -> Plan {
+            self.run_with(true)
+        }
+
+        fn run_with(&mut self, end: bool) -> Plan {
+            let mut ending = Ending::default();
+            if end {
+                for (_, v) in self
+                    .index
+                    .queues("p")
+                    .map(|q| q.preemptions.clone())
+                    .unwrap_or_default()
+                {
+                    let by = self
+                        .index
+                        .reservation(&v)
+                        .unwrap()
+                        .preempted_by
+                        .clone()
+                        .unwrap();
+                    ending.victims.push(v);
+                    if !ending.first.contains(&by) {
+                        ending.first.push(by);
+                    }
+                }
+            }
             let ids: Vec<String> = self
                 .index
                 .queues("p")
@@ -405,14 +706,33 @@ mod tests {
             ids_sorted.sort();
             let ids: Vec<String> = ids_sorted.into_iter().map(|(_, id)| id).collect();
             let before = self.index.clone();
-            let plan = plan_batch(&mut self.index, "p", &ids);
+            let plan = plan_with(&mut self.index, "p", &ids, &ending);
             assert!(self.index == before, "planning leaves the index as it was");
+            for v in &ending.victims {
+                let r = self.index.reservation(v).unwrap();
+                let fact = Fact::ReservationPreempted {
+                    reservation: v.clone(),
+                    by: r.preempted_by.clone().unwrap(),
+                    reason: r.preempt_reason.clone(),
+                    replaced_by: None,
+                };
+                assert_eq!(self.pool(&fact), None);
+            }
             for (reservation, allocations) in plan.placed.clone() {
                 let v = self.pool(&Fact::ReservationPlaced {
                     reservation,
                     allocations,
                 });
                 assert_eq!(v, None, "the planner's placements are valid");
+            }
+            for (reservation, by, reason) in plan.preempting.clone() {
+                let v = self.pool(&Fact::ReservationPreempting {
+                    reservation,
+                    by,
+                    reason,
+                    deadline_ms: Some(0),
+                });
+                assert_eq!(v, None, "the planner's preemptions are allowed");
             }
             for (reservation, reason) in plan.queued.clone() {
                 assert_eq!(
@@ -644,6 +964,7 @@ mod tests {
                 ttl_ms: None,
                 replace_on_failure: false,
                 replaces: None,
+                requeue_on_preemption: false,
                 queue: Some("solo".into()),
             }),
         );
@@ -709,27 +1030,145 @@ mod tests {
 
     #[test]
     fn queues_are_served_by_weighted_dominant_share() {
-        for (wx, wy, want_x) in [(1, 1, 8), (3, 1, 12)] {
-            // 16 GPUs, two queues of 8 in one cohort; each asks for all 16,
-            // x at a higher priority.
-            let mut w = World::new(2);
+        for (wx, wy, want_x) in [(1, 1, 12), (3, 1, 14)] {
+            // 24 GPUs, three queues of 8 in one cohort; z wants none, x and
+            // y each want 16, x at a higher priority. Each gets its 8, and
+            // z's unused 8 is shared by weight.
+            let mut w = World::new(3);
             w.queue("x", Some("c"), wx, 8, None);
             w.queue("y", Some("c"), wy, 8, None);
+            w.queue("z", Some("c"), 1, 8, None);
             for i in 0..16 {
                 w.request_in(Some("x"), &format!("x{i:02}"), 1, Shape::Any, 10);
                 w.request_in(Some("y"), &format!("y{i:02}"), 1, Shape::Any, 0);
             }
             let shares = projections::quota::fair_shares(&w.index, "p");
             let fair: Vec<u64> = shares.iter().map(|s| s.fair).collect();
-            assert_eq!(fair, [want_x, 16 - want_x], "{shares:?}");
+            assert_eq!(fair, [want_x, 24 - want_x, 0], "{shares:?}");
             w.run();
             // Priority decides within a queue, fairness across them.
             assert_eq!(w.used("x"), want_x, "weights {wx}:{wy}");
-            assert_eq!(w.used("y"), 16 - want_x, "weights {wx}:{wy}");
+            assert_eq!(w.used("y"), 24 - want_x, "weights {wx}:{wy}");
             assert_eq!(w.phase("x00"), Some(Phase::Placed));
             let shares = projections::quota::fair_shares(&w.index, "p");
             assert!(shares.iter().all(|s| s.used == s.fair), "{shares:?}");
         }
+    }
+
+    #[test]
+    fn a_higher_priority_request_preempts_the_fewest_lower_ones_and_never_an_equal() {
+        let mut w = World::new(1);
+        w.queue("q", None, 1, 8, None);
+        w.request_in(Some("q"), "low", 2, Shape::Any, 0);
+        w.request_in(Some("q"), "low-big", 4, Shape::Any, 0);
+        w.request_in(Some("q"), "mid", 2, Shape::Any, 1);
+        w.run();
+        assert_eq!(w.index.class("p", C).unwrap().free, 0);
+        // 4 GPUs for priority 5: one victim (low-big) frees them, two
+        // (low and mid) would too; the lowest priority goes first, and no
+        // more than needed.
+        w.request_in(Some("q"), "high", 4, Shape::Any, 5);
+        let plan = w.run();
+        assert_eq!(
+            plan.preempting,
+            [(
+                "low-big".to_string(),
+                "high".to_string(),
+                "priority".to_string()
+            )],
+            "{plan:?}"
+        );
+        assert!(
+            plan.queued[0].1.starts_with("preempting: 1 reservation(s)"),
+            "{plan:?}"
+        );
+        assert_eq!(
+            w.phase("low-big"),
+            Some(Phase::Placed),
+            "it keeps its GPUs until its grace ends"
+        );
+        // An equal priority preempts nothing; what is being preempted is
+        // not taken twice.
+        w.request_in(Some("q"), "peer", 2, Shape::Any, 1);
+        let plan = w.run();
+        assert!(
+            plan.preempting.iter().all(|(v, _, _)| v == "low"),
+            "{plan:?}"
+        );
+        // The grace period ends: low-big is gone and high is on its GPUs.
+        let big = w.allocs("low-big");
+        let plan = w.run_ending();
+        assert!(plan.placed.iter().any(|(id, _)| id == "high"), "{plan:?}");
+        assert!(w.index.reservation("low-big").is_none());
+        let mut got = w.allocs("high")[0].devices.clone();
+        got.sort();
+        let mut freed = big[0].devices.clone();
+        freed.sort();
+        assert_eq!(got, freed);
+        assert!(w.index.derived_is_consistent());
+        assert_eq!(w.index.state().violations, 0);
+        // A preemption of an equal priority in the log is a violation.
+        w.request_in(Some("q"), "same", 2, Shape::Any, 1);
+        w.run();
+        let v = w
+            .pool(&Fact::ReservationPreempting {
+                reservation: "mid".into(),
+                by: "same".into(),
+                reason: "priority".into(),
+                deadline_ms: None,
+            })
+            .expect("a violation");
+        assert!(v.message.contains("only a lower priority is"), "{v}");
+    }
+
+    #[test]
+    fn a_queue_takes_back_what_it_lent_and_only_that() {
+        // 16 GPUs; a and b have 8 each in one cohort. b borrowed a's 8.
+        let mut w = World::new(2);
+        w.queue("a", Some("c"), 1, 8, None);
+        w.queue("b", Some("c"), 1, 8, None);
+        for i in 0..4 {
+            w.request_in(Some("b"), &format!("b{i}"), 4, Shape::Any, 9);
+        }
+        w.run();
+        assert_eq!(w.used("b"), 16);
+        // a asks for 4 of its own 8: b's newest goes, whatever its priority.
+        w.request_in(Some("a"), "a1", 4, Shape::Any, 0);
+        let plan = w.run();
+        assert_eq!(
+            plan.preempting,
+            [("b3".to_string(), "a1".to_string(), "reclaim".to_string())],
+            "{plan:?}"
+        );
+        w.run_ending();
+        assert_eq!(w.phase("a1"), Some(Phase::Placed));
+        assert_eq!((w.used("a"), w.used("b")), (4, 12));
+        // a asks for 4 more: b still borrows 4, and a stays within its 8.
+        w.request_in(Some("a"), "a2", 4, Shape::Any, 0);
+        assert_eq!(w.run().preempting.len(), 1);
+        w.run_ending();
+        assert_eq!((w.used("a"), w.used("b")), (8, 8));
+        // Beyond its quota a takes nothing back: b borrows nothing now.
+        w.request_in(Some("a"), "a3", 4, Shape::Any, 0);
+        let plan = w.run();
+        assert!(plan.preempting.is_empty(), "{plan:?}");
+        assert!(plan.queued[0].1.starts_with("over quota"), "{plan:?}");
+        // b, under its quota now, cannot take back from a either: a
+        // borrows nothing. No two requests preempt each other.
+        w.request_in(Some("b"), "b4", 4, Shape::Any, 9);
+        assert!(w.run().preempting.is_empty());
+        assert_eq!(w.index.state().violations, 0);
+        assert!(w.index.derived_is_consistent());
+        // A reclaim from a queue that does not borrow is a violation.
+        let v = w
+            .pool(&Fact::ReservationPreempting {
+                reservation: "b0".into(),
+                by: "a3".into(),
+                reason: "reclaim".into(),
+                deadline_ms: None,
+            })
+            .expect("a violation");
+        assert!(v.message.contains("borrows nothing to take back"), "{v}");
     }
 
     #[test]
@@ -884,6 +1323,7 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(seed);
         let mut live: Vec<String> = Vec::new();
         let mut placed = 0;
+        let mut preempted = 0;
         for step in 0..600 {
             match rng.u32(0..10) {
                 0..=4 => {
@@ -949,8 +1389,18 @@ mod tests {
                     w.pool(&fact);
                 }
                 _ => {
-                    let plan = w.run();
+                    let ending = w
+                        .index
+                        .queues("p")
+                        .is_some_and(|q| !q.preemptions.is_empty());
+                    let plan = if ending && rng.bool() {
+                        w.run_ending()
+                    } else {
+                        w.run()
+                    };
                     placed += plan.placed.len();
+                    preempted += plan.preempting.len();
+                    live.retain(|id| w.index.reservation(id).is_some());
                     live.extend(plan.placed.into_iter().map(|(id, _)| id));
                 }
             }
@@ -962,6 +1412,12 @@ mod tests {
         assert!(w.index.derived_is_consistent());
         assert_eq!(w.index.state().violations, 0);
         assert!(placed > 100, "the run placed {placed}");
+        let shared = !w.index.pool("p").unwrap().queues.is_empty();
+        assert_eq!(
+            preempted > 0,
+            shared,
+            "only a shared pool preempts: {preempted}"
+        );
         // And a rebuild from the whole log equals the live index.
         let mut rebuilt = Index::new();
         for e in &w.log.events {

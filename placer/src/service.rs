@@ -55,6 +55,9 @@ pub struct PlacerConfig {
     /// the live reservations on it fail (`reservation.failed`, `node_lost`).
     /// Reservations on a node that left or was revoked fail at once.
     pub node_lost_after: Duration,
+    /// How long a reservation being preempted keeps its devices after it
+    /// is told (`reservation.preemption_scheduled`), before it ends.
+    pub preemption_grace: Duration,
 }
 
 impl PlacerConfig {
@@ -68,6 +71,7 @@ impl PlacerConfig {
             snapshots: None,
             snapshot_every: Duration::from_secs(60),
             node_lost_after: Duration::from_secs(120),
+            preemption_grace: Duration::from_secs(30),
         }
     }
 }
@@ -89,6 +93,10 @@ pub struct Stats {
     pub expired: AtomicU64,
     /// Reservations ended because a node of theirs left or was lost.
     pub failed: AtomicU64,
+    /// Live reservations told to make room for a waiting request.
+    pub preempting: AtomicU64,
+    /// Reservations preempted once their grace period ended.
+    pub preempted: AtomicU64,
     /// Batches refused because the pool stream moved (replanned).
     pub conflicts: AtomicU64,
     /// Batches that failed otherwise (retried).
@@ -111,6 +119,8 @@ pub struct StatsView {
     pub released: u64,
     pub expired: u64,
     pub failed: u64,
+    pub preempting: u64,
+    pub preempted: u64,
     pub conflicts: u64,
     pub errors: u64,
     pub pools_held: u64,
@@ -130,6 +140,8 @@ impl Stats {
             released: l(&self.released),
             expired: l(&self.expired),
             failed: l(&self.failed),
+            preempting: l(&self.preempting),
+            preempted: l(&self.preempted),
             conflicts: l(&self.conflicts),
             errors: l(&self.errors),
             pools_held: l(&self.pools_held),
@@ -193,6 +205,20 @@ static FIELDS: &[Field<Stats>] = &[
         Counter,
         "Reservations ended because a node of theirs left, was revoked or was lost.",
         failed
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_preempting_total",
+        Counter,
+        "Live reservations told to make room for a waiting request (reservation.preemption_scheduled).",
+        preempting
+    ),
+    events::stat_field!(
+        Stats,
+        "strata_placer_preempted_total",
+        Counter,
+        "Reservations preempted once their grace period ended.",
+        preempted
     ),
     events::stat_field!(
         Stats,
@@ -338,7 +364,7 @@ impl PoolWork {
 
 struct Committed {
     pool: String,
-    plan_counts: [u64; 6],
+    plan_counts: [u64; 8],
     retried_queued_at: Option<u64>,
     result: Result<Appended, AppendError>,
 }
@@ -507,7 +533,10 @@ fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stat
             if let Some(epoch) = done.retried_queued_at {
                 w.tried_epoch = epoch;
             }
-            let [placed, queued, unschedulable, released, expired, failed] = done.plan_counts;
+            let [placed, queued, unschedulable, released, expired, failed, preempting, preempted] =
+                done.plan_counts;
+            stats.preempting.fetch_add(preempting, Ordering::Relaxed);
+            stats.preempted.fetch_add(preempted, Ordering::Relaxed);
             stats.batches.fetch_add(1, Ordering::Relaxed);
             stats.placed.fetch_add(placed, Ordering::Relaxed);
             stats.queued.fetch_add(queued, Ordering::Relaxed);
@@ -569,11 +598,13 @@ fn plan_ready(
         }
         let retry_queued = !q.queued.is_empty() && p.capacity_epoch != w.tried_epoch;
         let expiry_due = q.expiries.first().is_some_and(|(at, _)| *at <= now_ms);
+        let preemption_due = q.preemptions.first().is_some_and(|(at, _)| *at <= now_ms);
         let failures = failures_due(p, q, config.node_lost_after, now_ms, max);
         if q.pending.is_empty()
             && !retry_queued
             && q.releases.is_empty()
             && !expiry_due
+            && !preemption_due
             && failures.is_empty()
         {
             continue;
@@ -624,13 +655,59 @@ fn plan_ready(
             keys.extend(retries.iter().copied());
         }
         let ids: Vec<String> = keys.into_iter().map(|k| k.2.clone()).collect();
+        // Reservations whose grace period is over end now, and the requests
+        // they made room for are placed on their devices, in this batch.
+        let mut ending = plan::Ending::default();
+        for (_, victim) in q.preemptions.iter().take_while(|(at, _)| *at <= now_ms) {
+            if ending.victims.len() >= max {
+                break;
+            }
+            if q.releases.contains(victim)
+                || expiries.contains(victim)
+                || failures.iter().any(|(f, _, _)| f == victim)
+            {
+                continue;
+            }
+            let Some(by) = index
+                .reservation(victim)
+                .and_then(|r| r.preempted_by.clone())
+            else {
+                continue;
+            };
+            ending.victims.push(victim.clone());
+            if !ending.first.contains(&by) {
+                ending.first.push(by);
+            }
+        }
+        let due = ending.victims.clone();
+        // Everything else the batch ends is planned as gone too.
+        ending.victims.extend(releases.iter().cloned());
+        ending.victims.extend(expiries.iter().cloned());
+        ending
+            .victims
+            .extend(failures.iter().map(|(id, _, _)| id.clone()));
+        let ended: Vec<(String, String, String, Option<Request>)> = due
+            .iter()
+            .filter_map(|v| {
+                let r = index.reservation(v)?;
+                let by = r.preempted_by.clone()?;
+                let reason = r.preempt_reason.clone();
+                let again = r.request.requeue_on_preemption.then(|| Request {
+                    reservation: replacement_id(v),
+                    replaces: Some(v.clone()),
+                    ..r.request.clone()
+                });
+                Some((v.clone(), by, reason, again))
+            })
+            .collect();
         let batch = tracing::info_span!("placement.batch", pool = %pool, requests = ids.len());
         let Plan {
             placed,
             queued,
             unschedulable,
+            preempting,
             ..
-        } = batch.in_scope(|| plan::plan_batch(index, pool, &ids));
+        } = batch.in_scope(|| plan::plan_with(index, pool, &ids, &ending));
         let counts = [
             placed.len() as u64,
             queued.len() as u64,
@@ -638,7 +715,10 @@ fn plan_ready(
             releases.len() as u64,
             expiries.len() as u64,
             failures.len() as u64,
+            preempting.len() as u64,
+            ended.len() as u64,
         ];
+        let deadline = now_ms + config.preemption_grace.as_millis() as u64;
         let mut facts: Vec<Fact> = Vec::new();
         facts.extend(
             releases
@@ -670,10 +750,28 @@ fn plan_ready(
             });
             replacements.extend(again);
         }
+        for (reservation, by, reason, again) in ended {
+            facts.push(Fact::ReservationPreempted {
+                reservation,
+                by,
+                reason,
+                replaced_by: again.as_ref().map(|r| r.reservation.clone()),
+            });
+            replacements.extend(again);
+        }
         facts.extend(placed.into_iter().map(|(reservation, allocations)| {
             Fact::ReservationPlaced {
                 reservation,
                 allocations,
+            }
+        }));
+        // Preemptions after the placements: see quota::may_preempt.
+        facts.extend(preempting.into_iter().map(|(reservation, by, reason)| {
+            Fact::ReservationPreempting {
+                reservation,
+                by,
+                reason,
+                deadline_ms: Some(deadline),
             }
         }));
         facts.extend(
@@ -865,6 +963,7 @@ fn batch_appends(
             Fact::ReservationExpired { .. } => "expired",
             Fact::ReservationUnschedulable { .. } => "rejected",
             Fact::ReservationFailed { .. } => "failed",
+            Fact::ReservationPreempted { .. } => "preempted",
             _ => continue,
         };
         let reservation = fact.reservation().expect("a reservation fact").to_string();

@@ -131,6 +131,10 @@ pub struct Request {
     /// The reservation this one replaces, for one the placer requested.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replaces: Option<String>,
+    /// When preempted, requested again under a new id (`<id>~<n>`), to
+    /// wait in its queue, instead of only ending.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub requeue_on_preemption: bool,
     /// The queue (a team's share of the pool, see [`Fact::QueueConfigured`])
     /// it is admitted under. A pool with queues places only requests that
     /// name one of them; a pool without places only those that name none.
@@ -480,6 +484,38 @@ pub enum Fact {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         replaced_by: Option<String>,
     },
+    /// A live reservation is to make room for `by`, a waiting request of
+    /// higher priority (`reason`: `priority`) or of a queue taking back the
+    /// quota it lent (`reclaim`). It ends (`reservation.preempted`) when
+    /// its grace period ends at `deadline_ms` (unix milliseconds), unless it
+    /// ends first; its nodes are told (`allocation.preempting`). Withdrawn
+    /// when `by` is placed or ends before then.
+    #[serde(rename = "reservation.preemption_scheduled")]
+    ReservationPreempting {
+        reservation: String,
+        by: String,
+        reason: String,
+        #[serde(
+            rename = "deadline",
+            default,
+            skip_serializing_if = "Option::is_none",
+            with = "rfc3339_ms"
+        )]
+        deadline_ms: Option<u64>,
+    },
+    /// Terminal: preempted by `by` (`reason` as in `reservation.preemption_scheduled`)
+    /// once its grace period ended; its devices are free, and `by` is
+    /// placed on them in the same transaction.
+    #[serde(rename = "reservation.preempted")]
+    ReservationPreempted {
+        reservation: String,
+        by: String,
+        reason: String,
+        /// The reservation requested in its place (it asked to be
+        /// requeued), in the same transaction.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        replaced_by: Option<String>,
+    },
     /// On the reservation's stream, committed with the terminal fact on the
     /// pool's stream (`reservation.released`, `.expired`, `.rejected`): the
     /// reservation's life cycle is over, and how. It moves the reservation
@@ -489,8 +525,8 @@ pub enum Fact {
     #[serde(rename = "reservation.ended")]
     ReservationEnded {
         reservation: String,
-        /// The terminal fact's name: `released`, `expired`, `rejected` or
-        /// `failed`.
+        /// The terminal fact's name: `released`, `expired`, `rejected`,
+        /// `failed` or `preempted`.
         outcome: String,
     },
 }
@@ -519,6 +555,8 @@ pub const FACT_TYPES: &[&str] = &[
     "reservation.released",
     "reservation.expired",
     "reservation.failed",
+    "reservation.preemption_scheduled",
+    "reservation.preempted",
     "reservation.ended",
 ];
 
@@ -730,6 +768,8 @@ impl Fact {
             Fact::ReservationReleased { .. } => "reservation.released",
             Fact::ReservationExpired { .. } => "reservation.expired",
             Fact::ReservationFailed { .. } => "reservation.failed",
+            Fact::ReservationPreempting { .. } => "reservation.preemption_scheduled",
+            Fact::ReservationPreempted { .. } => "reservation.preempted",
             Fact::ReservationEnded { .. } => "reservation.ended",
         }
     }
@@ -820,6 +860,8 @@ impl Fact {
             | Fact::ReservationReleased { reservation }
             | Fact::ReservationExpired { reservation }
             | Fact::ReservationFailed { reservation, .. }
+            | Fact::ReservationPreempting { reservation, .. }
+            | Fact::ReservationPreempted { reservation, .. }
             | Fact::ReservationEnded { reservation, .. } => Some(reservation),
             _ => None,
         }
@@ -857,6 +899,7 @@ mod tests {
                 ttl_ms: None,
                 replace_on_failure: false,
                 replaces: None,
+                requeue_on_preemption: false,
                 queue: None,
             }),
             Fact::ReservationReleased {
@@ -945,6 +988,7 @@ mod tests {
             ttl_ms: None,
             replace_on_failure: false,
             replaces: None,
+            requeue_on_preemption: false,
             queue: None,
         };
         assert!(r.validate().unwrap_err().contains("is 6 GPUs"));

@@ -167,6 +167,13 @@ pub struct Reservation {
     pub release_requested: bool,
     /// Why it is queued.
     pub reason: String,
+    /// The waiting request it is to make room for (`reservation.preemption_scheduled`),
+    /// while that request waits.
+    pub preempted_by: Option<String>,
+    /// When its grace period ends (unix ms); at once when `None`.
+    pub preempt_deadline_ms: Option<u64>,
+    /// Why it is preempted: `priority` or `reclaim`.
+    pub preempt_reason: String,
 }
 
 /// An event that breaks an invariant. The index applies it as far as it can
@@ -323,6 +330,10 @@ impl ClassIndex {
     }
 }
 
+/// A live reservation where preemption looks: priority (lowest first),
+/// request position (newest first), id.
+pub type LiveKey = (i32, Reverse<u64>, String);
+
 /// Per pool: what waits for the placer.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Queues {
@@ -344,6 +355,16 @@ pub struct Queues {
     /// GPUs of each class held by each queue's live reservations:
     /// `(queue, class) -> GPUs`.
     pub usage: HashMap<(String, String), u64>,
+    /// Live reservations per (class, queue; empty without one), lowest
+    /// priority first and, within a priority, the most recently requested
+    /// first: where preemption looks for victims.
+    pub live: HashMap<(String, String), BTreeSet<LiveKey>>,
+    /// Live reservations being preempted, by the end of their grace period
+    /// (unix ms; 0 for at once).
+    pub preemptions: BTreeSet<(u64, String)>,
+    /// Waiting requests with reservations being preempted for them: the
+    /// request -> its victims.
+    pub preemptors: BTreeMap<String, BTreeSet<String>>,
 }
 
 impl Queues {
@@ -612,15 +633,46 @@ impl Index {
         };
         let queued = matches!(r.phase, Phase::Pending | Phase::Queued);
         let expiring = r.expires_at_ms.is_some() && r.phase.is_live();
-        let counted = r.phase.is_live() && r.request.queue.is_some();
-        if !queued && !r.release_requested && !expiring && !counted {
-            // Placed or active, nothing to release or expire: in no queue.
-            return;
-        }
         let q = match self.queues.get_mut(&r.request.pool) {
             Some(q) => q,
             None => self.queues.entry(r.request.pool.clone()).or_default(),
         };
+        if r.phase.is_live() {
+            let k = (r.request.priority, Reverse(r.requested_at), id.to_string());
+            let at = (
+                r.request.class.clone(),
+                r.request.queue.clone().unwrap_or_default(),
+            );
+            if add {
+                q.live.entry(at).or_default().insert(k);
+            } else if let Some(set) = q.live.get_mut(&at) {
+                set.remove(&k);
+                if set.is_empty() {
+                    q.live.remove(&at);
+                }
+            }
+            if let Some(by) = &r.preempted_by {
+                let k = (r.preempt_deadline_ms.unwrap_or(0), id.to_string());
+                if add {
+                    q.preemptions.insert(k);
+                    q.preemptors
+                        .entry(by.clone())
+                        .or_default()
+                        .insert(id.to_string());
+                } else {
+                    q.preemptions.remove(&k);
+                    if let Some(set) = q.preemptors.get_mut(by) {
+                        set.remove(id);
+                        if set.is_empty() {
+                            q.preemptors.remove(by);
+                        }
+                    }
+                }
+            }
+        }
+        if !queued && !r.release_requested && !expiring && !r.phase.is_live() {
+            return;
+        }
         if let (Some(name), true) = (&r.request.queue, r.phase.is_live()) {
             let k = (name.clone(), r.request.class.clone());
             let gpus = r.request.gpus as u64;
@@ -920,6 +972,9 @@ impl Index {
             Fact::ReservationFailed {
                 replaced_by: Some(_),
                 ..
+            } | Fact::ReservationPreempted {
+                replaced_by: Some(_),
+                ..
             }
         );
         let pool_fact = !matches!(
@@ -1102,6 +1157,9 @@ impl Index {
                         expires_at_ms: None,
                         release_requested: false,
                         reason: String::new(),
+                        preempted_by: None,
+                        preempt_deadline_ms: None,
+                        preempt_reason: String::new(),
                     },
                 );
                 self.queue(&id, true);
@@ -1209,10 +1267,98 @@ impl Index {
                 allocations,
             } => {
                 self.check_in_pool(&reservation, &pool)?;
-                return self.place(event, &pool, &reservation, allocations);
+                let placed = self.place(event, &pool, &reservation, allocations);
+                self.withdraw_preemptions(&pool, &reservation);
+                return placed;
+            }
+            Fact::ReservationPreempting {
+                reservation,
+                by,
+                reason,
+                deadline_ms,
+            } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let victim = &self.state.reservations[&reservation];
+                let problem = if !victim.phase.is_live() {
+                    Some(format!(
+                        "reservation {reservation:?} preempted while {}",
+                        victim.phase.name()
+                    ))
+                } else if let Some(other) = &victim.preempted_by {
+                    Some(format!(
+                        "reservation {reservation:?} is already being preempted for {other:?}"
+                    ))
+                } else {
+                    match self.state.reservations.get(&by) {
+                        Some(p) if matches!(p.phase, Phase::Pending | Phase::Queued) => {
+                            crate::quota::may_preempt(
+                                self,
+                                &pool,
+                                &p.request,
+                                victim,
+                                &Default::default(),
+                            )
+                            .err()
+                        }
+                        _ => Some(format!(
+                            "reservation {reservation:?} preempted for {by:?}, which does not wait"
+                        )),
+                    }
+                };
+                let live = victim.phase.is_live();
+                if live {
+                    let why = reason.clone();
+                    self.with_reservation(&reservation, |r| {
+                        r.preempted_by = Some(by);
+                        r.preempt_deadline_ms = deadline_ms;
+                        r.preempt_reason = why;
+                    });
+                }
+                if let Some(p) = problem {
+                    return Err(format!("{p} ({reason})"));
+                }
+            }
+            Fact::ReservationPreempted { reservation, .. } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let r = &self.state.reservations[&reservation];
+                let (phase, marked) = (r.phase, r.preempted_by.is_some());
+                self.terminate(&pool, &reservation);
+                if !replaced {
+                    self.forget_chain(&reservation);
+                }
+                bump_capacity(self);
+                if !phase.is_live() || !marked {
+                    return Err(format!(
+                        "reservation {reservation:?} preempted while {}{}",
+                        phase.name(),
+                        if marked {
+                            ""
+                        } else {
+                            ", without reservation.preemption_scheduled"
+                        }
+                    ));
+                }
             }
         }
         Ok(())
+    }
+
+    /// `preemptor` no longer waits (placed, or ended): the reservations
+    /// being preempted for it are not.
+    fn withdraw_preemptions(&mut self, pool: &str, preemptor: &str) {
+        let victims: Vec<String> = self
+            .queues
+            .get(pool)
+            .and_then(|q| q.preemptors.get(preemptor))
+            .map(|v| v.iter().cloned().collect())
+            .unwrap_or_default();
+        for v in victims {
+            self.with_reservation(&v, |r| {
+                r.preempted_by = None;
+                r.preempt_deadline_ms = None;
+                r.preempt_reason.clear();
+            });
+        }
     }
 
     fn check_in_pool(&self, reservation: &str, pool: &str) -> Result<(), String> {
@@ -1239,6 +1385,7 @@ impl Index {
         for a in &r.allocations {
             self.unbook(pool, a, id);
         }
+        self.withdraw_preemptions(pool, id);
     }
 
     /// A reservation ended for good (not placed again): the chain of
@@ -1436,6 +1583,7 @@ mod replacement_tests {
             ttl_ms: None,
             replace_on_failure: true,
             replaces: replaces.map(str::to_string),
+            requeue_on_preemption: false,
             queue: None,
         }
     }

@@ -12,10 +12,13 @@
 //! reports.
 //!
 //! When demand exceeds what there is, queues are served by weighted dominant
-//! resource fairness: the next request comes from the queue whose largest
-//! share of any class (its usage over its cohort's nominal total, divided
-//! by its weight) is smallest ([`dominant_share`]). [`fair_shares`] is what
-//! each queue would hold if the cohort's quota were divided that way.
+//! resource fairness over what they borrow: a queue short of its nominal
+//! quota first, then the queue whose largest share of any class beyond its
+//! quota (over its cohort's nominal total, divided by its weight) is
+//! smallest ([`dominant_share`]). [`fair_shares`] is what each queue would
+//! hold if the cohort's quota were divided that way: every queue its
+//! nominal quota (or what it wants, if less), and what that leaves unused
+//! by weight among those that want more.
 
 use crate::domain::{QueueSpec, Request};
 use crate::index::Index;
@@ -26,24 +29,62 @@ use std::collections::{BTreeMap, HashMap};
 #[derive(Debug, Default, Clone)]
 pub struct Batch {
     added: HashMap<(String, String), u64>,
+    /// GPUs of live reservations counted as gone (a preemption being
+    /// weighed: what would fit without them).
+    freed: HashMap<(String, String), u64>,
+    /// GPUs of reservations the batch chose to preempt, per queue.
+    preempting: HashMap<(String, String), u64>,
+    /// The reservations the batch chose to preempt.
+    victims: std::collections::HashSet<String>,
+    /// The reservations the batch ends (released, expired, failed,
+    /// preempted): gone before anything it places.
+    gone: std::collections::HashSet<String>,
+}
+
+fn bump_key(map: &mut HashMap<(String, String), u64>, queue: &str, class: &str, gpus: u64) {
+    *map.entry((queue.to_string(), class.to_string()))
+        .or_default() += gpus;
+}
+
+fn lookup(map: &HashMap<(String, String), u64>, queue: &str, class: &str) -> u64 {
+    if map.is_empty() {
+        return 0;
+    }
+    map.iter()
+        .find(|((q, c), _)| q == queue && c == class)
+        .map_or(0, |(_, n)| *n)
 }
 
 impl Batch {
     pub fn add(&mut self, queue: &str, class: &str, gpus: u64) {
-        *self
-            .added
-            .entry((queue.to_string(), class.to_string()))
-            .or_default() += gpus;
+        bump_key(&mut self.added, queue, class, gpus);
     }
 
-    fn get(&self, queue: &str, class: &str) -> u64 {
-        if self.added.is_empty() {
-            return 0;
+    /// Counts a live reservation's GPUs as gone, for weighing a preemption.
+    pub fn free(&mut self, queue: &str, class: &str, gpus: u64) {
+        bump_key(&mut self.freed, queue, class, gpus);
+    }
+
+    /// Counts live reservation `id` as ended by the batch.
+    pub fn end(&mut self, id: &str, queue: Option<&str>, class: &str, gpus: u64) {
+        if let Some(q) = queue {
+            self.free(q, class, gpus);
         }
-        self.added
-            .iter()
-            .find(|((q, c), _)| q == queue && c == class)
-            .map_or(0, |(_, n)| *n)
+        self.gone.insert(id.to_string());
+    }
+
+    /// Counts reservation `id` (of `queue`, if it has one) as chosen for
+    /// preemption.
+    pub fn preempt(&mut self, id: &str, queue: Option<&str>, class: &str, gpus: u64) {
+        if let Some(q) = queue {
+            bump_key(&mut self.preempting, q, class, gpus);
+        }
+        self.victims.insert(id.to_string());
+    }
+
+    /// Whether the batch chose to preempt reservation `id`, or ends it.
+    pub fn preempts(&self, id: &str) -> bool {
+        self.victims.contains(id) || self.gone.contains(id)
     }
 }
 
@@ -60,8 +101,13 @@ pub enum Refusal {
 }
 
 /// GPUs of `class` that `queue` holds, with the batch's.
+pub fn held(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
+    used(index, pool, queue, class, batch)
+}
+
 fn used(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
-    index.queues(pool).map_or(0, |q| q.used(queue, class)) + batch.get(queue, class)
+    (index.queues(pool).map_or(0, |q| q.used(queue, class)) + lookup(&batch.added, queue, class))
+        .saturating_sub(lookup(&batch.freed, queue, class))
 }
 
 /// The queues of `cohort` in a pool.
@@ -135,6 +181,107 @@ pub fn admit(index: &Index, pool: &str, request: &Request, batch: &Batch) -> Res
     Ok(())
 }
 
+/// GPUs of `class` held by `queue`'s reservations that are being
+/// preempted (`reservation.preemption_scheduled` in the index, and those the batch
+/// chose).
+fn being_preempted(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
+    let marked: u64 = index.queues(pool).map_or(0, |q| {
+        q.preemptions
+            .iter()
+            .filter(|(_, id)| !batch.gone.contains(id))
+            .filter_map(|(_, id)| index.reservation(id))
+            .filter(|r| r.request.queue.as_deref() == Some(queue) && r.request.class == class)
+            .map(|r| r.request.gpus as u64)
+            .sum()
+    });
+    marked + lookup(&batch.preempting, queue, class)
+}
+
+/// Whether waiting request `by` may preempt live reservation `victim` of
+/// the same pool and class, and as what. Only a pool shared by queues
+/// preempts (a pool without keeps what it placed until it ends):
+///
+/// - `priority`: both are in one queue and the victim's priority is lower;
+/// - `reclaim`: they are in different queues of one cohort, the victim's
+///   queue borrows (holds more of the class than its nominal quota, not
+///   counting what is already being preempted of it), and `by`'s queue,
+///   with `by`, stays within its own nominal quota.
+///
+/// Judged on the index with `batch`: what it ends, what it placed so far,
+/// and what it chose to preempt. The placer writes a batch's ends first, its
+/// `reservation.preemption_scheduled` after its placements, and plans
+/// nothing more of a queue once it preempted for it, so the index judges
+/// each by the same rule on a state at least as favourable (a victim's
+/// queue only holds more), and a preemption that breaks it is a violation.
+pub fn may_preempt(
+    index: &Index,
+    pool: &str,
+    by: &Request,
+    victim: &crate::index::Reservation,
+    batch: &Batch,
+) -> Result<&'static str, String> {
+    let v = &victim.request;
+    if v.pool != pool || v.class != by.class {
+        return Err(format!(
+            "{} of class {} in pool {} cannot make room for {} {} GPUs in pool {pool}",
+            v.reservation, v.class, v.pool, by.gpus, by.class
+        ));
+    }
+    if by.queue.is_none() || v.queue.is_none() {
+        return Err(format!(
+            "{} and {} are not in queues: only a pool shared by queues preempts",
+            v.reservation, by.reservation
+        ));
+    }
+    if v.queue == by.queue {
+        return if v.priority < by.priority {
+            Ok("priority")
+        } else {
+            Err(format!(
+                "{} (priority {}) may not be preempted by {} (priority {}): only a lower priority is",
+                v.reservation, v.priority, by.reservation, by.priority
+            ))
+        };
+    }
+    let queues = index.pool(pool).map(|p| &p.queues);
+    let spec = |q: &Option<String>| q.as_deref().and_then(|q| queues?.get(q));
+    let (Some(vs), Some(bs)) = (spec(&v.queue), spec(&by.queue)) else {
+        return Err(format!(
+            "{} and {} are in different queues, not both of this pool",
+            v.reservation, by.reservation
+        ));
+    };
+    if vs.cohort.is_none() || vs.cohort != bs.cohort {
+        return Err(format!(
+            "queues {} and {} share no cohort: {} lent {} nothing",
+            vs.queue, bs.queue, vs.queue, bs.queue
+        ));
+    }
+    let class = by.class.as_str();
+    let nominal = |s: &QueueSpec| s.quota(class).map_or(0, |q| q.nominal) as u64;
+    let raw = |q: &str| used(index, pool, q, class, batch);
+    let theirs =
+        raw(&vs.queue).saturating_sub(being_preempted(index, pool, &vs.queue, class, batch));
+    if theirs <= nominal(vs) {
+        return Err(format!(
+            "queue {} holds {theirs} of its {} {class} GPUs (not counting what is being preempted): it borrows nothing to take back",
+            vs.queue,
+            nominal(vs)
+        ));
+    }
+    let mine = raw(&bs.queue).saturating_sub(being_preempted(index, pool, &bs.queue, class, batch));
+    if mine + by.gpus as u64 > nominal(bs) {
+        return Err(format!(
+            "queue {} would hold {} of its {} {class} GPUs with {}: only a queue within its own quota takes back what it lent",
+            bs.queue,
+            mine + by.gpus as u64,
+            nominal(bs),
+            by.reservation
+        ));
+    }
+    Ok("reclaim")
+}
+
 /// The GPUs of `class` that `spec`'s share is measured against: its
 /// cohort's nominal total, or its own nominal quota without a cohort (at
 /// least 1).
@@ -149,9 +296,11 @@ fn capacity(queues: &BTreeMap<String, QueueSpec>, spec: &QueueSpec, class: &str)
 }
 
 /// A queue's weighted dominant share: the largest, over the classes it
-/// holds (with the batch's placements), of what it holds over what its
-/// cohort is given, divided by its weight. Queues with smaller shares are
-/// served first.
+/// holds or has quota of (with the batch's placements), of what it holds
+/// beyond its nominal quota over what its cohort is given, divided by its
+/// weight; below its nominal quota, how far below (unweighted, so a queue
+/// short of its guarantee is served before any that borrows, the one
+/// furthest short first). Queues with smaller shares are served first.
 pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> f64 {
     let Some(spec) = index.pool(pool).and_then(|p| p.queues.get(queue)) else {
         return 0.0;
@@ -173,11 +322,21 @@ pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> 
             .filter(|(q, _)| q == queue)
             .map(|(_, c)| c.as_str()),
     );
+    let weight = spec.weight.max(1) as f64;
     classes
         .into_iter()
-        .map(|c| used(index, pool, queue, c, batch) as f64 / capacity(queues, spec, c) as f64)
-        .fold(0.0, f64::max)
-        / spec.weight.max(1) as f64
+        .map(|c| {
+            let nominal = spec.quota(c).map_or(0, |q| q.nominal) as f64;
+            let over = (used(index, pool, queue, c, batch) as f64 - nominal)
+                / capacity(queues, spec, c) as f64;
+            if over > 0.0 {
+                over / weight
+            } else {
+                over
+            }
+        })
+        .fold(f64::NEG_INFINITY, f64::max)
+        .max(-1.0)
 }
 
 /// One queue's standing in one class.
@@ -193,9 +352,11 @@ pub struct Share {
     pub used: u64,
     /// GPUs its waiting requests ask for.
     pub waiting: u64,
-    /// What it would hold if its cohort's quota of the class were divided
-    /// by weight among the queues that want it (each getting at most what
-    /// it wants): weighted max-min fairness by water filling. Without a
+    /// What it would hold if the cohort's quota were shared fairly: its
+    /// nominal quota, or what it wants if that is less, plus a share by
+    /// weight of what the cohort's other queues leave unused (weighted
+    /// max-min fairness by water filling, each getting at most what it
+    /// wants beyond its quota, within its borrowing limit). Without a
     /// cohort, its nominal quota or what it wants, whichever is less.
     pub fair: u64,
 }
@@ -262,26 +423,33 @@ pub fn fair_shares(index: &Index, pool: &str) -> Vec<Share> {
         groups.entry((group, s.class.clone())).or_default().push(i);
     }
     for members in groups.values() {
-        let capacity: u64 = members.iter().map(|&i| out[i].nominal).sum();
-        // What each may hold at most: what it wants, within its limit.
-        let cap = |s: &Share| {
-            let want = s.used + s.waiting;
-            let limit = match (&s.cohort, s.borrowing_limit) {
-                (None, _) => s.nominal,
-                (Some(_), Some(b)) => s.nominal + b as u64,
-                (Some(_), None) => u64::MAX,
-            };
-            want.min(limit)
+        // Each is guaranteed its nominal quota (what it wants of it); what
+        // the others leave unused is shared by weight among those that want
+        // more, each within its borrowing limit.
+        let want = |s: &Share| s.used + s.waiting;
+        let mut unused: u64 = 0;
+        for &i in members {
+            let s = &mut out[i];
+            s.fair = want(s).min(s.nominal);
+            unused += s.nominal - s.fair;
+        }
+        let more = |s: &Share| {
+            let beyond = want(s).saturating_sub(s.nominal);
+            match (&s.cohort, s.borrowing_limit) {
+                (None, _) => 0,
+                (Some(_), Some(b)) => beyond.min(b as u64),
+                (Some(_), None) => beyond,
+            }
         };
         let fills = water_fill(
-            capacity,
+            unused,
             &members
                 .iter()
-                .map(|&i| (out[i].weight as u64, cap(&out[i])))
+                .map(|&i| (out[i].weight as u64, more(&out[i])))
                 .collect::<Vec<_>>(),
         );
         for (&i, fill) in members.iter().zip(fills) {
-            out[i].fair = fill;
+            out[i].fair += fill;
         }
     }
     out.sort_by(|a, b| (&a.queue, &a.class).cmp(&(&b.queue, &b.class)));

@@ -209,6 +209,8 @@ pub enum ReservationState {
     Unschedulable,
     /// Ended because a node it was on left or was lost.
     Failed,
+    /// Ended to make room for another request.
+    Preempted,
 }
 
 /// One reservation as the log tells it.
@@ -292,6 +294,7 @@ impl Projection for ReservationsView {
             Fact::ReservationExpired { .. } => ReservationState::Expired,
             Fact::ReservationUnschedulable { .. } => ReservationState::Unschedulable,
             Fact::ReservationFailed { .. } => ReservationState::Failed,
+            Fact::ReservationPreempted { .. } => ReservationState::Preempted,
             _ => row.state,
         };
         Ok(None)

@@ -32,7 +32,8 @@ pub struct Standing {
     /// reservations whose time runs out; `None` when those never free
     /// enough. A lower bound: releases make it sooner, shapes later.
     pub earliest_start_ms: Option<u64>,
-    /// Why it waits, in a phrase: `over quota: ...` (its queue's, as it
+    /// Why it waits, in a phrase: `preempting N reservation(s)` (room is
+    /// being made for it), `over quota: ...` (its queue's, as it
     /// stands now), `behind N requests`, `waiting for capacity`, `the
     /// shape cannot be met now`.
     pub why: String,
@@ -71,12 +72,23 @@ pub fn standing(index: &Index, id: &str, now_ms: u64) -> Option<Standing> {
         .sum();
     let free_now = index.class(pool, &r.request.class).map_or(0, |c| c.free);
     let need = ahead_gpus + r.request.gpus as u64;
-    let earliest_start_ms = earliest(index, r, need, free_now, now_ms);
+    let earliest_start_ms = match q.preemptors.get(id) {
+        // It starts when its victims' grace period ends.
+        Some(victims) => victims
+            .iter()
+            .filter_map(|v| index.reservation(v)?.preempt_deadline_ms)
+            .max()
+            .map(|at| at.max(now_ms)),
+        None => earliest(index, r, need, free_now, now_ms),
+    };
     let over_quota = match crate::quota::admit(index, pool, &r.request, &Default::default()) {
         Err(refusal @ crate::quota::Refusal::OverQuota(_)) => Some(refusal.to_string()),
         _ => None,
     };
-    let why = if let Some(why) = over_quota {
+    let making_room = q.preemptors.get(id).map(|victims| victims.len());
+    let why = if let Some(n) = making_room {
+        format!("preempting {n} reservation(s): placed when their grace period ends")
+    } else if let Some(why) = over_quota {
         why
     } else if ahead > 0 {
         match &queue {

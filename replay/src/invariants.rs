@@ -241,6 +241,7 @@ async fn placements(client: &Client) -> Result<Placements, tokio_postgres::Error
                 "reservation.released",
                 "reservation.expired",
                 "reservation.failed",
+                "reservation.preempted",
             ])],
         )
         .await?;

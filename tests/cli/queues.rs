@@ -17,24 +17,10 @@ fn queues<'a>(url: &'a str, args: &[&'a str]) -> Vec<&'a str> {
 
 /// The reasons given for queuing `id`, in the order written.
 fn queued_reasons(url: &str, id: &str) -> Vec<String> {
-    rt().block_on(async {
-        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        client
-            .query(
-                "SELECT payload->>'reason' FROM strata.events
-                  WHERE type = 'reservation.queued' AND payload->>'reservation' = $1
-                  ORDER BY position",
-                &[&id],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect()
-    })
+    events_of(url, id, &["reservation.queued"])
+        .into_iter()
+        .map(|(_, _, p)| p["reason"].as_str().unwrap_or_default().to_string())
+        .collect()
 }
 
 #[test]
@@ -294,4 +280,184 @@ fn queues_hold_teams_to_their_quota_and_say_why_a_request_waits() {
         said.contains("placed against its quota: over quota: queue ml holds 14 of its 8 H100-80GB GPUs and asks for 1; it is in no cohort"),
         "{said}"
     );
+}
+
+/// The events of `types` about reservation `id`: (position, type, payload).
+fn events_of(url: &str, id: &str, types: &[&str]) -> Vec<(i64, String, serde_json::Value)> {
+    let types: Vec<String> = types.iter().map(|t| t.to_string()).collect();
+    rt().block_on(async {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        client
+            .query(
+                "SELECT position, type, payload::text FROM strata.events
+                  WHERE type = ANY($2) AND payload->>'reservation' = $1 ORDER BY position",
+                &[&id, &types],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| {
+                let p: String = r.get(2);
+                (r.get(0), r.get(1), serde_json::from_str(&p).unwrap())
+            })
+            .collect()
+    })
+}
+
+#[test]
+fn a_higher_priority_request_preempts_after_the_grace_period_and_the_victim_is_requeued() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    ok(&["pool", "create", "gpu", "--database-url", &url]);
+    ok(&[
+        "pool",
+        "seed",
+        "gpu",
+        "--nodes",
+        "1",
+        "--gpus",
+        "8",
+        "--database-url",
+        &url,
+    ]);
+    // Only a pool shared by queues preempts: one team, the whole pool.
+    ok(&queues(
+        &url,
+        &["create", "team", "--pool", "gpu", "--quota", "H100-80GB=8"],
+    ));
+    let _placer = crate::gateway::Killed(crate::spawn(
+        &[
+            "serve",
+            "--roles",
+            "placer",
+            "--database-url",
+            &url,
+            "--lease-ttl",
+            "2s",
+            "--holder",
+            "preempt",
+            "--slot",
+            "placer_preempt",
+            "--preemption-grace",
+            "2s",
+        ],
+        &dir.path().join("placer.log"),
+    ));
+    ok(&reserve_args(
+        &url,
+        &[
+            "--gpus",
+            "8",
+            "--queue",
+            "team",
+            "--id",
+            "low",
+            "--requeue-on-preemption",
+            "--wait",
+        ],
+    ));
+    // The node is full; a request of higher priority makes room, and is
+    // placed once the low one's grace period is over.
+    let started = std::time::Instant::now();
+    let out = ok(&reserve_args(
+        &url,
+        &[
+            "--gpus",
+            "8",
+            "--queue",
+            "team",
+            "--id",
+            "high",
+            "--priority",
+            "5",
+            "--wait",
+            "--timeout",
+            "60s",
+        ],
+    ));
+    assert!(out.contains("placed high: 8 GPU(s)"), "{out}");
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(2),
+        "placed after {:?}, inside the grace period",
+        started.elapsed()
+    );
+    let low = show_reservation(&url, "low");
+    assert_eq!(
+        (low["phase"].as_str(), low["outcome"].as_str()),
+        (Some("ended"), Some("preempted")),
+        "{low}"
+    );
+    // The log says what happened, in order, in the tables themselves.
+    let seen = events_of(
+        &url,
+        "low",
+        &[
+            "reservation.preemption_scheduled",
+            "reservation.preempted",
+            "reservation.ended",
+        ],
+    );
+    let types: Vec<&str> = seen.iter().map(|(_, t, _)| t.as_str()).collect();
+    assert_eq!(
+        types,
+        [
+            "reservation.preemption_scheduled",
+            "reservation.preempted",
+            "reservation.ended"
+        ],
+        "{seen:?}"
+    );
+    assert_eq!(seen[0].2["by"], "high");
+    assert_eq!(seen[0].2["reason"], "priority");
+    assert!(seen[0].2["deadline"].is_string(), "{seen:?}");
+    assert_eq!(seen[1].2["replaced_by"], "low~1");
+    assert_eq!(seen[2].2["outcome"], "preempted");
+    let placed = events_of(&url, "high", &["reservation.placed"]);
+    assert_eq!(placed.len(), 1);
+    assert_eq!(
+        placed[0].0,
+        seen[1].0 + 1,
+        "placed on the freed devices in the same batch"
+    );
+    // The victim asked to be requeued: it waits again, behind nothing it
+    // could preempt (high is of higher priority).
+    let again = wait_for(30, || {
+        Some(show_reservation(&url, "low~1")).filter(|v| v["phase"] == "queued")
+    })
+    .expect("low~1 waits");
+    assert!(
+        again["waiting"]["why"]
+            .as_str()
+            .unwrap()
+            .starts_with("over quota: queue team holds 8 of its 8"),
+        "{again}"
+    );
+    // An equal priority preempts nothing: no two requests take turns.
+    ok(&reserve_args(
+        &url,
+        &[
+            "--gpus",
+            "8",
+            "--queue",
+            "team",
+            "--id",
+            "peer",
+            "--priority",
+            "5",
+        ],
+    ));
+    wait_for(30, || {
+        Some(show_reservation(&url, "peer")).filter(|v| v["phase"] == "queued")
+    })
+    .expect("peer waits");
+    assert_eq!(
+        events_of(&url, "high", &["reservation.preemption_scheduled"]).len(),
+        0
+    );
+    let report = check_json(&url);
+    assert_eq!(report["live"], 1, "{report}");
+    crate::events_conform(&url, &[]);
 }

@@ -1192,6 +1192,114 @@ async fn admins_configure_queues_through_the_api_and_requests_wait_by_their_quot
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preempted_reservations_node_is_told_and_released_after_the_grace_period() {
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let n = start(joining(&r, &gw, dir.path(), "n1").await);
+    eventually(20, "n1's inventory is in the pool", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
+            .await
+            == 1
+    })
+    .await;
+    // Only a pool shared by queues preempts: one team, the whole pool.
+    let spec = projections::QueueSpec {
+        queue: "team".into(),
+        cohort: None,
+        weight: 1,
+        quotas: vec![projections::Quota {
+            class: "H100-80GB".into(),
+            nominal: 8,
+            borrowing_limit: None,
+        }],
+    };
+    projections::queues::configure(
+        &r.client,
+        &r.appender,
+        "p",
+        "team",
+        &|_| Ok(spec.clone()),
+        None,
+    )
+    .await
+    .unwrap();
+    let mut pc = placer::PlacerConfig::new("preempt-test");
+    pc.preemption_grace = Duration::from_secs(1);
+    let placer = placer::Placer::start(r.cfg.clone(), r.reader(), r.appender.clone(), pc);
+    let binder = placer::binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone());
+    let whole = |id: &str, priority: i32| projections::Request {
+        reservation: id.into(),
+        pool: "p".into(),
+        class: "H100-80GB".into(),
+        gpus: 8,
+        shape: projections::Shape::Node,
+        priority,
+        ttl_ms: None,
+        replace_on_failure: false,
+        replaces: None,
+        requeue_on_preemption: false,
+        queue: Some("team".into()),
+    };
+    let count = |sql: String| {
+        let r = &r;
+        async move { r.count(&sql).await }
+    };
+    placer::client::reserve(&r.client, &r.appender, &whole("low", 0))
+        .await
+        .unwrap();
+    eventually(20, "low is bound on n1 and active", || async {
+        count("SELECT count(*) FROM strata.events WHERE type = 'reservation.activated' AND payload->>'reservation' = 'low'".into()).await == 1
+    })
+    .await;
+    placer::client::reserve(&r.client, &r.appender, &whole("high", 5))
+        .await
+        .unwrap();
+    // The node hears of it while low still holds its devices.
+    let marker = dir
+        .path()
+        .join("n1")
+        .join("allocations")
+        .join("low.preempting");
+    eventually(20, "n1 is told low is preempted", || async {
+        count("SELECT count(*) FROM strata.events WHERE stream = 'command/preempting:low:n1' AND type = 'command.succeeded'".into()).await == 1
+    })
+    .await;
+    let told: serde_json::Value = match std::fs::read_to_string(&marker) {
+        Ok(text) => serde_json::from_str(&text).unwrap(),
+        // The grace period may be over already: then it was released.
+        Err(_) => serde_json::json!({"by": "high", "reason": "priority"}),
+    };
+    assert_eq!(
+        (told["by"].as_str(), told["reason"].as_str()),
+        (Some("high"), Some("priority")),
+        "{told}"
+    );
+    // Once it is over, low's binding is released and high's bound.
+    eventually(20, "high is active on n1", || async {
+        count("SELECT count(*) FROM strata.events WHERE type = 'reservation.activated' AND payload->>'reservation' = 'high'".into()).await == 1
+    })
+    .await;
+    eventually(20, "n1 holds high alone", || async {
+        node::executor::bound_reservations(&dir.path().join("n1"))
+            .into_iter()
+            .collect::<Vec<_>>()
+            == ["high"]
+    })
+    .await;
+    assert!(!marker.exists(), "the release removes the notice");
+    assert_eq!(
+        count("SELECT count(*) FROM strata.events WHERE type = 'reservation.preempted' AND payload->>'reservation' = 'low' AND payload->>'by' = 'high'".into()).await,
+        1
+    );
+    projections::check::check(&r.client, |_| {}).await.unwrap();
+    binder.stop().await.unwrap();
+    placer.stop().await.unwrap();
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_client_api_serves_operators_only() {
     use gateway::api_proto::*;
     let r = region().await;
@@ -1794,6 +1902,7 @@ async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() 
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        requeue_on_preemption: false,
         queue: None,
     };
     placer::client::reserve(&r.client, &r.appender, &whole)
@@ -1858,6 +1967,7 @@ async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fa
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        requeue_on_preemption: false,
         queue: None,
     };
     for id in ["a", "b"] {
@@ -2091,6 +2201,7 @@ async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_f
             ttl_ms: None,
             replace_on_failure: false,
             replaces: None,
+            requeue_on_preemption: false,
             queue: None,
         };
         let asked = std::time::Instant::now();
