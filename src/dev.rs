@@ -382,6 +382,7 @@ async fn demo_workload(cfg: events::db::Database, appender: Appender, rate: u32)
             ttl_ms: Some(fastrand::u64(2_000..10_000)),
             replace_on_failure: false,
             replaces: None,
+            topology: None,
             requeue_on_preemption: false,
             queue: None,
         };

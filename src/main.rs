@@ -595,6 +595,15 @@ pub enum NodesCmd {
         #[arg(long, default_value = "replaced")]
         reason: String,
     },
+    /// Say where a node is in its pool's topology: its rack and its block (a spine block, or an NVL72 rack's NVLink domain); a label not given is cleared. Gangs asking for one rack or block (reserve --within), or to be spread over them (--spread), are placed by these
+    Topology {
+        #[command(flatten)]
+        target: NodeTarget,
+        #[arg(long)]
+        rack: Option<String>,
+        #[arg(long)]
+        block: Option<String>,
+    },
     /// Take a node out of placement: nothing new goes to it; its live
     /// reservations stay
     Cordon {
@@ -795,6 +804,15 @@ pub struct ReserveArgs {
     /// When preempted (by a request of higher priority, or a queue taking back quota it lent), request it again under a new id, <id>~<n>, to wait in its queue, instead of only ending it
     #[arg(long)]
     pub requeue_on_preemption: bool,
+    /// A gang: all its nodes in one rack or block (see `strata nodes topology`), or it waits
+    #[arg(long, value_parser = ["rack", "block"], conflicts_with_all = ["prefer_within", "spread"], requires = "nodes")]
+    pub within: Option<String>,
+    /// A gang: all in one rack or block if it can be had now, anywhere otherwise
+    #[arg(long, value_parser = ["rack", "block"], conflicts_with = "spread", requires = "nodes")]
+    pub prefer_within: Option<String>,
+    /// A gang: each node in a different rack or block, for availability
+    #[arg(long, value_parser = ["rack", "block"], requires = "nodes")]
+    pub spread: Option<String>,
     /// Release automatically this long after placement (e.g. 2h)
     #[arg(long, value_parser = humantime::parse_duration)]
     pub ttl: Option<std::time::Duration>,
@@ -842,6 +860,12 @@ pub enum PoolCmd {
         /// Node names are this prefix and a number
         #[arg(long)]
         prefix: Option<String>,
+        /// Label the nodes with racks of this many (rack-0000, rack-0001, ...; 0: no labels)
+        #[arg(long, default_value_t = 0)]
+        nodes_per_rack: u32,
+        /// And the racks with blocks of this many (block-000, ...; 0: no blocks)
+        #[arg(long, default_value_t = 0, requires = "nodes_per_rack")]
+        racks_per_block: u32,
     },
     /// Show a pool's nodes, free and booked GPUs, and what waits
     Show {

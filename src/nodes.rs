@@ -426,6 +426,11 @@ pub async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
             condition,
             device,
         } => standing(target, Change::ClearHealth { device, condition }).await?,
+        NodesCmd::Topology {
+            target,
+            rack,
+            block,
+        } => standing(target, Change::Topology { rack, block }).await?,
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -470,6 +475,14 @@ async fn standing(target: NodeTarget, change: Change) -> Result<()> {
         Change::ClearHealth { .. } => (
             "cleared",
             "the condition no longer keeps its GPUs out of placement".to_string(),
+        ),
+        Change::Topology { rack, block } => (
+            "labelled",
+            format!(
+                "rack {}, block {}: gangs asking for one rack or block (or to spread) see it there",
+                rack.as_deref().unwrap_or("none"),
+                block.as_deref().unwrap_or("none")
+            ),
         ),
     };
     if target.json || crate::exit::json() {

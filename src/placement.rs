@@ -50,6 +50,24 @@ fn shape(args: &ReserveArgs) -> Result<(Shape, u32)> {
     }
 }
 
+/// The topology `--within`, `--prefer-within` or `--spread` asks for.
+fn topology(args: &ReserveArgs) -> Option<projections::domain::Topology> {
+    use projections::domain::{Tier, Topology};
+    let tier = |t: &str| {
+        if t == "block" {
+            Tier::Block
+        } else {
+            Tier::Rack
+        }
+    };
+    match (&args.within, &args.prefer_within, &args.spread) {
+        (Some(t), _, _) => Some(Topology::Within(tier(t))),
+        (_, Some(t), _) => Some(Topology::Prefer(tier(t))),
+        (_, _, Some(t)) => Some(Topology::Spread(tier(t))),
+        _ => None,
+    }
+}
+
 fn print_allocations(id: &str, allocs: &[projections::Allocation]) {
     let gpus: usize = allocs.iter().map(|a| a.devices.len()).sum();
     println!("placed {id}: {gpus} GPU(s) on {} node(s)", allocs.len());
@@ -71,6 +89,7 @@ pub async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
         ttl_ms: args.ttl.map(|t| t.as_millis() as u64),
         replace_on_failure: args.replace_on_failure,
         replaces: None,
+        topology: topology(&args),
         requeue_on_preemption: args.requeue_on_preemption,
         queue: args.queue.clone(),
     };
@@ -495,6 +514,8 @@ pub async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
             class,
             per_island,
             prefix,
+            nodes_per_rack,
+            racks_per_block,
         } => {
             if gpus == 0 || gpus > 1024 {
                 bail!("--gpus must be 1 to 1024");
@@ -512,6 +533,28 @@ pub async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
                 eprintln!();
             }
             println!("joined {n} nodes with {gpus} {class} GPUs each to pool {name}");
+            if nodes_per_rack > 0 {
+                let labels: Vec<(String, Option<String>, Option<String>)> = (0..nodes)
+                    .map(|i| {
+                        let rack = i / nodes_per_rack;
+                        (
+                            format!("{prefix}{i:05}"),
+                            Some(format!("rack-{rack:04}")),
+                            (racks_per_block > 0)
+                                .then(|| format!("block-{:03}", rack / racks_per_block)),
+                        )
+                    })
+                    .collect();
+                client::label_nodes(&appender(&db)?, &name, labels).await?;
+                println!(
+                    "labelled them in racks of {nodes_per_rack}{}",
+                    if racks_per_block > 0 {
+                        format!(", blocks of {racks_per_block} racks")
+                    } else {
+                        String::new()
+                    }
+                );
+            }
         }
         PoolCmd::Show { db, name, nodes } => {
             let index = index(&db).await?;

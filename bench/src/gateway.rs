@@ -707,6 +707,7 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
             ttl_ms: None,
             replace_on_failure: false,
             replaces: None,
+            topology: None,
             requeue_on_preemption: false,
             queue: None,
         };

@@ -228,6 +228,7 @@ pub async fn run(args: Args) -> Result<()> {
                     ttl_ms: ttl.then(|| fastrand::u64(3_000..10_000)),
                     replace_on_failure: true,
                     replaces: None,
+                    topology: None,
                     requeue_on_preemption: false,
                     queue: None,
                 };

@@ -162,6 +162,7 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
                 ttl_ms: None,
                 replace_on_failure: false,
                 replaces: None,
+                topology: None,
                 requeue_on_preemption: false,
                 queue: None,
             }),

@@ -407,6 +407,29 @@ impl api_server::Api for ApiService {
         } else {
             r.id
         };
+        let tier = |t: &str| match t {
+            "rack" => Ok(projections::domain::Tier::Rack),
+            "block" => Ok(projections::domain::Tier::Block),
+            other => Err(Status::invalid_argument(format!(
+                "unknown topology tier {other:?}: rack or block"
+            ))),
+        };
+        use projections::domain::Topology;
+        let topology = match (
+            r.within.as_str(),
+            r.prefer_within.as_str(),
+            r.spread.as_str(),
+        ) {
+            ("", "", "") => None,
+            (t, "", "") => Some(Topology::Within(tier(t)?)),
+            ("", t, "") => Some(Topology::Prefer(tier(t)?)),
+            ("", "", t) => Some(Topology::Spread(tier(t)?)),
+            _ => {
+                return Err(Status::invalid_argument(
+                    "give at most one of within, prefer_within and spread",
+                ))
+            }
+        };
         let request = PRequest {
             reservation: id.clone(),
             pool: r.pool.clone(),
@@ -417,6 +440,7 @@ impl api_server::Api for ApiService {
             ttl_ms: (r.ttl_ms > 0).then_some(r.ttl_ms),
             replace_on_failure: r.replace_on_failure,
             replaces: None,
+            topology,
             requeue_on_preemption: r.requeue_on_preemption,
             queue: (!r.queue.is_empty()).then_some(r.queue),
         };

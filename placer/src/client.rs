@@ -143,6 +143,38 @@ pub async fn wait(
     }
 }
 
+/// Labels nodes of a pool with their rack and block
+/// (`node.topology_set`), in chunks.
+pub async fn label_nodes(
+    appender: &Appender,
+    pool: &str,
+    labels: Vec<(String, Option<String>, Option<String>)>,
+) -> Result<usize, ClientError> {
+    let mut done = 0;
+    for chunk in labels.chunks(500) {
+        let events = chunk
+            .iter()
+            .map(|(node, rack, block)| {
+                Fact::NodeTopologySet {
+                    node: node.clone(),
+                    rack: rack.clone(),
+                    block: block.clone(),
+                }
+                .to_event()
+            })
+            .collect();
+        appender
+            .append(&pool_stream(pool), ExpectedVersion::StreamExists, events)
+            .await
+            .map_err(|e| match e {
+                AppendError::VersionConflict { .. } => RequestError::NoSuchPool(pool.to_string()),
+                e => RequestError::Append(e),
+            })?;
+        done += chunk.len();
+    }
+    Ok(done)
+}
+
 /// Creates a pool.
 pub async fn create_pool(
     appender: &Appender,

@@ -26,6 +26,11 @@ pub struct Plan {
     /// Live reservations to preempt: (victim, the request it makes room
     /// for, `priority` or `reclaim`). The request is queued meanwhile.
     pub preempting: Vec<(String, String, String)>,
+    /// Requests that looked for victims.
+    pub searches: usize,
+    /// Requests that did not fit and may preempt, weighed after the
+    /// batch's placements: ((priority, position), id, why it waits).
+    candidates: Vec<((Reverse<i32>, u64), String, String)>,
 }
 
 /// Why a request can never fit the pool (counting every present device,
@@ -154,16 +159,52 @@ pub fn place_one(index: &Index, pool: &str, r: &Request) -> Option<Vec<Allocatio
             nodes,
             gpus_per_node,
         } => {
-            let mut out = Vec::with_capacity(nodes as usize);
-            for (node, _) in c.nodes_best_fit(gpus_per_node).take(nodes as usize) {
-                out.push(Allocation {
-                    node: node.to_string(),
-                    devices: pick_on_node(index, pool, node, &r.class, gpus_per_node)?,
-                });
+            use projections::domain::Topology;
+            let (n, g) = (nodes as usize, gpus_per_node);
+            let any = || gang_on(index, pool, r, c.nodes_best_fit(g).map(|(x, _)| x), n, g);
+            match r.topology {
+                None => any(),
+                Some(Topology::Within(t)) => {
+                    let tier = c.tier(t);
+                    let value = tier.best_fit(nodes, g)?;
+                    gang_on(index, pool, r, tier.nodes(value, g), n, g)
+                }
+                Some(Topology::Prefer(t)) => {
+                    let tier = c.tier(t);
+                    tier.best_fit(nodes, g)
+                        .and_then(|value| gang_on(index, pool, r, tier.nodes(value, g), n, g))
+                        .or_else(any)
+                }
+                Some(Topology::Spread(t)) => {
+                    let tier = c.tier(t);
+                    let one_each = tier
+                        .spread(g)
+                        .filter_map(|value| tier.nodes(value, g).next());
+                    gang_on(index, pool, r, one_each, n, g)
+                }
             }
-            (out.len() == nodes as usize).then_some(out)
         }
     }
+}
+
+/// A gang on the first `n` of `nodes`, `g` devices each, or `None` if there
+/// are fewer.
+fn gang_on<'a>(
+    index: &Index,
+    pool: &str,
+    r: &Request,
+    nodes: impl Iterator<Item = &'a str>,
+    n: usize,
+    g: u32,
+) -> Option<Vec<Allocation>> {
+    let mut out = Vec::with_capacity(n);
+    for node in nodes.take(n) {
+        out.push(Allocation {
+            node: node.to_string(),
+            devices: pick_on_node(index, pool, node, &r.class, g)?,
+        });
+    }
+    (out.len() == n).then_some(out)
 }
 
 /// Plans reservations (ids, in the order given, which is priority order)
@@ -211,6 +252,7 @@ pub fn plan_with(index: &mut Index, pool: &str, ids: &[String], ending: &Ending)
                 r.request.queue.as_deref(),
                 &r.request.class,
                 r.request.gpus as u64,
+                r.preempted_by.is_some(),
             );
             gone.push((v.clone(), r.allocations.clone()));
         }
@@ -257,16 +299,13 @@ pub fn plan_with(index: &mut Index, pool: &str, ids: &[String], ending: &Ending)
             let Some((_, _, id)) = g.pop_front() else {
                 continue;
             };
-            if plan_one(index, pool, id, &mut plan, &mut batch, false) {
-                // It preempts: nothing more of its queue in this batch (see
-                // quota::may_preempt), tried again in the next.
-                g.clear();
-            }
+            plan_one(index, pool, id, &mut plan, &mut batch, false);
             if !g.is_empty() {
                 turns.push(Reverse((share_key(index, pool, &q, &batch), q)));
             }
         }
     }
+    preempt_for(index, pool, &mut plan, &mut batch);
     for (id, allocs) in &plan.placed {
         for a in allocs {
             index.unbook(pool, a, id);
@@ -297,7 +336,8 @@ fn reason_kind(reason: &str) -> &str {
 }
 
 /// Plans one request into `plan`, booking its placement in the index and
-/// counting it in `batch`. Whether it preempts.
+/// counting it in `batch`; one that does not fit and may preempt is left
+/// for [`preempt_for`].
 fn plan_one(
     index: &mut Index,
     pool: &str,
@@ -305,15 +345,15 @@ fn plan_one(
     plan: &mut Plan,
     batch: &mut quota::Batch,
     ending: bool,
-) -> bool {
+) {
     let Some(r) = index.reservation(id) else {
-        return false;
+        return;
     };
     let (request, queued) = (r.request.clone(), r.phase == projections::Phase::Queued);
     let was = r.reason.clone();
     if let Some(reason) = never_fits(index, pool, &request) {
         plan.unschedulable.push((id.to_string(), reason));
-        return false;
+        return;
     }
     let wait = |plan: &mut Plan, reason: String| {
         if queued && reason_kind(&reason) == reason_kind(&was) {
@@ -331,7 +371,7 @@ fn plan_one(
             victims.len()
         );
         wait(plan, reason);
-        return false;
+        return;
     }
     let why = match quota::admit(index, pool, &request, batch) {
         Ok(()) => match place_one(index, pool, &request) {
@@ -344,61 +384,130 @@ fn plan_one(
                     batch.add(q, &request.class, request.gpus as u64);
                 }
                 plan.placed.push((id.to_string(), allocs));
-                return false;
+                return;
             }
             None => {
                 let free = index.class(pool, &request.class).map_or(0, |c| c.free);
-                format!(
-                    "waiting for capacity: {} {} GPUs ({}) asked, {free} free",
-                    request.gpus, request.class, request.shape
-                )
+                match (request.topology, request.shape) {
+                    (
+                        Some(
+                            projections::domain::Topology::Within(_)
+                            | projections::domain::Topology::Spread(_),
+                        ),
+                        Shape::Gang {
+                            nodes,
+                            gpus_per_node,
+                        },
+                    ) if free >= request.gpus as u64 => {
+                        let (tier, spread) = match request.topology {
+                            Some(projections::domain::Topology::Spread(t)) => (t.name(), true),
+                            Some(projections::domain::Topology::Within(t)) => (t.name(), false),
+                            _ => ("", false),
+                        };
+                        if spread {
+                            format!(
+                                "topology cannot be met now: {free} {} GPUs are free, but not {nodes} {tier}s with a node with {gpus_per_node} free",
+                                request.class
+                            )
+                        } else {
+                            format!(
+                                "topology cannot be met now: {free} {} GPUs are free, but no {tier} has {nodes} nodes with {gpus_per_node} free",
+                                request.class
+                            )
+                        }
+                    }
+                    _ => format!(
+                        "waiting for capacity: {} {} GPUs ({}) asked, {free} free",
+                        request.gpus, request.class, request.shape
+                    ),
+                }
             }
         },
         Err(quota::Refusal::NoQueue(reason)) => {
             plan.unschedulable.push((id.to_string(), reason));
-            return false;
+            return;
         }
         Err(refusal @ quota::Refusal::OverQuota(_)) => refusal.to_string(),
     };
-    match (!ending)
-        .then(|| victims(index, pool, &request, batch))
-        .flatten()
-    {
-        Some(chosen) => {
-            let kinds: BTreeSet<&str> = chosen.iter().map(|(_, k)| *k).collect();
-            for (v, kind) in &chosen {
-                if let Some(r) = index.reservation(v) {
-                    batch.preempt(
-                        v,
-                        r.request.queue.as_deref(),
-                        &r.request.class,
-                        r.request.gpus as u64,
-                    );
+    if !ending && request.queue.is_some() {
+        // It may preempt: weighed once the batch's placements are planned.
+        plan.candidates.push((
+            (Reverse(request.priority), r_at(index, id)),
+            id.to_string(),
+            why,
+        ));
+    } else {
+        wait(plan, why);
+    }
+}
+
+/// A request's position (its order among equal priorities).
+fn r_at(index: &Index, id: &str) -> u64 {
+    index.reservation(id).map_or(u64::MAX, |r| r.requested_at)
+}
+
+/// The second pass of a batch: the requests that did not fit, highest
+/// priority first, look for victims, at most [`SEARCHES_PER_BATCH`]; the
+/// rest wait. Every placement of the batch is planned by now, so each
+/// preemption is judged on the state the index judges it on (the batch's
+/// placements are written before its preemptions).
+fn preempt_for(index: &mut Index, pool: &str, plan: &mut Plan, batch: &mut quota::Batch) {
+    let mut candidates = std::mem::take(&mut plan.candidates);
+    candidates.sort();
+    for (_, id, why) in candidates {
+        let Some(r) = index.reservation(&id) else {
+            continue;
+        };
+        let (request, queued, was) = (
+            r.request.clone(),
+            r.phase == projections::Phase::Queued,
+            r.reason.clone(),
+        );
+        let chosen = if plan.searches < SEARCHES_PER_BATCH {
+            plan.searches += 1;
+            victims(index, pool, &request, batch)
+        } else {
+            None
+        };
+        match chosen {
+            Some(chosen) => {
+                let kinds: BTreeSet<&str> = chosen.iter().map(|(_, k)| *k).collect();
+                for (v, kind) in &chosen {
+                    if let Some(r) = index.reservation(v) {
+                        batch.preempt(
+                            v,
+                            r.request.queue.as_deref(),
+                            &r.request.class,
+                            r.request.gpus as u64,
+                        );
+                    }
+                    plan.preempting
+                        .push((v.clone(), id.clone(), kind.to_string()));
                 }
-                plan.preempting
-                    .push((v.clone(), id.to_string(), kind.to_string()));
+                plan.queued.push((
+                    id,
+                    format!(
+                        "preempting: {} reservation(s) make room for it ({}); it is placed when their grace period ends",
+                        chosen.len(),
+                        kinds.into_iter().collect::<Vec<_>>().join(", ")
+                    ),
+                ));
             }
-            plan.queued.push((
-                id.to_string(),
-                format!(
-                    "preempting: {} reservation(s) make room for it ({}); it is placed when their grace period ends",
-                    chosen.len(),
-                    kinds.into_iter().collect::<Vec<_>>().join(", ")
-                ),
-            ));
-            true
-        }
-        None => {
-            wait(plan, why);
-            false
+            None if queued && reason_kind(&why) == reason_kind(&was) => plan.still_waiting += 1,
+            None => plan.queued.push((id, why)),
         }
     }
 }
 
 /// Most reservations one request preempts.
-const MAX_VICTIMS: usize = 256;
+const MAX_VICTIMS: usize = 64;
+/// Most requests of one batch that look for victims: what does not fit and
+/// has no turn waits for the next batch, so a batch's cost stays bounded
+/// when many requests wait (they are tried in the batch's order, the
+/// highest priority of each queue first).
+pub const SEARCHES_PER_BATCH: usize = 64;
 /// Most live reservations looked at for one request's victims.
-const MAX_CANDIDATES: usize = 4096;
+const MAX_CANDIDATES: usize = 512;
 
 /// The smallest set of live reservations whose preemption lets `request`
 /// be admitted and placed, each with why it may be preempted
@@ -639,6 +748,7 @@ mod tests {
                 ttl_ms: None,
                 replace_on_failure: false,
                 replaces: None,
+                topology: None,
                 requeue_on_preemption: false,
                 queue: queue.map(str::to_string),
             };
@@ -964,6 +1074,7 @@ mod tests {
                 ttl_ms: None,
                 replace_on_failure: false,
                 replaces: None,
+                topology: None,
                 requeue_on_preemption: false,
                 queue: Some("solo".into()),
             }),
@@ -1169,6 +1280,123 @@ mod tests {
             })
             .expect("a violation");
         assert!(v.message.contains("borrows nothing to take back"), "{v}");
+    }
+
+    #[test]
+    fn gangs_go_within_one_rack_prefer_one_or_spread_over_racks() {
+        use projections::domain::{Tier, Topology};
+        // Two racks of four 8-GPU nodes: r0 = n00..n03, r1 = n04..n07.
+        let mut w = World::build(8, |_, node| devices(node, C, 8, 0));
+        for n in 0..8 {
+            let v = w.pool(&Fact::NodeTopologySet {
+                node: format!("n{n:02}"),
+                rack: Some(format!("r{}", n / 4)),
+                block: Some("b0".into()),
+            });
+            assert_eq!(v, None);
+        }
+        let gang = |w: &mut World, id: &str, nodes: u32, topology: Option<Topology>| {
+            let r = Request {
+                reservation: id.into(),
+                pool: "p".into(),
+                class: C.into(),
+                gpus: nodes * 8,
+                shape: Shape::Gang {
+                    nodes,
+                    gpus_per_node: 8,
+                },
+                priority: 0,
+                ttl_ms: None,
+                replace_on_failure: false,
+                replaces: None,
+                topology,
+                requeue_on_preemption: false,
+                queue: None,
+            };
+            let e = w
+                .log
+                .push(&reservation_stream(id), &Fact::ReservationRequested(r));
+            assert_eq!(w.index.apply(&e).unwrap(), None);
+        };
+        let racks = |w: &World, id: &str| -> BTreeSet<String> {
+            w.allocs(id)
+                .iter()
+                .map(|a| {
+                    w.index.pool("p").unwrap().nodes[&a.node]
+                        .rack
+                        .clone()
+                        .unwrap()
+                })
+                .collect()
+        };
+        // One GPU booked on n00, one unhealthy on n05: no rack has four
+        // whole nodes.
+        w.request("one", 1, Shape::Node, 0);
+        w.run();
+        assert_eq!(w.allocs("one")[0].node, "n00");
+        let xid = |raise: bool| {
+            if raise {
+                Fact::HealthRaised {
+                    node: "n05".into(),
+                    device: Some("gpu0".into()),
+                    condition: "XID-79".into(),
+                    detail: String::new(),
+                }
+            } else {
+                Fact::HealthCleared {
+                    node: "n05".into(),
+                    device: Some("gpu0".into()),
+                    condition: "XID-79".into(),
+                }
+            }
+        };
+        assert_eq!(w.pool(&xid(true)), None);
+        // Four nodes in one rack: it waits, and says why though 62 GPUs
+        // are free.
+        gang(&mut w, "g4", 4, Some(Topology::Within(Tier::Rack)));
+        let plan = w.run();
+        assert!(
+            plan.queued[0].1.starts_with("topology cannot be met now")
+                && plan.queued[0].1.contains("no rack has 4 nodes with 8 free"),
+            "{plan:?}"
+        );
+        // Preferring one rack: it gets one.
+        gang(&mut w, "pr", 2, Some(Topology::Prefer(Tier::Rack)));
+        w.run();
+        assert_eq!(racks(&w, "pr").len(), 1, "{:?}", w.allocs("pr"));
+        // Spread: one node in each rack.
+        gang(&mut w, "sp", 2, Some(Topology::Spread(Tier::Rack)));
+        w.run();
+        assert_eq!(racks(&w, "sp").len(), 2, "{:?}", w.allocs("sp"));
+        // Free a rack: the waiting gang takes it whole.
+        for id in ["one", "pr", "sp"] {
+            w.release(id);
+        }
+        assert_eq!(w.pool(&xid(false)), None);
+        w.run();
+        assert_eq!(w.phase("g4"), Some(Phase::Placed));
+        assert_eq!(racks(&w, "g4").len(), 1);
+        assert!(w.index.derived_is_consistent());
+        assert_eq!(w.index.state().violations, 0);
+        w.release("g4");
+        // A gang within one rack placed across two is a violation.
+        gang(&mut w, "bad", 2, Some(Topology::Within(Tier::Rack)));
+        let v = w
+            .pool(&Fact::ReservationPlaced {
+                reservation: "bad".into(),
+                allocations: ["n01", "n05"]
+                    .iter()
+                    .map(|n| Allocation {
+                        node: n.to_string(),
+                        devices: (0..8).map(|d| format!("gpu{d}")).collect(),
+                    })
+                    .collect(),
+            })
+            .expect("a violation");
+        assert!(
+            v.message.contains("gang within one rack placed across"),
+            "{v}"
+        );
     }
 
     #[test]

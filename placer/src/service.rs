@@ -706,6 +706,7 @@ fn plan_ready(
             queued,
             unschedulable,
             preempting,
+            searches,
             ..
         } = batch.in_scope(|| plan::plan_with(index, pool, &ids, &ending));
         let counts = [
@@ -788,7 +789,10 @@ fn plan_ready(
                 reason,
             }
         }));
-        let retried_queued_at = retry_queued.then_some(epoch);
+        // When the batch ran out of searches for victims, what waits is
+        // tried again next time even if capacity did not move.
+        let retried_queued_at =
+            (retry_queued && searches < plan::SEARCHES_PER_BATCH).then_some(epoch);
         if facts.is_empty() {
             // Everything tried still waits: remember that until capacity moves.
             if let Some(e) = retried_queued_at {

@@ -88,6 +88,18 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &["NodeUncordoned"],
     },
     EventSpec {
+        event_type: "node.topology_set",
+        stream: "pool/<pool>",
+        written_by: "operators (`strata nodes topology`); `strata pool seed --nodes-per-rack` (simulated fleets)",
+        about: "Where the node is in the pool's topology, which gangs asking for one rack or block (or to be spread over them) are placed by. Absent labels are cleared.",
+        fields: &[
+            NODE,
+            opt("rack", Ty::String, "Its rack (the nodes under one top-of-rack switch)."),
+            opt("block", Ty::String, "Its block (a spine block of racks, or an NVL72 rack's NVLink domain)."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
         event_type: "node.drained",
         stream: "pool/<pool>",
         written_by: "operators (`strata nodes drain`, the client API)",
@@ -155,6 +167,7 @@ pub const EVENTS: &[EventSpec] = &[
             opt("replaces", Ty::String, "The reservation this one replaces (written by the placer)."),
             opt("queue", Ty::String, "The queue it is admitted under (`queue.configured`). A pool with queues places only requests naming one of them."),
             opt("requeue_on_preemption", Ty::Boolean, "Requested again as `<id>~<n>` when preempted (default false)."),
+            opt("topology", Ty::Object, "A gang's place in the topology: `{mode: within|prefer|spread, tier: rack|block}` (all in one rack or block; in one if it can be had now; each in a different one)."),
         ],
         formerly: &["ReservationRequested"],
     },
@@ -412,6 +425,14 @@ mod tests {
             ),
             (Fact::NodeUncordoned { node: node() }, "pool/p"),
             (
+                Fact::NodeTopologySet {
+                    node: node(),
+                    rack: Some("r1".into()),
+                    block: Some("b1".into()),
+                },
+                "pool/p",
+            ),
+            (
                 Fact::NodeDrained {
                     node: node(),
                     reason: "x".into(),
@@ -458,6 +479,7 @@ mod tests {
                     ttl_ms: Some(5),
                     replace_on_failure: true,
                     replaces: Some("r0".into()),
+                    topology: Some(crate::domain::Topology::Within(crate::domain::Tier::Rack)),
                     requeue_on_preemption: true,
                     queue: Some("ml".into()),
                 }),

@@ -99,6 +99,61 @@ impl std::fmt::Display for Shape {
     }
 }
 
+/// A level of a pool's network topology that nodes are labelled with.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    /// The nodes under one top-of-rack switch.
+    Rack,
+    /// A larger domain: the racks of one spine block, or one NVL72 rack's
+    /// NVLink domain.
+    Block,
+}
+
+impl Tier {
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Rack => "rack",
+            Tier::Block => "block",
+        }
+    }
+}
+
+/// Where a gang's nodes may lie in the topology.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[serde(tag = "mode", content = "tier", rename_all = "snake_case")]
+pub enum Topology {
+    /// All in one rack (or block), or not placed.
+    Within(Tier),
+    /// All in one if it can be had now, anywhere otherwise.
+    Prefer(Tier),
+    /// Each in a different one (for availability).
+    Spread(Tier),
+}
+
 /// A request for GPUs.
 #[derive(
     Debug,
@@ -135,6 +190,9 @@ pub struct Request {
     /// wait in its queue, instead of only ending.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub requeue_on_preemption: bool,
+    /// Where a gang's nodes lie in the topology (only gangs have one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topology: Option<Topology>,
     /// The queue (a team's share of the pool, see [`Fact::QueueConfigured`])
     /// it is admitted under. A pool with queues places only requests that
     /// name one of them; a pool without places only those that name none.
@@ -162,6 +220,11 @@ impl Request {
                 "{} GPUs is more than one reservation may ask for ({MAX_GPUS})",
                 self.gpus
             ));
+        }
+        if self.topology.is_some() && !matches!(self.shape, Shape::Gang { .. }) {
+            return Err(
+                "a topology (--within, --prefer-within, --spread) is for gangs (--nodes)".into(),
+            );
         }
         if let Shape::Gang {
             nodes,
@@ -397,6 +460,16 @@ pub enum Fact {
     },
     #[serde(rename = "node.uncordoned")]
     NodeUncordoned { node: String },
+    /// Where the node is in the pool's topology (set by an operator, or
+    /// when fleets are seeded); absent labels are cleared.
+    #[serde(rename = "node.topology_set")]
+    NodeTopologySet {
+        node: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rack: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        block: Option<String>,
+    },
     /// No new placements; the node's live reservations fail
     /// (`node_drained`) at `deadline_ms` (unix milliseconds), at once
     /// without one. Lifted by `node.uncordoned`.
@@ -542,6 +615,7 @@ pub const FACT_TYPES: &[&str] = &[
     "node.contact_restored",
     "node.cordoned",
     "node.uncordoned",
+    "node.topology_set",
     "node.drained",
     "health.raised",
     "health.cleared",
@@ -755,6 +829,7 @@ impl Fact {
             Fact::NodeContactRestored { .. } => "node.contact_restored",
             Fact::NodeCordoned { .. } => "node.cordoned",
             Fact::NodeUncordoned { .. } => "node.uncordoned",
+            Fact::NodeTopologySet { .. } => "node.topology_set",
             Fact::NodeDrained { .. } => "node.drained",
             Fact::HealthRaised { .. } => "health.raised",
             Fact::HealthCleared { .. } => "health.cleared",
@@ -899,6 +974,7 @@ mod tests {
                 ttl_ms: None,
                 replace_on_failure: false,
                 replaces: None,
+                topology: None,
                 requeue_on_preemption: false,
                 queue: None,
             }),
@@ -988,6 +1064,7 @@ mod tests {
             ttl_ms: None,
             replace_on_failure: false,
             replaces: None,
+            topology: None,
             requeue_on_preemption: false,
             queue: None,
         };

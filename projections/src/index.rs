@@ -66,6 +66,9 @@ pub struct Node {
     /// Unix milliseconds of the `node.contact_lost` in force, if contact is
     /// lost.
     pub unreachable_since_ms: Option<u64>,
+    /// Its rack and block in the pool's topology (`node.topology_set`).
+    pub rack: Option<String>,
+    pub block: Option<String>,
 }
 
 impl Node {
@@ -222,6 +225,9 @@ pub struct ClassIndex {
     node_sizes: BTreeMap<u32, u32>,
     island_sizes: HashMap<String, u32>,
     island_size_counts: BTreeMap<u32, u32>,
+    /// The same free nodes by rack and by block (labelled ones only).
+    pub racks: crate::tiers::TierIndex,
+    pub blocks: crate::tiers::TierIndex,
     /// Present devices, and free ones.
     pub total: u64,
     pub free: u64,
@@ -328,6 +334,24 @@ impl ClassIndex {
     pub fn schedulable_nodes(&self) -> usize {
         self.node_free.len()
     }
+
+    /// The free nodes by `tier`.
+    pub fn tier(&self, tier: crate::domain::Tier) -> &crate::tiers::TierIndex {
+        match tier {
+            crate::domain::Tier::Rack => &self.racks,
+            crate::domain::Tier::Block => &self.blocks,
+        }
+    }
+
+    /// Moves a node's free count in the tier indexes of its labels.
+    fn tiers_move(&mut self, node: &Node, name: &str, from: u32, to: u32) {
+        if let Some(r) = &node.rack {
+            self.racks.update(r, name, from, to);
+        }
+        if let Some(b) = &node.block {
+            self.blocks.update(b, name, from, to);
+        }
+    }
 }
 
 /// A live reservation where preemption looks: priority (lowest first),
@@ -365,11 +389,22 @@ pub struct Queues {
     /// Waiting requests with reservations being preempted for them: the
     /// request -> its victims.
     pub preemptors: BTreeMap<String, BTreeSet<String>>,
+    /// GPUs of each class held by each queue's reservations being
+    /// preempted: `(queue, class) -> GPUs`.
+    pub preempting_usage: HashMap<(String, String), u64>,
 }
 
 impl Queues {
     pub fn is_idle(&self) -> bool {
         self.pending.is_empty() && self.queued.is_empty() && self.releases.is_empty()
+    }
+
+    /// GPUs of `class` that `queue`'s reservations being preempted hold.
+    pub fn preempting(&self, queue: &str, class: &str) -> u64 {
+        self.preempting_usage
+            .iter()
+            .find(|((q, c), _)| q == queue && c == class)
+            .map_or(0, |(_, n)| *n)
     }
 
     /// GPUs of `class` that `queue`'s live reservations hold.
@@ -575,9 +610,11 @@ impl Index {
                 if add {
                     c.node_free.insert(node_name.to_string(), free);
                     bucket_move(&mut c.by_free, node_name, 0, free);
+                    c.tiers_move(node, node_name, 0, free);
                 } else {
                     c.node_free.remove(node_name);
                     bucket_move(&mut c.by_free, node_name, free, 0);
+                    c.tiers_move(node, node_name, free, 0);
                 }
             }
         }
@@ -653,6 +690,18 @@ impl Index {
             }
             if let Some(by) = &r.preempted_by {
                 let k = (r.preempt_deadline_ms.unwrap_or(0), id.to_string());
+                if let Some(name) = &r.request.queue {
+                    let k = (name.clone(), r.request.class.clone());
+                    let gpus = r.request.gpus as u64;
+                    if add {
+                        *q.preempting_usage.entry(k).or_default() += gpus;
+                    } else if let Some(n) = q.preempting_usage.get_mut(&k) {
+                        *n = n.saturating_sub(gpus);
+                        if *n == 0 {
+                            q.preempting_usage.remove(&k);
+                        }
+                    }
+                }
                 if add {
                     q.preemptions.insert(k);
                     q.preemptors
@@ -814,6 +863,7 @@ impl Index {
                 continue;
             };
             c.free = c.free + new as u64 - old as u64;
+            c.tiers_move(n, node, old, new);
             let name = if old > 0 {
                 let taken = c.by_free.get_mut(&old).and_then(|set| set.take(node));
                 if c.by_free.get(&old).is_some_and(|set| set.is_empty()) {
@@ -1087,6 +1137,15 @@ impl Index {
                     n.drained = Some(reason);
                     n.drain_deadline_ms = deadline_ms;
                 });
+            }
+            Fact::NodeTopologySet { node, rack, block } => {
+                self.with_node(&pool, &node, |n| {
+                    n.rack = rack;
+                    n.block = block;
+                })
+                .ok_or_else(|| format!("node {node:?} is not in pool {pool:?}"))?;
+                // A gang waiting for a rack may fit now.
+                bump_capacity(self);
             }
             Fact::NodeUncordoned { node } => {
                 self.with_node(&pool, &node, |n| {
@@ -1536,6 +1595,44 @@ impl Index {
             {
                 Some(format!("gang of {nodes} x {gpus_per_node} not honoured"))
             }
+            _ => self.topology_problem(p, request, allocations),
+        }
+    }
+
+    /// What is wrong with a gang's placement in the topology it asked for.
+    fn topology_problem(
+        &self,
+        p: &Pool,
+        request: &Request,
+        allocations: &[Allocation],
+    ) -> Option<String> {
+        use crate::domain::{Tier, Topology};
+        let (tier, spread) = match request.topology? {
+            Topology::Within(t) => (t, false),
+            Topology::Spread(t) => (t, true),
+            Topology::Prefer(_) => return None,
+        };
+        let label = |a: &Allocation| {
+            let n = p.nodes.get(&a.node)?;
+            match tier {
+                Tier::Rack => n.rack.as_deref(),
+                Tier::Block => n.block.as_deref(),
+            }
+        };
+        let labels: Vec<Option<&str>> = allocations.iter().map(label).collect();
+        if labels.iter().any(Option::is_none) {
+            return Some(format!("a node of the gang has no {}", tier.name()));
+        }
+        let distinct: BTreeSet<&str> = labels.iter().flatten().copied().collect();
+        match spread {
+            false if distinct.len() > 1 => Some(format!(
+                "gang within one {} placed across {distinct:?}",
+                tier.name()
+            )),
+            true if distinct.len() < allocations.len() => Some(format!(
+                "gang spread over {}s placed twice in one",
+                tier.name()
+            )),
             _ => None,
         }
     }
@@ -1583,6 +1680,7 @@ mod replacement_tests {
             ttl_ms: None,
             replace_on_failure: true,
             replaces: replaces.map(str::to_string),
+            topology: None,
             requeue_on_preemption: false,
             queue: None,
         }

@@ -18,6 +18,7 @@ pub mod requests;
 pub mod snapshot;
 pub mod standing;
 pub mod testing;
+pub mod tiers;
 pub mod views;
 pub mod waiting;
 

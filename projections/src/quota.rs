@@ -39,6 +39,8 @@ pub struct Batch {
     /// The reservations the batch ends (released, expired, failed,
     /// preempted): gone before anything it places.
     gone: std::collections::HashSet<String>,
+    /// GPUs of those that were being preempted, per queue.
+    gone_preempting: HashMap<(String, String), u64>,
 }
 
 fn bump_key(map: &mut HashMap<(String, String), u64>, queue: &str, class: &str, gpus: u64) {
@@ -65,10 +67,14 @@ impl Batch {
         bump_key(&mut self.freed, queue, class, gpus);
     }
 
-    /// Counts live reservation `id` as ended by the batch.
-    pub fn end(&mut self, id: &str, queue: Option<&str>, class: &str, gpus: u64) {
+    /// Counts live reservation `id` as ended by the batch (`marked`: it was
+    /// being preempted).
+    pub fn end(&mut self, id: &str, queue: Option<&str>, class: &str, gpus: u64, marked: bool) {
         if let Some(q) = queue {
             self.free(q, class, gpus);
+            if marked {
+                bump_key(&mut self.gone_preempting, q, class, gpus);
+            }
         }
         self.gone.insert(id.to_string());
     }
@@ -185,16 +191,12 @@ pub fn admit(index: &Index, pool: &str, request: &Request, batch: &Batch) -> Res
 /// preempted (`reservation.preemption_scheduled` in the index, and those the batch
 /// chose).
 fn being_preempted(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
-    let marked: u64 = index.queues(pool).map_or(0, |q| {
-        q.preemptions
-            .iter()
-            .filter(|(_, id)| !batch.gone.contains(id))
-            .filter_map(|(_, id)| index.reservation(id))
-            .filter(|r| r.request.queue.as_deref() == Some(queue) && r.request.class == class)
-            .map(|r| r.request.gpus as u64)
-            .sum()
-    });
-    marked + lookup(&batch.preempting, queue, class)
+    let marked = index.queues(pool).map_or(0, |q| q.preempting(queue, class));
+    (marked + lookup(&batch.preempting, queue, class)).saturating_sub(lookup(
+        &batch.gone_preempting,
+        queue,
+        class,
+    ))
 }
 
 /// Whether waiting request `by` may preempt live reservation `victim` of
@@ -207,12 +209,12 @@ fn being_preempted(index: &Index, pool: &str, queue: &str, class: &str, batch: &
 ///   counting what is already being preempted of it), and `by`'s queue,
 ///   with `by`, stays within its own nominal quota.
 ///
-/// Judged on the index with `batch`: what it ends, what it placed so far,
-/// and what it chose to preempt. The placer writes a batch's ends first, its
-/// `reservation.preemption_scheduled` after its placements, and plans
-/// nothing more of a queue once it preempted for it, so the index judges
-/// each by the same rule on a state at least as favourable (a victim's
-/// queue only holds more), and a preemption that breaks it is a violation.
+/// Judged on the index with `batch`: what it ends, every placement it
+/// planned, and what it chose to preempt so far. The placer writes a
+/// batch's ends first and its `reservation.preemption_scheduled` after all
+/// its placements, and weighs preemptions only once every placement is
+/// planned, so the index judges each by the same rule on the same state,
+/// and a preemption that breaks it is a violation.
 pub fn may_preempt(
     index: &Index,
     pool: &str,

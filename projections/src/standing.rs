@@ -1,8 +1,8 @@
 //! An operator's say over a node's standing in its pool: cordon it (no new
 //! placements), uncordon it (placements again, a drain lifted too), drain it
 //! (no new placements, and its live reservations end: at once, or when a
-//! wait runs out), take it out of the pool (leave) and clear a health
-//! condition the node no longer has. Each
+//! wait runs out), take it out of the pool (leave), clear a health
+//! condition the node no longer has, and say where it is in the topology. Each
 //! is one fact on the pool's stream, so the pool's version fences it like
 //! any other change of what can be placed. The CLI and the client API both
 //! come through here.
@@ -33,6 +33,11 @@ pub enum Change {
     Leave {
         reason: String,
     },
+    /// Where the node is in the pool's topology (absent: cleared).
+    Topology {
+        rack: Option<String>,
+        block: Option<String>,
+    },
     /// A condition of the node (`device: None`) or of one of its devices.
     ClearHealth {
         device: Option<String>,
@@ -61,6 +66,11 @@ impl Change {
             Change::Leave { reason } => Fact::NodeLeft {
                 node,
                 reason: reason.clone(),
+            },
+            Change::Topology { rack, block } => Fact::NodeTopologySet {
+                node,
+                rack: rack.clone(),
+                block: block.clone(),
             },
             Change::ClearHealth { device, condition } => Fact::HealthCleared {
                 node,
@@ -112,6 +122,13 @@ pub async fn change(
     if let Change::ClearHealth { condition, .. } = change {
         if condition.is_empty() {
             return Err(RequestError::Invalid("name the condition to clear".into()));
+        }
+    }
+    if let Change::Topology { rack, block } = change {
+        for (what, v) in [("rack", rack), ("block", block)] {
+            if let Some(v) = v {
+                valid_name(what, v).map_err(RequestError::Invalid)?;
+            }
         }
     }
     let pool = match pool {

@@ -9,6 +9,7 @@ mod placement;
 mod pooler;
 mod queues;
 mod region;
+mod topology;
 mod upgrade;
 
 use std::io::{BufRead, BufReader};

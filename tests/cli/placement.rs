@@ -451,6 +451,7 @@ fn placers_split_pools_and_a_killed_one_hands_them_over() {
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        topology: None,
         requeue_on_preemption: false,
         queue: None,
     };

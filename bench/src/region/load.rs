@@ -210,6 +210,7 @@ async fn reservation(a: &Appender, s: &LoadStats, stop: &AtomicBool, id: String,
         ttl_ms: ttl.then(|| fastrand::u64(3_000..8_000)),
         replace_on_failure: false,
         replaces: None,
+        topology: None,
         requeue_on_preemption: false,
         queue: None,
     };

@@ -367,6 +367,7 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
             ttl_ms: None,
             replace_on_failure: false,
             replaces: None,
+            topology: None,
             requeue_on_preemption: false,
             queue: None,
         })

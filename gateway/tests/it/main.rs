@@ -1238,6 +1238,7 @@ async fn a_preempted_reservations_node_is_told_and_released_after_the_grace_peri
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        topology: None,
         requeue_on_preemption: false,
         queue: Some("team".into()),
     };
@@ -1902,6 +1903,7 @@ async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() 
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        topology: None,
         requeue_on_preemption: false,
         queue: None,
     };
@@ -1967,6 +1969,7 @@ async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fa
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        topology: None,
         requeue_on_preemption: false,
         queue: None,
     };
@@ -2201,6 +2204,7 @@ async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_f
             ttl_ms: None,
             replace_on_failure: false,
             replaces: None,
+            topology: None,
             requeue_on_preemption: false,
             queue: None,
         };

@@ -55,6 +55,7 @@ fn request(id: &str, pool: &str, gpus: u32, shape: Shape) -> Request {
         ttl_ms: None,
         replace_on_failure: false,
         replaces: None,
+        topology: None,
         requeue_on_preemption: false,
         queue: None,
     }

@@ -1,0 +1,223 @@
+//! `bench placements`, the multi-tenant phase: a pool shared by 16 queues
+//! in 2 cohorts, quotas summing to the fleet, its nodes in racks of
+//! [`NODES_PER_RACK`], demand at 150% of it (gangs within one rack), then
+//! requests of high priority that get their GPUs by preemption.
+
+use crate::util::percentile_ms;
+use anyhow::{bail, Result};
+use events::Appender;
+use projections::{Index, QueueSpec, Quota, Request, Shape};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::{flood, offer, Seen, CLASS};
+
+/// Queues, cohorts, and the pool they share.
+pub const QUEUES: u32 = 16;
+pub const COHORTS: u32 = 2;
+pub const POOL: &str = "tenants";
+/// Nodes per rack of the pool.
+pub const NODES_PER_RACK: u32 = 32;
+
+/// What the phase measured.
+pub struct Tenants {
+    pub gpus: u64,
+    pub requests: u64,
+    pub requested_gpus: u64,
+    pub decided_s: f64,
+    pub placed: u64,
+    pub placements_per_s: f64,
+    pub high: u64,
+    pub preempted: u64,
+    pub preemptions_per_s: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub grace_ms: u64,
+    /// Per queue: (queue, weight, used, fair).
+    pub shares: Vec<(String, u32, u64, u64)>,
+    /// The largest |used - fair| / fair over the queues.
+    pub spread: f64,
+}
+
+fn queue(i: u32) -> String {
+    format!("team{i:02}")
+}
+
+/// The queues: nominal quotas that sum to the pool's GPUs; weight 2 for
+/// every other queue.
+pub fn specs(gpus: u64) -> Vec<QueueSpec> {
+    (0..QUEUES)
+        .map(|i| {
+            let base = gpus / QUEUES as u64;
+            let nominal = base + u64::from((i as u64) < gpus % QUEUES as u64);
+            QueueSpec {
+                queue: queue(i),
+                cohort: Some(format!("cohort{}", i % COHORTS)),
+                weight: 1 + i % 2,
+                quotas: vec![Quota {
+                    class: CLASS.into(),
+                    nominal: nominal as u32,
+                    borrowing_limit: None,
+                }],
+            }
+        })
+        .collect()
+}
+
+fn request(id: String, queue: String, gpus: u32, shape: Shape, priority: i32) -> Request {
+    // Gangs within one rack.
+    let topology = matches!(shape, Shape::Gang { .. })
+        .then_some(projections::domain::Topology::Within(projections::domain::Tier::Rack));
+    Request {
+        reservation: id,
+        pool: POOL.into(),
+        class: CLASS.into(),
+        gpus,
+        shape,
+        priority,
+        ttl_ms: None,
+        replace_on_failure: false,
+        replaces: None,
+        topology,
+        requeue_on_preemption: true,
+        queue: Some(queue),
+    }
+}
+
+/// Demand at 150% of `gpus`, spread evenly over the queues and offered
+/// round robin across them: 1, 2, 4 and 8 GPUs and 2-node gangs of 8, at
+/// priorities 0 and 1.
+fn demand(gpus: u64) -> Vec<Request> {
+    let mut out = Vec::new();
+    let mut asked = 0u64;
+    let mut i = 0u64;
+    while asked < gpus * 3 / 2 {
+        let q = queue((i % QUEUES as u64) as u32);
+        let id = format!("ten-{i}");
+        let prio = ((i / QUEUES as u64) % 2) as i32;
+        let r = match (i / QUEUES as u64) % 10 {
+            0..=3 => request(id, q, 1, Shape::Any, prio),
+            4 | 5 => request(id, q, 2, Shape::Any, prio),
+            6 | 7 => request(id, q, 4, Shape::Node, prio),
+            8 => request(id, q, 8, Shape::Node, prio),
+            _ => request(
+                id,
+                q,
+                16,
+                Shape::Gang {
+                    nodes: 2,
+                    gpus_per_node: 8,
+                },
+                prio,
+            ),
+        };
+        asked += r.gpus as u64;
+        out.push(r);
+        i += 1;
+    }
+    out
+}
+
+/// Runs the phase on the pool `POOL` (created, its nodes joined, its
+/// queues configured by the caller) with a placer whose preemption grace
+/// is `grace`.
+pub async fn run(
+    appender: &Appender,
+    seen: &Seen,
+    client: &tokio_postgres::Client,
+    gpus: u64,
+    grace: Duration,
+    clients: usize,
+    high: u64,
+) -> Result<Tenants> {
+    // Demand at 150%: every request decided (placed or queued).
+    let requests = demand(gpus);
+    let n = requests.len() as u64;
+    let requested_gpus: u64 = requests.iter().map(|r| r.gpus as u64).sum();
+    let placed_before = seen.placed.load(Ordering::Relaxed);
+    // Preemptions of the whole phase: priority 1 requests preempt priority
+    // 0 reservations of their queue as the queues fill, and those of high
+    // priority preempt both.
+    let phase = Instant::now();
+    let preempted_before = seen.preempted.load(Ordering::Relaxed);
+    let (decided_s, _) = flood(appender, seen, requests, clients).await?;
+    let placed = seen.placed.load(Ordering::Relaxed) - placed_before;
+    // Placements per second: until the last placement of the flood was seen.
+    let placements_per_s = placed as f64 / decided_s;
+    eprintln!(
+        "tenants: {n} requests for {requested_gpus} GPUs ({}% of {gpus}) decided in {decided_s:.2} s; {placed} placed = {placements_per_s:.0} placements/s",
+        requested_gpus * 100 / gpus
+    );
+    // Requests of high priority, one GPU each, round robin over the queues,
+    // one at a time: each gets a GPU by preemption (in its own queue, or
+    // taking back what its queue lent).
+    let t0 = Instant::now();
+    let mut lat = Vec::new();
+    for i in 0..high {
+        let r = request(
+            format!("hp-{i}"),
+            queue((i % QUEUES as u64) as u32),
+            1,
+            Shape::Any,
+            10,
+        );
+        let sent = Instant::now();
+        offer(appender, &r).await?;
+        let deadline = sent + Duration::from_secs(60);
+        loop {
+            let at = seen
+                .at
+                .lock()
+                .expect("seen lock")
+                .get(&r.reservation)
+                .copied();
+            if let Some(at) = at {
+                lat.push(at.saturating_duration_since(sent));
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("{} was not placed within 60 s", r.reservation);
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    let high_s = t0.elapsed().as_secs_f64();
+    let secs = phase.elapsed().as_secs_f64();
+    let preempted = seen.preempted.load(Ordering::Relaxed) - preempted_before;
+    let (p50_ms, p99_ms) = (percentile_ms(&mut lat, 0.5), percentile_ms(&mut lat, 0.99));
+    eprintln!(
+        "tenants: {high} requests of high priority placed through preemption, one at a time in {high_s:.1} s: p50 {p50_ms:.0} ms, p99 {p99_ms:.0} ms (grace {} ms); {preempted} preempted in the phase's {secs:.1} s = {:.1}/s",
+        grace.as_millis(),
+        preempted as f64 / secs
+    );
+    // Each queue's usage against its fair share, from the log.
+    let index = projections::projector::build(client, Index::new()).await?;
+    let mut shares = Vec::new();
+    let mut spread = 0f64;
+    for s in projections::quota::fair_shares(&index, POOL) {
+        if s.fair > 0 {
+            spread = spread.max((s.used as f64 - s.fair as f64).abs() / s.fair as f64);
+        }
+        shares.push((s.queue, s.weight, s.used, s.fair));
+    }
+    eprintln!(
+        "tenants: usage against fair share within {:.1}% (worst queue)",
+        spread * 100.0
+    );
+    Ok(Tenants {
+        gpus,
+        requests: n,
+        requested_gpus,
+        decided_s,
+        placed,
+        placements_per_s,
+        high,
+        preempted,
+        preemptions_per_s: preempted as f64 / secs,
+        p50_ms,
+        p99_ms,
+        grace_ms: grace.as_millis() as u64,
+        shares,
+        spread,
+    })
+}
