@@ -66,8 +66,9 @@ pub fn specs(gpus: u64) -> Vec<QueueSpec> {
 
 fn request(id: String, queue: String, gpus: u32, shape: Shape, priority: i32) -> Request {
     // Gangs within one rack.
-    let topology = matches!(shape, Shape::Gang { .. })
-        .then_some(projections::domain::Topology::Within(projections::domain::Tier::Rack));
+    let topology = matches!(shape, Shape::Gang { .. }).then_some(
+        projections::domain::Topology::Within(projections::domain::Tier::Rack),
+    );
     Request {
         reservation: id,
         pool: POOL.into(),
