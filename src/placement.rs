@@ -656,6 +656,23 @@ fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
             println!("    ... and {} more", waiting.len() - 20);
         }
     }
+    let shares = projections::quota::fair_shares(index, name);
+    if !shares.is_empty() {
+        println!("  queues:");
+        for q in shares {
+            println!(
+                "    {} (cohort {}, weight {}): {} holds {} of its {} nominal, its waiting requests ask for {}, fair share {}",
+                q.queue,
+                q.cohort.as_deref().unwrap_or("none"),
+                q.weight,
+                q.class,
+                q.used,
+                q.nominal,
+                q.waiting,
+                q.fair
+            );
+        }
+    }
     Ok(())
 }
 
@@ -688,6 +705,7 @@ fn show_pool_json(index: &Index, name: &str, nodes: bool) -> Result<()> {
         "live": c.live,
         "waiting": c.pending,
         "classes": classes,
+        "queues": projections::quota::fair_shares(index, name),
     });
     if nodes {
         out["node_list"] = p
@@ -751,8 +769,12 @@ pub async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
         } => {
             let until = position_at(&db, &at).await?;
             let index = index_until(&db, Some(until)).await?;
-            println!("as of {at} (position {until}):");
-            show_pool(&index, &pool, nodes)?;
+            if crate::exit::json() {
+                show_pool_json(&index, &pool, nodes)?;
+            } else {
+                println!("as of {at} (position {until}):");
+                show_pool(&index, &pool, nodes)?;
+            }
             Ok(ExitCode::SUCCESS)
         }
         ReplayCmd::Stream { db, stream, at } => {

@@ -179,6 +179,8 @@ fn queues_hold_teams_to_their_quota_and_say_why_a_request_waits() {
                 .contains("not met now"),
         "{ml2}"
     );
+    // A moment at which ml held its 8 and ml-2 waited.
+    let placed_at_before_release = std::time::SystemTime::now();
     // cv gives its 4 back: ml-2 is placed, borrowing 6 of cv's quota.
     ok(&["release", "cv-1", "--database-url", &url]);
     wait_for(30, || Some(show("ml-2")).filter(|v| v["phase"] == "placed"))
@@ -202,6 +204,44 @@ fn queues_hold_teams_to_their_quota_and_say_why_a_request_waits() {
     assert!(
         text.contains("queue ml in pool gpu: 8 H100-80GB; cohort research; weight 1")
             && text.contains("holds 14 of its 8 nominal"),
+        "{text}"
+    );
+    // The queues as they were at a past moment: before ml-2 was placed,
+    // ml held its 8.
+    let then = humantime::format_rfc3339_seconds(placed_at_before_release).to_string();
+    let past: serde_json::Value = serde_json::from_str(&ok(&[
+        "replay",
+        "state",
+        "--pool",
+        "gpu",
+        "--at",
+        &then,
+        "--database-url",
+        &url,
+        "--output",
+        "json",
+    ]))
+    .unwrap();
+    let ml_then = past["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["queue"] == "ml")
+        .unwrap()
+        .clone();
+    assert_eq!(ml_then["used"], 8, "{past}");
+    let text = ok(&[
+        "replay",
+        "state",
+        "--pool",
+        "gpu",
+        "--at",
+        &then,
+        "--database-url",
+        &url,
+    ]);
+    assert!(
+        text.contains("queues:") && text.contains("ml (cohort research, weight 1)"),
         "{text}"
     );
     let text = ok(&queues(&url, &["list"]));
