@@ -179,6 +179,34 @@ fn release_id(reservation: &str, node: &str) -> String {
     format!("release:{reservation}:{node}")
 }
 
+/// Issues command `kind` with `args` to every node reservation `r` is on,
+/// in the background, each under the id `id(node)` (counted with the
+/// releases issued).
+fn to_its_nodes(
+    appender: &Appender,
+    stats: &Arc<BinderStats>,
+    r: &projections::index::Reservation,
+    kind: &str,
+    args: &serde_json::Value,
+    id: impl Fn(&str) -> String,
+) {
+    for a in &r.allocations {
+        issue(
+            appender,
+            Command {
+                id: id(&a.node),
+                node: a.node.clone(),
+                kind: kind.into(),
+                args: args.clone(),
+                deadline_ms: release_deadline(),
+                issued_by: ISSUER.into(),
+            },
+            stats.clone(),
+            true,
+        );
+    }
+}
+
 fn deadline_in(after: Duration) -> u64 {
     (SystemTime::now() + after)
         .duration_since(UNIX_EPOCH)
@@ -511,26 +539,20 @@ async fn held(
                 // Its nodes are told, so its workload can wind down before
                 // the grace period ends.
                 if let Some(r) = index.reservation(reservation) {
-                    for a in &r.allocations {
-                        issue(
-                            &appender,
-                            Command {
-                                id: format!("preempting:{reservation}:{}", a.node),
-                                node: a.node.clone(),
-                                kind: "allocation.preempting".into(),
-                                args: serde_json::json!({
-                                    "reservation": reservation,
-                                    "by": by,
-                                    "reason": reason,
-                                    "deadline_ms": deadline_ms,
-                                }),
-                                deadline_ms: release_deadline(),
-                                issued_by: ISSUER.into(),
-                            },
-                            stats.clone(),
-                            true,
-                        );
-                    }
+                    let args = serde_json::json!({
+                        "reservation": reservation,
+                        "by": by,
+                        "reason": reason,
+                        "deadline_ms": deadline_ms,
+                    });
+                    to_its_nodes(
+                        &appender,
+                        &stats,
+                        r,
+                        "allocation.preempting",
+                        &args,
+                        |node| format!("preempting:{reservation}:{node}"),
+                    );
                 }
             }
             Some(
@@ -541,21 +563,10 @@ async fn held(
             ) => {
                 // Before the index forgets the reservation's allocations.
                 if let Some(r) = index.reservation(reservation) {
-                    for a in &r.allocations {
-                        issue(
-                            &appender,
-                            Command {
-                                id: release_id(&r.request.reservation, &a.node),
-                                node: a.node.clone(),
-                                kind: "allocation.release".into(),
-                                args: serde_json::json!({"reservation": r.request.reservation}),
-                                deadline_ms: release_deadline(),
-                                issued_by: ISSUER.into(),
-                            },
-                            stats.clone(),
-                            true,
-                        );
-                    }
+                    let args = serde_json::json!({"reservation": reservation});
+                    to_its_nodes(&appender, &stats, r, "allocation.release", &args, |node| {
+                        release_id(reservation, node)
+                    });
                 }
                 state.waiting.remove(reservation);
                 state.versions.remove(reservation);

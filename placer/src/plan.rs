@@ -328,6 +328,19 @@ fn share_key(index: &Index, pool: &str, queue: &str, batch: &quota::Batch) -> u6
     (quota::dominant_share(index, pool, queue, batch) * 1e9) as u64
 }
 
+impl Plan {
+    /// A request that waits, for `reason`: queued again (with the reason)
+    /// unless it was queued already for the same kind of reason (see
+    /// [`reason_kind`]), then only counted.
+    fn wait(&mut self, id: &str, queued: bool, was: &str, reason: String) {
+        if queued && reason_kind(&reason) == reason_kind(was) {
+            self.still_waiting += 1;
+        } else {
+            self.queued.push((id.to_string(), reason));
+        }
+    }
+}
+
 /// What a reason is about: the words before its first colon (`waiting for
 /// capacity`, `over quota`). A waiting request is queued again only when
 /// this changes, not when its figures do.
@@ -349,19 +362,13 @@ fn plan_one(
     let Some(r) = index.reservation(id) else {
         return;
     };
-    let (request, queued) = (r.request.clone(), r.phase == projections::Phase::Queued);
-    let was = r.reason.clone();
+    let (request, at) = (r.request.clone(), r.requested_at);
+    let (queued, was) = (r.phase == projections::Phase::Queued, r.reason.clone());
     if let Some(reason) = never_fits(index, pool, &request) {
         plan.unschedulable.push((id.to_string(), reason));
         return;
     }
-    let wait = |plan: &mut Plan, reason: String| {
-        if queued && reason_kind(&reason) == reason_kind(&was) {
-            plan.still_waiting += 1;
-        } else {
-            plan.queued.push((id.to_string(), reason));
-        }
-    };
+    let wait = |plan: &mut Plan, reason: String| plan.wait(id, queued, &was, reason);
     // Room is being made for it: it waits for the grace period's end
     // (unless that is now, and its victims are planned as gone).
     let making_room = index.queues(pool).and_then(|q| q.preemptors.get(id));
@@ -386,42 +393,7 @@ fn plan_one(
                 plan.placed.push((id.to_string(), allocs));
                 return;
             }
-            None => {
-                let free = index.class(pool, &request.class).map_or(0, |c| c.free);
-                match (request.topology, request.shape) {
-                    (
-                        Some(
-                            projections::domain::Topology::Within(_)
-                            | projections::domain::Topology::Spread(_),
-                        ),
-                        Shape::Gang {
-                            nodes,
-                            gpus_per_node,
-                        },
-                    ) if free >= request.gpus as u64 => {
-                        let (tier, spread) = match request.topology {
-                            Some(projections::domain::Topology::Spread(t)) => (t.name(), true),
-                            Some(projections::domain::Topology::Within(t)) => (t.name(), false),
-                            _ => ("", false),
-                        };
-                        if spread {
-                            format!(
-                                "topology cannot be met now: {free} {} GPUs are free, but not {nodes} {tier}s with a node with {gpus_per_node} free",
-                                request.class
-                            )
-                        } else {
-                            format!(
-                                "topology cannot be met now: {free} {} GPUs are free, but no {tier} has {nodes} nodes with {gpus_per_node} free",
-                                request.class
-                            )
-                        }
-                    }
-                    _ => format!(
-                        "waiting for capacity: {} {} GPUs ({}) asked, {free} free",
-                        request.gpus, request.class, request.shape
-                    ),
-                }
-            }
+            None => no_room(index, pool, &request),
         },
         Err(quota::Refusal::NoQueue(reason)) => {
             plan.unschedulable.push((id.to_string(), reason));
@@ -431,19 +403,46 @@ fn plan_one(
     };
     if !ending && request.queue.is_some() {
         // It may preempt: weighed once the batch's placements are planned.
-        plan.candidates.push((
-            (Reverse(request.priority), r_at(index, id)),
-            id.to_string(),
-            why,
-        ));
+        plan.candidates
+            .push(((Reverse(request.priority), at), id.to_string(), why));
     } else {
         wait(plan, why);
     }
 }
 
-/// A request's position (its order among equal priorities).
-fn r_at(index: &Index, id: &str) -> u64 {
-    index.reservation(id).map_or(u64::MAX, |r| r.requested_at)
+/// Why an admitted request does not fit: the capacity, or, for a gang
+/// that asks for a rack or block (or to be spread) while enough GPUs are
+/// free, the topology.
+fn no_room(index: &Index, pool: &str, request: &Request) -> String {
+    use projections::domain::Topology;
+    let free = index.class(pool, &request.class).map_or(0, |c| c.free);
+    let class = &request.class;
+    match (request.topology, request.shape) {
+        (
+            Some(Topology::Within(t)),
+            Shape::Gang {
+                nodes,
+                gpus_per_node,
+            },
+        ) if free >= request.gpus as u64 => format!(
+            "topology cannot be met now: {free} {class} GPUs are free, but no {} has {nodes} nodes with {gpus_per_node} free",
+            t.name()
+        ),
+        (
+            Some(Topology::Spread(t)),
+            Shape::Gang {
+                nodes,
+                gpus_per_node,
+            },
+        ) if free >= request.gpus as u64 => format!(
+            "topology cannot be met now: {free} {class} GPUs are free, but not {nodes} {}s with a node with {gpus_per_node} free",
+            t.name()
+        ),
+        _ => format!(
+            "waiting for capacity: {} {class} GPUs ({}) asked, {free} free",
+            request.gpus, request.shape
+        ),
+    }
 }
 
 /// The second pass of a batch: the requests that did not fit, highest
@@ -493,11 +492,14 @@ fn preempt_for(index: &mut Index, pool: &str, plan: &mut Plan, batch: &mut quota
                     ),
                 ));
             }
-            None if queued && reason_kind(&why) == reason_kind(&was) => plan.still_waiting += 1,
-            None => plan.queued.push((id, why)),
+            None => plan.wait(&id, queued, &was, why),
         }
     }
 }
+
+/// A victim being weighed: its id, why it may be preempted, its
+/// allocations, its queue and its GPUs.
+type Chosen = (String, &'static str, Vec<Allocation>, Option<String>, u64);
 
 /// Most reservations one request preempts.
 const MAX_VICTIMS: usize = 64;
@@ -525,39 +527,34 @@ fn victims(
     batch: &quota::Batch,
 ) -> Option<Vec<(String, &'static str)>> {
     // Only a pool shared by queues preempts.
-    request.queue.as_ref()?;
+    let mine = request.queue.as_deref()?;
     let q = index.queues(pool)?;
-    let class = request.class.clone();
-    let mine = request.queue.clone().unwrap_or_default();
+    let queues = &index.pool(pool)?.queues;
+    let class = request.class.as_str();
+    let nominal = |s: &projections::QueueSpec| s.quota(class).map_or(0, |x| x.nominal) as u64;
+    let held = |queue: &str| quota::held(index, pool, queue, class, batch);
     let mut candidates: Vec<String> = Vec::new();
     // First what other queues of its cohort borrowed, when its own queue
     // may take it back (within its nominal quota with the request).
-    let cohort = request
-        .queue
-        .as_deref()
-        .and_then(|n| index.pool(pool)?.queues.get(n))
-        .and_then(|s| s.cohort.clone());
-    let within = cohort.is_some() && {
-        let spec = &index.pool(pool)?.queues[&mine];
-        let nominal = spec.quota(&class).map_or(0, |x| x.nominal) as u64;
-        quota::held(index, pool, &mine, &class, batch) + request.gpus as u64 <= nominal
-    };
+    let spec = queues.get(mine);
+    let cohort = spec.and_then(|s| s.cohort.as_deref());
+    let within =
+        spec.is_some_and(|s| cohort.is_some() && held(mine) + request.gpus as u64 <= nominal(s));
     if within {
-        for spec in index.pool(pool)?.queues.values() {
-            if spec.queue == mine || spec.cohort != cohort {
+        for other in queues.values() {
+            if other.queue == mine
+                || other.cohort.as_deref() != cohort
+                || held(&other.queue) <= nominal(other)
+            {
                 continue;
             }
-            let nominal = spec.quota(&class).map_or(0, |x| x.nominal) as u64;
-            if quota::held(index, pool, &spec.queue, &class, batch) <= nominal {
-                continue;
-            }
-            if let Some(set) = q.live.get(&(class.clone(), spec.queue.clone())) {
+            if let Some(set) = q.live.get(&(class.to_string(), other.queue.clone())) {
                 candidates.extend(set.iter().take(MAX_CANDIDATES).map(|k| k.2.clone()));
             }
         }
     }
-    // Then its own queue's (or pool's) of lower priority.
-    if let Some(set) = q.live.get(&(class.clone(), mine)) {
+    // Then its own queue's of lower priority.
+    if let Some(set) = q.live.get(&(class.to_string(), mine.to_string())) {
         candidates.extend(
             set.range(..(request.priority, Reverse(u64::MAX), String::new()))
                 .take(MAX_CANDIDATES)
@@ -571,7 +568,7 @@ fn victims(
     // What fits without the chosen (their GPUs freed), and what may still
     // be preempted with them chosen (counted as being preempted).
     let (mut sim, mut picked) = (batch.clone(), batch.clone());
-    let mut chosen: Vec<(String, &'static str, Vec<Allocation>)> = Vec::new();
+    let mut chosen: Vec<Chosen> = Vec::new();
     let fits = |index: &Index, sim: &quota::Batch| {
         quota::admit(index, pool, request, sim).is_ok() && place_one(index, pool, request).is_some()
     };
@@ -601,7 +598,7 @@ fn victims(
         for a in &allocs {
             index.unbook(pool, a, &v);
         }
-        chosen.push((v, kind, allocs));
+        chosen.push((v, kind, allocs, queue, gpus as u64));
         if fits(index, &sim) {
             fit = true;
             break;
@@ -613,7 +610,7 @@ fn victims(
         }
     };
     if !fit {
-        for (v, _, allocs) in &chosen {
+        for (v, _, allocs, _, _) in &chosen {
             put_back(index, v, allocs);
         }
         return None;
@@ -621,15 +618,12 @@ fn victims(
     // The smallest set: drop each one the request fits without.
     let mut keep = vec![true; chosen.len()];
     for i in (0..chosen.len()).rev() {
-        let (v, _, allocs) = &chosen[i];
+        let (v, _, allocs, _, _) = &chosen[i];
         put_back(index, v, allocs);
         let mut without = batch.clone();
-        for (j, (w, _, _)) in chosen.iter().enumerate() {
-            if j != i && keep[j] {
-                if let Some(q) = index.reservation(w).and_then(|r| r.request.queue.clone()) {
-                    let g = index.reservation(w).map_or(0, |r| r.request.gpus as u64);
-                    without.free(&q, &request.class, g);
-                }
+        for (j, (_, _, _, queue, gpus)) in chosen.iter().enumerate() {
+            if let (true, true, Some(q)) = (j != i, keep[j], queue) {
+                without.free(q, &request.class, *gpus);
             }
         }
         if fits(index, &without) {
@@ -640,7 +634,7 @@ fn victims(
             }
         }
     }
-    for (i, (v, _, allocs)) in chosen.iter().enumerate() {
+    for (i, (v, _, allocs, _, _)) in chosen.iter().enumerate() {
         if keep[i] {
             put_back(index, v, allocs);
         }
@@ -649,18 +643,12 @@ fn victims(
     // index checks them so).
     let mut check = batch.clone();
     let mut out = Vec::new();
-    for (i, (v, _, _)) in chosen.iter().enumerate() {
+    for (i, (v, _, _, queue, gpus)) in chosen.iter().enumerate() {
         if !keep[i] {
             continue;
         }
-        let r = index.reservation(v)?;
-        let kind = quota::may_preempt(index, pool, request, r, &check).ok()?;
-        check.preempt(
-            v,
-            r.request.queue.as_deref(),
-            &request.class,
-            r.request.gpus as u64,
-        );
+        let kind = quota::may_preempt(index, pool, request, index.reservation(v)?, &check).ok()?;
+        check.preempt(v, queue.as_deref(), &request.class, *gpus);
         out.push((v.clone(), kind));
     }
     Some(out)

@@ -658,8 +658,10 @@ fn plan_ready(
         // Reservations whose grace period is over end now, and the requests
         // they made room for are placed on their devices, in this batch.
         let mut ending = plan::Ending::default();
+        // (victim, by, why, its replacement if it asked to be requeued)
+        let mut ended: Vec<(String, String, String, Option<Request>)> = Vec::new();
         for (_, victim) in q.preemptions.iter().take_while(|(at, _)| *at <= now_ms) {
-            if ending.victims.len() >= max {
+            if ended.len() >= max {
                 break;
             }
             if q.releases.contains(victim)
@@ -668,38 +670,28 @@ fn plan_ready(
             {
                 continue;
             }
-            let Some(by) = index
-                .reservation(victim)
-                .and_then(|r| r.preempted_by.clone())
-            else {
+            let Some(r) = index.reservation(victim) else {
                 continue;
             };
-            ending.victims.push(victim.clone());
+            let Some(by) = r.preempted_by.clone() else {
+                continue;
+            };
             if !ending.first.contains(&by) {
-                ending.first.push(by);
+                ending.first.push(by.clone());
             }
+            let again = r
+                .request
+                .requeue_on_preemption
+                .then(|| replacement(&r.request));
+            ended.push((victim.clone(), by, r.preempt_reason.clone(), again));
         }
-        let due = ending.victims.clone();
-        // Everything else the batch ends is planned as gone too.
+        // Everything the batch ends is planned as gone.
+        ending.victims = ended.iter().map(|(v, _, _, _)| v.clone()).collect();
         ending.victims.extend(releases.iter().cloned());
         ending.victims.extend(expiries.iter().cloned());
         ending
             .victims
             .extend(failures.iter().map(|(id, _, _)| id.clone()));
-        let ended: Vec<(String, String, String, Option<Request>)> = due
-            .iter()
-            .filter_map(|v| {
-                let r = index.reservation(v)?;
-                let by = r.preempted_by.clone()?;
-                let reason = r.preempt_reason.clone();
-                let again = r.request.requeue_on_preemption.then(|| Request {
-                    reservation: replacement_id(v),
-                    replaces: Some(v.clone()),
-                    ..r.request.clone()
-                });
-                Some((v.clone(), by, reason, again))
-            })
-            .collect();
         let batch = tracing::info_span!("placement.batch", pool = %pool, requests = ids.len());
         let Plan {
             placed,
@@ -738,11 +730,7 @@ fn plan_ready(
             let again = index
                 .reservation(&reservation)
                 .filter(|r| r.request.replace_on_failure)
-                .map(|r| Request {
-                    reservation: replacement_id(&reservation),
-                    replaces: Some(reservation.clone()),
-                    ..r.request.clone()
-                });
+                .map(|r| replacement(&r.request));
             facts.push(Fact::ReservationFailed {
                 reservation,
                 node,
@@ -829,6 +817,16 @@ fn plan_ready(
                 result,
             }
         }));
+    }
+}
+
+/// The request that takes `r`'s place when it fails or is preempted:
+/// the same request under its replacement id (`<id>~<n>`).
+fn replacement(r: &Request) -> Request {
+    Request {
+        reservation: replacement_id(&r.reservation),
+        replaces: Some(r.reservation.clone()),
+        ..r.clone()
     }
 }
 

@@ -354,6 +354,44 @@ impl ClassIndex {
     }
 }
 
+/// Adds `item` to (or removes it from) the set `map` keeps under `key`; an
+/// emptied set is dropped, so derived state equals a rebuilt one.
+fn enlist<K: Ord, T: Ord>(map: &mut BTreeMap<K, BTreeSet<T>>, key: K, item: T, add: bool) {
+    if add {
+        map.entry(key).or_default().insert(item);
+    } else if let Some(set) = map.get_mut(&key) {
+        set.remove(&item);
+        if set.is_empty() {
+            map.remove(&key);
+        }
+    }
+}
+
+/// Adds `n` to (or takes it from) `map`'s count under `key`; a count that
+/// reaches 0 is dropped.
+fn tally(map: &mut HashMap<(String, String), u64>, key: (String, String), n: u64, add: bool) {
+    if add {
+        *map.entry(key).or_default() += n;
+    } else if let Some(c) = map.get_mut(&key) {
+        *c = c.saturating_sub(n);
+        if *c == 0 {
+            map.remove(&key);
+        }
+    }
+}
+
+/// GPUs per `(queue, class)`: `map`'s entry for `queue` and `class`, 0 if
+/// none. Looked up without building an owned key (the maps hold a queue's
+/// classes, a handful).
+pub(crate) fn gpus_of(map: &HashMap<(String, String), u64>, queue: &str, class: &str) -> u64 {
+    if map.is_empty() {
+        return 0;
+    }
+    map.iter()
+        .find(|((q, c), _)| q == queue && c == class)
+        .map_or(0, |(_, n)| *n)
+}
+
 /// A live reservation where preemption looks: priority (lowest first),
 /// request position (newest first), id.
 pub type LiveKey = (i32, Reverse<u64>, String);
@@ -382,7 +420,7 @@ pub struct Queues {
     /// Live reservations per (class, queue; empty without one), lowest
     /// priority first and, within a priority, the most recently requested
     /// first: where preemption looks for victims.
-    pub live: HashMap<(String, String), BTreeSet<LiveKey>>,
+    pub live: BTreeMap<(String, String), BTreeSet<LiveKey>>,
     /// Live reservations being preempted, by the end of their grace period
     /// (unix ms; 0 for at once).
     pub preemptions: BTreeSet<(u64, String)>,
@@ -401,19 +439,12 @@ impl Queues {
 
     /// GPUs of `class` that `queue`'s reservations being preempted hold.
     pub fn preempting(&self, queue: &str, class: &str) -> u64 {
-        self.preempting_usage
-            .iter()
-            .find(|((q, c), _)| q == queue && c == class)
-            .map_or(0, |(_, n)| *n)
+        gpus_of(&self.preempting_usage, queue, class)
     }
 
     /// GPUs of `class` that `queue`'s live reservations hold.
     pub fn used(&self, queue: &str, class: &str) -> u64 {
-        // Looked up without building an owned key.
-        self.usage
-            .iter()
-            .find(|((q, c), _)| q == queue && c == class)
-            .map_or(0, |(_, n)| *n)
+        gpus_of(&self.usage, queue, class)
     }
 }
 
@@ -668,82 +699,38 @@ impl Index {
         let Some(r) = self.state.reservations.get(id) else {
             return;
         };
-        let queued = matches!(r.phase, Phase::Pending | Phase::Queued);
-        let expiring = r.expires_at_ms.is_some() && r.phase.is_live();
         let q = match self.queues.get_mut(&r.request.pool) {
             Some(q) => q,
             None => self.queues.entry(r.request.pool.clone()).or_default(),
         };
+        let (class, gpus) = (&r.request.class, r.request.gpus as u64);
         if r.phase.is_live() {
+            let at = (class.clone(), r.request.queue.clone().unwrap_or_default());
             let k = (r.request.priority, Reverse(r.requested_at), id.to_string());
-            let at = (
-                r.request.class.clone(),
-                r.request.queue.clone().unwrap_or_default(),
-            );
-            if add {
-                q.live.entry(at).or_default().insert(k);
-            } else if let Some(set) = q.live.get_mut(&at) {
-                set.remove(&k);
-                if set.is_empty() {
-                    q.live.remove(&at);
-                }
+            enlist(&mut q.live, at, k, add);
+            if let Some(name) = &r.request.queue {
+                tally(&mut q.usage, (name.clone(), class.clone()), gpus, add);
             }
             if let Some(by) = &r.preempted_by {
-                let k = (r.preempt_deadline_ms.unwrap_or(0), id.to_string());
                 if let Some(name) = &r.request.queue {
-                    let k = (name.clone(), r.request.class.clone());
-                    let gpus = r.request.gpus as u64;
-                    if add {
-                        *q.preempting_usage.entry(k).or_default() += gpus;
-                    } else if let Some(n) = q.preempting_usage.get_mut(&k) {
-                        *n = n.saturating_sub(gpus);
-                        if *n == 0 {
-                            q.preempting_usage.remove(&k);
-                        }
-                    }
+                    tally(
+                        &mut q.preempting_usage,
+                        (name.clone(), class.clone()),
+                        gpus,
+                        add,
+                    );
                 }
+                let k = (r.preempt_deadline_ms.unwrap_or(0), id.to_string());
                 if add {
                     q.preemptions.insert(k);
-                    q.preemptors
-                        .entry(by.clone())
-                        .or_default()
-                        .insert(id.to_string());
                 } else {
                     q.preemptions.remove(&k);
-                    if let Some(set) = q.preemptors.get_mut(by) {
-                        set.remove(id);
-                        if set.is_empty() {
-                            q.preemptors.remove(by);
-                        }
-                    }
                 }
-            }
-        }
-        if !queued && !r.release_requested && !expiring && !r.phase.is_live() {
-            return;
-        }
-        if let (Some(name), true) = (&r.request.queue, r.phase.is_live()) {
-            let k = (name.clone(), r.request.class.clone());
-            let gpus = r.request.gpus as u64;
-            if add {
-                *q.usage.entry(k).or_default() += gpus;
-            } else if let Some(n) = q.usage.get_mut(&k) {
-                *n = n.saturating_sub(gpus);
-                if *n == 0 {
-                    q.usage.remove(&k);
-                }
+                enlist(&mut q.preemptors, by.clone(), id.to_string(), add);
             }
         }
         if let (Some(name), Phase::Queued) = (&r.request.queue, r.phase) {
-            let k = key(r);
-            if add {
-                q.queued_by_queue.entry(name.clone()).or_default().insert(k);
-            } else if let Some(set) = q.queued_by_queue.get_mut(name) {
-                set.remove(&k);
-                if set.is_empty() {
-                    q.queued_by_queue.remove(name);
-                }
-            }
+            enlist(&mut q.queued_by_queue, name.clone(), key(r), add);
         }
         let set = match r.phase {
             Phase::Pending => Some(&mut q.pending),

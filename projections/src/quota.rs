@@ -21,7 +21,7 @@
 //! by weight among those that want more.
 
 use crate::domain::{QueueSpec, Request};
-use crate::index::Index;
+use crate::index::{gpus_of, Index};
 use std::collections::{BTreeMap, HashMap};
 
 /// Usage a batch being planned adds to the index's: `(queue, class) ->
@@ -46,15 +46,6 @@ pub struct Batch {
 fn bump_key(map: &mut HashMap<(String, String), u64>, queue: &str, class: &str, gpus: u64) {
     *map.entry((queue.to_string(), class.to_string()))
         .or_default() += gpus;
-}
-
-fn lookup(map: &HashMap<(String, String), u64>, queue: &str, class: &str) -> u64 {
-    if map.is_empty() {
-        return 0;
-    }
-    map.iter()
-        .find(|((q, c), _)| q == queue && c == class)
-        .map_or(0, |(_, n)| *n)
 }
 
 impl Batch {
@@ -108,12 +99,8 @@ pub enum Refusal {
 
 /// GPUs of `class` that `queue` holds, with the batch's.
 pub fn held(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
-    used(index, pool, queue, class, batch)
-}
-
-fn used(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
-    (index.queues(pool).map_or(0, |q| q.used(queue, class)) + lookup(&batch.added, queue, class))
-        .saturating_sub(lookup(&batch.freed, queue, class))
+    (index.queues(pool).map_or(0, |q| q.used(queue, class)) + gpus_of(&batch.added, queue, class))
+        .saturating_sub(gpus_of(&batch.freed, queue, class))
 }
 
 /// The queues of `cohort` in a pool.
@@ -154,7 +141,7 @@ pub fn admit(index: &Index, pool: &str, request: &Request, batch: &Batch) -> Res
     };
     let class = request.class.as_str();
     let gpus = request.gpus as u64;
-    let mine = used(index, pool, name, class, batch);
+    let mine = held(index, pool, name, class, batch);
     let nominal = spec.quota(class).map_or(0, |q| q.nominal) as u64;
     if mine + gpus <= nominal {
         return Ok(());
@@ -173,15 +160,15 @@ pub fn admit(index: &Index, pool: &str, request: &Request, batch: &Batch) -> Res
             )));
         }
     }
-    let (mut total, mut held) = (0u64, 0u64);
+    let (mut total, mut cohort_holds) = (0u64, 0u64);
     for m in members(queues, cohort) {
         total += m.quota(class).map_or(0, |q| q.nominal) as u64;
-        held += used(index, pool, &m.queue, class, batch);
+        cohort_holds += held(index, pool, &m.queue, class, batch);
     }
-    if held + gpus > total {
+    if cohort_holds + gpus > total {
         return Err(Refusal::OverQuota(format!(
             "{holds}; cohort {cohort} has {} of its {total} unused to lend",
-            total.saturating_sub(held)
+            total.saturating_sub(cohort_holds)
         )));
     }
     Ok(())
@@ -192,7 +179,7 @@ pub fn admit(index: &Index, pool: &str, request: &Request, batch: &Batch) -> Res
 /// chose).
 fn being_preempted(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
     let marked = index.queues(pool).map_or(0, |q| q.preempting(queue, class));
-    (marked + lookup(&batch.preempting, queue, class)).saturating_sub(lookup(
+    (marked + gpus_of(&batch.preempting, queue, class)).saturating_sub(gpus_of(
         &batch.gone_preempting,
         queue,
         class,
@@ -261,7 +248,7 @@ pub fn may_preempt(
     }
     let class = by.class.as_str();
     let nominal = |s: &QueueSpec| s.quota(class).map_or(0, |q| q.nominal) as u64;
-    let raw = |q: &str| used(index, pool, q, class, batch);
+    let raw = |q: &str| held(index, pool, q, class, batch);
     let theirs =
         raw(&vs.queue).saturating_sub(being_preempted(index, pool, &vs.queue, class, batch));
     if theirs <= nominal(vs) {
@@ -304,10 +291,12 @@ fn capacity(queues: &BTreeMap<String, QueueSpec>, spec: &QueueSpec, class: &str)
 /// short of its guarantee is served before any that borrows, the one
 /// furthest short first). Queues with smaller shares are served first.
 pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> f64 {
-    let Some(spec) = index.pool(pool).and_then(|p| p.queues.get(queue)) else {
+    let Some(queues) = index.pool(pool).map(|p| &p.queues) else {
         return 0.0;
     };
-    let queues = &index.pool(pool).expect("looked up above").queues;
+    let Some(spec) = queues.get(queue) else {
+        return 0.0;
+    };
     let mut classes: Vec<&str> = spec.quotas.iter().map(|q| q.class.as_str()).collect();
     if let Some(q) = index.queues(pool) {
         classes.extend(
@@ -329,7 +318,7 @@ pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> 
         .into_iter()
         .map(|c| {
             let nominal = spec.quota(c).map_or(0, |q| q.nominal) as f64;
-            let over = (used(index, pool, queue, c, batch) as f64 - nominal)
+            let over = (held(index, pool, queue, c, batch) as f64 - nominal)
                 / capacity(queues, spec, c) as f64;
             if over > 0.0 {
                 over / weight

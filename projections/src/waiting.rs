@@ -2,7 +2,7 @@
 //! placer gave, and when it could start at the earliest, from the index
 //! alone (what `strata reservations show` and the client API report).
 
-use crate::index::{Index, Phase, Reservation};
+use crate::index::{Index, Phase, Queues, Reservation};
 use std::cmp::Reverse;
 
 /// Where a waiting reservation stands.
@@ -72,23 +72,27 @@ pub fn standing(index: &Index, id: &str, now_ms: u64) -> Option<Standing> {
         .sum();
     let free_now = index.class(pool, &r.request.class).map_or(0, |c| c.free);
     let need = ahead_gpus + r.request.gpus as u64;
-    let earliest_start_ms = match q.preemptors.get(id) {
-        // It starts when its victims' grace period ends.
+    // Room being made for it: it starts when its victims' grace period
+    // ends.
+    let making_room = q.preemptors.get(id);
+    let earliest_start_ms = match making_room {
         Some(victims) => victims
             .iter()
             .filter_map(|v| index.reservation(v)?.preempt_deadline_ms)
             .max()
             .map(|at| at.max(now_ms)),
-        None => earliest(index, r, need, free_now, now_ms),
+        None => earliest(index, q, r, need, free_now, now_ms),
     };
-    let over_quota = match crate::quota::admit(index, pool, &r.request, &Default::default()) {
+    let over_quota = || match crate::quota::admit(index, pool, &r.request, &Default::default()) {
         Err(refusal @ crate::quota::Refusal::OverQuota(_)) => Some(refusal.to_string()),
         _ => None,
     };
-    let making_room = q.preemptors.get(id).map(|victims| victims.len());
-    let why = if let Some(n) = making_room {
-        format!("preempting {n} reservation(s): placed when their grace period ends")
-    } else if let Some(why) = over_quota {
+    let why = if let Some(victims) = making_room {
+        format!(
+            "preempting {} reservation(s): placed when their grace period ends",
+            victims.len()
+        )
+    } else if let Some(why) = over_quota() {
         why
     } else if ahead > 0 {
         match &queue {
@@ -118,31 +122,34 @@ pub fn standing(index: &Index, id: &str, now_ms: u64) -> Option<Standing> {
 
 /// When `need` GPUs of `r`'s class are free at the earliest: now if they
 /// are, else at the expiry of the live reservation whose end frees the
-/// last of them.
-fn earliest(index: &Index, r: &Reservation, need: u64, free_now: u64, now_ms: u64) -> Option<u64> {
+/// last of them (the pool's live reservations with a time limit, in the
+/// order they run out).
+fn earliest(
+    index: &Index,
+    q: &Queues,
+    r: &Reservation,
+    need: u64,
+    free_now: u64,
+    now_ms: u64,
+) -> Option<u64> {
     if free_now >= need {
         return Some(now_ms);
     }
-    let mut ending: Vec<(u64, u64)> = index
-        .state()
-        .reservations
-        .values()
-        .filter(|o| {
-            o.request.pool == r.request.pool
-                && o.request.class == r.request.class
-                && o.phase.is_live()
-        })
-        .filter_map(|o| {
-            let gpus: usize = o.allocations.iter().map(|a| a.devices.len()).sum();
-            o.expires_at_ms.map(|at| (at, gpus as u64))
-        })
-        .collect();
-    ending.sort_unstable();
     let mut free = free_now;
-    for (at, gpus) in ending {
-        free += gpus;
+    for (at, id) in &q.expiries {
+        let Some(o) = index
+            .reservation(id)
+            .filter(|o| o.request.class == r.request.class)
+        else {
+            continue;
+        };
+        free += o
+            .allocations
+            .iter()
+            .map(|a| a.devices.len() as u64)
+            .sum::<u64>();
         if free >= need {
-            return Some(at.max(now_ms));
+            return Some((*at).max(now_ms));
         }
     }
     None

@@ -70,18 +70,11 @@ fn request(id: String, queue: String, gpus: u32, shape: Shape, priority: i32) ->
         projections::domain::Topology::Within(projections::domain::Tier::Rack),
     );
     Request {
-        reservation: id,
-        pool: POOL.into(),
-        class: CLASS.into(),
-        gpus,
-        shape,
         priority,
-        ttl_ms: None,
-        replace_on_failure: false,
-        replaces: None,
         topology,
         requeue_on_preemption: true,
         queue: Some(queue),
+        ..super::request(id, POOL, gpus, shape)
     }
 }
 
