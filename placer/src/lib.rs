@@ -1,9 +1,11 @@
 //! Strata's batch placer.
 //!
-//! [`plan`] ranks and packs requests against the pool index (pure, no I/O);
+//! [`plan`] ranks and packs requests against the pool index (pure, no I/O),
+//! and [`backfill`] keeps a waiting request's start from those behind it;
 //! [`service`] runs a placer: pool leases, batches, guarded commits;
 //! [`client`] is the library side of `strata reserve` and `strata release`.
 
+pub mod backfill;
 pub mod binder;
 pub mod client;
 pub mod plan;

@@ -7,6 +7,7 @@
 //! the smallest island that holds the request, or from as few islands as
 //! possible. A gang takes its nodes all at once or not at all.
 
+use crate::backfill::{Holds, Order};
 use projections::index::{ClassIndex, Index};
 use projections::{quota, Allocation, Request, Shape};
 use std::cmp::Reverse;
@@ -28,6 +29,9 @@ pub struct Plan {
     pub preempting: Vec<(String, String, String)>,
     /// Requests that looked for victims.
     pub searches: usize,
+    /// Waiting requests whose start the batch guarded (see
+    /// [`crate::backfill`]).
+    pub guarded: usize,
     /// Requests that did not fit and may preempt, weighed after the
     /// batch's placements: ((priority, position), id, why it waits).
     candidates: Vec<((Reverse<i32>, u64), String, String)>,
@@ -219,8 +223,12 @@ fn gang_on<'a>(
 /// what the batch has placed ([`quota::dominant_share`]).
 ///
 /// A request that does not fit may preempt (see [`Plan::preempting`]).
-pub fn plan_batch(index: &mut Index, pool: &str, ids: &[String]) -> Plan {
-    plan_with(index, pool, ids, &Ending::default())
+///
+/// A request that waits for devices keeps what it will start on, by the
+/// TTLs of what it waits for, from the requests behind it (see
+/// [`crate::backfill`]); `now_ms` (Unix ms) is the batch's moment.
+pub fn plan_batch(index: &mut Index, pool: &str, ids: &[String], now_ms: u64) -> Plan {
+    plan_with(index, pool, ids, &Ending::default(), now_ms)
 }
 
 /// The live reservations the batch ends (released, expired, failed, and
@@ -238,9 +246,16 @@ pub struct Ending {
 
 /// [`plan_batch`] with `ending`'s victims planned as gone and their
 /// preemptors planned first.
-pub fn plan_with(index: &mut Index, pool: &str, ids: &[String], ending: &Ending) -> Plan {
+pub fn plan_with(
+    index: &mut Index,
+    pool: &str,
+    ids: &[String],
+    ending: &Ending,
+    now_ms: u64,
+) -> Plan {
     let mut plan = Plan::default();
     let mut batch = quota::Batch::default();
+    let mut holds = Holds::new(now_ms, &ending.victims);
     let mut gone: Vec<(String, Vec<Allocation>)> = Vec::new();
     for v in &ending.victims {
         if let Some(r) = index.reservation(v) {
@@ -263,17 +278,20 @@ pub fn plan_with(index: &mut Index, pool: &str, ids: &[String], ending: &Ending)
         }
     }
     for id in &ending.first {
-        plan_one(index, pool, id, &mut plan, &mut batch, true);
+        plan_one(index, pool, id, &mut plan, &mut batch, &mut holds, true);
     }
     let ids: Vec<String> = ids
         .iter()
         .filter(|id| !ending.first.contains(id))
         .cloned()
         .collect();
+    // What waits ahead of the batch's requests keeps what it will start on.
+    let last = ids.iter().filter_map(|id| order_of(index, id)).max();
+    holds.guard_queued(index, pool, last, &ids);
     let shared = index.pool(pool).is_some_and(|p| !p.queues.is_empty());
     if !shared {
         for id in &ids {
-            plan_one(index, pool, id, &mut plan, &mut batch, false);
+            plan_one(index, pool, id, &mut plan, &mut batch, &mut holds, false);
         }
     } else {
         // Per queue, its requests in placement order (those naming no queue,
@@ -299,13 +317,15 @@ pub fn plan_with(index: &mut Index, pool: &str, ids: &[String], ending: &Ending)
             let Some((_, _, id)) = g.pop_front() else {
                 continue;
             };
-            plan_one(index, pool, id, &mut plan, &mut batch, false);
+            plan_one(index, pool, id, &mut plan, &mut batch, &mut holds, false);
             if !g.is_empty() {
                 turns.push(Reverse((share_key(index, pool, &q, &batch), q)));
             }
         }
     }
-    preempt_for(index, pool, &mut plan, &mut batch);
+    preempt_for(index, pool, &mut plan, &mut batch, &mut holds);
+    plan.guarded = holds.guarded();
+    holds.release(index, pool);
     for (id, allocs) in &plan.placed {
         for a in allocs {
             index.unbook(pool, a, id);
@@ -322,6 +342,13 @@ pub fn plan_with(index: &mut Index, pool: &str, ids: &[String], ending: &Ending)
 
 /// A request in its queue's turn: priority (highest first), position, id.
 type Turn<'a> = (Reverse<i32>, u64, &'a String);
+
+/// Where reservation `id` stands in its pool's placement order.
+fn order_of(index: &Index, id: &str) -> Option<Order> {
+    index
+        .reservation(id)
+        .map(|r| (Reverse(r.request.priority), r.requested_at))
+}
 
 /// A queue's dominant share as an orderable key (parts per billion).
 fn share_key(index: &Index, pool: &str, queue: &str, batch: &quota::Batch) -> u64 {
@@ -357,12 +384,14 @@ fn plan_one(
     id: &str,
     plan: &mut Plan,
     batch: &mut quota::Batch,
+    holds: &mut Holds,
     ending: bool,
 ) {
     let Some(r) = index.reservation(id) else {
         return;
     };
     let (request, at) = (r.request.clone(), r.requested_at);
+    let order = (Reverse(request.priority), at);
     let (queued, was) = (r.phase == projections::Phase::Queued, r.reason.clone());
     if let Some(reason) = never_fits(index, pool, &request) {
         plan.unschedulable.push((id.to_string(), reason));
@@ -381,20 +410,32 @@ fn plan_one(
         return;
     }
     let why = match quota::admit(index, pool, &request, batch) {
-        Ok(()) => match place_one(index, pool, &request) {
-            Some(allocs) => {
-                for a in &allocs {
+        Ok(()) => {
+            let lifted = holds.lift_for(index, pool, order, request.ttl_ms);
+            let placed = place_one(index, pool, &request);
+            if let Some(allocs) = &placed {
+                for a in allocs {
                     let refused = index.book(pool, a, id);
                     debug_assert!(refused.is_empty(), "planned devices are free");
                 }
+            }
+            holds.restore(index, pool, lifted);
+            if let Some(allocs) = placed {
                 if let Some(q) = &request.queue {
                     batch.add(q, &request.class, request.gpus as u64);
                 }
                 plan.placed.push((id.to_string(), allocs));
                 return;
             }
-            None => no_room(index, pool, &request),
-        },
+            let why = match free_if_fits_without_holds(index, pool, holds, &request) {
+                Some(free) => holds.held_back(&request.class, free),
+                None => no_room(index, pool, &request),
+            };
+            if !ending {
+                holds.guard(index, pool, id);
+            }
+            why
+        }
         Err(quota::Refusal::NoQueue(reason)) => {
             plan.unschedulable.push((id.to_string(), reason));
             return;
@@ -408,6 +449,24 @@ fn plan_one(
     } else {
         wait(plan, why);
     }
+}
+
+/// When `request`, which does not fit with the holds in place, would fit
+/// without them: the GPUs of its class free without them.
+fn free_if_fits_without_holds(
+    index: &mut Index,
+    pool: &str,
+    holds: &mut Holds,
+    request: &Request,
+) -> Option<u64> {
+    if holds.guarded() == 0 {
+        return None;
+    }
+    let lifted = holds.lift_all(index, pool);
+    let fits = place_one(index, pool, request).is_some();
+    let free = index.class(pool, &request.class).map_or(0, |c| c.free);
+    holds.restore(index, pool, lifted);
+    fits.then_some(free)
 }
 
 /// Why an admitted request does not fit: the capacity, or, for a gang
@@ -450,7 +509,13 @@ fn no_room(index: &Index, pool: &str, request: &Request) -> String {
 /// rest wait. Every placement of the batch is planned by now, so each
 /// preemption is judged on the state the index judges it on (the batch's
 /// placements are written before its preemptions).
-fn preempt_for(index: &mut Index, pool: &str, plan: &mut Plan, batch: &mut quota::Batch) {
+fn preempt_for(
+    index: &mut Index,
+    pool: &str,
+    plan: &mut Plan,
+    batch: &mut quota::Batch,
+    holds: &mut Holds,
+) {
     let mut candidates = std::mem::take(&mut plan.candidates);
     candidates.sort();
     for (_, id, why) in candidates {
@@ -462,9 +527,13 @@ fn preempt_for(index: &mut Index, pool: &str, plan: &mut Plan, batch: &mut quota
             r.phase == projections::Phase::Queued,
             r.reason.clone(),
         );
+        let order = (Reverse(request.priority), r.requested_at);
         let chosen = if plan.searches < SEARCHES_PER_BATCH {
             plan.searches += 1;
-            victims(index, pool, &request, batch)
+            let lifted = holds.lift_for(index, pool, order, request.ttl_ms);
+            let chosen = victims(index, pool, &request, batch);
+            holds.restore(index, pool, lifted);
+            chosen
         } else {
             None
         };
@@ -663,6 +732,13 @@ mod tests {
 
     const C: &str = "H100-80GB";
 
+    fn now_ms() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    }
+
     struct World {
         log: Log,
         index: Index,
@@ -726,6 +802,23 @@ mod tests {
             shape: Shape,
             priority: i32,
         ) {
+            self.ask(queue, id, gpus, shape, priority, None);
+        }
+
+        /// A request that ends `ttl_ms` after its placement.
+        fn request_ttl(&mut self, id: &str, gpus: u32, shape: Shape, ttl_ms: Option<u64>) {
+            self.ask(None, id, gpus, shape, 0, ttl_ms);
+        }
+
+        fn ask(
+            &mut self,
+            queue: Option<&str>,
+            id: &str,
+            gpus: u32,
+            shape: Shape,
+            priority: i32,
+            ttl_ms: Option<u64>,
+        ) {
             let r = Request {
                 reservation: id.into(),
                 pool: "p".into(),
@@ -733,7 +826,7 @@ mod tests {
                 gpus,
                 shape,
                 priority,
-                ttl_ms: None,
+                ttl_ms,
                 replace_on_failure: false,
                 replaces: None,
                 topology: None,
@@ -804,7 +897,7 @@ mod tests {
             ids_sorted.sort();
             let ids: Vec<String> = ids_sorted.into_iter().map(|(_, id)| id).collect();
             let before = self.index.clone();
-            let plan = plan_with(&mut self.index, "p", &ids, &ending);
+            let plan = plan_with(&mut self.index, "p", &ids, &ending, now_ms());
             assert!(self.index == before, "planning leaves the index as it was");
             for v in &ending.victims {
                 let r = self.index.reservation(v).unwrap();
@@ -1388,6 +1481,75 @@ mod tests {
     }
 
     #[test]
+    fn a_waiting_gang_keeps_what_it_will_start_on_from_smaller_requests_behind_it() {
+        let gang = Shape::Gang {
+            nodes: 2,
+            gpus_per_node: 8,
+        };
+        let mut w = World::new(3);
+        // n00 full until a's TTL, n01 half full until b's, n02 held for
+        // good by c: the gang starts when b ends, on n00 and n01.
+        w.request_ttl("a", 8, Shape::Node, Some(60_000));
+        w.run();
+        w.request_ttl("b", 4, Shape::Node, Some(120_000));
+        w.run();
+        w.request_ttl("c", 7, Shape::Node, None);
+        w.run();
+        let node = |w: &World, id: &str| w.allocs(id)[0].node.clone();
+        let (na, nb, nc) = (node(&w, "a"), node(&w, "b"), node(&w, "c"));
+        assert_eq!([&na, &nb, &nc], ["n00", "n01", "n02"]);
+        w.request_ttl("g", 16, gang, None);
+        let plan = w.run();
+        assert_eq!(w.phase("g"), Some(Phase::Queued), "{plan:?}");
+        // Behind it: s would fit on n01 and never end; u ends before b;
+        // v fits on n02, which the gang does not need.
+        w.request_ttl("s", 2, Shape::Node, None);
+        w.request_ttl("u", 2, Shape::Node, Some(30_000));
+        w.request_ttl("v", 1, Shape::Node, None);
+        let plan = w.run();
+        // The gang's start, and s's (on n00 when a ends), are guarded.
+        assert_eq!(plan.guarded, 2, "{plan:?}");
+        assert_eq!(w.phase("s"), Some(Phase::Queued), "{plan:?}");
+        let why = &w.index.reservation("s").unwrap().reason;
+        assert!(
+            why.starts_with(
+                "held back: 5 H100-80GB GPUs are free, but those it could use are kept for g"
+            ),
+            "{why}"
+        );
+        assert_eq!(w.phase("u"), Some(Phase::Placed));
+        assert_eq!(node(&w, "u"), nb, "u ends before the gang starts");
+        assert_eq!(node(&w, "v"), nc);
+        // A batch of new requests alone (the gang is not retried in it)
+        // still keeps n01's free GPUs for the gang.
+        w.request_ttl("x", 2, Shape::Node, None);
+        let ids = vec!["x".to_string()];
+        let plan = plan_with(&mut w.index, "p", &ids, &Ending::default(), now_ms());
+        assert!(plan.placed.is_empty(), "{plan:?}");
+        assert_eq!(plan.queued.len(), 1, "{plan:?}");
+        assert!(plan.queued[0].1.starts_with("held back"), "{plan:?}");
+        // One that asks for more priority than the gang is ahead of it.
+        w.ask(None, "hi", 2, Shape::Node, 1, None);
+        w.run();
+        assert_eq!(node(&w, "hi"), nb, "a higher priority is not held back");
+        w.release("hi");
+        // When a and b end (and u), the gang starts on n00 and n01; s, x
+        // still wait.
+        w.release("a");
+        w.run();
+        assert_eq!(w.phase("g"), Some(Phase::Queued));
+        w.release("u");
+        w.release("b");
+        w.run();
+        assert_eq!(w.phase("g"), Some(Phase::Placed));
+        let mut nodes: Vec<String> = w.allocs("g").into_iter().map(|a| a.node).collect();
+        nodes.sort();
+        assert_eq!(nodes, [na, nb]);
+        assert_eq!(w.phase("s"), Some(Phase::Queued));
+        assert!(w.index.derived_is_consistent());
+    }
+
+    #[test]
     fn priority_orders_a_batch() {
         let mut w = World::new(1);
         w.request("low", 8, Shape::Any, 0);
@@ -1563,7 +1725,10 @@ mod tests {
                     };
                     let shared = !w.index.pool("p").unwrap().queues.is_empty();
                     let queue = shared.then(|| format!("q{}", rng.u32(0..3)));
-                    w.request_in(queue.as_deref(), &id, gpus, shape, rng.i32(0..3));
+                    // Half of them with a TTL, so waiting requests hold
+                    // what they will start on (backfill).
+                    let ttl = rng.bool().then(|| rng.u64(1_000..600_000));
+                    w.ask(queue.as_deref(), &id, gpus, shape, rng.i32(0..3), ttl);
                     // Now and then a quota changes.
                     if shared && rng.u32(0..20) == 0 {
                         w.queue("q0", Some("c"), 1, rng.u32(10..40), None);

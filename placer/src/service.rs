@@ -700,7 +700,7 @@ fn plan_ready(
             preempting,
             searches,
             ..
-        } = batch.in_scope(|| plan::plan_with(index, pool, &ids, &ending));
+        } = batch.in_scope(|| plan::plan_with(index, pool, &ids, &ending, now_ms));
         let counts = [
             placed.len() as u64,
             queued.len() as u64,

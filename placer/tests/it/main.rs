@@ -325,7 +325,7 @@ async fn a_stale_index_costs_a_conflict_not_a_double_booking() {
     let mut stale = fresh.clone();
     let version = fresh.pool("s").unwrap().version;
     let commit = |index: &mut Index, id: &str| {
-        let plan = plan::plan_batch(index, "s", &[id.to_string()]);
+        let plan = plan::plan_batch(index, "s", &[id.to_string()], 0);
         let (reservation, allocations) = plan.placed.into_iter().next().expect("fits");
         Fact::ReservationPlaced {
             reservation,
@@ -350,7 +350,7 @@ async fn a_stale_index_costs_a_conflict_not_a_double_booking() {
     );
     // Refreshed, it sees the node is full and places nothing.
     let mut refreshed = projector::build(&client, stale.clone()).await.unwrap();
-    let plan = plan::plan_batch(&mut refreshed, "s", &["b".to_string()]);
+    let plan = plan::plan_batch(&mut refreshed, "s", &["b".to_string()], 0);
     assert!(plan.placed.is_empty() && plan.queued.len() == 1, "{plan:?}");
     check::check(&client, |_| {}).await.unwrap();
 }

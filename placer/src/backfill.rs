@@ -1,0 +1,312 @@
+//! Backfill without starvation: a request that waits for capacity keeps
+//! what it will start on, and a request behind it may use only what that
+//! start does not need, or what it gives back before then.
+//!
+//! ```text
+//!  waiting request W (ahead in placement order: priority, then position)
+//!        |  walk the pool's live reservations of W's class by expiry,
+//!        |  each counted as gone, until W fits (place_one)
+//!        v
+//!  W's shadow: its start S (the expiry that made it fit) and the devices
+//!  it would take then; those free now are held (booked in the index under
+//!  a name no reservation has) while the batch is planned
+//!        |
+//!        v
+//!  a request R behind W is planned with W's holds in place, unless R has a
+//!  TTL that ends by S; R ahead of W (or W itself) plans with them lifted
+//! ```
+//!
+//! So R never takes a device W's start needs, unless R is gone by then,
+//! and W's start, recomputed every batch, is never later than it was: the
+//! devices it needs are either held or booked by reservations that end by
+//! S. The holds are undone before the plan is returned, like every booking
+//! of a batch: the index only changes by applying the log.
+//!
+//! What is not guarded: a request whose start no TTL tells (what it needs
+//! is held by reservations without one, or lies past the first
+//! [`MAX_WALK`] expiries) holds nothing, and only the first
+//! [`MAX_SHADOWS`] waiting requests of a batch hold anything. A request
+//! waiting for quota holds nothing either: it waits for its queue, not for
+//! devices.
+
+use crate::plan::place_one;
+use projections::index::Index;
+use projections::{Allocation, Request};
+use std::cmp::Reverse;
+use std::collections::HashSet;
+use std::time::{Duration, UNIX_EPOCH};
+
+/// Where a request stands in its pool's placement order: priority (highest
+/// first), then request position. Smaller is ahead.
+pub type Order = (Reverse<i32>, u64);
+
+/// Most live reservations counted as gone to find one request's start.
+pub const MAX_WALK: usize = 512;
+/// Most waiting requests whose start one batch guards.
+pub const MAX_SHADOWS: usize = 8;
+/// Most queued requests looked at, before a batch, for those to guard.
+const MAX_SCAN: usize = 64;
+
+/// A waiting request's start as the TTLs tell it, and what of it is held.
+#[derive(Debug, Clone)]
+struct Shadow {
+    id: String,
+    order: Order,
+    start_ms: u64,
+    /// The devices it would take at its start that are free now, booked in
+    /// the index under [`Shadow::name`] unless lifted.
+    held: Vec<Allocation>,
+    lifted: bool,
+}
+
+impl Shadow {
+    /// The name its holds are booked under: no reservation id starts with
+    /// a NUL.
+    fn name(&self) -> String {
+        format!("\0held for {}", self.id)
+    }
+
+    fn lift(&mut self, index: &mut Index, pool: &str) {
+        let name = self.name();
+        for a in &self.held {
+            index.unbook(pool, a, &name);
+        }
+        self.lifted = true;
+    }
+
+    /// Books its holds again, keeping only what is still free (a request
+    /// planned while they were lifted may have taken some).
+    fn restore(&mut self, index: &mut Index, pool: &str) {
+        let name = self.name();
+        for a in &mut self.held {
+            let refused = index.book(pool, a, &name);
+            a.devices.retain(|d| !refused.contains(d));
+        }
+        self.held.retain(|a| !a.devices.is_empty());
+        self.lifted = false;
+    }
+}
+
+/// The waiting requests a batch guards, and the batch's moment.
+#[derive(Debug, Default)]
+pub struct Holds {
+    now_ms: u64,
+    /// What the batch ends: free already, so never waited for.
+    gone: HashSet<String>,
+    shadows: Vec<Shadow>,
+}
+
+/// The holds lifted for one request, to be restored after it is planned.
+#[must_use]
+pub struct Lifted(Vec<usize>);
+
+impl Holds {
+    /// Holds for a batch planned at `now_ms` (Unix ms) that ends `gone`.
+    pub fn new(now_ms: u64, gone: &[String]) -> Holds {
+        Holds {
+            now_ms,
+            gone: gone.iter().cloned().collect(),
+            shadows: Vec::new(),
+        }
+    }
+
+    /// Requests whose start is guarded now.
+    pub fn guarded(&self) -> usize {
+        self.shadows.len()
+    }
+
+    /// Guards the queued requests of `pool` that wait for capacity and
+    /// stand ahead of some request of the batch (`last`: the batch's last
+    /// in placement order) but are not in it (`batch`), before the batch is
+    /// planned.
+    pub fn guard_queued(
+        &mut self,
+        index: &mut Index,
+        pool: &str,
+        last: Option<Order>,
+        batch: &[String],
+    ) {
+        let Some(last) = last else {
+            return;
+        };
+        let waiting: Vec<String> = match index.queues(pool) {
+            Some(q) => q
+                .queued
+                .iter()
+                .take(MAX_SCAN)
+                .take_while(|k| (k.0, k.1) < last)
+                .filter(|k| !batch.contains(&k.2))
+                .filter(|k| {
+                    index
+                        .reservation(&k.2)
+                        .is_some_and(|r| waits_for_devices(&r.reason))
+                })
+                .map(|k| k.2.clone())
+                .collect(),
+            None => return,
+        };
+        for id in waiting {
+            self.guard(index, pool, &id);
+        }
+    }
+
+    /// Guards request `id`, which does not fit now: finds its start from
+    /// the live reservations' expiries (those the batch ends are free
+    /// already) and holds what of it is free now. Nothing when its start
+    /// is unknown, or [`MAX_SHADOWS`] are guarded already.
+    pub fn guard(&mut self, index: &mut Index, pool: &str, id: &str) {
+        if self.shadows.len() >= MAX_SHADOWS || self.shadows.iter().any(|s| s.id == id) {
+            return;
+        }
+        let Some(r) = index.reservation(id) else {
+            return;
+        };
+        let order = (Reverse(r.request.priority), r.requested_at);
+        let request = r.request.clone();
+        let Some((start_ms, at_start)) = start(index, pool, &request, &self.gone, self.now_ms)
+        else {
+            return;
+        };
+        let mut shadow = Shadow {
+            id: id.to_string(),
+            order,
+            start_ms,
+            held: at_start,
+            lifted: true,
+        };
+        shadow.restore(index, pool);
+        self.shadows.push(shadow);
+    }
+
+    /// Lifts the holds that a request at `order` with time to live `ttl_ms`
+    /// need not respect: of requests not ahead of it (its own included),
+    /// and of those it ends before.
+    pub fn lift_for(
+        &mut self,
+        index: &mut Index,
+        pool: &str,
+        order: Order,
+        ttl_ms: Option<u64>,
+    ) -> Lifted {
+        let ends_by = ttl_ms.map(|t| self.now_ms.saturating_add(t));
+        self.lift_where(index, pool, |s| {
+            s.order >= order || ends_by.is_some_and(|end| end <= s.start_ms)
+        })
+    }
+
+    /// Lifts every hold.
+    pub fn lift_all(&mut self, index: &mut Index, pool: &str) -> Lifted {
+        self.lift_where(index, pool, |_| true)
+    }
+
+    fn lift_where(
+        &mut self,
+        index: &mut Index,
+        pool: &str,
+        lift: impl Fn(&Shadow) -> bool,
+    ) -> Lifted {
+        let mut lifted = Vec::new();
+        for (i, s) in self.shadows.iter_mut().enumerate() {
+            if !s.lifted && lift(s) {
+                s.lift(index, pool);
+                lifted.push(i);
+            }
+        }
+        Lifted(lifted)
+    }
+
+    /// Restores the holds lifted for one request, after it was planned.
+    pub fn restore(&mut self, index: &mut Index, pool: &str, lifted: Lifted) {
+        for i in lifted.0 {
+            self.shadows[i].restore(index, pool);
+        }
+    }
+
+    /// Why a request that fits only without the holds waits: the first
+    /// guarded request ahead of it that holds anything.
+    pub fn held_back(&self, class: &str, free: u64) -> String {
+        let first = self
+            .shadows
+            .iter()
+            .find(|s| !s.lifted && !s.held.is_empty());
+        match first {
+            Some(s) => format!(
+                "held back: {free} {class} GPUs are free, but those it could use are kept for {}, waiting ahead of it to start by {} (the TTLs of what it waits for); a request whose TTL ends by then may use them",
+                s.id,
+                humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(s.start_ms)),
+            ),
+            None => format!("held back: {free} {class} GPUs are free, but kept for requests ahead of it"),
+        }
+    }
+
+    /// Undoes every hold: the index is left as it was.
+    pub fn release(&mut self, index: &mut Index, pool: &str) {
+        for s in &mut self.shadows {
+            if !s.lifted {
+                s.lift(index, pool);
+            }
+        }
+        self.shadows.clear();
+    }
+}
+
+/// Whether a waiting request's reason is about devices (capacity, its
+/// shape, topology, or held back for another), not its queue's quota or a
+/// preemption under way.
+fn waits_for_devices(reason: &str) -> bool {
+    ["waiting for capacity", "topology cannot", "held back"]
+        .iter()
+        .any(|p| reason.starts_with(p))
+}
+
+/// When `request` could start at the earliest, by the TTLs of the pool's
+/// live reservations of its class, and where: each counted as gone in the
+/// order they run out (at most [`MAX_WALK`]) until it fits. Those in
+/// `gone`, and those being preempted (their devices go to their
+/// preemptor), are skipped. The index is left as it was.
+fn start(
+    index: &mut Index,
+    pool: &str,
+    request: &Request,
+    gone: &HashSet<String>,
+    now_ms: u64,
+) -> Option<(u64, Vec<Allocation>)> {
+    let walk: Vec<(u64, String, Vec<Allocation>)> = {
+        let q = index.queues(pool)?;
+        q.expiries
+            .iter()
+            .filter_map(|(at, id)| {
+                let r = index.reservation(id)?;
+                (r.request.class == request.class && r.preempted_by.is_none() && !gone.contains(id))
+                    .then(|| (*at, id.clone(), r.allocations.clone()))
+            })
+            .take(MAX_WALK)
+            .collect()
+    };
+    let mut found = None;
+    let mut ended = 0;
+    for (at, id, allocations) in &walk {
+        for a in allocations {
+            index.unbook(pool, a, id);
+        }
+        ended += 1;
+        let free = index.class(pool, &request.class).map_or(0, |c| c.free);
+        if free < request.gpus as u64 {
+            continue;
+        }
+        if let Some(allocs) = place_one(index, pool, request) {
+            found = Some(((*at).max(now_ms), allocs));
+            break;
+        }
+    }
+    for (_, id, allocations) in walk.iter().take(ended) {
+        for a in allocations {
+            let refused = index.book(pool, a, id);
+            debug_assert!(
+                refused.is_empty(),
+                "a live reservation's devices are as they were"
+            );
+        }
+    }
+    found
+}
