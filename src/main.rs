@@ -595,7 +595,7 @@ pub enum NodesCmd {
         #[arg(long, default_value = "replaced")]
         reason: String,
     },
-    /// Say where a node is in its pool's topology: its rack and its block (a spine block, or an NVL72 rack's NVLink domain); a label not given is cleared. Gangs asking for one rack or block (reserve --within), or to be spread over them (--spread), are placed by these
+    /// Say where a node is in its pool's topology: its rack, its block (a spine block, or an NVL72 rack's NVLink domain) and its rail group; a label not given is cleared. Gangs asking for one rack, block or rail group (reserve --within), or to be spread over them (--spread), are placed by these. A node's daemon may report its own (strata node --rack/--block/--rail); the newest of the two is in force
     Topology {
         #[command(flatten)]
         target: NodeTarget,
@@ -603,6 +603,9 @@ pub enum NodesCmd {
         rack: Option<String>,
         #[arg(long)]
         block: Option<String>,
+        /// Its rail group: the nodes whose NICs share one set of rail switches
+        #[arg(long)]
+        rail: Option<String>,
     },
     /// Take a node out of placement: nothing new goes to it; its live
     /// reservations stay
@@ -739,6 +742,15 @@ pub struct NodeArgs {
     /// Away from its home gateway (one of --gateway chosen by its id), how often on average it looks whether home is back and moves to it (0s: never)
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub return_home: std::time::Duration,
+    /// The node's rack, reported to its pool as its topology (with --block and --rail; give none and an operator's `strata nodes topology` stands; a change is reported when the daemon starts with it)
+    #[arg(long, env = "STRATA_RACK")]
+    pub rack: Option<String>,
+    /// The node's block: a spine block of racks, or an NVL72 rack's NVLink domain
+    #[arg(long, env = "STRATA_BLOCK")]
+    pub block: Option<String>,
+    /// The node's rail group: the nodes whose NICs share one set of rail switches
+    #[arg(long, env = "STRATA_RAIL")]
+    pub rail: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -804,14 +816,14 @@ pub struct ReserveArgs {
     /// When preempted (by a request of higher priority, or a queue taking back quota it lent), request it again under a new id, <id>~<n>, to wait in its queue, instead of only ending it
     #[arg(long)]
     pub requeue_on_preemption: bool,
-    /// A gang: all its nodes in one rack or block (see `strata nodes topology`), or it waits
-    #[arg(long, value_parser = ["rack", "block"], conflicts_with_all = ["prefer_within", "spread"], requires = "nodes")]
+    /// A gang: all its nodes in one rack, block or rail group (see `strata nodes topology`), or it waits
+    #[arg(long, value_parser = ["rack", "block", "rail"], conflicts_with_all = ["prefer_within", "spread"], requires = "nodes")]
     pub within: Option<String>,
-    /// A gang: all in one rack or block if it can be had now, anywhere otherwise
-    #[arg(long, value_parser = ["rack", "block"], conflicts_with = "spread", requires = "nodes")]
+    /// A gang: all in one rack, block or rail group if it can be had now, anywhere otherwise
+    #[arg(long, value_parser = ["rack", "block", "rail"], conflicts_with = "spread", requires = "nodes")]
     pub prefer_within: Option<String>,
-    /// A gang: each node in a different rack or block, for availability
-    #[arg(long, value_parser = ["rack", "block"], requires = "nodes")]
+    /// A gang: each node in a different rack, block or rail group, for availability
+    #[arg(long, value_parser = ["rack", "block", "rail"], requires = "nodes")]
     pub spread: Option<String>,
     /// Release automatically this long after placement (e.g. 2h)
     #[arg(long, value_parser = humantime::parse_duration)]

@@ -10,6 +10,7 @@ use events::db::Sql;
 use events::{Appender, AppenderConfig};
 use node::daemon::{self, DaemonConfig, DaemonStats};
 use node::gpu::{FakeGpus, GpuBackend, NvmlGpus};
+use projections::domain::Tier;
 use projections::standing::Change;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
@@ -430,7 +431,8 @@ pub async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
             target,
             rack,
             block,
-        } => standing(target, Change::Topology { rack, block }).await?,
+            rail,
+        } => standing(target, Change::Topology { rack, block, rail }).await?,
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -476,12 +478,13 @@ async fn standing(target: NodeTarget, change: Change) -> Result<()> {
             "cleared",
             "the condition no longer keeps its GPUs out of placement".to_string(),
         ),
-        Change::Topology { rack, block } => (
+        Change::Topology { rack, block, rail } => (
             "labelled",
             format!(
-                "rack {}, block {}: gangs asking for one rack or block (or to spread) see it there",
+                "rack {}, block {}, rail group {}: gangs asking for one (or to spread) see it there",
                 rack.as_deref().unwrap_or("none"),
-                block.as_deref().unwrap_or("none")
+                block.as_deref().unwrap_or("none"),
+                rail.as_deref().unwrap_or("none")
             ),
         ),
     };
@@ -655,6 +658,16 @@ pub async fn node(args: NodeArgs) -> Result<ExitCode> {
     c.server_name = args.tls_name.clone();
     c.return_home = args.return_home;
     c.token = args.token.clone();
+    for (tier, label) in [
+        (Tier::Rack, &args.rack),
+        (Tier::Block, &args.block),
+        (Tier::Rail, &args.rail),
+    ] {
+        if let Some(v) = label {
+            projections::domain::valid_name(tier.name(), v).map_err(anyhow::Error::msg)?;
+            c.topology.insert(tier.name().to_string(), v.clone());
+        }
+    }
     c.ca_pem = match &args.ca {
         Some(p) => {
             Some(std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?)

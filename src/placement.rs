@@ -53,13 +53,8 @@ fn shape(args: &ReserveArgs) -> Result<(Shape, u32)> {
 /// The topology `--within`, `--prefer-within` or `--spread` asks for.
 fn topology(args: &ReserveArgs) -> Option<projections::domain::Topology> {
     use projections::domain::{Tier, Topology};
-    let tier = |t: &str| {
-        if t == "block" {
-            Tier::Block
-        } else {
-            Tier::Rack
-        }
-    };
+    // clap admits only the tiers' names.
+    let tier = |t: &str| Tier::parse(t).unwrap_or(Tier::Rack);
     match (&args.within, &args.prefer_within, &args.spread) {
         (Some(t), _, _) => Some(Topology::Within(tier(t))),
         (_, Some(t), _) => Some(Topology::Prefer(tier(t))),

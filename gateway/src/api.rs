@@ -407,13 +407,7 @@ impl api_server::Api for ApiService {
         } else {
             r.id
         };
-        let tier = |t: &str| match t {
-            "rack" => Ok(projections::domain::Tier::Rack),
-            "block" => Ok(projections::domain::Tier::Block),
-            other => Err(Status::invalid_argument(format!(
-                "unknown topology tier {other:?}: rack or block"
-            ))),
-        };
+        let tier = |t: &str| projections::domain::Tier::parse(t).map_err(Status::invalid_argument);
         use projections::domain::Topology;
         let topology = match (
             r.within.as_str(),

@@ -9,6 +9,7 @@ pub mod damping;
 pub mod dispatch;
 pub mod grants;
 pub mod identity;
+pub mod inventory;
 pub mod join;
 pub mod latest;
 pub mod listener;

@@ -29,7 +29,7 @@ use events::{AppendError, ExpectedVersion, NewEvent};
 use futures_util::Stream;
 use projections::commands::{self};
 use projections::domain::pool_stream;
-use projections::{DeviceSpec, Fact};
+use projections::Fact;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -551,36 +551,21 @@ pub(crate) async fn handle(
             }
         }
         node_message::Body::Inventory(section) => {
-            let mut devices = Vec::with_capacity(section.devices.len());
-            for d in section.devices {
-                if d.id.is_empty() || d.class.is_empty() {
-                    return Err(Status::invalid_argument("a device needs an id and a class"));
-                }
-                devices.push(DeviceSpec {
-                    id: d.id,
-                    class: d.class,
-                    memory_mb: d.memory_mb,
-                    island: (!d.island.is_empty()).then_some(d.island),
-                    pci: (!d.pci.is_empty()).then_some(d.pci),
-                    numa: Some(d.numa),
-                });
-            }
-            let fact = Fact::NodeJoined {
-                node: node.to_string(),
-                devices,
-            };
-            let (shared, node, name, hash) =
-                (shared.clone(), node.to_string(), section.name, section.hash);
-            let stream = pool_stream(pool);
+            let (name, hash) = (section.name.clone(), section.hash.clone());
+            let fact = crate::inventory::section_fact(node, section)?;
+            // Queued here, in the order the sections came (the devices
+            // before the labels of a node new to the pool); the outcome is
+            // waited for apart, so the session goes on.
+            let outcome = shared
+                .submit(Write::plain(
+                    pool_stream(pool),
+                    ExpectedVersion::StreamExists,
+                    vec![fact.to_event()],
+                ))
+                .await;
+            let (shared, node) = (shared.clone(), node.to_string());
             tokio::spawn(async move {
-                let r = shared
-                    .write(Write::plain(
-                        stream,
-                        ExpectedVersion::StreamExists,
-                        vec![fact.to_event()],
-                    ))
-                    .await;
-                match r {
+                match outcome.await {
                     Ok(_) => {
                         if let Ok(c) = shared.db.get().await {
                             let _ = c

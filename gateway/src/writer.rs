@@ -29,15 +29,28 @@ use tonic::Status;
 impl Shared {
     /// Queues a write and waits for its outcome.
     pub(crate) async fn write(&self, w: Write) -> Result<u64, AppendError> {
+        self.submit(w).await.await
+    }
+
+    /// Queues a write, in the order of the calls, and returns its outcome
+    /// to wait for (so a session's writes keep its messages' order while
+    /// the session goes on).
+    pub(crate) async fn submit(
+        &self,
+        w: Write,
+    ) -> impl std::future::Future<Output = Result<u64, AppendError>> {
         let (tx, rx) = oneshot::channel();
         let w = Write {
             done: Some(tx),
             ..w
         };
-        if self.writes.send(w).await.is_err() {
-            return Err(AppendError::Closed);
+        let queued = self.writes.send(w).await.is_ok();
+        async move {
+            if !queued {
+                return Err(AppendError::Closed);
+            }
+            rx.await.unwrap_or(Err(AppendError::Closed))
         }
-        rx.await.unwrap_or(Err(AppendError::Closed))
     }
 
     /// Queues a write without waiting for its outcome; waits for room in the

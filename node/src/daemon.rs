@@ -18,7 +18,7 @@ use crate::proto::{
     gateway_message, node_message, session_client::SessionClient, CommandAck, CommandResult,
     Device, HealthReport, Heartbeat, Hello, InventorySection, NodeMessage, Renew, StatusReport,
 };
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -57,6 +57,10 @@ pub struct DaemonConfig {
     /// is uniform in half to one and a half times this) the daemon checks
     /// whether home is back. Zero: never move back.
     pub return_home: Duration,
+    /// Where the node is in its pool's topology (`rack`, `block`, `rail`
+    /// -> label), reported as the `topology` section; none: not reported,
+    /// so an operator's labels stand.
+    pub topology: BTreeMap<String, String>,
 }
 
 impl DaemonConfig {
@@ -89,6 +93,7 @@ impl DaemonConfig {
             backoff_cap: Duration::from_secs(30),
             on_command: None,
             return_home: Duration::from_secs(30),
+            topology: BTreeMap::new(),
         }
     }
 
@@ -214,16 +219,36 @@ fn inventory_section(backend: &dyn GpuBackend) -> Result<InventorySection, Daemo
             d.id, d.class, d.memory_mb, d.island, d.pci, d.numa
         ));
     }
-    let digest = ring::digest::digest(&ring::digest::SHA256, canonical.as_bytes());
-    let hash: String = digest.as_ref()[..16]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
     Ok(InventorySection {
         name: "gpus".into(),
-        hash,
+        hash: digest(&canonical),
         devices,
+        labels: HashMap::new(),
     })
+}
+
+/// The `topology` section: the node's labels, when it has any.
+fn topology_section(labels: &BTreeMap<String, String>) -> Option<InventorySection> {
+    if labels.is_empty() {
+        return None;
+    }
+    let canonical: String = labels.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+    Some(InventorySection {
+        name: "topology".into(),
+        hash: digest(&canonical),
+        devices: Vec::new(),
+        labels: labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+    })
+}
+
+/// A section's hash: the first 16 bytes of the SHA-256 of its canonical
+/// text, in hex.
+fn digest(canonical: &str) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, canonical.as_bytes());
+    digest.as_ref()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// How a session ended.
@@ -436,12 +461,17 @@ async fn session(
         Ok(s) => s,
         Err(e) => return End::Lost(e.to_string()),
     };
+    let topology = topology_section(&config.topology);
+    let mut section_hashes = HashMap::from([(section.name.clone(), section.hash.clone())]);
+    if let Some(t) = &topology {
+        section_hashes.insert(t.name.clone(), t.hash.clone());
+    }
     let (tx, rx) = mpsc::channel::<NodeMessage>(64);
     let hello = NodeMessage {
         body: Some(node_message::Body::Hello(Hello {
             node_id: config.node_id.clone(),
             generation,
-            section_hashes: HashMap::from([(section.name.clone(), section.hash.clone())]),
+            section_hashes,
             agent_version: env!("CARGO_PKG_VERSION").into(),
         })),
     };
@@ -483,12 +513,15 @@ async fn session(
     let _current = runner.attach(&tx);
     tracing::debug!(node = %config.node_id, epoch = welcome.epoch, "session open");
     let gpus = section.devices.len();
-    if welcome.want_sections.contains(&section.name) {
-        let msg = NodeMessage {
-            body: Some(node_message::Body::Inventory(section)),
-        };
-        if tx.send(msg).await.is_err() {
-            return End::Lost("send inventory".into());
+    // The devices first: a node's labels are about a node of the pool.
+    for section in std::iter::once(section).chain(topology) {
+        if welcome.want_sections.contains(&section.name) {
+            let msg = NodeMessage {
+                body: Some(node_message::Body::Inventory(section)),
+            };
+            if tx.send(msg).await.is_err() {
+                return End::Lost("send inventory".into());
+            }
         }
     }
     // The node's status; sent again only when it changes (the gateway writes

@@ -159,6 +159,7 @@ pub async fn label_nodes(
                     node: node.clone(),
                     rack: rack.clone(),
                     block: block.clone(),
+                    rail: None,
                 }
                 .to_event()
             })

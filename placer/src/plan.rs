@@ -1366,13 +1366,15 @@ mod tests {
     #[test]
     fn gangs_go_within_one_rack_prefer_one_or_spread_over_racks() {
         use projections::domain::{Tier, Topology};
-        // Two racks of four 8-GPU nodes: r0 = n00..n03, r1 = n04..n07.
+        // Two racks of four 8-GPU nodes: r0 = n00..n03, r1 = n04..n07;
+        // two rail groups across them, the even nodes and the odd.
         let mut w = World::build(8, |_, node| devices(node, C, 8, 0));
         for n in 0..8 {
             let v = w.pool(&Fact::NodeTopologySet {
                 node: format!("n{n:02}"),
                 rack: Some(format!("r{}", n / 4)),
                 block: Some("b0".into()),
+                rail: Some(format!("rail{}", n % 2)),
             });
             assert_eq!(v, None);
         }
@@ -1459,7 +1461,36 @@ mod tests {
         assert_eq!(racks(&w, "g4").len(), 1);
         assert!(w.index.derived_is_consistent());
         assert_eq!(w.index.state().violations, 0);
-        w.release("g4");
+        // Within one rail group: the four whole nodes left are two even
+        // and two odd, so three cannot be had in one, and two can.
+        gang(&mut w, "rail3", 3, Some(Topology::Within(Tier::Rail)));
+        let plan = w.run();
+        assert!(
+            plan.queued[0].1.contains("no rail has 3 nodes with 8 free"),
+            "{plan:?}"
+        );
+        gang(&mut w, "rail2", 2, Some(Topology::Within(Tier::Rail)));
+        w.run();
+        let rails: BTreeSet<&str> = w
+            .allocs("rail2")
+            .iter()
+            .map(|a| {
+                w.index.pool("p").unwrap().nodes[&a.node]
+                    .label(Tier::Rail)
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(rails.len(), 1, "{:?}", w.allocs("rail2"));
+        for id in ["rail2", "g4"] {
+            w.release(id);
+        }
+        w.run();
+        assert_eq!(
+            w.phase("rail3"),
+            Some(Phase::Placed),
+            "each rail group is whole again"
+        );
+        w.release("rail3");
         // A gang within one rack placed across two is a violation.
         gang(&mut w, "bad", 2, Some(Topology::Within(Tier::Rack)));
         let v = w

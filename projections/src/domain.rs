@@ -120,14 +120,30 @@ pub enum Tier {
     /// A larger domain: the racks of one spine block, or one NVL72 rack's
     /// NVLink domain.
     Block,
+    /// A rail group: the nodes whose NICs share one set of rail switches
+    /// (GPU i of each on rail i), so collectives between them stay on
+    /// their rails.
+    Rail,
 }
 
 impl Tier {
+    /// Every tier, in the order labels are shown.
+    pub const ALL: [Tier; 3] = [Tier::Rack, Tier::Block, Tier::Rail];
+
     pub fn name(self) -> &'static str {
         match self {
             Tier::Rack => "rack",
             Tier::Block => "block",
+            Tier::Rail => "rail",
         }
+    }
+
+    /// The tier named `name` (`rack`, `block` or `rail`).
+    pub fn parse(name: &str) -> Result<Tier, String> {
+        Tier::ALL
+            .into_iter()
+            .find(|t| t.name() == name)
+            .ok_or_else(|| format!("unknown topology tier {name:?}: rack, block or rail"))
     }
 }
 
@@ -460,8 +476,9 @@ pub enum Fact {
     },
     #[serde(rename = "node.uncordoned")]
     NodeUncordoned { node: String },
-    /// Where the node is in the pool's topology (set by an operator, or
-    /// when fleets are seeded); absent labels are cleared.
+    /// Where the node is in the pool's topology (set by an operator,
+    /// reported by the node's daemon, or when fleets are seeded); absent
+    /// labels are cleared.
     #[serde(rename = "node.topology_set")]
     NodeTopologySet {
         node: String,
@@ -469,6 +486,8 @@ pub enum Fact {
         rack: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         block: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rail: Option<String>,
     },
     /// No new placements; the node's live reservations fail
     /// (`node_drained`) at `deadline_ms` (unix milliseconds), at once

@@ -66,12 +66,24 @@ pub struct Node {
     /// Unix milliseconds of the `node.contact_lost` in force, if contact is
     /// lost.
     pub unreachable_since_ms: Option<u64>,
-    /// Its rack and block in the pool's topology (`node.topology_set`).
+    /// Its rack, block and rail group in the pool's topology
+    /// (`node.topology_set`).
     pub rack: Option<String>,
     pub block: Option<String>,
+    pub rail: Option<String>,
 }
 
 impl Node {
+    /// Its label of `tier`, if it has one.
+    pub fn label(&self, tier: crate::domain::Tier) -> Option<&str> {
+        use crate::domain::Tier;
+        match tier {
+            Tier::Rack => self.rack.as_deref(),
+            Tier::Block => self.block.as_deref(),
+            Tier::Rail => self.rail.as_deref(),
+        }
+    }
+
     /// Whether new placements may land on the node.
     pub fn schedulable(&self) -> bool {
         !self.left
@@ -225,9 +237,11 @@ pub struct ClassIndex {
     node_sizes: BTreeMap<u32, u32>,
     island_sizes: HashMap<String, u32>,
     island_size_counts: BTreeMap<u32, u32>,
-    /// The same free nodes by rack and by block (labelled ones only).
+    /// The same free nodes by rack, by block and by rail group (labelled
+    /// ones only).
     pub racks: crate::tiers::TierIndex,
     pub blocks: crate::tiers::TierIndex,
+    pub rails: crate::tiers::TierIndex,
     /// Present devices, and free ones.
     pub total: u64,
     pub free: u64,
@@ -340,16 +354,22 @@ impl ClassIndex {
         match tier {
             crate::domain::Tier::Rack => &self.racks,
             crate::domain::Tier::Block => &self.blocks,
+            crate::domain::Tier::Rail => &self.rails,
         }
     }
 
     /// Moves a node's free count in the tier indexes of its labels.
     fn tiers_move(&mut self, node: &Node, name: &str, from: u32, to: u32) {
-        if let Some(r) = &node.rack {
-            self.racks.update(r, name, from, to);
-        }
-        if let Some(b) = &node.block {
-            self.blocks.update(b, name, from, to);
+        use crate::domain::Tier;
+        for tier in Tier::ALL {
+            if let Some(value) = node.label(tier) {
+                let index = match tier {
+                    Tier::Rack => &mut self.racks,
+                    Tier::Block => &mut self.blocks,
+                    Tier::Rail => &mut self.rails,
+                };
+                index.update(value, name, from, to);
+            }
         }
     }
 }
@@ -1125,10 +1145,16 @@ impl Index {
                     n.drain_deadline_ms = deadline_ms;
                 });
             }
-            Fact::NodeTopologySet { node, rack, block } => {
+            Fact::NodeTopologySet {
+                node,
+                rack,
+                block,
+                rail,
+            } => {
                 self.with_node(&pool, &node, |n| {
                     n.rack = rack;
                     n.block = block;
+                    n.rail = rail;
                 })
                 .ok_or_else(|| format!("node {node:?} is not in pool {pool:?}"))?;
                 // A gang waiting for a rack may fit now.
@@ -1593,19 +1619,13 @@ impl Index {
         request: &Request,
         allocations: &[Allocation],
     ) -> Option<String> {
-        use crate::domain::{Tier, Topology};
+        use crate::domain::Topology;
         let (tier, spread) = match request.topology? {
             Topology::Within(t) => (t, false),
             Topology::Spread(t) => (t, true),
             Topology::Prefer(_) => return None,
         };
-        let label = |a: &Allocation| {
-            let n = p.nodes.get(&a.node)?;
-            match tier {
-                Tier::Rack => n.rack.as_deref(),
-                Tier::Block => n.block.as_deref(),
-            }
-        };
+        let label = |a: &Allocation| p.nodes.get(&a.node)?.label(tier);
         let labels: Vec<Option<&str>> = allocations.iter().map(label).collect();
         if labels.iter().any(Option::is_none) {
             return Some(format!("a node of the gang has no {}", tier.name()));

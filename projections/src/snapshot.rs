@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 
 const MAGIC: &[u8; 8] = b"STRATAIX";
 // 2: nodes record contact lost and why they left.
-const FORMAT: u32 = 3;
+// 4: nodes carry a rail group.
+const FORMAT: u32 = 4;
 const HEADER: usize = 40;
 
 #[derive(Debug, thiserror::Error)]

@@ -37,6 +37,7 @@ pub enum Change {
     Topology {
         rack: Option<String>,
         block: Option<String>,
+        rail: Option<String>,
     },
     /// A condition of the node (`device: None`) or of one of its devices.
     ClearHealth {
@@ -67,10 +68,11 @@ impl Change {
                 node,
                 reason: reason.clone(),
             },
-            Change::Topology { rack, block } => Fact::NodeTopologySet {
+            Change::Topology { rack, block, rail } => Fact::NodeTopologySet {
                 node,
                 rack: rack.clone(),
                 block: block.clone(),
+                rail: rail.clone(),
             },
             Change::ClearHealth { device, condition } => Fact::HealthCleared {
                 node,
@@ -124,8 +126,8 @@ pub async fn change(
             return Err(RequestError::Invalid("name the condition to clear".into()));
         }
     }
-    if let Change::Topology { rack, block } = change {
-        for (what, v) in [("rack", rack), ("block", block)] {
+    if let Change::Topology { rack, block, rail } = change {
+        for (what, v) in [("rack", rack), ("block", block), ("rail", rail)] {
             if let Some(v) = v {
                 valid_name(what, v).map_err(RequestError::Invalid)?;
             }

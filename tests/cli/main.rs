@@ -1,6 +1,7 @@
 //! The `strata` binary end to end: real processes against a private Postgres.
 
 mod audit;
+mod backfill;
 mod config;
 mod deploy;
 mod doctor;

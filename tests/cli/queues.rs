@@ -323,7 +323,11 @@ fn queues_hold_teams_to_their_quota_and_say_why_a_request_waits() {
 }
 
 /// The events of `types` about reservation `id`: (position, type, payload).
-fn events_of(url: &str, id: &str, types: &[&str]) -> Vec<(i64, String, serde_json::Value)> {
+pub(crate) fn events_of(
+    url: &str,
+    id: &str,
+    types: &[&str],
+) -> Vec<(i64, String, serde_json::Value)> {
     let types: Vec<String> = types.iter().map(|t| t.to_string()).collect();
     rt().block_on(async {
         let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)

@@ -20,6 +20,7 @@ mod authz;
 mod cut;
 mod limits;
 mod renewal;
+mod topology;
 
 struct Region {
     cfg: Config,
