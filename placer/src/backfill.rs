@@ -24,24 +24,30 @@
 //!
 //! What is not guarded: a request whose start no TTL tells (what it needs
 //! is held by reservations without one, or lies past the first
-//! [`MAX_WALK`] expiries) holds nothing, and only the first
+//! [`MAX_WALK`] expiries, [`MAX_PLACING_WALK`] for shapes other than whole
+//! nodes) holds nothing, and only the first
 //! [`MAX_SHADOWS`] waiting requests of a batch hold anything. A request
 //! waiting for quota holds nothing either: it waits for its queue, not for
 //! devices.
 
-use crate::plan::place_one;
+use crate::plan::{pick_on_node, place_one};
+use projections::domain::{Tier, Topology};
 use projections::index::Index;
-use projections::{Allocation, Request};
+use projections::{Allocation, Request, Shape};
 use std::cmp::Reverse;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, UNIX_EPOCH};
 
 /// Where a request stands in its pool's placement order: priority (highest
 /// first), then request position. Smaller is ahead.
 pub type Order = (Reverse<i32>, u64);
 
-/// Most live reservations counted as gone to find one request's start.
-pub const MAX_WALK: usize = 512;
+/// Most live reservations counted as gone to find one request's start on
+/// whole nodes (counted per node: cheap).
+pub const MAX_WALK: usize = 65_536;
+/// Most live reservations counted as gone, on the index, to find the start
+/// of a request of another shape (each is unbooked and booked again).
+pub const MAX_PLACING_WALK: usize = 512;
 /// Most waiting requests whose start one batch guards.
 pub const MAX_SHADOWS: usize = 8;
 /// Most queued requests looked at, before a batch, for those to guard.
@@ -260,10 +266,11 @@ fn waits_for_devices(reason: &str) -> bool {
 }
 
 /// When `request` could start at the earliest, by the TTLs of the pool's
-/// live reservations of its class, and where: each counted as gone in the
-/// order they run out (at most [`MAX_WALK`]) until it fits. Those in
-/// `gone`, and those being preempted (their devices go to their
-/// preemptor), are skipped. The index is left as it was.
+/// live reservations of its class, and where. Those in `gone` are free
+/// already; those being preempted are skipped (their devices go to their
+/// preemptor). Whole nodes (a node shape, a gang, within a tier or not)
+/// are counted node by node ([`start_on_nodes`]); other shapes are placed
+/// on the index with the reservations counted as gone ([`start_by_placing`]).
 fn start(
     index: &mut Index,
     pool: &str,
@@ -271,18 +278,162 @@ fn start(
     gone: &HashSet<String>,
     now_ms: u64,
 ) -> Option<(u64, Vec<Allocation>)> {
-    let walk: Vec<(u64, String, Vec<Allocation>)> = {
-        let q = index.queues(pool)?;
-        q.expiries
-            .iter()
-            .filter_map(|(at, id)| {
-                let r = index.reservation(id)?;
-                (r.request.class == request.class && r.preempted_by.is_none() && !gone.contains(id))
-                    .then(|| (*at, id.clone(), r.allocations.clone()))
-            })
-            .take(MAX_WALK)
-            .collect()
+    let ends = Ends {
+        pool,
+        class: &request.class,
+        gone,
+        now_ms,
     };
+    match (request.shape, request.topology) {
+        (Shape::Node, _) => start_on_nodes(index, pool, request, &ends, 1, request.gpus, None),
+        (
+            Shape::Gang {
+                nodes,
+                gpus_per_node,
+            },
+            None | Some(Topology::Prefer(_)),
+        ) => start_on_nodes(index, pool, request, &ends, nodes, gpus_per_node, None),
+        (
+            Shape::Gang {
+                nodes,
+                gpus_per_node,
+            },
+            Some(Topology::Within(tier)),
+        ) => start_on_nodes(
+            index,
+            pool,
+            request,
+            &ends,
+            nodes,
+            gpus_per_node,
+            Some(tier),
+        ),
+        _ => start_by_placing(index, pool, request, &ends),
+    }
+}
+
+/// The live reservations of a class that end by their TTL, in the order
+/// they do (with when: not before now).
+struct Ends<'a> {
+    pool: &'a str,
+    class: &'a str,
+    gone: &'a HashSet<String>,
+    now_ms: u64,
+}
+
+impl<'a> Ends<'a> {
+    fn iter<'i>(&'i self, index: &'i Index) -> impl Iterator<Item = (u64, &'i str)> + 'i {
+        index
+            .queues(self.pool)
+            .into_iter()
+            .flat_map(|q| q.expiries.iter())
+            .filter(move |(_, id)| {
+                !self.gone.contains(id)
+                    && index
+                        .reservation(id)
+                        .is_some_and(|r| r.request.class == self.class && r.preempted_by.is_none())
+            })
+            .map(move |(at, id)| ((*at).max(self.now_ms), id.as_str()))
+    }
+}
+
+/// [`start`] for `n` nodes with `g` free each (within one value of `tier`
+/// when given): the first `n` nodes to have `g` free as the reservations
+/// end, counted per node without touching the index (at most
+/// [`MAX_WALK`] reservations), held on each: its devices free now.
+fn start_on_nodes(
+    index: &Index,
+    pool: &str,
+    request: &Request,
+    ends: &Ends,
+    n: u32,
+    g: u32,
+    tier: Option<Tier>,
+) -> Option<(u64, Vec<Allocation>)> {
+    let (c, p) = (index.class(pool, &request.class)?, index.pool(pool)?);
+    let n = n as usize;
+    // Per tier value ("" without a tier): the nodes with `g` free, those
+    // free now first, then in the order they get there.
+    let mut ready: HashMap<&str, Vec<&str>> = HashMap::new();
+    let mut freed: HashMap<&str, u32> = HashMap::new();
+    let mut found = None;
+    'walk: for (at, id) in ends.iter(index).take(MAX_WALK) {
+        let Some(r) = index.reservation(id) else {
+            continue;
+        };
+        for a in &r.allocations {
+            let Some(node) = p.nodes.get(&a.node).filter(|x| x.schedulable()) else {
+                continue;
+            };
+            let usable = a
+                .devices
+                .iter()
+                .filter_map(|d| node.device(d))
+                .filter(|(_, d)| {
+                    d.spec.class == request.class && d.present && d.conditions.is_empty()
+                })
+                .count() as u32;
+            let was = freed.get(a.node.as_str()).copied().unwrap_or(0);
+            freed.insert(a.node.as_str(), was + usable);
+            let before = c.node_free(&a.node) + was;
+            if before >= g || before + usable < g {
+                continue;
+            }
+            let value = match tier {
+                None => "",
+                Some(t) => match node.label(t) {
+                    Some(v) => v,
+                    None => continue,
+                },
+            };
+            let list = ready.entry(value).or_insert_with(|| match tier {
+                None => c.nodes_best_fit(g).map(|(x, _)| x).take(n).collect(),
+                Some(t) => c.tier(t).nodes(value, g).take(n).collect(),
+            });
+            list.push(a.node.as_str());
+            if list.len() >= n {
+                found = Some((at, list[..n].to_vec()));
+                break 'walk;
+            }
+        }
+    }
+    let (at, nodes) = found?;
+    let mut held = Vec::new();
+    for node in nodes {
+        let free = c.node_free(node).min(g);
+        if free == 0 {
+            continue;
+        }
+        if let Some(devices) = pick_on_node(index, pool, node, &request.class, free) {
+            held.push(Allocation {
+                node: node.to_string(),
+                devices,
+            });
+        }
+    }
+    Some((at, held))
+}
+
+/// [`start`] for the other shapes: the reservations counted as gone on the
+/// index one by one (at most [`MAX_PLACING_WALK`]) until the request fits
+/// ([`place_one`]). The index is left as it was.
+fn start_by_placing(
+    index: &mut Index,
+    pool: &str,
+    request: &Request,
+    ends: &Ends,
+) -> Option<(u64, Vec<Allocation>)> {
+    let walk: Vec<(u64, String, Vec<Allocation>)> = ends
+        .iter(index)
+        .take(MAX_PLACING_WALK)
+        .filter_map(|(at, id)| {
+            Some((
+                at,
+                id.to_string(),
+                index.reservation(id)?.allocations.clone(),
+            ))
+        })
+        .collect();
     let mut found = None;
     let mut ended = 0;
     for (at, id, allocations) in &walk {
@@ -295,7 +446,7 @@ fn start(
             continue;
         }
         if let Some(allocs) = place_one(index, pool, request) {
-            found = Some(((*at).max(now_ms), allocs));
+            found = Some((*at, allocs));
             break;
         }
     }

@@ -74,7 +74,13 @@ pub fn never_fits(index: &Index, pool: &str, r: &Request) -> Option<String> {
 
 /// Picks `n` free devices of `class` on a node: from the smallest island
 /// that holds all of them, else from the largest islands first.
-fn pick_on_node(index: &Index, pool: &str, node: &str, class: &str, n: u32) -> Option<Vec<String>> {
+pub(crate) fn pick_on_node(
+    index: &Index,
+    pool: &str,
+    node: &str,
+    class: &str,
+    n: u32,
+) -> Option<Vec<String>> {
     let node_state = index.pool(pool)?.nodes.get(node)?;
     let mut by_island: BTreeMap<Option<&str>, Vec<&str>> = BTreeMap::new();
     for d in &node_state.devices {
@@ -1578,6 +1584,58 @@ mod tests {
         assert_eq!(nodes, [na, nb]);
         assert_eq!(w.phase("s"), Some(Phase::Queued));
         assert!(w.index.derived_is_consistent());
+    }
+
+    #[test]
+    fn a_gang_behind_a_thousand_small_reservations_is_guarded_where_nodes_free_first() {
+        // 128 nodes full of 1-GPU reservations, filled in name order (best
+        // fit). Seven of each node's eight end early, node by node in turn;
+        // the last of each ends late, the last node's first: 896
+        // reservations end before any node is whole again, and the gang
+        // starts on the last two nodes.
+        let gang = Shape::Gang {
+            nodes: 2,
+            gpus_per_node: 8,
+        };
+        let mut names: Vec<String> = (0..128).map(|n| format!("n{n:02}")).collect();
+        names.sort();
+        let (last, next) = (names[127].clone(), names[126].clone());
+        let mut w = World::new(128);
+        for i in 0..1024u64 {
+            let (k, j) = (i / 8, i % 8);
+            let step = if j < 7 {
+                j * 128 + k
+            } else {
+                7 * 128 + (127 - k)
+            };
+            w.request_ttl(&format!("f{i}"), 1, Shape::Any, Some(600_000 + step * 100));
+        }
+        w.run();
+        assert_eq!(w.allocs("f1023")[0].node, last);
+        assert_eq!(w.allocs("f0")[0].node, names[0]);
+        w.request_ttl("g", 16, gang, None);
+        w.run();
+        assert_eq!(w.phase("g"), Some(Phase::Queued));
+        // One GPU frees on each of the last two (released early), and one
+        // on the sixth: a request without TTL goes only to the sixth, one
+        // that ends in time may go to the gang's nodes.
+        for i in [126 * 8, 127 * 8, 5 * 8] {
+            w.release(&format!("f{i}"));
+        }
+        w.request_ttl("s", 1, Shape::Any, None);
+        w.request_ttl("t", 1, Shape::Any, None);
+        w.request_ttl("u", 1, Shape::Any, Some(60_000));
+        let plan = w.run();
+        assert!(plan.guarded >= 1, "{plan:?}");
+        assert_eq!(w.allocs("s")[0].node, names[5], "{plan:?}");
+        assert_eq!(w.phase("t"), Some(Phase::Queued), "{plan:?}");
+        assert!(w
+            .index
+            .reservation("t")
+            .unwrap()
+            .reason
+            .starts_with("held back"));
+        assert!([&last, &next].contains(&&w.allocs("u")[0].node));
     }
 
     #[test]
