@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod backfill;
 mod tenants;
 
 const CLASS: &str = "H100-80GB";
@@ -69,6 +70,9 @@ pub struct Args {
     /// Requests of high priority placed by preemption (default 200, 50 quick)
     #[arg(long)]
     high: Option<u64>,
+    /// Nodes of each of the backfill phase's two pools (default 1,000, 200 quick; 0 skips the phase)
+    #[arg(long)]
+    backfill_nodes: Option<u32>,
 }
 
 /// What the watching subscription saw, by reservation.
@@ -500,6 +504,32 @@ pub async fn run(args: Args) -> Result<()> {
     } else {
         None
     };
+    // 5. Backfill, on two pools of its own.
+    let backfill_nodes = args
+        .backfill_nodes
+        .unwrap_or(if args.quick { 200 } else { 1_000 });
+    let backfill = if backfill_nodes > 0 {
+        let held = stats.view().pools_held;
+        for pool in [backfill::QUIET, backfill::CONTENDED] {
+            placer::client::create_pool(&appender, pool, "backfill benchmark pool").await?;
+            let fleet =
+                placer::client::uniform_fleet(&format!("{pool}-n"), backfill_nodes, CLASS, 8, 8);
+            placer::client::join_nodes(&appender, pool, fleet, |_| {}).await?;
+        }
+        let t = Instant::now();
+        while stats.view().pools_held < held + 2 {
+            if t.elapsed() > Duration::from_secs(120) || placer.is_finished() {
+                bail!(
+                    "the placer did not take the backfill pools: {:?}",
+                    stats.view()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Some(backfill::run(&appender, &seen, backfill_nodes, args.clients).await?)
+    } else {
+        None
+    };
     let placer_stats = stats.view();
     placer.stop().await?;
     watcher.abort();
@@ -577,6 +607,35 @@ pub async fn run(args: Args) -> Result<()> {
             "shares": t.shares.iter().map(|(q, w, u, f)| serde_json::json!({"queue": q, "weight": w, "used": u, "fair": f})).collect::<Vec<_>>(),
         })
     });
+    let round_json = |r: &backfill::Round| {
+        let mut w = r.waits.clone();
+        serde_json::json!({
+            "gangs_placed": r.placed_gangs,
+            "gang_wait_p50_ms": round(percentile_ms(&mut w, 0.5), 0),
+            "gang_wait_max_ms": round(percentile_ms(&mut w, 1.0), 0),
+            "stream_offered": r.stream_offered,
+            "stream_placed": r.stream_placed,
+            "secs": round(r.secs, 2),
+        })
+    };
+    let max_wait = |r: &backfill::Round| {
+        let mut w = r.waits.clone();
+        percentile_ms(&mut w, 1.0)
+    };
+    let backfill_ratio = backfill
+        .as_ref()
+        .map(|b| max_wait(&b.contended) / max_wait(&b.quiet).max(1.0));
+    let backfill_json = backfill.as_ref().map(|b| {
+        serde_json::json!({
+            "nodes_per_pool": b.nodes,
+            "gangs": format!("{} gangs of {}x8", backfill::GANGS, backfill::GANG_NODES),
+            "fill": "every GPU booked by a 1-GPU reservation, TTL uniform in 2-6 s",
+            "stream": format!("{}/s 1-GPU requests with a 60 s TTL, from the gangs' request until all are placed", b.stream_rate),
+            "alone": round_json(&b.quiet),
+            "with_stream": round_json(&b.contended),
+            "gang_wait_ratio": backfill_ratio.map(|r| round(r, 2)),
+        })
+    });
     let mut result = serde_json::json!({
         "bench": "placements",
         "quick": args.quick,
@@ -613,6 +672,7 @@ pub async fn run(args: Args) -> Result<()> {
         "violations": violations,
         "check": verdict,
         "tenants": tenants_json,
+        "backfill": backfill_json,
     });
     result["targets"] = serde_json::json!({
         "placements_per_s": ">= 10000 at 10,000 nodes",
@@ -622,6 +682,7 @@ pub async fn run(args: Args) -> Result<()> {
         "tenants_placements_per_s": ">= 10000 with quotas and fair share on",
         "tenants_preemption_p99_ms": "< 1000 including the grace period",
         "tenants_fair_share_spread": "<= 0.05",
+        "backfill_gang_wait_ratio": "<= 1.25: gangs behind a stream of smaller requests start when they would alone (max wait, with the stream over alone), every gang placed",
     });
     result["met"] = serde_json::json!({
         "placements_per_s": rate1 >= 10_000.0,
@@ -631,6 +692,10 @@ pub async fn run(args: Args) -> Result<()> {
         "tenants_placements_per_s": tenants.as_ref().map(|t| t.placements_per_s >= 10_000.0),
         "tenants_preemption_p99_ms": tenants.as_ref().map(|t| t.p99_ms < 1000.0),
         "tenants_fair_share_spread": tenants.as_ref().map(|t| t.spread <= 0.05),
+        "backfill_gang_wait_ratio": backfill.as_ref().map(|b| {
+            b.contended.placed_gangs == backfill::GANGS as usize
+                && backfill_ratio.is_some_and(|r| r <= 1.25)
+        }),
     });
     let mut name = format!("placements-{}", args.nodes);
     if args.pools > 1 {

@@ -276,6 +276,12 @@ async fn worker(
             _ = &mut stop => break,
             e = sub.next() => match e {
                 Ok(e) => e,
+                // Said once by the subscription (at error level), which goes
+                // on after it: what was delivered of the lost events stays
+                // delivered. Ending here would start the subscription again
+                // from its cursor, past the takeover, to be told again, for
+                // ever.
+                Err(events::SubscribeError::Diverged { .. }) => continue,
                 Err(e) => {
                     tracing::warn!(sink = %cfg.name, error = %e, "the sink's subscription ended");
                     return;
