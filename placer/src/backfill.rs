@@ -185,8 +185,7 @@ impl Holds {
     }
 
     /// Lifts the holds that a request at `order` with time to live `ttl_ms`
-    /// need not respect: of requests not ahead of it (its own included),
-    /// and of those it ends before.
+    /// need not respect (see [`binds`]).
     pub fn lift_for(
         &mut self,
         index: &mut Index,
@@ -194,10 +193,8 @@ impl Holds {
         order: Order,
         ttl_ms: Option<u64>,
     ) -> Lifted {
-        let ends_by = ttl_ms.map(|t| self.now_ms.saturating_add(t));
-        self.lift_where(index, pool, |s| {
-            s.order >= order || ends_by.is_some_and(|end| end <= s.start_ms)
-        })
+        let now_ms = self.now_ms;
+        self.lift_where(index, pool, |s| !binds(s, now_ms, order, ttl_ms))
     }
 
     /// Lifts every hold.
@@ -228,13 +225,14 @@ impl Holds {
         }
     }
 
-    /// Why a request that fits only without the holds waits: the first
-    /// guarded request ahead of it that holds anything.
-    pub fn held_back(&self, class: &str, free: u64) -> String {
+    /// Why a request at `order` with time to live `ttl_ms`, which fits
+    /// only without the holds, waits: the first guarded request whose
+    /// holds bind it.
+    pub fn held_back(&self, order: Order, ttl_ms: Option<u64>, class: &str, free: u64) -> String {
         let first = self
             .shadows
             .iter()
-            .find(|s| !s.lifted && !s.held.is_empty());
+            .find(|s| !s.held.is_empty() && binds(s, self.now_ms, order, ttl_ms));
         match first {
             Some(s) => format!(
                 "held back: {free} {class} GPUs are free, but those it could use are kept for {}, waiting ahead of it to start by {} (the TTLs of what it waits for); a request whose TTL ends by then may use them",
@@ -254,6 +252,13 @@ impl Holds {
         }
         self.shadows.clear();
     }
+}
+
+/// Whether `s`'s holds bind a request at `order` with time to live
+/// `ttl_ms`: `s` waits ahead of it, and it would not end by `s`'s start.
+fn binds(s: &Shadow, now_ms: u64, order: Order, ttl_ms: Option<u64>) -> bool {
+    let ends_by = ttl_ms.map(|t| now_ms.saturating_add(t));
+    s.order < order && !ends_by.is_some_and(|end| end <= s.start_ms)
 }
 
 /// Whether a waiting request's reason is about devices (capacity, its

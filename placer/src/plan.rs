@@ -434,7 +434,7 @@ fn plan_one(
                 return;
             }
             let why = match free_if_fits_without_holds(index, pool, holds, &request) {
-                Some(free) => holds.held_back(&request.class, free),
+                Some(free) => holds.held_back(order, request.ttl_ms, &request.class, free),
                 None => no_room(index, pool, &request),
             };
             if !ending {
