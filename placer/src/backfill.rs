@@ -258,7 +258,7 @@ impl Holds {
 /// `ttl_ms`: `s` waits ahead of it, and it would not end by `s`'s start.
 fn binds(s: &Shadow, now_ms: u64, order: Order, ttl_ms: Option<u64>) -> bool {
     let ends_by = ttl_ms.map(|t| now_ms.saturating_add(t));
-    s.order < order && !ends_by.is_some_and(|end| end <= s.start_ms)
+    s.order < order && ends_by.is_none_or(|end| end > s.start_ms)
 }
 
 /// Whether a waiting request's reason is about devices (capacity, its

@@ -34,18 +34,7 @@ fn outcomes(url: &str) -> Vec<(i64, String, String, f64)> {
 fn a_waiting_gang_starts_when_the_ttls_run_out_whatever_arrives_behind_it() {
     let url = database();
     let dir = tempfile::tempdir().unwrap();
-    ok(&["pool", "create", "gpu", "--database-url", &url]);
-    ok(&[
-        "pool",
-        "seed",
-        "gpu",
-        "--nodes",
-        "3",
-        "--gpus",
-        "8",
-        "--database-url",
-        &url,
-    ]);
+    crate::seeded_pool(&url, 3);
     let _placer = crate::gateway::Killed(placer(&url, "backfill", &dir.path().join("placer.log")));
     let show = |id: &str| show_reservation(&url, id);
     let node = |id: &str| {

@@ -69,6 +69,23 @@ fn database() -> String {
     url
 }
 
+/// Pool `gpu` with `nodes` simulated nodes of 8 H100-80GB GPUs.
+fn seeded_pool(url: &str, nodes: u32) {
+    ok(&["pool", "create", "gpu", "--database-url", url]);
+    let nodes = nodes.to_string();
+    ok(&[
+        "pool",
+        "seed",
+        "gpu",
+        "--nodes",
+        &nodes,
+        "--gpus",
+        "8",
+        "--database-url",
+        url,
+    ]);
+}
+
 /// `strata events append` arguments for one event, plus `extra`.
 fn append_args<'a>(
     url: &'a str,

@@ -1694,18 +1694,7 @@ fn a_command_behind_a_held_lock_fails_after_the_statement_timeout_and_says_why()
 fn reservations_show_why_one_waits_and_where_it_stands() {
     let url = database();
     let dir = tempfile::tempdir().unwrap();
-    ok(&["pool", "create", "gpu", "--database-url", &url]);
-    ok(&[
-        "pool",
-        "seed",
-        "gpu",
-        "--nodes",
-        "1",
-        "--gpus",
-        "8",
-        "--database-url",
-        &url,
-    ]);
+    crate::seeded_pool(&url, 1);
     let _placer = crate::gateway::Killed(placer(&url, "w1", &dir.path().join("placer.log")));
     let show = |id: &str| show_reservation(&url, id);
     // The node is full for an hour.

@@ -27,18 +27,7 @@ fn queued_reasons(url: &str, id: &str) -> Vec<String> {
 fn queues_hold_teams_to_their_quota_and_say_why_a_request_waits() {
     let url = database();
     let dir = tempfile::tempdir().unwrap();
-    ok(&["pool", "create", "gpu", "--database-url", &url]);
-    ok(&[
-        "pool",
-        "seed",
-        "gpu",
-        "--nodes",
-        "2",
-        "--gpus",
-        "8",
-        "--database-url",
-        &url,
-    ]);
+    crate::seeded_pool(&url, 2);
     let quota = format!("{CLASS}=8");
     let limit = format!("{CLASS}=2");
     // Two teams in one cohort share the pool's 16 GPUs, 8 each.
@@ -355,18 +344,7 @@ pub(crate) fn events_of(
 fn a_higher_priority_request_preempts_after_the_grace_period_and_the_victim_is_requeued() {
     let url = database();
     let dir = tempfile::tempdir().unwrap();
-    ok(&["pool", "create", "gpu", "--database-url", &url]);
-    ok(&[
-        "pool",
-        "seed",
-        "gpu",
-        "--nodes",
-        "1",
-        "--gpus",
-        "8",
-        "--database-url",
-        &url,
-    ]);
+    crate::seeded_pool(&url, 1);
     // Only a pool shared by queues preempts: one team, the whole pool.
     ok(&queues(
         &url,
