@@ -26,7 +26,8 @@
 //! is held by reservations without one, or lies past the first
 //! [`MAX_WALK`] expiries, [`MAX_PLACING_WALK`] for shapes other than whole
 //! nodes) holds nothing, and only the first
-//! [`MAX_SHADOWS`] waiting requests of a batch hold anything. A request
+//! [`MAX_SHADOWS`] waiting requests of a batch hold anything (of the first
+//! [`MAX_TRIES`] whose start it looks for). A request
 //! waiting for quota holds nothing either: it waits for its queue, not for
 //! devices.
 
@@ -50,6 +51,10 @@ pub const MAX_WALK: usize = 65_536;
 pub const MAX_PLACING_WALK: usize = 512;
 /// Most waiting requests whose start one batch guards.
 pub const MAX_SHADOWS: usize = 8;
+/// Most waiting requests whose start one batch looks for, found or not:
+/// a walk costs up to [`MAX_WALK`] steps, and when what waits has no start
+/// the TTLs tell, every blocked request of a batch would walk in vain.
+pub const MAX_TRIES: usize = 2 * MAX_SHADOWS;
 /// Most queued requests looked at, before a batch, for those to guard.
 const MAX_SCAN: usize = 64;
 
@@ -57,6 +62,7 @@ const MAX_SCAN: usize = 64;
 #[derive(Debug, Clone)]
 struct Shadow {
     id: String,
+    class: String,
     order: Order,
     start_ms: u64,
     /// The devices it would take at its start that are free now, booked in
@@ -66,6 +72,11 @@ struct Shadow {
 }
 
 impl Shadow {
+    /// Devices it holds.
+    fn held_count(&self) -> u64 {
+        self.held.iter().map(|a| a.devices.len() as u64).sum()
+    }
+
     /// The name its holds are booked under: no reservation id starts with
     /// a NUL.
     fn name(&self) -> String {
@@ -100,6 +111,8 @@ pub struct Holds {
     /// What the batch ends: free already, so never waited for.
     gone: HashSet<String>,
     shadows: Vec<Shadow>,
+    /// Starts looked for so far, found or not.
+    tries: usize,
 }
 
 /// The holds lifted for one request, to be restored after it is planned.
@@ -113,6 +126,7 @@ impl Holds {
             now_ms,
             gone: gone.iter().cloned().collect(),
             shadows: Vec::new(),
+            tries: 0,
         }
     }
 
@@ -159,11 +173,16 @@ impl Holds {
     /// Guards request `id`, which does not fit now: finds its start from
     /// the live reservations' expiries (those the batch ends are free
     /// already) and holds what of it is free now. Nothing when its start
-    /// is unknown, or [`MAX_SHADOWS`] are guarded already.
+    /// is unknown, or [`MAX_SHADOWS`] are guarded already, or the batch
+    /// looked for [`MAX_TRIES`] starts.
     pub fn guard(&mut self, index: &mut Index, pool: &str, id: &str) {
-        if self.shadows.len() >= MAX_SHADOWS || self.shadows.iter().any(|s| s.id == id) {
+        if self.shadows.len() >= MAX_SHADOWS
+            || self.tries >= MAX_TRIES
+            || self.shadows.iter().any(|s| s.id == id)
+        {
             return;
         }
+        self.tries += 1;
         let Some(r) = index.reservation(id) else {
             return;
         };
@@ -175,6 +194,7 @@ impl Holds {
         };
         let mut shadow = Shadow {
             id: id.to_string(),
+            class: request.class.clone(),
             order,
             start_ms,
             held: at_start,
@@ -197,9 +217,31 @@ impl Holds {
         self.lift_where(index, pool, |s| !binds(s, now_ms, order, ttl_ms))
     }
 
-    /// Lifts every hold.
-    pub fn lift_all(&mut self, index: &mut Index, pool: &str) -> Lifted {
-        self.lift_where(index, pool, |_| true)
+    /// When `request` (at `order`), which does not fit with the holds that
+    /// bind it in place, would fit without any: the GPUs of its class free
+    /// then. A request of any shape fits by count; others are placed with
+    /// the holds lifted.
+    pub fn free_without(
+        &mut self,
+        index: &mut Index,
+        pool: &str,
+        request: &Request,
+        order: Order,
+    ) -> Option<u64> {
+        let now_ms = self.now_ms;
+        let of_class = || self.shadows.iter().filter(|s| s.class == request.class);
+        if !of_class().any(|s| s.held_count() > 0 && binds(s, now_ms, order, request.ttl_ms)) {
+            return None;
+        }
+        let held: u64 = of_class().map(Shadow::held_count).sum();
+        let free = index.class(pool, &request.class).map_or(0, |c| c.free) + held;
+        if matches!(request.shape, Shape::Any) {
+            return (free >= request.gpus as u64).then_some(free);
+        }
+        let lifted = self.lift_where(index, pool, |_| true);
+        let fits = place_one(index, pool, request).is_some();
+        self.restore(index, pool, lifted);
+        fits.then_some(free)
     }
 
     fn lift_where(

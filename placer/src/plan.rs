@@ -433,7 +433,7 @@ fn plan_one(
                 plan.placed.push((id.to_string(), allocs));
                 return;
             }
-            let why = match free_if_fits_without_holds(index, pool, holds, &request) {
+            let why = match holds.free_without(index, pool, &request, order) {
                 Some(free) => holds.held_back(order, request.ttl_ms, &request.class, free),
                 None => no_room(index, pool, &request),
             };
@@ -455,24 +455,6 @@ fn plan_one(
     } else {
         wait(plan, why);
     }
-}
-
-/// When `request`, which does not fit with the holds in place, would fit
-/// without them: the GPUs of its class free without them.
-fn free_if_fits_without_holds(
-    index: &mut Index,
-    pool: &str,
-    holds: &mut Holds,
-    request: &Request,
-) -> Option<u64> {
-    if holds.guarded() == 0 {
-        return None;
-    }
-    let lifted = holds.lift_all(index, pool);
-    let fits = place_one(index, pool, request).is_some();
-    let free = index.class(pool, &request.class).map_or(0, |c| c.free);
-    holds.restore(index, pool, lifted);
-    fits.then_some(free)
 }
 
 /// Why an admitted request does not fit: the capacity, or, for a gang
