@@ -18,8 +18,9 @@ use super::{flood, offer, Seen};
 /// The pools of the two rounds.
 pub const QUIET: &str = "backfill-quiet";
 pub const CONTENDED: &str = "backfill-contended";
-/// Gangs per round (the placer guards at most this many a batch).
-pub const GANGS: u32 = placer::backfill::MAX_SHADOWS as u32;
+/// Gangs per round: as many as the placer guards in one batch
+/// (`placer::backfill::MAX_SHADOWS`).
+pub const GANGS: u32 = 8;
 /// Nodes per gang, all 8 GPUs of each.
 pub const GANG_NODES: u32 = 4;
 /// The fill's TTLs: uniform in this range (ms).
