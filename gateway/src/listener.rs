@@ -98,12 +98,17 @@ impl Conns {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Connections open, and how many of them idle after an RPC.
+    /// Connections open, and how many of them idle after an RPC; those
+    /// told to close are not counted, though their sockets may take a
+    /// moment to go (the counter the cap is enforced by counts them until
+    /// then, so it may close one more than needed, never one less).
     pub fn counts(&self) -> (usize, usize) {
-        (
-            self.by_addr.lock().expect("conns lock").len(),
-            self.idle.load(Ordering::Relaxed),
-        )
+        let map = self.by_addr.lock().expect("conns lock");
+        let open = map.values().filter(|c| !c.closed.load(Ordering::SeqCst));
+        open.fold((0, 0), |(n, idle), c| {
+            let is_idle = c.settled.load(Ordering::SeqCst) && c.active.load(Ordering::SeqCst) == 0;
+            (n + 1, idle + usize::from(is_idle))
+        })
     }
 
     fn add(self: &Arc<Self>, addr: SocketAddr) -> Arc<Conn> {
