@@ -33,7 +33,7 @@
 
 use crate::plan::{pick_on_node, place_one};
 use projections::domain::{Tier, Topology};
-use projections::index::Index;
+use projections::index::{Index, Reservation};
 use projections::{Allocation, Request, Shape};
 use std::cmp::Reverse;
 use std::collections::{HashMap, HashSet};
@@ -42,6 +42,11 @@ use std::time::{Duration, UNIX_EPOCH};
 /// Where a request stands in its pool's placement order: priority (highest
 /// first), then request position. Smaller is ahead.
 pub type Order = (Reverse<i32>, u64);
+
+/// Where a reservation stands in its pool's placement order.
+pub fn order(r: &Reservation) -> Order {
+    (Reverse(r.request.priority), r.requested_at)
+}
 
 /// Most live reservations counted as gone to find one request's start on
 /// whole nodes (counted per node: cheap).
@@ -186,7 +191,7 @@ impl Holds {
         let Some(r) = index.reservation(id) else {
             return;
         };
-        let order = (Reverse(r.request.priority), r.requested_at);
+        let order = order(r);
         let request = r.request.clone();
         let Some((start_ms, at_start)) = start(index, pool, &request, &self.gone, self.now_ms)
         else {

@@ -7,7 +7,7 @@
 //! the smallest island that holds the request, or from as few islands as
 //! possible. A gang takes its nodes all at once or not at all.
 
-use crate::backfill::{Holds, Order};
+use crate::backfill::{order, Holds};
 use projections::index::{ClassIndex, Index};
 use projections::{quota, Allocation, Request, Shape};
 use std::cmp::Reverse;
@@ -292,7 +292,10 @@ pub fn plan_with(
         .cloned()
         .collect();
     // What waits ahead of the batch's requests keeps what it will start on.
-    let last = ids.iter().filter_map(|id| order_of(index, id)).max();
+    let last = ids
+        .iter()
+        .filter_map(|id| index.reservation(id).map(order))
+        .max();
     holds.guard_queued(index, pool, last, &ids);
     let shared = index.pool(pool).is_some_and(|p| !p.queues.is_empty());
     if !shared {
@@ -349,13 +352,6 @@ pub fn plan_with(
 /// A request in its queue's turn: priority (highest first), position, id.
 type Turn<'a> = (Reverse<i32>, u64, &'a String);
 
-/// Where reservation `id` stands in its pool's placement order.
-fn order_of(index: &Index, id: &str) -> Option<Order> {
-    index
-        .reservation(id)
-        .map(|r| (Reverse(r.request.priority), r.requested_at))
-}
-
 /// A queue's dominant share as an orderable key (parts per billion).
 fn share_key(index: &Index, pool: &str, queue: &str, batch: &quota::Batch) -> u64 {
     (quota::dominant_share(index, pool, queue, batch) * 1e9) as u64
@@ -396,8 +392,7 @@ fn plan_one(
     let Some(r) = index.reservation(id) else {
         return;
     };
-    let (request, at) = (r.request.clone(), r.requested_at);
-    let order = (Reverse(request.priority), at);
+    let (request, order) = (r.request.clone(), order(r));
     let (queued, was) = (r.phase == projections::Phase::Queued, r.reason.clone());
     if let Some(reason) = never_fits(index, pool, &request) {
         plan.unschedulable.push((id.to_string(), reason));
@@ -450,8 +445,7 @@ fn plan_one(
     };
     if !ending && request.queue.is_some() {
         // It may preempt: weighed once the batch's placements are planned.
-        plan.candidates
-            .push(((Reverse(request.priority), at), id.to_string(), why));
+        plan.candidates.push((order, id.to_string(), why));
     } else {
         wait(plan, why);
     }
@@ -515,7 +509,7 @@ fn preempt_for(
             r.phase == projections::Phase::Queued,
             r.reason.clone(),
         );
-        let order = (Reverse(request.priority), r.requested_at);
+        let order = order(r);
         let chosen = if plan.searches < SEARCHES_PER_BATCH {
             plan.searches += 1;
             let lifted = holds.lift_for(index, pool, order, request.ttl_ms);
