@@ -528,13 +528,13 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
             .await
             .with_context(|| format!("listen for metrics on {addr}"))?;
         tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
-        events::task::spawn("metrics", events::http::serve(l));
+        ops::task::spawn("metrics", ops::http::serve(l));
     }
     // Not ready until every role has started.
     let started = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     {
         let started = started.clone();
-        events::http::ready_when("roles", move || {
+        ops::http::ready_when("roles", move || {
             if started.load(Ordering::Relaxed) {
                 Ok(())
             } else {
@@ -573,7 +573,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         let mut pc = placer::PlacerConfig::new(
             args.holder
                 .clone()
-                .unwrap_or_else(placer::service::default_holder),
+                .unwrap_or_else(events::lease::default_holder),
         );
         pc.max_batch = args.max_batch.max(1);
         pc.lease_ttl = args.lease_ttl;
@@ -595,7 +595,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     let holder = args
         .holder
         .clone()
-        .unwrap_or_else(placer::service::default_holder);
+        .unwrap_or_else(events::lease::default_holder);
     let gateway = if args.roles.iter().any(|r| r == "gateway") {
         let mut gc = gateway::server::GatewayConfig::new(
             args.gateway_id.clone().unwrap_or_else(|| holder.clone()),
@@ -624,7 +624,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     };
     let binder = if args.roles.iter().any(|r| r == "binder") {
         let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-        Some(placer::binder::Binder::start_as(
+        Some(binder::Binder::start_as(
             cfg.clone(),
             reader(),
             appender,
@@ -651,7 +651,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
     };
     if args.roles.iter().any(|r| r == "maintenance") {
         spawn_sealer(cfg.clone(), args.seal_every, args.seal_grace);
-        events::task::spawn(
+        ops::task::spawn(
             "slot-metrics",
             events::slots::watch(cfg.clone(), Duration::from_secs(5)),
         );
@@ -662,7 +662,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
         None
     };
     if let Some(r) = follower {
-        events::http::ready_when("replication", move || {
+        ops::http::ready_when("replication", move || {
             if r.streaming() {
                 Ok(())
             } else {
@@ -738,7 +738,7 @@ pub async fn serve(args: ServeArgs) -> Result<ExitCode> {
 pub fn spawn_sealer(cfg: events::db::Database, every: Duration, grace: Duration) {
     // Sealing a month reads all of it in one statement.
     let cfg = cfg.with_statement_timeout(None);
-    events::task::spawn("sealer", async move {
+    ops::task::spawn("sealer", async move {
         let mut tick = tokio::time::interval(every.max(Duration::from_secs(1)));
         let mut client = None;
         loop {
@@ -825,7 +825,7 @@ async fn start_audit(
             args.tls_names.clone(),
             args.serving_validity,
         );
-        events::task::spawn(
+        ops::task::spawn(
             "audit-serving-cert",
             gateway::ca::keep_renewed(dir, names, validity, "audit", move |cert, key| {
                 renewer.renew(cert, key).map_err(|e| e.to_string())
@@ -862,9 +862,9 @@ impl Registration {
             roles.to_string(),
             events::db::Db::new(cfg.clone()),
         );
-        let task = events::task::spawn("process-registration", async move {
+        let task = ops::task::spawn("process-registration", async move {
             let mut backoff =
-                events::task::Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+                ops::task::Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
             loop {
                 let result = match db.get().await {
                     Ok(c) => schema::migrate::register(

@@ -141,7 +141,7 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     println!("  Ctrl-C stops it.");
     println!();
     if let Ok(l) = listener {
-        events::task::spawn("metrics", events::http::serve(l));
+        ops::task::spawn("metrics", ops::http::serve(l));
     }
 
     let mut rc = ReaderConfig::new("strata_dev");
@@ -178,7 +178,7 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     let gw = gateway::server::start(cfg.clone(), reader.clone(), appender.clone(), gc)
         .await
         .context("start the gateway")?;
-    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     let audit = start_audit(&cfg, &client, &args.data_dir, &ca_dir, appender.clone()).await;
     match &audit {
         Ok((endpoint, password)) => {
@@ -209,18 +209,18 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
         "gateway on {}; {} simulated nodes (8 {DEMO_CLASS} each) joining pool {DEMO_POOL}",
         gw.addr, args.demo_nodes
     );
-    let mut pc = placer::PlacerConfig::new(placer::service::default_holder());
+    let mut pc = placer::PlacerConfig::new(events::lease::default_holder());
     pc.snapshots = Some(projections::SnapshotStore::new(
         args.data_dir.join("snapshots"),
     ));
     let placer = placer::Placer::start(cfg.clone(), reader.clone(), appender.clone(), pc);
-    let workload = events::task::spawn(
+    let workload = ops::task::spawn(
         "dev-workload",
         demo_workload(cfg.clone(), appender.clone(), args.reservations_per_s),
     );
 
     let appended = Arc::new(AtomicU64::new(0));
-    let writer = events::task::spawn(
+    let writer = ops::task::spawn(
         "dev-writer",
         demo_writer(appender, args.rate, appended.clone()),
     );
@@ -228,7 +228,7 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     let delivered = Arc::new(AtomicU64::new(0));
     let mut sub = reader.subscribe("dev-tail", Start::Now).await?;
     let (d, l) = (delivered.clone(), lags.clone());
-    let tail = events::task::spawn("dev-tail", async move {
+    let tail = ops::task::spawn("dev-tail", async move {
         loop {
             let e = match sub.next().await {
                 Ok(e) => e,

@@ -7,13 +7,13 @@
 //! attributes, export interval) apply. The returned guard flushes both on
 //! drop, so even a one-shot command exports what it recorded.
 
-use events::metrics::prometheus::proto::{Metric, MetricFamily, MetricType};
 use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::KeyValue;
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::Resource;
+use ops::metrics::prometheus::proto::{Metric, MetricFamily, MetricType};
 use std::collections::HashSet;
 use std::io::IsTerminal;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -86,7 +86,7 @@ pub fn init(long_running: bool) -> Guard {
             });
             bridge.sync();
             let b = bridge.clone();
-            events::task::spawn("otlp-metrics", async move {
+            ops::task::spawn("otlp-metrics", async move {
                 loop {
                     tokio::time::sleep(Duration::from_secs(5)).await;
                     b.sync();
@@ -206,7 +206,7 @@ fn otlp() -> Result<(SdkTracerProvider, SdkMeterProvider), Box<dyn std::error::E
 }
 
 /// The OTLP side of the process's one metrics registry: each family of
-/// [`events::metrics::gather`] becomes an observable instrument read from the
+/// [`ops::metrics::gather`] becomes an observable instrument read from the
 /// registry at each export, so OTLP carries every series `/metrics` does.
 /// Families are looked for at start, every few seconds after (roles register
 /// theirs as they start) and once more before the final flush. Names are the
@@ -229,7 +229,7 @@ fn families() -> Arc<Vec<MetricFamily>> {
     match &*c {
         Some((at, f)) if at.elapsed() < Duration::from_secs(1) => f.clone(),
         _ => {
-            let f = Arc::new(events::metrics::gather());
+            let f = Arc::new(ops::metrics::gather());
             *c = Some((Instant::now(), f.clone()));
             f
         }
@@ -261,7 +261,7 @@ impl Bridge {
     /// Adds an instrument for every family not seen before.
     fn sync(&self) {
         let mut known = self.known.lock().expect("bridge lock");
-        for f in events::metrics::gather() {
+        for f in ops::metrics::gather() {
             let name = f.name().to_string();
             if !known.insert(name.clone()) {
                 continue;

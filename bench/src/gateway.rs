@@ -661,7 +661,7 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
         appender.clone(),
         placer::PlacerConfig::new("spine"),
     );
-    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     let mut sub = reader.subscribe_ephemeral(Start::Now).await?;
     let placed: Seen = Arc::default();
     let active: Seen = Arc::default();

@@ -65,7 +65,7 @@ pub async fn binder_server(args: BinderArgs) -> Result<()> {
     rc.temporary = true;
     let reader = Reader::start(cfg.clone(), rc);
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    let binder = placer::binder::Binder::start(cfg, reader, appender);
+    let binder = binder::Binder::start(cfg, reader, appender);
     println!("binding");
     tokio::signal::ctrl_c().await?;
     binder.stop().await?;

@@ -252,7 +252,7 @@ impl Appender {
                 conn: None,
                 pace: pace.clone(),
             };
-            crate::task::spawn("append-flusher", flusher.run(rx.clone()));
+            ops::task::spawn("append-flusher", flusher.run(rx.clone()));
         }
         Appender { tx, config, pace }
     }

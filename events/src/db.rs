@@ -299,7 +299,7 @@ pub async fn open(
         }
         r => r?,
     };
-    let handle = crate::task::spawn(task, async move {
+    let handle = ops::task::spawn(task, async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "connection closed");
         }

@@ -147,3 +147,9 @@ impl Lease {
         }
     }
 }
+
+/// A default holder name: host, process and a random suffix.
+pub fn default_holder() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
+    format!("{host}-{}-{:04x}", std::process::id(), fastrand::u16(..))
+}

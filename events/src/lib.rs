@@ -21,7 +21,7 @@ pub mod assemble;
 pub mod catalog;
 pub mod db;
 pub mod doctor;
-pub mod http;
+mod lag;
 pub mod lease;
 pub mod metrics;
 pub mod pgoutput;
@@ -31,8 +31,6 @@ pub mod reader;
 pub mod replication;
 pub mod slots;
 pub mod subscription;
-pub mod task;
-pub mod tls;
 pub mod trace;
 pub mod types;
 

@@ -193,7 +193,7 @@ impl Reader {
             held: std::sync::Mutex::new(std::collections::HashMap::new()),
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
-        crate::task::spawn("replication-reader", run(inner.clone(), rx, stop_rx));
+        ops::task::spawn("replication-reader", run(inner.clone(), rx, stop_rx));
         Reader {
             inner,
             _life: Arc::new(Life(std::sync::Mutex::new(Some(stop_tx)))),
@@ -659,10 +659,9 @@ fn deliver(inner: &Inner, state: &mut SlotState, attached: &mut Vec<Attached>, t
     m.replication_transactions.inc();
     if let Some(last) = txn.last_position() {
         m.replication_events.inc_by(txn.events.len() as u64);
-        inner.head_at_ms.store(
-            metrics::subscriptions::millis(txn.commit_time),
-            Ordering::Relaxed,
-        );
+        inner
+            .head_at_ms
+            .store(crate::lag::millis(txn.commit_time), Ordering::Relaxed);
         let lag = SystemTime::now()
             .duration_since(txn.commit_time)
             .unwrap_or_default();
@@ -729,4 +728,14 @@ fn compute_ack(
     }
     inner.acked.fetch_max(state.acked.0, Ordering::Relaxed);
     state.acked
+}
+
+impl crate::lag::Head for Inner {
+    fn head(&self) -> u64 {
+        self.head.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn head_at_ms(&self) -> u64 {
+        self.head_at_ms.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }

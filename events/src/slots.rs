@@ -146,7 +146,7 @@ fn gauges() -> &'static SlotGauges {
         let vec = |name: &str, help: &str| {
             let g = prometheus::GaugeVec::new(prometheus::Opts::new(name, help), &["slot"])
                 .expect("valid gauge");
-            crate::metrics::register(Box::new(g.clone()));
+            ops::metrics::register(Box::new(g.clone()));
             g
         };
         SlotGauges {

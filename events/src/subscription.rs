@@ -135,7 +135,7 @@ pub(crate) struct Cursor {
     /// Set when the subscription is dropped: store once more, then stop.
     pub(crate) closed: std::sync::atomic::AtomicBool,
     /// What `/metrics` reads of it.
-    pub(crate) lag: crate::metrics::subscriptions::Lag,
+    pub(crate) lag: crate::lag::Lag,
     /// A named subscription is held by one process at a time.
     lease: Option<Lease>,
     /// Set when the lease could not be renewed.
@@ -318,7 +318,7 @@ impl Reader {
             durable: Arc::new(AtomicU64::new(pos.0)),
             notify: Notify::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
-            lag: crate::metrics::subscriptions::Lag {
+            lag: crate::lag::Lag {
                 label: label.to_string(),
                 ..Default::default()
             },
@@ -326,17 +326,16 @@ impl Reader {
             lost: std::sync::atomic::AtomicBool::new(false),
         });
         crate::metrics::global();
-        crate::metrics::subscriptions::add(crate::metrics::subscriptions::Entry {
-            cursor: Arc::downgrade(&shared),
-            reader: Arc::downgrade(&self.inner),
-        });
+        let cursor: std::sync::Weak<dyn crate::lag::Watched> = Arc::downgrade(&shared) as _;
+        let reader: std::sync::Weak<dyn crate::lag::Head> = Arc::downgrade(&self.inner) as _;
+        crate::lag::add(crate::lag::Entry { cursor, reader });
         if persisted {
             self.inner
                 .held
                 .lock()
                 .expect("held lock")
                 .insert(name.to_string(), shared.clone());
-            crate::task::spawn(
+            ops::task::spawn(
                 "subscription-cursor",
                 persist(shared.clone(), self.clone(), name.to_string()),
             );
@@ -590,10 +589,8 @@ impl Subscription {
                 let lag = &self.shared.lag;
                 lag.seen.fetch_max(e.position.0, Ordering::Relaxed);
                 if lag.pending_since_ms.load(Ordering::Relaxed) == 0 {
-                    lag.pending_since_ms.store(
-                        crate::metrics::subscriptions::millis(e.recorded_at).max(1),
-                        Ordering::Relaxed,
-                    );
+                    lag.pending_since_ms
+                        .store(crate::lag::millis(e.recorded_at).max(1), Ordering::Relaxed);
                 }
                 return Ok(e);
             }
@@ -794,5 +791,19 @@ impl Drop for Subscription {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.notify.notify_one();
+    }
+}
+
+impl crate::lag::Watched for Cursor {
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    fn lag(&self) -> &crate::lag::Lag {
+        &self.lag
+    }
+
+    fn acked(&self) -> u64 {
+        self.acked.load(Ordering::Relaxed)
     }
 }

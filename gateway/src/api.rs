@@ -309,7 +309,7 @@ impl api_server::Api for ApiService {
             })?;
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<SubscribedEvent, Status>>(256);
         let shared = self.shared.clone();
-        events::task::spawn("api-subscription", async move {
+        ops::task::spawn("api-subscription", async move {
             // Events outside the filter are acknowledged on the client's
             // behalf when nothing it was sent is waiting for its ack.
             let (mut sent, mut acked) = (0u64, 0u64);

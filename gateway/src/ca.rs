@@ -401,8 +401,8 @@ impl Ca {
 
 /// When the serving certificate of each server of the process expires, on
 /// `/metrics` (alert well before: renewal failed).
-fn serving_expiry() -> &'static events::metrics::prometheus::GaugeVec {
-    use events::metrics::prometheus::{GaugeVec, Opts};
+fn serving_expiry() -> &'static ops::metrics::prometheus::GaugeVec {
+    use ops::metrics::prometheus::{GaugeVec, Opts};
     static G: std::sync::OnceLock<GaugeVec> = std::sync::OnceLock::new();
     G.get_or_init(|| {
         let g = GaugeVec::new(
@@ -413,7 +413,7 @@ fn serving_expiry() -> &'static events::metrics::prometheus::GaugeVec {
             &["server"],
         )
         .expect("valid gauge");
-        events::metrics::register(Box::new(g.clone()));
+        ops::metrics::register(Box::new(g.clone()));
         g
     })
 }

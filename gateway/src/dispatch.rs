@@ -5,8 +5,8 @@
 
 use crate::proto::{gateway_message, GatewayMessage};
 use crate::state::{Shared, Waited};
-use events::task::Backoff;
 use events::AppendError;
+use ops::task::Backoff;
 use projections::commands::{self, CommandState};
 use projections::Fact;
 use std::sync::atomic::Ordering;
@@ -120,7 +120,7 @@ pub(crate) async fn dispatcher(shared: Arc<Shared>, mut sub: events::Subscriptio
         }
         loop {
             let delay = backoff.next_delay();
-            events::task::restarted("gateway-commands", &error, delay);
+            ops::task::restarted("gateway-commands", &error, delay);
             tokio::time::sleep(delay).await;
             match resubscribe(&shared).await {
                 Ok(s) => {

@@ -252,7 +252,7 @@ impl Connected for Tracked {
     }
 }
 
-pub use events::tls::ServingCert;
+pub use ops::tls::ServingCert;
 
 /// The TLS configuration: this serving certificate, client certificates
 /// optional but checked against `client_ca_pem` when presented, HTTP/2.

@@ -1,23 +1,23 @@
 //! The gateway's metrics on `/metrics`: its counters summed over the
-//! gateways of the process ([`events::metrics::Instances`]), every RPC by
+//! gateways of the process ([`ops::metrics::Instances`]), every RPC by
 //! service, method and status code ([`RpcLayer`]), and how long commands
 //! take from the log to a node's session.
 
 use crate::listener::ListenerStats;
 use crate::state::GatewayStats;
-use events::metrics::{Field, Instances};
+use ops::metrics::{Field, Instances};
 use prometheus::{Histogram, IntCounterVec};
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use events::metrics::prometheus;
+use ops::metrics::prometheus;
 
 const REFUSED: &str = "Sessions, joins and messages refused, by reason.";
 
 static GATEWAY: &[Field<GatewayStats>] = &[
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_sessions",
         Gauge,
@@ -25,7 +25,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         sessions
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_sessions_opened_total",
         Counter,
@@ -33,7 +33,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         sessions_opened
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_refused_total",
         Counter,
@@ -41,7 +41,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[("reason", "rate")],
         refused_rate
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_refused_total",
         Counter,
@@ -49,7 +49,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[("reason", "full")],
         refused_full
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_refused_total",
         Counter,
@@ -57,7 +57,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[("reason", "pending_hellos")],
         refused_pending
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_refused_total",
         Counter,
@@ -65,7 +65,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[("reason", "identity")],
         refused_identity
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_refused_total",
         Counter,
@@ -73,7 +73,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[("reason", "join")],
         refused_joins
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_refused_total",
         Counter,
@@ -81,7 +81,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[("reason", "message_rate")],
         refused_messages
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_joins_total",
         Counter,
@@ -89,7 +89,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         joins
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_write_batches_total",
         Counter,
@@ -97,7 +97,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         batches
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_events_written_total",
         Counter,
@@ -105,7 +105,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         events_written
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_fenced_total",
         Counter,
@@ -113,7 +113,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         fenced
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_write_errors_total",
         Counter,
@@ -121,7 +121,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         write_errors
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_write_retries_total",
         Counter,
@@ -129,7 +129,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         write_retries
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_health_coalesced_total",
         Counter,
@@ -137,7 +137,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         health_coalesced
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_commands_dispatched_total",
         Counter,
@@ -145,7 +145,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         commands_dispatched
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_commands_finished_total",
         Counter,
@@ -153,7 +153,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         &[],
         commands_finished
     ),
-    events::stat_field!(
+    ops::stat_field!(
         GatewayStats,
         "strata_gateway_command_drops_total",
         Counter,
@@ -166,7 +166,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
 const HANDSHAKES: &str = "TLS handshakes, by result.";
 
 static LISTENER: &[Field<ListenerStats>] = &[
-    events::stat_field!(
+    ops::stat_field!(
         ListenerStats,
         "strata_gateway_connections_accepted_total",
         Counter,
@@ -174,7 +174,7 @@ static LISTENER: &[Field<ListenerStats>] = &[
         &[],
         accepted
     ),
-    events::stat_field!(
+    ops::stat_field!(
         ListenerStats,
         "strata_gateway_handshakes_total",
         Counter,
@@ -182,7 +182,7 @@ static LISTENER: &[Field<ListenerStats>] = &[
         &[("result", "ok")],
         handshakes
     ),
-    events::stat_field!(
+    ops::stat_field!(
         ListenerStats,
         "strata_gateway_handshakes_total",
         Counter,
@@ -190,7 +190,7 @@ static LISTENER: &[Field<ListenerStats>] = &[
         &[("result", "failed")],
         handshake_failures
     ),
-    events::stat_field!(
+    ops::stat_field!(
         ListenerStats,
         "strata_gateway_handshakes_total",
         Counter,
@@ -198,7 +198,7 @@ static LISTENER: &[Field<ListenerStats>] = &[
         &[("result", "timed_out")],
         handshake_timeouts
     ),
-    events::stat_field!(
+    ops::stat_field!(
         ListenerStats,
         "strata_gateway_idle_closed_total",
         Counter,
@@ -206,7 +206,7 @@ static LISTENER: &[Field<ListenerStats>] = &[
         &[],
         idle_closed
     ),
-    events::stat_field!(
+    ops::stat_field!(
         ListenerStats,
         "strata_gateway_out_of_descriptors_total",
         Counter,
@@ -231,7 +231,7 @@ pub(crate) fn count_listener(stats: &Arc<ListenerStats>) {
 fn rpcs() -> &'static IntCounterVec {
     static R: OnceLock<IntCounterVec> = OnceLock::new();
     R.get_or_init(|| {
-        events::metrics::counter_vec(
+        ops::metrics::counter_vec(
             "strata_gateway_rpcs_total",
             "RPCs answered, by service, method and gRPC status code (a stream counts when it ends).",
             &["service", "method", "code"],
@@ -242,7 +242,7 @@ fn rpcs() -> &'static IntCounterVec {
 fn rpc_seconds() -> &'static prometheus::HistogramVec {
     static R: OnceLock<prometheus::HistogramVec> = OnceLock::new();
     R.get_or_init(|| {
-        events::metrics::histogram_vec(
+        ops::metrics::histogram_vec(
             "strata_gateway_rpc_duration_seconds",
             "Time to answer unary RPCs (streams are not timed), by service and method.",
             &["service", "method"],
@@ -257,10 +257,10 @@ fn rpc_seconds() -> &'static prometheus::HistogramVec {
 pub(crate) fn command_dispatch_seconds() -> &'static Histogram {
     static H: OnceLock<Histogram> = OnceLock::new();
     H.get_or_init(|| {
-        events::metrics::histogram(
+        ops::metrics::histogram(
             "strata_gateway_command_dispatch_seconds",
             "Time from a command's event being recorded to its sending on the node's session.",
-            events::metrics::SECONDS_BUCKETS,
+            ops::metrics::SECONDS_BUCKETS,
         )
     })
 }

@@ -92,7 +92,7 @@ pub async fn start(
         },
         listener_stats.clone(),
     );
-    let renewer = events::task::spawn(
+    let renewer = ops::task::spawn(
         "gateway-serving-cert",
         crate::ca::keep_renewed(
             config.ca_dir.clone(),
@@ -142,7 +142,7 @@ pub async fn start(
             cmds.by_id.entry(t.command.id.clone()).or_insert(t);
         }
     }
-    let dispatcher = events::task::spawn("gateway-commands", dispatcher(shared.clone(), sub));
+    let dispatcher = ops::task::spawn("gateway-commands", dispatcher(shared.clone(), sub));
     let max = shared.config.max_message_bytes;
     let join = join_server::JoinServer::new(JoinService {
         shared: shared.clone(),
@@ -157,8 +157,8 @@ pub async fn start(
     })
     .max_decoding_message_size(max);
     let (stop, stop_rx) = oneshot::channel::<()>();
-    let writer = events::task::spawn("gateway-writer", writer(shared.clone(), writes_rx));
-    let sweeper = events::task::spawn("gateway-sweeper", sweeper(shared.clone()));
+    let writer = ops::task::spawn("gateway-writer", writer(shared.clone(), writes_rx));
+    let sweeper = ops::task::spawn("gateway-sweeper", sweeper(shared.clone()));
     let incoming = crate::listener::serve(listener, tls, conns.clone());
     let server = Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
@@ -189,7 +189,7 @@ pub async fn start(
             }
         });
     tracing::info!(%addr, id = %shared.config.id, "gateway listening");
-    let task = events::task::spawn("gateway", async move {
+    let task = ops::task::spawn("gateway", async move {
         let r = server.await;
         tracing::info!(id = %shared.config.id, "gateway stopped");
         sweeper.abort();

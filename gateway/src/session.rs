@@ -110,7 +110,7 @@ impl session_server::Session for SessionService {
             .map_err(|e| refuse(Status::unauthenticated(e)))?;
         let (tx, rx) = mpsc::channel(64);
         let tx = Outbox(tx);
-        events::task::spawn(
+        ops::task::spawn(
             "gateway-session",
             session(
                 shared,

@@ -17,8 +17,8 @@
 use crate::identity::node_stream;
 use crate::state::{Shared, Write};
 use events::db::Sql;
-use events::task::Backoff;
 use events::{AppendError, Appended, ErrorKind, ExpectedVersion, NewEvent, StreamAppend};
+use ops::task::Backoff;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -6,7 +6,6 @@
 //! [`client`] is the library side of `strata reserve` and `strata release`.
 
 pub mod backfill;
-pub mod binder;
 pub mod client;
 pub mod plan;
 pub mod service;

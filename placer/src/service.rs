@@ -20,9 +20,9 @@ use crate::plan::{self, Plan};
 use events::db::Db;
 use events::db::Sql;
 use events::lease::{Lease, LeaseError};
-use events::task::Backoff;
 use events::{AppendError, Appended, Appender, ExpectedVersion, Reader, StreamAppend};
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use ops::task::Backoff;
 use projections::domain::{pool_stream, replacement_id, reservation_stream, Fact, Request};
 use projections::projector::ProjectError;
 use projections::{Index, Projector, SnapshotStore};
@@ -74,12 +74,6 @@ impl PlacerConfig {
             preemption_grace: Duration::from_secs(30),
         }
     }
-}
-
-/// A default holder name: host, process and a random suffix.
-pub fn default_holder() -> String {
-    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
-    format!("{host}-{}-{:04x}", std::process::id(), fastrand::u16(..))
 }
 
 /// Counters of a running placer.
@@ -152,110 +146,110 @@ impl Stats {
     }
 }
 
-use events::metrics::{Field, Instances};
+use ops::metrics::{Field, Instances};
 
 /// The placers' counters on `/metrics`, summed over the placers of the
 /// process.
 static FIELDS: &[Field<Stats>] = &[
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_batches_total",
         Counter,
         "Batches committed.",
         batches
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_placed_total",
         Counter,
         "Reservations placed.",
         placed
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_queued_total",
         Counter,
         "Reservations queued for capacity.",
         queued
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_unschedulable_total",
         Counter,
         "Reservations that can never fit.",
         unschedulable
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_released_total",
         Counter,
         "Reservations released.",
         released
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_expired_total",
         Counter,
         "Reservations expired.",
         expired
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_failed_total",
         Counter,
         "Reservations ended because a node of theirs left, was revoked or was lost.",
         failed
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_preempting_total",
         Counter,
         "Live reservations told to make room for a waiting request (reservation.preemption_scheduled).",
         preempting
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_preempted_total",
         Counter,
         "Reservations preempted once their grace period ended.",
         preempted
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_conflicts_total",
         Counter,
         "Batches refused by the pool version fence and replanned.",
         conflicts
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_errors_total",
         Counter,
         "Batches that failed otherwise and were retried.",
         errors
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_leases_acquired_total",
         Counter,
         "Pool leases taken.",
         leases_acquired
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_leases_lost_total",
         Counter,
         "Pool leases lost to another placer or to expiry.",
         leases_lost
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_pools_held",
         Gauge,
         "Pools whose lease this process's placer holds.",
         pools_held
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_placer_position",
         Gauge,
@@ -299,7 +293,7 @@ impl Placer {
         let stats = Arc::new(Stats::default());
         placers().add(&stats);
         let (stop, stop_rx) = oneshot::channel();
-        let task = events::task::spawn(
+        let task = ops::task::spawn(
             "placer",
             run(db, reader, appender, config, stats.clone(), stop_rx),
         );
@@ -416,7 +410,7 @@ async fn run(
                         // Supervised: the index is rebuilt (from the newest
                         // snapshot and the log) and placement goes on.
                         let delay = backoff.next_delay();
-                        events::task::restarted("placer-projector", &e, delay);
+                        ops::task::restarted("placer-projector", &e, delay);
                         tokio::select! {
                             _ = &mut stop => break,
                             _ = tokio::time::sleep(delay) => {}
@@ -492,7 +486,7 @@ async fn start_projector(
             Ok(p) => return Some(p.snapshot_every(config.snapshot_every)),
             Err(e) => {
                 let delay = backoff.next_delay();
-                events::task::restarted("placer-projector", &e, delay);
+                ops::task::restarted("placer-projector", &e, delay);
                 tokio::select! {
                     _ = &mut *stop => return None,
                     _ = tokio::time::sleep(delay) => {}

@@ -3,7 +3,7 @@
 //! batch latency. How far behind each sink is is its subscription's lag,
 //! `strata_subscription_lag_events{subscription="sink.<name>"}`.
 
-use events::metrics::prometheus::{HistogramVec, IntCounterVec};
+use ops::metrics::prometheus::{HistogramVec, IntCounterVec};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -18,27 +18,27 @@ struct Sinks {
 fn sinks() -> &'static Sinks {
     static S: OnceLock<Sinks> = OnceLock::new();
     S.get_or_init(|| Sinks {
-        delivered: events::metrics::counter_vec(
+        delivered: ops::metrics::counter_vec(
             "strata_sink_delivered_events_total",
             "Events delivered, by sink.",
             &["sink"],
         ),
-        parked: events::metrics::counter_vec(
+        parked: ops::metrics::counter_vec(
             "strata_sink_parked_events_total",
             "Events parked after every attempt at their batch failed, by sink.",
             &["sink"],
         ),
-        batches: events::metrics::counter_vec(
+        batches: ops::metrics::counter_vec(
             "strata_sink_batches_total",
             "Batches, by sink and outcome (delivered or parked).",
             &["sink", "outcome"],
         ),
-        retries: events::metrics::counter_vec(
+        retries: ops::metrics::counter_vec(
             "strata_sink_retries_total",
             "Delivery attempts after a batch's first, by sink.",
             &["sink"],
         ),
-        seconds: events::metrics::histogram_vec(
+        seconds: ops::metrics::histogram_vec(
             "strata_sink_batch_duration_seconds",
             "Time to deliver or park a batch, retries included, by sink.",
             &["sink"],
@@ -70,15 +70,15 @@ pub(crate) fn batch(sink: &str, delivered: bool, events: usize, attempts: u32, t
         .observe(took.as_secs_f64());
 }
 
-static FIELDS: &[events::metrics::Field<crate::runner::SinkStats>] = &[
-    events::stat_field!(
+static FIELDS: &[ops::metrics::Field<crate::runner::SinkStats>] = &[
+    ops::stat_field!(
         crate::runner::SinkStats,
         "strata_sink_workers",
         Gauge,
         "Sinks this process delivers now (it holds their subscription's lease).",
         workers
     ),
-    events::stat_field!(
+    ops::stat_field!(
         crate::runner::SinkStats,
         "strata_sink_pauses_total",
         Counter,
@@ -89,7 +89,7 @@ static FIELDS: &[events::metrics::Field<crate::runner::SinkStats>] = &[
 
 /// Counts `stats` into `/metrics` while it lives.
 pub(crate) fn count(stats: &std::sync::Arc<crate::runner::SinkStats>) {
-    static R: OnceLock<events::metrics::Instances<crate::runner::SinkStats>> = OnceLock::new();
-    R.get_or_init(|| events::metrics::Instances::new(FIELDS))
+    static R: OnceLock<ops::metrics::Instances<crate::runner::SinkStats>> = OnceLock::new();
+    R.get_or_init(|| ops::metrics::Instances::new(FIELDS))
         .add(stats);
 }

@@ -86,7 +86,7 @@ impl Sinks {
         let stats = Arc::new(SinkStats::default());
         crate::metrics::count(&stats);
         let (stop, rx) = oneshot::channel();
-        let task = events::task::spawn("sinks", run(db, reader, config, http, stats.clone(), rx));
+        let task = ops::task::spawn("sinks", run(db, reader, config, http, stats.clone(), rx));
         Ok(Sinks {
             stats,
             stop: Some(stop),
@@ -169,7 +169,7 @@ async fn run(
             match reader.subscribe(&format!("sink.{name}"), start).await {
                 Ok(sub) => {
                     let (tx, rx) = oneshot::channel();
-                    let task = events::task::spawn(
+                    let task = ops::task::spawn(
                         "sink-worker",
                         worker(
                             cfg.clone(),

@@ -580,7 +580,7 @@ pub async fn placer_kill(r: &mut Region, o: &Options) -> Result<serde_json::Valu
 }
 
 pub async fn binder_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
-    kill_holder(r, o, placer::binder::LEASE).await
+    kill_holder(r, o, binder::LEASE).await
 }
 
 /// SIGKILL of the sinks process; it is started again a second later (as a

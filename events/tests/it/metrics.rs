@@ -27,7 +27,7 @@ async fn the_prometheus_endpoint_shows_appends_batches_replication_and_subscript
     let (cfg, mut client) = db().await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    tokio::spawn(events::http::serve(listener));
+    tokio::spawn(ops::http::serve(listener));
     let a = appender(&cfg);
     let r = reader(&cfg);
     let mut sub = r
@@ -98,11 +98,11 @@ async fn the_prometheus_endpoint_shows_appends_batches_replication_and_subscript
     assert!(get(port, "/nope").await.starts_with("HTTP/1.1 404"));
     assert!(get(port, "/healthz").await.starts_with("HTTP/1.1 200"));
     // Ready only when every check passes, and the body says which failed.
-    events::http::ready_when("probe", || Err("warming up".into()));
+    ops::http::ready_when("probe", || Err("warming up".into()));
     let resp = get(port, "/readyz").await;
     assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
     assert!(resp.contains("probe: not ready: warming up"), "{resp}");
-    events::http::ready_when("probe", || Ok(()));
+    ops::http::ready_when("probe", || Ok(()));
     let resp = get(port, "/readyz").await;
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
 }

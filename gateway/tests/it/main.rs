@@ -1228,7 +1228,7 @@ async fn a_preempted_reservations_node_is_told_and_released_after_the_grace_peri
     let mut pc = placer::PlacerConfig::new("preempt-test");
     pc.preemption_grace = Duration::from_secs(1);
     let placer = placer::Placer::start(r.cfg.clone(), r.reader(), r.appender.clone(), pc);
-    let binder = placer::binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone());
+    let binder = binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone());
     let whole = |id: &str, priority: i32| projections::Request {
         reservation: id.into(),
         pool: "p".into(),
@@ -1398,7 +1398,7 @@ async fn the_client_api_serves_operators_only() {
     // lease finds it while starting up, with its stream's version): one
     // holds the lease and works, the other waits.
     let binders: Vec<_> = (0..2)
-        .map(|_| placer::binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone()))
+        .map(|_| binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone()))
         .collect();
     let err = api
         .reserve(ReserveRequest {
@@ -1959,7 +1959,7 @@ async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fa
     let mut pc = placer::PlacerConfig::new("lifecycle");
     pc.node_lost_after = Duration::from_secs(1);
     let placer = placer::Placer::start(r.cfg.clone(), r.reader(), r.appender.clone(), pc);
-    let binder = placer::binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone());
+    let binder = binder::Binder::start(r.cfg.clone(), r.reader(), r.appender.clone());
     let whole = |id: &str| projections::Request {
         reservation: id.into(),
         pool: "p".into(),

@@ -610,7 +610,7 @@ async fn placer_and_binder_survive_a_postgres_crash_restart() {
     let mut pc = PlacerConfig::new("crash-placer");
     pc.lease_ttl = Duration::from_secs(2);
     let placer = Placer::start(cfg.clone(), reader.clone(), appender.clone(), pc);
-    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     let node = answer_binds(reader.clone(), appender.clone());
     let client = events::db::connect(&cfg, "test").await.unwrap();
     client::reserve(
@@ -737,7 +737,7 @@ async fn a_binder_started_after_releases_sends_them_to_the_nodes() {
         PlacerConfig::new("leak"),
     );
     let node = answer_binds(reader.clone(), appender.clone());
-    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     let mut sub = reader
         .subscribe_ephemeral(events::Start::Now)
         .await
@@ -768,7 +768,7 @@ async fn a_binder_started_after_releases_sends_them_to_the_nodes() {
     let releases = "SELECT count(*) FROM strata.events WHERE stream LIKE 'command/release:%' AND type = 'command.issued'";
     let issued: i64 = client.query_one(releases, &[]).await.unwrap().get(0);
     assert_eq!(issued, 0, "no binder ran");
-    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     let t = std::time::Instant::now();
     loop {
         let issued: i64 = client.query_one(releases, &[]).await.unwrap().get(0);
@@ -807,7 +807,7 @@ async fn an_unanswered_bind_is_tried_again_and_a_refused_one_releases_its_reserv
             projections::commands::SUCCEEDED
         }
     });
-    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     for id in ["slow", "bad"] {
         client::reserve(&client, &appender, &request(id, "binds", 8, Shape::Node))
             .await
@@ -843,7 +843,7 @@ async fn an_unanswered_bind_is_tried_again_and_a_refused_one_releases_its_reserv
 
     // A binder started now reads the attempts from the log: slow is bound.
     binder.stop().await.unwrap();
-    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     let activated: i64 = client
         .query_one(
             "SELECT count(*) FROM strata.events WHERE stream = 'reservation/slow' AND type = 'reservation.activated'",
@@ -873,7 +873,7 @@ async fn reserve_then_release_races_never_activate_after_the_end() {
         PlacerConfig::new("race"),
     );
     let node = answer_binds(reader.clone(), appender.clone());
-    let binder = placer::binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     let mut clients = Vec::new();
     for c in 0..16 {
         let (cfg, appender, reader) = (cfg.clone(), appender.clone(), reader.clone());

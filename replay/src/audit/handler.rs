@@ -49,57 +49,57 @@ pub struct Stats {
 }
 
 /// The endpoint's counters on `/metrics`.
-static FIELDS: &[events::metrics::Field<Stats>] = &[
-    events::stat_field!(
+static FIELDS: &[ops::metrics::Field<Stats>] = &[
+    ops::stat_field!(
         Stats,
         "strata_audit_sessions",
         Gauge,
         "Auditor sessions open.",
         sessions
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_audit_logins_total",
         Counter,
         "Auditors logged in.",
         logins
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_audit_logins_refused_total",
         Counter,
         "Logins refused (password, certificate, revoked).",
         logins_refused
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_audit_statements_total",
         Counter,
         "Auditor statements run (each recorded first).",
         statements
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_audit_statement_errors_total",
         Counter,
         "Auditor statements PostgreSQL refused or failed.",
         statement_errors
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_audit_cancels_total",
         Counter,
         "Cancel requests passed on to PostgreSQL.",
         cancels
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_audit_transactions_expired_total",
         Counter,
         "Auditor transactions ended at the endpoint's maximum age.",
         transactions_expired
     ),
-    events::stat_field!(
+    ops::stat_field!(
         Stats,
         "strata_audit_unrecorded_total",
         Counter,
@@ -108,9 +108,9 @@ static FIELDS: &[events::metrics::Field<Stats>] = &[
     ),
 ];
 
-fn endpoints() -> &'static events::metrics::Instances<Stats> {
-    static E: std::sync::OnceLock<events::metrics::Instances<Stats>> = std::sync::OnceLock::new();
-    E.get_or_init(|| events::metrics::Instances::new(FIELDS))
+fn endpoints() -> &'static ops::metrics::Instances<Stats> {
+    static E: std::sync::OnceLock<ops::metrics::Instances<Stats>> = std::sync::OnceLock::new();
+    E.get_or_init(|| ops::metrics::Instances::new(FIELDS))
 }
 
 /// What every connection shares.

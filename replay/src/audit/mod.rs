@@ -119,7 +119,7 @@ pub struct Endpoint {
 /// Serves a renewed certificate from the next TLS handshake on.
 #[derive(Clone)]
 pub struct Renewer {
-    serving: Arc<events::tls::ServingCert>,
+    serving: Arc<ops::tls::ServingCert>,
     handlers: Arc<handler::Handlers>,
 }
 
@@ -204,11 +204,11 @@ pub async fn start(
 
 fn tls_acceptor(
     files: &TlsFiles,
-) -> Result<(pgwire::tokio::TlsAcceptor, Arc<events::tls::ServingCert>), AuditError> {
+) -> Result<(pgwire::tokio::TlsAcceptor, Arc<ops::tls::ServingCert>), AuditError> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::CertificateDer;
     let serving =
-        events::tls::ServingCert::new(&files.cert_pem, &files.key_pem).map_err(AuditError::Tls)?;
+        ops::tls::ServingCert::new(&files.cert_pem, &files.key_pem).map_err(AuditError::Tls)?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()

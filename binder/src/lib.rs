@@ -1,5 +1,5 @@
-//! The binder: turns placements into node commands and bound placements
-//! into active reservations.
+//! Strata's binder (the `binder` role): turns placements into node commands
+//! and bound placements into active reservations.
 //!
 //! ```text
 //!  reservation.placed --> allocation.bind per node (id bind:<reservation>:<node>, NoStream)
@@ -22,8 +22,8 @@
 
 use events::db::Sql;
 use events::lease::{Lease, LeaseError};
-use events::task::Backoff;
 use events::{AppendError, Appender, ErrorKind, ExpectedVersion, Reader, Start};
+use ops::task::Backoff;
 use projections::commands::{self, Command};
 use projections::domain::{reservation_of, reservation_stream};
 use projections::{projector, Fact, Index, Phase};
@@ -54,43 +54,43 @@ pub struct BinderStats {
 }
 
 /// The binders' counters on `/metrics`.
-static FIELDS: &[events::metrics::Field<BinderStats>] = &[
-    events::stat_field!(
+static FIELDS: &[ops::metrics::Field<BinderStats>] = &[
+    ops::stat_field!(
         BinderStats,
         "strata_binder_binds_total",
         Counter,
         "allocation.bind commands issued.",
         binds_issued
     ),
-    events::stat_field!(
+    ops::stat_field!(
         BinderStats,
         "strata_binder_releases_total",
         Counter,
         "allocation.release commands issued.",
         releases_issued
     ),
-    events::stat_field!(
+    ops::stat_field!(
         BinderStats,
         "strata_binder_activated_total",
         Counter,
         "Reservations made active once every node bound them.",
         activated
     ),
-    events::stat_field!(
+    ops::stat_field!(
         BinderStats,
         "strata_binder_bind_retries_total",
         Counter,
         "Binds issued again after one went unanswered.",
         bind_retries
     ),
-    events::stat_field!(
+    ops::stat_field!(
         BinderStats,
         "strata_binder_bind_failures_total",
         Counter,
         "Binds that expired unanswered or that a node refused.",
         bind_failures
     ),
-    events::stat_field!(
+    ops::stat_field!(
         BinderStats,
         "strata_binder_restarts_total",
         Counter,
@@ -99,10 +99,10 @@ static FIELDS: &[events::metrics::Field<BinderStats>] = &[
     ),
 ];
 
-fn binders() -> &'static events::metrics::Instances<BinderStats> {
-    static B: std::sync::OnceLock<events::metrics::Instances<BinderStats>> =
+fn binders() -> &'static ops::metrics::Instances<BinderStats> {
+    static B: std::sync::OnceLock<ops::metrics::Instances<BinderStats>> =
         std::sync::OnceLock::new();
-    B.get_or_init(|| events::metrics::Instances::new(FIELDS))
+    B.get_or_init(|| ops::metrics::Instances::new(FIELDS))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -133,7 +133,7 @@ impl Binder {
         reader: Reader,
         appender: Appender,
     ) -> Binder {
-        Self::start_as(db, reader, appender, crate::service::default_holder())
+        Self::start_as(db, reader, appender, events::lease::default_holder())
     }
 
     /// The same, holding the binder's lease under `holder` (what `strata
@@ -148,7 +148,7 @@ impl Binder {
         let stats = Arc::new(BinderStats::default());
         binders().add(&stats);
         let (stop, rx) = oneshot::channel();
-        let task = events::task::spawn(
+        let task = ops::task::spawn(
             "binder",
             run(db, reader, appender, stats.clone(), rx, holder),
         );
@@ -227,7 +227,7 @@ fn release_deadline() -> u64 {
 /// missing from the log.
 fn issue(appender: &Appender, command: Command, counter: Arc<BinderStats>, release: bool) {
     let appender = appender.clone();
-    events::task::spawn("binder-issue", async move {
+    ops::task::spawn("binder-issue", async move {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let give_up = Instant::now() + COMMAND_DEADLINE;
         loop {
@@ -412,7 +412,7 @@ async fn run(
             tracing::warn!(error = %error, "the binder lease was lost; waiting to take it again");
         } else {
             stats.restarts.fetch_add(1, Ordering::Relaxed);
-            events::task::restarted("binder", &error, delay);
+            ops::task::restarted("binder", &error, delay);
         }
         tokio::select! {
             _ = &mut stop => return Ok(()),

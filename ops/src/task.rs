@@ -59,7 +59,9 @@ impl Backoff {
 /// again after `delay`: a warning in the log and one more in
 /// `strata_task_restarts_total{task}`.
 pub fn restarted(task: &'static str, error: &dyn std::fmt::Display, delay: Duration) {
-    crate::metrics::global().count_restart(task);
+    crate::metrics::task_restarts()
+        .with_label_values(&[task])
+        .inc();
     tracing::warn!(task, error = %error, delay_ms = delay.as_millis() as u64, "task failed; starting it again");
 }
 
@@ -85,9 +87,16 @@ mod tests {
 
     #[test]
     fn a_restart_is_counted_under_its_task() {
-        let before = crate::metrics::global().restarts("test-task");
+        let before = crate::metrics::task_restarts()
+            .with_label_values(&["test-task"])
+            .get();
         restarted("test-task", &"boom", Duration::from_millis(1));
-        assert_eq!(crate::metrics::global().restarts("test-task"), before + 1);
+        assert_eq!(
+            crate::metrics::task_restarts()
+                .with_label_values(&["test-task"])
+                .get(),
+            before + 1
+        );
         assert!(crate::metrics::render().contains("strata_task_restarts_total{task=\"test-task\"}"));
     }
 }

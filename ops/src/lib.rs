@@ -1,0 +1,14 @@
+//! What every Strata process is operated through, whatever its roles: the
+//! process's metrics registry ([`metrics`]) and the HTTP endpoint that
+//! serves it with health and readiness ([`http`]); named background tasks
+//! that are supervised and counted when they restart ([`task`]); and the
+//! serving certificate that a TLS listener swaps for a renewed one while it
+//! runs ([`tls`]).
+//!
+//! It depends on no other crate of the workspace, so every crate can report
+//! through it.
+
+pub mod http;
+pub mod metrics;
+pub mod task;
+pub mod tls;
