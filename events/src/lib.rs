@@ -19,6 +19,7 @@
 pub mod append;
 pub mod assemble;
 pub mod catalog;
+mod cursor;
 pub mod db;
 pub mod doctor;
 mod lag;

@@ -1,7 +1,7 @@
 //! TLS to PostgreSQL with rustls (ring), configured as libpq is: `sslmode`
 //! (`disable`, `prefer`, `require`, `verify-ca`, `verify-full`),
 //! `sslrootcert`, and a client certificate (`sslcert`, `sslkey`), read from
-//! the database URL by [`crate::db::Database`].
+//! the database URL by `Database`.
 //!
 //! | sslmode | TLS | the server's certificate |
 //! | --- | --- | --- |
@@ -13,7 +13,7 @@
 //!
 //! The same client configuration serves tokio-postgres (through
 //! [`MakeRustls`]) and the replication connection, which negotiates TLS
-//! itself ([`crate::replication`]).
+//! itself (the replication module).
 
 use std::future::Future;
 use std::io;

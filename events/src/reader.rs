@@ -150,7 +150,7 @@ pub(crate) struct Inner {
     /// a second open of a name held here is refused at once, and one right
     /// after a drop waits for the lease's release.
     pub(crate) held:
-        std::sync::Mutex<std::collections::HashMap<String, Arc<crate::subscription::Cursor>>>,
+        std::sync::Mutex<std::collections::HashMap<String, Arc<crate::cursor::Cursor>>>,
 }
 
 /// A handle on the process's replication reader. Cheap to clone; the reader

@@ -17,6 +17,7 @@
 //! hand-off cannot lose or repeat one. If the reader drops a subscription
 //! (too slow, too much WAL held), it simply goes back to reading the table.
 
+use crate::cursor::Cursor;
 use crate::lease::{Lease, LeaseError};
 use crate::read;
 use crate::reader::{Live, Reader};
@@ -126,20 +127,6 @@ impl SubscribeError {
 
 fn db(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SubscribeError {
     move |source| SubscribeError::Database { context, source }
-}
-
-pub(crate) struct Cursor {
-    pub(crate) acked: AtomicU64,
-    durable: Arc<AtomicU64>,
-    notify: Notify,
-    /// Set when the subscription is dropped: store once more, then stop.
-    pub(crate) closed: std::sync::atomic::AtomicBool,
-    /// What `/metrics` reads of it.
-    pub(crate) lag: crate::lag::Lag,
-    /// A named subscription is held by one process at a time.
-    lease: Option<Lease>,
-    /// Set when the lease could not be renewed.
-    lost: std::sync::atomic::AtomicBool,
 }
 
 /// A subscription. Call [`Subscription::next`] for events and
@@ -791,19 +778,5 @@ impl Drop for Subscription {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.notify.notify_one();
-    }
-}
-
-impl crate::lag::Watched for Cursor {
-    fn closed(&self) -> bool {
-        self.closed.load(Ordering::Relaxed)
-    }
-
-    fn lag(&self) -> &crate::lag::Lag {
-        &self.lag
-    }
-
-    fn acked(&self) -> u64 {
-        self.acked.load(Ordering::Relaxed)
     }
 }

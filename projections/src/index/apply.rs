@@ -1,0 +1,819 @@
+//! Folding one event into the index: [`Index::apply`] checks the event's
+//! place in the log, resolves the pool it speaks of, and hands the fact to
+//! one function per family (a pool's, a node's membership, a node's
+//! standing, a client's, the placer's, an ending). Each keeps the derived
+//! structures up to date and says, as a violation, where the log breaks an
+//! invariant (a device booked twice, a placement over quota, a preemption
+//! that was not scheduled).
+
+use super::*;
+
+impl Index {
+    /// Applies one event. Events at or below the applied position are
+    /// skipped (so replays after a snapshot apply each event once); a gap is
+    /// refused. A fact that breaks an invariant is applied as far as it can
+    /// be and reported as a [`Violation`].
+    pub fn apply(&mut self, event: &Event) -> Result<Option<Violation>, ApplyError> {
+        if event.position.0 <= self.state.position {
+            return Ok(None);
+        }
+        let parsed = Fact::parse(&event.event_type, &event.payload, &event.metadata);
+        self.apply_parsed(event, parsed)
+    }
+
+    /// [`Index::apply`] with the event's fact already parsed
+    /// ([`Fact::parse`]), so a replay can parse on another thread.
+    pub fn apply_parsed(
+        &mut self,
+        event: &Event,
+        parsed: Result<Option<Fact>, String>,
+    ) -> Result<Option<Violation>, ApplyError> {
+        let p = event.position.0;
+        if p <= self.state.position {
+            return Ok(None);
+        }
+        if !event
+            .position
+            .follows(events::Position(self.state.position))
+        {
+            return Err(ApplyError::Gap {
+                applied: self.state.position,
+                got: p,
+                missing_from: self.state.position + 1,
+                missing_to: p - 1,
+            });
+        }
+        self.state.position = p;
+        let violation = |message: String| Violation {
+            position: p,
+            stream: event.stream.clone(),
+            event_type: event.event_type.clone(),
+            message,
+        };
+        // The pool's version follows its stream, whatever the event is.
+        if let Some(pool) = pool_of(&event.stream) {
+            match self.state.pools.get_mut(pool) {
+                Some(entry) => entry.version = event.version,
+                None => {
+                    self.state.pools.insert(
+                        pool.to_string(),
+                        Pool {
+                            name: pool.to_string(),
+                            version: event.version,
+                            ..Pool::default()
+                        },
+                    );
+                }
+            }
+        }
+        let fact = match parsed {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                self.state.malformed += 1;
+                return Ok(Some(violation(e)));
+            }
+        };
+        let result = self.apply_fact(event, fact);
+        if let Err(message) = result {
+            self.state.violations += 1;
+            return Ok(Some(violation(message)));
+        }
+        Ok(None)
+    }
+
+    fn apply_fact(&mut self, event: &Event, fact: Fact) -> Result<(), String> {
+        let on_pool = pool_of(&event.stream).map(str::to_string);
+        let pool_fact = !matches!(
+            fact,
+            Fact::ReservationRequested(_)
+                | Fact::ReservationActive { .. }
+                | Fact::ReleaseRequested { .. }
+                | Fact::ReservationEnded { .. }
+        );
+        let pool = match (&on_pool, pool_fact) {
+            (Some(p), true) => p.clone(),
+            (None, true) => return Err("a pool fact outside a pool stream".into()),
+            (_, false) => {
+                let expected = fact.reservation().map(crate::domain::reservation_stream);
+                if expected.as_deref() != Some(event.stream.as_str()) {
+                    return Err(format!(
+                        "a reservation fact on stream {:?}, not {:?}",
+                        event.stream,
+                        expected.unwrap_or_default()
+                    ));
+                }
+                String::new()
+            }
+        };
+        match &fact {
+            Fact::PoolCreated { .. } | Fact::PoolUpdated { .. } | Fact::QueueConfigured(_) => {
+                self.apply_pool(pool, fact)
+            }
+            Fact::NodeJoined { .. }
+            | Fact::InventoryReported { .. }
+            | Fact::NodeLeft { .. }
+            | Fact::NodeContactLost { .. }
+            | Fact::NodeContactRestored { .. } => self.apply_membership(event, pool, fact),
+            Fact::NodeCordoned { .. }
+            | Fact::NodeDrained { .. }
+            | Fact::NodeTopologySet { .. }
+            | Fact::NodeUncordoned { .. }
+            | Fact::HealthRaised { .. }
+            | Fact::HealthCleared { .. } => self.apply_standing(pool, fact),
+            Fact::ReservationRequested(_)
+            | Fact::ReleaseRequested { .. }
+            | Fact::ReservationActive { .. }
+            | Fact::ReservationEnded { .. } => self.apply_request(event, fact),
+            Fact::ReservationQueued { .. }
+            | Fact::ReservationUnschedulable { .. }
+            | Fact::ReservationPlaced { .. }
+            | Fact::ReservationPreempting { .. } => self.apply_placement(event, pool, fact),
+            Fact::ReservationReleased { .. }
+            | Fact::ReservationExpired { .. }
+            | Fact::ReservationFailed { .. }
+            | Fact::ReservationPreempted { .. } => self.apply_ending(event, pool, fact),
+        }
+    }
+
+    /// Something changed what the pool can place: requests that wait are
+    /// looked at again.
+    fn bump_capacity(&mut self, pool: &str) {
+        if let Some(p) = self.state.pools.get_mut(pool) {
+            p.capacity_epoch += 1;
+        }
+    }
+
+    /// A pool is created or described, or one of its queues configured.
+    fn apply_pool(&mut self, pool: String, fact: Fact) -> Result<(), String> {
+        match fact {
+            Fact::PoolCreated { description } | Fact::PoolUpdated { description } => {
+                let p = self
+                    .state
+                    .pools
+                    .get_mut(&pool)
+                    .expect("made on the stream's first event");
+                p.created = true;
+                p.description = description;
+            }
+            Fact::QueueConfigured(spec) => {
+                spec.validate().map_err(|e| format!("invalid queue: {e}"))?;
+                self.state
+                    .pools
+                    .get_mut(&pool)
+                    .expect("made on the stream's first event")
+                    .queues
+                    .insert(spec.queue.clone(), spec);
+                // More quota may admit what waits.
+                self.bump_capacity(&pool);
+            }
+            other => return Err(format!("not a pool fact: {}", other.event_type())),
+        }
+        Ok(())
+    }
+
+    /// A node joins, reports its inventory, leaves, or is lost or found by its gateway.
+    fn apply_membership(&mut self, event: &Event, pool: String, fact: Fact) -> Result<(), String> {
+        let joined = matches!(&fact, Fact::NodeJoined { .. });
+        match fact {
+            Fact::NodeJoined { node, devices } | Fact::InventoryReported { node, devices } => {
+                let exists = self.state.pools[&pool].nodes.contains_key(&node);
+                if !exists {
+                    self.state
+                        .pools
+                        .get_mut(&pool)
+                        .expect("made on the stream's first event")
+                        .nodes
+                        .insert(node.clone(), Node::default());
+                }
+                self.with_node(&pool, &node, |n| {
+                    if joined {
+                        n.left = false;
+                        n.left_reason.clear();
+                    }
+                    let mut old: Vec<Device> = std::mem::take(&mut n.devices);
+                    for spec in devices {
+                        let kept = old
+                            .iter()
+                            .position(|d| d.spec.id == spec.id)
+                            .map(|i| old.remove(i));
+                        n.devices.push(match kept {
+                            Some(mut d) => {
+                                d.spec = spec;
+                                d.present = true;
+                                d
+                            }
+                            None => Device {
+                                spec,
+                                conditions: Vec::new(),
+                                present: true,
+                                booked_by: None,
+                            },
+                        });
+                    }
+                    // Devices no longer reported stay while booked.
+                    for mut d in old {
+                        if d.booked_by.is_some() {
+                            d.present = false;
+                            n.devices.push(d);
+                        }
+                    }
+                });
+                self.bump_capacity(&pool);
+            }
+            Fact::NodeLeft { node, reason } => {
+                self.with_node(&pool, &node, |n| {
+                    n.left = true;
+                    n.left_reason = reason;
+                });
+            }
+            Fact::NodeContactLost { node } => {
+                let since = millis(event.recorded_at);
+                self.with_node(&pool, &node, |n| {
+                    n.unreachable_since_ms.get_or_insert(since);
+                });
+            }
+            Fact::NodeContactRestored { node } => {
+                self.with_node(&pool, &node, |n| n.unreachable_since_ms = None);
+                self.bump_capacity(&pool);
+            }
+            other => {
+                return Err(format!(
+                    "not a node's membership fact: {}",
+                    other.event_type()
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// An operator's say over a node (cordon, drain, topology), or its health.
+    fn apply_standing(&mut self, pool: String, fact: Fact) -> Result<(), String> {
+        match fact {
+            Fact::NodeCordoned { node, reason } => {
+                self.with_node(&pool, &node, |n| n.cordoned = Some(reason));
+            }
+            Fact::NodeDrained {
+                node,
+                reason,
+                deadline_ms,
+            } => {
+                self.with_node(&pool, &node, |n| {
+                    n.drained = Some(reason);
+                    n.drain_deadline_ms = deadline_ms;
+                });
+            }
+            Fact::NodeTopologySet {
+                node,
+                rack,
+                block,
+                rail,
+            } => {
+                self.with_node(&pool, &node, |n| {
+                    n.rack = rack;
+                    n.block = block;
+                    n.rail = rail;
+                })
+                .ok_or_else(|| format!("node {node:?} is not in pool {pool:?}"))?;
+                // A gang waiting for a rack may fit now.
+                self.bump_capacity(&pool);
+            }
+            Fact::NodeUncordoned { node } => {
+                self.with_node(&pool, &node, |n| {
+                    n.cordoned = None;
+                    n.drained = None;
+                    n.drain_deadline_ms = None;
+                });
+                self.bump_capacity(&pool);
+            }
+            Fact::HealthRaised {
+                node,
+                device,
+                condition,
+                ..
+            } => {
+                self.with_node(&pool, &node, |n| {
+                    let list = n.conditions_mut(device.as_deref());
+                    if let Some(list) = list {
+                        if !list.contains(&condition) {
+                            list.push(condition);
+                        }
+                    }
+                });
+            }
+            Fact::HealthCleared {
+                node,
+                device,
+                condition,
+            } => {
+                self.with_node(&pool, &node, |n| {
+                    let list = n.conditions_mut(device.as_deref());
+                    if let Some(list) = list {
+                        list.retain(|c| c != &condition);
+                    }
+                });
+                self.bump_capacity(&pool);
+            }
+            other => {
+                return Err(format!(
+                    "not a node's standing or health fact: {}",
+                    other.event_type()
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// A client's fact on a reservation's own stream: its request, its release request, its activation, its end.
+    fn apply_request(&mut self, event: &Event, fact: Fact) -> Result<(), String> {
+        match fact {
+            Fact::ReservationRequested(request) => {
+                let id = request.reservation.clone();
+                if self.state.reservations.contains_key(&id) {
+                    return Err(format!("reservation {id:?} was requested twice"));
+                }
+                request
+                    .validate()
+                    .map_err(|e| format!("invalid request: {e}"))?;
+                if let Some(old) = &request.replaces {
+                    self.state.replaced_by.insert(old.clone(), id.clone());
+                }
+                self.state.reservations.insert(
+                    id.clone(),
+                    Reservation {
+                        request,
+                        phase: Phase::Pending,
+                        requested_at: event.position.0,
+                        allocations: Vec::new(),
+                        placed_at_ms: None,
+                        expires_at_ms: None,
+                        release_requested: false,
+                        reason: String::new(),
+                        preempted_by: None,
+                        preempt_deadline_ms: None,
+                        preempt_reason: String::new(),
+                    },
+                );
+                self.queue(&id, true);
+            }
+            Fact::ReleaseRequested { reservation, .. } => {
+                // Releasing a reservation that failed and was placed again
+                // releases the one in its place; releasing what is gone is
+                // a no-op.
+                let mut id = reservation;
+                while !self.state.reservations.contains_key(&id) {
+                    match self.state.replaced_by.get(&id) {
+                        Some(next) => id = next.clone(),
+                        None => break,
+                    }
+                }
+                self.with_reservation(&id, |r| r.release_requested = true);
+            }
+            Fact::ReservationActive { reservation } => {
+                let ok = self.with_reservation(&reservation, |r| {
+                    if r.phase == Phase::Placed {
+                        r.phase = Phase::Active;
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "reservation {reservation:?} became active while {}",
+                            r.phase.name()
+                        ))
+                    }
+                });
+                ok.unwrap_or_else(|| {
+                    Err(format!("unknown reservation {reservation:?} became active"))
+                })?;
+            }
+            Fact::ReservationEnded { reservation, .. } => {
+                // Committed after the terminal fact on the pool's stream, in
+                // the same transaction: by now the reservation is gone.
+                if let Some(r) = self.state.reservations.get(&reservation) {
+                    return Err(format!(
+                        "reservation {reservation:?} ended while {}, before its terminal fact",
+                        r.phase.name()
+                    ));
+                }
+            }
+            other => return Err(format!("not a client's fact: {}", other.event_type())),
+        }
+        Ok(())
+    }
+
+    /// The placer's word on a waiting request: queued, never fits, placed, or preempting others.
+    fn apply_placement(&mut self, event: &Event, pool: String, fact: Fact) -> Result<(), String> {
+        match fact {
+            Fact::ReservationQueued {
+                reservation,
+                reason,
+            } => {
+                self.check_in_pool(&reservation, &pool)?;
+                self.with_reservation(&reservation, |r| {
+                    // Queued again when why it waits changes.
+                    if matches!(r.phase, Phase::Pending | Phase::Queued) {
+                        r.phase = Phase::Queued;
+                        r.reason = reason;
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "reservation {reservation:?} queued while {}",
+                            r.phase.name()
+                        ))
+                    }
+                })
+                .expect("checked")?;
+            }
+            Fact::ReservationUnschedulable { reservation, .. } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let phase = self.state.reservations[&reservation].phase;
+                self.terminate(&pool, &reservation);
+                self.forget_chain(&reservation);
+                if phase.is_live() {
+                    return Err(format!(
+                        "reservation {reservation:?} declared unschedulable while {}",
+                        phase.name()
+                    ));
+                }
+            }
+            Fact::ReservationPlaced {
+                reservation,
+                allocations,
+            } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let placed = self.place(event, &pool, &reservation, allocations);
+                self.withdraw_preemptions(&pool, &reservation);
+                return placed;
+            }
+            Fact::ReservationPreempting {
+                reservation,
+                by,
+                reason,
+                deadline_ms,
+            } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let victim = &self.state.reservations[&reservation];
+                let problem = if !victim.phase.is_live() {
+                    Some(format!(
+                        "reservation {reservation:?} preempted while {}",
+                        victim.phase.name()
+                    ))
+                } else if let Some(other) = &victim.preempted_by {
+                    Some(format!(
+                        "reservation {reservation:?} is already being preempted for {other:?}"
+                    ))
+                } else {
+                    match self.state.reservations.get(&by) {
+                        Some(p) if matches!(p.phase, Phase::Pending | Phase::Queued) => {
+                            crate::quota::may_preempt(
+                                self,
+                                &pool,
+                                &p.request,
+                                victim,
+                                &Default::default(),
+                            )
+                            .err()
+                        }
+                        _ => Some(format!(
+                            "reservation {reservation:?} preempted for {by:?}, which does not wait"
+                        )),
+                    }
+                };
+                let live = victim.phase.is_live();
+                if live {
+                    let why = reason.clone();
+                    self.with_reservation(&reservation, |r| {
+                        r.preempted_by = Some(by);
+                        r.preempt_deadline_ms = deadline_ms;
+                        r.preempt_reason = why;
+                    });
+                }
+                if let Some(p) = problem {
+                    return Err(format!("{p} ({reason})"));
+                }
+            }
+            other => return Err(format!("not a placement fact: {}", other.event_type())),
+        }
+        Ok(())
+    }
+
+    /// A reservation ends: released, expired, failed or preempted.
+    fn apply_ending(&mut self, event: &Event, pool: String, fact: Fact) -> Result<(), String> {
+        let replaced = matches!(
+            &fact,
+            Fact::ReservationFailed {
+                replaced_by: Some(_),
+                ..
+            } | Fact::ReservationPreempted {
+                replaced_by: Some(_),
+                ..
+            }
+        );
+        match fact {
+            Fact::ReservationReleased { reservation } => {
+                self.check_in_pool(&reservation, &pool)?;
+                self.terminate(&pool, &reservation);
+                self.forget_chain(&reservation);
+                self.bump_capacity(&pool);
+            }
+            Fact::ReservationExpired { reservation }
+            | Fact::ReservationFailed { reservation, .. } => {
+                // Only a live reservation can run out of time or lose a node.
+                self.check_in_pool(&reservation, &pool)?;
+                let phase = self.state.reservations[&reservation].phase;
+                self.terminate(&pool, &reservation);
+                // Placed again: the reservation in its place is requested in
+                // the same transaction, and keeps the chain.
+                if !replaced {
+                    self.forget_chain(&reservation);
+                }
+                self.bump_capacity(&pool);
+                if !phase.is_live() {
+                    return Err(format!(
+                        "reservation {reservation:?} {} while {}",
+                        crate::domain::canonical_type(&event.event_type)
+                            .trim_start_matches("reservation."),
+                        phase.name()
+                    ));
+                }
+            }
+            Fact::ReservationPreempted { reservation, .. } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let r = &self.state.reservations[&reservation];
+                let (phase, marked) = (r.phase, r.preempted_by.is_some());
+                self.terminate(&pool, &reservation);
+                if !replaced {
+                    self.forget_chain(&reservation);
+                }
+                self.bump_capacity(&pool);
+                if !phase.is_live() || !marked {
+                    return Err(format!(
+                        "reservation {reservation:?} preempted while {}{}",
+                        phase.name(),
+                        if marked {
+                            ""
+                        } else {
+                            ", without reservation.preemption_scheduled"
+                        }
+                    ));
+                }
+            }
+            other => return Err(format!("not an ending fact: {}", other.event_type())),
+        }
+        Ok(())
+    }
+
+    /// `preemptor` no longer waits (placed, or ended): the reservations
+    /// being preempted for it are not.
+    fn withdraw_preemptions(&mut self, pool: &str, preemptor: &str) {
+        let victims: Vec<String> = self
+            .queues
+            .get(pool)
+            .and_then(|q| q.preemptors.get(preemptor))
+            .map(|v| v.iter().cloned().collect())
+            .unwrap_or_default();
+        for v in victims {
+            self.with_reservation(&v, |r| {
+                r.preempted_by = None;
+                r.preempt_deadline_ms = None;
+                r.preempt_reason.clear();
+            });
+        }
+    }
+
+    fn check_in_pool(&self, reservation: &str, pool: &str) -> Result<(), String> {
+        match self.state.reservations.get(reservation) {
+            None => Err(format!(
+                "reservation {reservation:?} is unknown or already terminal"
+            )),
+            Some(r) if r.request.pool != pool => Err(format!(
+                "reservation {reservation:?} belongs to pool {:?}",
+                r.request.pool
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Ends a reservation: frees its devices and forgets it.
+    fn terminate(&mut self, pool: &str, id: &str) {
+        self.queue(id, false);
+        let r = self
+            .state
+            .reservations
+            .remove(id)
+            .expect("checked by caller");
+        for a in &r.allocations {
+            self.unbook(pool, a, id);
+        }
+        self.withdraw_preemptions(pool, id);
+    }
+
+    /// A reservation ended for good (not placed again): the chain of
+    /// reservations it replaced no longer leads to a live one.
+    fn forget_chain(&mut self, id: &str) {
+        let mut end = id.to_string();
+        while let Some(old) = self
+            .state
+            .replaced_by
+            .iter()
+            .find(|(_, new)| **new == end)
+            .map(|(old, _)| old.clone())
+        {
+            self.state.replaced_by.remove(&old);
+            end = old;
+        }
+    }
+
+    fn place(
+        &mut self,
+        event: &Event,
+        pool: &str,
+        id: &str,
+        allocations: Vec<Allocation>,
+    ) -> Result<(), String> {
+        let r = &self.state.reservations[id];
+        if !matches!(r.phase, Phase::Pending | Phase::Queued) {
+            return Err(format!(
+                "reservation {id:?} placed while {}",
+                r.phase.name()
+            ));
+        }
+        // Check everything before booking anything.
+        let problem = self
+            .placement_problem(pool, &r.request, &allocations)
+            .or_else(|| {
+                crate::quota::admit(self, pool, &r.request, &crate::quota::Batch::default())
+                    .err()
+                    .map(|refusal| format!("placed against its quota: {refusal}"))
+            });
+        self.queue(id, false);
+        let mut refused = Vec::new();
+        for a in &allocations {
+            refused.extend(self.book(pool, a, id));
+        }
+        let placed_at = millis(event.recorded_at);
+        let r = self.state.reservations.get_mut(id).expect("checked above");
+        r.phase = Phase::Placed;
+        r.reason.clear();
+        r.placed_at_ms = Some(placed_at);
+        r.expires_at_ms = r.request.ttl_ms.map(|t| placed_at.saturating_add(t));
+        r.allocations = allocations;
+        self.queue(id, true);
+        match problem {
+            Some(p) => Err(p),
+            None if !refused.is_empty() => Err(format!("devices {refused:?} could not be booked")),
+            None => Ok(()),
+        }
+    }
+
+    /// What is wrong with a placement, checked against the index as it is:
+    /// devices that do not exist, are of another class, unhealthy, on an
+    /// unschedulable node or already booked, or a shape not honoured.
+    pub fn placement_problem(
+        &self,
+        pool: &str,
+        request: &Request,
+        allocations: &[Allocation],
+    ) -> Option<String> {
+        let Some(p) = self.state.pools.get(pool) else {
+            return Some(format!("pool {pool:?} does not exist"));
+        };
+        // Checked without allocating: this runs for every placement applied.
+        let mut count = 0u32;
+        // The one island every device shares so far: None before the first
+        // device, Some(None) once devices disagree or one has no island.
+        let mut island: Option<Option<&str>> = None;
+        for (i, a) in allocations.iter().enumerate() {
+            let Some(node) = p.nodes.get(&a.node) else {
+                return Some(format!("node {:?} is not in pool {pool:?}", a.node));
+            };
+            if !node.schedulable() {
+                return Some(format!("node {:?} is not schedulable", a.node));
+            }
+            if allocations[..i].iter().any(|b| b.node == a.node) {
+                return Some(format!("node {:?} appears twice", a.node));
+            }
+            for (j, d) in a.devices.iter().enumerate() {
+                if a.devices[..j].contains(d) {
+                    return Some(format!("device {}/{d} appears twice", a.node));
+                }
+                let Some((_, dev)) = node.device(d) else {
+                    return Some(format!("device {}/{d} does not exist", a.node));
+                };
+                if !dev.present {
+                    return Some(format!("device {}/{d} is no longer reported", a.node));
+                }
+                if dev.spec.class != request.class {
+                    return Some(format!(
+                        "device {}/{d} is a {}, not a {}",
+                        a.node, dev.spec.class, request.class
+                    ));
+                }
+                if !dev.conditions.is_empty() {
+                    return Some(format!(
+                        "device {}/{d} is unhealthy ({})",
+                        a.node,
+                        dev.conditions.join(", ")
+                    ));
+                }
+                if let Some(other) = &dev.booked_by {
+                    return Some(format!(
+                        "device {}/{d} is already booked by reservation {other:?} (double booking)",
+                        a.node
+                    ));
+                }
+                let this = dev.spec.island.as_deref();
+                island = match island {
+                    None => Some(this),
+                    Some(Some(i)) if this == Some(i) => Some(Some(i)),
+                    Some(_) => Some(None),
+                };
+                count += 1;
+            }
+        }
+        if count != request.gpus {
+            return Some(format!(
+                "{count} devices booked for a request of {}",
+                request.gpus
+            ));
+        }
+        match request.shape {
+            Shape::Any => None,
+            Shape::Node if allocations.len() != 1 => Some(format!(
+                "shape node spread over {} nodes",
+                allocations.len()
+            )),
+            Shape::Island if !matches!(island, Some(Some(_))) => {
+                Some("shape island not within one NVLink island".into())
+            }
+            Shape::Gang {
+                nodes,
+                gpus_per_node,
+            } if allocations.len() != nodes as usize
+                || allocations
+                    .iter()
+                    .any(|a| a.devices.len() != gpus_per_node as usize) =>
+            {
+                Some(format!("gang of {nodes} x {gpus_per_node} not honoured"))
+            }
+            _ => self.topology_problem(p, request, allocations),
+        }
+    }
+
+    /// What is wrong with a gang's placement in the topology it asked for.
+    fn topology_problem(
+        &self,
+        p: &Pool,
+        request: &Request,
+        allocations: &[Allocation],
+    ) -> Option<String> {
+        use crate::domain::Topology;
+        let (tier, spread) = match request.topology? {
+            Topology::Within(t) => (t, false),
+            Topology::Spread(t) => (t, true),
+            Topology::Prefer(_) => return None,
+        };
+        let label = |a: &Allocation| p.nodes.get(&a.node)?.label(tier);
+        let labels: Vec<Option<&str>> = allocations.iter().map(label).collect();
+        if labels.iter().any(Option::is_none) {
+            return Some(format!("a node of the gang has no {}", tier.name()));
+        }
+        let distinct: BTreeSet<&str> = labels.iter().flatten().copied().collect();
+        match spread {
+            false if distinct.len() > 1 => Some(format!(
+                "gang within one {} placed across {distinct:?}",
+                tier.name()
+            )),
+            true if distinct.len() < allocations.len() => Some(format!(
+                "gang spread over {}s placed twice in one",
+                tier.name()
+            )),
+            _ => None,
+        }
+    }
+
+    /// Checks that every booked device is booked by a live reservation that
+    /// lists it, and that every live reservation's devices are booked by it.
+    pub fn check_bookings(&self) -> Result<(), String> {
+        for (pool, p) in &self.state.pools {
+            for (node, n) in &p.nodes {
+                for d in &n.devices {
+                    if let Some(by) = &d.booked_by {
+                        let ok = self.state.reservations.get(by).is_some_and(|r| {
+                            r.phase.is_live()
+                                && r.allocations
+                                    .iter()
+                                    .any(|a| &a.node == node && a.devices.contains(&d.spec.id))
+                        });
+                        if !ok {
+                            return Err(format!(
+                                "device {pool}/{node}/{} is booked by {by:?}, which does not hold it",
+                                d.spec.id
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
