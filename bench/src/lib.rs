@@ -15,3 +15,4 @@ pub mod region;
 pub mod replay;
 pub mod sinks;
 pub mod util;
+mod writers;

@@ -14,7 +14,7 @@
 //! take one advisory lock, so writers sharing a category would queue on it.
 //! That is Message DB's best case.
 
-use crate::append::Phase;
+use crate::writers::Phase;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 use std::process::Command;
@@ -122,7 +122,7 @@ pub(crate) async fn appends(cfg: &Config, writers: usize, secs: Duration) -> Res
             let mut expected = -1i64;
             while !stop.load(Ordering::Relaxed) {
                 let id = uuid();
-                let data = crate::append::payload(expected as u64);
+                let data = crate::writers::payload(expected as u64);
                 client
                     .query_one(&stmt, &[&id, &stream, &data, &expected])
                     .await?;
@@ -134,7 +134,7 @@ pub(crate) async fn appends(cfg: &Config, writers: usize, secs: Duration) -> Res
     }
     let label = format!("Message DB {writers} writers: ");
     let (phase, _) =
-        crate::append::timed(count, stop, None, tasks, secs, &label, "writers").await?;
+        crate::writers::timed(count, stop, None, tasks, secs, &label, "writers").await?;
     Ok(phase)
 }
 

@@ -19,100 +19,15 @@ use crate::proto::{
     Device, HealthReport, Heartbeat, Hello, InventorySection, NodeMessage, Renew, StatusReport,
 };
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-/// Called with a command's id when it arrives.
-pub type CommandHook = Arc<dyn Fn(&str) + Send + Sync>;
-
 /// How long a gateway may take to answer a Hello.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// How a daemon runs.
-#[derive(Clone)]
-pub struct DaemonConfig {
-    /// Gateways, e.g. `https://gw1.example:7443`; the daemon moves to the next
-    /// one whenever a session ends.
-    pub gateways: Vec<String>,
-    /// The TLS name the gateway's certificate must carry.
-    pub server_name: String,
-    /// A one-time join token, needed only until the node has a certificate.
-    pub token: Option<String>,
-    /// The region's CA certificate (PEM), needed only for the first join.
-    pub ca_pem: Option<String>,
-    pub data_dir: PathBuf,
-    pub node_id: String,
-    pub backend: Arc<dyn GpuBackend>,
-    pub health_poll: Duration,
-    /// Reconnect backoff: first step and cap.
-    pub backoff_base: Duration,
-    pub backoff_cap: Duration,
-    /// Called with a command's id when it arrives (measurements).
-    pub on_command: Option<CommandHook>,
-    /// While away from its home gateway, how often (on average; each wait
-    /// is uniform in half to one and a half times this) the daemon checks
-    /// whether home is back. Zero: never move back.
-    pub return_home: Duration,
-    /// Where the node is in its pool's topology (`rack`, `block`, `rail`
-    /// -> label), reported as the `topology` section; none: not reported,
-    /// so an operator's labels stand.
-    pub topology: BTreeMap<String, String>,
-}
-
-impl DaemonConfig {
-    /// Full jitter after the `n`th failure in a row: uniform in
-    /// `[0, min(cap, base * 2^n))`.
-    fn backoff(&self, n: u32) -> Duration {
-        let ceiling = self
-            .backoff_base
-            .saturating_mul(1u32 << n.min(16))
-            .min(self.backoff_cap);
-        ceiling.mul_f64(fastrand::f64())
-    }
-
-    pub fn new(
-        gateways: Vec<String>,
-        data_dir: impl Into<PathBuf>,
-        node_id: impl Into<String>,
-        backend: Arc<dyn GpuBackend>,
-    ) -> DaemonConfig {
-        DaemonConfig {
-            gateways,
-            server_name: "localhost".into(),
-            token: None,
-            ca_pem: None,
-            data_dir: data_dir.into(),
-            node_id: node_id.into(),
-            backend,
-            health_poll: Duration::from_secs(5),
-            backoff_base: Duration::from_millis(500),
-            backoff_cap: Duration::from_secs(30),
-            on_command: None,
-            return_home: Duration::from_secs(30),
-            topology: BTreeMap::new(),
-        }
-    }
-
-    /// This node's home among its gateways.
-    pub fn home(&self) -> usize {
-        home_index(&self.node_id, self.gateways.len())
-    }
-}
-
-/// The home gateway of `node` among `gateways` of them: FNV-1a of the id,
-/// so it is the same on every start and spreads a fleet evenly.
-pub fn home_index(node: &str, gateways: usize) -> usize {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in node.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    (h % gateways.max(1) as u64) as usize
-}
 
 /// `host:port` of a gateway address such as `https://gw1.example:7443`.
 fn authority(gateway: &str) -> Option<String> {
@@ -132,35 +47,9 @@ async fn accepts(addr: &str) -> bool {
     )
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum DaemonError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("this node has no certificate yet: give it a join token (--token) and the region's CA (--ca)")]
-    NeedsJoin,
-    #[error("join refused: {0}")]
-    JoinRefused(String),
-    /// The gateway could not be reached (worth retrying).
-    #[error("{0}")]
-    Unreachable(String),
-    #[error("the gateway refused this node: {0}")]
-    Refused(String),
-    #[error("{0}")]
-    Other(String),
-}
-
+use crate::config::io;
+pub use crate::config::{home_index, CommandHook, DaemonConfig, DaemonError};
 pub use crate::identity::{ensure_joined, Credentials};
-
-pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DaemonError + '_ {
-    move |source| DaemonError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
-}
 
 /// Counters of a running daemon.
 #[derive(Debug, Default)]

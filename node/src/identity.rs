@@ -8,7 +8,7 @@
 //! order; [`load`] finishes a move it finds half done, so a crash at any
 //! point leaves a key and certificate that match.
 
-use crate::daemon::{io, DaemonConfig, DaemonError};
+use crate::config::{io, DaemonConfig, DaemonError};
 use crate::proto::{join_client::JoinClient, JoinRequest};
 use std::path::Path;
 use std::time::{Duration, SystemTime};

@@ -31,7 +31,7 @@
 //! waiting for quota holds nothing either: it waits for its queue, not for
 //! devices.
 
-use crate::plan::{pick_on_node, place_one};
+use crate::fit::{pick_on_node, place_one};
 use projections::domain::{Tier, Topology};
 use projections::index::{Index, Reservation};
 use projections::{Allocation, Request, Shape};

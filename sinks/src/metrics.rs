@@ -4,6 +4,7 @@
 //! `strata_subscription_lag_events{subscription="sink.<name>"}`.
 
 use ops::metrics::prometheus::{HistogramVec, IntCounterVec};
+use std::sync::atomic::AtomicU64;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -70,16 +71,27 @@ pub(crate) fn batch(sink: &str, delivered: bool, events: usize, attempts: u32, t
         .observe(took.as_secs_f64());
 }
 
-static FIELDS: &[ops::metrics::Field<crate::runner::SinkStats>] = &[
+/// A running set of sinks' counters, summed over the live sets when scraped.
+#[derive(Debug, Default)]
+pub struct SinkStats {
+    pub delivered: AtomicU64,
+    pub batches: AtomicU64,
+    pub parked: AtomicU64,
+    pub workers: AtomicU64,
+    /// Sinks paused because they kept failing.
+    pub alerts: AtomicU64,
+}
+
+static FIELDS: &[ops::metrics::Field<SinkStats>] = &[
     ops::stat_field!(
-        crate::runner::SinkStats,
+        SinkStats,
         "strata_sink_workers",
         Gauge,
         "Sinks this process delivers now (it holds their subscription's lease).",
         workers
     ),
     ops::stat_field!(
-        crate::runner::SinkStats,
+        SinkStats,
         "strata_sink_pauses_total",
         Counter,
         "Sinks paused with an alert after batches kept failing.",
@@ -88,8 +100,8 @@ static FIELDS: &[ops::metrics::Field<crate::runner::SinkStats>] = &[
 ];
 
 /// Counts `stats` into `/metrics` while it lives.
-pub(crate) fn count(stats: &std::sync::Arc<crate::runner::SinkStats>) {
-    static R: OnceLock<ops::metrics::Instances<crate::runner::SinkStats>> = OnceLock::new();
+pub(crate) fn count(stats: &std::sync::Arc<SinkStats>) {
+    static R: OnceLock<ops::metrics::Instances<SinkStats>> = OnceLock::new();
     R.get_or_init(|| ops::metrics::Instances::new(FIELDS))
         .add(stats);
 }

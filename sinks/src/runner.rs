@@ -10,11 +10,12 @@
 //! all its attempts is parked (`strata sinks parked`) and the sink moves on.
 
 use crate::config::{self, SinkConfig, Target};
+pub use crate::metrics::SinkStats;
 use crate::webhook;
 use bytes::Bytes;
 use events::{Reader, SubscribeError, Subscription};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -56,16 +57,6 @@ impl Default for SinksConfig {
             region: DEFAULT_REGION.into(),
         }
     }
-}
-
-#[derive(Debug, Default)]
-pub struct SinkStats {
-    pub delivered: AtomicU64,
-    pub batches: AtomicU64,
-    pub parked: AtomicU64,
-    pub workers: AtomicU64,
-    /// Sinks paused because they kept failing.
-    pub alerts: AtomicU64,
 }
 
 pub struct Sinks {
