@@ -9,9 +9,11 @@
 //! over the file: a key whose flag is on the command line, or whose variable
 //! is set, is left out.
 
+use clap::Subcommand;
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::Path;
+use std::path::PathBuf;
 
 use clap::CommandFactory;
 
@@ -338,6 +340,19 @@ fn redact(url: &str) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// `strata config`: the files `serve --config` reads.
+#[derive(Subcommand, Debug)]
+pub(crate) enum ConfigCmd {
+    /// Validate a configuration file as `serve --config FILE` reads it (with the STRATA_* variables set now), and print every setting with its value and where it came from (file, env, default); exits 2 on an unknown key or a bad value, naming both
+    Check {
+        /// The TOML file
+        file: PathBuf,
+        /// Print one JSON object: {"ok": true, "file": ..., "settings": {name: {"value": ..., "source": "file"|"env"|"default"}}}
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[cfg(test)]

@@ -1,25 +1,187 @@
-//! `strata replay run`: a projection rebuilt from the log or from partition
-//! archives, with progress, a window (`--from`, `--to`), a snapshot out and
-//! a comparison with the same projection built live.
+//! `strata replay run|state|stream|check`: projections rebuilt from the
+//! log or its archive, windows of history, and the invariants checked.
 
-use crate::commands::{config, connect};
-use crate::Db;
+use crate::cli::config;
+use crate::cli::connect;
+use crate::cli::index_until;
+use crate::cli::position_at;
+use crate::cli::progress_display;
+use crate::cli::stop_display;
+use crate::cli::Db;
+use crate::cmd::pools::show_pool;
+use crate::cmd::pools::show_pool_json;
 use ::replay::archive::ArchivedRow;
-use ::replay::rebuild::{self, Progress};
-use anyhow::{bail, Context, Result};
-use events::{Event, Reader, ReaderConfig, Start};
+use ::replay::rebuild;
+use ::replay::rebuild::Progress;
+use anyhow::bail;
+use anyhow::Context;
+use anyhow::Result;
+use clap::Subcommand;
+use events::Event;
+use events::Reader;
+use events::ReaderConfig;
+use events::Start;
 use projections::views::Parsed;
-use projections::{ApplyError, Index, NodesView, Projection, ReservationsView, Violation};
+use projections::ApplyError;
+use projections::Index;
+use projections::NodesView;
+use projections::Projection;
+use projections::ReservationsView;
+use projections::Violation;
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum ReplayCmd {
+    /// Replay the whole log and verify the placement invariants; exits non-zero at the first violation
+    Check {
+        #[command(flatten)]
+        db: Db,
+        /// Print the report as JSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check the log's invariants against the tables themselves (not the projections): positions, versions, double bookings, activations after the end, commands run or ended twice; exits 1 naming the positions of any violation
+    Invariants {
+        #[command(flatten)]
+        db: Db,
+        /// Print the report as JSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// Rebuild a projection (pool index, nodes, reservations) from history or archives, with progress; optionally a window, a snapshot, a comparison with the live projection
+    Run(RunArgs),
+    /// Print a pool as it was at a time: nodes, free and booked GPUs by class, what waited
+    State {
+        #[command(flatten)]
+        db: Db,
+        #[arg(long)]
+        pool: String,
+        /// A time such as 2026-11-30T10:00:00Z
+        #[arg(long)]
+        at: String,
+        /// List every node
+        #[arg(long)]
+        nodes: bool,
+    },
+    /// Print a stream's events (up to a time), as JSON lines
+    Stream {
+        #[command(flatten)]
+        db: Db,
+        stream: String,
+        /// Only events recorded at or before this time (RFC 3339)
+        #[arg(long)]
+        at: Option<String>,
+    },
+}
+
+pub(crate) async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
+    match cmd {
+        ReplayCmd::Run(args) => run(args).await,
+        ReplayCmd::State {
+            db,
+            pool,
+            at,
+            nodes,
+        } => {
+            let until = position_at(&db, &at).await?;
+            let index = index_until(&db, Some(until)).await?;
+            if crate::exit::json() {
+                show_pool_json(&index, &pool, nodes)?;
+            } else {
+                println!("as of {at} (position {until}):");
+                show_pool(&index, &pool, nodes)?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        ReplayCmd::Stream { db, stream, at } => {
+            let until = match &at {
+                Some(t) => Some(position_at(&db, t).await?),
+                None => None,
+            };
+            let client = connect(&db).await?;
+            let events = events::read::stream(&client, &stream)
+                .await
+                .context("read the stream")?;
+            if events.is_empty() {
+                bail!("stream {stream:?} has no events");
+            }
+            for e in events
+                .iter()
+                .filter(|e| until.is_none_or(|u| e.position.0 <= u))
+            {
+                println!("{}", e.to_json_line());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        ReplayCmd::Invariants { db, json } => {
+            let client = connect(&db).await?;
+            let r = ::replay::invariants::check(&client)
+                .await
+                .context("check the log's invariants")?;
+            if json || crate::exit::json() {
+                println!("{}", serde_json::to_string(&r)?);
+            } else if r.violations.is_empty() {
+                println!(
+                    "ok: {} events in {} streams, {} placements; no violation",
+                    r.events, r.streams, r.placements
+                );
+            }
+            for v in &r.violations {
+                if !json {
+                    println!(
+                        "violation ({}): {} at positions {:?}",
+                        v.invariant, v.detail, v.positions
+                    );
+                }
+            }
+            Ok(if r.violations.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        ReplayCmd::Check { db, json } => {
+            let client = connect(&db).await?;
+            let tty = std::io::stderr().is_terminal();
+            let result = projections::check::check(&client, |p| {
+                if tty {
+                    eprint!("\rchecked up to position {p}");
+                }
+            })
+            .await;
+            if tty {
+                eprint!("\r\x1b[K");
+            }
+            match result {
+                Ok(r) => {
+                    if json || crate::exit::json() {
+                        println!("{}", serde_json::to_string(&r)?);
+                    } else {
+                        println!(
+                            "ok: {} events up to position {}; {} pools, {} nodes, {} devices ({} booked), {} live and {} waiting reservations",
+                            r.events, r.position, r.pools, r.nodes, r.devices, r.booked_devices, r.live, r.pending
+                        );
+                    }
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(projections::check::CheckError::Read(e)) => Err(e).context("replay the log"),
+                Err(e) => {
+                    println!("violation: {e}");
+                    Ok(ExitCode::from(1))
+                }
+            }
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Which {
+pub(crate) enum Which {
     /// The pool index the placer plans against
     PoolIndex,
     /// One row per node: pool, devices, cordon, drain, open health conditions
@@ -30,7 +192,7 @@ pub enum Which {
 
 /// `strata replay run`.
 #[derive(clap::Args, Debug)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     /// PostgreSQL connection string (not needed with --archive)
     #[arg(long, env = "STRATA_DATABASE_URL", value_name = "URL")]
     pub database_url: Option<String>,
@@ -61,7 +223,7 @@ pub struct RunArgs {
 }
 
 /// Counts what a window of the log held, around any projection.
-struct Window<P> {
+pub(crate) struct Window<P> {
     inner: P,
     /// Count events only after this position.
     from: u64,
@@ -92,65 +254,8 @@ impl<P: Projection> Projection for Window<P> {
     }
 }
 
-/// Shows progress on stderr: a bar on a terminal, a line every 5 s otherwise.
-pub(crate) fn progress_display(
-    label: String,
-    progress: Arc<Progress>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let tty = std::io::stderr().is_terminal();
-        let started = Instant::now();
-        let every = if tty {
-            Duration::from_millis(200)
-        } else {
-            Duration::from_secs(5)
-        };
-        let mut tick = tokio::time::interval(every);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            let done = progress.applied.load(Ordering::Relaxed);
-            let total = progress
-                .target
-                .load(Ordering::Relaxed)
-                .saturating_sub(progress.start.load(Ordering::Relaxed));
-            let secs = started.elapsed().as_secs_f64();
-            let rate = done as f64 / secs.max(1e-9);
-            let eta = if rate > 0.0 && total > done {
-                format!("{:.0} s", (total - done) as f64 / rate)
-            } else {
-                "-".into()
-            };
-            let pct = if total > 0 {
-                100.0 * done as f64 / total as f64
-            } else {
-                0.0
-            };
-            let width = 30usize;
-            let filled = ((pct / 100.0) * width as f64) as usize;
-            let line = format!(
-                "{label} [{}{}] {done}/{total} events ({pct:.0}%), {rate:.0} events/s, ETA {eta}",
-                "#".repeat(filled.min(width)),
-                " ".repeat(width - filled.min(width)),
-            );
-            if tty {
-                eprint!("\r\x1b[K{line}");
-            } else {
-                eprintln!("{line}");
-            }
-        }
-    })
-}
-
-pub(crate) fn stop_display(h: tokio::task::JoinHandle<()>) {
-    h.abort();
-    if std::io::stderr().is_terminal() {
-        eprint!("\r\x1b[K");
-    }
-}
-
 /// A position, or the last position recorded at a time (which needs the database).
-async fn resolve(db: Option<&Db>, what: &str, v: Option<&str>) -> Result<Option<u64>> {
+pub(crate) async fn resolve(db: Option<&Db>, what: &str, v: Option<&str>) -> Result<Option<u64>> {
     let Some(v) = v else { return Ok(None) };
     if let Ok(p) = v.parse::<u64>() {
         return Ok(Some(p));
@@ -158,14 +263,14 @@ async fn resolve(db: Option<&Db>, what: &str, v: Option<&str>) -> Result<Option<
     let db = db.with_context(|| {
         format!("{what} as a time needs --database-url (or STRATA_DATABASE_URL)")
     })?;
-    crate::placement::position_at(db, v)
+    position_at(db, v)
         .await
         .with_context(|| format!("{what} {v:?}: a position or an RFC 3339 time"))
         .map(Some)
 }
 
 /// Where a run reads from and what it collects, shared by its phases.
-struct Source<'a> {
+pub(crate) struct Source<'a> {
     db: Option<&'a Db>,
     /// Archive rows, validated once when loaded.
     archives: Vec<&'a [ArchivedRow]>,
@@ -173,7 +278,7 @@ struct Source<'a> {
 }
 
 /// Replays into `projection` from the database or the archives, up to `until`.
-async fn replay_into<P: Projection>(
+pub(crate) async fn replay_into<P: Projection>(
     src: &Source<'_>,
     projection: P,
     until: Option<u64>,
@@ -223,7 +328,7 @@ async fn replay_into<P: Projection>(
     result
 }
 
-pub async fn run(args: RunArgs) -> Result<ExitCode> {
+pub(crate) async fn run(args: RunArgs) -> Result<ExitCode> {
     let db = args.database_url.clone().map(|database_url| Db {
         database_url,
         database_direct_url: None,
@@ -353,7 +458,7 @@ pub async fn run(args: RunArgs) -> Result<ExitCode> {
     Ok(exit)
 }
 
-fn compared(equal: bool, position: u64) -> ExitCode {
+pub(crate) fn compared(equal: bool, position: u64) -> ExitCode {
     if equal {
         println!("the live projection equals the replayed one at position {position}");
         ExitCode::SUCCESS
@@ -365,7 +470,7 @@ fn compared(equal: bool, position: u64) -> ExitCode {
 
 /// Rebuilds up to `from` (if given), then replays the window `(from, to]`,
 /// counting its events by type.
-async fn run_window<P: Projection>(
+pub(crate) async fn run_window<P: Projection>(
     src: &Source<'_>,
     start: P,
     from: Option<u64>,
@@ -386,7 +491,7 @@ async fn run_window<P: Projection>(
 }
 
 /// The nodes or reservations view, rebuilt and reported.
-async fn view<P: Projection + Default>(
+pub(crate) async fn view<P: Projection + Default>(
     src: &Source<'_>,
     from: Option<u64>,
     to: Option<u64>,
@@ -399,7 +504,7 @@ async fn view<P: Projection + Default>(
 }
 
 /// With `--compare-live`: the view built through a subscription, compared.
-async fn compare_view<'a, P: Projection + Default + PartialEq>(
+pub(crate) async fn compare_view<'a, P: Projection + Default + PartialEq>(
     args: &RunArgs,
     need_db: impl Fn(&str) -> Result<&'a Db>,
     view: P,
@@ -411,7 +516,7 @@ async fn compare_view<'a, P: Projection + Default + PartialEq>(
     Ok(compared(live == view, view.position()))
 }
 
-fn report_window(
+pub(crate) fn report_window(
     source: &str,
     from: Option<u64>,
     position: u64,
@@ -437,7 +542,7 @@ fn report_window(
     }
 }
 
-fn print_nodes(view: &NodesView, json: bool) {
+pub(crate) fn print_nodes(view: &NodesView, json: bool) {
     if json {
         for (name, row) in &view.nodes {
             let mut v = serde_json::to_value(row).unwrap_or_default();
@@ -463,7 +568,7 @@ fn print_nodes(view: &NodesView, json: bool) {
     }
 }
 
-fn print_reservations(view: &ReservationsView, json: bool) {
+pub(crate) fn print_reservations(view: &ReservationsView, json: bool) {
     if json {
         for (id, row) in &view.reservations {
             let mut v = serde_json::to_value(row).unwrap_or_default();
@@ -483,7 +588,7 @@ fn print_reservations(view: &ReservationsView, json: bool) {
 }
 
 /// A reader of its own (a temporary slot) for `--compare-live`.
-fn live_reader(db: &Db) -> Result<Reader> {
+pub(crate) fn live_reader(db: &Db) -> Result<Reader> {
     let mut rc = ReaderConfig::new(format!("strata_replay_{}", std::process::id()));
     rc.temporary = true;
     rc.owner = "strata replay run --compare-live".into();
@@ -491,7 +596,7 @@ fn live_reader(db: &Db) -> Result<Reader> {
 }
 
 /// The pool index as the placer builds it: through a subscription.
-async fn live_index(db: &Db, position: u64) -> Result<Index> {
+pub(crate) async fn live_index(db: &Db, position: u64) -> Result<Index> {
     let reader = live_reader(db)?;
     let mut live = projections::Projector::start(&reader, None).await?;
     while live.index.position() < position {
@@ -501,7 +606,7 @@ async fn live_index(db: &Db, position: u64) -> Result<Index> {
 }
 
 /// A view folded from a subscription from the first event.
-async fn live_view<P: Projection>(db: &Db, mut view: P, position: u64) -> Result<P> {
+pub(crate) async fn live_view<P: Projection>(db: &Db, mut view: P, position: u64) -> Result<P> {
     let reader = live_reader(db)?;
     let mut sub = reader
         .subscribe_ephemeral_as("replay", Start::Beginning)

@@ -1,17 +1,90 @@
-//! `strata queues create|set|list|show`: a pool's queues, their quotas, and
-//! per queue what it holds against its fair share.
+//! `strata queues create|set|list|show`: teams' shares of a pool.
 
-use crate::commands::connect;
-use crate::placement::{appender, index};
-use crate::QueuesCmd;
-use anyhow::{bail, Result};
-use projections::quota::{self, Share};
+use crate::cli::appender;
+use crate::cli::asked_by;
+use crate::cli::connect;
+use crate::cli::index;
+use crate::cli::Db;
+use anyhow::bail;
+use anyhow::Result;
+use clap::Subcommand;
+use projections::quota;
+use projections::quota::Share;
 use projections::requests::RequestError;
-use projections::{Index, QueueSpec, Quota};
+use projections::Index;
+use projections::QueueSpec;
+use projections::Quota;
 use std::process::ExitCode;
 
+#[derive(Subcommand, Debug)]
+pub(crate) enum QueuesCmd {
+    /// Create a queue in a pool. Once a pool has a queue, it places only requests that name one (reserve --queue); each is admitted when its queue stays within its nominal quota, or borrows within its borrowing limit what its cohort leaves unused. Exit 6 if the pool does not exist
+    Create {
+        #[command(flatten)]
+        db: Db,
+        /// The queue's name (a team), unique within the pool
+        name: String,
+        /// The pool it shares
+        #[arg(long)]
+        pool: String,
+        /// The cohort it lends its unused quota to and borrows from (none: it only uses its own)
+        #[arg(long)]
+        cohort: Option<String>,
+        /// Its weight in fair sharing within the cohort (1 to 1000): weight 2 is served as if it held half of what it holds
+        #[arg(long, default_value_t = 1)]
+        weight: u32,
+        /// Its nominal quota of a GPU class, CLASS=GPUS (repeat for more classes): guaranteed to it, lent to its cohort while unused
+        #[arg(long, value_name = "CLASS=GPUS")]
+        quota: Vec<String>,
+        /// The most it may borrow of a class beyond its quota, CLASS=GPUS (default: whatever its cohort has unused)
+        #[arg(long, value_name = "CLASS=GPUS")]
+        borrowing_limit: Vec<String>,
+    },
+    /// Change a queue: only what is given changes. The change is appended at the pool's version it was read at, so concurrent changes are both kept; waiting requests are tried again under the new quota. Exit 6 if there is no such queue
+    Set {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+        #[arg(long)]
+        pool: String,
+        /// Move it to this cohort
+        #[arg(long, conflicts_with = "no_cohort")]
+        cohort: Option<String>,
+        /// Take it out of its cohort: it neither lends nor borrows
+        #[arg(long)]
+        no_cohort: bool,
+        #[arg(long)]
+        weight: Option<u32>,
+        /// Set the nominal quota of a class, CLASS=GPUS (repeatable)
+        #[arg(long, value_name = "CLASS=GPUS")]
+        quota: Vec<String>,
+        /// Set the borrowing limit of a class, CLASS=GPUS, or CLASS=none for no limit (repeatable)
+        #[arg(long, value_name = "CLASS=GPUS")]
+        borrowing_limit: Vec<String>,
+        /// Remove the quota of a class (repeatable)
+        #[arg(long, value_name = "CLASS")]
+        remove_quota: Vec<String>,
+    },
+    /// Every queue per class: its quota, what it holds, what its waiting requests ask for, and its fair share (the cohort's quota divided by weight among the queues that want it)
+    List {
+        #[command(flatten)]
+        db: Db,
+        /// Only this pool
+        #[arg(long)]
+        pool: Option<String>,
+    },
+    /// One queue: its spec, its waiting requests, its weighted dominant share, and per class what it holds against its quota and fair share. Exit 6 if there is no such queue
+    Show {
+        #[command(flatten)]
+        db: Db,
+        name: String,
+        #[arg(long)]
+        pool: String,
+    },
+}
+
 /// `CLASS=N` from `--quota` or `--borrowing-limit` (`none` for no limit).
-fn class_value(flag: &str, s: &str) -> Result<(String, Option<u32>)> {
+pub(crate) fn class_value(flag: &str, s: &str) -> Result<(String, Option<u32>)> {
     let Some((class, n)) = s.split_once('=') else {
         bail!("{flag} {s:?}: write CLASS=GPUS, e.g. H100-80GB=64");
     };
@@ -25,7 +98,7 @@ fn class_value(flag: &str, s: &str) -> Result<(String, Option<u32>)> {
 }
 
 /// What the flags of `create` or `set` change.
-struct Changes {
+pub(crate) struct Changes {
     cohort: Option<Option<String>>,
     weight: Option<u32>,
     quotas: Vec<(String, u32)>,
@@ -107,27 +180,20 @@ impl Changes {
 }
 
 /// Applies `edit` to queue `name` of `pool` in the log, as who runs this.
-async fn write(
-    db: &crate::Db,
+pub(crate) async fn write(
+    db: &Db,
     pool: &str,
     name: &str,
     edit: &projections::queues::Edit<'_>,
 ) -> Result<QueueSpec> {
     let client = connect(db).await?;
-    projections::queues::configure(
-        &client,
-        &appender(db)?,
-        pool,
-        name,
-        edit,
-        Some(&crate::nodes::asked_by()),
-    )
-    .await
-    .map_err(cli_error)
+    projections::queues::configure(&client, &appender(db)?, pool, name, edit, Some(&asked_by()))
+        .await
+        .map_err(cli_error)
 }
 
 /// A request error as the CLI reports it (what does not exist: exit 6).
-fn cli_error(e: RequestError) -> anyhow::Error {
+pub(crate) fn cli_error(e: RequestError) -> anyhow::Error {
     match e {
         RequestError::NoSuchPool(_) | RequestError::NoSuchQueue { .. } => {
             crate::exit::not_found(e.to_string())
@@ -136,7 +202,7 @@ fn cli_error(e: RequestError) -> anyhow::Error {
     }
 }
 
-pub async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
+pub(crate) async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
     match cmd {
         QueuesCmd::Create {
             db,
@@ -293,7 +359,7 @@ pub async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn exists(index: &Index, pool: &str) -> Result<()> {
+pub(crate) fn exists(index: &Index, pool: &str) -> Result<()> {
     if index.pool(pool).is_some_and(|p| p.created) {
         return Ok(());
     }
@@ -303,7 +369,7 @@ fn exists(index: &Index, pool: &str) -> Result<()> {
 }
 
 /// How many of `queue`'s requests wait: (pending, queued).
-fn waiting_in(index: &Index, pool: &str, queue: &str) -> (usize, usize) {
+pub(crate) fn waiting_in(index: &Index, pool: &str, queue: &str) -> (usize, usize) {
     let Some(q) = index.queues(pool) else {
         return (0, 0);
     };
@@ -319,7 +385,7 @@ fn waiting_in(index: &Index, pool: &str, queue: &str) -> (usize, usize) {
 }
 
 /// A borrowing limit as a table shows it.
-fn borrow(s: &Share) -> String {
+pub(crate) fn borrow(s: &Share) -> String {
     match (&s.cohort, s.borrowing_limit) {
         (None, _) => "0".into(),
         (Some(_), Some(b)) => b.to_string(),
@@ -327,7 +393,7 @@ fn borrow(s: &Share) -> String {
     }
 }
 
-fn describe(spec: &QueueSpec) -> String {
+pub(crate) fn describe(spec: &QueueSpec) -> String {
     let quotas: Vec<String> = spec
         .quotas
         .iter()
@@ -348,7 +414,7 @@ fn describe(spec: &QueueSpec) -> String {
     )
 }
 
-fn share_json(pool: &str, s: &Share) -> serde_json::Value {
+pub(crate) fn share_json(pool: &str, s: &Share) -> serde_json::Value {
     serde_json::json!({
         "pool": pool,
         "queue": s.queue,

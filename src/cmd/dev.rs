@@ -1,27 +1,72 @@
-//! `strata dev`: a private PostgreSQL under `.strata/`, every service in one
-//! process, and a demonstration of the log: a small writer and a live tail
-//! that reports throughput and lag.
+//! `strata dev`: Strata on this machine with a private PostgreSQL under
+//! `.strata/`, every role in one process, a simulated fleet and a demo
+//! workload.
 
-use crate::DevArgs;
-use anyhow::{Context, Result};
+use crate::cmd::node::start_fleet;
+use crate::cmd::node::FleetSpec;
+use crate::cmd::serve::spawn_sealer;
+use anyhow::Context;
+use anyhow::Result;
+use clap::Args;
 use events::db::Sql;
-use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent, Reader, ReaderConfig, Start};
-use schema::{Cluster, ClusterOptions};
+use events::Appender;
+use events::AppenderConfig;
+use events::ExpectedVersion;
+use events::NewEvent;
+use events::Reader;
+use events::ReaderConfig;
+use events::Start;
+use schema::Cluster;
+use schema::ClusterOptions;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::Duration;
+use std::time::Instant;
+use std::time::SystemTime;
 
-const DEV_PORT: u16 = 55432;
-const DEV_GATEWAY_PORT: u16 = 57443;
-const DEMO_POOL: &str = "demo";
-const DEMO_CLASS: &str = "H100-80GB";
+#[derive(Args, Debug)]
+pub(crate) struct DevArgs {
+    /// Folder for the private cluster and its log
+    #[arg(long, default_value = ".strata")]
+    pub data_dir: PathBuf,
+    /// Use this database instead of starting a private cluster
+    #[arg(long, env = "STRATA_DATABASE_URL", value_name = "URL")]
+    pub database_url: Option<String>,
+    /// Events per second the demo writer appends
+    #[arg(long, default_value_t = 200)]
+    pub rate: u32,
+    /// Simulated node daemons (8 GPUs each) joining the demo pool through the gateway
+    #[arg(long, default_value_t = 16)]
+    pub demo_nodes: u32,
+    /// Reservations per second the demo workload asks for (0: none)
+    #[arg(long, default_value_t = 4)]
+    pub reservations_per_s: u32,
+    /// Serve Prometheus metrics at this address
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    pub metrics_listen: SocketAddr,
+    /// Stop by itself after this long (e.g. 30s); runs until Ctrl-C otherwise
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub duration: Option<std::time::Duration>,
+}
 
-const DEV_AUDIT_PORT: u16 = 56543;
+pub(crate) const DEV_PORT: u16 = 55432;
+
+pub(crate) const DEV_GATEWAY_PORT: u16 = 57443;
+
+pub(crate) const DEMO_POOL: &str = "demo";
+
+pub(crate) const DEMO_CLASS: &str = "H100-80GB";
+
+pub(crate) const DEV_AUDIT_PORT: u16 = 56543;
 
 /// The audit endpoint with an auditor `dev` whose password is kept (0600) in
 /// the data folder.
-async fn start_audit(
+pub(crate) async fn start_audit(
     cfg: &events::db::Database,
     client: &tokio_postgres::Client,
     data_dir: &std::path::Path,
@@ -62,7 +107,7 @@ async fn start_audit(
     Ok((endpoint, password))
 }
 
-pub async fn run(args: DevArgs) -> Result<ExitCode> {
+pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
     let mut cluster = None;
     let url = match &args.database_url {
         Some(url) => url.clone(),
@@ -147,7 +192,7 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     let mut rc = ReaderConfig::new("strata_dev");
     rc.owner = "strata dev".into();
     let reader = Reader::start(cfg.clone(), rc);
-    crate::commands::spawn_sealer(
+    spawn_sealer(
         cfg.clone(),
         Duration::from_secs(60),
         Duration::from_secs(600),
@@ -194,7 +239,7 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
     let (stop_fleet, fleet_rx) = tokio::sync::watch::channel(false);
     let gateways = [format!("https://{}", gw.addr)];
     let (fleet_dir, gpus) = (args.data_dir.join("fleet"), format!("8x{DEMO_CLASS}"));
-    let spec = crate::nodes::FleetSpec {
+    let spec = FleetSpec {
         nodes: args.demo_nodes,
         gateways: &gateways,
         pool: DEMO_POOL,
@@ -204,7 +249,7 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
         gpus: &gpus,
         tls_name: "localhost",
     };
-    let (fleet, fleet_tasks) = crate::nodes::start_fleet(&client, &spec, &fleet_rx).await?;
+    let (fleet, fleet_tasks) = start_fleet(&client, &spec, &fleet_rx).await?;
     eprintln!(
         "gateway on {}; {} simulated nodes (8 {DEMO_CLASS} each) joining pool {DEMO_POOL}",
         gw.addr, args.demo_nodes
@@ -310,7 +355,7 @@ pub async fn run(args: DevArgs) -> Result<ExitCode> {
 
 /// Appends `rate` events per second over eight streams, each with its
 /// expected version, as a real writer would.
-async fn demo_writer(appender: Appender, rate: u32, appended: Arc<AtomicU64>) {
+pub(crate) async fn demo_writer(appender: Appender, rate: u32, appended: Arc<AtomicU64>) {
     let streams = 8u64;
     let mut versions = vec![None::<u64>; streams as usize];
     let mut tick = tokio::time::interval(Duration::from_millis(10));
@@ -343,7 +388,7 @@ async fn demo_writer(appender: Appender, rate: u32, appended: Arc<AtomicU64>) {
 
 /// Reserves GPUs in the demo pool: mostly small requests, some whole nodes,
 /// islands and two-node gangs, each released by its TTL a few seconds later.
-async fn demo_workload(cfg: events::db::Database, appender: Appender, rate: u32) {
+pub(crate) async fn demo_workload(cfg: events::db::Database, appender: Appender, rate: u32) {
     use projections::{Request, Shape};
     if rate == 0 {
         return;

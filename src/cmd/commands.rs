@@ -1,0 +1,186 @@
+//! `strata commands issue|list|show`: commands to nodes.
+
+use crate::cli::config;
+use crate::cli::connect;
+use crate::cli::whoami;
+use crate::cli::Db;
+use anyhow::bail;
+use anyhow::Context;
+use anyhow::Result;
+use clap::Subcommand;
+use events::db::Sql;
+use events::Appender;
+use events::AppenderConfig;
+use std::process::ExitCode;
+use std::time::Duration;
+use std::time::SystemTime;
+use std::time::UNIX_EPOCH;
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum CommandsCmd {
+    /// Issue a command to a node
+    Issue {
+        #[command(flatten)]
+        db: Db,
+        #[arg(long)]
+        node: String,
+        /// diag.nvml, allocation.bind, allocation.release
+        #[arg(long)]
+        kind: String,
+        /// Arguments, a JSON object
+        #[arg(long, default_value = "{}")]
+        args: String,
+        /// Not run after this long
+        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+        deadline: std::time::Duration,
+        /// The command's id (generated when omitted)
+        #[arg(long)]
+        id: Option<String>,
+        /// Wait for its result and print it
+        #[arg(long)]
+        wait: bool,
+    },
+    /// List recent commands with their state
+    List {
+        #[command(flatten)]
+        db: Db,
+        #[arg(long)]
+        node: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// Show one command and its outcome
+    Show {
+        #[command(flatten)]
+        db: Db,
+        id: String,
+    },
+}
+
+pub(crate) fn print_command(t: &projections::commands::Tracked) {
+    let outcome = t
+        .outcome
+        .as_ref()
+        .and_then(|o| o["detail"].as_str())
+        .unwrap_or("");
+    println!(
+        "{:<40} {:<20} {:<20} {:<10} {}",
+        t.command.id,
+        t.command.node,
+        t.command.kind,
+        serde_json::to_value(t.state)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
+        outcome
+    );
+}
+
+pub(crate) async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
+    use projections::commands::{self, Command};
+    match cmd {
+        CommandsCmd::Issue {
+            db,
+            node,
+            kind,
+            args,
+            deadline,
+            id,
+            wait,
+        } => {
+            let args: serde_json::Value =
+                serde_json::from_str(&args).context("--args must be a JSON object")?;
+            if !args.is_object() {
+                bail!("--args must be a JSON object");
+            }
+            let id = id.unwrap_or_else(|| projections::domain::new_id("c"));
+            let deadline_ms = (SystemTime::now() + deadline)
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            let appender = Appender::start(config(&db)?, AppenderConfig::default());
+            let c = Command {
+                id: id.clone(),
+                node,
+                kind,
+                args,
+                deadline_ms,
+                issued_by: format!("cli:{}", whoami()),
+            };
+            commands::issue(&appender, &c).await.map_err(|e| match e {
+                events::AppendError::VersionConflict { .. } => {
+                    anyhow::anyhow!("command {id:?} already exists")
+                }
+                e => e.into(),
+            })?;
+            println!("issued {id}");
+            if wait {
+                let client = connect(&db).await?;
+                let limit = std::time::Instant::now() + deadline + Duration::from_secs(5);
+                loop {
+                    let found = commands::list(&client, Some(&c.node), 1000).await?;
+                    if let Some(t) = found.iter().find(|t| t.command.id == id) {
+                        if t.state.is_terminal() {
+                            print_command(t);
+                            if let Some(o) = &t.outcome {
+                                println!("{}", serde_json::to_string_pretty(o)?);
+                            }
+                            return Ok(if t.state == commands::CommandState::Succeeded {
+                                ExitCode::SUCCESS
+                            } else {
+                                ExitCode::from(crate::exit::FAILURE)
+                            });
+                        }
+                    }
+                    if std::time::Instant::now() > limit {
+                        eprintln!("no result before the deadline");
+                        return Ok(ExitCode::from(crate::exit::TIMED_OUT));
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        CommandsCmd::List { db, node, limit } => {
+            let client = connect(&db).await?;
+            let list = commands::list(&client, node.as_deref(), limit).await?;
+            if crate::exit::json() {
+                for t in &list {
+                    crate::exit::print_json(&serde_json::to_value(t)?);
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!(
+                "{:<40} {:<20} {:<20} {:<10} DETAIL",
+                "ID", "NODE", "KIND", "STATE"
+            );
+            for t in list {
+                print_command(&t);
+            }
+        }
+        CommandsCmd::Show { db, id } => {
+            let client = connect(&db).await?;
+            let node: Option<String> = client
+                .opt(
+                    "SELECT payload->>'node' FROM strata.events WHERE stream = $1 AND version = 1",
+                    &[&commands::command_stream(&id)],
+                )
+                .await?
+                .map(|r| r.get(0));
+            let Some(node) = node else {
+                return Err(crate::exit::not_found(format!(
+                    "command {id:?} does not exist"
+                )));
+            };
+            let found = commands::list(&client, Some(&node), 100_000).await?;
+            let t = found
+                .iter()
+                .find(|t| t.command.id == id)
+                .context("command not found")?;
+            if crate::exit::json() {
+                crate::exit::print_json(&serde_json::to_value(t)?);
+            } else {
+                println!("{}", serde_json::to_string_pretty(t)?);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
