@@ -10,6 +10,7 @@ mod placement;
 mod pooler;
 mod queues;
 mod region;
+mod structure;
 mod topology;
 mod upgrade;
 
