@@ -230,16 +230,6 @@ pub fn describe(path: &Path, e: &clap::Error) -> String {
     )
 }
 
-/// The serve roles this build runs.
-pub const ROLES: &[&str] = &[
-    "maintenance",
-    "placer",
-    "gateway",
-    "binder",
-    "sinks",
-    "audit",
-];
-
 /// One effective setting of a checked file.
 struct Setting {
     name: String,

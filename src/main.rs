@@ -17,6 +17,7 @@ mod cli;
 mod cmd;
 mod config;
 mod exit;
+mod roles;
 mod telemetry;
 
 use clap::{Parser, Subcommand};
@@ -43,7 +44,7 @@ enum Command {
     /// Run Strata on this machine with a private PostgreSQL under .strata/
     Dev(cmd::dev::DevArgs),
     /// Run Strata's long-running services against a database
-    Serve(Box<cmd::serve::ServeArgs>),
+    Serve(Box<roles::ServeArgs>),
     /// Apply the schema migrations the database does not have yet. Migrations expand the schema (older binaries keep running against it) or contract it (only binaries that know a given schema may run after it; applied once no running Strata process knows less). Exits 1 when a migration still waits
     Migrate(cmd::migrate::MigrateArgs),
     /// Create and inspect the monthly partitions of the event table

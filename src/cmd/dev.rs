@@ -4,7 +4,7 @@
 
 use crate::cmd::node::start_fleet;
 use crate::cmd::node::FleetSpec;
-use crate::cmd::serve::spawn_sealer;
+use crate::roles::maintenance::spawn_sealer;
 use anyhow::Context;
 use anyhow::Result;
 use clap::Args;

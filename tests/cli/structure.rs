@@ -117,7 +117,9 @@ fn paths(code: &str) -> Vec<(String, Vec<String>)> {
             for kw in ["crate", "super", "self"] {
                 let n = kw.len();
                 let word: String = chars[i..(i + n).min(chars.len())].iter().collect();
-                if word == kw && chars.get(i + n) == Some(&':') && chars.get(i + n + 1) == Some(&':')
+                if word == kw
+                    && chars.get(i + n) == Some(&':')
+                    && chars.get(i + n + 1) == Some(&':')
                 {
                     let mut j = i + n + 2;
                     read_path(&chars, &mut j, Vec::new(), kw, &mut out);
@@ -341,7 +343,10 @@ fn every_source_file_is_in_the_architecture_map() {
     let mut current: Option<String> = None;
     for line in doc.lines() {
         if let Some(h) = line.strip_prefix("### `") {
-            current = h.split('`').next().map(|s| s.trim_end_matches('/').to_string());
+            current = h
+                .split('`')
+                .next()
+                .map(|s| s.trim_end_matches('/').to_string());
             continue;
         }
         if line.starts_with("## ") {
@@ -355,7 +360,11 @@ fn every_source_file_is_in_the_architecture_map() {
     }
     let mut missing = Vec::new();
     for (name, dir) in crates() {
-        let key = if name == "strata" { "src".to_string() } else { name.clone() };
+        let key = if name == "strata" {
+            "src".to_string()
+        } else {
+            name.clone()
+        };
         let text = sections.get(&key);
         let src = dir.join("src");
         for f in rust_files(&src) {

@@ -1,0 +1,57 @@
+//! The `gateway` role: a gateway configured from `serve`'s flags.
+
+use crate::roles::ServeArgs;
+use anyhow::{Context, Result};
+use events::db::Database;
+use events::{Appender, AppenderConfig, Reader};
+use std::sync::atomic::Ordering;
+
+/// Starts a gateway on `--listen`, named `--gateway-id` (the holder name
+/// when not given).
+pub(crate) async fn start(
+    args: &ServeArgs,
+    cfg: &Database,
+    reader: Reader,
+    holder: &str,
+) -> Result<gateway::server::Running> {
+    let mut gc = gateway::server::GatewayConfig::new(
+        args.gateway_id
+            .clone()
+            .unwrap_or_else(|| holder.to_string()),
+        args.listen,
+        &args.ca_dir,
+    );
+    gc.names = args.tls_names.clone();
+    gc.max_streams = args.max_streams;
+    gc.handshakes_per_second = args.handshakes_per_second;
+    gc.max_pending_hellos = args.max_pending_hellos;
+    gc.joins_per_second = args.joins_per_second;
+    gc.handshake_timeout = args.handshake_timeout;
+    gc.idle_timeout = args.idle_timeout;
+    gc.max_idle_connections = args.max_idle_connections;
+    gc.node_messages_per_second = args.node_messages_per_second;
+    gc.serving_validity = args.serving_validity;
+    gc.heartbeat = args.heartbeat;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let g = gateway::server::start(cfg.clone(), reader, appender, gc)
+        .await
+        .context("start the gateway")?;
+    eprintln!("gateway listening on {}", g.addr);
+    Ok(g)
+}
+
+/// Logs the gateway's counters.
+pub(crate) fn report(g: &gateway::server::Running) {
+    let s = &g.stats;
+    tracing::info!(
+        sessions = s.sessions.load(Ordering::Relaxed),
+        opened = s.sessions_opened.load(Ordering::Relaxed),
+        refused_admission = s.refused_rate.load(Ordering::Relaxed)
+            + s.refused_full.load(Ordering::Relaxed)
+            + s.refused_pending.load(Ordering::Relaxed),
+        refused_identity = s.refused_identity.load(Ordering::Relaxed),
+        events = s.events_written.load(Ordering::Relaxed),
+        commands = s.commands_dispatched.load(Ordering::Relaxed),
+        "gateway"
+    );
+}
