@@ -195,7 +195,7 @@ pub(crate) struct Running {
     gateway: Option<::gateway::server::Running>,
     binder: Option<::binder::Binder>,
     sinks: Option<::sinks::Sinks>,
-    audit: Option<::replay::audit::Endpoint>,
+    audit: Option<::audit::Endpoint>,
 }
 
 impl Running {

@@ -89,10 +89,10 @@ pub async fn run(args: Args) -> Result<()> {
             .append(&format!("bench/{chunk}"), ExpectedVersion::Any, events)
             .await?;
     }
-    replay::audit::accounts::add(&client, "bench", Some("bench-secret")).await?;
-    let mut ac = replay::audit::AuditConfig::new(cfg.clone());
+    audit::accounts::add(&client, "bench", Some("bench-secret")).await?;
+    let mut ac = audit::AuditConfig::new(cfg.clone());
     ac.max_sessions = u64::from(args.clients) + 4;
-    let endpoint = replay::audit::start("127.0.0.1:0".parse()?, ac, appender.clone()).await?;
+    let endpoint = audit::start("127.0.0.1:0".parse()?, ac, appender.clone()).await?;
     let dir = tempfile::tempdir()?;
     let script = dir.path().join("select.sql");
     std::fs::write(

@@ -5,7 +5,7 @@
 //! lock serializes migrators, so two processes starting at once apply each
 //! migration exactly once; the second waits (saying who holds the lock), then
 //! finds nothing to do. Auditors cannot take that lock: the audit roles may
-//! not execute the advisory-lock functions (`replay::audit::setup`). A
+//! not execute the advisory-lock functions (`audit::setup`). A
 //! migration's lock waits are bounded (`lock_timeout`), and one that found a
 //! table locked by a reader is rolled back and tried again, so it never holds
 //! up appends behind a reader.

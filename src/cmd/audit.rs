@@ -76,7 +76,7 @@ pub(crate) async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
                 None
             };
             let client = connect(&db).await?;
-            ::replay::audit::accounts::add(&client, &name, password.as_deref()).await?;
+            audit::accounts::add(&client, &name, password.as_deref()).await?;
             println!(
                 "auditor {name} can connect to the audit endpoint ({})",
                 if password.is_some() {
@@ -88,7 +88,7 @@ pub(crate) async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
         }
         AuditUsersCmd::List { db } => {
             let client = connect(&db).await?;
-            let list = ::replay::audit::accounts::list(&client).await?;
+            let list = audit::accounts::list(&client).await?;
             if crate::exit::json() {
                 for a in &list {
                     crate::exit::print_json(&serde_json::json!({
@@ -115,7 +115,7 @@ pub(crate) async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
         }
         AuditUsersCmd::Revoke { db, name } => {
             let client = connect(&db).await?;
-            ::replay::audit::accounts::revoke(&client, &name).await?;
+            audit::accounts::revoke(&client, &name).await?;
             println!("auditor {name} revoked: new connections are refused");
         }
     }

@@ -166,7 +166,7 @@ pub(crate) async fn ca(cmd: CaCmd) -> Result<ExitCode> {
             );
         }
         CaCmd::IssueAuditor(a) => {
-            ::replay::audit::accounts::check_name(&a.name)?;
+            audit::accounts::check_name(&a.name)?;
             let out = issue(&a, "auditor", |ca| ca.issue_auditor(&a.name, a.days))?;
             println!(
                 "psql: sslmode=verify-full sslrootcert={} sslcert={} sslkey={}",

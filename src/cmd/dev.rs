@@ -72,7 +72,7 @@ pub(crate) async fn start_audit(
     data_dir: &std::path::Path,
     ca_dir: &std::path::Path,
     appender: Appender,
-) -> Result<(::replay::audit::Endpoint, String)> {
+) -> Result<(audit::Endpoint, String)> {
     let path = data_dir.join("auditor-password");
     let password = match std::fs::read_to_string(&path) {
         Ok(p) if !p.trim().is_empty() => p.trim().to_string(),
@@ -84,11 +84,11 @@ pub(crate) async fn start_audit(
             p
         }
     };
-    ::replay::audit::accounts::add(client, "dev", Some(&password)).await?;
+    audit::accounts::add(client, "dev", Some(&password)).await?;
     let ca = gateway::ca::Ca::load(ca_dir)?;
     let (cert_pem, key_pem) = ca.server_identity(&["localhost".into(), "127.0.0.1".into()])?;
-    let mut ac = ::replay::audit::AuditConfig::new(cfg.clone());
-    ac.tls = Some(::replay::audit::TlsFiles {
+    let mut ac = audit::AuditConfig::new(cfg.clone());
+    ac.tls = Some(audit::TlsFiles {
         cert_pem,
         key_pem,
         client_ca_pem: Some(ca.cert_pem().to_string()),
@@ -98,7 +98,7 @@ pub(crate) async fn start_audit(
     } else {
         0
     };
-    let endpoint = ::replay::audit::start(
+    let endpoint = audit::start(
         std::net::SocketAddr::from(([127, 0, 0, 1], port)),
         ac,
         appender,

@@ -256,7 +256,7 @@ pub(crate) fn all() -> Vec<EventSpec> {
         projections::catalog::EVENTS,
         gateway::catalog::EVENTS,
         sinks::catalog::EVENTS,
-        replay::catalog::EVENTS,
+        audit::catalog::EVENTS,
         DEV,
     ]
     .concat()

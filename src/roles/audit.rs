@@ -7,12 +7,9 @@ use anyhow::{Context, Result};
 use events::{Appender, AppenderConfig};
 
 /// The audit endpoint, with TLS from the CA folder when there is one.
-pub(crate) async fn start(
-    args: &ServeArgs,
-    cfg: &events::db::Database,
-) -> Result<::replay::audit::Endpoint> {
-    let mut ac = ::replay::audit::AuditConfig::new(cfg.clone());
-    ::replay::audit::setup::check_role(&args.audit_role)?;
+pub(crate) async fn start(args: &ServeArgs, cfg: &events::db::Database) -> Result<audit::Endpoint> {
+    let mut ac = audit::AuditConfig::new(cfg.clone());
+    audit::setup::check_role(&args.audit_role)?;
     ac.role = args.audit_role.clone();
     ac.backend = match &args.audit_database_url {
         Some(u) => events::db::Database::parse(u)
@@ -29,7 +26,7 @@ pub(crate) async fn start(
     if gateway::ca::exists(&args.ca_dir) {
         let ca = gateway::ca::Ca::load(&args.ca_dir)?;
         let (cert_pem, key_pem) = ca.server_identity_for(&args.tls_names, args.serving_validity)?;
-        ac.tls = Some(::replay::audit::TlsFiles {
+        ac.tls = Some(audit::TlsFiles {
             cert_pem,
             key_pem,
             client_ca_pem: Some(ca.cert_pem().to_string()),
@@ -40,7 +37,7 @@ pub(crate) async fn start(
     }
     let tls = ac.tls.is_some();
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    let endpoint = ::replay::audit::start(args.audit_listen, ac, appender)
+    let endpoint = audit::start(args.audit_listen, ac, appender)
         .await
         .context("start the audit endpoint")?;
     if let Some(renewer) = endpoint.renewer() {

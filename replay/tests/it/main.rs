@@ -7,8 +7,8 @@ mod hostile;
 mod invariants;
 mod seals;
 
+use audit::{AuditConfig, TlsFiles};
 use events::{Appender, AppenderConfig, ExpectedVersion, NewEvent};
-use replay::audit::{AuditConfig, TlsFiles};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 struct Env {
     url: String,
     db: tokio_postgres::Client,
-    endpoint: replay::audit::Endpoint,
+    endpoint: audit::Endpoint,
     ca_dir: tempfile::TempDir,
     psql: PathBuf,
 }
@@ -59,19 +59,17 @@ async fn env_with(adjust: impl FnOnce(&mut AuditConfig)) -> Env {
             .await
             .unwrap();
     }
-    replay::audit::accounts::add(&db, "alice", Some("correct horse"))
+    audit::accounts::add(&db, "alice", Some("correct horse"))
         .await
         .unwrap();
-    replay::audit::accounts::add(&db, "bob", None)
+    audit::accounts::add(&db, "bob", None).await.unwrap();
+    audit::accounts::add(&db, "dave", Some("daves-secret"))
         .await
         .unwrap();
-    replay::audit::accounts::add(&db, "dave", Some("daves-secret"))
+    audit::accounts::add(&db, "carol", Some("carols-secret"))
         .await
         .unwrap();
-    replay::audit::accounts::add(&db, "carol", Some("carols-secret"))
-        .await
-        .unwrap();
-    replay::audit::accounts::revoke(&db, "carol").await.unwrap();
+    audit::accounts::revoke(&db, "carol").await.unwrap();
 
     let ca_dir = tempfile::tempdir().unwrap();
     gateway::ca::init(ca_dir.path(), "test").unwrap();
@@ -93,7 +91,7 @@ async fn env_with(adjust: impl FnOnce(&mut AuditConfig)) -> Env {
         client_ca_pem: Some(ca.cert_pem().to_string()),
     });
     adjust(&mut config);
-    let endpoint = replay::audit::start("127.0.0.1:0".parse().unwrap(), config, appender)
+    let endpoint = audit::start("127.0.0.1:0".parse().unwrap(), config, appender)
         .await
         .unwrap();
     Env {

@@ -11,7 +11,7 @@
 //! holds the session to (refused; and the limits are set again after every
 //! statement, so `set_config()` in a query cannot lift them either).
 
-use crate::audit::split::leading_words;
+use crate::split::leading_words;
 
 /// Settings an auditor may not change: the limits that keep one auditor
 /// from holding locks (and so the log) for as long as they like, and the

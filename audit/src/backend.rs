@@ -20,7 +20,7 @@ use postgres_protocol::message::backend::{ErrorResponseBody, Message};
 use postgres_protocol::message::frontend;
 use postgres_protocol::IsNull;
 
-use crate::audit::control::Control;
+use crate::control::Control;
 
 /// A result column as Postgres described it.
 #[derive(Debug, Clone)]
@@ -78,7 +78,7 @@ pub struct Backend {
     in_client_tx: bool,
     max_result_bytes: usize,
     /// Set again after every statement of an auditor's transaction (see
-    /// [`crate::audit::control`]): the endpoint's limits, whatever the
+    /// [`crate::control`]): the endpoint's limits, whatever the
     /// statement did with `set_config()`.
     limits: String,
     /// NOTICE and WARNING messages of the last statement, for the auditor.
@@ -222,7 +222,7 @@ impl Backend {
         result_formats: &[i16],
     ) -> Result<(Outcome, TxChange), BackendError> {
         self.notices.clear();
-        let control = crate::audit::control::classify(sql);
+        let control = crate::control::classify(sql);
         let (sql, asked_commit) = match &control {
             Control::Refused(m) => return Ok((refusal("0A000", m.clone()), TxChange::None)),
             Control::End { asked_commit } => ("ROLLBACK", *asked_commit),

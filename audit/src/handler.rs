@@ -1,10 +1,10 @@
 //! pgwire's side: start-up and authentication, then simple and extended
 //! queries, each recorded as an `audit.query_recorded` event before it runs.
 
-use crate::audit::accounts;
-use crate::audit::backend::{Backend, BackendError, Column, Limits, Outcome, TxChange};
-use crate::audit::split;
-use crate::audit::{AuditConfig, AuditError};
+use crate::accounts;
+use crate::backend::{Backend, BackendError, Column, Limits, Outcome, TxChange};
+use crate::split;
+use crate::{AuditConfig, AuditError};
 use async_trait::async_trait;
 use events::db::Sql;
 use events::{Appender, ExpectedVersion, NewEvent};
@@ -180,13 +180,13 @@ impl Shared {
         };
         let server_version = {
             let guard = shared.accounts().await.map_err(|e| {
-                AuditError::Setup(crate::audit::setup::SetupError::Db {
+                AuditError::Setup(crate::setup::SetupError::Db {
                     role: config.role.clone(),
                     source: e,
                 })
             })?;
             let db = guard.as_ref().expect("connected above");
-            crate::audit::setup::ensure_role(db, &config.role).await?;
+            crate::setup::ensure_role(db, &config.role).await?;
             db.one("SHOW server_version", &[])
                 .await
                 .map(|r| r.get::<_, String>(0))
@@ -203,7 +203,7 @@ impl Shared {
         let (role, password) = {
             let mut guard = self.accounts().await.map_err(|e| e.to_string())?;
             let db = guard.as_mut().ok_or("no accounts connection")?;
-            crate::audit::setup::login_role(db, &self.group, auditor)
+            crate::setup::login_role(db, &self.group, auditor)
                 .await
                 .map_err(|e| e.to_string())?
         };

@@ -1,4 +1,4 @@
-//! The audit endpoint: auditors query the event partitions, the seals and the
+//! Strata's audit endpoint (the `audit` role): auditors query the event partitions, the seals and the
 //! `audit` views with psql or any Postgres client, read-only, and every query
 //! they run is recorded in the log first.
 //!
@@ -23,6 +23,7 @@
 
 pub mod accounts;
 pub mod backend;
+pub mod catalog;
 pub mod control;
 pub mod handler;
 pub mod setup;
