@@ -167,7 +167,7 @@ impl Index {
                 // More quota may admit what waits.
                 self.bump_capacity(&pool);
             }
-            other => return Err(format!("not a pool fact: {}", other.event_type())),
+            other => return not_of("a pool", &other),
         }
         Ok(())
     }
@@ -237,12 +237,7 @@ impl Index {
                 self.with_node(&pool, &node, |n| n.unreachable_since_ms = None);
                 self.bump_capacity(&pool);
             }
-            other => {
-                return Err(format!(
-                    "not a node's membership fact: {}",
-                    other.event_type()
-                ))
-            }
+            other => return not_of("a node's membership", &other),
         }
         Ok(())
     }
@@ -314,12 +309,7 @@ impl Index {
                 });
                 self.bump_capacity(&pool);
             }
-            other => {
-                return Err(format!(
-                    "not a node's standing or health fact: {}",
-                    other.event_type()
-                ))
-            }
+            other => return not_of("a node's standing or health", &other),
         }
         Ok(())
     }
@@ -395,7 +385,7 @@ impl Index {
                     ));
                 }
             }
-            other => return Err(format!("not a client's fact: {}", other.event_type())),
+            other => return not_of("a client's", &other),
         }
         Ok(())
     }
@@ -491,7 +481,7 @@ impl Index {
                     return Err(format!("{p} ({reason})"));
                 }
             }
-            other => return Err(format!("not a placement fact: {}", other.event_type())),
+            other => return not_of("a placement", &other),
         }
         Ok(())
     }
@@ -557,7 +547,7 @@ impl Index {
                     ));
                 }
             }
-            other => return Err(format!("not an ending fact: {}", other.event_type())),
+            other => return not_of("an ending", &other),
         }
         Ok(())
     }
@@ -816,4 +806,11 @@ impl Index {
         }
         Ok(())
     }
+}
+
+/// The error for a fact handed to a family function that does not fold it
+/// (the dispatcher in `apply_fact` never does this; the match must still be
+/// total).
+fn not_of(family: &str, fact: &Fact) -> Result<(), String> {
+    Err(format!("not {family} fact: {}", fact.event_type()))
 }
