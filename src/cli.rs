@@ -1,4 +1,4 @@
-//! What every command shares: the database flags ([`Db`]) and how to
+//! What every command shares: the database flags ([`DbArgs`]) and how to
 //! connect with them, the output format, who is asking, and reading the
 //! whole log into the pool index with progress shown.
 
@@ -6,7 +6,6 @@ use ::replay::rebuild::Progress;
 use anyhow::Context;
 use anyhow::Result;
 use clap::Args;
-use events::db::Sql;
 use events::Appender;
 use events::AppenderConfig;
 use projections::Index;
@@ -23,7 +22,7 @@ pub(crate) enum Output {
 }
 
 #[derive(Args, Debug, Clone)]
-pub(crate) struct Db {
+pub(crate) struct DbArgs {
     /// PostgreSQL connection string as libpq reads it, e.g. postgres://user@host:5432/strata or 'host=db1,db2 dbname=strata target_session_attrs=read-write'. TLS: sslmode=disable|prefer (the default)|require|verify-ca|verify-full, sslrootcert=FILE (the CA to check the server against), sslcert=FILE and sslkey=FILE (a client certificate)
     #[arg(long, env = "STRATA_DATABASE_URL", value_name = "URL")]
     pub database_url: String,
@@ -38,12 +37,12 @@ pub(crate) struct Db {
 #[derive(Args, Debug)]
 pub(crate) struct DbOnly {
     #[command(flatten)]
-    db: Db,
+    db: DbArgs,
 }
 
 /// The database the command names: libpq's URL or `key=value` string, TLS
 /// settings (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`) included.
-pub(crate) fn config(db: &Db) -> Result<events::db::Database> {
+pub(crate) fn config(db: &DbArgs) -> Result<events::db::Database> {
     let main = events::db::Database::parse(&db.database_url)
         .map_err(anyhow::Error::msg)
         .context("parse the database URL (expected e.g. postgres://user@host:5432/dbname or 'host=db dbname=strata')")?;
@@ -61,7 +60,7 @@ pub(crate) fn config(db: &Db) -> Result<events::db::Database> {
 /// A connection to PostgreSQL itself (`--database-direct-url` when the
 /// main URL goes through a pooler): for the migration lock and the checks
 /// of the server.
-pub(crate) async fn connect_direct(db: &Db) -> Result<tokio_postgres::Client> {
+pub(crate) async fn connect_direct(db: &DbArgs) -> Result<tokio_postgres::Client> {
     let cfg = config(db)?;
     events::db::connect(cfg.direct(), "cli-direct-connection")
         .await
@@ -70,21 +69,21 @@ pub(crate) async fn connect_direct(db: &Db) -> Result<tokio_postgres::Client> {
 
 /// A connection to PostgreSQL itself whose statements may take as long as
 /// they need: migrations (an index over a big table), exports.
-pub(crate) async fn connect_long(db: &Db) -> Result<tokio_postgres::Client> {
+pub(crate) async fn connect_long(db: &DbArgs) -> Result<tokio_postgres::Client> {
     let cfg = config(db)?.with_statement_timeout(None);
     events::db::connect(cfg.direct(), "cli-long-connection")
         .await
         .context("connect to postgres (directly)")
 }
 
-pub(crate) async fn connect(db: &Db) -> Result<tokio_postgres::Client> {
+pub(crate) async fn connect(db: &DbArgs) -> Result<tokio_postgres::Client> {
     let cfg = config(db)?;
     events::db::connect(&cfg, "cli-connection")
         .await
         .context("connect to postgres")
 }
 
-pub(crate) fn appender(db: &Db) -> Result<Appender> {
+pub(crate) fn appender(db: &DbArgs) -> Result<Appender> {
     Ok(Appender::start(config(db)?, AppenderConfig::default()))
 }
 
@@ -121,12 +120,12 @@ pub(crate) fn human_bytes(b: i64) -> String {
 }
 
 /// The index built from the whole log, with progress on a terminal.
-pub(crate) async fn index(db: &Db) -> Result<Index> {
+pub(crate) async fn index(db: &DbArgs) -> Result<Index> {
     index_until(db, None).await
 }
 
 /// The index as it was after `until` (the whole log when `None`).
-pub(crate) async fn index_until(db: &Db, until: Option<u64>) -> Result<Index> {
+pub(crate) async fn index_until(db: &DbArgs, until: Option<u64>) -> Result<Index> {
     let client = connect(db).await?;
     let progress = std::sync::Arc::new(::replay::rebuild::Progress::default());
     let display = progress_display("reading the log".into(), progress.clone());
@@ -144,18 +143,11 @@ pub(crate) async fn index_until(db: &Db, until: Option<u64>) -> Result<Index> {
 }
 
 /// The last position recorded at or before an RFC 3339 time.
-pub(crate) async fn position_at(db: &Db, at: &str) -> Result<u64> {
+pub(crate) async fn position_at(db: &DbArgs, at: &str) -> Result<u64> {
     let t = humantime::parse_rfc3339_weak(at)
         .map_err(|_| anyhow::anyhow!("--at {at:?}: a time such as 2026-11-30T10:00:00Z"))?;
     let client = connect(db).await?;
-    let p: Option<i64> = client
-        .one(
-            "SELECT max(position) FROM strata.events WHERE recorded_at <= $1",
-            &[&t],
-        )
-        .await?
-        .get(0);
-    Ok(p.unwrap_or(0) as u64)
+    Ok(events::read::position_at(&client, t).await?.0)
 }
 
 /// Shows progress on stderr: a bar on a terminal, a line every 5 s otherwise.

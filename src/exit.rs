@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// An error in a command's work: a database, a file, a peer.
 pub const FAILURE: u8 = 1;
 /// A request that can never be placed as the pool is (`reserve --wait`).
-pub const NEVER_FITS: u8 = 3;
+pub const REJECTED: u8 = 3;
 /// Waited as long as asked and the answer had not come (`--timeout`).
 pub const TIMED_OUT: u8 = 4;
 /// The stream was not at the version given (`events append --expect`).

@@ -59,7 +59,7 @@ enum Command {
     /// Check a database for what Strata needs (wal_level, slots and senders, max_slot_wal_keep_size, the publication, partitions ahead, stale slots, TLS, a synchronous standby and its lag); prints each finding with what to do; exits 1 on a problem (warnings do not fail)
     Doctor {
         #[command(flatten)]
-        db: cli::Db,
+        db: cli::DbArgs,
         /// Print the findings as one JSON object: {"ok": bool, "problems": n, "warnings": n, "findings": [{check, status, detail, advice}]}
         #[arg(long)]
         json: bool,
@@ -73,7 +73,7 @@ enum Command {
     /// Release a reservation (or cancel it, if it is not placed yet)
     Release {
         #[command(flatten)]
-        db: cli::Db,
+        db: cli::DbArgs,
         /// The reservation's id
         id: String,
         /// Why, recorded with the request
@@ -89,7 +89,7 @@ enum Command {
     /// List pools with their nodes and free and booked GPUs by class
     Pools {
         #[command(flatten)]
-        db: cli::Db,
+        db: cli::DbArgs,
     },
     /// Create, seed and inspect one pool
     #[command(subcommand)]

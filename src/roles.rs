@@ -14,7 +14,7 @@ pub(crate) mod maintenance;
 pub(crate) mod placer;
 pub(crate) mod sinks;
 
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::{Context, Result};
 use clap::Args;
 use events::db::Database;
@@ -28,7 +28,7 @@ pub(crate) struct ServeArgs {
     #[arg(long, env = "STRATA_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
     #[command(flatten)]
-    pub db: Db,
+    pub db: DbArgs,
     /// Roles to run, comma-separated. maintenance: partitions ahead, seals of closed months and checkpoints of the open one; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks; audit: the Postgres-protocol endpoint for auditors
     #[arg(long, value_delimiter = ',', default_value = "maintenance", value_enum)]
     pub roles: Vec<Role>,

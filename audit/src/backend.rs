@@ -157,11 +157,6 @@ impl Backend {
         self.conn.backend_key()
     }
 
-    /// Whether an auditor's transaction is open.
-    pub fn in_transaction(&self) -> bool {
-        self.in_client_tx
-    }
-
     /// The notices of the last statement.
     pub fn take_notices(&mut self) -> Vec<ErrorInfo> {
         std::mem::take(&mut self.notices)
@@ -284,6 +279,55 @@ impl Backend {
             self.read_own(OPEN).await?;
         }
 
+        let (outcome, bytes, status) = self.read_results(begins).await?;
+        if closes {
+            self.read_own(CLOSE).await?;
+        }
+        let mut outcome = outcome.unwrap_or(Outcome::Empty);
+        if bytes > self.max_result_bytes {
+            outcome = refusal(
+                "54000",
+                format!(
+                    "the result is larger than the audit endpoint's limit of {} MiB; narrow the query (a position range, LIMIT)",
+                    self.max_result_bytes >> 20
+                ),
+            );
+        }
+        if asked_commit && !matches!(outcome, Outcome::Error(_)) {
+            self.notices.push(ErrorInfo::new(
+                "NOTICE".into(),
+                "00000".into(),
+                "the audit endpoint ends every transaction with a rollback: nothing an auditor runs is committed".into(),
+            ));
+        }
+        let change = if begins && status == b'T' {
+            TxChange::Started
+        } else if ends || (!opens && status == b'I') {
+            TxChange::Ended
+        } else {
+            TxChange::None
+        };
+        match change {
+            TxChange::Started => self.in_client_tx = true,
+            TxChange::Ended => {
+                self.in_client_tx = false;
+                if !closes {
+                    // The transaction ended some other way: reset as well.
+                    self.simple(CLOSE).await?;
+                }
+            }
+            TxChange::None => {}
+        }
+        Ok((outcome, change))
+    }
+
+    /// Reads what the server answers to the auditor's statement, up to its
+    /// ReadyForQuery: the statement's outcome (rows kept up to the result
+    /// limit), the result's size in bytes, and the transaction status.
+    async fn read_results(
+        &mut self,
+        begins: bool,
+    ) -> Result<(Option<Outcome>, usize, u8), BackendError> {
         let mut columns = None;
         let mut rows = Vec::new();
         let mut bytes = 0usize;
@@ -345,45 +389,7 @@ impl Backend {
                 _ => {}
             }
         }
-        if closes {
-            self.read_own(CLOSE).await?;
-        }
-        let mut outcome = outcome.unwrap_or(Outcome::Empty);
-        if bytes > self.max_result_bytes {
-            outcome = refusal(
-                "54000",
-                format!(
-                    "the result is larger than the audit endpoint's limit of {} MiB; narrow the query (a position range, LIMIT)",
-                    self.max_result_bytes >> 20
-                ),
-            );
-        }
-        if asked_commit && !matches!(outcome, Outcome::Error(_)) {
-            self.notices.push(ErrorInfo::new(
-                "NOTICE".into(),
-                "00000".into(),
-                "the audit endpoint ends every transaction with a rollback: nothing an auditor runs is committed".into(),
-            ));
-        }
-        let change = if begins && status == b'T' {
-            TxChange::Started
-        } else if ends || (!opens && status == b'I') {
-            TxChange::Ended
-        } else {
-            TxChange::None
-        };
-        match change {
-            TxChange::Started => self.in_client_tx = true,
-            TxChange::Ended => {
-                self.in_client_tx = false;
-                if !closes {
-                    // The transaction ended some other way: reset as well.
-                    self.simple(CLOSE).await?;
-                }
-            }
-            TxChange::None => {}
-        }
-        Ok((outcome, change))
+        Ok((outcome, bytes, status))
     }
 
     /// Reads the answer to one of the endpoint's own simple queries sent

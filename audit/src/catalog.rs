@@ -2,9 +2,12 @@
 
 use events::catalog::{req, EventSpec, Ty};
 
+/// `audit.query_recorded`: see its entry in [`EVENTS`].
+pub const AUDIT_QUERY_RECORDED: &str = "audit.query_recorded";
+
 /// Every event the replay crate writes.
 pub const EVENTS: &[EventSpec] = &[EventSpec {
-    event_type: "audit.query_recorded",
+    event_type: AUDIT_QUERY_RECORDED,
     stream: "auditor/<name>",
     written_by: "the audit endpoint, before the statement runs",
     about: "An auditor's statement. It runs only once this is durable; `audit.queries` shows them.",

@@ -390,7 +390,7 @@ impl Startup {
                 ));
             }
         };
-        let id = projections::domain::new_id("as");
+        let id = domain::new_id("as");
         stats.logins.fetch_add(1, Ordering::Relaxed);
         let pg_key = backend.key();
         // From here the session's Drop gives the place back.
@@ -849,7 +849,10 @@ impl Queries {
             .append(
                 &stream,
                 ExpectedVersion::Any,
-                vec![NewEvent::new("audit.query_recorded", &payload)],
+                vec![NewEvent::new(
+                    crate::catalog::AUDIT_QUERY_RECORDED,
+                    &payload,
+                )],
             )
             .await
         {

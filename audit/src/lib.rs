@@ -22,12 +22,12 @@
 //! served without it.
 
 pub mod accounts;
-pub mod backend;
+mod backend;
 pub mod catalog;
-pub mod control;
-pub mod handler;
+mod control;
+mod handler;
 pub mod setup;
-pub mod split;
+mod split;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

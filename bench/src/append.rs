@@ -109,12 +109,12 @@ pub async fn run(args: Args) -> Result<()> {
     // 20 server connections) in front of the same server, for
     // `pgbouncer_ratio`; skipped, and said so, when there is no pgbouncer.
     let bouncer_dir = tempfile::tempdir()?;
-    let bouncer = match schema::Bouncer::start(
+    let bouncer = match testkit::Bouncer::start(
         &cluster,
         bouncer_dir.path(),
-        &schema::BouncerOptions {
+        &testkit::BouncerOptions {
             pool_size: 20,
-            ..schema::BouncerOptions::default()
+            ..testkit::BouncerOptions::default()
         },
     ) {
         Ok(b) => Some(b),
@@ -124,7 +124,7 @@ pub async fn run(args: Args) -> Result<()> {
         }
     };
     let pgbouncer_version = bouncer.as_ref().and_then(|_| {
-        std::process::Command::new(schema::Bouncer::find().ok()?)
+        std::process::Command::new(testkit::Bouncer::find().ok()?)
             .arg("--version")
             .output()
             .ok()

@@ -21,11 +21,11 @@
 
 use crate::util::{self, percentile_ms, round};
 use anyhow::{bail, Context, Result};
+use domain::commands::{self, Command};
+use domain::{Fact, Request, Shape};
 use events::{Appender, AppenderConfig, Reader, ReaderConfig, Start};
 use node::daemon::{self, DaemonConfig, DaemonStats};
 use node::gpu::FakeGpus;
-use projections::commands::{self, Command};
-use projections::{Fact, Request, Shape};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -278,7 +278,7 @@ pub(crate) async fn setup(
     let dir = tempfile::tempdir()?;
     gateway::ca::init(&dir.path().join("ca"), "bench")?;
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    placer::client::create_pool(&appender, pool, "benchmark pool").await?;
+    domain::pools::create_pool(&appender, pool, "benchmark pool").await?;
     Ok((cluster, cfg, client, url, dir))
 }
 
@@ -389,7 +389,7 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
             let Some(id) = e.stream.strip_prefix("command/") else {
                 continue;
             };
-            let map = match projections::domain::canonical_type(&e.event_type) {
+            let map = match domain::canonical_type(&e.event_type) {
                 commands::ISSUED => &l2,
                 commands::ACKED => &a2,
                 _ => continue,
@@ -669,7 +669,7 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
     let watcher = tokio::spawn(async move {
         while let Ok(e) = sub.next().await {
             sub.ack(e.position);
-            let map = match projections::domain::canonical_type(&e.event_type) {
+            let map = match domain::canonical_type(&e.event_type) {
                 "reservation.placed" => &p2,
                 "reservation.activated" => &a2,
                 _ => continue,
@@ -715,7 +715,7 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
         reqs.push(tokio::spawn(async move {
             appender
                 .append(
-                    &projections::domain::reservation_stream(&r.reservation),
+                    &domain::reservation_stream(&r.reservation),
                     events::ExpectedVersion::NoStream,
                     vec![Fact::ReservationRequested(r.clone()).to_event()],
                 )

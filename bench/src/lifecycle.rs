@@ -30,10 +30,10 @@
 use crate::gateway::{now_ms, provision, setup, GatewayProcess};
 use crate::util::{self, percentile_ms, round};
 use anyhow::{Context, Result};
+use domain::{Fact, Request, Shape};
 use events::{Appender, AppenderConfig, Reader, ReaderConfig, Start};
 use node::daemon::{self, DaemonConfig, DaemonStats};
 use node::gpu::FakeGpus;
-use projections::{Fact, Request, Shape};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -190,7 +190,7 @@ pub async fn run(args: Args) -> Result<()> {
                             s.first_placed_after.get_or_insert(now);
                         }
                     }
-                    Fact::ReservationActive { reservation } => {
+                    Fact::ReservationActivated { reservation } => {
                         s.active.entry(reservation).or_insert(now);
                         if after {
                             s.first_active_after.get_or_insert(now);
@@ -211,7 +211,7 @@ pub async fn run(args: Args) -> Result<()> {
         let rate = f64::from(args.rate);
         tokio::spawn(async move {
             // Made again after PostgreSQL restarts.
-            let db = events::db::Db::new(cfg.clone());
+            let db = events::db::SharedClient::new(cfg.clone());
             let mut releases = Vec::new();
             let mut refused = 0u64;
             for i in 0..offered {
@@ -237,10 +237,12 @@ pub async fn run(args: Args) -> Result<()> {
                 let mut tries = 0;
                 loop {
                     let e = match db.get().await {
-                        Ok(client) => match placer::client::reserve(&client, &appender, &r).await {
-                            Ok(()) => break,
-                            Err(e) => e.to_string(),
-                        },
+                        Ok(client) => {
+                            match domain::requests::reserve(&client, &appender, &r, None).await {
+                                Ok(()) => break,
+                                Err(e) => e.to_string(),
+                            }
+                        }
                         Err(e) => e.to_string(),
                     };
                     tries += 1;
@@ -258,7 +260,7 @@ pub async fn run(args: Args) -> Result<()> {
                         tokio::time::sleep(Duration::from_millis(fastrand::u64(2_000..20_000)))
                             .await;
                         for _ in 0..100 {
-                            if placer::client::release(&appender, &id, "done")
+                            if domain::requests::release(&appender, &id, "done", None)
                                 .await
                                 .is_ok()
                             {
@@ -300,12 +302,12 @@ pub async fn run(args: Args) -> Result<()> {
     note(format!("revoked {revoked}"));
     tokio::time::sleep_until((start + at(25.0)).into()).await;
     let drained = ids[2].clone();
-    projections::standing::change(
+    domain::standing::change(
         &admin,
         &appender,
         Some("life"),
         &drained,
-        &projections::standing::Change::Drain {
+        &domain::standing::Change::Drain {
             reason: "bench".into(),
             wait: None,
         },

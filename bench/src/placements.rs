@@ -23,11 +23,12 @@
 use crate::append::{prepare_raw, raw_multirow};
 use crate::util::{self, percentile_ms, round};
 use anyhow::{bail, Context, Result};
+use domain::reservation_stream;
+use domain::{Fact, Request, Shape};
 use events::{Appender, AppenderConfig, ExpectedVersion, Reader, ReaderConfig, Start};
 use placer::{Placer, PlacerConfig};
-use projections::domain::reservation_stream;
 use projections::testing::Log;
-use projections::{check, projector, snapshot, Fact, Index, Request, Shape, SnapshotStore};
+use projections::{check, projector, snapshot, Index, SnapshotStore};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -103,7 +104,7 @@ async fn watch(reader: Reader, seen: Arc<Seen>) -> Result<()> {
                 seen.placed.fetch_add(1, Ordering::Relaxed);
                 seen.decided.fetch_add(1, Ordering::Relaxed);
             }
-            Fact::ReservationQueued { .. } | Fact::ReservationUnschedulable { .. } => {
+            Fact::ReservationQueued { .. } | Fact::ReservationRejected { .. } => {
                 seen.queued.fetch_add(1, Ordering::Relaxed);
                 seen.decided.fetch_add(1, Ordering::Relaxed);
             }
@@ -260,7 +261,7 @@ fn synthetic(nodes: u32) -> Index {
             description: String::new(),
         },
     );
-    for (node, devices) in placer::client::uniform_fleet("s", nodes, CLASS, 8, 8) {
+    for (node, devices) in domain::pools::uniform_fleet("s", nodes, CLASS, 8, 8) {
         apply(
             &mut log,
             "pool/synthetic",
@@ -280,7 +281,7 @@ fn synthetic(nodes: u32) -> Index {
             "pool/synthetic",
             &Fact::ReservationPlaced {
                 reservation: id,
-                allocations: vec![projections::Allocation {
+                allocations: vec![domain::Allocation {
                     node: format!("s{n:05}"),
                     devices: (0..4).map(|d| format!("gpu{d}")).collect(),
                 }],
@@ -339,10 +340,10 @@ pub async fn run(args: Args) -> Result<()> {
     let pools: Vec<String> = (0..args.pools).map(|p| format!("bench{p}")).collect();
     let t = Instant::now();
     for (i, pool) in pools.iter().enumerate() {
-        placer::client::create_pool(&appender, pool, "benchmark pool").await?;
+        domain::pools::create_pool(&appender, pool, "benchmark pool").await?;
         let share = args.nodes / args.pools + u32::from((i as u32) < args.nodes % args.pools);
-        let fleet = placer::client::uniform_fleet(&format!("{pool}-n"), share, CLASS, 8, 8);
-        placer::client::join_nodes(&appender, pool, fleet, |_| {}).await?;
+        let fleet = domain::pools::uniform_fleet(&format!("{pool}-n"), share, CLASS, 8, 8);
+        domain::pools::join_nodes(&appender, pool, fleet, |_| {}).await?;
     }
     let gpus = args.nodes as u64 * 8;
     eprintln!(
@@ -445,10 +446,9 @@ pub async fn run(args: Args) -> Result<()> {
     let tenant_nodes = args.tenant_nodes.unwrap_or(args.nodes);
     let tenants = if tenant_nodes > 0 {
         let t = Instant::now();
-        placer::client::create_pool(&appender, tenants::POOL, "multi-tenant benchmark pool")
-            .await?;
-        let fleet = placer::client::uniform_fleet("tenants-n", tenant_nodes, CLASS, 8, 8);
-        placer::client::join_nodes(&appender, tenants::POOL, fleet, |_| {}).await?;
+        domain::pools::create_pool(&appender, tenants::POOL, "multi-tenant benchmark pool").await?;
+        let fleet = domain::pools::uniform_fleet("tenants-n", tenant_nodes, CLASS, 8, 8);
+        domain::pools::join_nodes(&appender, tenants::POOL, fleet, |_| {}).await?;
         let racks = (0..tenant_nodes)
             .map(|i| {
                 (
@@ -458,11 +458,11 @@ pub async fn run(args: Args) -> Result<()> {
                 )
             })
             .collect();
-        placer::client::label_nodes(&appender, tenants::POOL, racks).await?;
+        domain::pools::label_nodes(&appender, tenants::POOL, racks).await?;
         let tenant_gpus = tenant_nodes as u64 * 8;
         for spec in tenants::specs(tenant_gpus) {
             let name = spec.queue.clone();
-            projections::queues::configure(
+            domain::queues::configure(
                 &client,
                 &appender,
                 tenants::POOL,
@@ -511,10 +511,10 @@ pub async fn run(args: Args) -> Result<()> {
     let backfill = if backfill_nodes > 0 {
         let held = stats.view().pools_held;
         for pool in [backfill::QUIET, backfill::CONTENDED] {
-            placer::client::create_pool(&appender, pool, "backfill benchmark pool").await?;
+            domain::pools::create_pool(&appender, pool, "backfill benchmark pool").await?;
             let fleet =
-                placer::client::uniform_fleet(&format!("{pool}-n"), backfill_nodes, CLASS, 8, 8);
-            placer::client::join_nodes(&appender, pool, fleet, |_| {}).await?;
+                domain::pools::uniform_fleet(&format!("{pool}-n"), backfill_nodes, CLASS, 8, 8);
+            domain::pools::join_nodes(&appender, pool, fleet, |_| {}).await?;
         }
         let t = Instant::now();
         while stats.view().pools_held < held + 2 {

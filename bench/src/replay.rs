@@ -19,8 +19,9 @@ use crate::util::{self, round};
 use ::replay::rebuild::{self, Progress};
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
+use domain::{DeviceSpec, Fact, Request, Shape};
 use futures_util::SinkExt;
-use projections::{DeviceSpec, Fact, Index, Request, Shape};
+use projections::Index;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -171,7 +172,7 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
             &format!("pool/{pool}"),
             &Fact::ReservationPlaced {
                 reservation: id.clone(),
-                allocations: vec![projections::Allocation {
+                allocations: vec![domain::Allocation {
                     node: format!("n{node}"),
                     devices: vec![device.to_string()],
                 }],
@@ -179,7 +180,7 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
         );
         g.fact(
             &rs,
-            &Fact::ReservationActive {
+            &Fact::ReservationActivated {
                 reservation: id.clone(),
             },
         );
@@ -188,7 +189,7 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
             let old_id = format!("r{old}");
             g.fact(
                 &format!("reservation/{old_id}"),
-                &Fact::ReleaseRequested {
+                &Fact::ReservationReleaseRequested {
                     reservation: old_id.clone(),
                     reason: String::new(),
                 },

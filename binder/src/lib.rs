@@ -20,13 +20,14 @@
 //! Supervised: whatever fails, the binder lets go of its lease, waits a
 //! backoff and starts again from the log.
 
+use domain::commands::{self, Command};
+use domain::Fact;
+use domain::{reservation_of, reservation_stream};
 use events::db::Sql;
 use events::lease::{Lease, LeaseError};
 use events::{AppendError, Appender, ErrorKind, ExpectedVersion, Reader, Start};
 use ops::task::Backoff;
-use projections::commands::{self, Command};
-use projections::domain::{reservation_of, reservation_stream};
-use projections::{projector, Fact, Index, Phase};
+use projections::{projector, Index, Phase};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -373,7 +374,7 @@ impl State {
         tracing::warn!(%reservation, %node, %reason, "a bind failed; releasing the reservation");
         self.waiting.remove(&reservation);
         let meta = serde_json::json!({ "by": "binder" });
-        match projections::requests::release(appender, &reservation, &reason, Some(&meta)).await {
+        match domain::requests::release(appender, &reservation, &reason, Some(&meta)).await {
             Ok(()) => {}
             Err(e) => {
                 tracing::error!(%reservation, error = %e, "could not ask for the release of a reservation whose bind failed")
@@ -464,6 +465,42 @@ async fn held(
     let mut sub = reader
         .subscribe_ephemeral_as("binder", Start::After(events::Position(index.position())))
         .await?;
+    let (mut state, placed) = resumed(&client, &index).await?;
+    resume_binds(&client, &mut state, &index, &placed, &appender, &stats).await?;
+    release_ended(&client, &index, &appender, &stats).await?;
+    tracing::info!(
+        position = index.position(),
+        placed = placed.len(),
+        "binder started"
+    );
+    let mut renew = tokio::time::interval(LEASE_TTL / 3);
+    renew.tick().await;
+    loop {
+        let e = tokio::select! {
+            _ = &mut *stop => return Ok(()),
+            _ = renew.tick() => {
+                // A renewal that does not answer in time counts as lost: the
+                // binder stops acting before its lease can run out.
+                match tokio::time::timeout(LEASE_TTL / 3, lease.renew(&client)).await {
+                    Ok(r) => r?,
+                    Err(_) => return Err(BinderError::Stalled(LEASE_TTL / 3)),
+                }
+                continue;
+            }
+            e = sub.next() => e?,
+        };
+        sub.ack(e.position);
+        on_event(&mut state, &mut index, &e, &appender, &stats).await?;
+    }
+}
+
+/// The binder's state when it takes the lease: the version of every
+/// reservation the index holds, and the placements not active yet (whose
+/// binds it issues again and learns which already succeeded).
+async fn resumed(
+    client: &tokio_postgres::Client,
+    index: &Index,
+) -> Result<(State, Vec<String>), BinderError> {
     let mut state = State {
         binds: HashMap::new(),
         waiting: HashMap::new(),
@@ -502,138 +539,122 @@ async fn held(
             state.versions.insert(id.to_string(), version as u64);
         }
     }
-    resume_binds(&client, &mut state, &index, &placed, &appender, &stats).await?;
-    release_ended(&client, &index, &appender, &stats).await?;
-    tracing::info!(
-        position = index.position(),
-        placed = placed.len(),
-        "binder started"
-    );
-    let mut renew = tokio::time::interval(LEASE_TTL / 3);
-    renew.tick().await;
-    loop {
-        let e = tokio::select! {
-            _ = &mut *stop => return Ok(()),
-            _ = renew.tick() => {
-                // A renewal that does not answer in time counts as lost: the
-                // binder stops acting before its lease can run out.
-                match tokio::time::timeout(LEASE_TTL / 3, lease.renew(&client)).await {
-                    Ok(r) => r?,
-                    Err(_) => return Err(BinderError::Stalled(LEASE_TTL / 3)),
-                }
-                continue;
-            }
-            e = sub.next() => e?,
-        };
-        sub.ack(e.position);
-        let fact = Fact::parse(&e.event_type, &e.payload, &e.metadata)
-            .ok()
-            .flatten();
-        match &fact {
-            Some(Fact::ReservationPreempting {
-                reservation,
-                by,
-                reason,
-                deadline_ms,
-            }) => {
-                // Its nodes are told, so its workload can wind down before
-                // the grace period ends.
-                if let Some(r) = index.reservation(reservation) {
-                    let args = serde_json::json!({
-                        "reservation": reservation,
-                        "by": by,
-                        "reason": reason,
-                        "deadline_ms": deadline_ms,
-                    });
-                    to_its_nodes(
-                        &appender,
-                        &stats,
-                        r,
-                        "allocation.preempting",
-                        &args,
-                        |node| format!("preempting:{reservation}:{node}"),
-                    );
-                }
-            }
-            Some(
-                Fact::ReservationReleased { reservation }
-                | Fact::ReservationExpired { reservation }
-                | Fact::ReservationFailed { reservation, .. }
-                | Fact::ReservationPreempted { reservation, .. },
-            ) => {
-                // Before the index forgets the reservation's allocations.
-                if let Some(r) = index.reservation(reservation) {
-                    let args = serde_json::json!({"reservation": reservation});
-                    to_its_nodes(&appender, &stats, r, "allocation.release", &args, |node| {
-                        release_id(reservation, node)
-                    });
-                }
-                state.waiting.remove(reservation);
-                state.versions.remove(reservation);
-                state.traces.remove(reservation);
-            }
-            Some(Fact::ReservationUnschedulable { reservation, .. }) => {
-                state.versions.remove(reservation);
-            }
-            _ => {}
-        }
-        if let Some(v) = index.apply(&e)? {
-            tracing::warn!(violation = %v, "the log breaks an invariant");
-        }
-        // A reservation's own stream holds its request, release requests,
-        // activation and end (`reservation.ended`, committed with the
-        // terminal fact on the pool's stream). Its version is the life
-        // cycle's fence: remembered while the reservation lives, forgotten
-        // once it ended.
-        if let Some(id) = reservation_of(&e.stream) {
-            if index.reservation(id).is_some() {
-                state.versions.insert(id.to_string(), e.version);
-            } else {
-                state.versions.remove(id);
+    Ok((state, placed))
+}
+
+/// Follows one event of the log: tells nodes of preemptions and ends,
+/// folds it into the index, keeps the life-cycle fences, expects the binds
+/// of a placement and hears their results.
+async fn on_event(
+    state: &mut State,
+    index: &mut Index,
+    e: &events::Event,
+    appender: &Appender,
+    stats: &Arc<BinderStats>,
+) -> Result<(), BinderError> {
+    let fact = Fact::parse(&e.event_type, &e.payload, &e.metadata)
+        .ok()
+        .flatten();
+    match &fact {
+        Some(Fact::ReservationPreemptionScheduled {
+            reservation,
+            by,
+            reason,
+            deadline_ms,
+        }) => {
+            // Its nodes are told, so its workload can wind down before
+            // the grace period ends.
+            if let Some(r) = index.reservation(reservation) {
+                let args = serde_json::json!({
+                    "reservation": reservation,
+                    "by": by,
+                    "reason": reason,
+                    "deadline_ms": deadline_ms,
+                });
+                to_its_nodes(appender, stats, r, "allocation.preempting", &args, |node| {
+                    format!("preempting:{reservation}:{node}")
+                });
             }
         }
-        if let Some(Fact::ReservationPlaced { reservation, .. }) = &fact {
-            // A placement with a trace context: the binds and the activation
-            // continue its trace.
-            match events::trace::of_metadata(&e.metadata) {
-                Some(tp) => {
-                    let span = tracing::info_span!("reservation.bind", reservation = %reservation);
-                    events::trace::follow(&span, &tp);
-                    span.in_scope(|| state.expect_binds(&index, reservation, &appender, &stats));
-                    if let Some(tp) = span.in_scope(events::trace::current) {
-                        state.traces.insert(reservation.clone(), tp);
-                    }
-                }
-                None => state.expect_binds(&index, reservation, &appender, &stats),
+        Some(
+            Fact::ReservationReleased { reservation }
+            | Fact::ReservationExpired { reservation }
+            | Fact::ReservationFailed { reservation, .. }
+            | Fact::ReservationPreempted { reservation, .. },
+        ) => {
+            // Before the index forgets the reservation's allocations.
+            if let Some(r) = index.reservation(reservation) {
+                let args = serde_json::json!({"reservation": reservation});
+                to_its_nodes(appender, stats, r, "allocation.release", &args, |node| {
+                    release_id(reservation, node)
+                });
             }
+            state.waiting.remove(reservation);
+            state.versions.remove(reservation);
+            state.traces.remove(reservation);
         }
-        match e.event_type.as_str() {
-            commands::SUCCEEDED | commands::FAILED | commands::EXPIRED => {
-                let cmd = e.stream.trim_start_matches("command/");
-                if let Some((res, node, n)) = state.binds.remove(cmd) {
-                    if e.event_type == commands::SUCCEEDED {
-                        bound(&mut state, &index, &appender, &stats, &res, &node).await;
-                    } else {
-                        let detail = serde_json::from_str::<serde_json::Value>(&e.payload)
-                            .ok()
-                            .and_then(|v| v["detail"].as_str().map(str::to_string))
-                            .unwrap_or_default();
-                        state
-                            .bind_missed(
-                                &index,
-                                &appender,
-                                &stats,
-                                (res, node, n),
-                                &e.event_type,
-                                &detail,
-                            )
-                            .await;
-                    }
-                }
-            }
-            _ => {}
+        Some(Fact::ReservationRejected { reservation, .. }) => {
+            state.versions.remove(reservation);
+        }
+        _ => {}
+    }
+    if let Some(v) = index.apply(e)? {
+        tracing::warn!(violation = %v, "the log breaks an invariant");
+    }
+    // A reservation's own stream holds its request, release requests,
+    // activation and end (`reservation.ended`, committed with the
+    // terminal fact on the pool's stream). Its version is the life
+    // cycle's fence: remembered while the reservation lives, forgotten
+    // once it ended.
+    if let Some(id) = reservation_of(&e.stream) {
+        if index.reservation(id).is_some() {
+            state.versions.insert(id.to_string(), e.version);
+        } else {
+            state.versions.remove(id);
         }
     }
+    if let Some(Fact::ReservationPlaced { reservation, .. }) = &fact {
+        // A placement with a trace context: the binds and the activation
+        // continue its trace.
+        match events::trace::of_metadata(&e.metadata) {
+            Some(tp) => {
+                let span = tracing::info_span!("reservation.bind", reservation = %reservation);
+                events::trace::follow(&span, &tp);
+                span.in_scope(|| state.expect_binds(index, reservation, appender, stats));
+                if let Some(tp) = span.in_scope(events::trace::current) {
+                    state.traces.insert(reservation.clone(), tp);
+                }
+            }
+            None => state.expect_binds(index, reservation, appender, stats),
+        }
+    }
+    match e.event_type.as_str() {
+        commands::SUCCEEDED | commands::FAILED | commands::EXPIRED => {
+            let cmd = e.stream.trim_start_matches("command/");
+            if let Some((res, node, n)) = state.binds.remove(cmd) {
+                if e.event_type == commands::SUCCEEDED {
+                    bound(state, index, appender, stats, &res, &node).await;
+                } else {
+                    let detail = serde_json::from_str::<serde_json::Value>(&e.payload)
+                        .ok()
+                        .and_then(|v| v["detail"].as_str().map(str::to_string))
+                        .unwrap_or_default();
+                    state
+                        .bind_missed(
+                            index,
+                            appender,
+                            stats,
+                            (res, node, n),
+                            &e.event_type,
+                            &detail,
+                        )
+                        .await;
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// Placements not active yet, as the log has their binds: a node that bound
@@ -787,7 +808,7 @@ async fn bound(
     if index.reservation(reservation).map(|r| r.phase) != Some(Phase::Placed) {
         return;
     }
-    let fact = Fact::ReservationActive {
+    let fact = Fact::ReservationActivated {
         reservation: reservation.to_string(),
     };
     // Only at the exact version seen: without it there is no fence, and an

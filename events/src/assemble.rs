@@ -75,11 +75,6 @@ impl Assembler {
         self.open.is_some()
     }
 
-    /// Drops a half-received transaction (the connection was lost).
-    pub fn reset(&mut self) {
-        self.open = None;
-    }
-
     /// Feeds one pgoutput message; returns a transaction when it commits.
     pub fn push(&mut self, data: &[u8]) -> Result<Option<Txn>, DecodeError> {
         match decode_logical(data)? {

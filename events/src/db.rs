@@ -316,14 +316,14 @@ fn refuses_options(e: &tokio_postgres::Error) -> bool {
 }
 
 /// A lazily made connection shared by the tasks of one reader.
-pub struct Db {
+pub struct SharedClient {
     pub config: Database,
     client: Mutex<Option<Arc<Client>>>,
 }
 
-impl Db {
+impl SharedClient {
     pub fn new(config: impl Into<Database>) -> Self {
-        Db {
+        SharedClient {
             config: config.into(),
             client: Mutex::new(None),
         }

@@ -81,8 +81,24 @@ pub async fn examine(
     stale_after: Duration,
 ) -> Result<Vec<Finding>, tokio_postgres::Error> {
     let mut out = Vec::new();
+    let migrated = schema_version(client, &mut out).await?;
+    decoding(client, &mut out).await?;
+    slots_and_senders(client, stale_after, &mut out).await?;
+    if migrated {
+        partitions(client, &mut out).await?;
+    }
+    tls(client, &mut out).await?;
+    standbys(client, &mut out).await?;
+    takeovers(client, &mut out).await?;
 
-    // The schema.
+    Ok(out)
+}
+
+/// The schema: migrated, and to this binary's latest. Whether there is a schema at all.
+async fn schema_version(
+    client: &Client,
+    out: &mut Vec<Finding>,
+) -> Result<bool, tokio_postgres::Error> {
     let migrated: bool = client
         .one(
             "SELECT to_regclass('strata.schema_migrations') IS NOT NULL",
@@ -121,8 +137,11 @@ pub async fn examine(
             out.push(Finding::ok("schema", format!("migrated to {have}")));
         }
     }
+    Ok(migrated)
+}
 
-    // Logical decoding.
+/// Logical decoding: `wal_level` and the publication.
+async fn decoding(client: &Client, out: &mut Vec<Finding>) -> Result<(), tokio_postgres::Error> {
     let wal_level = setting(client, "wal_level").await?;
     out.push(if wal_level == "logical" {
         Finding::ok("wal_level", "logical")
@@ -158,8 +177,15 @@ pub async fn examine(
             "run `strata migrate` (it creates the publication)",
         ),
     });
+    Ok(())
+}
 
-    // Slots and senders.
+/// Replication slots and WAL senders: room left, WAL kept, stale or lost slots.
+async fn slots_and_senders(
+    client: &Client,
+    stale_after: Duration,
+    out: &mut Vec<Finding>,
+) -> Result<(), tokio_postgres::Error> {
     let row = client
         .one(
             "SELECT current_setting('max_replication_slots')::int,
@@ -260,40 +286,44 @@ pub async fn examine(
             format!("{} slots, none stale", slots.len()),
         ));
     }
+    Ok(())
+}
 
-    // Partitions.
-    if migrated {
-        let row = client
-            .one(
-                "SELECT to_regclass(format('strata.%I', strata.partition_name(now()))) IS NOT NULL,
-                        (SELECT count(*) FROM generate_series(1, $1::int) k
-                          WHERE to_regclass(format('strata.%I',
-                                  strata.partition_name(now() + make_interval(months => k)))) IS NOT NULL)::int",
-                &[&schema::partitions::DEFAULT_MONTHS_AHEAD],
-            )
-            .await?;
-        let (this_month, ahead): (bool, i32) = (row.get(0), row.get(1));
-        let want = schema::partitions::DEFAULT_MONTHS_AHEAD;
-        out.push(if !this_month {
-            Finding::bad(
-                "partitions",
-                Status::Problem,
-                "no partition for this month",
-                "run `strata partitions ensure` (appends create it too, at the cost of a lock)",
-            )
-        } else if ahead < want {
-            Finding::bad(
-                "partitions",
-                Status::Warning,
-                format!("{ahead} of the {want} coming months have a partition"),
-                "run `strata partitions ensure`, or keep a `strata serve` process running (each keeps them ahead)",
-            )
-        } else {
-            Finding::ok("partitions", format!("this month and {ahead} ahead"))
-        });
-    }
+/// This month's partition and the coming months'.
+async fn partitions(client: &Client, out: &mut Vec<Finding>) -> Result<(), tokio_postgres::Error> {
+    let row = client
+        .one(
+            "SELECT to_regclass(format('strata.%I', strata.partition_name(now()))) IS NOT NULL,
+                    (SELECT count(*) FROM generate_series(1, $1::int) k
+                      WHERE to_regclass(format('strata.%I',
+                              strata.partition_name(now() + make_interval(months => k)))) IS NOT NULL)::int",
+            &[&schema::partitions::DEFAULT_MONTHS_AHEAD],
+        )
+        .await?;
+    let (this_month, ahead): (bool, i32) = (row.get(0), row.get(1));
+    let want = schema::partitions::DEFAULT_MONTHS_AHEAD;
+    out.push(if !this_month {
+        Finding::bad(
+            "partitions",
+            Status::Problem,
+            "no partition for this month",
+            "run `strata partitions ensure` (appends create it too, at the cost of a lock)",
+        )
+    } else if ahead < want {
+        Finding::bad(
+            "partitions",
+            Status::Warning,
+            format!("{ahead} of the {want} coming months have a partition"),
+            "run `strata partitions ensure`, or keep a `strata serve` process running (each keeps them ahead)",
+        )
+    } else {
+        Finding::ok("partitions", format!("this month and {ahead} ahead"))
+    });
+    Ok(())
+}
 
-    // TLS on this connection.
+/// TLS on this connection.
+async fn tls(client: &Client, out: &mut Vec<Finding>) -> Result<(), tokio_postgres::Error> {
     let ssl: Option<bool> = client
         .opt(
             "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
@@ -310,8 +340,11 @@ pub async fn examine(
             "serve TLS (ssl = on, hostssl rules) and connect with sslmode=verify-full sslrootcert=<CA file>",
         ),
     });
+    Ok(())
+}
 
-    // Standbys.
+/// Standbys: a synchronous one named and connected, and how far each lags.
+async fn standbys(client: &Client, out: &mut Vec<Finding>) -> Result<(), tokio_postgres::Error> {
     let names = setting(client, "synchronous_standby_names").await?;
     let standbys = client
         .rows(
@@ -355,8 +388,12 @@ pub async fn examine(
             ));
         }
     }
-    // Where takeovers cut the log (`strata.log_epochs`): a timeline's first
-    // position, and the head the standby had when it took over.
+    Ok(())
+}
+
+/// Where takeovers cut the log (`strata.log_epochs`): a timeline's first
+/// position, and the head the standby had when it took over.
+async fn takeovers(client: &Client, out: &mut Vec<Finding>) -> Result<(), tokio_postgres::Error> {
     let has_epochs: bool = client
         .one("SELECT to_regclass('strata.log_epochs') IS NOT NULL", &[])
         .await?
@@ -389,5 +426,5 @@ pub async fn examine(
             },
         ));
     }
-    Ok(out)
+    Ok(())
 }

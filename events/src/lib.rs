@@ -17,7 +17,7 @@
 //! subscription's cursor (a [`Position`]).
 
 pub mod append;
-pub mod assemble;
+mod assemble;
 pub mod catalog;
 mod cursor;
 pub mod db;
@@ -25,13 +25,13 @@ pub mod doctor;
 mod lag;
 pub mod lease;
 pub mod metrics;
-pub mod pgoutput;
+mod pgoutput;
 pub mod pgtls;
 pub mod read;
-pub mod reader;
+mod reader;
 pub mod replication;
 pub mod slots;
-pub mod subscription;
+mod subscription;
 pub mod trace;
 pub mod types;
 

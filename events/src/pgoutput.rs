@@ -307,8 +307,9 @@ fn decode_tuple<'a>(c: &mut Cursor<'a>) -> Result<Vec<Datum<'a>>, DecodeError> {
     Ok(out)
 }
 
-/// Encoders, used by the tests and the fuzzers to build well-formed input.
-pub mod encode {
+/// Encoders, used by the tests to build well-formed input.
+#[cfg(test)]
+pub(crate) mod encode {
     use super::*;
 
     pub fn begin(final_lsn: Lsn, commit_time: i64, xid: u32) -> Vec<u8> {

@@ -78,6 +78,53 @@ pub async fn head(client: &Client) -> Result<Position, tokio_postgres::Error> {
     Ok(Position(row.get::<_, i64>(0) as u64))
 }
 
+/// How long ago the event at `position` was recorded, in seconds; `None`
+/// when there is no such event.
+pub async fn age(
+    client: &Client,
+    position: Position,
+) -> Result<Option<f64>, tokio_postgres::Error> {
+    Ok(client
+        .opt(
+            "SELECT extract(epoch FROM now() - recorded_at)::float8 FROM strata.events WHERE position = $1",
+            &[&(position.0 as i64)],
+        )
+        .await?
+        .map(|r| r.get(0)))
+}
+
+/// The last position recorded at or before `t` (0 when none is).
+pub async fn position_at(
+    client: &Client,
+    t: std::time::SystemTime,
+) -> Result<Position, tokio_postgres::Error> {
+    let p: Option<i64> = client
+        .one(
+            "SELECT max(position) FROM strata.events WHERE recorded_at <= $1",
+            &[&t],
+        )
+        .await?
+        .get(0);
+    Ok(Position(p.unwrap_or(0) as u64))
+}
+
+/// The last position recorded before `t`: where a reader starts to receive
+/// everything from `t` on (the head when nothing is that recent).
+pub async fn position_before(
+    client: &Client,
+    t: std::time::SystemTime,
+) -> Result<Position, tokio_postgres::Error> {
+    let head = head(client).await?.0 as i64;
+    let first: Option<i64> = client
+        .one(
+            "SELECT min(position) FROM strata.events WHERE recorded_at >= $1 AND position <= $2",
+            &[&t, &head],
+        )
+        .await?
+        .get(0);
+    Ok(Position((first.unwrap_or(head + 1) - 1).max(0) as u64))
+}
+
 /// Up to `limit` durable events after `after`, in position order.
 pub async fn after(
     client: &Client,

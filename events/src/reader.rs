@@ -26,7 +26,7 @@
 
 use crate::assemble::Assembler;
 use crate::db::Database;
-use crate::db::Db;
+use crate::db::SharedClient;
 use crate::metrics;
 use crate::pgoutput::ReplicationMessage;
 use crate::replication::{self, Frame, ReplicationConnection, ReplicationError};
@@ -123,7 +123,7 @@ enum Cmd {
 }
 
 pub(crate) struct Inner {
-    pub db: Db,
+    pub db: SharedClient,
     pub config: ReaderConfig,
     cmd: mpsc::UnboundedSender<Cmd>,
     /// The last position delivered by the slot.
@@ -178,7 +178,7 @@ impl Reader {
     pub fn start(db: impl Into<Database>, config: ReaderConfig) -> Reader {
         let (cmd, rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
-            db: Db::new(db),
+            db: SharedClient::new(db),
             config,
             cmd,
             head: AtomicU64::new(0),

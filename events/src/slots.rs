@@ -170,7 +170,7 @@ fn gauges() -> &'static SlotGauges {
 /// gauges; a slot that is gone is gone from the next scrape. Runs until
 /// dropped; a failed read is logged and tried again at the next tick.
 pub async fn watch(db: crate::db::Database, every: Duration) {
-    let db = crate::db::Db::new(db);
+    let db = crate::db::SharedClient::new(db);
     let g = gauges();
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -11,12 +11,12 @@ use crate::api_proto::{
 use crate::revocation;
 use crate::roles::Need;
 use crate::state::{Shared, Waited};
+use domain::commands::{self, Command};
+use domain::requests::{self, RequestError};
+use domain::standing::Change;
+use domain::{Request as PRequest, Shape};
 use events::db::Sql;
 use events::AppendError;
-use projections::commands::{self, Command};
-use projections::requests::{self, RequestError};
-use projections::standing::Change;
-use projections::{Request as PRequest, Shape};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
@@ -96,9 +96,9 @@ fn request_status(e: RequestError) -> Status {
         | RequestError::NotFound(_)
         | RequestError::NoSuchNode(_)
         | RequestError::NoSuchQueue { .. } => Status::not_found(e.to_string()),
-        RequestError::Exists(_) | RequestError::QueueExists { .. } => {
-            Status::already_exists(e.to_string())
-        }
+        RequestError::Exists(_)
+        | RequestError::PoolExists(_)
+        | RequestError::QueueExists { .. } => Status::already_exists(e.to_string()),
         RequestError::Append(e) => append_status(e),
         RequestError::Database(e) => Status::unavailable(format!("database: {e}")),
     }
@@ -142,7 +142,7 @@ impl ApiService {
             .await?;
         let who = authorized(&self.shared, &req, Need::Pool(&pool)).await?;
         let r = req.into_inner();
-        let pool = projections::standing::change(
+        let pool = domain::standing::change(
             &client,
             &self.shared.appender,
             (!r.pool.is_empty()).then_some(r.pool.as_str()),
@@ -165,7 +165,7 @@ impl ApiService {
         if !named.is_empty() {
             return Ok(named.to_string());
         }
-        projections::standing::pool_of_node(client, node)
+        domain::standing::pool_of_node(client, node)
             .await
             .map_err(request_status)
     }
@@ -254,8 +254,7 @@ impl api_server::Api for ApiService {
                 ))
             }
         };
-        projections::domain::valid_name("subscription name", &start.name)
-            .map_err(Status::invalid_argument)?;
+        domain::valid_name("subscription name", &start.name).map_err(Status::invalid_argument)?;
         let client = self.db().await?;
         let grant = crate::grants::get(&client, &who)
             .await
@@ -403,12 +402,12 @@ impl api_server::Api for ApiService {
             (shape, r.gpus)
         };
         let id = if r.id.is_empty() {
-            projections::domain::new_id("r")
+            domain::new_id("r")
         } else {
             r.id
         };
-        let tier = |t: &str| projections::domain::Tier::parse(t).map_err(Status::invalid_argument);
-        use projections::domain::Topology;
+        let tier = |t: &str| domain::Tier::parse(t).map_err(Status::invalid_argument);
+        use domain::Topology;
         let topology = match (
             r.within.as_str(),
             r.prefer_within.as_str(),
@@ -528,11 +527,7 @@ impl api_server::Api for ApiService {
         {
             Some(outcome) => Ok(Response::new(Reservation {
                 id,
-                state: if outcome == "rejected" {
-                    "unschedulable".into()
-                } else {
-                    outcome
-                },
+                state: outcome,
                 ..Reservation::default()
             })),
             None => Err(Status::not_found(format!(
@@ -615,14 +610,14 @@ impl api_server::Api for ApiService {
         let Some(given) = r.spec else {
             return Err(Status::invalid_argument("give the queue's spec"));
         };
-        let spec = projections::QueueSpec {
+        let spec = domain::QueueSpec {
             queue: given.queue.clone(),
             cohort: (!given.cohort.is_empty()).then(|| given.cohort.clone()),
             weight: given.weight.max(1),
             quotas: given
                 .quotas
                 .iter()
-                .map(|q| projections::Quota {
+                .map(|q| domain::Quota {
                     class: q.class.clone(),
                     nominal: q.nominal,
                     borrowing_limit: q.borrowing_limit,
@@ -631,16 +626,13 @@ impl api_server::Api for ApiService {
         };
         let client = self.db().await?;
         let (pool, queue, create_only) = (given.pool.clone(), given.queue.clone(), r.create_only);
-        let edit = |now: Option<&projections::QueueSpec>| {
-            if create_only && now.is_some() {
-                return Err(RequestError::QueueExists {
-                    pool: pool.clone(),
-                    queue: queue.clone(),
-                });
+        let edit = |now: Option<&domain::QueueSpec>| {
+            if create_only {
+                domain::queues::refuse_existing(&pool, &queue, now)?;
             }
             Ok(spec.clone())
         };
-        projections::queues::configure(
+        domain::queues::configure(
             &client,
             &self.shared.appender,
             &given.pool,
@@ -784,7 +776,7 @@ impl api_server::Api for ApiService {
                 .map_err(|e| Status::invalid_argument(format!("args_json: {e}")))?
         };
         let id = if r.id.is_empty() {
-            projections::domain::new_id("c")
+            domain::new_id("c")
         } else {
             r.id
         };

@@ -4,12 +4,39 @@
 
 use events::catalog::{opt, req, EventSpec, Ty};
 
+/// `node.certificate_issued`: see its entry in [`EVENTS`].
+pub const NODE_CERTIFICATE_ISSUED: &str = "node.certificate_issued";
+/// `node.certificate_renewed`: see its entry in [`EVENTS`].
+pub const NODE_CERTIFICATE_RENEWED: &str = "node.certificate_renewed";
+/// `node.revoked`: see its entry in [`EVENTS`].
+pub const NODE_REVOKED: &str = "node.revoked";
+/// `node.session_opened`: see its entry in [`EVENTS`].
+pub const NODE_SESSION_OPENED: &str = "node.session_opened";
+/// `node.disconnected`: see its entry in [`EVENTS`].
+pub const NODE_DISCONNECTED: &str = "node.disconnected";
+/// `node.marked_unreachable`: see its entry in [`EVENTS`].
+pub const NODE_MARKED_UNREACHABLE: &str = "node.marked_unreachable";
+/// `node.marked_reachable`: see its entry in [`EVENTS`].
+pub const NODE_MARKED_REACHABLE: &str = "node.marked_reachable";
+/// `node.status_reported`: see its entry in [`EVENTS`].
+pub const NODE_STATUS_REPORTED: &str = "node.status_reported";
+/// `certificate.revoked`: see its entry in [`EVENTS`].
+pub const CERTIFICATE_REVOKED: &str = "certificate.revoked";
+/// `grant.set`: see its entry in [`EVENTS`].
+pub const GRANT_SET: &str = "grant.set";
+/// `grant.revoked`: see its entry in [`EVENTS`].
+pub const GRANT_REVOKED: &str = "grant.revoked";
+/// `role.set`: see its entry in [`EVENTS`].
+pub const ROLE_SET: &str = "role.set";
+/// `role.removed`: see its entry in [`EVENTS`].
+pub const ROLE_REMOVED: &str = "role.removed";
+
 const NODE: events::catalog::Field = req("node", Ty::String, "The node's id.");
 
 /// Every event the gateway crate writes.
 pub const EVENTS: &[EventSpec] = &[
     EventSpec {
-        event_type: "node.certificate_issued",
+        event_type: NODE_CERTIFICATE_ISSUED,
         stream: "node/<node>",
         written_by: "the gateway, on a join",
         about: "The node spent a join token and got its first certificate for this pool.",
@@ -21,7 +48,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "node.certificate_renewed",
+        event_type: NODE_CERTIFICATE_RENEWED,
         stream: "node/<node>",
         written_by: "the gateway, when a node renews",
         about: "The node has a new certificate; the one it follows stays valid until it expires.",
@@ -34,7 +61,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "node.revoked",
+        event_type: NODE_REVOKED,
         stream: "node/<node>",
         written_by: "operators (`strata nodes revoke`, `strata nodes replace`)",
         about: "Every certificate of the node is revoked; committed with `node.left` (reason `revoked`) on each pool's stream. Gateways end its sessions.",
@@ -46,7 +73,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "node.session_opened",
+        event_type: NODE_SESSION_OPENED,
         stream: "node/<node>",
         written_by: "the gateway the node connected to",
         about: "A session with the node opened. It is appended at the stream's exact version, so it takes ownership from any older session: the older owner's later writes are refused.",
@@ -59,7 +86,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "node.disconnected",
+        event_type: NODE_DISCONNECTED,
         stream: "node/<node>",
         written_by: "the gateway holding the session",
         about: "The node's side ended the session (it closed the stream, the connection broke); committed with `node.contact_lost` on the pool's stream.",
@@ -67,7 +94,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "node.marked_unreachable",
+        event_type: NODE_MARKED_UNREACHABLE,
         stream: "node/<node>",
         written_by: "the gateway holding the session",
         about: "The session went silent for three heartbeat intervals; committed with `node.contact_lost` on the pool's stream.",
@@ -75,7 +102,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &["node.unreachable"],
     },
     EventSpec {
-        event_type: "node.marked_reachable",
+        event_type: NODE_MARKED_REACHABLE,
         stream: "node/<node>",
         written_by: "the gateway holding the session",
         about: "A node marked unreachable was heard again; committed with `node.contact_restored` on the pool's stream.",
@@ -83,7 +110,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &["node.reachable"],
     },
     EventSpec {
-        event_type: "node.status_reported",
+        event_type: NODE_STATUS_REPORTED,
         stream: "node/<node>",
         written_by: "the gateway holding the session, when the node's status changes",
         about: "The node daemon's own state.",
@@ -95,7 +122,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &["node.status"],
     },
     EventSpec {
-        event_type: "certificate.revoked",
+        event_type: CERTIFICATE_REVOKED,
         stream: "<kind>/<name> (node/, operator/, auditor/) or certificate/<serial>",
         written_by: "operators (`strata ca revoke`)",
         about: "One certificate is revoked; every gateway and the audit endpoint refuse it from then on.",
@@ -108,7 +135,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "grant.set",
+        event_type: GRANT_SET,
         stream: "grant/<caller>",
         written_by: "admins (`strata grants set`)",
         about: "What an operator certificate may read through the API's Subscribe; replaces the caller's grant.",
@@ -119,7 +146,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "grant.revoked",
+        event_type: GRANT_REVOKED,
         stream: "grant/<caller>",
         written_by: "admins (`strata grants remove`)",
         about: "The caller's grant is gone: its Subscribe streams get nothing more.",
@@ -127,7 +154,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "role.set",
+        event_type: ROLE_SET,
         stream: "role/<operator>",
         written_by: "admins (`strata roles set`)",
         about: "What the operator may do through the client API; replaces the operator's role.",
@@ -138,7 +165,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "role.removed",
+        event_type: ROLE_REMOVED,
         stream: "role/<operator>",
         written_by: "admins (`strata roles remove`)",
         about: "The operator has no role: the client API refuses it.",

@@ -5,10 +5,10 @@
 
 use crate::proto::{gateway_message, GatewayMessage};
 use crate::state::{Shared, Waited};
+use domain::commands::{self, CommandState};
+use domain::Fact;
 use events::AppendError;
 use ops::task::Backoff;
-use projections::commands::{self, CommandState};
-use projections::Fact;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -188,7 +188,7 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                     }
                 };
                 sub.ack(e.position);
-                if e.event_type == "node.revoked" {
+                if e.event_type == crate::catalog::NODE_REVOKED {
                     // A revoked node's live session ends now, not at its
                     // next reconnect.
                     if let Some(node) = e.stream.strip_prefix("node/") {
@@ -204,20 +204,17 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                     continue;
                 }
                 if e.stream.starts_with("pool/") {
-                    let outcome = match projections::domain::canonical_type(&e.event_type) {
-                        "reservation.placed" => Some("placed"),
-                        "reservation.rejected" => Some("unschedulable"),
-                        "reservation.released" => Some("released"),
-                        "reservation.expired" => Some("expired"),
-                        "reservation.failed" => Some("failed"),
-                        "reservation.preempted" => Some("preempted"),
-                        _ => None,
-                    };
-                    if let (Some(state), Ok(Some(fact))) = (outcome, Fact::parse(&e.event_type, &e.payload, &e.metadata)) {
+                    let fact = Fact::parse(&e.event_type, &e.payload, &e.metadata).ok().flatten();
+                    // Placed, or how it ended: the states a waiting client hears.
+                    let state = fact.as_ref().and_then(|f| match f {
+                        Fact::ReservationPlaced { .. } => Some("placed"),
+                        f => f.outcome(),
+                    });
+                    if let (Some(state), Some(fact)) = (state, fact) {
                         if let Some(id) = fact.reservation() {
                             let (reason, allocations) = match &fact {
                                 Fact::ReservationPlaced { allocations, .. } => (String::new(), allocations.clone()),
-                                Fact::ReservationUnschedulable { reason, .. } => (reason.clone(), Vec::new()),
+                                Fact::ReservationRejected { reason, .. } => (reason.clone(), Vec::new()),
                                 Fact::ReservationFailed { reason, replaced_by, .. } => {
                                     (Fact::failure_reason(reason, replaced_by.as_deref()), Vec::new())
                                 }

@@ -63,10 +63,10 @@ impl Grant {
             .any(|p| stream.starts_with(p.as_str()))
             && (self.types.is_empty() || {
                 // A grant names current types; old events carry old names.
-                let event_type = projections::domain::canonical_type(event_type);
+                let event_type = domain::canonical_type(event_type);
                 self.types
                     .iter()
-                    .any(|t| projections::domain::canonical_type(t) == event_type)
+                    .any(|t| domain::canonical_type(t) == event_type)
             })
     }
 }
@@ -77,7 +77,7 @@ pub async fn set(appender: &Appender, caller: &str, grant: &Grant) -> Result<(),
         .append(
             &grant_stream(caller),
             ExpectedVersion::Any,
-            vec![NewEvent::new("grant.set", &payload)],
+            vec![NewEvent::new(crate::catalog::GRANT_SET, &payload)],
         )
         .await
         .map(|_| ())
@@ -99,7 +99,7 @@ pub async fn remove(
         .map_err(|e| e.to_string())?;
     let Some(row) = row else { return Ok(false) };
     let (version, kind): (i64, &str) = (row.get(0), row.get(1));
-    if kind != "grant.set" {
+    if kind != crate::catalog::GRANT_SET {
         return Ok(false);
     }
     // At the version read: a grant set meanwhile is not removed unseen.
@@ -107,7 +107,10 @@ pub async fn remove(
         .append(
             &grant_stream(caller),
             ExpectedVersion::Exact(version as u64),
-            vec![NewEvent::new("grant.revoked", &serde_json::json!({}))],
+            vec![NewEvent::new(
+                crate::catalog::GRANT_REVOKED,
+                &serde_json::json!({}),
+            )],
         )
         .await
         .map_err(|e| e.to_string())?;
@@ -118,7 +121,7 @@ pub async fn remove(
 pub async fn list(
     client: &tokio_postgres::Client,
 ) -> Result<Vec<(String, Grant)>, tokio_postgres::Error> {
-    crate::latest::all(client, "grant/", "grant.set").await
+    crate::latest::all(client, "grant/", crate::catalog::GRANT_SET).await
 }
 
 /// The caller's current grant, if any.
@@ -126,7 +129,7 @@ pub async fn get(
     client: &tokio_postgres::Client,
     caller: &str,
 ) -> Result<Option<Grant>, tokio_postgres::Error> {
-    crate::latest::current(client, &grant_stream(caller), "grant.set").await
+    crate::latest::current(client, &grant_stream(caller), crate::catalog::GRANT_SET).await
 }
 
 #[cfg(test)]

@@ -7,11 +7,11 @@
 //! a token is spent exactly once and an id that exists cannot be taken.
 
 use crate::ca::Signed;
+use domain::pool_stream;
+use domain::Fact;
 use events::append::{append_in, append_one_in};
 use events::db::Sql;
 use events::{AppenderConfig, ExpectedVersion, NewEvent, StreamAppend};
-use projections::domain::pool_stream;
-use projections::Fact;
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -66,7 +66,7 @@ pub async fn create_token(
     ttl: Duration,
     admits: &str,
 ) -> Result<String, IdentityError> {
-    projections::domain::valid_name("pool", pool).map_err(IdentityError::Invalid)?;
+    domain::valid_name("pool", pool).map_err(IdentityError::Invalid)?;
     check_admits(admits)?;
     insert_token(client, pool, ttl, Some(admits)).await
 }
@@ -76,7 +76,7 @@ fn check_admits(admits: &str) -> Result<(), IdentityError> {
     if admits == "*" {
         return Ok(());
     }
-    projections::domain::valid_name("node id or pattern", &admits.replace('*', "x"))
+    domain::valid_name("node id or pattern", &admits.replace('*', "x"))
         .map_err(IdentityError::Invalid)
 }
 
@@ -280,7 +280,7 @@ pub async fn redeem<S>(
         &pool,
         &signed,
         NewEvent::new(
-            "node.certificate_issued",
+            crate::catalog::NODE_CERTIFICATE_ISSUED,
             &serde_json::json!({ "node": node, "pool": pool, "serial": signed.serial }),
         ),
     )
@@ -379,7 +379,7 @@ pub async fn record_renewal(
         pool,
         signed,
         NewEvent::new(
-            "node.certificate_renewed",
+            crate::catalog::NODE_CERTIFICATE_RENEWED,
             &serde_json::json!({ "node": node, "pool": pool, "serial": signed.serial, "follows": follows }),
         ),
     )
@@ -409,6 +409,38 @@ pub async fn record(
             &[&nodes, &serials, &not_after, &pool],
         )
         .await?)
+}
+
+/// A certificate a node was issued, as `strata nodes list` shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Issued {
+    pub node: String,
+    pub pool: String,
+    pub serial: String,
+    pub issued_at: String,
+    pub not_after: String,
+    pub revoked_at: Option<String>,
+}
+
+/// Every certificate issued to a node, by node and issue time.
+pub async fn issued(client: &Client) -> Result<Vec<Issued>, IdentityError> {
+    Ok(client
+        .rows(
+            "SELECT node, pool, serial, issued_at::text, not_after::text, revoked_at::text
+               FROM strata.node_certificates ORDER BY node, issued_at",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| Issued {
+            node: r.get(0),
+            pool: r.get(1),
+            serial: r.get(2),
+            issued_at: r.get(3),
+            not_after: r.get(4),
+            revoked_at: r.get(5),
+        })
+        .collect())
 }
 
 /// What the database says about a presented certificate.
@@ -515,7 +547,7 @@ async fn revoke_in(
         stream: node_stream(node),
         expected: ExpectedVersion::Any,
         events: vec![NewEvent::new(
-            "node.revoked",
+            crate::catalog::NODE_REVOKED,
             &serde_json::json!({ "node": node, "reason": reason, "certificates": n }),
         )],
     }];

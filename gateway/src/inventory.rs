@@ -8,8 +8,8 @@
 //! an operator's `strata nodes topology` in between stands until then.
 
 use crate::proto::InventorySection;
-use projections::domain::{valid_name, Tier};
-use projections::{DeviceSpec, Fact};
+use domain::{valid_name, Tier};
+use domain::{DeviceSpec, Fact};
 use tonic::Status;
 
 /// The fact that section `section` of node `node` reports, or why the

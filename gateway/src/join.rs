@@ -15,8 +15,7 @@ pub(crate) struct JoinService {
 impl join_server::Join for JoinService {
     async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinResponse>, Status> {
         let req = req.into_inner();
-        projections::domain::valid_name("node id", &req.node_id)
-            .map_err(Status::invalid_argument)?;
+        domain::valid_name("node id", &req.node_id).map_err(Status::invalid_argument)?;
         // Joins are rate-limited apart from sessions: each costs a
         // signature and a transaction.
         self.shared.admit_join()?;

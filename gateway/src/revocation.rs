@@ -139,7 +139,7 @@ pub async fn revoke(
         _ => format!("certificate/{serial}"),
     };
     let event = NewEvent::new(
-        "certificate.revoked",
+        crate::catalog::CERTIFICATE_REVOKED,
         &serde_json::json!({ "serial": serial, "kind": kind, "name": name, "reason": reason }),
     );
     events::append::append_one_in(&tx, stream, ExpectedVersion::Any, vec![event]).await?;
@@ -184,7 +184,7 @@ impl Revoked {
 
     /// Whether `serial` is revoked, reloading from `db` if the set is old (a
     /// fresh set needs no connection).
-    pub async fn check(&self, db: &events::db::Db, serial: &str) -> Result<bool, String> {
+    pub async fn check(&self, db: &events::db::SharedClient, serial: &str) -> Result<bool, String> {
         if let Some(set) = self.fresh(Self::RELOAD) {
             return Ok(set.contains(serial));
         }

@@ -104,7 +104,7 @@ pub async fn set(
     operator: &str,
     assignment: &Assignment,
 ) -> Result<(), AppendError> {
-    projections::domain::valid_name("operator", operator).map_err(AppendError::Invalid)?;
+    domain::valid_name("operator", operator).map_err(AppendError::Invalid)?;
     match (assignment.role, assignment.pools.is_empty()) {
         (Role::Operator, true) => {
             return Err(AppendError::Invalid(
@@ -124,7 +124,7 @@ pub async fn set(
         .append(
             &role_stream(operator),
             ExpectedVersion::Any,
-            vec![NewEvent::new("role.set", &payload)],
+            vec![NewEvent::new(crate::catalog::ROLE_SET, &payload)],
         )
         .await
         .map(|_| ())
@@ -136,7 +136,10 @@ pub async fn remove(appender: &Appender, operator: &str) -> Result<(), AppendErr
         .append(
             &role_stream(operator),
             ExpectedVersion::StreamExists,
-            vec![NewEvent::new("role.removed", &serde_json::json!({}))],
+            vec![NewEvent::new(
+                crate::catalog::ROLE_REMOVED,
+                &serde_json::json!({}),
+            )],
         )
         .await
         .map(|_| ())
@@ -147,14 +150,14 @@ pub async fn get(
     client: &tokio_postgres::Client,
     operator: &str,
 ) -> Result<Option<Assignment>, tokio_postgres::Error> {
-    crate::latest::current(client, &role_stream(operator), "role.set").await
+    crate::latest::current(client, &role_stream(operator), crate::catalog::ROLE_SET).await
 }
 
 /// Every operator with a role, by name.
 pub async fn list(
     client: &tokio_postgres::Client,
 ) -> Result<Vec<(String, Assignment)>, tokio_postgres::Error> {
-    crate::latest::all(client, "role/", "role.set").await
+    crate::latest::all(client, "role/", crate::catalog::ROLE_SET).await
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@
 
 use crate::ca::Ca;
 use crate::proto::{join_server, session_server};
+use domain::commands::{self, Commands};
 use events::{Appender, Reader};
-use projections::commands::{self, Commands};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicUsize;
@@ -115,7 +115,7 @@ pub async fn start(
             last: Instant::now(),
         }),
         sessions: Mutex::new(HashMap::new()),
-        db: events::db::Db::new(db),
+        db: events::db::SharedClient::new(db),
         appender,
         stats: stats.clone(),
         ca,

@@ -24,12 +24,12 @@ use crate::proto::{
     gateway_message, node_message, session_server, GatewayMessage, NodeMessage, Welcome,
 };
 use crate::state::{Outbox, Reply, SessionEntry, Shared, Write};
+use domain::commands::{self};
+use domain::pool_stream;
+use domain::Fact;
 use events::db::Sql;
 use events::{AppendError, ExpectedVersion, NewEvent};
 use futures_util::Stream;
-use projections::commands::{self};
-use projections::domain::pool_stream;
-use projections::Fact;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -148,39 +148,10 @@ pub(crate) async fn session(
     _permit: OwnedSemaphorePermit,
     pending: PendingHello,
 ) {
-    let first = tokio::time::timeout(Duration::from_secs(10), inbound.message()).await;
-    let hello = match first {
-        Ok(Ok(Some(NodeMessage {
-            body: Some(node_message::Body::Hello(h)),
-        }))) => h,
-        Ok(Err(status)) => {
-            tracing::debug!(%node, %status, "session ended before its Hello");
-            let _ = tx.send(Err(refusal(status))).await;
-            return;
-        }
-        _ => {
-            let _ = tx
-                .send(Err(Status::invalid_argument(
-                    "the first message of a session must be Hello",
-                )))
-                .await;
-            return;
-        }
+    let Some(hello) = Box::pin(await_hello(&shared, &node, &mut inbound, &tx)).await else {
+        return;
     };
     drop(pending);
-    if hello.node_id != node {
-        shared
-            .stats
-            .refused_identity
-            .fetch_add(1, Ordering::Relaxed);
-        let _ = tx
-            .send(Err(Status::permission_denied(format!(
-                "this session's certificate names node {node:?}; it may not speak for {:?}",
-                hello.node_id
-            ))))
-            .await;
-        return;
-    }
     // Take ownership: append at the version read; the new version is the epoch.
     // The long-lived session task stays small: futures that run once (or
     // now and then) are boxed instead of living in its state machine.
@@ -204,27 +175,7 @@ pub(crate) async fn session(
         }
     };
     drop(hello);
-    {
-        let mut sessions = shared.sessions.lock().expect("sessions lock");
-        sessions.insert(
-            node.clone(),
-            SessionEntry {
-                pool: pool.clone(),
-                epoch,
-                version: epoch,
-                last_heartbeat: Instant::now(),
-                reachable: true,
-                status: None,
-                closed: false,
-                tx: tx.clone(),
-                health: Default::default(),
-            },
-        );
-        shared.stats.sessions.store(
-            sessions.values().filter(|s| !s.closed).count() as u64,
-            Ordering::Relaxed,
-        );
-    }
+    register(&shared, &node, &pool, epoch, &tx);
     shared.stats.sessions_opened.fetch_add(1, Ordering::Relaxed);
     let welcome = GatewayMessage {
         body: Some(gateway_message::Body::Welcome(Welcome {
@@ -237,20 +188,8 @@ pub(crate) async fn session(
         return;
     }
     // Commands issued while the node was away.
-    let pending: Vec<GatewayMessage> = {
-        let cmds = shared.commands.lock().expect("commands lock");
-        let mut open: Vec<_> = cmds
-            .by_id
-            .values()
-            .filter(|t| t.command.node == node && !t.state.is_terminal())
-            .collect();
-        open.sort_by_key(|t| t.command.deadline_ms);
-        open.into_iter().map(|t| to_message(&t.command)).collect()
-    };
-    for m in pending {
-        if tx.send(Ok(m)).await.is_err() {
-            return;
-        }
+    if !Box::pin(send_open_commands(&shared, &node, &tx)).await {
+        return;
     }
     tracing::debug!(%node, epoch, "session open");
     // Inventory and health messages each cost a write; a node sending more
@@ -279,28 +218,12 @@ pub(crate) async fn session(
             }
         };
         if let Some(node_message::Body::Renew(r)) = &msg.body {
-            let answer = if renewed {
-                Err(Status::failed_precondition(
-                    "this session renewed its certificate already",
-                ))
-            } else {
-                Box::pin(crate::renewal::renew(
-                    &shared, &node, &pool, &presented, &r.csr_pem,
-                ))
-                .await
-            };
-            renewed |= answer.is_ok();
-            let (certificate_pem, error) = match answer {
-                Ok(pem) => (pem, String::new()),
-                Err(s) => (String::new(), s.message().to_string()),
-            };
-            let reply = GatewayMessage {
-                body: Some(gateway_message::Body::Renewed(crate::proto::Renewed {
-                    certificate_pem,
-                    error,
-                })),
-            };
-            if tx.send(Ok(reply)).await.is_err() {
+            let reply = Box::pin(renewal_reply(
+                &shared, &node, &pool, &presented, &r.csr_pem, renewed,
+            ))
+            .await;
+            renewed |= reply.0;
+            if tx.send(Ok(reply.1)).await.is_err() {
                 break;
             }
             continue;
@@ -353,7 +276,7 @@ pub(crate) async fn session(
             .session_write(
                 &node,
                 NewEvent::new(
-                    "node.disconnected",
+                    crate::catalog::NODE_DISCONNECTED,
                     &serde_json::json!({ "node": node, "gateway": shared.config.id }),
                 ),
                 vec![(
@@ -363,6 +286,124 @@ pub(crate) async fn session(
             )
             .await;
     }
+}
+
+/// The session's first message, which must be a Hello naming the node its
+/// certificate names; `None` (the node told why) otherwise.
+async fn await_hello(
+    shared: &Shared,
+    node: &str,
+    inbound: &mut Streaming<NodeMessage>,
+    tx: &Outbox,
+) -> Option<crate::proto::Hello> {
+    let first = tokio::time::timeout(Duration::from_secs(10), inbound.message()).await;
+    let hello = match first {
+        Ok(Ok(Some(NodeMessage {
+            body: Some(node_message::Body::Hello(h)),
+        }))) => h,
+        Ok(Err(status)) => {
+            tracing::debug!(%node, %status, "session ended before its Hello");
+            let _ = tx.send(Err(refusal(status))).await;
+            return None;
+        }
+        _ => {
+            let _ = tx
+                .send(Err(Status::invalid_argument(
+                    "the first message of a session must be Hello",
+                )))
+                .await;
+            return None;
+        }
+    };
+    if hello.node_id != node {
+        shared
+            .stats
+            .refused_identity
+            .fetch_add(1, Ordering::Relaxed);
+        let _ = tx
+            .send(Err(Status::permission_denied(format!(
+                "this session's certificate names node {node:?}; it may not speak for {:?}",
+                hello.node_id
+            ))))
+            .await;
+        return None;
+    }
+    Some(hello)
+}
+
+/// Records the open session as this gateway's for `node`, at `epoch`.
+fn register(shared: &Shared, node: &str, pool: &str, epoch: u64, tx: &Outbox) {
+    let mut sessions = shared.sessions.lock().expect("sessions lock");
+    sessions.insert(
+        node.to_string(),
+        SessionEntry {
+            pool: pool.to_string(),
+            epoch,
+            version: epoch,
+            last_heartbeat: Instant::now(),
+            reachable: true,
+            status: None,
+            closed: false,
+            tx: tx.clone(),
+            health: Default::default(),
+        },
+    );
+    shared.stats.sessions.store(
+        sessions.values().filter(|s| !s.closed).count() as u64,
+        Ordering::Relaxed,
+    );
+}
+
+/// Sends the node the commands issued while it was away, oldest deadline
+/// first; whether the session is still there.
+async fn send_open_commands(shared: &Shared, node: &str, tx: &Outbox) -> bool {
+    let pending: Vec<GatewayMessage> = {
+        let cmds = shared.commands.lock().expect("commands lock");
+        let mut open: Vec<_> = cmds
+            .by_id
+            .values()
+            .filter(|t| t.command.node == node && !t.state.is_terminal())
+            .collect();
+        open.sort_by_key(|t| t.command.deadline_ms);
+        open.into_iter().map(|t| to_message(&t.command)).collect()
+    };
+    for m in pending {
+        if tx.send(Ok(m)).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+/// The answer to a node's request to renew its certificate (once per
+/// session), and whether it was renewed.
+async fn renewal_reply(
+    shared: &Shared,
+    node: &str,
+    pool: &str,
+    presented: &crate::renewal::Presented,
+    csr_pem: &str,
+    renewed: bool,
+) -> (bool, GatewayMessage) {
+    let answer = if renewed {
+        Err(Status::failed_precondition(
+            "this session renewed its certificate already",
+        ))
+    } else {
+        crate::renewal::renew(shared, node, pool, presented, csr_pem).await
+    };
+    let ok = answer.is_ok();
+    let (certificate_pem, error) = match answer {
+        Ok(pem) => (pem, String::new()),
+        Err(s) => (String::new(), s.message().to_string()),
+    };
+    let reply = GatewayMessage {
+        body: Some(gateway_message::Body::Renewed(crate::proto::Renewed {
+            certificate_pem,
+            error,
+        })),
+    };
+    (ok, reply)
 }
 
 pub(crate) async fn open_session(
@@ -401,7 +442,7 @@ pub(crate) async fn open_session(
             .is_some_and(|r| {
                 matches!(
                     r.get::<_, String>(0).as_str(),
-                    "node.marked_unreachable" | "node.disconnected" | "node.unreachable"
+                    crate::catalog::NODE_MARKED_UNREACHABLE | crate::catalog::NODE_DISCONNECTED | "node.unreachable"
                 )
             });
         let also = if lost {
@@ -416,7 +457,7 @@ pub(crate) async fn open_session(
             Vec::new()
         };
         let event = NewEvent::new(
-            "node.session_opened",
+            crate::catalog::NODE_SESSION_OPENED,
             &serde_json::json!({
                 "node": node,
                 "gateway": shared.config.id,
@@ -486,157 +527,10 @@ pub(crate) async fn handle(
         node_message::Body::Renew(_) => {
             // Answered in the session's loop, which knows the certificate.
         }
-        node_message::Body::Heartbeat(_) => {
-            let became_reachable = {
-                let mut sessions = shared.sessions.lock().expect("sessions lock");
-                match sessions.get_mut(node) {
-                    Some(s) if s.epoch == epoch => {
-                        s.last_heartbeat = Instant::now();
-                        !std::mem::replace(&mut s.reachable, true)
-                    }
-                    _ => {
-                        return Err(Status::aborted(
-                            "a newer session for this node replaced this one",
-                        ))
-                    }
-                }
-            };
-            if became_reachable {
-                shared.stats.transitions.fetch_add(1, Ordering::Relaxed);
-                shared
-                    .session_write(
-                        node,
-                        NewEvent::new(
-                            "node.marked_reachable",
-                            &serde_json::json!({ "node": node }),
-                        ),
-                        vec![(
-                            pool_stream(pool),
-                            Fact::NodeContactRestored {
-                                node: node.to_string(),
-                            }
-                            .to_event(),
-                        )],
-                    )
-                    .await;
-            }
-        }
-        node_message::Body::Status(s) => {
-            let changed = {
-                let mut sessions = shared.sessions.lock().expect("sessions lock");
-                match sessions.get_mut(node) {
-                    Some(e) if e.epoch == epoch => {
-                        let new = Some((s.state.clone(), s.detail.clone()));
-                        if e.status != new {
-                            e.status = new;
-                            true
-                        } else {
-                            false
-                        }
-                    }
-                    _ => false,
-                }
-            };
-            if changed {
-                shared
-                    .session_write(
-                        node,
-                        NewEvent::new(
-                            "node.status_reported",
-                            &serde_json::json!({ "node": node, "state": s.state, "detail": s.detail }),
-                        ),
-                        Vec::new(),
-                    )
-                    .await;
-            }
-        }
-        node_message::Body::Inventory(section) => {
-            let (name, hash) = (section.name.clone(), section.hash.clone());
-            let fact = crate::inventory::section_fact(node, section)?;
-            // Queued here, in the order the sections came (the devices
-            // before the labels of a node new to the pool); the outcome is
-            // waited for apart, so the session goes on.
-            let outcome = shared
-                .submit(Write::plain(
-                    pool_stream(pool),
-                    ExpectedVersion::StreamExists,
-                    vec![fact.to_event()],
-                ))
-                .await;
-            let (shared, node) = (shared.clone(), node.to_string());
-            tokio::spawn(async move {
-                match outcome.await {
-                    Ok(_) => {
-                        if let Ok(c) = shared.db.get().await {
-                            let _ = c
-                                .exec(
-                                    "INSERT INTO strata.node_sections (node, section, hash) VALUES ($1, $2, $3)
-                                     ON CONFLICT (node, section) DO UPDATE SET hash = $3, updated_at = now()",
-                                    &[&node, &name, &hash],
-                                )
-                                .await;
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(%node, error = %e, "could not write the node's inventory")
-                    }
-                }
-            });
-        }
-        node_message::Body::Health(h) => {
-            // Coalesced and damped per session: a flapping node does not
-            // move the pool's version (every placement's fence) ten times a
-            // second.
-            let verdict = {
-                let mut sessions = shared.sessions.lock().expect("sessions lock");
-                match sessions.get_mut(node) {
-                    Some(s) if s.epoch == epoch => {
-                        let key = (h.device.clone(), h.condition.clone());
-                        if h.cleared {
-                            s.health.clear(key, Instant::now())
-                        } else {
-                            s.health.raise(key)
-                        }
-                    }
-                    _ => {
-                        return Err(Status::aborted(
-                            "a newer session for this node replaced this one",
-                        ))
-                    }
-                }
-            };
-            if verdict != Verdict::Write {
-                shared
-                    .stats
-                    .health_coalesced
-                    .fetch_add(1, Ordering::Relaxed);
-                return Ok(());
-            }
-            let device = (!h.device.is_empty()).then_some(h.device);
-            let fact = if h.cleared {
-                Fact::HealthCleared {
-                    node: node.to_string(),
-                    device,
-                    condition: h.condition,
-                }
-            } else {
-                Fact::HealthRaised {
-                    node: node.to_string(),
-                    device,
-                    condition: h.condition,
-                    detail: h.detail,
-                }
-            };
-            // Waits for room in the write queue: a node that reports faster
-            // than the log takes it is held back, never dropped.
-            shared
-                .queue(Write::plain(
-                    pool_stream(pool),
-                    ExpectedVersion::StreamExists,
-                    vec![fact.to_event()],
-                ))
-                .await;
-        }
+        node_message::Body::Heartbeat(_) => heartbeat(shared, node, pool, epoch).await?,
+        node_message::Body::Status(s) => status(shared, node, epoch, s).await?,
+        node_message::Body::Inventory(section) => inventory(shared, node, pool, section).await?,
+        node_message::Body::Health(h) => health(shared, node, pool, epoch, h).await?,
         node_message::Body::Ack(a) => {
             let payload = serde_json::json!({
                 "id": a.command_id, "node": node, "gateway": shared.config.id,
@@ -657,6 +551,186 @@ pub(crate) async fn handle(
             command_transition(shared, node, &r.command_id, t, payload).await?;
         }
     }
+    Ok(())
+}
+
+/// A heartbeat: the session is alive, and its node reachable again if it
+/// was marked otherwise.
+async fn heartbeat(shared: &Arc<Shared>, node: &str, pool: &str, epoch: u64) -> Result<(), Status> {
+    let became_reachable = {
+        let mut sessions = shared.sessions.lock().expect("sessions lock");
+        match sessions.get_mut(node) {
+            Some(s) if s.epoch == epoch => {
+                s.last_heartbeat = Instant::now();
+                !std::mem::replace(&mut s.reachable, true)
+            }
+            _ => {
+                return Err(Status::aborted(
+                    "a newer session for this node replaced this one",
+                ))
+            }
+        }
+    };
+    if became_reachable {
+        shared.stats.transitions.fetch_add(1, Ordering::Relaxed);
+        shared
+            .session_write(
+                node,
+                NewEvent::new(
+                    crate::catalog::NODE_MARKED_REACHABLE,
+                    &serde_json::json!({ "node": node }),
+                ),
+                vec![(
+                    pool_stream(pool),
+                    Fact::NodeContactRestored {
+                        node: node.to_string(),
+                    }
+                    .to_event(),
+                )],
+            )
+            .await;
+    }
+    Ok(())
+}
+
+/// The node's own status, written when it changed.
+async fn status(
+    shared: &Arc<Shared>,
+    node: &str,
+    epoch: u64,
+    s: crate::proto::StatusReport,
+) -> Result<(), Status> {
+    let changed = {
+        let mut sessions = shared.sessions.lock().expect("sessions lock");
+        match sessions.get_mut(node) {
+            Some(e) if e.epoch == epoch => {
+                let new = Some((s.state.clone(), s.detail.clone()));
+                if e.status != new {
+                    e.status = new;
+                    true
+                } else {
+                    false
+                }
+            }
+            _ => false,
+        }
+    };
+    if changed {
+        shared
+            .session_write(
+                node,
+                NewEvent::new(
+                    crate::catalog::NODE_STATUS_REPORTED,
+                    &serde_json::json!({ "node": node, "state": s.state, "detail": s.detail }),
+                ),
+                Vec::new(),
+            )
+            .await;
+    }
+    Ok(())
+}
+
+/// A section of the node's inventory, as a fact on its pool's stream.
+async fn inventory(
+    shared: &Arc<Shared>,
+    node: &str,
+    pool: &str,
+    section: crate::proto::InventorySection,
+) -> Result<(), Status> {
+    let (name, hash) = (section.name.clone(), section.hash.clone());
+    let fact = crate::inventory::section_fact(node, section)?;
+    // Queued here, in the order the sections came (the devices
+    // before the labels of a node new to the pool); the outcome is
+    // waited for apart, so the session goes on.
+    let outcome = shared
+        .submit(Write::plain(
+            pool_stream(pool),
+            ExpectedVersion::StreamExists,
+            vec![fact.to_event()],
+        ))
+        .await;
+    let (shared, node) = (shared.clone(), node.to_string());
+    tokio::spawn(async move {
+        match outcome.await {
+            Ok(_) => {
+                if let Ok(c) = shared.db.get().await {
+                    let _ = c
+                        .exec(
+                            "INSERT INTO strata.node_sections (node, section, hash) VALUES ($1, $2, $3)
+                             ON CONFLICT (node, section) DO UPDATE SET hash = $3, updated_at = now()",
+                            &[&node, &name, &hash],
+                        )
+                        .await;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%node, error = %e, "could not write the node's inventory")
+            }
+        }
+    });
+    Ok(())
+}
+
+/// A health condition raised or cleared, coalesced and damped per session.
+async fn health(
+    shared: &Arc<Shared>,
+    node: &str,
+    pool: &str,
+    epoch: u64,
+    h: crate::proto::HealthReport,
+) -> Result<(), Status> {
+    // Coalesced and damped per session: a flapping node does not
+    // move the pool's version (every placement's fence) ten times a
+    // second.
+    let verdict = {
+        let mut sessions = shared.sessions.lock().expect("sessions lock");
+        match sessions.get_mut(node) {
+            Some(s) if s.epoch == epoch => {
+                let key = (h.device.clone(), h.condition.clone());
+                if h.cleared {
+                    s.health.clear(key, Instant::now())
+                } else {
+                    s.health.raise(key)
+                }
+            }
+            _ => {
+                return Err(Status::aborted(
+                    "a newer session for this node replaced this one",
+                ))
+            }
+        }
+    };
+    if verdict != Verdict::Write {
+        shared
+            .stats
+            .health_coalesced
+            .fetch_add(1, Ordering::Relaxed);
+        return Ok(());
+    }
+    let device = (!h.device.is_empty()).then_some(h.device);
+    let fact = if h.cleared {
+        Fact::HealthCleared {
+            node: node.to_string(),
+            device,
+            condition: h.condition,
+        }
+    } else {
+        Fact::HealthRaised {
+            node: node.to_string(),
+            device,
+            condition: h.condition,
+            detail: h.detail,
+        }
+    };
+    // Waits for room in the write queue: a node that reports faster
+    // than the log takes it is held back, never dropped.
+    shared
+        .queue(Write::plain(
+            pool_stream(pool),
+            ExpectedVersion::StreamExists,
+            vec![fact.to_event()],
+        ))
+        .await;
     Ok(())
 }
 
@@ -716,7 +790,7 @@ pub(crate) async fn sweeper(shared: Arc<Shared>) {
                     session: Some((node.clone(), epoch)),
                     expected: ExpectedVersion::Exact(version),
                     events: vec![NewEvent::new(
-                        "node.marked_unreachable",
+                        crate::catalog::NODE_MARKED_UNREACHABLE,
                         &serde_json::json!({ "node": node }),
                     )],
                     also: vec![(pool_stream(&pool), contact)],

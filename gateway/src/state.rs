@@ -4,8 +4,8 @@
 
 use crate::ca::{self, Ca};
 use crate::proto::GatewayMessage;
+use domain::commands::{self, Commands};
 use events::{AppendError, Appender, ExpectedVersion, NewEvent, Reader};
-use projections::commands::{self, Commands};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -211,7 +211,7 @@ impl Write {
 pub(crate) struct Shared {
     pub(crate) config: GatewayConfig,
     pub(crate) ca: Ca,
-    pub(crate) db: events::db::Db,
+    pub(crate) db: events::db::SharedClient,
     pub(crate) appender: Appender,
     pub(crate) reader: Reader,
     pub(crate) stats: Arc<GatewayStats>,
@@ -242,7 +242,7 @@ pub(crate) enum Waited {
     Reservation {
         state: String,
         reason: String,
-        allocations: Vec<projections::Allocation>,
+        allocations: Vec<domain::Allocation>,
     },
     Command(commands::Tracked),
 }

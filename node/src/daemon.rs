@@ -16,7 +16,8 @@ use crate::gpu::{GpuBackend, HealthChange};
 use crate::health::Conditions;
 use crate::proto::{
     gateway_message, node_message, session_client::SessionClient, CommandAck, CommandResult,
-    Device, HealthReport, Heartbeat, Hello, InventorySection, NodeMessage, Renew, StatusReport,
+    Device, GatewayMessage, HealthReport, Heartbeat, Hello, InventorySection, NodeMessage, Renew,
+    StatusReport, Welcome,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -355,45 +356,9 @@ async fn session(
     if let Some(t) = &topology {
         section_hashes.insert(t.name.clone(), t.hash.clone());
     }
-    let (tx, rx) = mpsc::channel::<NodeMessage>(64);
-    let hello = NodeMessage {
-        body: Some(node_message::Body::Hello(Hello {
-            node_id: config.node_id.clone(),
-            generation,
-            section_hashes,
-            agent_version: env!("CARGO_PKG_VERSION").into(),
-        })),
-    };
-    if tx.send(hello).await.is_err() {
-        return End::Lost("send Hello".into());
-    }
-    let outbound =
-        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
-    let mut client = SessionClient::new(channel);
-    // A gateway that does not answer the Hello in time is treated as lost.
-    let opening = async {
-        let mut inbound = client.open(outbound).await?.into_inner();
-        let first = inbound.message().await?;
-        Ok::<_, tonic::Status>((inbound, first))
-    };
-    let (mut inbound, first) = match tokio::time::timeout(HELLO_TIMEOUT, opening).await {
-        Err(_) => {
-            tracing::warn!(node = %config.node_id, "no Welcome within {HELLO_TIMEOUT:?}; trying again");
-            return End::Lost("no Welcome in time".into());
-        }
-        Ok(Err(status)) => return classify(status),
-        Ok(Ok(x)) => x,
-    };
-    let welcome = match Ok::<_, tonic::Status>(first) {
-        Ok(Some(m)) => match m.body {
-            Some(gateway_message::Body::Welcome(w)) => w,
-            Some(gateway_message::Body::Pushback(p)) => {
-                return End::Pushback(Duration::from_millis(p.retry_after_ms.into()))
-            }
-            _ => return End::Lost("the gateway did not start with Welcome".into()),
-        },
-        Ok(None) => return End::Lost("the gateway closed the session".into()),
-        Err(status) => return classify(status),
+    let (tx, mut inbound, welcome) = match open(config, channel, generation, section_hashes).await {
+        Ok(x) => x,
+        Err(end) => return end,
     };
     stats.sessions.fetch_add(1, Ordering::Relaxed);
     stats.epoch.store(welcome.epoch, Ordering::Relaxed);
@@ -402,35 +367,8 @@ async fn session(
     let _current = runner.attach(&tx);
     tracing::debug!(node = %config.node_id, epoch = welcome.epoch, "session open");
     let gpus = section.devices.len();
-    // The devices first: a node's labels are about a node of the pool.
-    for section in std::iter::once(section).chain(topology) {
-        if welcome.want_sections.contains(&section.name) {
-            let msg = NodeMessage {
-                body: Some(node_message::Body::Inventory(section)),
-            };
-            if tx.send(msg).await.is_err() {
-                return End::Lost("send inventory".into());
-            }
-        }
-    }
-    // The node's status; sent again only when it changes (the gateway writes
-    // only what is new anyway).
-    let status = |state: &str, detail: String| NodeMessage {
-        body: Some(node_message::Body::Status(StatusReport {
-            state: state.into(),
-            detail,
-        })),
-    };
-    let ready = format!("{gpus} GPUs through {}", config.backend.name());
-    if tx.send(status("ready", ready)).await.is_err() {
-        return End::Lost("send status".into());
-    }
-    // What is in force, again: a report lost with the last session arrives.
-    let in_force = conditions.lock().expect("conditions lock").in_force();
-    for c in in_force {
-        if tx.send(health_message(c)).await.is_err() {
-            return End::Lost("send health".into());
-        }
+    if let Err(end) = announce(config, &welcome, section, topology, conditions, &tx).await {
+        return end;
     }
     let every = Duration::from_secs(welcome.heartbeat_seconds.max(1).into());
     // Spread heartbeats of many nodes over the interval.
@@ -479,29 +417,8 @@ async fn session(
                 }
             }
             _ = health.tick() => {
-                // Only changes are sent: a condition in force is not raised
-                // again, and one the backend no longer sees is cleared.
-                let polled = config.backend.poll_health().map_err(|e| e.to_string());
-                let changes = conditions.lock().expect("conditions lock").observe(polled);
-                if let Some(c) = changes.iter().find(|c| !c.cleared) {
-                    let detail = format!("{} on {}", c.condition, c.device.as_deref().unwrap_or("the node"));
-                    if tx.send(status("degraded", detail)).await.is_err() {
-                        return End::Lost("send status".into());
-                    }
-                } else if !changes.is_empty()
-                    && conditions.lock().expect("conditions lock").in_force().is_empty()
-                {
-                    // The last condition cleared: ready again.
-                    let ready = format!("{gpus} GPUs through {}", config.backend.name());
-                    if tx.send(status("ready", ready)).await.is_err() {
-                        return End::Lost("send status".into());
-                    }
-                }
-                for c in changes {
-                    if tx.send(health_message(c)).await.is_err() {
-                        return End::Lost("send health".into());
-                    }
-                    stats.health_reports.fetch_add(1, Ordering::Relaxed);
+                if let Err(end) = report_health(config, stats, conditions, gpus, &tx).await {
+                    return end;
                 }
             }
             m = inbound.message() => match m {
@@ -543,6 +460,161 @@ async fn session(
             },
         }
     }
+}
+
+/// Opens a session: sends the Hello, and waits (at most `HELLO_TIMEOUT`)
+/// for the gateway's Welcome; the way to send, what comes back, and the
+/// Welcome.
+async fn open(
+    config: &DaemonConfig,
+    channel: Channel,
+    generation: u64,
+    section_hashes: HashMap<String, String>,
+) -> Result<
+    (
+        mpsc::Sender<NodeMessage>,
+        tonic::Streaming<GatewayMessage>,
+        Welcome,
+    ),
+    End,
+> {
+    let (tx, rx) = mpsc::channel::<NodeMessage>(64);
+    let hello = NodeMessage {
+        body: Some(node_message::Body::Hello(Hello {
+            node_id: config.node_id.clone(),
+            generation,
+            section_hashes,
+            agent_version: env!("CARGO_PKG_VERSION").into(),
+        })),
+    };
+    if tx.send(hello).await.is_err() {
+        return Err(End::Lost("send Hello".into()));
+    }
+    let outbound =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    let mut client = SessionClient::new(channel);
+    // A gateway that does not answer the Hello in time is treated as lost.
+    let opening = async {
+        let mut inbound = client.open(outbound).await?.into_inner();
+        let first = inbound.message().await?;
+        Ok::<_, tonic::Status>((inbound, first))
+    };
+    let (inbound, first) = match tokio::time::timeout(HELLO_TIMEOUT, opening).await {
+        Err(_) => {
+            tracing::warn!(node = %config.node_id, "no Welcome within {HELLO_TIMEOUT:?}; trying again");
+            return Err(End::Lost("no Welcome in time".into()));
+        }
+        Ok(Err(status)) => return Err(classify(status)),
+        Ok(Ok(x)) => x,
+    };
+    let welcome = match Ok::<_, tonic::Status>(first) {
+        Ok(Some(m)) => match m.body {
+            Some(gateway_message::Body::Welcome(w)) => w,
+            Some(gateway_message::Body::Pushback(p)) => {
+                return Err(End::Pushback(Duration::from_millis(
+                    p.retry_after_ms.into(),
+                )))
+            }
+            _ => return Err(End::Lost("the gateway did not start with Welcome".into())),
+        },
+        Ok(None) => return Err(End::Lost("the gateway closed the session".into())),
+        Err(status) => return Err(classify(status)),
+    };
+    Ok((tx, inbound, welcome))
+}
+
+/// What a node says once a session is open: the inventory sections the
+/// gateway wants (the devices before the labels: a node's labels are about
+/// a node of the pool), that it is ready, and the conditions in force (a
+/// report lost with the last session arrives).
+async fn announce(
+    config: &DaemonConfig,
+    welcome: &Welcome,
+    section: InventorySection,
+    topology: Option<InventorySection>,
+    conditions: &std::sync::Mutex<Conditions>,
+    tx: &mpsc::Sender<NodeMessage>,
+) -> Result<(), End> {
+    let section_gpus = section.devices.len();
+    // The devices first: a node's labels are about a node of the pool.
+    for section in std::iter::once(section).chain(topology) {
+        if welcome.want_sections.contains(&section.name) {
+            let msg = NodeMessage {
+                body: Some(node_message::Body::Inventory(section)),
+            };
+            if tx.send(msg).await.is_err() {
+                return Err(End::Lost("send inventory".into()));
+            }
+        }
+    }
+    let ready = format!("{} GPUs through {}", section_gpus, config.backend.name());
+    if tx.send(status("ready", ready)).await.is_err() {
+        return Err(End::Lost("send status".into()));
+    }
+    // What is in force, again: a report lost with the last session arrives.
+    let in_force = conditions.lock().expect("conditions lock").in_force();
+    for c in in_force {
+        if tx.send(health_message(c)).await.is_err() {
+            return Err(End::Lost("send health".into()));
+        }
+    }
+    Ok(())
+}
+
+/// The node's status, sent when it changes (the gateway writes only what is
+/// new anyway).
+fn status(state: &str, detail: String) -> NodeMessage {
+    NodeMessage {
+        body: Some(node_message::Body::Status(StatusReport {
+            state: state.into(),
+            detail,
+        })),
+    }
+}
+
+/// Polls the backend's health and sends what changed (a condition in force
+/// is not raised again, and one the backend no longer sees is cleared), with
+/// the node's status when it moves between ready and degraded.
+async fn report_health(
+    config: &DaemonConfig,
+    stats: &DaemonStats,
+    conditions: &std::sync::Mutex<Conditions>,
+    gpus: usize,
+    tx: &mpsc::Sender<NodeMessage>,
+) -> Result<(), End> {
+    // Only changes are sent: a condition in force is not raised
+    // again, and one the backend no longer sees is cleared.
+    let polled = config.backend.poll_health().map_err(|e| e.to_string());
+    let changes = conditions.lock().expect("conditions lock").observe(polled);
+    if let Some(c) = changes.iter().find(|c| !c.cleared) {
+        let detail = format!(
+            "{} on {}",
+            c.condition,
+            c.device.as_deref().unwrap_or("the node")
+        );
+        if tx.send(status("degraded", detail)).await.is_err() {
+            return Err(End::Lost("send status".into()));
+        }
+    } else if !changes.is_empty()
+        && conditions
+            .lock()
+            .expect("conditions lock")
+            .in_force()
+            .is_empty()
+    {
+        // The last condition cleared: ready again.
+        let ready = format!("{gpus} GPUs through {}", config.backend.name());
+        if tx.send(status("ready", ready)).await.is_err() {
+            return Err(End::Lost("send status".into()));
+        }
+    }
+    for c in changes {
+        if tx.send(health_message(c)).await.is_err() {
+            return Err(End::Lost("send health".into()));
+        }
+        stats.health_reports.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// Runs commands off the session loop, so heartbeats go on while one runs;

@@ -1,10 +1,10 @@
 //! The node daemon.
 
-pub mod config;
+mod config;
 pub mod daemon;
 pub mod executor;
 pub mod gpu;
-pub mod health;
+mod health;
 pub mod identity;
 
 pub mod proto {

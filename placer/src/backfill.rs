@@ -7,7 +7,7 @@
 //!        |  walk the pool's live reservations of W's class by expiry,
 //!        |  each counted as gone, until W fits (place_one)
 //!        v
-//!  W's shadow: its start S (the expiry that made it fit) and the devices
+//!  W's hold: its start S (the expiry that made it fit) and the devices
 //!  it would take then; those free now are held (booked in the index under
 //!  a name no reservation has) while the batch is planned
 //!        |
@@ -22,19 +22,19 @@
 //! S. The holds are undone before the plan is returned, like every booking
 //! of a batch: the index only changes by applying the log.
 //!
-//! What is not guarded: a request whose start no TTL tells (what it needs
+//! What holds nothing: a request whose start no TTL tells (what it needs
 //! is held by reservations without one, or lies past the first
 //! [`MAX_WALK`] expiries, [`MAX_PLACING_WALK`] for shapes other than whole
 //! nodes) holds nothing, and only the first
-//! [`MAX_SHADOWS`] waiting requests of a batch hold anything (of the first
+//! [`MAX_HOLDS`] waiting requests of a batch hold anything (of the first
 //! [`MAX_TRIES`] whose start it looks for). A request
 //! waiting for quota holds nothing either: it waits for its queue, not for
 //! devices.
 
 use crate::fit::{pick_on_node, place_one};
-use projections::domain::{Tier, Topology};
+use domain::{Allocation, Request, Shape};
+use domain::{Tier, Topology};
 use projections::index::{Index, Reservation};
-use projections::{Allocation, Request, Shape};
 use std::cmp::Reverse;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, UNIX_EPOCH};
@@ -54,29 +54,30 @@ pub const MAX_WALK: usize = 65_536;
 /// Most live reservations counted as gone, on the index, to find the start
 /// of a request of another shape (each is unbooked and booked again).
 pub const MAX_PLACING_WALK: usize = 512;
-/// Most waiting requests whose start one batch guards.
-pub const MAX_SHADOWS: usize = 8;
+/// Most waiting requests one batch holds devices for.
+pub const MAX_HOLDS: usize = 8;
 /// Most waiting requests whose start one batch looks for, found or not:
 /// a walk costs up to [`MAX_WALK`] steps, and when what waits has no start
 /// the TTLs tell, every blocked request of a batch would walk in vain.
-pub const MAX_TRIES: usize = 2 * MAX_SHADOWS;
-/// Most queued requests looked at, before a batch, for those to guard.
+pub const MAX_TRIES: usize = 2 * MAX_HOLDS;
+/// Most queued requests looked at, before a batch, for those to hold for.
 const MAX_SCAN: usize = 64;
 
-/// A waiting request's start as the TTLs tell it, and what of it is held.
+/// A waiting request's hold: its start as the TTLs tell it, and what of
+/// it is held.
 #[derive(Debug, Clone)]
-struct Shadow {
+struct Hold {
     id: String,
     class: String,
     order: Order,
     start_ms: u64,
     /// The devices it would take at its start that are free now, booked in
-    /// the index under [`Shadow::name`] unless lifted.
+    /// the index under [`Hold::name`] unless lifted.
     held: Vec<Allocation>,
     lifted: bool,
 }
 
-impl Shadow {
+impl Hold {
     /// Devices it holds.
     fn held_count(&self) -> u64 {
         self.held.iter().map(|a| a.devices.len() as u64).sum()
@@ -109,13 +110,13 @@ impl Shadow {
     }
 }
 
-/// The waiting requests a batch guards, and the batch's moment.
+/// The holds of a batch's waiting requests, and the batch's moment.
 #[derive(Debug, Default)]
 pub struct Holds {
     now_ms: u64,
     /// What the batch ends: free already, so never waited for.
     gone: HashSet<String>,
-    shadows: Vec<Shadow>,
+    holds: Vec<Hold>,
     /// Starts looked for so far, found or not.
     tries: usize,
 }
@@ -130,21 +131,21 @@ impl Holds {
         Holds {
             now_ms,
             gone: gone.iter().cloned().collect(),
-            shadows: Vec::new(),
+            holds: Vec::new(),
             tries: 0,
         }
     }
 
-    /// Requests whose start is guarded now.
-    pub fn guarded(&self) -> usize {
-        self.shadows.len()
+    /// Waiting requests holding devices now.
+    pub fn count(&self) -> usize {
+        self.holds.len()
     }
 
-    /// Guards the queued requests of `pool` that wait for capacity and
+    /// Holds for the queued requests of `pool` that wait for capacity and
     /// stand ahead of some request of the batch (`last`: the batch's last
     /// in placement order) but are not in it (`batch`), before the batch is
     /// planned.
-    pub fn guard_queued(
+    pub fn hold_queued(
         &mut self,
         index: &mut Index,
         pool: &str,
@@ -171,19 +172,19 @@ impl Holds {
             None => return,
         };
         for id in waiting {
-            self.guard(index, pool, &id);
+            self.hold(index, pool, &id);
         }
     }
 
-    /// Guards request `id`, which does not fit now: finds its start from
+    /// Holds for request `id`, which does not fit now: finds its start from
     /// the live reservations' expiries (those the batch ends are free
     /// already) and holds what of it is free now. Nothing when its start
-    /// is unknown, or [`MAX_SHADOWS`] are guarded already, or the batch
+    /// is unknown, or [`MAX_HOLDS`] are held already, or the batch
     /// looked for [`MAX_TRIES`] starts.
-    pub fn guard(&mut self, index: &mut Index, pool: &str, id: &str) {
-        if self.shadows.len() >= MAX_SHADOWS
+    pub fn hold(&mut self, index: &mut Index, pool: &str, id: &str) {
+        if self.holds.len() >= MAX_HOLDS
             || self.tries >= MAX_TRIES
-            || self.shadows.iter().any(|s| s.id == id)
+            || self.holds.iter().any(|s| s.id == id)
         {
             return;
         }
@@ -197,7 +198,7 @@ impl Holds {
         else {
             return;
         };
-        let mut shadow = Shadow {
+        let mut hold = Hold {
             id: id.to_string(),
             class: request.class.clone(),
             order,
@@ -205,8 +206,8 @@ impl Holds {
             held: at_start,
             lifted: true,
         };
-        shadow.restore(index, pool);
-        self.shadows.push(shadow);
+        hold.restore(index, pool);
+        self.holds.push(hold);
     }
 
     /// Lifts the holds that a request at `order` with time to live `ttl_ms`
@@ -234,11 +235,11 @@ impl Holds {
         order: Order,
     ) -> Option<u64> {
         let now_ms = self.now_ms;
-        let of_class = || self.shadows.iter().filter(|s| s.class == request.class);
+        let of_class = || self.holds.iter().filter(|s| s.class == request.class);
         if !of_class().any(|s| s.held_count() > 0 && binds(s, now_ms, order, request.ttl_ms)) {
             return None;
         }
-        let held: u64 = of_class().map(Shadow::held_count).sum();
+        let held: u64 = of_class().map(Hold::held_count).sum();
         let free = index.class(pool, &request.class).map_or(0, |c| c.free) + held;
         if matches!(request.shape, Shape::Any) {
             return (free >= request.gpus as u64).then_some(free);
@@ -253,10 +254,10 @@ impl Holds {
         &mut self,
         index: &mut Index,
         pool: &str,
-        lift: impl Fn(&Shadow) -> bool,
+        lift: impl Fn(&Hold) -> bool,
     ) -> Lifted {
         let mut lifted = Vec::new();
-        for (i, s) in self.shadows.iter_mut().enumerate() {
+        for (i, s) in self.holds.iter_mut().enumerate() {
             if !s.lifted && lift(s) {
                 s.lift(index, pool);
                 lifted.push(i);
@@ -268,16 +269,16 @@ impl Holds {
     /// Restores the holds lifted for one request, after it was planned.
     pub fn restore(&mut self, index: &mut Index, pool: &str, lifted: Lifted) {
         for i in lifted.0 {
-            self.shadows[i].restore(index, pool);
+            self.holds[i].restore(index, pool);
         }
     }
 
     /// Why a request at `order` with time to live `ttl_ms`, which fits
-    /// only without the holds, waits: the first guarded request whose
+    /// only without the holds, waits: the first held-for request whose
     /// holds bind it.
     pub fn held_back(&self, order: Order, ttl_ms: Option<u64>, class: &str, free: u64) -> String {
         let first = self
-            .shadows
+            .holds
             .iter()
             .find(|s| !s.held.is_empty() && binds(s, self.now_ms, order, ttl_ms));
         match first {
@@ -292,18 +293,18 @@ impl Holds {
 
     /// Undoes every hold: the index is left as it was.
     pub fn release(&mut self, index: &mut Index, pool: &str) {
-        for s in &mut self.shadows {
+        for s in &mut self.holds {
             if !s.lifted {
                 s.lift(index, pool);
             }
         }
-        self.shadows.clear();
+        self.holds.clear();
     }
 }
 
 /// Whether `s`'s holds bind a request at `order` with time to live
 /// `ttl_ms`: `s` waits ahead of it, and it would not end by `s`'s start.
-fn binds(s: &Shadow, now_ms: u64, order: Order, ttl_ms: Option<u64>) -> bool {
+fn binds(s: &Hold, now_ms: u64, order: Order, ttl_ms: Option<u64>) -> bool {
     let ends_by = ttl_ms.map(|t| now_ms.saturating_add(t));
     s.order < order && ends_by.is_none_or(|end| end > s.start_ms)
 }

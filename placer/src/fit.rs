@@ -3,8 +3,8 @@
 //! ever fit at all ([`never_fits`]). Pure: the batch planner and backfill
 //! both ask it, and neither is asked by it.
 
+use domain::{Allocation, Request, Shape};
 use projections::index::{ClassIndex, Index};
-use projections::{Allocation, Request, Shape};
 use std::collections::BTreeMap;
 
 /// Why a request can never fit the pool (counting every present device,
@@ -139,7 +139,7 @@ pub fn place_one(index: &Index, pool: &str, r: &Request) -> Option<Vec<Allocatio
             nodes,
             gpus_per_node,
         } => {
-            use projections::domain::Topology;
+            use domain::Topology;
             let (n, g) = (nodes as usize, gpus_per_node);
             let any = || gang_on(index, pool, r, c.nodes_best_fit(g).map(|(x, _)| x), n, g);
             match r.topology {

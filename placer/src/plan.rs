@@ -9,8 +9,9 @@
 
 use crate::backfill::{order, Holds};
 pub use crate::fit::{never_fits, place_one};
+use domain::{Allocation, Request, Shape};
 use projections::index::Index;
-use projections::{quota, Allocation, Request, Shape};
+use projections::quota;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 
@@ -24,15 +25,15 @@ pub struct Plan {
     /// Reservations still waiting (already queued), counted only.
     pub still_waiting: usize,
     /// Reservations that can never fit the pool as it is.
-    pub unschedulable: Vec<(String, String)>,
+    pub rejected: Vec<(String, String)>,
     /// Live reservations to preempt: (victim, the request it makes room
     /// for, `priority` or `reclaim`). The request is queued meanwhile.
     pub preempting: Vec<(String, String, String)>,
     /// Requests that looked for victims.
     pub searches: usize,
-    /// Waiting requests whose start the batch guarded (see
+    /// Waiting requests the batch held devices for (see
     /// [`crate::backfill`]).
-    pub guarded: usize,
+    pub held: usize,
     /// Requests that did not fit and may preempt, weighed after the
     /// batch's placements: ((priority, position), id, why it waits).
     candidates: Vec<((Reverse<i32>, u64), String, String)>,
@@ -117,7 +118,7 @@ pub fn plan_with(
         .iter()
         .filter_map(|id| index.reservation(id).map(order))
         .max();
-    holds.guard_queued(index, pool, last, &ids);
+    holds.hold_queued(index, pool, last, &ids);
     let shared = index.pool(pool).is_some_and(|p| !p.queues.is_empty());
     if !shared {
         for id in &ids {
@@ -154,7 +155,7 @@ pub fn plan_with(
         }
     }
     preempt_for(index, pool, &mut plan, &mut batch, &mut holds);
-    plan.guarded = holds.guarded();
+    plan.held = holds.count();
     holds.release(index, pool);
     for (id, allocs) in &plan.placed {
         for a in allocs {
@@ -216,7 +217,7 @@ fn plan_one(
     let (request, order) = (r.request.clone(), order(r));
     let (queued, was) = (r.phase == projections::Phase::Queued, r.reason.clone());
     if let Some(reason) = never_fits(index, pool, &request) {
-        plan.unschedulable.push((id.to_string(), reason));
+        plan.rejected.push((id.to_string(), reason));
         return;
     }
     let wait = |plan: &mut Plan, reason: String| plan.wait(id, queued, &was, reason);
@@ -254,12 +255,12 @@ fn plan_one(
                 None => no_room(index, pool, &request),
             };
             if !ending {
-                holds.guard(index, pool, id);
+                holds.hold(index, pool, id);
             }
             why
         }
         Err(quota::Refusal::NoQueue(reason)) => {
-            plan.unschedulable.push((id.to_string(), reason));
+            plan.rejected.push((id.to_string(), reason));
             return;
         }
         Err(refusal @ quota::Refusal::OverQuota(_)) => refusal.to_string(),
@@ -276,7 +277,7 @@ fn plan_one(
 /// that asks for a rack or block (or to be spread) while enough GPUs are
 /// free, the topology.
 fn no_room(index: &Index, pool: &str, request: &Request) -> String {
-    use projections::domain::Topology;
+    use domain::Topology;
     let free = index.class(pool, &request.class).map_or(0, |c| c.free);
     let class = &request.class;
     match (request.topology, request.shape) {
@@ -403,7 +404,7 @@ fn victims(
     let q = index.queues(pool)?;
     let queues = &index.pool(pool)?.queues;
     let class = request.class.as_str();
-    let nominal = |s: &projections::QueueSpec| s.quota(class).map_or(0, |x| x.nominal) as u64;
+    let nominal = |s: &domain::QueueSpec| s.quota(class).map_or(0, |x| x.nominal) as u64;
     let held = |queue: &str| quota::held(index, pool, queue, class, batch);
     let mut candidates: Vec<String> = Vec::new();
     // First what other queues of its cohort borrowed, when its own queue
@@ -529,9 +530,11 @@ fn victims(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use projections::domain::{pool_stream, reservation_stream};
-    use projections::testing::{devices, Log};
-    use projections::{Fact, Phase};
+    use domain::pools::devices;
+    use domain::Fact;
+    use domain::{pool_stream, reservation_stream};
+    use projections::testing::Log;
+    use projections::Phase;
 
     const C: &str = "H100-80GB";
 
@@ -569,10 +572,7 @@ mod tests {
             })
         }
 
-        fn build(
-            nodes: u32,
-            devices_of: impl Fn(u32, &str) -> Vec<projections::DeviceSpec>,
-        ) -> World {
+        fn build(nodes: u32, devices_of: impl Fn(u32, &str) -> Vec<domain::DeviceSpec>) -> World {
             let mut w = World {
                 log: Log::new(),
                 index: Index::new(),
@@ -720,7 +720,7 @@ mod tests {
                 assert_eq!(v, None, "the planner's placements are valid");
             }
             for (reservation, by, reason) in plan.preempting.clone() {
-                let v = self.pool(&Fact::ReservationPreempting {
+                let v = self.pool(&Fact::ReservationPreemptionScheduled {
                     reservation,
                     by,
                     reason,
@@ -737,9 +737,9 @@ mod tests {
                     None
                 );
             }
-            for (reservation, reason) in plan.unschedulable.clone() {
+            for (reservation, reason) in plan.rejected.clone() {
                 assert_eq!(
-                    self.pool(&Fact::ReservationUnschedulable {
+                    self.pool(&Fact::ReservationRejected {
                         reservation,
                         reason
                     }),
@@ -758,11 +758,11 @@ mod tests {
             nominal: u32,
             borrowing_limit: Option<u32>,
         ) {
-            let spec = projections::QueueSpec {
+            let spec = domain::QueueSpec {
                 queue: name.into(),
                 cohort: cohort.map(str::to_string),
                 weight,
-                quotas: vec![projections::Quota {
+                quotas: vec![domain::Quota {
                     class: C.into(),
                     nominal,
                     borrowing_limit,
@@ -831,9 +831,9 @@ mod tests {
         // 5 in one island can never fit.
         w.request("d", 5, Shape::Island, 0);
         let plan = w.run();
-        assert_eq!(plan.unschedulable.len(), 1);
+        assert_eq!(plan.rejected.len(), 1);
         assert!(
-            plan.unschedulable[0].1.contains("largest island has 4"),
+            plan.rejected[0].1.contains("largest island has 4"),
             "{plan:?}"
         );
         assert!(w.index.reservation("d").is_none(), "terminal");
@@ -881,7 +881,7 @@ mod tests {
             },
             0,
         );
-        assert_eq!(w.run().unschedulable.len(), 1);
+        assert_eq!(w.run().rejected.len(), 1);
         // Releasing the gang lets the waiting one place.
         w.release("g");
         w.run();
@@ -900,12 +900,9 @@ mod tests {
         w.request("nobody", 1, Shape::Any, 0);
         w.request_in(Some("typo"), "typo", 1, Shape::Any, 0);
         let plan = w.run();
-        assert_eq!(plan.unschedulable.len(), 2, "{plan:?}");
-        assert!(plan.unschedulable[0].1.contains("name one"), "{plan:?}");
-        assert!(
-            plan.unschedulable[1].1.contains("no queue typo"),
-            "{plan:?}"
-        );
+        assert_eq!(plan.rejected.len(), 2, "{plan:?}");
+        assert!(plan.rejected[0].1.contains("name one"), "{plan:?}");
+        assert!(plan.rejected[1].1.contains("no queue typo"), "{plan:?}");
         // solo fills its quota and cannot borrow.
         w.request_in(Some("solo"), "s1", 8, Shape::Any, 0);
         w.request_in(Some("solo"), "s2", 1, Shape::Any, 0);
@@ -1106,7 +1103,7 @@ mod tests {
         w.request_in(Some("q"), "same", 2, Shape::Any, 1);
         w.run();
         let v = w
-            .pool(&Fact::ReservationPreempting {
+            .pool(&Fact::ReservationPreemptionScheduled {
                 reservation: "mid".into(),
                 by: "same".into(),
                 reason: "priority".into(),
@@ -1156,7 +1153,7 @@ mod tests {
         assert!(w.index.derived_is_consistent());
         // A reclaim from a queue that does not borrow is a violation.
         let v = w
-            .pool(&Fact::ReservationPreempting {
+            .pool(&Fact::ReservationPreemptionScheduled {
                 reservation: "b0".into(),
                 by: "a3".into(),
                 reason: "reclaim".into(),
@@ -1168,7 +1165,7 @@ mod tests {
 
     #[test]
     fn gangs_go_within_one_rack_prefer_one_or_spread_over_racks() {
-        use projections::domain::{Tier, Topology};
+        use domain::{Tier, Topology};
         // Two racks of four 8-GPU nodes: r0 = n00..n03, r1 = n04..n07;
         // two rail groups across them, the even nodes and the odd.
         let mut w = World::build(8, |_, node| devices(node, C, 8, 0));
@@ -1341,8 +1338,8 @@ mod tests {
         w.request_ttl("u", 2, Shape::Node, Some(30_000));
         w.request_ttl("v", 1, Shape::Node, None);
         let plan = w.run();
-        // The gang's start, and s's (on n00 when a ends), are guarded.
-        assert_eq!(plan.guarded, 2, "{plan:?}");
+        // The gang's start, and s's (on n00 when a ends), are held.
+        assert_eq!(plan.held, 2, "{plan:?}");
         assert_eq!(w.phase("s"), Some(Phase::Queued), "{plan:?}");
         let why = &w.index.reservation("s").unwrap().reason;
         assert!(
@@ -1384,7 +1381,7 @@ mod tests {
     }
 
     #[test]
-    fn a_gang_behind_a_thousand_small_reservations_is_guarded_where_nodes_free_first() {
+    fn a_gang_behind_a_thousand_small_reservations_is_held_for_where_nodes_free_first() {
         // 128 nodes full of 1-GPU reservations, filled in name order (best
         // fit). Seven of each node's eight end early, node by node in turn;
         // the last of each ends late, the last node's first: 896
@@ -1423,7 +1420,7 @@ mod tests {
         w.request_ttl("t", 1, Shape::Any, None);
         w.request_ttl("u", 1, Shape::Any, Some(60_000));
         let plan = w.run();
-        assert!(plan.guarded >= 1, "{plan:?}");
+        assert!(plan.held >= 1, "{plan:?}");
         assert_eq!(w.allocs("s")[0].node, names[5], "{plan:?}");
         assert_eq!(w.phase("t"), Some(Phase::Queued), "{plan:?}");
         assert!(w

@@ -17,13 +17,13 @@
 //! from happening in the normal case, and spreads pools over placers.
 
 use crate::plan::{self, Plan};
-use events::db::Db;
+use domain::{pool_stream, replacement_id, reservation_stream, Fact, Request};
+use events::db::SharedClient;
 use events::db::Sql;
 use events::lease::{Lease, LeaseError};
 use events::{AppendError, Appended, Appender, ExpectedVersion, Reader, StreamAppend};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use ops::task::Backoff;
-use projections::domain::{pool_stream, replacement_id, reservation_stream, Fact, Request};
 use projections::projector::ProjectError;
 use projections::{Index, Projector, SnapshotStore};
 use std::collections::{BTreeSet, HashMap};
@@ -82,7 +82,7 @@ pub struct Stats {
     pub batches: AtomicU64,
     pub placed: AtomicU64,
     pub queued: AtomicU64,
-    pub unschedulable: AtomicU64,
+    pub rejected: AtomicU64,
     pub released: AtomicU64,
     pub expired: AtomicU64,
     /// Reservations ended because a node of theirs left or was lost.
@@ -109,7 +109,7 @@ pub struct StatsView {
     pub batches: u64,
     pub placed: u64,
     pub queued: u64,
-    pub unschedulable: u64,
+    pub rejected: u64,
     pub released: u64,
     pub expired: u64,
     pub failed: u64,
@@ -130,7 +130,7 @@ impl Stats {
             batches: l(&self.batches),
             placed: l(&self.placed),
             queued: l(&self.queued),
-            unschedulable: l(&self.unschedulable),
+            rejected: l(&self.rejected),
             released: l(&self.released),
             expired: l(&self.expired),
             failed: l(&self.failed),
@@ -174,10 +174,10 @@ static FIELDS: &[Field<Stats>] = &[
     ),
     ops::stat_field!(
         Stats,
-        "strata_placer_unschedulable_total",
+        "strata_placer_rejected_total",
         Counter,
         "Reservations that can never fit.",
-        unschedulable
+        rejected
     ),
     ops::stat_field!(
         Stats,
@@ -381,7 +381,7 @@ async fn run(
 ) -> Result<(), PlacerError> {
     // Leases go through a connection made again whenever it closed (the
     // database restarted), so upkeep resumes by itself once it is back.
-    let leases = Db::new(db);
+    let leases = SharedClient::new(db);
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     let Some(mut proj) = start_projector(&reader, &config, &mut stop, &mut backoff).await else {
         return Ok(());
@@ -421,7 +421,7 @@ async fn run(
                         }
                     }
                     // A new pool: look for its lease now, not at the next tick.
-                    Ok(e) if projections::domain::canonical_type(&e.event_type) == "pool.created" => upkeep.reset_immediately(),
+                    Ok(e) if domain::canonical_type(&e.event_type) == "pool.created" => upkeep.reset_immediately(),
                     Ok(e) => remember_trace(&mut traces, &e),
                 }
                 stats.position.store(proj.index.position(), Ordering::Relaxed);
@@ -527,16 +527,14 @@ fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stat
             if let Some(epoch) = done.retried_queued_at {
                 w.tried_epoch = epoch;
             }
-            let [placed, queued, unschedulable, released, expired, failed, preempting, preempted] =
+            let [placed, queued, rejected, released, expired, failed, preempting, preempted] =
                 done.plan_counts;
             stats.preempting.fetch_add(preempting, Ordering::Relaxed);
             stats.preempted.fetch_add(preempted, Ordering::Relaxed);
             stats.batches.fetch_add(1, Ordering::Relaxed);
             stats.placed.fetch_add(placed, Ordering::Relaxed);
             stats.queued.fetch_add(queued, Ordering::Relaxed);
-            stats
-                .unschedulable
-                .fetch_add(unschedulable, Ordering::Relaxed);
+            stats.rejected.fetch_add(rejected, Ordering::Relaxed);
             stats.released.fetch_add(released, Ordering::Relaxed);
             stats.expired.fetch_add(expired, Ordering::Relaxed);
             stats.failed.fetch_add(failed, Ordering::Relaxed);
@@ -557,11 +555,11 @@ fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stat
 
 /// Keeps the `traceparent` of a request that carries one.
 fn remember_trace(traces: &mut HashMap<String, String>, e: &events::Event) {
-    if projections::domain::canonical_type(&e.event_type) != "reservation.requested" {
+    if domain::canonical_type(&e.event_type) != "reservation.requested" {
         return;
     }
     if let (Some(id), Some(tp)) = (
-        projections::domain::reservation_of(&e.stream),
+        domain::reservation_of(&e.stream),
         events::trace::of_metadata(&e.metadata),
     ) {
         traces.insert(id.to_string(), tp);
@@ -618,67 +616,10 @@ fn plan_ready(
             .into_iter()
             .filter(|(id, _, _)| !q.releases.contains(id) && !expiries.contains(id))
             .collect();
-        let mut keys: Vec<_> = q
-            .pending
-            .iter()
-            .filter(|k| !q.releases.contains(&k.2))
-            .take(max)
-            .collect();
-        if retry_queued && q.queued_by_queue.is_empty() {
-            keys.extend(
-                q.queued
-                    .iter()
-                    .filter(|k| !q.releases.contains(&k.2))
-                    .take(max),
-            );
-            keys.sort();
-            keys.truncate(max);
-        } else if retry_queued {
-            // A pool shared by queues: the queued are retried from every
-            // queue in turn, so one queue's backlog cannot keep another's
-            // out of the batch, and at least half the batch is retries
-            // while requests are pending.
-            let retries = retry_in_turn(q, max);
-            let room = if keys.len() >= max {
-                max / 2
-            } else {
-                max - keys.len()
-            };
-            let retries = &retries[..retries.len().min(room.max(1))];
-            keys.truncate(max - retries.len());
-            keys.extend(retries.iter().copied());
-        }
-        let ids: Vec<String> = keys.into_iter().map(|k| k.2.clone()).collect();
+        let ids = batch_ids(q, retry_queued, max);
         // Reservations whose grace period is over end now, and the requests
         // they made room for are placed on their devices, in this batch.
-        let mut ending = plan::Ending::default();
-        // (victim, by, why, its replacement if it asked to be requeued)
-        let mut ended: Vec<(String, String, String, Option<Request>)> = Vec::new();
-        for (_, victim) in q.preemptions.iter().take_while(|(at, _)| *at <= now_ms) {
-            if ended.len() >= max {
-                break;
-            }
-            if q.releases.contains(victim)
-                || expiries.contains(victim)
-                || failures.iter().any(|(f, _, _)| f == victim)
-            {
-                continue;
-            }
-            let Some(r) = index.reservation(victim) else {
-                continue;
-            };
-            let Some(by) = r.preempted_by.clone() else {
-                continue;
-            };
-            if !ending.first.contains(&by) {
-                ending.first.push(by.clone());
-            }
-            let again = r
-                .request
-                .requeue_on_preemption
-                .then(|| replacement(&r.request));
-            ended.push((victim.clone(), by, r.preempt_reason.clone(), again));
-        }
+        let (mut ending, ended) = preemptions_due(index, q, now_ms, max, &expiries, &failures);
         // Everything the batch ends is planned as gone.
         ending.victims = ended.iter().map(|(v, _, _, _)| v.clone()).collect();
         ending.victims.extend(releases.iter().cloned());
@@ -690,7 +631,7 @@ fn plan_ready(
         let Plan {
             placed,
             queued,
-            unschedulable,
+            rejected,
             preempting,
             searches,
             ..
@@ -698,7 +639,7 @@ fn plan_ready(
         let counts = [
             placed.len() as u64,
             queued.len() as u64,
-            unschedulable.len() as u64,
+            rejected.len() as u64,
             releases.len() as u64,
             expiries.len() as u64,
             failures.len() as u64,
@@ -706,71 +647,20 @@ fn plan_ready(
             ended.len() as u64,
         ];
         let deadline = now_ms + config.preemption_grace.as_millis() as u64;
-        let mut facts: Vec<Fact> = Vec::new();
-        facts.extend(
-            releases
-                .into_iter()
-                .map(|reservation| Fact::ReservationReleased { reservation }),
+        let (facts, replacements) = batch_facts(
+            index,
+            Decided {
+                releases,
+                expiries,
+                failures,
+                ended,
+                placed,
+                preempting,
+                queued,
+                rejected,
+            },
+            deadline,
         );
-        facts.extend(
-            expiries
-                .into_iter()
-                .map(|reservation| Fact::ReservationExpired { reservation }),
-        );
-        // Reservations that asked to be placed again are requested anew, in
-        // the same transaction, under their replacement id.
-        let mut replacements = Vec::new();
-        for (reservation, node, reason) in failures {
-            let again = index
-                .reservation(&reservation)
-                .filter(|r| r.request.replace_on_failure)
-                .map(|r| replacement(&r.request));
-            facts.push(Fact::ReservationFailed {
-                reservation,
-                node,
-                reason: reason.to_string(),
-                replaced_by: again.as_ref().map(|r| r.reservation.clone()),
-            });
-            replacements.extend(again);
-        }
-        for (reservation, by, reason, again) in ended {
-            facts.push(Fact::ReservationPreempted {
-                reservation,
-                by,
-                reason,
-                replaced_by: again.as_ref().map(|r| r.reservation.clone()),
-            });
-            replacements.extend(again);
-        }
-        facts.extend(placed.into_iter().map(|(reservation, allocations)| {
-            Fact::ReservationPlaced {
-                reservation,
-                allocations,
-            }
-        }));
-        // Preemptions after the placements: see quota::may_preempt.
-        facts.extend(preempting.into_iter().map(|(reservation, by, reason)| {
-            Fact::ReservationPreempting {
-                reservation,
-                by,
-                reason,
-                deadline_ms: Some(deadline),
-            }
-        }));
-        facts.extend(
-            queued
-                .into_iter()
-                .map(|(reservation, reason)| Fact::ReservationQueued {
-                    reservation,
-                    reason,
-                }),
-        );
-        facts.extend(unschedulable.into_iter().map(|(reservation, reason)| {
-            Fact::ReservationUnschedulable {
-                reservation,
-                reason,
-            }
-        }));
         // When the batch ran out of searches for victims, what waits is
         // tried again next time even if capacity did not move.
         let retried_queued_at =
@@ -826,6 +716,185 @@ fn replacement(r: &Request) -> Request {
 
 /// Up to `max` queued requests of a pool shared by queues: one from each
 /// queue in turn (each queue's in placement order), then those that name no
+/// The requests a batch plans: pending ones first (up to `max`, none being
+/// released), and the queued again when capacity moved (`retry_queued`).
+fn batch_ids(q: &projections::index::Queues, retry_queued: bool, max: usize) -> Vec<String> {
+    let mut keys: Vec<_> = q
+        .pending
+        .iter()
+        .filter(|k| !q.releases.contains(&k.2))
+        .take(max)
+        .collect();
+    if retry_queued && q.queued_by_queue.is_empty() {
+        keys.extend(
+            q.queued
+                .iter()
+                .filter(|k| !q.releases.contains(&k.2))
+                .take(max),
+        );
+        keys.sort();
+        keys.truncate(max);
+    } else if retry_queued {
+        // A pool shared by queues: the queued are retried from every
+        // queue in turn, so one queue's backlog cannot keep another's
+        // out of the batch, and at least half the batch is retries
+        // while requests are pending.
+        let retries = retry_in_turn(q, max);
+        let room = if keys.len() >= max {
+            max / 2
+        } else {
+            max - keys.len()
+        };
+        let retries = &retries[..retries.len().min(room.max(1))];
+        keys.truncate(max - retries.len());
+        keys.extend(retries.iter().copied());
+    }
+    keys.into_iter().map(|k| k.2.clone()).collect()
+}
+
+/// A victim of preemption whose grace period is over: (victim, by, why, its
+/// replacement if it asked to be requeued).
+type Ended = (String, String, String, Option<Request>);
+
+/// The preemptions whose grace period is over by `now_ms` (up to `max`, none
+/// of a reservation the batch ends otherwise): who they ended, and the
+/// requests they made room for, to be placed first.
+fn preemptions_due(
+    index: &Index,
+    q: &projections::index::Queues,
+    now_ms: u64,
+    max: usize,
+    expiries: &[String],
+    failures: &[(String, String, &str)],
+) -> (plan::Ending, Vec<Ended>) {
+    let mut ending = plan::Ending::default();
+    // (victim, by, why, its replacement if it asked to be requeued)
+    let mut ended: Vec<Ended> = Vec::new();
+    for (_, victim) in q.preemptions.iter().take_while(|(at, _)| *at <= now_ms) {
+        if ended.len() >= max {
+            break;
+        }
+        if q.releases.contains(victim)
+            || expiries.contains(victim)
+            || failures.iter().any(|(f, _, _)| f == victim)
+        {
+            continue;
+        }
+        let Some(r) = index.reservation(victim) else {
+            continue;
+        };
+        let Some(by) = r.preempted_by.clone() else {
+            continue;
+        };
+        if !ending.first.contains(&by) {
+            ending.first.push(by.clone());
+        }
+        let again = r
+            .request
+            .requeue_on_preemption
+            .then(|| replacement(&r.request));
+        ended.push((victim.clone(), by, r.preempt_reason.clone(), again));
+    }
+    (ending, ended)
+}
+
+/// What a batch decided, before it is written.
+struct Decided<'a> {
+    releases: Vec<String>,
+    expiries: Vec<String>,
+    failures: Vec<(String, String, &'a str)>,
+    ended: Vec<Ended>,
+    placed: Vec<(String, Vec<domain::Allocation>)>,
+    preempting: Vec<(String, String, String)>,
+    queued: Vec<(String, String)>,
+    rejected: Vec<(String, String)>,
+}
+
+/// The facts a batch appends to its pool's stream, in the order they apply,
+/// and the replacements it requests (preemptions scheduled get `deadline`).
+fn batch_facts(index: &Index, d: Decided<'_>, deadline: u64) -> (Vec<Fact>, Vec<Request>) {
+    let Decided {
+        releases,
+        expiries,
+        failures,
+        ended,
+        placed,
+        preempting,
+        queued,
+        rejected,
+    } = d;
+    let mut facts: Vec<Fact> = Vec::new();
+    facts.extend(
+        releases
+            .into_iter()
+            .map(|reservation| Fact::ReservationReleased { reservation }),
+    );
+    facts.extend(
+        expiries
+            .into_iter()
+            .map(|reservation| Fact::ReservationExpired { reservation }),
+    );
+    // Reservations that asked to be placed again are requested anew, in
+    // the same transaction, under their replacement id.
+    let mut replacements = Vec::new();
+    for (reservation, node, reason) in failures {
+        let again = index
+            .reservation(&reservation)
+            .filter(|r| r.request.replace_on_failure)
+            .map(|r| replacement(&r.request));
+        facts.push(Fact::ReservationFailed {
+            reservation,
+            node,
+            reason: reason.to_string(),
+            replaced_by: again.as_ref().map(|r| r.reservation.clone()),
+        });
+        replacements.extend(again);
+    }
+    for (reservation, by, reason, again) in ended {
+        facts.push(Fact::ReservationPreempted {
+            reservation,
+            by,
+            reason,
+            replaced_by: again.as_ref().map(|r| r.reservation.clone()),
+        });
+        replacements.extend(again);
+    }
+    facts.extend(
+        placed
+            .into_iter()
+            .map(|(reservation, allocations)| Fact::ReservationPlaced {
+                reservation,
+                allocations,
+            }),
+    );
+    // Preemptions after the placements: see quota::may_preempt.
+    facts.extend(preempting.into_iter().map(|(reservation, by, reason)| {
+        Fact::ReservationPreemptionScheduled {
+            reservation,
+            by,
+            reason,
+            deadline_ms: Some(deadline),
+        }
+    }));
+    facts.extend(
+        queued
+            .into_iter()
+            .map(|(reservation, reason)| Fact::ReservationQueued {
+                reservation,
+                reason,
+            }),
+    );
+    facts.extend(
+        rejected
+            .into_iter()
+            .map(|(reservation, reason)| Fact::ReservationRejected {
+                reservation,
+                reason,
+            }),
+    );
+    (facts, replacements)
+}
+
 /// queue (queued before the pool had queues). None whose release is asked.
 fn retry_in_turn(q: &projections::index::Queues, max: usize) -> Vec<&Key> {
     let mut out: Vec<&Key> = Vec::new();
@@ -954,13 +1023,8 @@ fn batch_appends(
         events,
     }];
     for fact in facts {
-        let outcome = match fact {
-            Fact::ReservationReleased { .. } => "released",
-            Fact::ReservationExpired { .. } => "expired",
-            Fact::ReservationUnschedulable { .. } => "rejected",
-            Fact::ReservationFailed { .. } => "failed",
-            Fact::ReservationPreempted { .. } => "preempted",
-            _ => continue,
+        let Some(outcome) = fact.outcome() else {
+            continue;
         };
         let reservation = fact.reservation().expect("a reservation fact").to_string();
         appends.push(StreamAppend {
@@ -979,7 +1043,7 @@ fn batch_appends(
 /// Renews held leases, then takes or gives back pools so that each live
 /// placer holds about its share.
 async fn upkeep_leases(
-    leases: &Db,
+    leases: &SharedClient,
     member: &str,
     config: &PlacerConfig,
     index: &Index,

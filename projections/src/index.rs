@@ -9,7 +9,7 @@
 //! node or island for a request is found by a range lookup in a `BTreeMap`
 //! (logarithmic in the number of distinct free counts), never by a scan.
 
-use crate::domain::{Allocation, DeviceSpec, Fact, QueueSpec, Request, Shape};
+use domain::{Allocation, DeviceSpec, Fact, QueueSpec, Request, Shape};
 use events::Event;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -77,8 +77,8 @@ pub struct Node {
 
 impl Node {
     /// Its label of `tier`, if it has one.
-    pub fn label(&self, tier: crate::domain::Tier) -> Option<&str> {
-        use crate::domain::Tier;
+    pub fn label(&self, tier: domain::Tier) -> Option<&str> {
+        use domain::Tier;
         match tier {
             Tier::Rack => self.rack.as_deref(),
             Tier::Block => self.block.as_deref(),
@@ -352,17 +352,17 @@ impl ClassIndex {
     }
 
     /// The free nodes by `tier`.
-    pub fn tier(&self, tier: crate::domain::Tier) -> &crate::tiers::TierIndex {
+    pub fn tier(&self, tier: domain::Tier) -> &crate::tiers::TierIndex {
         match tier {
-            crate::domain::Tier::Rack => &self.racks,
-            crate::domain::Tier::Block => &self.blocks,
-            crate::domain::Tier::Rail => &self.rails,
+            domain::Tier::Rack => &self.racks,
+            domain::Tier::Block => &self.blocks,
+            domain::Tier::Rail => &self.rails,
         }
     }
 
     /// Moves a node's free count in the tier indexes of its labels.
     fn tiers_move(&mut self, node: &Node, name: &str, from: u32, to: u32) {
-        use crate::domain::Tier;
+        use domain::Tier;
         for tier in Tier::ALL {
             if let Some(value) = node.label(tier) {
                 let index = match tier {
@@ -954,7 +954,8 @@ impl Index {
 #[cfg(test)]
 mod replacement_tests {
     use super::*;
-    use crate::testing::{devices, Log};
+    use crate::testing::Log;
+    use domain::pools::devices;
 
     fn request(id: &str, replaces: Option<&str>) -> Request {
         Request {
@@ -1017,7 +1018,7 @@ mod replacement_tests {
                 },
             );
             if n < 2 {
-                let next = crate::domain::replacement_id(&id);
+                let next = domain::replacement_id(&id);
                 apply(
                     &mut index,
                     "pool/p",
@@ -1038,7 +1039,7 @@ mod replacement_tests {
         apply(
             &mut index,
             "reservation/k",
-            Fact::ReleaseRequested {
+            Fact::ReservationReleaseRequested {
                 reservation: "k".into(),
                 reason: String::new(),
             },

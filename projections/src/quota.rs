@@ -20,8 +20,8 @@
 //! nominal quota (or what it wants, if less), and what that leaves unused
 //! by weight among those that want more.
 
-use crate::domain::{QueueSpec, Request};
 use crate::index::{gpus_of, Index};
+use domain::{QueueSpec, Request};
 use std::collections::{BTreeMap, HashMap};
 
 /// Usage a batch being planned adds to the index's: `(queue, class) ->

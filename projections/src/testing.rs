@@ -2,7 +2,7 @@
 //! planner: positions and stream versions are assigned as the database
 //! would.
 
-use crate::domain::{DeviceSpec, Fact};
+use domain::Fact;
 use events::{Event, Position};
 use std::collections::HashMap;
 use std::time::SystemTime;
@@ -39,19 +39,4 @@ impl Log {
         self.events.push(event.clone());
         event
     }
-}
-
-/// `n` devices of a class on a node, `per_island` to an island (islands are
-/// named after the node).
-pub fn devices(node: &str, class: &str, n: u32, per_island: u32) -> Vec<DeviceSpec> {
-    (0..n)
-        .map(|i| DeviceSpec {
-            id: format!("gpu{i}"),
-            class: class.to_string(),
-            memory_mb: 81_920,
-            island: (per_island > 0).then(|| format!("{node}/nvl{}", i / per_island)),
-            pci: Some(format!("0000:{:02x}:00.0", 0x18 + i)),
-            numa: Some(i / 4),
-        })
-        .collect()
 }

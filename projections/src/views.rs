@@ -2,8 +2,8 @@
 //! operator views folded from the same facts, one row per node and one per
 //! reservation (terminal ones included, which the index forgets).
 
-use crate::domain::Fact;
 use crate::index::{ApplyError, Index, Violation};
+use domain::Fact;
 use events::Event;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -117,7 +117,7 @@ impl Projection for NodesView {
         };
         match &fact {
             Fact::NodeJoined { node, .. }
-            | Fact::InventoryReported { node, .. }
+            | Fact::NodeInventoryReported { node, .. }
             | Fact::NodeLeft { node, .. }
             | Fact::NodeContactLost { node }
             | Fact::NodeContactRestored { node }
@@ -129,7 +129,7 @@ impl Projection for NodesView {
             _ => return Ok(None),
         }
         match fact {
-            Fact::NodeJoined { node, devices } | Fact::InventoryReported { node, devices } => {
+            Fact::NodeJoined { node, devices } | Fact::NodeInventoryReported { node, devices } => {
                 let r = self.nodes.get_mut(&node).expect("touched");
                 r.devices = devices.len() as u32;
                 r.classes = devices.into_iter().map(|d| d.class).collect();
@@ -206,7 +206,7 @@ pub enum ReservationState {
     Releasing,
     Released,
     Expired,
-    Unschedulable,
+    Rejected,
     /// Ended because a node it was on left or was lost.
     Failed,
     /// Ended to make room for another request.
@@ -286,13 +286,13 @@ impl Projection for ReservationsView {
                 row.nodes = allocations.into_iter().map(|a| a.node).collect();
                 ReservationState::Placed
             }
-            Fact::ReservationActive { .. } => ReservationState::Active,
-            Fact::ReleaseRequested { .. } if row.state < ReservationState::Released => {
+            Fact::ReservationActivated { .. } => ReservationState::Active,
+            Fact::ReservationReleaseRequested { .. } if row.state < ReservationState::Released => {
                 ReservationState::Releasing
             }
             Fact::ReservationReleased { .. } => ReservationState::Released,
             Fact::ReservationExpired { .. } => ReservationState::Expired,
-            Fact::ReservationUnschedulable { .. } => ReservationState::Unschedulable,
+            Fact::ReservationRejected { .. } => ReservationState::Rejected,
             Fact::ReservationFailed { .. } => ReservationState::Failed,
             Fact::ReservationPreempted { .. } => ReservationState::Preempted,
             _ => row.state,

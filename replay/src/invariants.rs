@@ -13,8 +13,8 @@
 //!
 //! Every violation names the positions it is about.
 
+use domain::{canonical_type, stored_types};
 use events::db::Sql;
-use projections::domain::{canonical_type, stored_types};
 use std::collections::HashMap;
 use tokio_postgres::Client;
 
@@ -48,9 +48,17 @@ fn types(names: &[&str]) -> Vec<String> {
 /// Checks every invariant over the whole log.
 pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
     let mut report = Report::default();
-    let v = &mut report.violations;
+    positions(client, &mut report).await?;
+    versions(client, &mut report).await?;
+    double_booking(client, &mut report).await?;
+    active_after_end(client, &mut report).await?;
+    commands(client, &mut report).await?;
+    Ok(report)
+}
 
-    // 1. Positions.
+/// 1. Positions are unique and gap-free within each epoch.
+async fn positions(client: &Client, report: &mut Report) -> Result<(), tokio_postgres::Error> {
+    let v = &mut report.violations;
     let r = client
         .one(
             "SELECT count(*), count(DISTINCT position), coalesce(min(position), 1), coalesce(max(position), 0)
@@ -99,8 +107,12 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
             ),
         });
     }
+    Ok(())
+}
 
-    // 2. Versions.
+/// 2. Every stream's versions run 1, 2, 3, ... and `strata.streams` agrees.
+async fn versions(client: &Client, report: &mut Report) -> Result<(), tokio_postgres::Error> {
+    let v = &mut report.violations;
     let bad = client
         .rows(
             "SELECT stream, version, position FROM (
@@ -150,8 +162,12 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
             ),
         });
     }
+    Ok(())
+}
 
-    // 3. Devices held by two live placements, in log order.
+/// 3. No device is held by two live placements, in log order.
+async fn double_booking(client: &Client, report: &mut Report) -> Result<(), tokio_postgres::Error> {
+    let v = &mut report.violations;
     let fold = placements(client).await?;
     report.placements = fold.placements;
     let doubles = fold.doubles;
@@ -167,8 +183,15 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
             detail: format!("{} device bookings overlap; first: {detail}", doubles.len()),
         });
     }
+    Ok(())
+}
 
-    // 4. Activated after the end.
+/// 4. No reservation is activated after its end.
+async fn active_after_end(
+    client: &Client,
+    report: &mut Report,
+) -> Result<(), tokio_postgres::Error> {
+    let v = &mut report.violations;
     let late = client
         .rows(
             "SELECT a.stream, a.position, e.position FROM strata.events a
@@ -188,8 +211,12 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
             detail: format!("{} activated after its end", late[0].get::<_, String>(0)),
         });
     }
+    Ok(())
+}
 
-    // 5. Commands.
+/// 5. Every command is issued at most once and ends at most once.
+async fn commands(client: &Client, report: &mut Report) -> Result<(), tokio_postgres::Error> {
+    let v = &mut report.violations;
     let twice = client
         .rows(
             "SELECT stream, array_agg(position ORDER BY position) FROM strata.events
@@ -198,12 +225,12 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
              HAVING count(*) > 1 ORDER BY min(position) LIMIT $3",
             &[
                 &types(&[
-                    projections::commands::ISSUED,
-                    projections::commands::SUCCEEDED,
-                    projections::commands::FAILED,
-                    projections::commands::EXPIRED,
+                    domain::commands::ISSUED,
+                    domain::commands::SUCCEEDED,
+                    domain::commands::FAILED,
+                    domain::commands::EXPIRED,
                 ]),
-                &types(&[projections::commands::ISSUED]),
+                &types(&[domain::commands::ISSUED]),
                 &LIMIT,
             ],
         )
@@ -219,7 +246,7 @@ pub async fn check(client: &Client) -> Result<Report, tokio_postgres::Error> {
             ),
         });
     }
-    Ok(report)
+    Ok(())
 }
 
 /// The placements' devices folded in log order.

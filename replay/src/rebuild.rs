@@ -9,10 +9,11 @@
 
 use crate::archive::ArchivedRow;
 use bytes::{Buf, BytesMut};
+use domain::Fact;
 use events::replication::{ReplicationConnection, ReplicationError};
 use events::{Event, Position};
 use projections::views::{Parsed, Projection};
-use projections::{ApplyError, Fact, Violation};
+use projections::{ApplyError, Violation};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};

@@ -45,7 +45,7 @@ pub enum ClusterError {
     },
 }
 
-pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
+pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
     let context = context.into();
     move |source| ClusterError::Io { context, source }
 }
@@ -526,7 +526,7 @@ fn signal(pid: u32, sig: &str) {
 /// Watches this process; once it is gone, stops postgres and removes the
 /// temporary folder if asked. Survives SIGKILL of the parent because it is a
 /// separate process.
-pub(crate) fn spawn_watcher(pg_pid: u32, remove: Option<&Path>) {
+pub fn spawn_watcher(pg_pid: u32, remove: Option<&Path>) {
     let parent = std::process::id();
     let rm = remove.map(|p| p.display().to_string()).unwrap_or_default();
     let script = "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; \
@@ -545,7 +545,7 @@ pub(crate) fn spawn_watcher(pg_pid: u32, remove: Option<&Path>) {
 }
 
 /// Gives `path` to the user the server runs as.
-pub(crate) fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), ClusterError> {
+pub fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), ClusterError> {
     std::os::unix::fs::chown(path, Some(uid), Some(gid))
         .map_err(io(format!("give {} to the server's user", path.display())))
 }
@@ -571,7 +571,7 @@ fn absolute(p: &Path) -> Result<PathBuf, ClusterError> {
     }
 }
 
-pub(crate) fn free_port() -> Result<u16, ClusterError> {
+pub fn free_port() -> Result<u16, ClusterError> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(io("find a free port"))?;
     Ok(l.local_addr().map_err(io("find a free port"))?.port())
 }

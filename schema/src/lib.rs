@@ -1,20 +1,18 @@
 //! Strata's database side: the ordered SQL migrations, monthly partition
 //! maintenance of the event table, and private Postgres clusters for
-//! `strata dev`, the tests and the benchmarks.
+//! `strata dev` (the tests' and benchmarks' helpers around them, PgBouncer
+//! among them, are the `testkit` crate's).
 //!
 //! Everything Strata keeps lives in the `strata` schema. The event table is
 //! partitioned by month of `recorded_at`; partitions are created ahead of time
 //! by [`partitions::ensure`], which every running service also calls.
 
-pub mod bouncer;
 pub mod cluster;
 pub mod ddl;
 pub mod migrate;
 pub mod partitions;
 pub mod sql;
-pub mod testing;
 
-pub use bouncer::{Bouncer, BouncerOptions};
 pub use cluster::{Cluster, ClusterError, ClusterOptions};
 pub use migrate::{migrate, Change, Migration, MIGRATIONS};
 

@@ -2,12 +2,25 @@
 
 use events::catalog::{opt, req, EventSpec, Ty};
 
+/// `sink.created`: see its entry in [`EVENTS`].
+pub const SINK_CREATED: &str = "sink.created";
+/// `sink.paused`: see its entry in [`EVENTS`].
+pub const SINK_PAUSED: &str = "sink.paused";
+/// `sink.resumed`: see its entry in [`EVENTS`].
+pub const SINK_RESUMED: &str = "sink.resumed";
+/// `sink.deleted`: see its entry in [`EVENTS`].
+pub const SINK_DELETED: &str = "sink.deleted";
+/// `sink.reset`: see its entry in [`EVENTS`].
+pub const SINK_RESET: &str = "sink.reset";
+/// `sink.alerted`: see its entry in [`EVENTS`].
+pub const SINK_ALERTED: &str = "sink.alerted";
+
 const NAME: events::catalog::Field = req("name", Ty::String, "The sink's name.");
 
 /// Every event the sinks crate writes.
 pub const EVENTS: &[EventSpec] = &[
     EventSpec {
-        event_type: "sink.created",
+        event_type: SINK_CREATED,
         stream: "sink/<name>",
         written_by: "operators (`strata sinks create`)",
         about: "A sink: events matching its filter are delivered to its target, in log order, at least once. After `sink.deleted` the name may be defined again: the new sink starts afresh (no cursor, no parked events of the old one).",
@@ -23,7 +36,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "sink.paused",
+        event_type: SINK_PAUSED,
         stream: "sink/<name>",
         written_by: "operators (`strata sinks pause`); the sinks role, after `sink.alerted`",
         about: "Nothing more is delivered until `sink.resumed`; its subscription keeps its place.",
@@ -31,7 +44,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "sink.resumed",
+        event_type: SINK_RESUMED,
         stream: "sink/<name>",
         written_by: "operators (`strata sinks resume`)",
         about: "Delivery goes on from where it stopped.",
@@ -39,7 +52,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "sink.deleted",
+        event_type: SINK_DELETED,
         stream: "sink/<name>",
         written_by: "operators (`strata sinks delete`)",
         about: "The sink is gone; its subscription is dropped.",
@@ -47,7 +60,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "sink.reset",
+        event_type: SINK_RESET,
         stream: "sink/<name>",
         written_by: "operators (`strata sinks reset`)",
         about: "The sink's subscription was moved: delivery goes on after `to`.",
@@ -55,7 +68,7 @@ pub const EVENTS: &[EventSpec] = &[
         formerly: &[],
     },
     EventSpec {
-        event_type: "sink.alerted",
+        event_type: SINK_ALERTED,
         stream: "sink/<name>",
         written_by: "the sinks role",
         about: "Batch after batch could not be delivered; committed with `sink.paused` (`by: alert`).",

@@ -235,7 +235,7 @@ pub async fn create(appender: &Appender, config: &SinkConfig) -> Result<(), Sink
         .append(
             &sink_stream(&config.name),
             ExpectedVersion::NoStream,
-            vec![NewEvent::new("sink.created", &payload)],
+            vec![NewEvent::new(crate::catalog::SINK_CREATED, &payload)],
         )
         .await
     {
@@ -316,7 +316,7 @@ pub async fn create_in(
         }
     };
     let payload = serde_json::to_value(config).expect("configs serialize");
-    let event = NewEvent::new("sink.created", &payload);
+    let event = NewEvent::new(crate::catalog::SINK_CREATED, &payload);
     match events::append::append_one_in(&tx, sink_stream(name), expected, vec![event]).await {
         Ok(_) => {}
         Err(AppendError::VersionConflict { .. }) => return Err(SinkError::Exists(name.clone())),
@@ -341,10 +341,10 @@ pub async fn apply(
         .await?
         .ok_or_else(|| SinkError::NotFound(name.to_string()))?;
     let nothing_to_do = match event_type {
-        "sink.deleted" => s.deleted,
+        crate::catalog::SINK_DELETED => s.deleted,
         _ if s.deleted => return Err(SinkError::NotFound(name.to_string())),
-        "sink.paused" => s.paused,
-        "sink.resumed" => !s.paused,
+        crate::catalog::SINK_PAUSED => s.paused,
+        crate::catalog::SINK_RESUMED => !s.paused,
         other => {
             return Err(SinkError::Invalid(format!(
                 "{other} is not a change of a sink"
@@ -419,7 +419,7 @@ async fn fold(
         let version = r.get::<_, i64>(1) as u64;
         let t: &str = r.get(2);
         let payload: &str = r.get(3);
-        if t == "sink.created" {
+        if t == crate::catalog::SINK_CREATED {
             if let Ok(config) = serde_json::from_str::<SinkConfig>(payload) {
                 sinks.insert(
                     stream,
@@ -436,9 +436,9 @@ async fn fold(
         if let Some(s) = sinks.get_mut(&stream) {
             s.version = version;
             match t {
-                "sink.paused" => s.paused = true,
-                "sink.resumed" => s.paused = false,
-                "sink.deleted" => s.deleted = true,
+                crate::catalog::SINK_PAUSED => s.paused = true,
+                crate::catalog::SINK_RESUMED => s.paused = false,
+                crate::catalog::SINK_DELETED => s.deleted = true,
                 _ => {}
             }
         }
@@ -479,7 +479,10 @@ pub async fn reset(
         &[&subscription, &(to as i64)],
     )
     .await?;
-    let event = NewEvent::new("sink.reset", &serde_json::json!({ "name": name, "to": to }));
+    let event = NewEvent::new(
+        crate::catalog::SINK_RESET,
+        &serde_json::json!({ "name": name, "to": to }),
+    );
     let expected = ExpectedVersion::Exact(sink.version);
     match events::append::append_one_in(&tx, sink_stream(name), expected, vec![event]).await {
         Ok(_) => {}

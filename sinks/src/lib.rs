@@ -9,7 +9,7 @@ pub mod config;
 mod metrics;
 pub mod nats;
 pub mod parked;
-pub mod runner;
+mod runner;
 pub mod webhook;
 
 pub use config::{Filter, SinkConfig, SinkState, Target};

@@ -111,7 +111,7 @@ async fn run(
     stats: Arc<SinkStats>,
     mut stop: oneshot::Receiver<()>,
 ) {
-    let store = events::db::Db::new(db);
+    let store = events::db::SharedClient::new(db);
     let mut workers: HashMap<String, Worker> = HashMap::new();
     let mut tick = tokio::time::interval(config.poll);
     loop {
@@ -210,6 +210,98 @@ pub fn body(sink: &str, events: &[&events::Event]) -> Bytes {
     Bytes::from(s)
 }
 
+/// Where a sink delivers, connected once.
+enum Out {
+    Webhook {
+        url: String,
+        secret: String,
+    },
+    Nats {
+        js: async_nats::jetstream::Context,
+        prefix: String,
+    },
+}
+
+/// Why a sink's worker cannot deliver.
+enum Unreachable {
+    /// Its secret is not in this process's environment: it waits to be
+    /// stopped (another process may have it).
+    Secret,
+    /// NATS does not answer: nothing acknowledged, nothing lost; the next
+    /// look tries again.
+    Nats,
+}
+
+/// Connects to where the sink delivers.
+async fn connect(cfg: &SinkConfig) -> Result<Out, Unreachable> {
+    match &cfg.target {
+        Target::Webhook { url, secret_env } => match crate::config::check_secret_env(secret_env)
+            .and_then(|()| std::env::var(secret_env).map_err(|_| "not set".to_string()))
+        {
+            Ok(secret) => Ok(Out::Webhook {
+                url: url.clone(),
+                secret,
+            }),
+            Err(why) => {
+                tracing::error!(sink = %cfg.name, %secret_env, %why, "the sink's secret cannot be read from this process's environment; not delivering");
+                Err(Unreachable::Secret)
+            }
+        },
+        Target::Nats {
+            url,
+            subject_prefix,
+        } => match crate::nats::connect(url).await {
+            Ok(js) => Ok(Out::Nats {
+                js,
+                prefix: subject_prefix.clone(),
+            }),
+            Err(e) => {
+                tracing::warn!(sink = %cfg.name, error = %e, "cannot reach NATS; retrying");
+                Err(Unreachable::Nats)
+            }
+        },
+    }
+}
+
+/// Delivers one batch with retries (`base` and `cap` bound the backoff):
+/// the attempts it took, or the attempts made and the last error.
+async fn deliver(
+    out: &Out,
+    cfg: &SinkConfig,
+    http: &webhook::HttpClient,
+    config: &SinksConfig,
+    matching: &[&events::Event],
+    (base, cap): (Duration, Duration),
+) -> Result<u32, (u32, String)> {
+    match out {
+        Out::Webhook { url, secret } => {
+            let b = body(&cfg.name, matching);
+            webhook::with_retries(cfg.max_attempts, base, cap, || {
+                webhook::post(
+                    http,
+                    url,
+                    secret.as_bytes(),
+                    b.clone(),
+                    config.request_timeout,
+                )
+            })
+            .await
+        }
+        Out::Nats { js, prefix } => {
+            crate::nats::deliver(
+                js,
+                prefix,
+                (&config.region, &cfg.name),
+                matching,
+                cfg.max_attempts,
+                base,
+                cap,
+            )
+            .await
+        }
+    }
+}
+
 async fn worker(
     cfg: SinkConfig,
     mut sub: Subscription,
@@ -219,47 +311,17 @@ async fn worker(
     stats: Arc<SinkStats>,
     mut stop: oneshot::Receiver<()>,
 ) {
-    // Where this sink delivers, connected once.
-    enum Out {
-        Webhook {
-            url: String,
-            secret: String,
-        },
-        Nats {
-            js: async_nats::jetstream::Context,
-            prefix: String,
-        },
-    }
-    let out = match &cfg.target {
-        Target::Webhook { url, secret_env } => match crate::config::check_secret_env(secret_env)
-            .and_then(|()| std::env::var(secret_env).map_err(|_| "not set".to_string()))
-        {
-            Ok(secret) => Out::Webhook {
-                url: url.clone(),
-                secret,
-            },
-            Err(why) => {
-                tracing::error!(sink = %cfg.name, %secret_env, %why, "the sink's secret cannot be read from this process's environment; not delivering");
-                let _ = stop.await;
-                let _ = sub.close().await;
-                return;
-            }
-        },
-        Target::Nats {
-            url,
-            subject_prefix,
-        } => match crate::nats::connect(url).await {
-            Ok(js) => Out::Nats {
-                js,
-                prefix: subject_prefix.clone(),
-            },
-            Err(e) => {
-                // Not acknowledged, nothing lost: the next look tries again.
-                tracing::warn!(sink = %cfg.name, error = %e, "cannot reach NATS; retrying");
-                let _ = sub.close().await;
-                return;
-            }
-        },
+    let out = match connect(&cfg).await {
+        Ok(out) => out,
+        Err(Unreachable::Secret) => {
+            let _ = stop.await;
+            let _ = sub.close().await;
+            return;
+        }
+        Err(Unreachable::Nats) => {
+            let _ = sub.close().await;
+            return;
+        }
     };
     let mut parked_in_a_row = 0u32;
     loop {
@@ -301,37 +363,9 @@ async fn worker(
                 });
             let span =
                 tracing::info_span!("sink.deliver", sink = %cfg.name, events = matching.len());
-            let delivered = async {
-                match &out {
-                    Out::Webhook { url, secret } => {
-                        let b = body(&cfg.name, &matching);
-                        webhook::with_retries(cfg.max_attempts, base, cap, || {
-                            webhook::post(
-                                &http,
-                                url,
-                                secret.as_bytes(),
-                                b.clone(),
-                                config.request_timeout,
-                            )
-                        })
-                        .await
-                    }
-                    Out::Nats { js, prefix } => {
-                        crate::nats::deliver(
-                            js,
-                            prefix,
-                            (&config.region, &cfg.name),
-                            &matching,
-                            cfg.max_attempts,
-                            base,
-                            cap,
-                        )
-                        .await
-                    }
-                }
-            }
-            .instrument(span)
-            .await;
+            let delivered = deliver(&out, &cfg, &http, &config, &matching, (base, cap))
+                .instrument(span)
+                .await;
             match delivered {
                 Ok(attempts) => {
                     crate::metrics::batch(
@@ -389,7 +423,7 @@ async fn worker(
 async fn pause_with_alert(db: &events::db::Database, name: &str, error: &str, batches: u32) {
     let appender = events::Appender::start(db.clone(), events::AppenderConfig::default());
     let alert = events::NewEvent::new(
-        "sink.alerted",
+        crate::catalog::SINK_ALERTED,
         &serde_json::json!({
             "name": name,
             "reason": format!("{batches} batches in a row could not be delivered; paused"),
@@ -397,7 +431,7 @@ async fn pause_with_alert(db: &events::db::Database, name: &str, error: &str, ba
         }),
     );
     let paused = events::NewEvent::new(
-        "sink.paused",
+        crate::catalog::SINK_PAUSED,
         &serde_json::json!({ "name": name, "by": "alert" }),
     );
     match appender

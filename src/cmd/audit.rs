@@ -3,7 +3,7 @@
 
 use crate::cli::connect;
 use crate::cli::connect_long;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::bail;
 use anyhow::Context;
 use anyhow::Result;
@@ -15,7 +15,7 @@ pub(crate) enum AuditCmd {
     /// Recompute a sealed month and name the first altered, inserted or deleted row (exit 1 if any)
     Verify {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// The month, e.g. 2026-11
         month: String,
     },
@@ -29,7 +29,7 @@ pub(crate) enum AuditUsersCmd {
     /// Add an auditor, or set a new password and lift a revocation
     Add {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
         /// Read the password from standard input (one line); only its SCRAM-SHA-256 verifier is stored
         #[arg(long, conflicts_with = "certificate_only")]
@@ -41,12 +41,12 @@ pub(crate) enum AuditUsersCmd {
     /// List auditors
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
     },
     /// Refuse an auditor's new connections from now on
     Revoke {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
     },
 }
@@ -122,7 +122,7 @@ pub(crate) async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-pub(crate) async fn audit_verify(db: &Db, month: &str) -> Result<ExitCode> {
+pub(crate) async fn audit_verify(db: &DbArgs, month: &str) -> Result<ExitCode> {
     // Recomputing a month's chain reads all of it in one statement.
     let client = connect_long(db).await?;
     let finding = ::replay::seal::verify(&client, month).await?;

@@ -1,7 +1,7 @@
 //! `strata ca`: the region's node certificate authority.
 
 use crate::cli::connect;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::bail;
 use anyhow::Context;
 use anyhow::Result;
@@ -39,7 +39,7 @@ pub(crate) enum CaCmd {
     #[command(group(clap::ArgGroup::new("which").required(true).args(["cert", "serial"])))]
     Revoke {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// The certificate (PEM), e.g. operator.pem; its holder is named in the log
         #[arg(long)]
         cert: Option<PathBuf>,
@@ -54,7 +54,7 @@ pub(crate) enum CaCmd {
     /// List revoked certificates, newest first
     Revoked {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
     },
 }
 
@@ -176,8 +176,7 @@ pub(crate) async fn ca(cmd: CaCmd) -> Result<ExitCode> {
             );
         }
         CaCmd::IssueOperator(a) => {
-            projections::domain::valid_name("operator name", &a.name)
-                .map_err(anyhow::Error::msg)?;
+            domain::valid_name("operator name", &a.name).map_err(anyhow::Error::msg)?;
             issue(&a, "operator", |ca| ca.issue_operator(&a.name, a.days))?;
         }
     }

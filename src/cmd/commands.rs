@@ -3,12 +3,11 @@
 use crate::cli::config;
 use crate::cli::connect;
 use crate::cli::whoami;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::bail;
 use anyhow::Context;
 use anyhow::Result;
 use clap::Subcommand;
-use events::db::Sql;
 use events::Appender;
 use events::AppenderConfig;
 use std::process::ExitCode;
@@ -21,7 +20,7 @@ pub(crate) enum CommandsCmd {
     /// Issue a command to a node
     Issue {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         #[arg(long)]
         node: String,
         /// diag.nvml, allocation.bind, allocation.release
@@ -43,7 +42,7 @@ pub(crate) enum CommandsCmd {
     /// List recent commands with their state
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         #[arg(long)]
         node: Option<String>,
         #[arg(long, default_value_t = 50)]
@@ -52,12 +51,12 @@ pub(crate) enum CommandsCmd {
     /// Show one command and its outcome
     Show {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         id: String,
     },
 }
 
-pub(crate) fn print_command(t: &projections::commands::Tracked) {
+pub(crate) fn print_command(t: &domain::commands::Tracked) {
     let outcome = t
         .outcome
         .as_ref()
@@ -77,7 +76,7 @@ pub(crate) fn print_command(t: &projections::commands::Tracked) {
 }
 
 pub(crate) async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
-    use projections::commands::{self, Command};
+    use domain::commands::{self, Command};
     match cmd {
         CommandsCmd::Issue {
             db,
@@ -93,7 +92,7 @@ pub(crate) async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
             if !args.is_object() {
                 bail!("--args must be a JSON object");
             }
-            let id = id.unwrap_or_else(|| projections::domain::new_id("c"));
+            let id = id.unwrap_or_else(|| domain::new_id("c"));
             let deadline_ms = (SystemTime::now() + deadline)
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64);
@@ -158,14 +157,7 @@ pub(crate) async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
         }
         CommandsCmd::Show { db, id } => {
             let client = connect(&db).await?;
-            let node: Option<String> = client
-                .opt(
-                    "SELECT payload->>'node' FROM strata.events WHERE stream = $1 AND version = 1",
-                    &[&commands::command_stream(&id)],
-                )
-                .await?
-                .map(|r| r.get(0));
-            let Some(node) = node else {
+            let Some(node) = commands::node_of(&client, &id).await? else {
                 return Err(crate::exit::not_found(format!(
                     "command {id:?} does not exist"
                 )));

@@ -112,38 +112,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
     let url = match &args.database_url {
         Some(url) => url.clone(),
         None => {
-            eprintln!(
-                "starting a private PostgreSQL under {} ...",
-                args.data_dir.display()
-            );
-            let mut opts = ClusterOptions::new(args.data_dir.join("pg"));
-            opts.port = Some(
-                if std::net::TcpListener::bind(("127.0.0.1", DEV_PORT)).is_ok() {
-                    DEV_PORT
-                } else {
-                    0
-                },
-            )
-            .filter(|p| *p != 0);
-            let c = tokio::task::spawn_blocking(move || Cluster::start(opts)).await??;
-            let admin = events::db::connect(
-                &c.url("postgres").parse::<tokio_postgres::Config>()?,
-                "dev-admin",
-            )
-            .await
-            .context("connect to the private cluster")?;
-            let exists = admin
-                .opt("SELECT 1 FROM pg_database WHERE datname = 'strata'", &[])
-                .await?
-                .is_some();
-            if !exists {
-                admin
-                    .batch_execute("CREATE DATABASE strata")
-                    .await
-                    .context("create the strata database")?;
-            }
-            let url = c.url("strata");
-            eprintln!("postgres is up (log: {})", c.log_path().display());
+            let (c, url) = private_cluster(&args.data_dir).await?;
             cluster = Some(c);
             url
         }
@@ -162,29 +131,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
     )
     .await?;
     let listener = tokio::net::TcpListener::bind(args.metrics_listen).await;
-    println!();
-    println!("  Strata dev is running.");
-    println!("  database:  {url}");
-    println!("  psql:      psql '{url}'");
-    match &listener {
-        Ok(_) => println!("  metrics:   http://{}/metrics", args.metrics_listen),
-        Err(e) => println!("  metrics:   off ({} is taken: {e})", args.metrics_listen),
-    }
-    println!(
-        "  schema:    {}",
-        if applied.is_empty() {
-            "up to date".to_string()
-        } else {
-            format!("applied {applied:?}")
-        }
-    );
-    println!("  try:       strata events tail --database-url '{url}' --from start");
-    println!("             strata pool show {DEMO_POOL} --database-url '{url}'");
-    println!(
-        "             strata reserve --database-url '{url}' --pool {DEMO_POOL} --class {DEMO_CLASS} --gpus 4 --wait"
-    );
-    println!("  Ctrl-C stops it.");
-    println!();
+    banner(&url, &listener, args.metrics_listen, &applied);
     if let Ok(l) = listener {
         ops::task::spawn("metrics", ops::http::serve(l));
     }
@@ -201,40 +148,14 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
 
     // A demo pool whose nodes are simulated daemons joining through a
     // gateway over mutual TLS; a placer and a binder for it.
-    match placer::client::create_pool(&appender, DEMO_POOL, "strata dev demo pool").await {
-        Ok(()) | Err(placer::client::ClientError::PoolExists(_)) => {}
+    match domain::pools::create_pool(&appender, DEMO_POOL, "strata dev demo pool").await {
+        Ok(()) | Err(domain::requests::RequestError::PoolExists(_)) => {}
         Err(e) => return Err(e).context("create the demo pool"),
     }
-    let ca_dir = args.data_dir.join("ca");
-    if !ca_dir.join(gateway::ca::CA_CERT).exists() {
-        gateway::ca::init(&ca_dir, "dev")?;
-    }
-    let gw_port = if std::net::TcpListener::bind(("127.0.0.1", DEV_GATEWAY_PORT)).is_ok() {
-        DEV_GATEWAY_PORT
-    } else {
-        0
-    };
-    let mut gc = gateway::server::GatewayConfig::new(
-        "dev-gateway",
-        std::net::SocketAddr::from(([127, 0, 0, 1], gw_port)),
-        &ca_dir,
-    );
-    gc.heartbeat = Duration::from_secs(2);
-    let gw = gateway::server::start(cfg.clone(), reader.clone(), appender.clone(), gc)
-        .await
-        .context("start the gateway")?;
+    let (gw, ca_dir) = start_gateway(&cfg, &reader, &appender, &args.data_dir).await?;
     let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     let audit = start_audit(&cfg, &client, &args.data_dir, &ca_dir, appender.clone()).await;
-    match &audit {
-        Ok((endpoint, password)) => {
-            println!(
-                "  audit:     PGPASSWORD='{password}' psql 'host=127.0.0.1 port={} user=dev dbname=audit sslmode=require'",
-                endpoint.addr.port()
-            );
-            println!("             (read-only: event partitions, seals, audit.* views; every query is recorded)");
-        }
-        Err(e) => println!("  audit:     off ({e:#})"),
-    }
+    print_audit(&audit);
     let ca_pem = std::fs::read_to_string(ca_dir.join(gateway::ca::CA_CERT))?;
     let (stop_fleet, fleet_rx) = tokio::sync::watch::channel(false);
     let gateways = [format!("https://{}", gw.addr)];
@@ -269,29 +190,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
         "dev-writer",
         demo_writer(appender, args.rate, appended.clone()),
     );
-    let lags: Arc<Mutex<Vec<f64>>> = Arc::default();
-    let delivered = Arc::new(AtomicU64::new(0));
-    let mut sub = reader.subscribe("dev-tail", Start::Now).await?;
-    let (d, l) = (delivered.clone(), lags.clone());
-    let tail = ops::task::spawn("dev-tail", async move {
-        loop {
-            let e = match sub.next().await {
-                Ok(e) => e,
-                Err(err) => {
-                    tracing::warn!(error = %err, "tail stopped");
-                    return;
-                }
-            };
-            let lag = SystemTime::now()
-                .duration_since(e.recorded_at)
-                .unwrap_or_default();
-            d.fetch_add(1, Ordering::Relaxed);
-            if let Ok(mut v) = l.lock() {
-                v.push(lag.as_secs_f64() * 1e3);
-            }
-            sub.ack(e.position);
-        }
-    });
+    let (tail, delivered, lags) = start_tail(&reader).await?;
 
     let started = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_secs(2));
@@ -310,10 +209,10 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
                 let pct = |p: f64| v.get(((v.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
                 let ps = placer.stats().view();
                 println!(
-                    "appended {:>6.0}/s  delivered {:>6.0}/s  lag p50 {:>6.1} ms  p99 {:>6.1} ms  head {}  | nodes {} placed {} active {} expired {} queued {} unschedulable {}",
+                    "appended {:>6.0}/s  delivered {:>6.0}/s  lag p50 {:>6.1} ms  p99 {:>6.1} ms  head {}  | nodes {} placed {} active {} expired {} queued {} rejected {}",
                     (a - last_a) as f64 / secs, (d - last_d) as f64 / secs, pct(0.5), pct(0.99), reader.head(),
                     fleet.connected.load(Ordering::Relaxed), ps.placed, binder.stats.activated.load(Ordering::Relaxed),
-                    ps.expired, ps.queued, ps.unschedulable
+                    ps.expired, ps.queued, ps.rejected
                 );
                 (last_a, last_d, last_t) = (a, d, Instant::now());
                 if args.duration.is_some_and(|limit| started.elapsed() >= limit) {
@@ -353,6 +252,154 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Starts (or restarts) the private cluster under `data_dir` with a
+/// `strata` database; its URL.
+async fn private_cluster(data_dir: &std::path::Path) -> Result<(Cluster, String)> {
+    eprintln!(
+        "starting a private PostgreSQL under {} ...",
+        data_dir.display()
+    );
+    let mut opts = ClusterOptions::new(data_dir.join("pg"));
+    opts.port = Some(
+        if std::net::TcpListener::bind(("127.0.0.1", DEV_PORT)).is_ok() {
+            DEV_PORT
+        } else {
+            0
+        },
+    )
+    .filter(|p| *p != 0);
+    let c = tokio::task::spawn_blocking(move || Cluster::start(opts)).await??;
+    let admin = events::db::connect(
+        &c.url("postgres").parse::<tokio_postgres::Config>()?,
+        "dev-admin",
+    )
+    .await
+    .context("connect to the private cluster")?;
+    let exists = admin
+        .opt("SELECT 1 FROM pg_database WHERE datname = 'strata'", &[])
+        .await?
+        .is_some();
+    if !exists {
+        admin
+            .batch_execute("CREATE DATABASE strata")
+            .await
+            .context("create the strata database")?;
+    }
+    let url = c.url("strata");
+    eprintln!("postgres is up (log: {})", c.log_path().display());
+    Ok((c, url))
+}
+
+/// What `strata dev` prints when it is up: where everything is, and what to
+/// try.
+fn banner(
+    url: &str,
+    listener: &std::io::Result<tokio::net::TcpListener>,
+    metrics_listen: std::net::SocketAddr,
+    applied: &[i32],
+) {
+    println!();
+    println!("  Strata dev is running.");
+    println!("  database:  {url}");
+    println!("  psql:      psql '{url}'");
+    match &listener {
+        Ok(_) => println!("  metrics:   http://{}/metrics", metrics_listen),
+        Err(e) => println!("  metrics:   off ({} is taken: {e})", metrics_listen),
+    }
+    println!(
+        "  schema:    {}",
+        if applied.is_empty() {
+            "up to date".to_string()
+        } else {
+            format!("applied {applied:?}")
+        }
+    );
+    println!("  try:       strata events tail --database-url '{url}' --from start");
+    println!("             strata pool show {DEMO_POOL} --database-url '{url}'");
+    println!(
+        "             strata reserve --database-url '{url}' --pool {DEMO_POOL} --class {DEMO_CLASS} --gpus 4 --wait"
+    );
+    println!("  Ctrl-C stops it.");
+    println!();
+}
+
+/// Follows the log from now on, counting what is delivered and how late.
+async fn start_tail(
+    reader: &Reader,
+) -> Result<(
+    tokio::task::JoinHandle<()>,
+    Arc<AtomicU64>,
+    Arc<Mutex<Vec<f64>>>,
+)> {
+    let lags: Arc<Mutex<Vec<f64>>> = Arc::default();
+    let delivered = Arc::new(AtomicU64::new(0));
+    let mut sub = reader.subscribe("dev-tail", Start::Now).await?;
+    let (d, l) = (delivered.clone(), lags.clone());
+    let tail = ops::task::spawn("dev-tail", async move {
+        loop {
+            let e = match sub.next().await {
+                Ok(e) => e,
+                Err(err) => {
+                    tracing::warn!(error = %err, "tail stopped");
+                    return;
+                }
+            };
+            let lag = SystemTime::now()
+                .duration_since(e.recorded_at)
+                .unwrap_or_default();
+            d.fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut v) = l.lock() {
+                v.push(lag.as_secs_f64() * 1e3);
+            }
+            sub.ack(e.position);
+        }
+    });
+    Ok((tail, delivered, lags))
+}
+
+/// The demo's gateway, over mutual TLS with the dev CA under `data_dir`
+/// (made on first use); the gateway and the CA's folder.
+async fn start_gateway(
+    cfg: &events::db::Database,
+    reader: &Reader,
+    appender: &Appender,
+    data_dir: &std::path::Path,
+) -> Result<(gateway::server::Running, std::path::PathBuf)> {
+    let ca_dir = data_dir.join("ca");
+    if !ca_dir.join(gateway::ca::CA_CERT).exists() {
+        gateway::ca::init(&ca_dir, "dev")?;
+    }
+    let gw_port = if std::net::TcpListener::bind(("127.0.0.1", DEV_GATEWAY_PORT)).is_ok() {
+        DEV_GATEWAY_PORT
+    } else {
+        0
+    };
+    let mut gc = gateway::server::GatewayConfig::new(
+        "dev-gateway",
+        std::net::SocketAddr::from(([127, 0, 0, 1], gw_port)),
+        &ca_dir,
+    );
+    gc.heartbeat = Duration::from_secs(2);
+    let gw = gateway::server::start(cfg.clone(), reader.clone(), appender.clone(), gc)
+        .await
+        .context("start the gateway")?;
+    Ok((gw, ca_dir))
+}
+
+/// How to reach the audit endpoint, or why it is off.
+fn print_audit(audit: &Result<(audit::Endpoint, String)>) {
+    match audit {
+        Ok((endpoint, password)) => {
+            println!(
+                "  audit:     PGPASSWORD='{password}' psql 'host=127.0.0.1 port={} user=dev dbname=audit sslmode=require'",
+                endpoint.addr.port()
+            );
+            println!("             (read-only: event partitions, seals, audit.* views; every query is recorded)");
+        }
+        Err(e) => println!("  audit:     off ({e:#})"),
+    }
+}
+
 /// Appends `rate` events per second over eight streams, each with its
 /// expected version, as a real writer would.
 pub(crate) async fn demo_writer(appender: Appender, rate: u32, appended: Arc<AtomicU64>) {
@@ -371,7 +418,10 @@ pub(crate) async fn demo_writer(appender: Appender, rate: u32, appended: Arc<Ato
             n += 1;
             let stream = format!("demo/{i}");
             let expected = versions[i].map_or(ExpectedVersion::Any, ExpectedVersion::Exact);
-            let ev = NewEvent::new("demo.ticked", &serde_json::json!({"n": n, "writer": i}));
+            let ev = NewEvent::new(
+                crate::cmd::events::DEMO_TICKED,
+                &serde_json::json!({"n": n, "writer": i}),
+            );
             match appender.append(&stream, expected, vec![ev]).await {
                 Ok(out) => {
                     versions[i] = Some(out.version);
@@ -389,7 +439,7 @@ pub(crate) async fn demo_writer(appender: Appender, rate: u32, appended: Arc<Ato
 /// Reserves GPUs in the demo pool: mostly small requests, some whole nodes,
 /// islands and two-node gangs, each released by its TTL a few seconds later.
 pub(crate) async fn demo_workload(cfg: events::db::Database, appender: Appender, rate: u32) {
-    use projections::{Request, Shape};
+    use domain::{Request, Shape};
     if rate == 0 {
         return;
     }
@@ -418,7 +468,7 @@ pub(crate) async fn demo_workload(cfg: events::db::Database, appender: Appender,
             _ => (4, Shape::Any),
         };
         let request = Request {
-            reservation: placer::client::new_id(),
+            reservation: domain::new_id("r"),
             pool: DEMO_POOL.into(),
             class: DEMO_CLASS.into(),
             gpus,
@@ -431,7 +481,7 @@ pub(crate) async fn demo_workload(cfg: events::db::Database, appender: Appender,
             requeue_on_preemption: false,
             queue: None,
         };
-        if let Err(e) = placer::client::reserve(&client, &appender, &request).await {
+        if let Err(e) = domain::requests::reserve(&client, &appender, &request, None).await {
             tracing::warn!(error = %e, "demo reservation failed");
         }
     }

@@ -2,7 +2,7 @@
 //! do about each.
 
 use crate::cli::connect_direct;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::Context;
 use anyhow::Result;
 use std::process::ExitCode;
@@ -10,7 +10,7 @@ use std::time::Duration;
 
 /// `strata doctor`: the database's findings, as text or JSON; exit 1 on a
 /// problem.
-pub(crate) async fn doctor(db: &Db, json: bool, stale_after: Duration) -> Result<ExitCode> {
+pub(crate) async fn doctor(db: &DbArgs, json: bool, stale_after: Duration) -> Result<ExitCode> {
     use events::doctor::Status;
     let client = connect_direct(db).await?;
     let findings = events::doctor::examine(&client, stale_after)

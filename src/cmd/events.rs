@@ -3,7 +3,7 @@
 
 use crate::cli::config;
 use crate::cli::connect;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::bail;
 use anyhow::Context;
 use anyhow::Result;
@@ -39,7 +39,7 @@ pub(crate) enum EventsCmd {
     /// Check the stored log against the event reference: every event's type is known, it is on the stream its type goes to, and its payload has the fields its type declares, of their types. Exits 1 on a problem
     Check {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// Only events after this position
         #[arg(long, default_value_t = 0)]
         after: i64,
@@ -53,7 +53,7 @@ pub(crate) enum EventsCmd {
     /// Append one event to a stream
     Append {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// The stream, e.g. pool/p1
         #[arg(long)]
         stream: String,
@@ -73,7 +73,7 @@ pub(crate) enum EventsCmd {
     /// Print events as JSON lines: history, then live
     Tail {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// Where to start: `start`, `now` or a position (ignored when a named subscription already exists)
         #[arg(long, default_value = "now")]
         from: String,
@@ -156,7 +156,7 @@ pub(crate) async fn events(cmd: EventsCmd) -> Result<ExitCode> {
 }
 
 pub(crate) async fn tail(
-    db: &Db,
+    db: &DbArgs,
     start: Start,
     subscription: Option<&str>,
     limit: Option<u64>,
@@ -237,9 +237,12 @@ pub(crate) async fn tail(
     Ok(())
 }
 
+/// `demo.ticked`: see [`DEV`].
+pub(crate) const DEMO_TICKED: &str = "demo.ticked";
+
 /// What `strata dev`'s demonstration writer appends.
 pub(crate) const DEV: &[EventSpec] = &[EventSpec {
-    event_type: "demo.ticked",
+    event_type: DEMO_TICKED,
     stream: "demo/<writer>",
     written_by: "`strata dev` (its demonstration writer)",
     about: "One tick of the demonstration workload; nothing reads it.",
@@ -253,7 +256,8 @@ pub(crate) const DEV: &[EventSpec] = &[EventSpec {
 /// Every event type Strata writes.
 pub(crate) fn all() -> Vec<EventSpec> {
     [
-        projections::catalog::EVENTS,
+        domain::fact::EVENTS,
+        domain::commands::EVENTS,
         gateway::catalog::EVENTS,
         sinks::catalog::EVENTS,
         audit::catalog::EVENTS,
@@ -292,7 +296,7 @@ pub(crate) fn types(json: bool, markdown: bool) -> Result<ExitCode> {
 /// `strata events check`: every stored event (from `after`) against the
 /// reference. Exits 1 when one does not conform.
 pub(crate) async fn check(
-    db: &Db,
+    db: &DbArgs,
     after: i64,
     allow_unknown: bool,
     json: bool,

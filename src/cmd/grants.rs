@@ -3,7 +3,7 @@
 
 use crate::cli::config;
 use crate::cli::connect;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::bail;
 use anyhow::Result;
 use clap::Subcommand;
@@ -16,7 +16,7 @@ pub(crate) enum GrantsCmd {
     /// Set (replace) a caller's grant
     Set {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// The operator name in the caller's certificate
         caller: String,
         /// Stream prefixes it may read (comma-separated), e.g. pool/,reservation/
@@ -29,7 +29,7 @@ pub(crate) enum GrantsCmd {
     /// List every caller's grant
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// One JSON object per line
         #[arg(long)]
         json: bool,
@@ -37,7 +37,7 @@ pub(crate) enum GrantsCmd {
     /// Remove a caller's grant: its Subscribe streams get nothing more (exit code 6 if it had none)
     Remove {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         caller: String,
     },
 }
@@ -91,12 +91,12 @@ pub(crate) async fn grants(cmd: GrantsCmd) -> Result<ExitCode> {
 }
 
 pub(crate) async fn grant(
-    db: &Db,
+    db: &DbArgs,
     caller: &str,
     prefixes: Vec<String>,
     types: Vec<String>,
 ) -> Result<ExitCode> {
-    projections::domain::valid_name("caller", caller).map_err(anyhow::Error::msg)?;
+    domain::valid_name("caller", caller).map_err(anyhow::Error::msg)?;
     if prefixes.iter().any(|p| p.is_empty()) {
         bail!("--prefixes: empty prefixes would grant everything; name them");
     }

@@ -2,7 +2,7 @@
 //! planned and applied.
 
 use crate::cli::connect_long;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::Context;
 use anyhow::Result;
 use clap::Args;
@@ -11,7 +11,7 @@ use std::process::ExitCode;
 #[derive(Args, Debug)]
 pub(crate) struct MigrateArgs {
     #[command(flatten)]
-    db: Db,
+    db: DbArgs,
     /// Change nothing: say which migrations would be applied (expand or contract, their statements), which running Strata processes know which schema, and whether they stay compatible. Exits 1 when this binary may not run against the database or a migration would wait
     #[arg(long)]
     check: bool,

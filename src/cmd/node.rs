@@ -3,17 +3,17 @@
 
 use crate::cli::connect;
 use crate::cli::hostname;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::Context;
 use anyhow::Result;
 use clap::Args;
+use domain::Tier;
 use node::daemon;
 use node::daemon::DaemonConfig;
 use node::daemon::DaemonStats;
 use node::gpu::FakeGpus;
 use node::gpu::GpuBackend;
 use node::gpu::NvmlGpus;
-use projections::domain::Tier;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
@@ -63,7 +63,7 @@ pub(crate) struct NodeArgs {
 #[derive(Args, Debug)]
 pub(crate) struct FleetArgs {
     #[command(flatten)]
-    pub db: Db,
+    pub db: DbArgs,
     /// How many daemons
     #[arg(long)]
     pub nodes: u32,
@@ -119,7 +119,7 @@ pub(crate) async fn node(args: NodeArgs) -> Result<ExitCode> {
         (Tier::Rail, &args.rail),
     ] {
         if let Some(v) = label {
-            projections::domain::valid_name(tier.name(), v).map_err(anyhow::Error::msg)?;
+            domain::valid_name(tier.name(), v).map_err(anyhow::Error::msg)?;
             c.topology.insert(tier.name().to_string(), v.clone());
         }
     }

@@ -4,13 +4,12 @@
 use crate::cli::config;
 use crate::cli::connect;
 use crate::cli::whoami;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::Result;
 use clap::Subcommand;
-use events::db::Sql;
+use domain::standing::Change;
 use events::Appender;
 use events::AppenderConfig;
-use projections::standing::Change;
 use std::process::ExitCode;
 
 #[derive(Subcommand, Debug)]
@@ -18,13 +17,13 @@ pub(crate) enum NodesCmd {
     /// List nodes with their certificates
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
     },
     /// Revoke every certificate of a node: gateways refuse its sessions, it
     /// leaves its pool, and its live reservations fail (node_revoked)
     Revoke {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         node: String,
         #[arg(long, default_value = "")]
         reason: String,
@@ -33,7 +32,7 @@ pub(crate) enum NodesCmd {
     /// certificates (it leaves its pool) and make a one-time join token for that node alone
     Replace {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         node: String,
         /// The pool it joins (default: the one it was in)
         #[arg(long)]
@@ -110,7 +109,7 @@ pub(crate) enum NodesCmd {
 #[derive(clap::Args, Debug)]
 pub(crate) struct NodeTarget {
     #[command(flatten)]
-    pub db: Db,
+    pub db: DbArgs,
     /// The node's id
     pub node: String,
     /// Its pool (found from its certificate or the log when omitted)
@@ -125,23 +124,10 @@ pub(crate) async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
     match cmd {
         NodesCmd::List { db } => {
             let client = connect(&db).await?;
-            let rows = client
-                .rows(
-                    "SELECT node, pool, serial, issued_at::text, not_after::text, revoked_at::text
-                       FROM strata.node_certificates ORDER BY node, issued_at",
-                    &[],
-                )
-                .await?;
+            let issued = gateway::identity::issued(&client).await?;
             if crate::exit::json() {
-                for r in &rows {
-                    crate::exit::print_json(&serde_json::json!({
-                        "node": r.get::<_, String>(0),
-                        "pool": r.get::<_, String>(1),
-                        "serial": r.get::<_, String>(2),
-                        "issued_at": r.get::<_, String>(3),
-                        "not_after": r.get::<_, String>(4),
-                        "revoked_at": r.get::<_, Option<String>>(5),
-                    }));
+                for c in &issued {
+                    crate::exit::print_json(&serde_json::to_value(c)?);
                 }
                 return Ok(ExitCode::SUCCESS);
             }
@@ -149,16 +135,15 @@ pub(crate) async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
                 "{:<24} {:<16} {:<34} {:<12}",
                 "NODE", "POOL", "SERIAL", "STATE"
             );
-            for r in rows {
-                let revoked: Option<String> = r.get(5);
+            for c in issued {
                 println!(
                     "{:<24} {:<16} {:<34} {}",
-                    r.get::<_, String>(0),
-                    r.get::<_, String>(1),
-                    r.get::<_, String>(2),
-                    match revoked {
+                    c.node,
+                    c.pool,
+                    c.serial,
+                    match c.revoked_at {
                         Some(at) => format!("revoked {at}"),
-                        None => format!("valid until {}", r.get::<_, String>(4)),
+                        None => format!("valid until {}", c.not_after),
                     }
                 );
             }
@@ -216,7 +201,7 @@ pub(crate) async fn standing(target: NodeTarget, change: Change) -> Result<()> {
     let appender = Appender::start(config(&target.db)?, AppenderConfig::default());
     let who = whoami();
     let meta = serde_json::json!({ "operator": who });
-    let pool = projections::standing::change(
+    let pool = domain::standing::change(
         &client,
         &appender,
         target.pool.as_deref(),

@@ -3,7 +3,7 @@
 use crate::cli::connect;
 use crate::cli::connect_long;
 use crate::cli::human_bytes;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::bail;
 use anyhow::Context;
 use anyhow::Result;
@@ -17,7 +17,7 @@ pub(crate) enum PartitionsCmd {
     /// Create the partitions for this month and the months ahead
     Ensure {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// How many months past the current one to create
         #[arg(long, default_value_t = schema::partitions::DEFAULT_MONTHS_AHEAD)]
         months_ahead: i32,
@@ -25,12 +25,12 @@ pub(crate) enum PartitionsCmd {
     /// List the partitions with their row counts and sizes
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
     },
     /// Export a month's rows as an rkyv archive with a checksum (replay it with `replay run --archive`)
     Export {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// The month, e.g. 2026-11
         month: String,
         #[arg(long)]
@@ -39,7 +39,7 @@ pub(crate) enum PartitionsCmd {
     /// Detach and drop months older than a bound, only those sealed and exported
     Retire {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// e.g. 13mo: months that ended more than 13 months ago
         #[arg(long)]
         older_than: String,
@@ -50,7 +50,7 @@ pub(crate) enum PartitionsCmd {
     /// Seal a month: a hash chain over its rows in position order, stored for `strata audit verify`
     Seal {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// The month, e.g. 2026-11
         month: String,
     },

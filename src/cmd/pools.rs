@@ -3,12 +3,11 @@
 use crate::cli::appender;
 use crate::cli::index;
 use crate::cli::ms_time;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use crate::cmd::reservations::counts;
 use anyhow::bail;
 use anyhow::Result;
 use clap::Subcommand;
-use placer::client;
 use projections::index::Phase;
 use projections::Index;
 use std::collections::BTreeMap;
@@ -20,7 +19,7 @@ pub(crate) enum PoolCmd {
     /// Create a pool
     Create {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
         #[arg(long, default_value = "")]
         description: String,
@@ -28,7 +27,7 @@ pub(crate) enum PoolCmd {
     /// Join simulated nodes to a pool (for demos and drills; real nodes join through the gateway)
     Seed {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
         /// How many nodes
         #[arg(long)]
@@ -54,7 +53,7 @@ pub(crate) enum PoolCmd {
     /// Show a pool's nodes, free and booked GPUs, and what waits
     Show {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
         /// List every node (default: a summary by free count)
         #[arg(long)]
@@ -62,7 +61,7 @@ pub(crate) enum PoolCmd {
     },
 }
 
-pub(crate) async fn pools(db: &Db) -> Result<ExitCode> {
+pub(crate) async fn pools(db: &DbArgs) -> Result<ExitCode> {
     let index = index(db).await?;
     if crate::exit::json() {
         for p in index.state().pools.values().filter(|p| p.created) {
@@ -137,7 +136,7 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
             name,
             description,
         } => {
-            client::create_pool(&appender(&db)?, &name, &description).await?;
+            domain::pools::create_pool(&appender(&db)?, &name, &description).await?;
             println!("created pool {name}");
         }
         PoolCmd::Seed {
@@ -155,9 +154,9 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
                 bail!("--gpus must be 1 to 1024");
             }
             let prefix = prefix.unwrap_or_else(|| format!("{name}-n"));
-            let fleet = client::uniform_fleet(&prefix, nodes, &class, gpus, per_island);
+            let fleet = domain::pools::uniform_fleet(&prefix, nodes, &class, gpus, per_island);
             let tty = std::io::stderr().is_terminal();
-            let n = client::join_nodes(&appender(&db)?, &name, fleet, |done| {
+            let n = domain::pools::join_nodes(&appender(&db)?, &name, fleet, |done| {
                 if tty {
                     eprint!("\rjoined {done}/{nodes} nodes");
                 }
@@ -179,7 +178,7 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
                         )
                     })
                     .collect();
-                client::label_nodes(&appender(&db)?, &name, labels).await?;
+                domain::pools::label_nodes(&appender(&db)?, &name, labels).await?;
                 println!(
                     "labelled them in racks of {nodes_per_rack}{}",
                     if racks_per_block > 0 {

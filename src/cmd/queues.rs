@@ -4,16 +4,16 @@ use crate::cli::appender;
 use crate::cli::asked_by;
 use crate::cli::connect;
 use crate::cli::index;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::bail;
 use anyhow::Result;
 use clap::Subcommand;
+use domain::requests::RequestError;
+use domain::QueueSpec;
+use domain::Quota;
 use projections::quota;
 use projections::quota::Share;
-use projections::requests::RequestError;
 use projections::Index;
-use projections::QueueSpec;
-use projections::Quota;
 use std::process::ExitCode;
 
 #[derive(Subcommand, Debug)]
@@ -21,7 +21,7 @@ pub(crate) enum QueuesCmd {
     /// Create a queue in a pool. Once a pool has a queue, it places only requests that name one (reserve --queue); each is admitted when its queue stays within its nominal quota, or borrows within its borrowing limit what its cohort leaves unused. Exit 6 if the pool does not exist
     Create {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// The queue's name (a team), unique within the pool
         name: String,
         /// The pool it shares
@@ -43,7 +43,7 @@ pub(crate) enum QueuesCmd {
     /// Change a queue: only what is given changes. The change is appended at the pool's version it was read at, so concurrent changes are both kept; waiting requests are tried again under the new quota. Exit 6 if there is no such queue
     Set {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
         #[arg(long)]
         pool: String,
@@ -68,7 +68,7 @@ pub(crate) enum QueuesCmd {
     /// Every queue per class: its quota, what it holds, what its waiting requests ask for, and its fair share (the cohort's quota divided by weight among the queues that want it)
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// Only this pool
         #[arg(long)]
         pool: Option<String>,
@@ -76,7 +76,7 @@ pub(crate) enum QueuesCmd {
     /// One queue: its spec, its waiting requests, its weighted dominant share, and per class what it holds against its quota and fair share. Exit 6 if there is no such queue
     Show {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
         #[arg(long)]
         pool: String,
@@ -181,13 +181,13 @@ impl Changes {
 
 /// Applies `edit` to queue `name` of `pool` in the log, as who runs this.
 pub(crate) async fn write(
-    db: &Db,
+    db: &DbArgs,
     pool: &str,
     name: &str,
-    edit: &projections::queues::Edit<'_>,
+    edit: &domain::queues::Edit<'_>,
 ) -> Result<QueueSpec> {
     let client = connect(db).await?;
-    projections::queues::configure(&client, &appender(db)?, pool, name, edit, Some(&asked_by()))
+    domain::queues::configure(&client, &appender(db)?, pool, name, edit, Some(&asked_by()))
         .await
         .map_err(cli_error)
 }
@@ -221,17 +221,14 @@ pub(crate) async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
                 &borrowing_limit,
                 vec![],
             )?;
-            let edit = |now: Option<&QueueSpec>| match now {
-                Some(_) => Err(RequestError::QueueExists {
-                    pool: pool.clone(),
-                    queue: name.clone(),
-                }),
-                None => changes.apply(QueueSpec {
+            let edit = |now: Option<&QueueSpec>| {
+                domain::queues::refuse_existing(&pool, &name, now)?;
+                changes.apply(QueueSpec {
                     queue: name.clone(),
                     cohort: None,
                     weight: 1,
                     quotas: Vec::new(),
-                }),
+                })
             };
             let spec = write(&db, &pool, &name, &edit).await?;
             println!("created queue {name} in pool {pool}: {}", describe(&spec));
@@ -255,108 +252,113 @@ pub(crate) async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
                 &borrowing_limit,
                 remove_quota,
             )?;
-            let edit = |now: Option<&QueueSpec>| match now {
-                None => Err(RequestError::NoSuchQueue {
-                    pool: pool.clone(),
-                    queue: name.clone(),
-                }),
-                Some(spec) => changes.apply(spec.clone()),
+            let edit = |now: Option<&QueueSpec>| {
+                changes.apply(domain::queues::existing(&pool, &name, now)?.clone())
             };
             let spec = write(&db, &pool, &name, &edit).await?;
             println!("queue {name} in pool {pool}: {}", describe(&spec));
         }
-        QueuesCmd::List { db, pool } => {
-            let index = index(&db).await?;
-            let pools: Vec<String> = match pool {
-                Some(p) => {
-                    exists(&index, &p)?;
-                    vec![p]
-                }
-                None => index.state().pools.keys().cloned().collect(),
-            };
-            if !crate::exit::json() {
+        QueuesCmd::List { db, pool } => list(&db, pool).await?,
+        QueuesCmd::Show { db, name, pool } => show(&db, &name, &pool).await?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `strata queues list`: every queue of a pool (or of every pool) with its
+/// quota, use and fair share per class.
+async fn list(db: &DbArgs, pool: Option<String>) -> Result<()> {
+    let index = index(db).await?;
+    let pools: Vec<String> = match pool {
+        Some(p) => {
+            exists(&index, &p)?;
+            vec![p]
+        }
+        None => index.state().pools.keys().cloned().collect(),
+    };
+    if !crate::exit::json() {
+        println!(
+            "{:<16} {:<16} {:<12} {:>6} {:<14} {:>8} {:>8} {:>6} {:>8} {:>6}",
+            "POOL",
+            "QUEUE",
+            "COHORT",
+            "WEIGHT",
+            "CLASS",
+            "NOMINAL",
+            "BORROW",
+            "USED",
+            "WAITING",
+            "FAIR"
+        );
+    }
+    for p in &pools {
+        for s in quota::fair_shares(&index, p) {
+            if crate::exit::json() {
+                crate::exit::print_json(&share_json(p, &s));
+            } else {
                 println!(
                     "{:<16} {:<16} {:<12} {:>6} {:<14} {:>8} {:>8} {:>6} {:>8} {:>6}",
-                    "POOL",
-                    "QUEUE",
-                    "COHORT",
-                    "WEIGHT",
-                    "CLASS",
-                    "NOMINAL",
-                    "BORROW",
-                    "USED",
-                    "WAITING",
-                    "FAIR"
-                );
-            }
-            for p in &pools {
-                for s in quota::fair_shares(&index, p) {
-                    if crate::exit::json() {
-                        crate::exit::print_json(&share_json(p, &s));
-                    } else {
-                        println!(
-                            "{:<16} {:<16} {:<12} {:>6} {:<14} {:>8} {:>8} {:>6} {:>8} {:>6}",
-                            p,
-                            s.queue,
-                            s.cohort.as_deref().unwrap_or("-"),
-                            s.weight,
-                            s.class,
-                            s.nominal,
-                            borrow(&s),
-                            s.used,
-                            s.waiting,
-                            s.fair
-                        );
-                    }
-                }
-            }
-        }
-        QueuesCmd::Show { db, name, pool } => {
-            let index = index(&db).await?;
-            exists(&index, &pool)?;
-            let Some(spec) = index.pool(&pool).and_then(|p| p.queues.get(&name)) else {
-                return Err(crate::exit::not_found(format!(
-                    "pool {pool:?} has no queue {name:?} (see `strata queues list --pool {pool}`)"
-                )));
-            };
-            let shares: Vec<Share> = quota::fair_shares(&index, &pool)
-                .into_iter()
-                .filter(|s| s.queue == name)
-                .collect();
-            let (pending, queued) = waiting_in(&index, &pool, &name);
-            let share = quota::dominant_share(&index, &pool, &name, &quota::Batch::default());
-            if crate::exit::json() {
-                crate::exit::print_json(&serde_json::json!({
-                    "pool": pool,
-                    "queue": name,
-                    "cohort": spec.cohort,
-                    "weight": spec.weight,
-                    "dominant_share": share,
-                    "pending": pending,
-                    "queued": queued,
-                    "classes": shares.iter().map(|s| share_json(&pool, s)).collect::<Vec<_>>(),
-                }));
-                return Ok(ExitCode::SUCCESS);
-            }
-            println!("queue {name} in pool {pool}: {}", describe(spec));
-            println!(
-                "  waiting: {pending} pending, {queued} queued; weighted dominant share {:.3}",
-                share
-            );
-            for s in &shares {
-                println!(
-                    "  {}: holds {} of its {} nominal (borrows up to {}); waiting requests ask for {}; fair share {}",
+                    p,
+                    s.queue,
+                    s.cohort.as_deref().unwrap_or("-"),
+                    s.weight,
                     s.class,
-                    s.used,
                     s.nominal,
-                    borrow(s),
+                    borrow(&s),
+                    s.used,
                     s.waiting,
                     s.fair
                 );
             }
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
+}
+
+/// `strata queues show`: one queue, with what waits in it.
+async fn show(db: &DbArgs, name: &str, pool: &str) -> Result<()> {
+    let index = index(db).await?;
+    exists(&index, pool)?;
+    let Some(spec) = index.pool(pool).and_then(|p| p.queues.get(name)) else {
+        return Err(crate::exit::not_found(format!(
+            "pool {pool:?} has no queue {name:?} (see `strata queues list --pool {pool}`)"
+        )));
+    };
+    let shares: Vec<Share> = quota::fair_shares(&index, pool)
+        .into_iter()
+        .filter(|s| s.queue == name)
+        .collect();
+    let (pending, queued) = waiting_in(&index, pool, name);
+    let share = quota::dominant_share(&index, pool, name, &quota::Batch::default());
+    if crate::exit::json() {
+        crate::exit::print_json(&serde_json::json!({
+            "pool": pool,
+            "queue": name,
+            "cohort": spec.cohort,
+            "weight": spec.weight,
+            "dominant_share": share,
+            "pending": pending,
+            "queued": queued,
+            "classes": shares.iter().map(|s| share_json(pool, s)).collect::<Vec<_>>(),
+        }));
+        return Ok(());
+    }
+    println!("queue {name} in pool {pool}: {}", describe(spec));
+    println!(
+        "  waiting: {pending} pending, {queued} queued; weighted dominant share {:.3}",
+        share
+    );
+    for s in &shares {
+        println!(
+            "  {}: holds {} of its {} nominal (borrows up to {}); waiting requests ask for {}; fair share {}",
+            s.class,
+            s.used,
+            s.nominal,
+            borrow(s),
+            s.waiting,
+            s.fair
+        );
+    }
+    Ok(())
 }
 
 pub(crate) fn exists(index: &Index, pool: &str) -> Result<()> {

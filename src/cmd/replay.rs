@@ -7,7 +7,7 @@ use crate::cli::index_until;
 use crate::cli::position_at;
 use crate::cli::progress_display;
 use crate::cli::stop_display;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use crate::cmd::pools::show_pool;
 use crate::cmd::pools::show_pool_json;
 use ::replay::archive::ArchivedRow;
@@ -41,7 +41,7 @@ pub(crate) enum ReplayCmd {
     /// Replay the whole log and verify the placement invariants; exits non-zero at the first violation
     Check {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// Print the report as JSON
         #[arg(long)]
         json: bool,
@@ -49,7 +49,7 @@ pub(crate) enum ReplayCmd {
     /// Check the log's invariants against the tables themselves (not the projections): positions, versions, double bookings, activations after the end, commands run or ended twice; exits 1 naming the positions of any violation
     Invariants {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// Print the report as JSON
         #[arg(long)]
         json: bool,
@@ -59,7 +59,7 @@ pub(crate) enum ReplayCmd {
     /// Print a pool as it was at a time: nodes, free and booked GPUs by class, what waited
     State {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         #[arg(long)]
         pool: String,
         /// A time such as 2026-11-30T10:00:00Z
@@ -72,7 +72,7 @@ pub(crate) enum ReplayCmd {
     /// Print a stream's events (up to a time), as JSON lines
     Stream {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         stream: String,
         /// Only events recorded at or before this time (RFC 3339)
         #[arg(long)]
@@ -255,7 +255,11 @@ impl<P: Projection> Projection for Window<P> {
 }
 
 /// A position, or the last position recorded at a time (which needs the database).
-pub(crate) async fn resolve(db: Option<&Db>, what: &str, v: Option<&str>) -> Result<Option<u64>> {
+pub(crate) async fn resolve(
+    db: Option<&DbArgs>,
+    what: &str,
+    v: Option<&str>,
+) -> Result<Option<u64>> {
     let Some(v) = v else { return Ok(None) };
     if let Ok(p) = v.parse::<u64>() {
         return Ok(Some(p));
@@ -271,7 +275,7 @@ pub(crate) async fn resolve(db: Option<&Db>, what: &str, v: Option<&str>) -> Res
 
 /// Where a run reads from and what it collects, shared by its phases.
 pub(crate) struct Source<'a> {
-    db: Option<&'a Db>,
+    db: Option<&'a DbArgs>,
     /// Archive rows, validated once when loaded.
     archives: Vec<&'a [ArchivedRow]>,
     violations: Arc<std::sync::Mutex<Vec<Violation>>>,
@@ -329,7 +333,7 @@ pub(crate) async fn replay_into<P: Projection>(
 }
 
 pub(crate) async fn run(args: RunArgs) -> Result<ExitCode> {
-    let db = args.database_url.clone().map(|database_url| Db {
+    let db = args.database_url.clone().map(|database_url| DbArgs {
         database_url,
         database_direct_url: None,
         statement_timeout: events::db::DEFAULT_STATEMENT_TIMEOUT,
@@ -506,7 +510,7 @@ pub(crate) async fn view<P: Projection + Default>(
 /// With `--compare-live`: the view built through a subscription, compared.
 pub(crate) async fn compare_view<'a, P: Projection + Default + PartialEq>(
     args: &RunArgs,
-    need_db: impl Fn(&str) -> Result<&'a Db>,
+    need_db: impl Fn(&str) -> Result<&'a DbArgs>,
     view: P,
 ) -> Result<ExitCode> {
     if !args.compare_live {
@@ -588,7 +592,7 @@ pub(crate) fn print_reservations(view: &ReservationsView, json: bool) {
 }
 
 /// A reader of its own (a temporary slot) for `--compare-live`.
-pub(crate) fn live_reader(db: &Db) -> Result<Reader> {
+pub(crate) fn live_reader(db: &DbArgs) -> Result<Reader> {
     let mut rc = ReaderConfig::new(format!("strata_replay_{}", std::process::id()));
     rc.temporary = true;
     rc.owner = "strata replay run --compare-live".into();
@@ -596,7 +600,7 @@ pub(crate) fn live_reader(db: &Db) -> Result<Reader> {
 }
 
 /// The pool index as the placer builds it: through a subscription.
-pub(crate) async fn live_index(db: &Db, position: u64) -> Result<Index> {
+pub(crate) async fn live_index(db: &DbArgs, position: u64) -> Result<Index> {
     let reader = live_reader(db)?;
     let mut live = projections::Projector::start(&reader, None).await?;
     while live.index.position() < position {
@@ -606,7 +610,7 @@ pub(crate) async fn live_index(db: &Db, position: u64) -> Result<Index> {
 }
 
 /// A view folded from a subscription from the first event.
-pub(crate) async fn live_view<P: Projection>(db: &Db, mut view: P, position: u64) -> Result<P> {
+pub(crate) async fn live_view<P: Projection>(db: &DbArgs, mut view: P, position: u64) -> Result<P> {
     let reader = live_reader(db)?;
     let mut sub = reader
         .subscribe_ephemeral_as("replay", Start::Beginning)

@@ -4,7 +4,7 @@
 use crate::cli::connect;
 use crate::cli::index;
 use crate::cli::ms_time;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::Result;
 use clap::Subcommand;
 use projections::Index;
@@ -15,14 +15,14 @@ pub(crate) enum ReservationsCmd {
     /// One reservation: its request, its phase, its devices once placed; while it waits, why (the placer's reason, how many requests are ahead of it in its pool, the GPUs they ask for) and its earliest start from the live reservations' expiries. Exit 6 if there is no such reservation
     Show {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// The reservation's id
         id: String,
     },
     /// Reservations waiting or live, in the order each pool's placer tries them
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// Only this pool
         #[arg(long)]
         pool: Option<String>,
@@ -54,7 +54,7 @@ pub(crate) fn counts(index: &Index, pool: &str) -> Counts {
 
 /// Prints where a waiting reservation stands (to stderr); nothing when it
 /// does not wait or the log cannot be read.
-pub(crate) async fn print_standing(db: &Db, id: &str) {
+pub(crate) async fn print_standing(db: &DbArgs, id: &str) {
     let Ok(index) = index(db).await else { return };
     let Some(s) = projections::waiting::standing(&index, id, now_ms()) else {
         return;
@@ -125,7 +125,7 @@ pub(crate) async fn reservations(cmd: ReservationsCmd) -> Result<ExitCode> {
             let Some(r) = index.reservation(&id) else {
                 // Not live or waiting: ended, or never asked for.
                 let client = connect(&db).await?;
-                return match projections::requests::outcome(&client, &id).await? {
+                return match domain::requests::outcome(&client, &id).await? {
                     Some(outcome) => {
                         if crate::exit::json() {
                             crate::exit::print_json(&serde_json::json!({

@@ -4,25 +4,24 @@ use crate::cli::appender;
 use crate::cli::asked_by;
 use crate::cli::config;
 use crate::cli::connect;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use crate::cmd::reservations::print_standing;
 use anyhow::bail;
 use anyhow::Context;
 use anyhow::Result;
 use clap::Args;
+use domain::requests::Outcome;
+use domain::Request;
+use domain::Shape;
 use events::Reader;
 use events::ReaderConfig;
 use events::Start;
-use placer::client;
-use placer::client::Outcome;
-use projections::Request;
-use projections::Shape;
 use std::process::ExitCode;
 
 #[derive(Args, Debug)]
 pub(crate) struct ReserveArgs {
     #[command(flatten)]
-    pub db: Db,
+    pub db: DbArgs,
     /// The pool to place in
     #[arg(long)]
     pub pool: String,
@@ -112,8 +111,8 @@ pub(crate) fn shape(args: &ReserveArgs) -> Result<(Shape, u32)> {
 }
 
 /// The topology `--within`, `--prefer-within` or `--spread` asks for.
-pub(crate) fn topology(args: &ReserveArgs) -> Option<projections::domain::Topology> {
-    use projections::domain::{Tier, Topology};
+pub(crate) fn topology(args: &ReserveArgs) -> Option<domain::Topology> {
+    use domain::{Tier, Topology};
     // clap admits only the tiers' names.
     let tier = |t: &str| Tier::parse(t).unwrap_or(Tier::Rack);
     match (&args.within, &args.prefer_within, &args.spread) {
@@ -124,7 +123,7 @@ pub(crate) fn topology(args: &ReserveArgs) -> Option<projections::domain::Topolo
     }
 }
 
-pub(crate) fn print_allocations(id: &str, allocs: &[projections::Allocation]) {
+pub(crate) fn print_allocations(id: &str, allocs: &[domain::Allocation]) {
     let gpus: usize = allocs.iter().map(|a| a.devices.len()).sum();
     println!("placed {id}: {gpus} GPU(s) on {} node(s)", allocs.len());
     for a in allocs {
@@ -134,7 +133,7 @@ pub(crate) fn print_allocations(id: &str, allocs: &[projections::Allocation]) {
 
 pub(crate) async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
     let (shape, gpus) = shape(&args)?;
-    let id = args.id.clone().unwrap_or_else(client::new_id);
+    let id = args.id.clone().unwrap_or_else(|| domain::new_id("r"));
     let request = Request {
         reservation: id.clone(),
         pool: args.pool.clone(),
@@ -167,7 +166,7 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
             .context("subscribe to the log")?;
         waiting = Some((reader, sub));
     }
-    client::reserve_as(&db, &appender, &request, &asked_by()).await?;
+    domain::requests::reserve(&db, &appender, &request, Some(&asked_by())).await?;
     let Some((_reader, mut sub)) = waiting else {
         println!("requested {id}");
         return Ok(ExitCode::SUCCESS);
@@ -175,7 +174,7 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
     eprintln!("requested {id}; waiting for its placement");
     let outcome = tokio::time::timeout(
         args.timeout,
-        client::wait(&mut sub, &id, |reason| {
+        domain::requests::wait(&mut sub, &id, |reason| {
             eprintln!("queued: {reason}");
             // Where it stands, once the log is read (the wait goes on).
             let (db, id) = (args.db.clone(), id.clone());
@@ -197,9 +196,9 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
                 print_allocations(&id, &allocs);
                 Ok(ExitCode::SUCCESS)
             }
-            Outcome::Unschedulable(reason) => {
-                println!("unschedulable {id}: {reason}");
-                Ok(ExitCode::from(crate::exit::NEVER_FITS))
+            Outcome::Rejected(reason) => {
+                println!("rejected {id}: {reason}");
+                Ok(ExitCode::from(crate::exit::REJECTED))
             }
             Outcome::Released => {
                 println!("released {id} before it was placed");
@@ -221,9 +220,9 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
     }
 }
 
-pub(crate) async fn release(db: &Db, id: &str, reason: &str) -> Result<ExitCode> {
+pub(crate) async fn release(db: &DbArgs, id: &str, reason: &str) -> Result<ExitCode> {
     let appender = appender(db)?;
-    client::release_as(&appender, id, reason, &asked_by()).await?;
+    domain::requests::release(&appender, id, reason, Some(&asked_by())).await?;
     println!("release of {id} requested; the pool's placer frees its GPUs");
     Ok(ExitCode::SUCCESS)
 }

@@ -2,7 +2,7 @@
 
 use crate::cli::config;
 use crate::cli::connect;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::Result;
 use clap::Subcommand;
 use events::Appender;
@@ -14,7 +14,7 @@ pub(crate) enum RolesCmd {
     /// Give an operator a role (replacing the one it had); recorded as an event on role/<name>
     Set {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// The operator name in its certificate (urn:strata:operator:<name>)
         operator: String,
         /// admin: everything; operator: reserve, release its own reservations, change nodes' standing and issue commands in its pools; viewer: read only
@@ -27,7 +27,7 @@ pub(crate) enum RolesCmd {
     /// Every operator with a role
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// One JSON object per line
         #[arg(long)]
         json: bool,
@@ -35,7 +35,7 @@ pub(crate) enum RolesCmd {
     /// Take an operator's role away (it may then do nothing through the API)
     Remove {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         operator: String,
     },
 }

@@ -124,7 +124,7 @@ impl Registration {
         let (h, roles, db) = (
             host.clone(),
             roles.to_string(),
-            events::db::Db::new(cfg.clone()),
+            events::db::SharedClient::new(cfg.clone()),
         );
         let task = ops::task::spawn("process-registration", async move {
             let mut backoff =

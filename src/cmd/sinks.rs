@@ -2,23 +2,24 @@
 
 use crate::cli::config;
 use crate::cli::connect;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::bail;
 use anyhow::Context;
 use anyhow::Result;
 use clap::Subcommand;
-use events::db::Sql;
 use events::Appender;
 use events::AppenderConfig;
-use std::path::PathBuf;
+use sinks::config::{self, Filter, SinkConfig, Target};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use tokio_postgres::Client;
 
 #[derive(Subcommand, Debug)]
 pub(crate) enum SinksCmd {
     /// Define a sink: a webhook (--webhook) or NATS JetStream (--nats); processes running the sinks role deliver it
     Create {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
         /// A webhook: the receiver's URL (http:// or https://)
         #[arg(long, conflicts_with = "nats", requires = "secret_env")]
@@ -60,36 +61,36 @@ pub(crate) enum SinksCmd {
     /// List sinks with their state and lag
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
     },
     /// Stop delivering (the cursor stays)
     Pause {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
     },
     /// Deliver again from where it stopped
     Resume {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
     },
     /// Remove a sink; deleting a deleted sink does nothing (exit 0), and its name can be used again by `create`
     Delete {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
     },
     /// Show a sink's definition, state, cursor and lag
     Show {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
     },
     /// Move a paused sink's cursor: deliver again after a position, or from a time (RFC 3339)
     Reset {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
         /// A position, or a time such as 2026-11-30T10:00:00Z
         #[arg(long)]
@@ -104,13 +105,13 @@ pub(crate) enum SinksCmd {
 pub(crate) enum ParkedCmd {
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
     },
     /// Deliver a sink's parked events again, in order (the secret is read from the sink's environment variable here)
     Replay {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         name: String,
         /// PEM certificates to trust for an https:// webhook besides the system's roots
         #[arg(long, env = "STRATA_WEBHOOK_CA", value_name = "FILE")]
@@ -122,21 +123,6 @@ pub(crate) enum ParkedCmd {
 }
 
 pub(crate) async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
-    use sinks::config::{self, Filter, SinkConfig, Target};
-    let change = |db: &Db, name: String, t: &'static str| {
-        let db = db.clone();
-        async move {
-            let client = connect(&db).await?;
-            let appender = Appender::start(config(&db)?, AppenderConfig::default());
-            match config::apply(&client, &appender, &name, t).await {
-                Ok(changed) => anyhow::Ok((name, changed)),
-                Err(config::SinkError::NotFound(n)) => {
-                    Err(crate::exit::not_found(format!("sink {n:?} does not exist")))
-                }
-                Err(e) => Err(e.into()),
-            }
-        }
-    };
     match cmd {
         SinksCmd::Create {
             db,
@@ -166,7 +152,7 @@ pub(crate) async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                 _ => bail!("say where the sink delivers: --webhook URL --secret-env VAR, or --nats URL --subject-prefix P"),
             };
             let c = SinkConfig {
-                name: name.clone(),
+                name,
                 target,
                 filter: Filter { types, prefixes },
                 start: from,
@@ -180,198 +166,227 @@ pub(crate) async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                     }
                 }),
             };
-            c.validate().map_err(anyhow::Error::msg)?;
-            if let Target::Nats {
-                url,
-                subject_prefix,
-            } = &c.target
-            {
-                let (stream, created) =
-                    sinks::nats::ensure_stream(url, subject_prefix, create_stream)
-                        .await
-                        .map_err(anyhow::Error::msg)?;
-                if created {
-                    eprintln!("created the JetStream stream {stream} for {subject_prefix}.>");
-                } else {
-                    eprintln!("JetStream stream {stream} stores {subject_prefix}.>");
-                }
-            }
-            let mut client = connect(&db).await?;
-            config::create_in(&mut client, &c).await?;
-            println!("created sink {name}; processes running `serve --roles sinks` deliver it");
+            create(&db, c, create_stream).await?;
         }
-        SinksCmd::List { db } => {
-            let client = connect(&db).await?;
-            let head = events::read::head(&client).await?.0 as i64;
-            if !crate::exit::json() {
-                println!(
-                    "{:<20} {:<8} {:>12} {:>10} {:>8}  TARGET",
-                    "SINK", "STATE", "LAG EVENTS", "LAG S", "PARKED"
-                );
-            }
-            for s in config::list(&client).await? {
-                let cursor: Option<i64> = client
-                    .opt(
-                        "SELECT position FROM strata.subscriptions WHERE name = $1",
-                        &[&format!("sink.{}", s.config.name)],
-                    )
-                    .await?
-                    .map(|r| r.get(0));
-                let parked: i64 = client
-                    .one(
-                        "SELECT count(*) FROM strata.sink_parked WHERE sink = $1",
-                        &[&s.config.name],
-                    )
-                    .await?
-                    .get(0);
-                let url = match &s.config.target {
-                    Target::Webhook { url, .. } => url.clone(),
-                    Target::Nats {
-                        url,
-                        subject_prefix,
-                    } => format!("{url} {subject_prefix}.>"),
-                };
-                // The age of the oldest event the sink has not acknowledged.
-                let lag_s: Option<f64> = match cursor {
-                    Some(c) if c < head => client
-                        .opt(
-                            "SELECT extract(epoch FROM now() - recorded_at)::float8 FROM strata.events WHERE position = $1",
-                            &[&(c + 1)],
-                        )
-                        .await?
-                        .map(|r| r.get(0)),
-                    Some(_) => Some(0.0),
-                    None => None,
-                };
-                if crate::exit::json() {
-                    crate::exit::print_json(&serde_json::json!({
-                        "name": s.config.name,
-                        "paused": s.paused,
-                        "cursor": cursor,
-                        "lag_events": cursor.map(|c| (head - c).max(0)),
-                        "lag_seconds": lag_s,
-                        "parked": parked,
-                        "target": url,
-                        "config": s.config,
-                    }));
-                    continue;
-                }
-                println!(
-                    "{:<20} {:<8} {:>12} {:>10} {:>8}  {url}",
-                    s.config.name,
-                    if s.paused { "paused" } else { "active" },
-                    cursor.map_or("not started".into(), |c| (head - c).max(0).to_string()),
-                    lag_s.map_or("-".into(), |l| format!("{l:.1}")),
-                    parked
-                );
-            }
-        }
-        SinksCmd::Pause { db, name } => match change(&db, name, "sink.paused").await? {
+        SinksCmd::List { db } => list(&db).await?,
+        SinksCmd::Pause { db, name } => match change(&db, name, sinks::catalog::SINK_PAUSED).await?
+        {
             (name, true) => println!("paused {name}"),
             (name, false) => println!("{name} was paused already"),
         },
-        SinksCmd::Resume { db, name } => match change(&db, name, "sink.resumed").await? {
-            (name, true) => println!("resumed {name}"),
-            (name, false) => println!("{name} was not paused"),
-        },
-        SinksCmd::Delete { db, name } => match change(&db, name, "sink.deleted").await? {
-            (name, true) => println!("deleted {name}"),
-            (name, false) => println!("{name} was deleted already"),
-        },
-        SinksCmd::Show { db, name } => {
-            let client = connect(&db).await?;
-            let s = config::list(&client)
-                .await?
-                .into_iter()
-                .find(|s| s.config.name == name)
-                .ok_or_else(|| crate::exit::not_found(format!("sink {name:?} does not exist")))?;
-            let head = events::read::head(&client).await?.0;
-            let cursor = config::cursor(&client, &name).await?;
-            let parked = sinks::parked::list(&client, &name).await?.len();
-            let shown = serde_json::json!({
-                    "config": s.config,
-                    "paused": s.paused,
-                    "cursor": cursor,
-                    "lag_events": cursor.map(|c| head.saturating_sub(c)),
-                    "parked": parked,
-            });
-            if crate::exit::json() {
-                crate::exit::print_json(&shown);
-            } else {
-                println!("{}", serde_json::to_string_pretty(&shown)?);
+        SinksCmd::Resume { db, name } => {
+            match change(&db, name, sinks::catalog::SINK_RESUMED).await? {
+                (name, true) => println!("resumed {name}"),
+                (name, false) => println!("{name} was not paused"),
             }
         }
-        SinksCmd::Reset { db, name, to } => {
-            let mut client = connect(&db).await?;
-            let position = match to.parse::<u64>() {
-                Ok(p) => p,
-                Err(_) => {
-                    let t = humantime::parse_rfc3339_weak(&to).map_err(|_| {
-                        anyhow::anyhow!("--to {to:?}: a position (a whole number) or a time such as 2026-11-30T10:00:00Z")
-                    })?;
-                    let head = events::read::head(&client).await?.0 as i64;
-                    let first: Option<i64> = client
-                        .one(
-                            "SELECT min(position) FROM strata.events WHERE recorded_at >= $1 AND position <= $2",
-                            &[&t, &head],
-                        )
-                        .await?
-                        .get(0);
-                    (first.unwrap_or(head + 1) - 1).max(0) as u64
-                }
-            };
-            config::reset(&mut client, &name, position).await?;
-            println!("sink {name} now stands at position {position}; it delivers what follows when resumed");
-        }
-        SinksCmd::Parked(ParkedCmd::List { db, name }) => {
-            let client = connect(&db).await?;
-            let list = sinks::parked::list(&client, &name).await?;
-            if crate::exit::json() {
-                for p in &list {
-                    crate::exit::print_json(&serde_json::to_value(p)?);
-                }
-                return Ok(ExitCode::SUCCESS);
-            }
-            println!(
-                "{:>10} {:<24} {:<24} {:>8}  ERROR",
-                "POSITION", "STREAM", "TYPE", "ATTEMPTS"
-            );
-            for p in list {
-                println!(
-                    "{:>10} {:<24} {:<24} {:>8}  {}",
-                    p.position, p.stream, p.event_type, p.attempts, p.error
-                );
+        SinksCmd::Delete { db, name } => {
+            match change(&db, name, sinks::catalog::SINK_DELETED).await? {
+                (name, true) => println!("deleted {name}"),
+                (name, false) => println!("{name} was deleted already"),
             }
         }
+        SinksCmd::Show { db, name } => show(&db, &name).await?,
+        SinksCmd::Reset { db, name, to } => reset(&db, &name, &to).await?,
+        SinksCmd::Parked(ParkedCmd::List { db, name }) => parked_list(&db, &name).await?,
         SinksCmd::Parked(ParkedCmd::Replay {
             db,
             name,
             webhook_ca,
             region,
-        }) => {
-            let client = connect(&db).await?;
-            let sink = config::list(&client)
-                .await?
-                .into_iter()
-                .find(|s| s.config.name == name)
-                .ok_or_else(|| crate::exit::not_found(format!("sink {name:?} does not exist")))?;
-            let n = match &sink.config.target {
-                Target::Webhook { url, secret_env } => {
-                    sinks::config::check_secret_env(secret_env).map_err(anyhow::Error::msg)?;
-                    let secret = std::env::var(secret_env)
-                        .with_context(|| format!("the sink's secret: set {secret_env} here"))?;
-                    let http = sinks::webhook::client(webhook_ca.as_deref())
-                        .map_err(anyhow::Error::msg)?;
-                    sinks::parked::replay(&client, &http, &name, url, secret.as_bytes()).await
-                }
-                Target::Nats {
-                    url,
-                    subject_prefix,
-                } => sinks::parked::replay_nats(&client, &name, &region, url, subject_prefix).await,
-            }
-            .map_err(anyhow::Error::msg)?;
-            println!("delivered {n} parked event(s) of {name}");
-        }
+        }) => parked_replay(&db, &name, webhook_ca.as_deref(), &region).await?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A sink by name, or "not found".
+async fn find(client: &Client, name: &str) -> Result<config::SinkState> {
+    config::list(client)
+        .await?
+        .into_iter()
+        .find(|s| s.config.name == name)
+        .ok_or_else(|| crate::exit::not_found(format!("sink {name:?} does not exist")))
+}
+
+/// Pauses, resumes or deletes a sink: its name, and whether it changed.
+async fn change(db: &DbArgs, name: String, t: &'static str) -> Result<(String, bool)> {
+    let client = connect(db).await?;
+    let appender = Appender::start(config(db)?, AppenderConfig::default());
+    match config::apply(&client, &appender, &name, t).await {
+        Ok(changed) => Ok((name, changed)),
+        Err(config::SinkError::NotFound(n)) => {
+            Err(crate::exit::not_found(format!("sink {n:?} does not exist")))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `strata sinks create`: checks the sink, makes sure a NATS target has its
+/// stream, and records it.
+async fn create(db: &DbArgs, c: SinkConfig, create_stream: bool) -> Result<()> {
+    c.validate().map_err(anyhow::Error::msg)?;
+    if let Target::Nats {
+        url,
+        subject_prefix,
+    } = &c.target
+    {
+        let (stream, created) = sinks::nats::ensure_stream(url, subject_prefix, create_stream)
+            .await
+            .map_err(anyhow::Error::msg)?;
+        if created {
+            eprintln!("created the JetStream stream {stream} for {subject_prefix}.>");
+        } else {
+            eprintln!("JetStream stream {stream} stores {subject_prefix}.>");
+        }
+    }
+    let mut client = connect(db).await?;
+    config::create_in(&mut client, &c).await?;
+    println!(
+        "created sink {}; processes running `serve --roles sinks` deliver it",
+        c.name
+    );
+    Ok(())
+}
+
+/// `strata sinks list`: every sink with its lag and parked events.
+async fn list(db: &DbArgs) -> Result<()> {
+    let client = connect(db).await?;
+    let head = events::read::head(&client).await?.0;
+    if !crate::exit::json() {
+        println!(
+            "{:<20} {:<8} {:>12} {:>10} {:>8}  TARGET",
+            "SINK", "STATE", "LAG EVENTS", "LAG S", "PARKED"
+        );
+    }
+    for s in config::list(&client).await? {
+        let cursor = config::cursor(&client, &s.config.name).await?;
+        let parked = sinks::parked::list(&client, &s.config.name).await?.len();
+        let url = match &s.config.target {
+            Target::Webhook { url, .. } => url.clone(),
+            Target::Nats {
+                url,
+                subject_prefix,
+            } => format!("{url} {subject_prefix}.>"),
+        };
+        // The age of the oldest event the sink has not acknowledged.
+        let lag_s: Option<f64> = match cursor {
+            Some(c) if c < head => events::read::age(&client, events::Position(c + 1)).await?,
+            Some(_) => Some(0.0),
+            None => None,
+        };
+        let lag_events = cursor.map(|c| head.saturating_sub(c));
+        if crate::exit::json() {
+            crate::exit::print_json(&serde_json::json!({
+                "name": s.config.name,
+                "paused": s.paused,
+                "cursor": cursor,
+                "lag_events": lag_events,
+                "lag_seconds": lag_s,
+                "parked": parked,
+                "target": url,
+                "config": s.config,
+            }));
+            continue;
+        }
+        println!(
+            "{:<20} {:<8} {:>12} {:>10} {:>8}  {url}",
+            s.config.name,
+            if s.paused { "paused" } else { "active" },
+            lag_events.map_or("not started".into(), |l| l.to_string()),
+            lag_s.map_or("-".into(), |l| format!("{l:.1}")),
+            parked
+        );
+    }
+    Ok(())
+}
+
+/// `strata sinks show`.
+async fn show(db: &DbArgs, name: &str) -> Result<()> {
+    let client = connect(db).await?;
+    let s = find(&client, name).await?;
+    let head = events::read::head(&client).await?.0;
+    let cursor = config::cursor(&client, name).await?;
+    let parked = sinks::parked::list(&client, name).await?.len();
+    let shown = serde_json::json!({
+            "config": s.config,
+            "paused": s.paused,
+            "cursor": cursor,
+            "lag_events": cursor.map(|c| head.saturating_sub(c)),
+            "parked": parked,
+    });
+    if crate::exit::json() {
+        crate::exit::print_json(&shown);
+    } else {
+        println!("{}", serde_json::to_string_pretty(&shown)?);
+    }
+    Ok(())
+}
+
+/// `strata sinks reset`: moves a sink to a position, or to just before a time.
+async fn reset(db: &DbArgs, name: &str, to: &str) -> Result<()> {
+    let mut client = connect(db).await?;
+    let position = match to.parse::<u64>() {
+        Ok(p) => p,
+        Err(_) => {
+            let t = humantime::parse_rfc3339_weak(to).map_err(|_| {
+                anyhow::anyhow!("--to {to:?}: a position (a whole number) or a time such as 2026-11-30T10:00:00Z")
+            })?;
+            events::read::position_before(&client, t).await?.0
+        }
+    };
+    config::reset(&mut client, name, position).await?;
+    println!(
+        "sink {name} now stands at position {position}; it delivers what follows when resumed"
+    );
+    Ok(())
+}
+
+/// `strata sinks parked list`.
+async fn parked_list(db: &DbArgs, name: &str) -> Result<()> {
+    let client = connect(db).await?;
+    let list = sinks::parked::list(&client, name).await?;
+    if crate::exit::json() {
+        for p in &list {
+            crate::exit::print_json(&serde_json::to_value(p)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "{:>10} {:<24} {:<24} {:>8}  ERROR",
+        "POSITION", "STREAM", "TYPE", "ATTEMPTS"
+    );
+    for p in list {
+        println!(
+            "{:>10} {:<24} {:<24} {:>8}  {}",
+            p.position, p.stream, p.event_type, p.attempts, p.error
+        );
+    }
+    Ok(())
+}
+
+/// `strata sinks parked replay`: delivers a sink's parked events again.
+async fn parked_replay(
+    db: &DbArgs,
+    name: &str,
+    webhook_ca: Option<&Path>,
+    region: &str,
+) -> Result<()> {
+    let client = connect(db).await?;
+    let sink = find(&client, name).await?;
+    let n = match &sink.config.target {
+        Target::Webhook { url, secret_env } => {
+            sinks::config::check_secret_env(secret_env).map_err(anyhow::Error::msg)?;
+            let secret = std::env::var(secret_env)
+                .with_context(|| format!("the sink's secret: set {secret_env} here"))?;
+            let http = sinks::webhook::client(webhook_ca).map_err(anyhow::Error::msg)?;
+            sinks::parked::replay(&client, &http, name, url, secret.as_bytes()).await
+        }
+        Target::Nats {
+            url,
+            subject_prefix,
+        } => sinks::parked::replay_nats(&client, name, region, url, subject_prefix).await,
+    }
+    .map_err(anyhow::Error::msg)?;
+    println!("delivered {n} parked event(s) of {name}");
+    Ok(())
 }

@@ -2,7 +2,7 @@
 
 use crate::cli::connect;
 use crate::cli::human_bytes;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::Context;
 use anyhow::Result;
 use clap::Subcommand;
@@ -13,7 +13,7 @@ pub(crate) enum SlotsCmd {
     /// List replication slots with owner, lag and retained WAL
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// Flag slots whose owner has not been seen for longer than this
         #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
         stale_after: std::time::Duration,
@@ -21,7 +21,7 @@ pub(crate) enum SlotsCmd {
     /// Drop a replication slot
     Drop {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// The slot's name
         name: String,
         /// End the connection using it first

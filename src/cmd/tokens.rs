@@ -1,7 +1,7 @@
 //! `strata tokens`: one-time join tokens for nodes.
 
 use crate::cli::connect;
-use crate::cli::Db;
+use crate::cli::DbArgs;
 use anyhow::Result;
 use clap::Subcommand;
 use std::process::ExitCode;
@@ -12,7 +12,7 @@ pub(crate) enum TokensCmd {
     #[command(group(clap::ArgGroup::new("admits").required(true).args(["node", "nodes"])))]
     Create {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         #[arg(long)]
         pool: String,
         /// How long it can be used
@@ -28,7 +28,7 @@ pub(crate) enum TokensCmd {
     /// List join tokens (their ids, never the tokens): pool, what they admit, valid, used or expired
     List {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// One JSON object per line
         #[arg(long)]
         json: bool,
@@ -36,7 +36,7 @@ pub(crate) enum TokensCmd {
     /// Revoke an unspent token by its id (from `tokens create` or `tokens list`): joins with it are refused from now on
     Revoke {
         #[command(flatten)]
-        db: Db,
+        db: DbArgs,
         /// 16 hex digits
         id: String,
     },
@@ -52,7 +52,7 @@ pub(crate) async fn tokens(cmd: TokensCmd) -> Result<ExitCode> {
             nodes,
         } => {
             let client = connect(&db).await?;
-            if !placer::client::pool_exists(&client, &pool).await? {
+            if !domain::pools::pool_exists(&client, &pool).await? {
                 return Err(crate::exit::not_found(format!(
                     "pool {pool:?} does not exist (see `strata pools`)"
                 )));

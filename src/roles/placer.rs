@@ -34,7 +34,7 @@ pub(crate) fn report(p: &placer::Placer) {
         pools = s.pools_held,
         placed = s.placed,
         queued = s.queued,
-        unschedulable = s.unschedulable,
+        rejected = s.rejected,
         released = s.released,
         expired = s.expired,
         batches = s.batches,

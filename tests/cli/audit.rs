@@ -34,7 +34,7 @@ fn add_with_password(url: &str, name: &str, password: &str) {
 }
 
 fn psql(conninfo: &str, sql: &str, password: Option<&str>) -> (bool, String, String) {
-    let bindir = schema::testing::shared_cluster().bindir().to_path_buf();
+    let bindir = testkit::shared_cluster().bindir().to_path_buf();
     let mut cmd = Command::new(bindir.join("psql"));
     cmd.arg(conninfo)
         .args(["-X", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-c", sql])

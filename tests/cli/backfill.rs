@@ -2,8 +2,9 @@
 //! and smaller requests behind it that may use only what the gang will not
 //! need, or what they give back before its start.
 
-use super::placement::{check_json, placer, rt, show_reservation, wait_for};
+use super::placement::{check_json, placer, rt, show_reservation};
 use super::{database, ok, reserve_args};
+use testkit::wait_for;
 
 /// Every placement and expiry in the log, in commit order: (position,
 /// type, reservation, recorded at in Unix ms).

@@ -117,9 +117,7 @@ fn doctor_reports_what_a_database_lacks_and_fails_on_a_problem() {
         .enable_all()
         .build()
         .unwrap();
-    let bare = rt.block_on(schema::testing::fresh_database(
-        schema::testing::shared_cluster(),
-    ));
+    let bare = rt.block_on(testkit::fresh_database(testkit::shared_cluster()));
     let (ok, v) = doctor_json(&bare);
     assert!(!ok);
     assert_eq!(status_of(&v, "schema"), vec!["problem"], "{v}");

@@ -4,7 +4,7 @@
 
 use super::{database, ok, spawn};
 use std::process::Child;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -64,20 +64,14 @@ pub(crate) fn query(url: &str, sql: &str) -> Vec<Vec<String>> {
     })
 }
 
-fn wait_until(secs: u64, what: &str, logs: &std::path::Path, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while Instant::now() < deadline {
-        if f() {
-            return;
+fn wait_until(secs: u64, what: &str, logs: &std::path::Path, f: impl FnMut() -> bool) {
+    testkit::wait_until(secs, what, f, || {
+        for log in ["a.log", "b.log", "node.log"] {
+            let text = std::fs::read_to_string(logs.join(log)).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(15).collect();
+            eprintln!("--- {log} (last lines, newest first)\n{}", tail.join("\n"));
         }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    for log in ["a.log", "b.log", "node.log"] {
-        let text = std::fs::read_to_string(logs.join(log)).unwrap_or_default();
-        let tail: Vec<&str> = text.lines().rev().take(15).collect();
-        eprintln!("--- {log} (last lines, newest first)\n{}", tail.join("\n"));
-    }
-    panic!("timed out waiting for: {what}");
+    })
 }
 
 #[test]
@@ -265,12 +259,12 @@ impl Drop for Killed {
 #[test]
 fn every_role_survives_a_postgres_crash_restart() {
     // Its own cluster: this test crashes it.
-    let mut cluster = schema::testing::temp_cluster(&[]).unwrap();
+    let mut cluster = testkit::temp_cluster(&[]).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    let url = rt.block_on(schema::testing::fresh_database(&cluster));
+    let url = rt.block_on(testkit::fresh_database(&cluster));
     ok(&["migrate", "--database-url", &url]);
     let dir = tempfile::tempdir().unwrap();
     let ca = dir.path().join("ca");
@@ -629,7 +623,7 @@ fn one_trace_follows_a_reservation_from_the_request_to_active() {
             .unwrap()
     };
     // A webhook sink, so that a delivery is traced too.
-    let (hook, delivered) = super::placement::http_receiver();
+    let (hook, delivered) = super::sinks::http_receiver();
     ok(&[
         "sinks",
         "create",

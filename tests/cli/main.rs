@@ -6,10 +6,12 @@ mod config;
 mod deploy;
 mod doctor;
 mod gateway;
+mod maintenance;
 mod placement;
 mod pooler;
 mod queues;
 mod region;
+mod sinks;
 mod structure;
 mod topology;
 mod upgrade;
@@ -63,9 +65,7 @@ fn database() -> String {
         .enable_all()
         .build()
         .unwrap();
-    let url = rt.block_on(schema::testing::fresh_database(
-        schema::testing::shared_cluster(),
-    ));
+    let url = rt.block_on(testkit::fresh_database(testkit::shared_cluster()));
     ok(&["migrate", "--database-url", &url]);
     url
 }

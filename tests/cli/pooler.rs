@@ -6,14 +6,14 @@ use crate::{append_args, ok, reserve_args, spawn};
 
 #[test]
 fn appends_reservations_and_a_placer_work_through_pgbouncer() {
-    let cluster = schema::testing::shared_cluster();
+    let cluster = testkit::shared_cluster();
     let url = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap()
-        .block_on(schema::testing::fresh_database(cluster));
+        .block_on(testkit::fresh_database(cluster));
     let name = url.rsplit('/').next().unwrap().to_string();
-    let bouncer = schema::testing::temp_bouncer(cluster).unwrap();
+    let bouncer = testkit::temp_bouncer(cluster).unwrap();
     let pooled = bouncer.url(&name);
     let db = |extra: &[&'static str]| -> Vec<String> {
         let mut v: Vec<String> = vec![

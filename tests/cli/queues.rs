@@ -2,8 +2,9 @@
 //! quota it enforces, why a request waits as it changes, and the log's own
 //! record of it.
 
-use super::placement::{check_json, placer, rt, show_reservation, wait_for};
+use super::placement::{check_json, placer, rt, show_reservation};
 use super::{append_args, database, fails, lines, ok, reserve_args, strata};
+use testkit::wait_for;
 
 const CLASS: &str = "H100-80GB";
 

@@ -2,8 +2,9 @@
 //! moving a node to another rack, and gangs placed within one rack or
 //! spread over racks by a real placer.
 
-use super::placement::{placer, show_reservation, wait_for};
+use super::placement::{placer, show_reservation};
 use super::{database, ok, reserve_args, strata};
+use testkit::wait_for;
 
 /// The rack of each node a reservation is on, as `pool show` would say.
 fn racks_of(url: &str, id: &str) -> Vec<String> {

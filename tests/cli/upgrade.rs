@@ -37,9 +37,7 @@ fn json(args: &[&str]) -> (i32, serde_json::Value) {
 
 #[test]
 fn this_binary_runs_against_the_next_releases_expanded_schema_and_refuses_a_contracted_one() {
-    let url = rt().block_on(schema::testing::fresh_database(
-        schema::testing::shared_cluster(),
-    ));
+    let url = rt().block_on(testkit::fresh_database(testkit::shared_cluster()));
     let known = schema::migrate::known();
     // Only up to the previous schema: --check says what migrating would do.
     migrate_as_newer(
@@ -62,7 +60,7 @@ fn this_binary_runs_against_the_next_releases_expanded_schema_and_refuses_a_cont
     // The next release expands the schema: a column on the event table
     // and a table. This binary keeps working against it: it appends, its
     // reader decodes rows with the extra column, a placer places.
-    let next = schema::testing::next_release(false);
+    let next = testkit::next_release(false);
     assert_eq!(migrate_as_newer(&url, next), [known + 1]);
     let out = ok(&["migrate", "--database-url", &url]);
     assert_eq!(out.trim(), "schema is up to date");
@@ -152,7 +150,7 @@ fn this_binary_runs_against_the_next_releases_expanded_schema_and_refuses_a_cont
             .unwrap();
     });
     assert_eq!(
-        migrate_as_newer(&url, schema::testing::next_release(true)),
+        migrate_as_newer(&url, testkit::next_release(true)),
         [known + 2]
     );
     let out = strata(&[

@@ -7,8 +7,8 @@
 
 use crate::util::percentile_ms;
 use anyhow::Result;
+use domain::{Request, Shape};
 use events::Appender;
-use projections::{Request, Shape};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,7 +19,7 @@ use super::{flood, offer, Seen};
 pub const QUIET: &str = "backfill-quiet";
 pub const CONTENDED: &str = "backfill-contended";
 /// Gangs per round: as many as the placer guards in one batch
-/// (`placer::backfill::MAX_SHADOWS`).
+/// (`placer::backfill::MAX_HOLDS`).
 pub const GANGS: u32 = 8;
 /// Nodes per gang, all 8 GPUs of each.
 pub const GANG_NODES: u32 = 4;

@@ -5,8 +5,9 @@
 
 use crate::util::percentile_ms;
 use anyhow::{bail, Result};
+use domain::{QueueSpec, Quota, Request, Shape};
 use events::Appender;
-use projections::{Index, QueueSpec, Quota, Request, Shape};
+use projections::Index;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -66,9 +67,8 @@ pub fn specs(gpus: u64) -> Vec<QueueSpec> {
 
 fn request(id: String, queue: String, gpus: u32, shape: Shape, priority: i32) -> Request {
     // Gangs within one rack.
-    let topology = matches!(shape, Shape::Gang { .. }).then_some(
-        projections::domain::Topology::Within(projections::domain::Tier::Rack),
-    );
+    let topology =
+        matches!(shape, Shape::Gang { .. }).then_some(domain::Topology::Within(domain::Tier::Rack));
     Request {
         priority,
         topology,

@@ -37,7 +37,7 @@ pub async fn log(client: &Client, acked: &[String]) -> Result<(i64, Vec<Violatio
         .collect();
     let missing: Vec<&String> = acked
         .iter()
-        .filter(|id| !requested.contains(&projections::domain::reservation_stream(id)))
+        .filter(|id| !requested.contains(&domain::reservation_stream(id)))
         .collect();
     if !missing.is_empty() {
         v.push(Violation {

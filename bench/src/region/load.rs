@@ -9,9 +9,9 @@
 //! checker: it must be in the table.
 
 use super::fleet::{Fleet, CLASS};
+use domain::commands::{self, Command};
+use domain::{Fact, Request, Shape};
 use events::{AppendError, Appender, ExpectedVersion};
-use projections::commands::{self, Command};
-use projections::{Fact, Request, Shape};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -218,7 +218,7 @@ async fn reservation(a: &Appender, s: &LoadStats, stop: &AtomicBool, id: String,
         .to_event()
         .with_metadata(&serde_json::json!({"cli": "region-drill"}));
     let t = Instant::now();
-    let stream = projections::domain::reservation_stream(&id);
+    let stream = domain::reservation_stream(&id);
     let ok = surely(s, |_| {
         let (stream, event) = (stream.clone(), event.clone());
         async move {
@@ -244,9 +244,9 @@ async fn reservation(a: &Appender, s: &LoadStats, stop: &AtomicBool, id: String,
         return;
     }
     let released = surely(s, |_| async {
-        match projections::requests::release(a, &id, "done", None).await {
+        match domain::requests::release(a, &id, "done", None).await {
             Ok(()) => Ok(()),
-            Err(projections::requests::RequestError::Append(e)) => Err(e),
+            Err(domain::requests::RequestError::Append(e)) => Err(e),
             Err(e) => Err(AppendError::Invalid(e.to_string())),
         }
     })

@@ -421,7 +421,7 @@ pub async fn start(o: &Options) -> Result<Region> {
         .map(|i| format!("pool-{}", (b'a' + i as u8) as char))
         .collect();
     for p in &pools {
-        placer::client::create_pool(&appender, p, "region drill").await?;
+        domain::pools::create_pool(&appender, p, "region drill").await?;
     }
     // Sinks: a webhook to the drill's receiver, and JetStream.
     std::env::set_var("STRATA_SINK_SECRET_REGION", "region-drill");

@@ -11,8 +11,8 @@
 use super::{procs, Options, Region, HOOK_PREFIX};
 use crate::util::round;
 use anyhow::{Context, Result};
+use domain::{Fact, Request, Shape};
 use events::ExpectedVersion;
-use projections::{Fact, Request, Shape};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -356,7 +356,7 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
     let deadline = Instant::now() + o.patience;
     while Instant::now() < deadline {
         let id = format!("probe-{:016x}", fastrand::u64(..));
-        let stream = projections::domain::reservation_stream(&id);
+        let stream = domain::reservation_stream(&id);
         let event = Fact::ReservationRequested(Request {
             reservation: id.clone(),
             pool: pool.into(),
@@ -413,8 +413,7 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
                     let delivered = r.hook.has(p as u64);
                     if delivered {
                         let took = round(since.elapsed().as_secs_f64(), 2);
-                        let _ =
-                            projections::requests::release(&r.appender, &id, "probe", None).await;
+                        let _ = domain::requests::release(&r.appender, &id, "probe", None).await;
                         return Ok(Some(took));
                     }
                 }

@@ -455,8 +455,8 @@ async fn appends_roll_over_a_month_boundary_into_the_next_partition() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_database_is_a_transient_error_and_the_appender_recovers() {
-    let cluster = schema::testing::temp_cluster(&[]).unwrap();
-    let url = schema::testing::migrated_database(&cluster).await;
+    let cluster = testkit::temp_cluster(&[]).unwrap();
+    let url = testkit::migrated_database(&cluster).await;
     let cfg: tokio_postgres::Config = url.parse().unwrap();
     let a = appender(&cfg);
     a.append("x", ExpectedVersion::Any, vec![ev(1)])
@@ -702,8 +702,8 @@ pub(crate) fn signal_cluster(cluster: &schema::Cluster, sig: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_that_stops_answering_fails_appends_in_bounded_time_and_they_resume() {
-    let cluster = schema::testing::temp_cluster(&[]).unwrap();
-    let url = schema::testing::migrated_database(&cluster).await;
+    let cluster = testkit::temp_cluster(&[]).unwrap();
+    let url = testkit::migrated_database(&cluster).await;
     let db = events::db::Database::parse(&url).unwrap();
     assert_eq!(
         db.config.get_connect_timeout(),

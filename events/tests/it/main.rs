@@ -16,7 +16,7 @@ use tokio_postgres::{Client, Config};
 
 /// A fresh migrated database on the shared cluster.
 pub async fn db() -> (Config, Client) {
-    let url = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let url = testkit::migrated_database(testkit::shared_cluster()).await;
     let cfg: Config = url.parse().unwrap();
     let client = events::db::connect(&cfg, "test").await.unwrap();
     (cfg, client)
@@ -57,22 +57,6 @@ pub async fn table_positions(client: &Client) -> Vec<u64> {
         .iter()
         .map(|r| r.get::<_, i64>(0) as u64)
         .collect()
-}
-
-/// Waits up to `secs` for `f` to become true.
-pub async fn eventually<F, Fut>(secs: u64, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
-    while std::time::Instant::now() < deadline {
-        if f().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("condition not met within {secs}s");
 }
 
 /// The positions of the next `n` events, each within 30 s.

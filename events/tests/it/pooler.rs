@@ -13,10 +13,10 @@ use std::time::Duration;
 
 /// A migrated database, the URL through a PgBouncer in front of it, and
 /// the PgBouncer (dropping it stops it).
-async fn pooled() -> (Database, Database, schema::Bouncer) {
-    let cluster = schema::testing::shared_cluster();
-    let url = schema::testing::migrated_database(cluster).await;
-    let bouncer = schema::testing::temp_bouncer(cluster).expect("start pgbouncer");
+async fn pooled() -> (Database, Database, testkit::Bouncer) {
+    let cluster = testkit::shared_cluster();
+    let url = testkit::migrated_database(cluster).await;
+    let bouncer = testkit::temp_bouncer(cluster).expect("start pgbouncer");
     let name = url.rsplit('/').next().unwrap().to_string();
     let direct = Database::parse(&url).unwrap();
     let through = Database::parse(&bouncer.url(&name)).unwrap();

@@ -1,4 +1,4 @@
-use crate::{appender, db, ev, eventually, reader_config, table_positions, take};
+use crate::{appender, db, ev, reader_config, table_positions, take};
 use events::{AppendError, ExpectedVersion, Reader, Start};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -34,7 +34,7 @@ async fn slots_list_shows_owner_lag_and_retained_wal_and_flags_stale_slots() {
     let slot = rc.slot.clone();
     let r = Reader::start(cfg.clone(), rc);
     let _sub = r.subscribe_ephemeral(Start::Now).await.unwrap();
-    eventually(20, || async {
+    testkit::eventually(20, "the condition", || async {
         slot_active(&client, &slot).await == Some(true)
     })
     .await;
@@ -90,7 +90,7 @@ async fn slots_list_shows_owner_lag_and_retained_wal_and_flags_stale_slots() {
     );
     drop(_sub);
     drop(r);
-    eventually(20, || async {
+    testkit::eventually(20, "the condition", || async {
         slot_active(&client, &slot).await == Some(false)
     })
     .await;
@@ -121,7 +121,7 @@ async fn a_slot_ahead_of_the_resume_point_is_reported_and_filled_from_the_table(
         sub.ack(events::Position(last));
         sub.flush_acks().await.unwrap();
     }
-    eventually(20, || async {
+    testkit::eventually(20, "the condition", || async {
         slot_active(&client, &slot).await == Some(false)
     })
     .await;
@@ -153,19 +153,22 @@ async fn a_slot_ahead_of_the_resume_point_is_reported_and_filled_from_the_table(
         .await
         .unwrap();
     assert_eq!(take(&mut sub, 1).await, [21]);
-    eventually(10, || async { r.slot_ahead_reports() >= 1 }).await;
+    testkit::eventually(10, "the condition", || async {
+        r.slot_ahead_reports() >= 1
+    })
+    .await;
 }
 
 #[tokio::test]
 async fn an_invalidated_slot_is_reported_recreated_and_the_gap_read_from_the_table() {
-    let cluster = schema::testing::temp_cluster(&[
+    let cluster = testkit::temp_cluster(&[
         ("max_slot_wal_keep_size", "1MB"),
         ("wal_keep_size", "0"),
         ("min_wal_size", "32MB"),
         ("max_wal_size", "64MB"),
     ])
     .unwrap();
-    let url = schema::testing::migrated_database(&cluster).await;
+    let url = testkit::migrated_database(&cluster).await;
     let cfg: tokio_postgres::Config = url.parse().unwrap();
     let client = events::db::connect(&cfg, "test").await.unwrap();
     let a = appender(&cfg);
@@ -181,7 +184,7 @@ async fn an_invalidated_slot_is_reported_recreated_and_the_gap_read_from_the_tab
         sub.ack(e.position);
         sub.flush_acks().await.unwrap();
     }
-    eventually(20, || async {
+    testkit::eventually(20, "the condition", || async {
         slot_active(&client, &slot).await == Some(false)
     })
     .await;
@@ -212,13 +215,13 @@ async fn an_invalidated_slot_is_reported_recreated_and_the_gap_read_from_the_tab
     let mut sub = r.subscribe("survivor", Start::Beginning).await.unwrap();
     let got = take(&mut sub, 10).await;
     assert_eq!(got, (2..=11).collect::<Vec<_>>());
-    eventually(20, || async { r.invalidations() == 1 }).await;
+    testkit::eventually(20, "the condition", || async { r.invalidations() == 1 }).await;
     // The re-created slot carries the live stream again.
     a.append("x", ExpectedVersion::Any, vec![ev(11)])
         .await
         .unwrap();
     assert_eq!(take(&mut sub, 1).await, [12]);
-    eventually(20, || async { sub.is_live() }).await;
+    testkit::eventually(20, "the condition", || async { sub.is_live() }).await;
     let status = wal_status(&client, &slot).await;
     assert_ne!(status.as_deref(), Some("lost"));
 }
@@ -273,8 +276,8 @@ async fn append_surely(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_restarted_and_crashed_under_load_loses_nothing() {
-    let mut cluster = schema::testing::temp_cluster_with(true, &[]).unwrap();
-    let url = schema::testing::migrated_database(&cluster).await;
+    let mut cluster = testkit::temp_cluster_with(true, &[]).unwrap();
+    let url = testkit::migrated_database(&cluster).await;
     let cfg: tokio_postgres::Config = url.parse().unwrap();
     let a = appender(&cfg);
     let r = Reader::start(cfg.clone(), reader_config());
@@ -386,8 +389,8 @@ async fn postgres_restarted_and_crashed_under_load_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_whose_database_stops_answering_notices_reconnects_and_resumes() {
-    let cluster = schema::testing::temp_cluster(&[]).unwrap();
-    let url = schema::testing::migrated_database(&cluster).await;
+    let cluster = testkit::temp_cluster(&[]).unwrap();
+    let url = testkit::migrated_database(&cluster).await;
     let cfg: tokio_postgres::Config = url.parse().unwrap();
     let mut rc = reader_config();
     rc.query_timeout = Duration::from_secs(2);

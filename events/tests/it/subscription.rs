@@ -1,4 +1,4 @@
-use crate::{appender, db, ev, eventually, reader, reader_config, table_positions, take};
+use crate::{appender, db, ev, reader, reader_config, table_positions, take};
 use events::{ExpectedVersion, Reader, Start, StreamAppend};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -170,7 +170,7 @@ async fn acks_are_stored_in_the_background() {
         .unwrap();
     let got = take(&mut sub, 2).await;
     sub.ack(events::Position(got[1]));
-    eventually(5, || async {
+    testkit::eventually(5, "the condition", || async {
         let p: i64 = client
             .query_one(
                 "SELECT position FROM strata.subscriptions WHERE name = 'background-ack'",
@@ -269,7 +269,7 @@ async fn wal_held_for_a_subscriber_that_never_acks_is_bounded() {
         .await
         .unwrap()
         .get(0);
-    eventually(20, || async {
+    testkit::eventually(20, "the condition", || async {
         client
             .query_one(
                 "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",

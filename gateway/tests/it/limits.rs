@@ -79,7 +79,7 @@ async fn idle_and_half_open_connections_do_not_keep_out_a_real_node_or_client() 
     let c = joining(&r, &gw, dir.path(), "n1").await;
     let started = Instant::now();
     let n = start(c);
-    eventually(20, "n1 joined and opened a session", || async {
+    testkit::eventually(20, "n1 joined and opened a session", || async {
         n.stats.connected.load(Ordering::Relaxed) >= 1
     })
     .await;
@@ -190,7 +190,7 @@ async fn a_node_flooding_health_reports_is_ended_and_others_go_on() {
     assert!(raised <= 50, "{raised} health events written");
     // The same node, well-behaved, opens a session again.
     let n = start(c);
-    eventually(20, "n1's session opens again", || async {
+    testkit::eventually(20, "n1's session opens again", || async {
         n.stats.connected.load(Ordering::Relaxed) >= 1
     })
     .await;
@@ -237,7 +237,7 @@ async fn the_serving_certificate_is_renewed_before_it_expires() {
     let dir = tempfile::tempdir().unwrap();
     let c = joining(&r, &gw, dir.path(), "n1").await;
     let n = start(c.clone());
-    eventually(20, "n1's session opens", || async {
+    testkit::eventually(20, "n1's session opens", || async {
         n.stats.connected.load(Ordering::Relaxed) >= 1
     })
     .await;
@@ -256,7 +256,7 @@ async fn the_serving_certificate_is_renewed_before_it_expires() {
     let dir2 = tempfile::tempdir().unwrap();
     let c2 = joining(&r, &gw, dir2.path(), "n2").await;
     let n2 = start(c2);
-    eventually(20, "n2 joins through the renewed certificate", || async {
+    testkit::eventually(20, "n2 joins through the renewed certificate", || async {
         n2.stats.connected.load(Ordering::Relaxed) >= 1
     })
     .await;

@@ -67,7 +67,7 @@ async fn a_node_renews_its_certificate_over_its_session_and_outlives_it() {
 
     // The daemon renews twice over twelve seconds and stays connected.
     let n = start(c);
-    eventually(30, "two renewals", || async {
+    testkit::eventually(30, "two renewals", || async {
         n.stats.renewals.load(Ordering::Relaxed) >= 2
     })
     .await;
@@ -75,7 +75,7 @@ async fn a_node_renews_its_certificate_over_its_session_and_outlives_it() {
         joined_at.elapsed() > Duration::from_secs(6),
         "renewed before it was due"
     );
-    eventually(20, "n1 connected with its renewed certificate", || async {
+    testkit::eventually(20, "n1 connected with its renewed certificate", || async {
         n.stats.connected.load(Ordering::Relaxed) == 1
     })
     .await;

@@ -4,8 +4,8 @@
 //! by what the nodes said.
 
 use super::*;
-use projections::domain::{Tier, Topology};
-use projections::{Request, Shape};
+use domain::{Request, Shape};
+use domain::{Tier, Topology};
 use std::collections::BTreeMap;
 
 fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -43,7 +43,7 @@ async fn nodes_report_their_topology_and_gangs_are_placed_by_it() {
         nodes.push(start(c));
     }
     for node in ["n1", "n2", "n3"] {
-        eventually(20, "each node's labels reach its pool", || async {
+        testkit::eventually(20, "each node's labels reach its pool", || async {
             reported(&r, node).await.len() == 1
         })
         .await;
@@ -67,12 +67,12 @@ async fn nodes_report_their_topology_and_gangs_are_placed_by_it() {
 
     // An operator moves n1 to another rack; the node, restarted with the
     // same labels, does not undo it.
-    projections::standing::change(
+    domain::standing::change(
         &r.client,
         &r.appender,
         Some("p"),
         "n1",
-        &projections::standing::Change::Topology {
+        &domain::standing::Change::Topology {
             rack: Some("r9".into()),
             block: None,
             rail: Some("ra".into()),
@@ -88,7 +88,7 @@ async fn nodes_report_their_topology_and_gangs_are_placed_by_it() {
         c.topology = labels(&[("rack", "r1"), ("rail", "ra")]);
         start(c)
     };
-    eventually(20, "n1's second session opens", || async {
+    testkit::eventually(20, "n1's second session opens", || async {
         r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.session_opened'")
             .await
             == 2
@@ -105,7 +105,7 @@ async fn nodes_report_their_topology_and_gangs_are_placed_by_it() {
     let mut c = config(vec![url(&gw)], dir.path(), "n1");
     c.topology = labels(&[("rack", "r3"), ("block", "b1"), ("rail", "ra")]);
     let n1_node = start(c);
-    eventually(20, "n1's changed labels are reported", || async {
+    testkit::eventually(20, "n1's changed labels are reported", || async {
         reported(&r, "n1").await.len() == 3
     })
     .await;

@@ -1,21 +1,25 @@
 //! Integration tests of the placer against a real Postgres: placements
 //! through the log, live and rebuilt indexes, snapshots, two placers on one
-//! pool, stale indexes.
+//! pool, stale indexes, expiries, replacements, lease loss. The binder's
+//! part of a reservation's life, run beside a placer, is in `binding`.
 
+use domain::pool_stream;
+use domain::requests::Outcome;
+use domain::requests::RequestError;
+use domain::{Fact, Request, Shape};
 use events::{Appender, AppenderConfig, ExpectedVersion, Reader, ReaderConfig};
-use placer::client::{self, Outcome};
 use placer::{plan, Placer, PlacerConfig};
-use projections::domain::pool_stream;
-use projections::requests::RequestError;
-use projections::{check, projector, Fact, Index, Projector, Request, Shape, SnapshotStore};
+use projections::{check, projector, Index, Projector, SnapshotStore};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 use tokio_postgres::{Client, Config};
 
 const C: &str = "H100-80GB";
 
+mod binding;
+
 async fn db() -> (Config, Client) {
-    let url = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let url = testkit::migrated_database(testkit::shared_cluster()).await;
     let cfg: Config = url.parse().unwrap();
     let client = events::db::connect(&cfg, "test").await.unwrap();
     (cfg, client)
@@ -35,11 +39,11 @@ fn reader(cfg: &Config) -> Reader {
 }
 
 async fn pool(appender: &Appender, name: &str, nodes: u32) {
-    client::create_pool(appender, name, "test pool")
+    domain::pools::create_pool(appender, name, "test pool")
         .await
         .unwrap();
-    let fleet = client::uniform_fleet(&format!("{name}-n"), nodes, C, 8, 4);
-    client::join_nodes(appender, name, fleet, |_| {})
+    let fleet = domain::pools::uniform_fleet(&format!("{name}-n"), nodes, C, 8, 4);
+    domain::pools::join_nodes(appender, name, fleet, |_| {})
         .await
         .unwrap();
 }
@@ -63,10 +67,13 @@ fn request(id: &str, pool: &str, gpus: u32, shape: Shape) -> Request {
 
 /// The next outcome of a reservation, within 30 s.
 async fn wait_for(sub: &mut events::Subscription, id: &str) -> Outcome {
-    tokio::time::timeout(Duration::from_secs(30), client::wait(sub, id, |_| {}))
-        .await
-        .expect("an outcome in time")
-        .unwrap()
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        domain::requests::wait(sub, id, |_| {}),
+    )
+    .await
+    .expect("an outcome in time")
+    .unwrap()
 }
 
 async fn head(client: &Client) -> u64 {
@@ -121,9 +128,14 @@ async fn placements_flow_through_the_log_and_rebuilt_indexes_match() {
         .subscribe_ephemeral(events::Start::Now)
         .await
         .unwrap();
-    client::reserve(&client, &appender, &request("first", "p1", 8, Shape::Node))
-        .await
-        .unwrap();
+    domain::requests::reserve(
+        &client,
+        &appender,
+        &request("first", "p1", 8, Shape::Node),
+        None,
+    )
+    .await
+    .unwrap();
     let outcome = wait_for(&mut sub, "first").await;
     let Outcome::Placed(allocs) = outcome else {
         panic!("{outcome:?}")
@@ -145,48 +157,59 @@ async fn placements_flow_through_the_log_and_rebuilt_indexes_match() {
         (1, Shape::Node),
     ];
     for (i, (gpus, shape)) in shapes.iter().enumerate() {
-        client::reserve(
+        domain::requests::reserve(
             &client,
             &appender,
             &request(&format!("m{i}"), "p1", *gpus, *shape),
+            None,
         )
         .await
         .unwrap();
     }
     // Asking for more than the pool has is refused at once by the placer.
-    client::reserve(&client, &appender, &request("huge", "p1", 33, Shape::Any))
-        .await
-        .unwrap();
+    domain::requests::reserve(
+        &client,
+        &appender,
+        &request("huge", "p1", 33, Shape::Any),
+        None,
+    )
+    .await
+    .unwrap();
     settled(&client, 5, 0).await;
     live.snapshot().unwrap().expect("a snapshot was written");
     let snap_at = live.index.position();
 
     // Releases free devices; a waiting reservation then places.
-    client::reserve(&client, &appender, &request("big", "p1", 16, Shape::Any))
-        .await
-        .unwrap();
+    domain::requests::reserve(
+        &client,
+        &appender,
+        &request("big", "p1", 16, Shape::Any),
+        None,
+    )
+    .await
+    .unwrap();
     let r = settled(&client, 5, 1).await;
     assert_eq!(r.booked_devices, 19);
-    client::release(&appender, "first", "done").await.unwrap();
-    client::release(&appender, "m1", "done").await.unwrap();
+    domain::requests::release(&appender, "first", "done", None)
+        .await
+        .unwrap();
+    domain::requests::release(&appender, "m1", "done", None)
+        .await
+        .unwrap();
     settled(&client, 4, 0).await;
-    let err = client::release(&appender, "never-made", "")
+    let err = domain::requests::release(&appender, "never-made", "", None)
         .await
         .unwrap_err();
-    assert!(
-        matches!(err, client::ClientError::Request(RequestError::NotFound(_))),
-        "{err}"
-    );
-    let err = client::reserve(&client, &appender, &request("x", "nope", 1, Shape::Any))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            client::ClientError::Request(RequestError::NoSuchPool(_))
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, RequestError::NotFound(_)), "{err}");
+    let err = domain::requests::reserve(
+        &client,
+        &appender,
+        &request("x", "nope", 1, Shape::Any),
+        None,
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, RequestError::NoSuchPool(_)), "{err}");
 
     let end = head(&client).await;
     follow(&mut live, end).await;
@@ -208,7 +231,7 @@ async fn placements_flow_through_the_log_and_rebuilt_indexes_match() {
 
     let stats = placer.stats().view();
     assert_eq!(stats.placed, 6, "{stats:?}");
-    assert_eq!(stats.unschedulable, 1, "{stats:?}");
+    assert_eq!(stats.rejected, 1, "{stats:?}");
     assert_eq!(stats.released, 2, "{stats:?}");
     assert!(stats.queued >= 1, "{stats:?}");
     placer.stop().await.unwrap();
@@ -262,7 +285,9 @@ async fn two_placers_forced_onto_one_pool_never_double_book() {
                     },
                 )
             };
-            client::reserve(&c, &appender, &r).await.unwrap();
+            domain::requests::reserve(&c, &appender, &r, None)
+                .await
+                .unwrap();
         }));
     }
     for t in tasks {
@@ -314,10 +339,10 @@ async fn a_stale_index_costs_a_conflict_not_a_double_booking() {
     let (cfg, client) = db().await;
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
     pool(&appender, "s", 1).await;
-    client::reserve(&client, &appender, &request("a", "s", 8, Shape::Node))
+    domain::requests::reserve(&client, &appender, &request("a", "s", 8, Shape::Node), None)
         .await
         .unwrap();
-    client::reserve(&client, &appender, &request("b", "s", 8, Shape::Node))
+    domain::requests::reserve(&client, &appender, &request("b", "s", 8, Shape::Node), None)
         .await
         .unwrap();
     // Two copies of the same index: one placer commits from the first...
@@ -361,7 +386,7 @@ async fn the_check_finds_a_double_booking_in_the_log() {
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
     pool(&appender, "bad", 1).await;
     for id in ["a", "b"] {
-        client::reserve(&client, &appender, &request(id, "bad", 1, Shape::Any))
+        domain::requests::reserve(&client, &appender, &request(id, "bad", 1, Shape::Any), None)
             .await
             .unwrap();
     }
@@ -369,7 +394,7 @@ async fn the_check_finds_a_double_booking_in_the_log() {
     for id in ["a", "b"] {
         let fact = Fact::ReservationPlaced {
             reservation: id.into(),
-            allocations: vec![projections::Allocation {
+            allocations: vec![domain::Allocation {
                 node: "bad-n00000".into(),
                 devices: vec!["gpu0".into()],
             }],
@@ -409,7 +434,9 @@ async fn reservations_expire_after_their_ttl_and_free_their_devices() {
         .unwrap();
     let mut r = request("short", "ttl", 8, Shape::Node);
     r.ttl_ms = Some(300);
-    client::reserve(&client, &appender, &r).await.unwrap();
+    domain::requests::reserve(&client, &appender, &r, None)
+        .await
+        .unwrap();
     assert!(matches!(
         wait_for(&mut sub, "short").await,
         Outcome::Placed(_)
@@ -426,108 +453,11 @@ async fn reservations_expire_after_their_ttl_and_free_their_devices() {
     placer.stop().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_activation_racing_a_release_or_an_expiry_conflicts_instead_of_landing_after_the_end() {
-    // A binder activates a reservation at the version of its stream that it
-    // has seen. If the reservation was released (or expired) in between, its
-    // end must have moved that version, so the late activation conflicts
-    // instead of landing after the end.
-    let (cfg, client) = db().await;
-    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    pool(&appender, "fence", 2).await;
-    let reader = reader(&cfg);
-    let placer = Placer::start(
-        cfg.clone(),
-        reader.clone(),
-        appender.clone(),
-        PlacerConfig::new("fence"),
-    );
-    let mut sub = reader
-        .subscribe_ephemeral(events::Start::Now)
-        .await
-        .unwrap();
-    let activate = |id: &str, seen: u64| {
-        let appender = appender.clone();
-        let id = id.to_string();
-        async move {
-            appender
-                .append(
-                    &projections::domain::reservation_stream(&id),
-                    ExpectedVersion::Exact(seen),
-                    vec![Fact::ReservationActive { reservation: id }.to_event()],
-                )
-                .await
-        }
-    };
-
-    // Released: the binder saw the release request, not yet the release.
-    client::reserve(&client, &appender, &request("rel", "fence", 8, Shape::Node))
-        .await
-        .unwrap();
-    assert!(matches!(
-        wait_for(&mut sub, "rel").await,
-        Outcome::Placed(_)
-    ));
-    // The version a binder has seen: the one the release request made.
-    let seen = appender
-        .append(
-            "reservation/rel",
-            ExpectedVersion::StreamExists,
-            vec![Fact::ReleaseRequested {
-                reservation: "rel".into(),
-                reason: "done".into(),
-            }
-            .to_event()],
-        )
-        .await
-        .unwrap()
-        .version;
-    assert_eq!(wait_for(&mut sub, "rel").await, Outcome::Released);
-    let late = activate("rel", seen).await;
-    assert!(
-        matches!(late, Err(events::AppendError::VersionConflict { .. })),
-        "an activation after the release was accepted: {late:?}"
-    );
-
-    // Expired: the binder saw the request only.
-    let mut r = request("ttl", "fence", 8, Shape::Node);
-    r.ttl_ms = Some(200);
-    client::reserve(&client, &appender, &r).await.unwrap();
-    assert!(matches!(
-        wait_for(&mut sub, "ttl").await,
-        Outcome::Placed(_)
-    ));
-    // The binder saw the request: version 1.
-    let seen = 1;
-    assert_eq!(wait_for(&mut sub, "ttl").await, Outcome::Expired);
-    let late = activate("ttl", seen).await;
-    assert!(
-        matches!(late, Err(events::AppendError::VersionConflict { .. })),
-        "an activation after the expiry was accepted: {late:?}"
-    );
-
-    // The log's own check agrees, and each end is on the reservation's stream.
-    let report = check::check(&client, |_| {}).await.unwrap();
-    assert_eq!((report.live, report.booked_devices), (0, 0));
-    let ended: Vec<String> = client
-        .query(
-            "SELECT payload->>'outcome' FROM strata.events WHERE type = 'reservation.ended' ORDER BY position",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(ended, ["released", "expired"]);
-    placer.stop().await.unwrap();
-}
-
 /// Answers every `allocation.bind` as its node would (through the command's
 /// log), retrying through database restarts: the node's side of a bind,
 /// which these tests do not exercise.
 fn answer_binds(reader: Reader, appender: Appender) -> tokio::task::JoinHandle<()> {
-    answer_binds_with(reader, appender, |_| projections::commands::SUCCEEDED)
+    answer_binds_with(reader, appender, |_| domain::commands::SUCCEEDED)
 }
 
 /// [`answer_binds`] with the outcome `answer` picks for each command id:
@@ -547,15 +477,13 @@ fn answer_binds_with(
         loop {
             let Ok(e) = sub.next().await else { return };
             sub.ack(e.position);
-            if e.event_type != projections::commands::ISSUED
-                || !e.payload.contains("allocation.bind")
-            {
+            if e.event_type != domain::commands::ISSUED || !e.payload.contains("allocation.bind") {
                 continue;
             }
             let id = e.stream.trim_start_matches("command/").to_string();
             let outcome = answer(&id);
             for _ in 0..100 {
-                match projections::commands::transition(
+                match domain::commands::transition(
                     &appender,
                     &id,
                     e.version,
@@ -600,385 +528,6 @@ async fn until_on(cfg: &Config, stream: &str, event_type: &str, secs: u64) -> Du
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn placer_and_binder_survive_a_postgres_crash_restart() {
-    let mut cluster = schema::testing::temp_cluster(&[]).unwrap();
-    let url = schema::testing::migrated_database(&cluster).await;
-    let cfg: Config = url.parse().unwrap();
-    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    pool(&appender, "crash", 2).await;
-    let reader = reader(&cfg);
-    let mut pc = PlacerConfig::new("crash-placer");
-    pc.lease_ttl = Duration::from_secs(2);
-    let placer = Placer::start(cfg.clone(), reader.clone(), appender.clone(), pc);
-    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
-    let node = answer_binds(reader.clone(), appender.clone());
-    let client = events::db::connect(&cfg, "test").await.unwrap();
-    client::reserve(
-        &client,
-        &appender,
-        &request("before", "crash", 8, Shape::Node),
-    )
-    .await
-    .unwrap();
-    until_on(&cfg, "reservation/before", "reservation.activated", 30).await;
-
-    // A crash: every server process ends at once, then crash recovery.
-    tokio::task::block_in_place(|| {
-        cluster.crash();
-        cluster.restart()
-    })
-    .unwrap();
-    let back = std::time::Instant::now();
-    loop {
-        let Ok(client) = events::db::connect(&cfg, "test").await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        match client::reserve(
-            &client,
-            &appender,
-            &request("after", "crash", 8, Shape::Node),
-        )
-        .await
-        {
-            Ok(()) => break,
-            Err(e) => {
-                assert!(
-                    back.elapsed() < Duration::from_secs(30),
-                    "no reservation after the restart: {e}"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-    until_on(&cfg, "reservation/after", "reservation.activated", 30).await;
-    let recovered = back.elapsed();
-    eprintln!("placed and active again {recovered:?} after the restart");
-
-    // Both leases are renewed again, as the table has them: the placer's
-    // pool and the binder's (neither holder kept working on a dead
-    // connection, nor stopped).
-    let restarted_at: std::time::SystemTime = events::db::connect(&cfg, "test")
-        .await
-        .unwrap()
-        .query_one("SELECT pg_postmaster_start_time()", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let t = std::time::Instant::now();
-    loop {
-        let client = events::db::connect(&cfg, "test").await.unwrap();
-        let renewed: i64 = client
-            .query_one(
-                "SELECT count(*) FROM strata.leases
-                  WHERE name IN ('binder', 'pool/crash') AND renewed_at > $1 AND expires_at > now()",
-                &[&restarted_at],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if renewed == 2 {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "the leases were not renewed after the restart: {:?}",
-            client
-                .query(
-                    "SELECT name, holder, renewed_at::text, expires_at::text FROM strata.leases",
-                    &[]
-                )
-                .await
-                .unwrap()
-                .iter()
-                .map(|r| (
-                    r.get::<_, String>(0),
-                    r.get::<_, String>(1),
-                    r.get::<_, String>(2),
-                    r.get::<_, String>(3)
-                ))
-                .collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(!placer.is_finished(), "the placer stopped");
-    assert!(!binder.is_finished(), "the binder stopped");
-    let client = events::db::connect(&cfg, "test").await.unwrap();
-    // And placement goes on after them: a release, then a new reservation.
-    client::release(&appender, "before", "done").await.unwrap();
-    until_on(&cfg, "reservation/before", "reservation.ended", 30).await;
-    client::reserve(
-        &client,
-        &appender,
-        &request("later", "crash", 8, Shape::Node),
-    )
-    .await
-    .unwrap();
-    until_on(&cfg, "reservation/later", "reservation.activated", 30).await;
-    let report = check::check(&client, |_| {}).await.unwrap();
-    assert_eq!((report.live, report.booked_devices), (2, 16));
-    node.abort();
-    binder.stop().await.unwrap();
-    placer.stop().await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_binder_started_after_releases_sends_them_to_the_nodes() {
-    // Reservations released (or expired) while no binder runs: the next
-    // binder finds their bindings in the log and releases them on the node.
-    let (cfg, client) = db().await;
-    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    pool(&appender, "leak", 2).await;
-    let reader = reader(&cfg);
-    let placer = Placer::start(
-        cfg.clone(),
-        reader.clone(),
-        appender.clone(),
-        PlacerConfig::new("leak"),
-    );
-    let node = answer_binds(reader.clone(), appender.clone());
-    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
-    let mut sub = reader
-        .subscribe_ephemeral(events::Start::Now)
-        .await
-        .unwrap();
-    for id in ["l1", "l2"] {
-        client::reserve(&client, &appender, &request(id, "leak", 8, Shape::Node))
-            .await
-            .unwrap();
-        until_on(
-            &cfg,
-            &format!("reservation/{id}"),
-            "reservation.activated",
-            30,
-        )
-        .await;
-    }
-    binder.stop().await.unwrap();
-    // No binder runs while both are released.
-    client::release(&appender, "l1", "done").await.unwrap();
-    client::release(&appender, "l2", "done").await.unwrap();
-    for id in ["l1", "l2"] {
-        loop {
-            if wait_for(&mut sub, id).await == Outcome::Released {
-                break;
-            }
-        }
-    }
-    let releases = "SELECT count(*) FROM strata.events WHERE stream LIKE 'command/release:%' AND type = 'command.issued'";
-    let issued: i64 = client.query_one(releases, &[]).await.unwrap().get(0);
-    assert_eq!(issued, 0, "no binder ran");
-    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
-    let t = std::time::Instant::now();
-    loop {
-        let issued: i64 = client.query_one(releases, &[]).await.unwrap().get(0);
-        if issued == 2 {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "the new binder issued {issued} of 2 releases"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    node.abort();
-    binder.stop().await.unwrap();
-    placer.stop().await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unanswered_bind_is_tried_again_and_a_refused_one_releases_its_reservation() {
-    let (cfg, client) = db().await;
-    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    pool(&appender, "binds", 2).await;
-    let reader = reader(&cfg);
-    let placer = Placer::start(
-        cfg.clone(),
-        reader.clone(),
-        appender.clone(),
-        PlacerConfig::new("binds"),
-    );
-    let node = answer_binds_with(reader.clone(), appender.clone(), |id| {
-        if id.starts_with("bind:slow:") {
-            projections::commands::EXPIRED
-        } else if id.starts_with("bind:bad:") {
-            projections::commands::FAILED
-        } else {
-            projections::commands::SUCCEEDED
-        }
-    });
-    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
-    for id in ["slow", "bad"] {
-        client::reserve(&client, &appender, &request(id, "binds", 8, Shape::Node))
-            .await
-            .unwrap();
-    }
-    // The first bind expired; the second attempt bound it.
-    until_on(&cfg, "reservation/slow", "reservation.activated", 30).await;
-    let retried: i64 = client
-        .query_one(
-            "SELECT count(*) FROM strata.events WHERE stream LIKE 'command/rebind:1:slow:%' AND type = 'command.succeeded'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(retried, 1);
-    // The node refused the other: it is released, and says why.
-    until_on(&cfg, "reservation/bad", "reservation.ended", 30).await;
-    let reason: String = client
-        .query_one(
-            "SELECT payload->>'reason' FROM strata.events WHERE stream = 'reservation/bad' AND type = 'reservation.release_requested'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert!(
-        reason.contains("could not bind it: device gpu9"),
-        "{reason}"
-    );
-    let report = check::check(&client, |_| {}).await.unwrap();
-    assert_eq!((report.live, report.booked_devices), (1, 8));
-
-    // A binder started now reads the attempts from the log: slow is bound.
-    binder.stop().await.unwrap();
-    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
-    let activated: i64 = client
-        .query_one(
-            "SELECT count(*) FROM strata.events WHERE stream = 'reservation/slow' AND type = 'reservation.activated'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(activated, 1);
-    node.abort();
-    binder.stop().await.unwrap();
-    placer.stop().await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reserve_then_release_races_never_activate_after_the_end() {
-    // Clients release right after placement while the binder activates: the
-    // end and the activation race, many at a time.
-    let (cfg, client) = db().await;
-    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    pool(&appender, "race", 8).await;
-    let reader = reader(&cfg);
-    let placer = Placer::start(
-        cfg.clone(),
-        reader.clone(),
-        appender.clone(),
-        PlacerConfig::new("race"),
-    );
-    let node = answer_binds(reader.clone(), appender.clone());
-    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
-    let mut clients = Vec::new();
-    for c in 0..16 {
-        let (cfg, appender, reader) = (cfg.clone(), appender.clone(), reader.clone());
-        clients.push(tokio::spawn(async move {
-            let client = events::db::connect(&cfg, "race-client").await.unwrap();
-            let mut sub = reader
-                .subscribe_ephemeral(events::Start::Now)
-                .await
-                .unwrap();
-            for i in 0..25 {
-                let id = format!("race-{c}-{i}");
-                client::reserve(&client, &appender, &request(&id, "race", 2, Shape::Any))
-                    .await
-                    .unwrap();
-                loop {
-                    if matches!(wait_for(&mut sub, &id).await, Outcome::Placed(_)) {
-                        break;
-                    }
-                }
-                // Released 0 to 100 ms after placement: some activations win
-                // the race, some lose it.
-                tokio::time::sleep(Duration::from_micros(fastrand::u64(0..100_000))).await;
-                client::release(&appender, &id, "done").await.unwrap();
-            }
-        }));
-    }
-    for c in clients {
-        c.await.unwrap();
-    }
-    // Every reservation ends; then nothing of any lands after its end.
-    let t = std::time::Instant::now();
-    loop {
-        let ended: i64 = client
-            .query_one(
-                "SELECT count(*) FROM strata.events WHERE type = 'reservation.released'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if ended == 400 {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "{ended} of 400 ended"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    binder.stop().await.unwrap();
-    placer.stop().await.unwrap();
-    node.abort();
-    let late: i64 = client
-        .query_one(
-            "SELECT count(*) FROM strata.events a JOIN strata.events e
-                ON e.type = 'reservation.released' AND e.payload->>'reservation' = substr(a.stream, 13)
-             WHERE a.type = 'reservation.activated' AND a.position > e.position",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    if late > 0 {
-        let rows = client
-            .query(
-                "SELECT a.stream FROM strata.events a JOIN strata.events e
-                    ON e.type = 'reservation.released' AND e.payload->>'reservation' = substr(a.stream, 13)
-                 WHERE a.type = 'reservation.activated' AND a.position > e.position",
-                &[],
-            )
-            .await
-            .unwrap();
-        let stream: String = rows[0].get(0);
-        let id = stream.trim_start_matches("reservation/").to_string();
-        let history: Vec<String> = client
-            .query(
-                "SELECT position::text || ' ' || stream || ' v' || version::text || ' ' || type || ' ' || payload::text
-                   FROM strata.events WHERE stream = $1 OR payload->>'reservation' = $2
-                      OR payload->'args'->>'reservation' = $2 ORDER BY position",
-                &[&stream, &id],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        panic!(
-            "activations after their reservation's end: {late}\n{}",
-            history.join("\n")
-        );
-    }
-    let activated: i64 = client
-        .query_one(
-            "SELECT count(*) FROM strata.events WHERE type = 'reservation.activated'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    eprintln!("400 reserve-then-release cycles: {activated} activated before their end, 0 after");
-    let report = check::check(&client, |_| {}).await.unwrap();
-    assert_eq!((report.live, report.booked_devices), (0, 0));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reservation_that_asked_is_placed_again_when_its_node_fails() {
     let (cfg, client) = db().await;
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
@@ -996,14 +545,17 @@ async fn a_reservation_that_asked_is_placed_again_when_its_node_fails() {
         .unwrap();
     let mut keep = request("keep", "again", 8, Shape::Node);
     keep.replace_on_failure = true;
-    client::reserve(&client, &appender, &keep).await.unwrap();
+    domain::requests::reserve(&client, &appender, &keep, None)
+        .await
+        .unwrap();
     let Outcome::Placed(first) = wait_for(&mut sub, "keep").await else {
         panic!("keep was not placed");
     };
-    client::reserve(
+    domain::requests::reserve(
         &client,
         &appender,
         &request("plain", "again", 8, Shape::Node),
+        None,
     )
     .await
     .unwrap();
@@ -1063,7 +615,9 @@ async fn a_reservation_that_asked_is_placed_again_when_its_node_fails() {
     let report = check::check(&client, |_| {}).await.unwrap();
     assert_eq!((report.live, report.booked_devices), (1, 8));
     // A client that releases what it asked for releases its replacement.
-    client::release(&appender, "keep", "done").await.unwrap();
+    domain::requests::release(&appender, "keep", "done", None)
+        .await
+        .unwrap();
     assert_eq!(wait_for(&mut sub, "keep~1").await, Outcome::Released);
     let index = projector::build(&client, Index::new()).await.unwrap();
     assert!(
@@ -1073,10 +627,11 @@ async fn a_reservation_that_asked_is_placed_again_when_its_node_fails() {
     );
     assert_eq!(index.state().reservations.len(), 0);
     // Ids with '~' are the placer's.
-    let err = client::reserve(
+    let err = domain::requests::reserve(
         &client,
         &appender,
         &request("mine~1", "again", 1, Shape::Any),
+        None,
     )
     .await
     .unwrap_err();
@@ -1146,10 +701,11 @@ async fn a_placer_that_cannot_renew_its_lease_stops_placing_before_it_expires() 
         .subscribe_ephemeral(events::Start::Now)
         .await
         .unwrap();
-    client::reserve(
+    domain::requests::reserve(
         &client,
         &appender,
         &request("after-stall", "stall", 8, Shape::Node),
+        None,
     )
     .await
     .unwrap();

@@ -87,15 +87,15 @@ impl Index {
         let pool_fact = !matches!(
             fact,
             Fact::ReservationRequested(_)
-                | Fact::ReservationActive { .. }
-                | Fact::ReleaseRequested { .. }
+                | Fact::ReservationActivated { .. }
+                | Fact::ReservationReleaseRequested { .. }
                 | Fact::ReservationEnded { .. }
         );
         let pool = match (&on_pool, pool_fact) {
             (Some(p), true) => p.clone(),
             (None, true) => return Err("a pool fact outside a pool stream".into()),
             (_, false) => {
-                let expected = fact.reservation().map(crate::domain::reservation_stream);
+                let expected = fact.reservation().map(domain::reservation_stream);
                 if expected.as_deref() != Some(event.stream.as_str()) {
                     return Err(format!(
                         "a reservation fact on stream {:?}, not {:?}",
@@ -111,7 +111,7 @@ impl Index {
                 self.apply_pool(pool, fact)
             }
             Fact::NodeJoined { .. }
-            | Fact::InventoryReported { .. }
+            | Fact::NodeInventoryReported { .. }
             | Fact::NodeLeft { .. }
             | Fact::NodeContactLost { .. }
             | Fact::NodeContactRestored { .. } => self.apply_membership(event, pool, fact),
@@ -122,13 +122,15 @@ impl Index {
             | Fact::HealthRaised { .. }
             | Fact::HealthCleared { .. } => self.apply_standing(pool, fact),
             Fact::ReservationRequested(_)
-            | Fact::ReleaseRequested { .. }
-            | Fact::ReservationActive { .. }
+            | Fact::ReservationReleaseRequested { .. }
+            | Fact::ReservationActivated { .. }
             | Fact::ReservationEnded { .. } => self.apply_request(event, fact),
             Fact::ReservationQueued { .. }
-            | Fact::ReservationUnschedulable { .. }
+            | Fact::ReservationRejected { .. }
             | Fact::ReservationPlaced { .. }
-            | Fact::ReservationPreempting { .. } => self.apply_placement(event, pool, fact),
+            | Fact::ReservationPreemptionScheduled { .. } => {
+                self.apply_placement(event, pool, fact)
+            }
             Fact::ReservationReleased { .. }
             | Fact::ReservationExpired { .. }
             | Fact::ReservationFailed { .. }
@@ -176,7 +178,7 @@ impl Index {
     fn apply_membership(&mut self, event: &Event, pool: String, fact: Fact) -> Result<(), String> {
         let joined = matches!(&fact, Fact::NodeJoined { .. });
         match fact {
-            Fact::NodeJoined { node, devices } | Fact::InventoryReported { node, devices } => {
+            Fact::NodeJoined { node, devices } | Fact::NodeInventoryReported { node, devices } => {
                 let exists = self.state.pools[&pool].nodes.contains_key(&node);
                 if !exists {
                     self.state
@@ -346,7 +348,7 @@ impl Index {
                 );
                 self.queue(&id, true);
             }
-            Fact::ReleaseRequested { reservation, .. } => {
+            Fact::ReservationReleaseRequested { reservation, .. } => {
                 // Releasing a reservation that failed and was placed again
                 // releases the one in its place; releasing what is gone is
                 // a no-op.
@@ -359,7 +361,7 @@ impl Index {
                 }
                 self.with_reservation(&id, |r| r.release_requested = true);
             }
-            Fact::ReservationActive { reservation } => {
+            Fact::ReservationActivated { reservation } => {
                 let ok = self.with_reservation(&reservation, |r| {
                     if r.phase == Phase::Placed {
                         r.phase = Phase::Active;
@@ -413,14 +415,14 @@ impl Index {
                 })
                 .expect("checked")?;
             }
-            Fact::ReservationUnschedulable { reservation, .. } => {
+            Fact::ReservationRejected { reservation, .. } => {
                 self.check_in_pool(&reservation, &pool)?;
                 let phase = self.state.reservations[&reservation].phase;
                 self.terminate(&pool, &reservation);
                 self.forget_chain(&reservation);
                 if phase.is_live() {
                     return Err(format!(
-                        "reservation {reservation:?} declared unschedulable while {}",
+                        "reservation {reservation:?} rejected while {}",
                         phase.name()
                     ));
                 }
@@ -434,7 +436,7 @@ impl Index {
                 self.withdraw_preemptions(&pool, &reservation);
                 return placed;
             }
-            Fact::ReservationPreempting {
+            Fact::ReservationPreemptionScheduled {
                 reservation,
                 by,
                 reason,
@@ -520,7 +522,7 @@ impl Index {
                 if !phase.is_live() {
                     return Err(format!(
                         "reservation {reservation:?} {} while {}",
-                        crate::domain::canonical_type(&event.event_type)
+                        domain::canonical_type(&event.event_type)
                             .trim_start_matches("reservation."),
                         phase.name()
                     ));
@@ -756,7 +758,7 @@ impl Index {
         request: &Request,
         allocations: &[Allocation],
     ) -> Option<String> {
-        use crate::domain::Topology;
+        use domain::Topology;
         let (tier, spread) = match request.topology? {
             Topology::Within(t) => (t, false),
             Topology::Spread(t) => (t, true),

@@ -11,8 +11,8 @@ fn ev(t: &str, payload: serde_json::Value) -> NewEvent {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_checker_passes_a_clean_log_and_names_each_violation() {
-    let cluster = schema::testing::shared_cluster();
-    let url = schema::testing::migrated_database(cluster).await;
+    let cluster = testkit::shared_cluster();
+    let url = testkit::migrated_database(cluster).await;
     let db = connect(&url).await;
     let a = Appender::start(
         url.parse::<tokio_postgres::Config>().unwrap(),
@@ -52,7 +52,7 @@ async fn the_checker_passes_a_clean_log_and_names_each_violation() {
     a.append("pool/p", ExpectedVersion::Any, vec![placed("r2", &["g1"])])
         .await
         .unwrap();
-    let c = projections::commands::Command {
+    let c = domain::commands::Command {
         id: "c1".into(),
         node: "n1".into(),
         kind: "diag.nvml".into(),
@@ -60,11 +60,11 @@ async fn the_checker_passes_a_clean_log_and_names_each_violation() {
         deadline_ms: u64::MAX / 2,
         issued_by: "cli:test".into(),
     };
-    projections::commands::issue(&a, &c).await.unwrap();
+    domain::commands::issue(&a, &c).await.unwrap();
     a.append(
         "command/c1",
         ExpectedVersion::Any,
-        vec![ev(projections::commands::SUCCEEDED, serde_json::json!({}))],
+        vec![ev(domain::commands::SUCCEEDED, serde_json::json!({}))],
     )
     .await
     .unwrap();
@@ -97,7 +97,7 @@ async fn the_checker_passes_a_clean_log_and_names_each_violation() {
     a.append(
         "command/c1",
         ExpectedVersion::Any,
-        vec![ev(projections::commands::FAILED, serde_json::json!({}))],
+        vec![ev(domain::commands::FAILED, serde_json::json!({}))],
     )
     .await
     .unwrap();
@@ -158,7 +158,7 @@ async fn the_checker_passes_a_clean_log_and_names_each_violation() {
     let ended = positions("reservation/r4", "reservation.ended").await;
     let active = positions("reservation/r4", "reservation.activated").await;
     assert_eq!(of("active_after_end").positions, [ended[0], active[0]]);
-    let succeeded = positions("command/c1", projections::commands::SUCCEEDED).await;
-    let failed = positions("command/c1", projections::commands::FAILED).await;
+    let succeeded = positions("command/c1", domain::commands::SUCCEEDED).await;
+    let failed = positions("command/c1", domain::commands::FAILED).await;
     assert_eq!(of("commands").positions, [succeeded[0], failed[0]]);
 }

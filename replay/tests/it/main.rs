@@ -44,8 +44,8 @@ async fn env_tls() -> Env {
 }
 
 async fn env_with(adjust: impl FnOnce(&mut AuditConfig)) -> Env {
-    let cluster = schema::testing::shared_cluster();
-    let url = schema::testing::migrated_database(cluster).await;
+    let cluster = testkit::shared_cluster();
+    let url = testkit::migrated_database(cluster).await;
     let db = connect(&url).await;
     let cfg: tokio_postgres::Config = url.parse().unwrap();
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());

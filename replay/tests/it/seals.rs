@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio_postgres::{Client, Config};
 
 async fn db() -> (Config, Client) {
-    let url = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let url = testkit::migrated_database(testkit::shared_cluster()).await;
     let cfg: Config = url.parse().unwrap();
     let client = events::db::connect(&cfg, "test").await.unwrap();
     (cfg, client)

@@ -1,7 +1,7 @@
 //! Integration tests of the schema crate against a private Postgres.
 
-use schema::testing::{fresh_database, shared_cluster};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use testkit::{fresh_database, shared_cluster};
 
 async fn client(url: &str) -> tokio_postgres::Client {
     let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
@@ -59,7 +59,7 @@ async fn a_binary_runs_against_a_newer_schema_that_only_expands() {
     // to 14").
     let url = fresh_database(shared_cluster()).await;
     let mut c = client(&url).await;
-    let applied = schema::migrate::migrate_with(&mut c, &schema::testing::next_release(false))
+    let applied = schema::migrate::migrate_with(&mut c, &testkit::next_release(false))
         .await
         .unwrap();
     assert_eq!(applied.last(), Some(&(schema::migrate::known() + 1)));
@@ -81,7 +81,7 @@ async fn a_contracting_migration_waits_for_older_processes_then_refuses_older_bi
     schema::migrate::register(&c, "old-host", started, "0.0.0", "placer")
         .await
         .unwrap();
-    let next = schema::testing::next_release(true);
+    let next = testkit::next_release(true);
     let plan = schema::migrate::plan(&c, &next).await.unwrap();
     assert_eq!(
         plan.pending.iter().map(|p| p.change).collect::<Vec<_>>(),
@@ -191,8 +191,8 @@ async fn a_migration_never_holds_up_the_event_table_behind_a_reader() {
     // place in the lock queue after its lock timeout and tries again, so
     // the statements queued behind it go on, and it is applied once the
     // reader is gone.
-    let cluster = schema::testing::shared_cluster();
-    let url = schema::testing::migrated_database(cluster).await;
+    let cluster = testkit::shared_cluster();
+    let url = testkit::migrated_database(cluster).await;
     let mut reader = client(&url).await;
     let tx = reader.transaction().await.unwrap();
     tx.query_one("SELECT count(*) FROM strata.events", &[])

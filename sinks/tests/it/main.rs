@@ -154,21 +154,6 @@ fn temporary_reader(cfg: &tokio_postgres::Config, tag: &str) -> Reader {
     Reader::start(cfg.clone(), rc)
 }
 
-async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    while tokio::time::Instant::now() < deadline {
-        if f().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("timed out waiting for: {what}");
-}
-
 async fn append(appender: &Appender, stream: &str, n: usize) -> Vec<u64> {
     let mut out = Vec::new();
     for i in 0..n {
@@ -188,7 +173,7 @@ async fn append(appender: &Appender, stream: &str, n: usize) -> Vec<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     std::env::set_var("STRATA_SINK_SECRET_TEST", SECRET);
-    let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let url_db = testkit::migrated_database(testkit::shared_cluster()).await;
     let cfg: tokio_postgres::Config = url_db.parse().unwrap();
     let client = events::db::connect(&cfg, "test").await.unwrap();
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
@@ -212,13 +197,13 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
         ..SinksConfig::default()
     };
     let sinks = Sinks::start(cfg.clone(), reader.clone(), sc).unwrap();
-    eventually(30, "history delivered", || async {
+    testkit::eventually(30, "history delivered", || async {
         rx.positions.lock().unwrap().len() == 30
     })
     .await;
     // Live events too, all in log order, nothing from other/.
     want.extend(append(&appender, "pool/a", 20).await);
-    eventually(30, "live delivered", || async {
+    testkit::eventually(30, "live delivered", || async {
         rx.positions.lock().unwrap().len() == 50
     })
     .await;
@@ -236,13 +221,13 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     // A receiver that keeps failing: the batch is parked and the sink goes on.
     rx.always_fail.store(true, Ordering::Relaxed);
     let stuck = append(&appender, "pool/a", 5).await;
-    eventually(30, "the failing batch is parked", || async {
+    testkit::eventually(30, "the failing batch is parked", || async {
         parked::list(&client, "hook").await.unwrap().len() == 5
     })
     .await;
     rx.always_fail.store(false, Ordering::Relaxed);
     let after = append(&appender, "pool/a", 3).await;
-    eventually(30, "later events still flow", || async {
+    testkit::eventually(30, "later events still flow", || async {
         rx.positions.lock().unwrap().len() == 53
     })
     .await;
@@ -263,7 +248,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     config::change(&appender, "hook", "sink.paused")
         .await
         .unwrap();
-    eventually(10, "the worker stops", || async {
+    testkit::eventually(10, "the worker stops", || async {
         sinks.stats.workers.load(Ordering::Relaxed) == 0
     })
     .await;
@@ -273,7 +258,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     config::change(&appender, "hook", "sink.resumed")
         .await
         .unwrap();
-    eventually(30, "caught up after resuming", || async {
+    testkit::eventually(30, "caught up after resuming", || async {
         rx.positions.lock().unwrap().len() == 62
     })
     .await;
@@ -289,7 +274,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
         append(&appender, "pool/a", 7).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    eventually(30, "the failing sink paused itself", || async {
+    testkit::eventually(30, "the failing sink paused itself", || async {
         config::list(&client).await.unwrap()[0].paused
     })
     .await;
@@ -314,7 +299,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     config::change(&appender, "hook", "sink.resumed")
         .await
         .unwrap();
-    eventually(30, "caught up after the alert", || async {
+    testkit::eventually(30, "caught up after the alert", || async {
         rx.positions.lock().unwrap().len() + parked_now == before + 42
     })
     .await;
@@ -325,7 +310,7 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
 
     // The name again, while the sinks process runs: a new sink from its own
     // start (now), with none of the old one's cursor or parked events.
-    eventually(10, "the deleted sink's worker stops", || async {
+    testkit::eventually(10, "the deleted sink's worker stops", || async {
         sinks.stats.workers.load(Ordering::Relaxed) == 0
     })
     .await;
@@ -351,13 +336,13 @@ async fn a_webhook_sink_delivers_in_order_retries_parks_and_replays() {
     assert!(parked::list(&client, "hook").await.unwrap().is_empty());
     let err = config::create_in(&mut admin, &again).await.unwrap_err();
     assert!(err.to_string().contains("already exists"), "{err}");
-    eventually(10, "the new sink's worker starts", || async {
+    testkit::eventually(10, "the new sink's worker starts", || async {
         sinks.stats.workers.load(Ordering::Relaxed) == 1
     })
     .await;
     let before = rx.positions.lock().unwrap().len();
     let fresh = append(&appender, "pool/a", 3).await;
-    eventually(30, "the new sink delivers", || async {
+    testkit::eventually(30, "the new sink delivers", || async {
         rx.positions.lock().unwrap().len() >= before + 3
     })
     .await;
@@ -376,7 +361,7 @@ fn nats_url() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_sink_stores_each_event_once_in_jetstream() {
-    let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let url_db = testkit::migrated_database(testkit::shared_cluster()).await;
     let cfg: tokio_postgres::Config = url_db.parse().unwrap();
     let client = events::db::connect(&cfg, "test").await.unwrap();
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
@@ -509,7 +494,7 @@ async fn a_nats_sink_stores_each_event_once_in_jetstream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_receiver_times_out_and_the_batch_is_retried() {
     std::env::set_var("STRATA_SINK_SECRET_TEST", SECRET);
-    let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let url_db = testkit::migrated_database(testkit::shared_cluster()).await;
     let cfg: tokio_postgres::Config = url_db.parse().unwrap();
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
     let (url, rx) = receiver().await;
@@ -531,7 +516,7 @@ async fn a_slow_receiver_times_out_and_the_batch_is_retried() {
         },
     )
     .unwrap();
-    eventually(30, "delivered after the slow answers", || async {
+    testkit::eventually(30, "delivered after the slow answers", || async {
         rx.positions.lock().unwrap().len() >= 10
     })
     .await;
@@ -580,7 +565,7 @@ fn private_ca() -> (String, tokio_rustls::TlsAcceptor) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_sink_delivers_over_https_when_it_trusts_the_receivers_ca() {
     std::env::set_var("STRATA_SINK_SECRET_TEST_TLS", SECRET);
-    let url_db = schema::testing::migrated_database(schema::testing::shared_cluster()).await;
+    let url_db = testkit::migrated_database(testkit::shared_cluster()).await;
     let cfg: tokio_postgres::Config = url_db.parse().unwrap();
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
     let (ca_pem, acceptor) = private_ca();
@@ -632,7 +617,7 @@ async fn a_webhook_sink_delivers_over_https_when_it_trusts_the_receivers_ca() {
         },
     )
     .unwrap();
-    eventually(30, "delivered over https", || async {
+    testkit::eventually(30, "delivered over https", || async {
         rx.positions.lock().unwrap().len() >= want.len()
     })
     .await;

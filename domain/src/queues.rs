@@ -5,9 +5,10 @@
 //! commits between placements, never inside a batch planned against the old
 //! quota. The CLI (`strata queues`) and the client API come through here.
 
-use crate::domain::{pool_exists, pool_stream, valid_name, QueueSpec};
-use crate::requests::RequestError;
+use crate::error::RequestError;
+use crate::pools::pool_exists;
 use crate::Fact;
+use crate::{pool_stream, valid_name, QueueSpec};
 use events::db::Sql;
 use events::{AppendError, Appender, ExpectedVersion};
 use std::collections::BTreeMap;
@@ -57,6 +58,34 @@ pub async fn specs(
 /// exist yet): the spec to write, or why not.
 pub type Edit<'a> =
     dyn Fn(Option<&QueueSpec>) -> Result<QueueSpec, RequestError> + Send + Sync + 'a;
+
+/// For an edit that creates `queue`: refused if it exists already (`now`).
+pub fn refuse_existing(
+    pool: &str,
+    queue: &str,
+    now: Option<&QueueSpec>,
+) -> Result<(), RequestError> {
+    match now {
+        Some(_) => Err(RequestError::QueueExists {
+            pool: pool.to_string(),
+            queue: queue.to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// For an edit that changes `queue`: the spec in force, or refused if there
+/// is none.
+pub fn existing<'a>(
+    pool: &str,
+    queue: &str,
+    now: Option<&'a QueueSpec>,
+) -> Result<&'a QueueSpec, RequestError> {
+    now.ok_or_else(|| RequestError::NoSuchQueue {
+        pool: pool.to_string(),
+        queue: queue.to_string(),
+    })
+}
 
 /// Applies `edit` to queue `queue` of `pool` and appends the result, with
 /// `metadata` (who asked). Returns the spec written.

@@ -1,7 +1,9 @@
-//! Helpers for tests (in this workspace and beyond): one private cluster per
-//! test process, and a fresh, migrated database per test.
+//! Private clusters for tests: one shared per test process, others on
+//! demand (durable, standbys, behind a PgBouncer), a fresh and migrated
+//! database per test, and a next release's migrations to upgrade to.
 
-use crate::cluster::{Cluster, ClusterOptions};
+use crate::bouncer::{Bouncer, BouncerOptions};
+use schema::{Change, Cluster, ClusterError, ClusterOptions, Migration, MIGRATIONS};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::OnceLock;
 
@@ -13,7 +15,7 @@ pub fn shared_cluster() -> &'static Cluster {
 }
 
 /// A new private cluster in a temporary folder with extra settings.
-pub fn temp_cluster(settings: &[(&str, &str)]) -> Result<Cluster, crate::ClusterError> {
+pub fn temp_cluster(settings: &[(&str, &str)]) -> Result<Cluster, ClusterError> {
     temp_cluster_with(false, settings)
 }
 
@@ -22,7 +24,7 @@ pub fn temp_cluster(settings: &[(&str, &str)]) -> Result<Cluster, crate::Cluster
 pub fn temp_cluster_with(
     durable: bool,
     settings: &[(&str, &str)],
-) -> Result<Cluster, crate::ClusterError> {
+) -> Result<Cluster, ClusterError> {
     let base = std::env::temp_dir().join(format!(
         "strata-test-{}-{}",
         std::process::id(),
@@ -39,7 +41,7 @@ pub fn temp_cluster_with(
 }
 
 /// A streaming standby of `primary`, in a folder of its own removed with it.
-pub fn temp_standby(primary: &Cluster) -> Result<Cluster, crate::ClusterError> {
+pub fn temp_standby(primary: &Cluster) -> Result<Cluster, ClusterError> {
     let base = std::env::temp_dir().join(format!(
         "strata-test-{}-{}",
         std::process::id(),
@@ -53,36 +55,35 @@ pub fn temp_standby(primary: &Cluster) -> Result<Cluster, crate::ClusterError> {
 
 /// A PgBouncer in transaction mode in front of `cluster`, its files in a
 /// temporary folder removed with it.
-pub fn temp_bouncer(cluster: &Cluster) -> Result<crate::Bouncer, crate::ClusterError> {
+pub fn temp_bouncer(cluster: &Cluster) -> Result<Bouncer, ClusterError> {
     let dir = std::env::temp_dir().join(format!(
         "strata-test-{}-{}-bouncer",
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
-    crate::Bouncer::start(cluster, &dir, &crate::BouncerOptions::default())
-        .map(crate::Bouncer::remove_on_drop)
+    Bouncer::start(cluster, &dir, &BouncerOptions::default()).map(Bouncer::remove_on_drop)
 }
 
 /// The next release's migrations as this build's tests picture them: one
 /// that expands (a nullable column on the event table, a table), and one
 /// that contracts (drops what the expansion replaced), needing binaries
 /// that know the expansion.
-pub fn next_release(contract: bool) -> Vec<crate::Migration> {
-    let known = crate::migrate::known();
-    let mut m = crate::MIGRATIONS.to_vec();
-    m.push(crate::Migration {
+pub fn next_release(contract: bool) -> Vec<Migration> {
+    let known = schema::migrate::known();
+    let mut m = MIGRATIONS.to_vec();
+    m.push(Migration {
         version: known + 1,
         name: "next_expand",
         sql: "ALTER TABLE strata.events ADD COLUMN trace_context text;
               CREATE TABLE strata.next_release (id bigint PRIMARY KEY);",
-        change: crate::Change::Expand,
+        change: Change::Expand,
     });
     if contract {
-        m.push(crate::Migration {
+        m.push(Migration {
             version: known + 2,
             name: "next_contract",
             sql: "ALTER TABLE strata.processes DROP COLUMN roles;",
-            change: crate::Change::Contract { needs: known + 1 },
+            change: Change::Contract { needs: known + 1 },
         });
     }
     m
@@ -116,7 +117,7 @@ pub async fn migrated_database(cluster: &Cluster) -> String {
         .await
         .expect("connect to the test database");
     tokio::spawn(conn);
-    crate::migrate(&mut client)
+    schema::migrate(&mut client)
         .await
         .expect("migrate the test database");
     url

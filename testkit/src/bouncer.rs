@@ -6,7 +6,7 @@
 //! `pgbouncer`). Like the cluster it runs as `nobody` when we are root, and
 //! it is tied to this process's life by the same watcher.
 
-use crate::cluster::{io, Cluster, ClusterError, SUPERUSER};
+use schema::cluster::{chown, free_port, io, spawn_watcher, Cluster, ClusterError, SUPERUSER};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -68,7 +68,7 @@ impl Bouncer {
     ) -> Result<Bouncer, ClusterError> {
         let bin = Self::find()?;
         fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
-        let port = crate::cluster::free_port()?;
+        let port = free_port()?;
         let users: String = options
             .users
             .iter()
@@ -99,9 +99,9 @@ impl Bouncer {
         let mut cmd = Command::new(bin);
         if let Some((uid, gid)) = cluster.run_as() {
             use std::os::unix::process::CommandExt;
-            crate::cluster::chown(dir, uid, gid)?;
+            chown(dir, uid, gid)?;
             for f in [&auth, &ini] {
-                crate::cluster::chown(f, uid, gid)?;
+                chown(f, uid, gid)?;
             }
             cmd.uid(uid).gid(gid);
         }
@@ -112,7 +112,7 @@ impl Bouncer {
             .stderr(Stdio::null())
             .spawn()
             .map_err(io("start pgbouncer"))?;
-        crate::cluster::spawn_watcher(child.id(), None);
+        spawn_watcher(child.id(), None);
         let mut bouncer = Bouncer {
             child: Some(child),
             port,

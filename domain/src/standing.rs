@@ -7,9 +7,9 @@
 //! any other change of what can be placed. The CLI and the client API both
 //! come through here.
 
-use crate::domain::{pool_stream, stored_types, valid_name};
-use crate::requests::RequestError;
+use crate::error::RequestError;
 use crate::Fact;
+use crate::{pool_stream, stored_types, valid_name};
 use events::db::Sql;
 use events::{Appender, ExpectedVersion};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

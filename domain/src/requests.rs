@@ -2,35 +2,13 @@
 //! writes (the CLI, the client API on the gateways, tests), with the same
 //! checks and the same answers.
 
-use crate::domain::{pool_exists, reservation_stream, valid_name};
-use crate::{Fact, Request};
+pub use crate::error::RequestError;
+use crate::pools::pool_exists;
+use crate::{reservation_stream, valid_name};
+use crate::{Allocation, Fact, Request};
 use events::db::Sql;
-use events::{AppendError, Appender, ExpectedVersion};
+use events::{AppendError, Appender, ExpectedVersion, SubscribeError, Subscription};
 use tokio_postgres::Client;
-
-#[derive(Debug, thiserror::Error)]
-pub enum RequestError {
-    #[error("invalid reservation: {0}")]
-    Invalid(String),
-    #[error("pool {0:?} does not exist (see `strata pools`)")]
-    NoSuchPool(String),
-    #[error("reservation {0:?} already exists")]
-    Exists(String),
-    #[error("reservation {0:?} does not exist")]
-    NotFound(String),
-    #[error("node {0:?} is in no pool (see `strata pool show --nodes`)")]
-    NoSuchNode(String),
-    #[error("pool {pool:?} has no queue {queue:?} (see `strata queues list --pool {pool}`)")]
-    NoSuchQueue { pool: String, queue: String },
-    #[error(
-        "queue {queue:?} already exists in pool {pool:?} (change it with `strata queues set`)"
-    )]
-    QueueExists { pool: String, queue: String },
-    #[error(transparent)]
-    Append(#[from] AppendError),
-    #[error("read the log: {0}")]
-    Database(#[from] tokio_postgres::Error),
-}
 
 /// Requests a reservation (`reservation.requested` on its own new stream, with
 /// `metadata` such as who asked). It is durable when this returns; a placer
@@ -62,7 +40,7 @@ pub async fn reserve(
         .rows(
             "SELECT DISTINCT payload->>'queue' FROM strata.events
               WHERE stream = $1 AND type = 'queue.configured'",
-            &[&crate::domain::pool_stream(&request.pool)],
+            &[&crate::pool_stream(&request.pool)],
         )
         .await?
         .iter()
@@ -164,7 +142,7 @@ pub async fn release(
     metadata: Option<&serde_json::Value>,
 ) -> Result<(), RequestError> {
     valid_name("reservation id", id).map_err(RequestError::Invalid)?;
-    let mut event = Fact::ReleaseRequested {
+    let mut event = Fact::ReservationReleaseRequested {
         reservation: id.to_string(),
         reason: reason.to_string(),
     }
@@ -183,5 +161,69 @@ pub async fn release(
         Ok(_) => Ok(()),
         Err(AppendError::VersionConflict { .. }) => Err(RequestError::NotFound(id.to_string())),
         Err(e) => Err(RequestError::Append(e)),
+    }
+}
+
+/// How a reservation ended up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Placed(Vec<Allocation>),
+    Rejected(String),
+    Released,
+    Expired,
+    /// A node it was on left, was revoked or was lost (the reason).
+    Failed(String),
+    /// Preempted to make room for another request (why, by whom, and its
+    /// replacement if it asked to be requeued).
+    Preempted(String),
+}
+
+/// Waits on a subscription (started before the request was made) for the
+/// reservation's placement or refusal; `on_queued` hears why it waits.
+pub async fn wait(
+    sub: &mut Subscription,
+    id: &str,
+    mut on_queued: impl FnMut(&str),
+) -> Result<Outcome, SubscribeError> {
+    loop {
+        let e = sub.next().await?;
+        if !e.stream.starts_with("pool/") || !e.payload.contains(id) {
+            continue;
+        }
+        let Ok(Some(fact)) = Fact::parse(&e.event_type, &e.payload, &e.metadata) else {
+            continue;
+        };
+        if fact.reservation() != Some(id) {
+            continue;
+        }
+        match fact {
+            Fact::ReservationPlaced { allocations, .. } => return Ok(Outcome::Placed(allocations)),
+            Fact::ReservationRejected { reason, .. } => return Ok(Outcome::Rejected(reason)),
+            Fact::ReservationQueued { reason, .. } => on_queued(&reason),
+            Fact::ReservationReleased { .. } => return Ok(Outcome::Released),
+            Fact::ReservationExpired { .. } => return Ok(Outcome::Expired),
+            Fact::ReservationFailed {
+                reason,
+                replaced_by,
+                ..
+            } => {
+                return Ok(Outcome::Failed(Fact::failure_reason(
+                    &reason,
+                    replaced_by.as_deref(),
+                )))
+            }
+            Fact::ReservationPreempted {
+                by,
+                reason,
+                replaced_by,
+                ..
+            } => {
+                return Ok(Outcome::Preempted(Fact::failure_reason(
+                    &format!("{reason}, by {by}"),
+                    replaced_by.as_deref(),
+                )))
+            }
+            _ => {}
+        }
     }
 }

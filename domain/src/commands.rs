@@ -9,6 +9,7 @@
 //! Every transition is appended with the exact version it follows, so a
 //! command reaches exactly one terminal state however many gateways try.
 
+use events::catalog::{opt, req, EventSpec, Ty};
 use events::db::Sql;
 use events::{AppendError, Appender, Event, ExpectedVersion, NewEvent};
 use serde::{Deserialize, Serialize};
@@ -19,6 +20,74 @@ pub const ACKED: &str = "command.acked";
 pub const SUCCEEDED: &str = "command.succeeded";
 pub const FAILED: &str = "command.failed";
 pub const EXPIRED: &str = "command.expired";
+
+/// The event reference's entries for commands (see `events::catalog`).
+pub const EVENTS: &[EventSpec] = &[
+    EventSpec {
+        event_type: ISSUED,
+        stream: "command/<id>",
+        written_by: "operators (`strata commands issue`, the client API); the binder (`allocation.bind`, `allocation.release`)",
+        about: "A command for a node. Each later transition is appended at the exact version it follows, so a command ends in exactly one terminal state.",
+        fields: &[
+            req("id", Ty::String, "The command's id."),
+            req("node", Ty::String, "The node that runs it."),
+            req("kind", Ty::String, "`diag.nvml`, `allocation.bind`, `allocation.release`, ..."),
+            opt("args", Ty::Object, "Its arguments (default none)."),
+            req("deadline_ms", Ty::Integer, "Unix milliseconds after which it is not run."),
+            opt("issued_by", Ty::String, "`operator:<name>`, `cli:<user>` or `strata:<role>`."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: ACKED,
+        stream: "command/<id>",
+        written_by: "the gateway holding the node's session",
+        about: "The node received the command.",
+        fields: &[
+            req("id", Ty::String, "The command's id."),
+            req("node", Ty::String, "The node."),
+            req("gateway", Ty::String, "The gateway that heard the ack."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: SUCCEEDED,
+        stream: "command/<id>",
+        written_by: "the gateway holding the node's session",
+        about: "Terminal: the node ran the command.",
+        fields: &[
+            req("id", Ty::String, "The command's id."),
+            req("node", Ty::String, "The node."),
+            req("detail", Ty::String, "The node's words."),
+            req("output", Ty::Any, "What the command returned (JSON; null without)."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: FAILED,
+        stream: "command/<id>",
+        written_by: "the gateway holding the node's session",
+        about: "Terminal: the node ran the command and it failed.",
+        fields: &[
+            req("id", Ty::String, "The command's id."),
+            req("node", Ty::String, "The node."),
+            req("detail", Ty::String, "Why."),
+            req("output", Ty::Any, "What the command returned (JSON; null without)."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: EXPIRED,
+        stream: "command/<id>",
+        written_by: "any gateway",
+        about: "Terminal: the deadline passed before a result came.",
+        fields: &[
+            req("id", Ty::String, "The command's id."),
+            req("gateway", Ty::String, "The gateway that expired it."),
+        ],
+        formerly: &[],
+    },
+];
 
 pub fn command_stream(id: &str) -> String {
     format!("command/{id}")
@@ -88,8 +157,8 @@ impl CommandState {
 
 /// Issues a command. Refused if the id was used before.
 pub async fn issue(appender: &Appender, command: &Command) -> Result<(), AppendError> {
-    crate::domain::valid_name("command id", &command.id).map_err(AppendError::Invalid)?;
-    crate::domain::valid_name("node", &command.node).map_err(AppendError::Invalid)?;
+    crate::valid_name("command id", &command.id).map_err(AppendError::Invalid)?;
+    crate::valid_name("node", &command.node).map_err(AppendError::Invalid)?;
     if command.issued_by.is_empty() {
         return Err(AppendError::Invalid(
             "a command records who issued it".into(),
@@ -112,6 +181,20 @@ pub async fn issue(appender: &Appender, command: &Command) -> Result<(), AppendE
         )
         .await
         .map(|_| ())
+}
+
+/// The node a command was issued to, if it was issued.
+pub async fn node_of(
+    client: &tokio_postgres::Client,
+    id: &str,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    Ok(client
+        .opt(
+            "SELECT payload->>'node' FROM strata.events WHERE stream = $1 AND version = 1",
+            &[&command_stream(id)],
+        )
+        .await?
+        .map(|r| r.get(0)))
 }
 
 /// Appends a transition after `version`.

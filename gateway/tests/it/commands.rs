@@ -1,0 +1,143 @@
+//! Commands to nodes: each runs once across reconnects and a stopping
+//! gateway.
+
+use super::*;
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+fn diag(id: &str, node: &str, deadline_ms: u64) -> domain::commands::Command {
+    domain::commands::Command {
+        id: id.into(),
+        node: node.into(),
+        kind: "diag.nvml".into(),
+        args: serde_json::json!({}),
+        deadline_ms,
+        issued_by: "cli:test".into(),
+    }
+}
+
+async fn states(r: &Region, id: &str) -> Vec<String> {
+    r.client
+        .query(
+            "SELECT type FROM strata.events WHERE stream = $1 ORDER BY version",
+            &[&format!("command/{id}")],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_run_once_across_reconnects_and_a_stopping_gateway() {
+    let r = region().await;
+    let a = r.gateway("gw-a", |_| {}).await;
+    let b = r.gateway("gw-b", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&a), url(&b)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    daemon::ensure_joined(&c).await.unwrap();
+    // Start on a: a is first in the list the daemon tries.
+    let mut on_a = c.clone();
+    on_a.gateways = vec![url(&a)];
+    let n = start(on_a);
+    testkit::eventually(20, "the session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+
+    // Issued while connected: pushed, acked, succeeded.
+    domain::commands::issue(&r.appender, &diag("c1", "n1", now_ms() + 60_000))
+        .await
+        .unwrap();
+    testkit::eventually(20, "c1 succeeds", || async {
+        states(&r, "c1").await == ["command.issued", "command.acked", "command.succeeded"]
+    })
+    .await;
+    n.stop().await.unwrap();
+
+    // Issued while the node is away: delivered when it comes back.
+    domain::commands::issue(&r.appender, &diag("c2", "n1", now_ms() + 60_000))
+        .await
+        .unwrap();
+    // A command for another node is never pushed to this one.
+    domain::commands::issue(&r.appender, &diag("other", "n2", now_ms() + 60_000))
+        .await
+        .unwrap();
+    // Slow diagnostics, so a gateway can die while one runs.
+    let slow = Arc::new({
+        let mut f = FakeGpus::parse("8xH100-80GB", "n1").unwrap();
+        f.diag_delay = Duration::from_millis(1500);
+        f
+    });
+    let mut both = c.clone();
+    both.backend = slow;
+    both.gateways = vec![url(&a), url(&b)];
+    let n = start(both);
+    testkit::eventually(20, "c2 succeeds after the reconnect", || async {
+        states(&r, "c2").await.last().map(String::as_str) == Some("command.succeeded")
+    })
+    .await;
+
+    // c3 is acked and running when its gateway stops (a SIGKILLed gateway
+    // is the CLI test's drill).
+    let holder_is_a = a.stats.sessions.load(Ordering::Relaxed) == 1;
+    domain::commands::issue(&r.appender, &diag("c3", "n1", now_ms() + 60_000))
+        .await
+        .unwrap();
+    testkit::eventually(20, "c3 is acked", || async {
+        states(&r, "c3").await.len() == 2
+    })
+    .await;
+    let (dead, alive) = if holder_is_a { (a, b) } else { (b, a) };
+    dead.stop().await.unwrap();
+    testkit::eventually(30, "c3 completes through the other gateway", || async {
+        states(&r, "c3").await.last().map(String::as_str) == Some("command.succeeded")
+    })
+    .await;
+    assert_eq!(
+        states(&r, "c3").await,
+        ["command.issued", "command.acked", "command.succeeded"],
+        "one terminal state"
+    );
+    // c2 and c3 ran once each on this daemon.
+    assert_eq!(n.stats.commands_run.load(Ordering::Relaxed), 2);
+    assert_eq!(states(&r, "other").await, ["command.issued"]);
+
+    // Heartbeats go on while a command runs (1 s beats, a 1.5 s command).
+    domain::commands::issue(&r.appender, &diag("c4", "n1", now_ms() + 60_000))
+        .await
+        .unwrap();
+    testkit::eventually(20, "c4 is acked", || async {
+        states(&r, "c4").await.len() == 2
+    })
+    .await;
+    let beats = n.stats.heartbeats.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert!(
+        n.stats.heartbeats.load(Ordering::Relaxed) > beats,
+        "a heartbeat while c4 ran"
+    );
+    testkit::eventually(20, "c4 succeeds", || async {
+        states(&r, "c4").await.last().map(String::as_str) == Some("command.succeeded")
+    })
+    .await;
+
+    // A command past its deadline is expired by a gateway, not run.
+    n.stop().await.unwrap();
+    domain::commands::issue(&r.appender, &diag("late", "n1", now_ms() + 200))
+        .await
+        .unwrap();
+    testkit::eventually(20, "the late command expires", || async {
+        states(&r, "late").await.last().map(String::as_str) == Some("command.expired")
+    })
+    .await;
+    alive.stop().await.unwrap();
+}

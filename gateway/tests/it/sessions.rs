@@ -1,0 +1,680 @@
+//! A node's session: joining and holding it, refusals at the door, heartbeats
+//! and the fence of a newer session, malformed messages, a node whose
+//! connection is gone, writes while PostgreSQL is down, flapping health.
+
+use super::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_joins_holds_a_session_and_sends_only_changed_inventory() {
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    // Without a token there is nothing to join with.
+    let err = daemon::ensure_joined(&c).await.err().unwrap();
+    assert!(matches!(err, daemon::DaemonError::NeedsJoin), "{err}");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c.clone());
+    testkit::eventually(20, "the session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    testkit::eventually(20, "the inventory reaches the pool stream", || async {
+        r.count(
+            "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'node.joined'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    let payload: serde_json::Value = r
+        .client
+        .query_one(
+            "SELECT payload FROM strata.events WHERE type = 'node.joined'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(payload["devices"].as_array().unwrap().len(), 8);
+    assert_eq!(payload["node"], "n1");
+    for t in ["node.certificate_issued", "node.session_opened"] {
+        let n: i64 = r
+            .client
+            .query_one(
+                "SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = $1",
+                &[&t],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(n, 1, "{t}");
+    }
+    // The key is the node's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(dir.path().join("n1/node.key"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    // The token is spent.
+    let again = daemon::ensure_joined(&{
+        let mut c2 = config(vec![url(&gw)], dir.path(), "n2");
+        c2.token = c.token.clone();
+        c2.ca_pem = Some(r.ca_pem());
+        c2
+    })
+    .await
+    .err()
+    .unwrap();
+    assert!(
+        again
+            .to_string()
+            .contains("unknown, already used or expired"),
+        "{again}"
+    );
+
+    // Restarted, it keeps its certificate and the unchanged inventory does
+    // not travel again.
+    n.stop().await.unwrap();
+    let mut restarted = config(vec![url(&gw)], dir.path(), "n1");
+    restarted.token = None;
+    let n = start(restarted);
+    testkit::eventually(20, "the second session opens", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.session_opened'").await == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined'")
+            .await,
+        1,
+        "an unchanged section is not sent again"
+    );
+    let opened_at = r
+        .count("SELECT max(version) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.session_opened'")
+        .await;
+    assert_eq!(
+        n.stats.epoch.load(Ordering::Relaxed),
+        opened_at as u64,
+        "epoch = the node stream's version at the session's opening"
+    );
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_ca_revoked_and_impersonating_nodes_are_refused() {
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+
+    // A certificate from another CA: the TLS handshake itself fails.
+    let other = tempfile::tempdir().unwrap();
+    ca::init(other.path(), "elsewhere").unwrap();
+    let (cert, key) = Ca::load(other.path())
+        .unwrap()
+        .client_identity("n9")
+        .unwrap();
+    let ndir = dir.path().join("n9");
+    std::fs::create_dir_all(&ndir).unwrap();
+    std::fs::write(ndir.join("node.pem"), cert).unwrap();
+    std::fs::write(ndir.join("node.key"), key).unwrap();
+    std::fs::write(ndir.join("ca.pem"), r.ca_pem()).unwrap();
+    let n = start(config(vec![url(&gw)], dir.path(), "n9"));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(n.stats.sessions.load(Ordering::Relaxed), 0);
+    assert!(
+        n.stats.connects.load(Ordering::Relaxed) == 0
+            || gw.stats.sessions_opened.load(Ordering::Relaxed) == 0
+    );
+    let _ = n.stop().await;
+
+    // A certificate from this CA that was never recorded: refused.
+    let (cert, key) = Ca::load(r.ca_dir.path())
+        .unwrap()
+        .client_identity("n8")
+        .unwrap();
+    let ndir = dir.path().join("n8");
+    std::fs::create_dir_all(&ndir).unwrap();
+    std::fs::write(ndir.join("node.pem"), cert).unwrap();
+    std::fs::write(ndir.join("node.key"), key).unwrap();
+    std::fs::write(ndir.join("ca.pem"), r.ca_pem()).unwrap();
+    let n = start(config(vec![url(&gw)], dir.path(), "n8"));
+    let err = tokio::time::timeout(Duration::from_secs(20), n.task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("not issued to a node of this region"),
+        "{err}"
+    );
+
+    // A joined node, then revoked: its next session is refused for good.
+    let mut c = config(vec![url(&gw)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c.clone());
+    testkit::eventually(20, "n1's session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // Revoked while connected: the live session ends and the daemon stops.
+    let mut own = events::db::connect(&r.cfg, "revoke").await.unwrap();
+    let revoked = identity::revoke(&mut own, "n1", "test").await.unwrap();
+    assert_eq!(revoked, 1);
+    let err = tokio::time::timeout(Duration::from_secs(20), n.task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("revoked"), "{err}");
+    // And a new session is refused.
+    let n = start(c.clone());
+    let err = tokio::time::timeout(Duration::from_secs(20), n.task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("revoked"), "{err}");
+    assert!(gw.stats.refused_identity.load(Ordering::Relaxed) >= 2);
+
+    // n2's certificate speaking for n3 in its Hello: refused.
+    let mut c2 = config(vec![url(&gw)], dir.path(), "n2");
+    c2.token = Some(r.token().await);
+    c2.ca_pem = Some(r.ca_pem());
+    daemon::ensure_joined(&c2).await.unwrap();
+    std::fs::create_dir_all(dir.path().join("n3")).unwrap();
+    for f in ["node.pem", "node.key", "ca.pem", "pool"] {
+        std::fs::copy(dir.path().join("n2").join(f), dir.path().join("n3").join(f)).unwrap();
+    }
+    let n = start(config(vec![url(&gw)], dir.path(), "n3"));
+    let err = tokio::time::timeout(Duration::from_secs(20), n.task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("may not speak for \"n3\""),
+        "{err}"
+    );
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n3'")
+            .await,
+        0,
+        "nothing was written for the impersonated node"
+    );
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_refusals_carry_pushback_and_daemons_wait() {
+    let r = region().await;
+    let gw = r
+        .gateway("gw-a", |c| {
+            c.max_streams = 2;
+        })
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        let mut c = config(vec![url(&gw)], dir.path(), &format!("n{i}"));
+        c.token = Some(r.token().await);
+        c.ca_pem = Some(r.ca_pem());
+        daemon::ensure_joined(&c).await.unwrap();
+        nodes.push(start(c));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    testkit::eventually(20, "two sessions open", || async {
+        gw.stats.sessions.load(Ordering::Relaxed) == 2
+    })
+    .await;
+    testkit::eventually(20, "the third was pushed back", || async {
+        nodes[2].stats.pushbacks.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    let third = &nodes[2].stats;
+    assert_eq!(third.sessions.load(Ordering::Relaxed), 0);
+    // It waits what it was told (5 s, jittered to at least 2.5 s), not its
+    // own 50 ms backoff.
+    assert!(
+        third.pushback_wait_ms.load(Ordering::Relaxed) >= 2500,
+        "{third:?}"
+    );
+    let refused = gw.stats.refused_full.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        gw.stats.refused_full.load(Ordering::Relaxed),
+        refused,
+        "no retry storm while pushed back"
+    );
+    // When one leaves, the third gets in.
+    nodes.remove(0).stop().await.unwrap();
+    testkit::eventually(30, "the third session opens", || async {
+        nodes[1].stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    for n in nodes {
+        n.stop().await.unwrap();
+    }
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_become_transitions_and_a_newer_session_fences_the_older() {
+    let r = region().await;
+    let a = r.gateway("gw-a", |_| {}).await;
+    let b = r.gateway("gw-b", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&a)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    let n = start(c.clone());
+    testkit::eventually(20, "the session on a opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // Heartbeats every second are not written.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(n.stats.heartbeats.load(Ordering::Relaxed) >= 2);
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type LIKE 'node.%reachable'").await,
+        0
+    );
+    // The node moves to b (a is still up): b's session is newer.
+    n.stop().await.unwrap();
+    let mut moved = c.clone();
+    moved.gateways = vec![url(&b)];
+    let n = start(moved);
+    testkit::eventually(20, "the session on b opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // a notices the missed heartbeats; its write is refused by the fence.
+    testkit::eventually(20, "a is fenced", || async {
+        a.stats.fenced.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.marked_unreachable'").await,
+        0,
+        "the fenced owner wrote nothing"
+    );
+    // b writes the transition when the node goes quiet.
+    n.stop().await.unwrap();
+    testkit::eventually(20, "b marks n1 unreachable", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.marked_unreachable'").await == 1
+    })
+    .await;
+    a.stop().await.unwrap();
+    b.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_messages_get_errors_and_the_gateway_stays_up() {
+    use node::proto::{node_message, session_client::SessionClient, Hello, NodeMessage};
+    let r = region().await;
+    let gw = r
+        .gateway("gw-a", |c| {
+            c.max_message_bytes = 64 * 1024;
+        })
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let c = joining(&r, &gw, dir.path(), "n1").await;
+    let creds = daemon::ensure_joined(&c).await.unwrap();
+    let channel = node_channel(&gw, &creds.ca_pem, &creds.cert_pem, &creds.key_pem)
+        .await
+        .unwrap();
+
+    // Bytes that are not a NodeMessage.
+    let mut grpc = tonic::client::Grpc::new(channel.clone());
+    grpc.ready().await.unwrap();
+    let garbage =
+        futures_util::stream::iter(vec![Raw(vec![0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01])]);
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/strata.node.v1.Session/Open");
+    let resp = grpc
+        .streaming::<_, Raw, Raw, RawCodec>(tonic::Request::new(garbage), path, RawCodec)
+        .await;
+    let status = match resp {
+        Err(s) => s,
+        Ok(r) => r
+            .into_inner()
+            .message()
+            .await
+            .err()
+            .expect("an error, not a message"),
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("malformed"), "{status:?}");
+
+    // An oversized Hello.
+    let big = NodeMessage {
+        body: Some(node_message::Body::Hello(Hello {
+            node_id: "n1".into(),
+            agent_version: "x".repeat(100 * 1024),
+            ..Hello::default()
+        })),
+    };
+    let mut client = SessionClient::new(channel.clone());
+    let status = match client.open(futures_util::stream::iter(vec![big])).await {
+        Err(s) => s,
+        Ok(r) => r.into_inner().message().await.expect_err("an error"),
+    };
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
+    assert!(status.message().contains("too large"), "{status:?}");
+
+    // A session that starts with something other than Hello.
+    let hb = NodeMessage {
+        body: Some(node_message::Body::Heartbeat(Default::default())),
+    };
+    let status = match client.open(futures_util::stream::iter(vec![hb])).await {
+        Err(s) => s,
+        Ok(r) => r.into_inner().message().await.expect_err("an error"),
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+
+    // And the gateway still serves a good node.
+    let n = start(c);
+    testkit::eventually(20, "a good session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    assert!(!gw.is_finished());
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+/// Raw bytes through gRPC framing.
+#[derive(Clone, Default)]
+struct Raw(Vec<u8>);
+
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Raw;
+    type Decode = Raw;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+    fn decoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = Raw;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Raw,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        dst.put_slice(&item.0);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = Raw;
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Raw>, tonic::Status> {
+        use bytes::Buf;
+        let v = src.copy_to_bytes(src.remaining()).to_vec();
+        Ok(Some(Raw(v)))
+    }
+}
+
+/// A node whose connection is gone (a power cut, a crash) is out of
+/// contact at once, not three heartbeats later: requests made meanwhile
+/// wait for a node that is there instead of being bound to one that is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() {
+    let r = region().await;
+    // Heartbeats every 30 s: the sweeper marks nothing within the test.
+    let gw = r
+        .gateway("gw-a", |c| c.heartbeat = Duration::from_secs(30))
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let (n, placer) = n1_and_a_placer(&r, &gw, dir.path()).await;
+    n.stop().await.unwrap();
+    testkit::eventually(10, "the pool hears contact with n1 is lost", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'node.contact_lost'").await == 1
+    })
+    .await;
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.disconnected'").await,
+        1
+    );
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.marked_unreachable'").await,
+        0,
+        "not marked unreachable: its heartbeats are not overdue yet"
+    );
+    let whole = domain::Request {
+        reservation: "w".into(),
+        pool: "p".into(),
+        class: "H100-80GB".into(),
+        gpus: 8,
+        shape: domain::Shape::Node,
+        priority: 0,
+        ttl_ms: None,
+        replace_on_failure: false,
+        replaces: None,
+        topology: None,
+        requeue_on_preemption: false,
+        queue: None,
+    };
+    domain::requests::reserve(&r.client, &r.appender, &whole, None)
+        .await
+        .unwrap();
+    testkit::eventually(20, "w is queued", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'reservation.queued' AND payload->>'reservation' = 'w'").await == 1
+    })
+    .await;
+    assert_eq!(
+        placed_on(&r, "w").await,
+        None,
+        "w went to a node that is gone"
+    );
+    // Back (joined already: its credentials are on disk): its new session
+    // restores contact and w is placed there.
+    let n = start(config(vec![url(&gw)], dir.path(), "n1"));
+    testkit::eventually(20, "w is placed on n1, back", || async {
+        placed_on(&r, "w").await.as_deref() == Some("n1")
+    })
+    .await;
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'node.contact_restored'").await,
+        1
+    );
+    n.stop().await.unwrap();
+    placer.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_events_sent_while_postgres_is_down_are_written_once_it_is_back() {
+    use node::gpu::{GpuBackend, HealthChange};
+    let mut cluster = testkit::temp_cluster(&[]).unwrap();
+    let r = region_on(&cluster).await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (n, fake) = joined_with_fake_gpus(&r, &gw, dir.path()).await;
+    let gpus: Vec<String> = fake
+        .inventory()
+        .unwrap()
+        .iter()
+        .map(|d| d.id.clone())
+        .collect();
+
+    // Postgres dies; the node reports five conditions meanwhile.
+    tokio::task::block_in_place(|| cluster.crash());
+    let sent = n.stats.health_reports.load(Ordering::Relaxed);
+    for gpu in &gpus[..5] {
+        fake.inject(HealthChange {
+            device: Some(gpu.clone()),
+            condition: "XID-79".into(),
+            detail: "fell off the bus".into(),
+            cleared: false,
+        });
+    }
+    testkit::eventually(20, "the node sent its reports", || async {
+        n.stats.health_reports.load(Ordering::Relaxed) >= sent + 5
+    })
+    .await;
+    testkit::eventually(20, "the gateway's writer is retrying them", || async {
+        gw.stats.write_retries.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+
+    // Back: every report is written, none twice, nothing counted as lost.
+    tokio::task::block_in_place(|| cluster.restart()).unwrap();
+    let count = || async {
+        let Ok(client) = events::db::connect(&r.cfg, "test-count").await else {
+            return -1;
+        };
+        client
+            .query_one(
+                "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'health.raised'",
+                &[],
+            )
+            .await
+            .map_or(-1, |row| row.get::<_, i64>(0))
+    };
+    testkit::eventually(30, "all five conditions are in the pool stream", || async {
+        count().await == 5
+    })
+    .await;
+    assert_eq!(gw.stats.write_errors.load(Ordering::Relaxed), 0);
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_flowing() {
+    use node::gpu::{GpuBackend, HealthChange};
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (n, fake) = joined_with_fake_gpus(&r, &gw, dir.path()).await;
+    // Four more nodes, so placements have room beside the flapping one.
+    let fleet = domain::pools::uniform_fleet("sim", 4, "H100-80GB", 8, 8);
+    domain::pools::join_nodes(&r.appender, "p", fleet, |_| {})
+        .await
+        .unwrap();
+    let placer = placer::Placer::start(
+        r.cfg.clone(),
+        r.reader(),
+        r.appender.clone(),
+        placer::PlacerConfig::new("flap"),
+    );
+    let health =
+        "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type LIKE 'health.%'";
+    let before = r.count(health).await;
+    // GPU 3 toggles every 100 ms for 4 s, while reservations are placed.
+    let gpu3 = fake.inventory().unwrap()[3].id.clone();
+    let flapper = {
+        let fake = fake.clone();
+        tokio::spawn(async move {
+            for i in 0..40 {
+                fake.inject(HealthChange {
+                    device: Some(gpu3.clone()),
+                    condition: "XID-79".into(),
+                    detail: String::new(),
+                    cleared: i % 2 == 1,
+                });
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let mut sub = r
+        .reader()
+        .subscribe_ephemeral(events::Start::Now)
+        .await
+        .unwrap();
+    // Place and release one GPU after another until the flapping ends.
+    let started = std::time::Instant::now();
+    let (mut placed, mut slowest) = (0, Duration::ZERO);
+    while !flapper.is_finished() {
+        let id = format!("flap-{placed}");
+        let req = domain::Request {
+            reservation: id.clone(),
+            pool: "p".into(),
+            class: "H100-80GB".into(),
+            gpus: 1,
+            shape: domain::Shape::Any,
+            priority: 0,
+            ttl_ms: None,
+            replace_on_failure: false,
+            replaces: None,
+            topology: None,
+            requeue_on_preemption: false,
+            queue: None,
+        };
+        let asked = std::time::Instant::now();
+        domain::requests::reserve(&r.client, &r.appender, &req, None)
+            .await
+            .unwrap();
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(10),
+            domain::requests::wait(&mut sub, &id, |_| {}),
+        )
+        .await
+        .expect("placed while the node flaps")
+        .unwrap();
+        assert!(
+            matches!(outcome, domain::requests::Outcome::Placed(_)),
+            "{outcome:?}"
+        );
+        slowest = slowest.max(asked.elapsed());
+        domain::requests::release(&r.appender, &id, "next", None)
+            .await
+            .unwrap();
+        placed += 1;
+    }
+    let placing = started.elapsed();
+    flapper.await.unwrap();
+    assert!(placed >= 20, "only {placed} placements in {placing:?}");
+    testkit::eventually(20, "the node sent its reports", || async {
+        n.stats.health_reports.load(Ordering::Relaxed) >= 40
+    })
+    .await;
+    let written = r.count(health).await - before;
+    eprintln!(
+        "{placed} placements in {placing:?} (slowest {slowest:?}) while the node sent 40 health reports; {written} written"
+    );
+    assert!(written <= 6, "{written} health events written for 40 flaps");
+    assert!(gw.stats.health_coalesced.load(Ordering::Relaxed) >= 30);
+
+    // The GPU backend stops answering: raised once, cleared when it is back.
+    let unavailable = |t: &'static str| {
+        format!("SELECT count(*) FROM strata.events WHERE type = '{t}' AND payload->>'condition' = 'NVML-unavailable'")
+    };
+    let polls = n.stats.health_reports.load(Ordering::Relaxed);
+    fake.fail_polls(true);
+    testkit::eventually(20, "NVML-unavailable is raised", || async {
+        r.count(&unavailable("health.raised")).await == 1
+    })
+    .await;
+    // Polls go on failing (every 100 ms); nothing more is reported.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(n.stats.health_reports.load(Ordering::Relaxed), polls + 1);
+    fake.fail_polls(false);
+    testkit::eventually(20, "NVML-unavailable is cleared", || async {
+        r.count(&unavailable("health.cleared")).await == 1
+    })
+    .await;
+    assert_eq!(r.count(&unavailable("health.raised")).await, 1);
+    placer.stop().await.unwrap();
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}

@@ -1,0 +1,15 @@
+//! What the tests and the benchmarks share, and nothing a release build of
+//! `strata` needs: private clusters and databases for tests (`clusters.rs`),
+//! a private PgBouncer (`bouncer.rs`), and the one way a test waits for a
+//! condition (`poll.rs`).
+
+mod bouncer;
+mod clusters;
+mod poll;
+
+pub use bouncer::{Bouncer, BouncerOptions};
+pub use clusters::{
+    fresh_database, migrated_database, next_release, shared_cluster, temp_bouncer, temp_cluster,
+    temp_cluster_with, temp_standby,
+};
+pub use poll::{eventually, wait_for, wait_until};
