@@ -1,0 +1,236 @@
+//! The index's own tests: what it refuses, what it reports as a
+//! violation, and how it follows replacements. (The planner's tests, which
+//! plan against it, are the placer's.)
+
+use super::*;
+use crate::testing::Log;
+use domain::pool_stream;
+use domain::pools::devices;
+
+const C: &str = "H100-80GB";
+
+/// A pool `p` with one node, `n00`: 8 GPUs in two islands of 4.
+struct World {
+    log: Log,
+    index: Index,
+}
+
+impl World {
+    fn new() -> World {
+        let mut w = World {
+            log: Log::new(),
+            index: Index::new(),
+        };
+        w.pool(&Fact::PoolCreated {
+            description: String::new(),
+        });
+        w.pool(&Fact::NodeJoined {
+            node: "n00".into(),
+            devices: devices("n00", C, 8, 4),
+        });
+        w
+    }
+
+    fn pool(&mut self, fact: &Fact) -> Option<Violation> {
+        let e = self.log.push(&pool_stream("p"), fact);
+        self.index.apply(&e).unwrap()
+    }
+
+    fn request(&mut self, id: &str, gpus: u32, shape: Shape, priority: i32) {
+        let r = Request {
+            reservation: id.into(),
+            pool: "p".into(),
+            class: C.into(),
+            gpus,
+            shape,
+            priority,
+            ttl_ms: None,
+            replace_on_failure: false,
+            replaces: None,
+            topology: None,
+            requeue_on_preemption: false,
+            queue: None,
+        };
+        let e = self.log.push(
+            &domain::reservation_stream(id),
+            &Fact::ReservationRequested(r),
+        );
+        assert_eq!(self.index.apply(&e).unwrap(), None);
+    }
+}
+
+#[test]
+fn invalid_placements_are_reported() {
+    let mut w = World::new();
+    w.request("a", 1, Shape::Any, 0);
+    w.request("b", 1, Shape::Any, 0);
+    w.pool(&Fact::HealthRaised {
+        node: "n00".into(),
+        device: Some("gpu7".into()),
+        condition: "XID-48".into(),
+        detail: String::new(),
+    });
+    let on = |d: &str| {
+        vec![Allocation {
+            node: "n00".into(),
+            devices: vec![d.into()],
+        }]
+    };
+    assert_eq!(
+        w.pool(&Fact::ReservationPlaced {
+            reservation: "a".into(),
+            allocations: on("gpu0")
+        }),
+        None
+    );
+    let v = w
+        .pool(&Fact::ReservationPlaced {
+            reservation: "b".into(),
+            allocations: on("gpu0"),
+        })
+        .expect("double booking is a violation");
+    assert!(v.message.contains("double booking"), "{v}");
+    let v = w
+        .pool(&Fact::ReservationPlaced {
+            reservation: "a".into(),
+            allocations: on("gpu1"),
+        })
+        .expect("placing twice is a violation");
+    assert!(v.message.contains("placed while placed"), "{v}");
+    w.request("c", 1, Shape::Any, 0);
+    let v = w
+        .pool(&Fact::ReservationPlaced {
+            reservation: "c".into(),
+            allocations: on("gpu7"),
+        })
+        .unwrap();
+    assert!(v.message.contains("unhealthy"), "{v}");
+    let v = w
+        .pool(&Fact::ReservationPlaced {
+            reservation: "nope".into(),
+            allocations: on("gpu2"),
+        })
+        .unwrap();
+    assert!(v.message.contains("unknown"), "{v}");
+    assert_eq!(w.index.state().violations, 4);
+}
+
+#[test]
+fn a_gap_is_refused() {
+    let mut w = World::new();
+    let mut e = w.log.push(
+        "pool/p",
+        &Fact::NodeLeft {
+            node: "n00".into(),
+            reason: String::new(),
+        },
+    );
+    e.position = events::Position(e.position.0 + 2);
+    let err = w.index.apply(&e).unwrap_err();
+    assert!(err.to_string().contains("never arrived"), "{err}");
+}
+
+fn request(id: &str, replaces: Option<&str>) -> Request {
+    Request {
+        reservation: id.into(),
+        pool: "p".into(),
+        class: "H100-80GB".into(),
+        gpus: 8,
+        shape: Shape::Node,
+        priority: 0,
+        ttl_ms: None,
+        replace_on_failure: true,
+        replaces: replaces.map(str::to_string),
+        topology: None,
+        requeue_on_preemption: false,
+        queue: None,
+    }
+}
+
+#[test]
+fn releasing_a_reservation_releases_the_end_of_its_replacement_chain() {
+    let (mut log, mut index) = (Log::new(), Index::new());
+    let mut apply = |index: &mut Index, stream: &str, fact: Fact| {
+        let e = log.push(stream, &fact);
+        assert_eq!(index.apply(&e).unwrap(), None, "{fact:?}");
+    };
+    apply(
+        &mut index,
+        "pool/p",
+        Fact::PoolCreated {
+            description: String::new(),
+        },
+    );
+    for n in ["n1", "n2", "n3"] {
+        let fact = Fact::NodeJoined {
+            node: n.into(),
+            devices: devices(n, "H100-80GB", 8, 8),
+        };
+        apply(&mut index, "pool/p", fact);
+    }
+    // k on n1 fails and is placed again as k~1 on n2, which fails and
+    // is placed again as k~2 on n3.
+    let mut id = "k".to_string();
+    let mut replaces: Option<String> = None;
+    for (n, node) in ["n1", "n2", "n3"].iter().enumerate() {
+        apply(
+            &mut index,
+            &format!("reservation/{id}"),
+            Fact::ReservationRequested(request(&id, replaces.as_deref())),
+        );
+        let allocations = vec![Allocation {
+            node: node.to_string(),
+            devices: (0..8).map(|i| format!("gpu{i}")).collect(),
+        }];
+        apply(
+            &mut index,
+            "pool/p",
+            Fact::ReservationPlaced {
+                reservation: id.clone(),
+                allocations,
+            },
+        );
+        if n < 2 {
+            let next = domain::replacement_id(&id);
+            apply(
+                &mut index,
+                "pool/p",
+                Fact::ReservationFailed {
+                    reservation: id.clone(),
+                    node: node.to_string(),
+                    reason: "node_lost".into(),
+                    replaced_by: Some(next.clone()),
+                },
+            );
+            replaces = Some(id.clone());
+            id = next;
+        }
+    }
+    assert_eq!(id, "k~2");
+    assert_eq!(index.state().replaced_by.len(), 2);
+    // The client releases the id it asked for: the live end is released.
+    apply(
+        &mut index,
+        "reservation/k",
+        Fact::ReservationReleaseRequested {
+            reservation: "k".into(),
+            reason: String::new(),
+        },
+    );
+    assert!(index
+        .reservation("k~2")
+        .is_some_and(|r| r.release_requested));
+    apply(
+        &mut index,
+        "pool/p",
+        Fact::ReservationReleased {
+            reservation: "k~2".into(),
+        },
+    );
+    assert!(
+        index.state().replaced_by.is_empty(),
+        "{:?}",
+        index.state().replaced_by
+    );
+    assert!(index.derived_is_consistent());
+}
