@@ -76,7 +76,9 @@ async fn takeover(synchronous: bool) -> Vec<u64> {
     })
     .await;
     let db = both(&primary, &standby, &dbname);
-    let reader = Reader::start(&db, reader_config());
+    let rc = reader_config();
+    let slot = rc.slot.clone();
+    let reader = Reader::start(&db, rc);
     let mut sub = reader.subscribe_ephemeral(Start::Now).await.unwrap();
     let appender = Appender::start(&db, AppenderConfig::default());
 
@@ -179,13 +181,24 @@ async fn takeover(synchronous: bool) -> Vec<u64> {
             e.stream
         );
     }
-    // The subscription may have read all of them from the table before the
-    // reader's replication connection came back: its slot is made again
-    // then, not necessarily by now.
+    // The reader made its slot again on the new primary (slots are not
+    // replicated to a standby, so it can only be there if the reader made
+    // it). The subscription may have read every event from the table before
+    // the reader's replication connection came back: checked in the table,
+    // with a deadline, not at that moment.
     testkit::eventually(
-        30,
+        60,
         "the reader made its slot again on the promoted standby",
-        || async { reader.slots_missing() >= 1 },
+        || async {
+            promoted
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .unwrap()
+                .is_some()
+        },
     )
     .await;
     drop(standby);
