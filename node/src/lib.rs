@@ -1,5 +1,6 @@
 //! The node daemon.
 
+pub mod cdi;
 mod config;
 pub mod daemon;
 pub mod executor;
