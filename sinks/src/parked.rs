@@ -40,6 +40,20 @@ pub struct Parked {
     pub parked_at: String,
 }
 
+/// How many events of `sink` are parked.
+pub async fn count(
+    client: &tokio_postgres::Client,
+    sink: &str,
+) -> Result<i64, tokio_postgres::Error> {
+    Ok(client
+        .one(
+            "SELECT count(*) FROM strata.sink_parked WHERE sink = $1",
+            &[&sink],
+        )
+        .await?
+        .get(0))
+}
+
 pub async fn list(
     client: &tokio_postgres::Client,
     sink: &str,

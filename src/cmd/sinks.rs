@@ -260,7 +260,7 @@ async fn list(db: &DbArgs) -> Result<()> {
     }
     for s in config::list(&client).await? {
         let cursor = config::cursor(&client, &s.config.name).await?;
-        let parked = sinks::parked::list(&client, &s.config.name).await?.len();
+        let parked = sinks::parked::count(&client, &s.config.name).await?;
         let url = match &s.config.target {
             Target::Webhook { url, .. } => url.clone(),
             Target::Nats {
@@ -306,7 +306,7 @@ async fn show(db: &DbArgs, name: &str) -> Result<()> {
     let s = find(&client, name).await?;
     let head = events::read::head(&client).await?.0;
     let cursor = config::cursor(&client, name).await?;
-    let parked = sinks::parked::list(&client, name).await?.len();
+    let parked = sinks::parked::count(&client, name).await?;
     let shown = serde_json::json!({
             "config": s.config,
             "paused": s.paused,
