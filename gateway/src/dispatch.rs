@@ -203,7 +203,11 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                     }
                     continue;
                 }
-                if e.stream.starts_with("pool/") {
+                // Only reservation facts are parsed: a node's inventory, the
+                // bulk of a pool's stream, never answers a waiting client.
+                if e.stream.starts_with("pool/")
+                    && domain::canonical_type(&e.event_type).starts_with("reservation.")
+                {
                     let fact = Fact::parse(&e.event_type, &e.payload, &e.metadata).ok().flatten();
                     // Placed, or how it ended: the states a waiting client hears.
                     let state = fact.as_ref().and_then(|f| match f {
