@@ -382,7 +382,7 @@ pub async fn run(args: Args) -> Result<()> {
         .collect();
     let (mut leaked, mut missing) = (0u64, 0u64);
     for id in ids.iter().filter(|id| **id != revoked) {
-        let bound = node::executor::bound_reservations(&nodes_dir.join(id));
+        let bound = node::allocation::bound_reservations(&nodes_dir.join(id));
         leaked += bound
             .iter()
             .filter(|r| !live.contains_key(r.as_str()))

@@ -466,6 +466,9 @@ impl api_server::Api for ApiService {
             {
                 out.state = state;
                 out.reason = reason;
+                if !allocations.is_empty() {
+                    out.cdi_device = node::cdi::qualified_name(&id);
+                }
                 out.allocations = allocations
                     .into_iter()
                     .map(|a| Allocation {
@@ -504,6 +507,11 @@ impl api_server::Api for ApiService {
                 projections::index::Phase::Pending => "requested",
                 other => other.name(),
             };
+            let cdi_device = if r.phase.is_live() {
+                node::cdi::qualified_name(&id)
+            } else {
+                String::new()
+            };
             return Ok(Response::new(Reservation {
                 id,
                 state: state.into(),
@@ -516,6 +524,7 @@ impl api_server::Api for ApiService {
                         devices: a.devices.clone(),
                     })
                     .collect(),
+                cdi_device,
                 waiting,
             }));
         }

@@ -17,14 +17,15 @@
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// The CDI kind of every binding: `vendor/class`.
 pub const KIND: &str = "strata.dev/reservation";
-/// The CDI format version written (0.6.0 is read by every runtime that
-/// reads 0.5.0 specs with `deviceNodes` and `env`).
-pub const VERSION: &str = "0.6.0";
+/// The CDI format version written: the oldest that has everything these
+/// specs use is 0.3.0, and 0.5.0 is the newest that Podman 4.3 (Debian 12)
+/// reads: it refuses a 0.6.0 spec as unresolvable. Every newer runtime
+/// reads 0.5.0.
+pub const VERSION: &str = "0.5.0";
 /// The folder runtimes read specs from unless told otherwise.
 pub const DEFAULT_DIR: &str = "/var/run/cdi";
 /// How spec files of bindings are named: this, the device name, `.json`.
@@ -180,14 +181,7 @@ pub fn write(dir: &Path, reservation: &str, spec: &Spec) -> std::io::Result<Path
     let path = spec_path(dir, reservation);
     let tmp = dir.join(format!(".{FILE_PREFIX}{}.tmp", device_name(reservation)));
     let body = serde_json::to_vec_pretty(spec).map_err(std::io::Error::other)?;
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&body)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, &path)?;
-    // The rename itself is durable once the folder is.
-    std::fs::File::open(dir)?.sync_all()?;
+    crate::durable::write(&path, &tmp, &body)?;
     Ok(path)
 }
 
@@ -245,6 +239,7 @@ pub fn reconcile(dir: &Path, bound: &BTreeSet<String>) -> std::io::Result<Reconc
             out.removed.push(name.to_string());
         }
     }
+    out.removed.sort();
     out.missing = bound
         .iter()
         .filter(|r| !present.contains(&device_name(r)))

@@ -23,6 +23,11 @@ pub struct DaemonConfig {
     /// The region's CA certificate (PEM), needed only for the first join.
     pub ca_pem: Option<String>,
     pub data_dir: PathBuf,
+    /// Where the CDI specs of the node's bindings go, for container
+    /// runtimes to read: `/var/run/cdi` on a real node (`strata node`'s
+    /// default); the data dir's `cdi/` unless set, so that daemons sharing
+    /// a machine (tests, `strata dev`) keep apart.
+    pub cdi_dir: PathBuf,
     pub node_id: String,
     pub backend: Arc<dyn GpuBackend>,
     pub health_poll: Duration,
@@ -58,12 +63,14 @@ impl DaemonConfig {
         node_id: impl Into<String>,
         backend: Arc<dyn GpuBackend>,
     ) -> DaemonConfig {
+        let data_dir = data_dir.into();
         DaemonConfig {
+            cdi_dir: data_dir.join("cdi"),
             gateways,
             server_name: "localhost".into(),
             token: None,
             ca_pem: None,
-            data_dir: data_dir.into(),
+            data_dir,
             node_id: node_id.into(),
             backend,
             health_poll: Duration::from_secs(5),

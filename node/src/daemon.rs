@@ -11,6 +11,7 @@
 //! rather than at once) whether home accepts connections again, and moves
 //! back if so.
 
+use crate::allocation::{Bindings, Reconciled};
 use crate::executor::{Decision, Executor, Outcome};
 use crate::gpu::{GpuBackend, HealthChange};
 use crate::health::Conditions;
@@ -227,7 +228,23 @@ pub async fn run(
         }
     };
     let generation = next_generation(&config.data_dir)?;
-    let runner = Runner::new(Executor::open(&config.data_dir).map_err(io(&config.data_dir))?);
+    let bindings = Bindings::new(&config.data_dir, &config.cdi_dir);
+    let fixed = bindings
+        .reconcile(config.backend.as_ref())
+        .map_err(io(&config.cdi_dir))?;
+    if fixed != Reconciled::default() {
+        tracing::warn!(
+            node = %config.node_id,
+            releases_finished = ?fixed.released,
+            specs_removed = ?fixed.specs_removed,
+            specs_written = ?fixed.specs_written,
+            "the bindings and their CDI specs disagreed after a stop; made them agree"
+        );
+    }
+    let runner = Runner::new(
+        Executor::open(&config.data_dir).map_err(io(&config.data_dir))?,
+        bindings,
+    );
     let conditions = std::sync::Mutex::new(Conditions::open(&config.data_dir));
     let mut endpoints = endpoints(&config, &creds)?;
     let home = config.home();
@@ -624,6 +641,7 @@ async fn report_health(
 #[derive(Clone)]
 struct Runner {
     executor: Arc<std::sync::Mutex<Executor>>,
+    bindings: Arc<Bindings>,
     running: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     out: Arc<std::sync::Mutex<Option<mpsc::Sender<NodeMessage>>>>,
 }
@@ -651,9 +669,10 @@ impl Drop for CurrentSession<'_> {
 }
 
 impl Runner {
-    fn new(executor: Executor) -> Runner {
+    fn new(executor: Executor, bindings: Bindings) -> Runner {
         Runner {
             executor: Arc::new(std::sync::Mutex::new(executor)),
+            bindings: Arc::new(bindings),
             running: Arc::default(),
             out: Arc::default(),
         }
@@ -717,15 +736,17 @@ impl Runner {
             let args: serde_json::Value =
                 serde_json::from_str(&c.args_json).unwrap_or(serde_json::Value::Null);
             stats.commands_run.fetch_add(1, Ordering::Relaxed);
-            let dir = self.executor.lock().expect("runner lock").allocations_dir();
+            let bindings = self.bindings.clone();
             let (backend, kind) = (config.backend.clone(), c.kind.clone());
-            tokio::task::spawn_blocking(move || Executor::run(&dir, backend.as_ref(), &kind, &args))
-                .await
-                .unwrap_or_else(|e| Outcome {
-                    ok: false,
-                    detail: format!("the command panicked: {e}"),
-                    output: serde_json::Value::Null,
-                })
+            tokio::task::spawn_blocking(move || {
+                Executor::run(&bindings, backend.as_ref(), &kind, &args)
+            })
+            .await
+            .unwrap_or_else(|e| Outcome {
+                ok: false,
+                detail: format!("the command panicked: {e}"),
+                output: serde_json::Value::Null,
+            })
         };
         if let Err(e) = self.executor.lock().expect("runner lock").finish(&c.id, &o) {
             tracing::error!(command = %c.id, error = %e, "could not record a command's result");

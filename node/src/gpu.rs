@@ -1,6 +1,7 @@
 //! The GPUs of a node, behind a trait: NVML (through nvml-wrapper) when the
 //! driver is present, or a fake device set shaped like it.
 
+use crate::cdi::DeviceNode;
 use std::sync::Mutex;
 
 /// One GPU as the daemon reports it.
@@ -13,6 +14,9 @@ pub struct Gpu {
     pub island: Option<String>,
     pub pci: String,
     pub numa: u32,
+    /// Its device nodes, as a container must see them (`/dev/nvidiaN`),
+    /// with the node's own path where that differs.
+    pub device_nodes: Vec<DeviceNode>,
 }
 
 /// A health condition that appeared or went away.
@@ -32,6 +36,8 @@ pub enum GpuError {
     Nvml(String),
     #[error("invalid fake GPU spec {0:?}: use COUNTxCLASS, e.g. 8xH100-80GB")]
     Spec(String),
+    #[error("the stand-in device node {0:?} is not an absolute path")]
+    StandIn(String),
 }
 
 /// Where inventory and health come from.
@@ -42,19 +48,48 @@ pub trait GpuBackend: Send + Sync {
     fn poll_health(&self) -> Result<Vec<HealthChange>, GpuError>;
     /// Runs the acceptance check on every GPU (`diag.nvml`): a JSON report.
     fn diagnose(&self) -> Result<serde_json::Value, GpuError>;
+    /// The device nodes every GPU workload needs besides its GPUs' own (the
+    /// driver's control and unified-memory devices).
+    fn control_devices(&self) -> Vec<DeviceNode>;
     fn name(&self) -> &'static str;
 }
 
+/// The driver's node-wide devices, in the order the NVIDIA container
+/// toolkit lists them.
+const CONTROL_DEVICES: [&str; 4] = [
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-modeset",
+];
+
+/// The device node `path` in a container, read from `host` on the node
+/// (`None`: the same path).
+fn device_node(path: String, host: Option<&str>) -> DeviceNode {
+    DeviceNode {
+        host_path: host.filter(|h| *h != path).map(str::to_string),
+        path,
+    }
+}
+
 /// A fake device set: `COUNTxCLASS`, e.g. `8xH100-80GB`, one NVLink island
-/// per node. Health changes can be injected.
+/// per node. Health changes can be injected. Its device nodes are named as
+/// the driver's (`/dev/nvidia0`, `/dev/nvidiactl`, ...) and read from a
+/// stand-in on the node ([`FAKE_DEVICE_NODE`] unless told otherwise), so a
+/// container given a fake binding sees the same paths a real one would.
 pub struct FakeGpus {
     gpus: Vec<Gpu>,
+    stand_in: String,
     injected: Mutex<Vec<HealthChange>>,
     /// While set, polls fail as NVML's do when the driver is gone.
     failing: std::sync::atomic::AtomicBool,
     /// How long `diagnose` takes (drills of commands in flight).
     pub diag_delay: std::time::Duration,
 }
+
+/// The node's device that stands in for every fake GPU's and control
+/// device node: harmless to hand to a container.
+pub const FAKE_DEVICE_NODE: &str = "/dev/null";
 
 fn class_memory_mb(class: &str) -> u64 {
     class
@@ -82,23 +117,44 @@ impl FakeGpus {
                 island: Some(format!("{node}/nvl0")),
                 pci: format!("00000000:{:02X}:00.0", 0x18 + i),
                 numa: i / (count.div_ceil(2)).max(1),
+                device_nodes: vec![device_node(
+                    format!("/dev/nvidia{i}"),
+                    Some(FAKE_DEVICE_NODE),
+                )],
             })
             .collect();
         Ok(FakeGpus {
             gpus,
+            stand_in: FAKE_DEVICE_NODE.into(),
             injected: Mutex::new(Vec::new()),
             failing: std::sync::atomic::AtomicBool::new(false),
             diag_delay: std::time::Duration::ZERO,
         })
     }
 
-    /// Makes the next poll report this change (tests, drills).
+    /// Reads every device node from `host` on the node instead of
+    /// [`FAKE_DEVICE_NODE`] (an absolute path, e.g. a character device made
+    /// for a test).
+    pub fn with_stand_in(mut self, host: &str) -> Result<FakeGpus, GpuError> {
+        if !host.starts_with('/') {
+            return Err(GpuError::StandIn(host.to_string()));
+        }
+        for g in &mut self.gpus {
+            for n in &mut g.device_nodes {
+                n.host_path = Some(host.to_string());
+            }
+        }
+        self.stand_in = host.to_string();
+        Ok(self)
+    }
+
     /// Makes health polls fail (`true`) or work again.
     pub fn fail_polls(&self, failing: bool) {
         self.failing
             .store(failing, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Makes the next poll report this change (tests, drills).
     pub fn inject(&self, change: HealthChange) {
         self.injected.lock().expect("fake lock").push(change);
     }
@@ -122,6 +178,12 @@ impl GpuBackend for FakeGpus {
             "backend": "fake",
             "gpus": self.gpus.iter().map(|g| serde_json::json!({"id": g.id, "ok": true})).collect::<Vec<_>>(),
         }))
+    }
+    fn control_devices(&self) -> Vec<DeviceNode> {
+        CONTROL_DEVICES[..3]
+            .iter()
+            .map(|p| device_node(p.to_string(), Some(&self.stand_in)))
+            .collect()
     }
     fn name(&self) -> &'static str {
         "fake"
@@ -248,6 +310,11 @@ impl GpuBackend for NvmlGpus {
                 island: linked.then(|| format!("{}/nvl0", self.node)),
                 pci: d.pci_info().map(|p| p.bus_id).unwrap_or_default(),
                 numa: 0,
+                // The driver's node for minor number N is /dev/nvidiaN.
+                device_nodes: vec![device_node(
+                    format!("/dev/nvidia{}", d.minor_number().map_err(nvml_err)?),
+                    None,
+                )],
             });
         }
         Ok(out)
@@ -302,6 +369,17 @@ impl GpuBackend for NvmlGpus {
             "driver": self.nvml.sys_driver_version().map_err(nvml_err)?,
             "gpus": gpus,
         }))
+    }
+
+    fn control_devices(&self) -> Vec<DeviceNode> {
+        // Only those the driver made: a runtime refuses a spec naming a
+        // device node that does not exist (nvidia-uvm appears once its
+        // module is loaded, nvidia-modeset only with display support).
+        CONTROL_DEVICES
+            .iter()
+            .filter(|p| std::path::Path::new(p).exists())
+            .map(|p| device_node(p.to_string(), None))
+            .collect()
     }
 
     fn name(&self) -> &'static str {

@@ -1,12 +1,15 @@
 //! The node daemon.
 
+pub mod allocation;
 pub mod cdi;
 mod config;
 pub mod daemon;
+mod durable;
 pub mod executor;
 pub mod gpu;
 mod health;
 pub mod identity;
+mod outcome;
 
 pub mod proto {
     tonic::include_proto!("strata.node.v1");

@@ -172,8 +172,10 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
     };
     let (fleet, fleet_tasks) = start_fleet(&client, &spec, &fleet_rx).await?;
     eprintln!(
-        "gateway on {}; {} simulated nodes (8 {DEMO_CLASS} each) joining pool {DEMO_POOL}",
-        gw.addr, args.demo_nodes
+        "gateway on {}; {} simulated nodes (8 {DEMO_CLASS} each) joining pool {DEMO_POOL}; each writes its bindings' CDI specs under {}/<node>/cdi",
+        gw.addr,
+        args.demo_nodes,
+        fleet_dir.display()
     );
     let mut pc = placer::PlacerConfig::new(events::lease::default_holder());
     pc.snapshots = Some(projections::SnapshotStore::new(

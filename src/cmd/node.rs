@@ -37,9 +37,15 @@ pub(crate) struct NodeArgs {
     /// The region's CA certificate (first start only)
     #[arg(long)]
     pub ca: Option<PathBuf>,
+    /// Where the CDI specs of the node's bindings go, for container runtimes (Podman, Docker 25+, containerd with CDI on) to read: run a container on a reservation with `--device strata.dev/reservation=<id>`
+    #[arg(long, env = "STRATA_CDI_DIR", default_value = node::cdi::DEFAULT_DIR)]
+    pub cdi_dir: PathBuf,
     /// Simulated GPUs instead of NVML, e.g. 8xH100-80GB
     #[arg(long)]
     pub fake_gpus: Option<String>,
+    /// With --fake-gpus: the device on this machine that stands in for every simulated GPU's device node (/dev/nvidia0, /dev/nvidiactl, ...) in the CDI specs
+    #[arg(long, default_value = node::gpu::FAKE_DEVICE_NODE)]
+    pub fake_device_node: String,
     /// The name the gateways' certificates carry
     #[arg(long, default_value = "localhost")]
     pub tls_name: String,
@@ -100,7 +106,7 @@ pub(crate) async fn node(args: NodeArgs) -> Result<ExitCode> {
     let node_id = args.node_id.clone().unwrap_or_else(host_name);
     let backend: Arc<dyn GpuBackend> = match &args.fake_gpus {
         Some(spec) => {
-            let mut f = FakeGpus::parse(spec, &node_id)?;
+            let mut f = FakeGpus::parse(spec, &node_id)?.with_stand_in(&args.fake_device_node)?;
             f.diag_delay = args.fake_diag_delay.unwrap_or_default();
             Arc::new(f)
         }
@@ -111,6 +117,7 @@ pub(crate) async fn node(args: NodeArgs) -> Result<ExitCode> {
     tracing::info!(node = %node_id, backend = backend.name(), "node daemon starting");
     let mut c = DaemonConfig::new(args.gateway.clone(), &args.data_dir, &node_id, backend);
     c.server_name = args.tls_name.clone();
+    c.cdi_dir = args.cdi_dir.clone();
     c.return_home = args.return_home;
     c.token = args.token.clone();
     for (tier, label) in [

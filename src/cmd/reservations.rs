@@ -104,6 +104,7 @@ pub(crate) fn reservation_json(
     }
     if r.phase.is_live() {
         out["allocations"] = serde_json::to_value(&r.allocations).unwrap_or_default();
+        out["cdi_device"] = node::cdi::qualified_name(&r.request.reservation).into();
         out["placed_at"] = r.placed_at_ms.map(ms_time).into();
         out["expires_at"] = r.expires_at_ms.map(ms_time).into();
         out["release_requested"] = r.release_requested.into();
@@ -162,6 +163,10 @@ pub(crate) async fn reservations(cmd: ReservationsCmd) -> Result<ExitCode> {
                 for a in &r.allocations {
                     println!("  on {}: {}", a.node, a.devices.join(", "));
                 }
+                println!(
+                    "  CDI device: {} (e.g. podman run --device {0} IMAGE)",
+                    node::cdi::qualified_name(&id)
+                );
                 if let Some(at) = r.expires_at_ms {
                     println!("  expires at {}", ms_time(at));
                 }

@@ -129,6 +129,10 @@ pub(crate) fn print_allocations(id: &str, allocs: &[domain::Allocation]) {
     for a in allocs {
         println!("  {}: {}", a.node, a.devices.join(", "));
     }
+    println!(
+        "  containers on its node(s) get its GPUs with --device {} once it is bound",
+        node::cdi::qualified_name(id)
+    );
 }
 
 pub(crate) async fn reserve(args: ReserveArgs) -> Result<ExitCode> {

@@ -38,6 +38,24 @@ fn gateway(url: &str, id: &str, port: u16, ca: &str, log: &std::path::Path) -> C
     )
 }
 
+/// A region CA in `ca`, pool `p` and a join token for any node of it.
+pub(crate) fn ca_pool_and_token(url: &str, ca: &str) -> String {
+    ok(&["ca", "init", "--dir", ca]);
+    ok(&["pool", "create", "p", "--database-url", url]);
+    ok(&[
+        "tokens",
+        "create",
+        "--pool",
+        "p",
+        "--nodes",
+        "*",
+        "--database-url",
+        url,
+    ])
+    .trim()
+    .to_string()
+}
+
 fn slot(gateway: &str) -> String {
     format!("gw_{}", gateway.replace('-', "_"))
 }
@@ -80,18 +98,7 @@ fn a_gateway_killed_mid_command_hands_its_node_over_and_the_command_runs_once() 
     let dir = tempfile::tempdir().unwrap();
     let ca = dir.path().join("ca");
     let ca_s = ca.to_str().unwrap();
-    ok(&["ca", "init", "--dir", ca_s]);
-    ok(&["pool", "create", "p", "--database-url", &url]);
-    let token = ok(&[
-        "tokens",
-        "create",
-        "--pool",
-        "p",
-        "--nodes",
-        "*",
-        "--database-url",
-        &url,
-    ]);
+    let token = ca_pool_and_token(&url, ca_s);
     let (pa, pb) = (free_port(), free_port());
     let mut gws = vec![
         (
@@ -116,7 +123,7 @@ fn a_gateway_killed_mid_command_hands_its_node_over_and_the_command_runs_once() 
             "--node-id",
             "n1",
             "--token",
-            token.trim(),
+            &token,
             "--ca",
             ca_pem.to_str().unwrap(),
             "--fake-gpus",
@@ -269,18 +276,7 @@ fn every_role_survives_a_postgres_crash_restart() {
     let dir = tempfile::tempdir().unwrap();
     let ca = dir.path().join("ca");
     let ca_s = ca.to_str().unwrap();
-    ok(&["ca", "init", "--dir", ca_s]);
-    ok(&["pool", "create", "p", "--database-url", &url]);
-    let token = ok(&[
-        "tokens",
-        "create",
-        "--pool",
-        "p",
-        "--nodes",
-        "*",
-        "--database-url",
-        &url,
-    ]);
+    let token = ca_pool_and_token(&url, ca_s);
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let metrics_at = format!("127.0.0.1:{}", free_port());
@@ -317,7 +313,7 @@ fn every_role_survives_a_postgres_crash_restart() {
             "--node-id",
             "n1",
             "--token",
-            token.trim(),
+            &token,
             "--ca",
             ca_pem.to_str().unwrap(),
             "--fake-gpus",
@@ -596,18 +592,7 @@ fn one_trace_follows_a_reservation_from_the_request_to_active() {
     let dir = tempfile::tempdir().unwrap();
     let ca = dir.path().join("ca");
     let ca_s = ca.to_str().unwrap();
-    ok(&["ca", "init", "--dir", ca_s]);
-    ok(&["pool", "create", "p", "--database-url", &url]);
-    let token = ok(&[
-        "tokens",
-        "create",
-        "--pool",
-        "p",
-        "--nodes",
-        "*",
-        "--database-url",
-        &url,
-    ]);
+    let token = ca_pool_and_token(&url, ca_s);
     let listen = format!("127.0.0.1:{}", free_port());
     let traced = |args: &[&str], log: &str| {
         std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
@@ -664,7 +649,7 @@ fn one_trace_follows_a_reservation_from_the_request_to_active() {
             "--node-id",
             "n1",
             "--token",
-            token.trim(),
+            &token,
             "--ca",
             ca_pem.to_str().unwrap(),
             "--fake-gpus",

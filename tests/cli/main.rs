@@ -3,6 +3,7 @@
 mod audit;
 mod backfill;
 mod config;
+mod containers;
 mod deploy;
 mod doctor;
 mod gateway;

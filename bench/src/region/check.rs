@@ -62,7 +62,7 @@ pub async fn bound(client: &Client, fleet: &Fleet, within: Duration) -> Result<V
         let live = replay::invariants::live_allocations(client).await?;
         let mut differ = Vec::new();
         for n in &fleet.nodes {
-            let on_node = node::executor::bound_reservations(&n.dir);
+            let on_node = node::allocation::bound_reservations(&n.dir);
             let in_log = live.get(&n.id).cloned().unwrap_or_default();
             if on_node != in_log {
                 differ.push((n.id.clone(), on_node, in_log));

@@ -95,7 +95,7 @@ async fn a_preempted_reservations_node_is_told_and_released_after_the_grace_peri
     })
     .await;
     testkit::eventually(20, "n1 holds high alone", || async {
-        node::executor::bound_reservations(&dir.path().join("n1"))
+        node::allocation::bound_reservations(&dir.path().join("n1"))
             .into_iter()
             .collect::<Vec<_>>()
             == ["high"]
@@ -295,7 +295,7 @@ async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fa
     }
     // What the node holds bound is what the log has live on it: c alone.
     let bound_on = |node: &str| -> Vec<String> {
-        node::executor::bound_reservations(&dir.path().join(node))
+        node::allocation::bound_reservations(&dir.path().join(node))
             .into_iter()
             .collect()
     };
