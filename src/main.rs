@@ -111,6 +111,8 @@ enum Command {
     Commands(cmd::commands::CommandsCmd),
     /// Run the node daemon: join, hold a session with a gateway, report GPUs, run commands
     Node(cmd::node::NodeArgs),
+    /// Inject a fault into a running simulated node daemon (--fake-gpus): an XID, an ECC error, any condition, a failing diagnostic
+    Fault(cmd::node::FaultArgs),
     /// Run many simulated node daemons in one process (each its own TLS connection and certificate)
     Fleet(cmd::node::FleetArgs),
     /// Sinks: deliver events to consumers' webhooks
@@ -187,6 +189,7 @@ fn main() -> ExitCode {
             Command::Commands(c) => cmd::commands::commands(c).await,
             Command::Node(a) => cmd::node::node(a).await,
             Command::Fleet(a) => cmd::node::fleet(a).await,
+            Command::Fault(a) => cmd::node::fault(a),
             Command::Sinks(c) => cmd::sinks::sinks(c).await,
             Command::Audit(cmd::audit::AuditCmd::Verify { db, month }) => {
                 cmd::audit::audit_verify(&db, &month).await

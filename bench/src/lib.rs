@@ -10,6 +10,7 @@ pub mod gateway;
 pub mod hostile;
 pub mod lifecycle;
 pub mod message_db;
+pub mod node_path;
 pub mod placements;
 pub mod region;
 pub mod replay;

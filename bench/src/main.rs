@@ -1,7 +1,9 @@
 //! The `bench` command line: one subcommand per scenario of the library
 //! (`lib.rs`).
 
-use bench::{append, audit, gateway, hostile, lifecycle, placements, region, replay, sinks};
+use bench::{
+    append, audit, gateway, hostile, lifecycle, node_path, placements, region, replay, sinks,
+};
 
 use clap::{Parser, Subcommand};
 
@@ -32,6 +34,8 @@ enum Scenario {
     Spine(gateway::SpineArgs),
     /// Placement under faults: dead, revoked and drained nodes, a PostgreSQL crash, a binder SIGKILLed
     Lifecycle(lifecycle::Args),
+    /// The node's end: bind to CDI-visible at 1,000 nodes, and an injected XID to its GPU's quarantine and its reservation's end
+    Node(node_path::Args),
     /// (internal) the binder process of `lifecycle`
     #[command(hide = true)]
     BinderServer(lifecycle::BinderArgs),
@@ -84,6 +88,7 @@ fn run() -> anyhow::Result<()> {
             Scenario::GatewayServer(a) => gateway::server(a).await,
             Scenario::GatewayFlood(a) => hostile::flood(a).await,
             Scenario::Lifecycle(a) => lifecycle::run(a).await,
+            Scenario::Node(a) => node_path::run(a).await,
             Scenario::BinderServer(a) => lifecycle::binder_server(a).await,
             Scenario::Sinks(a) => sinks::run(a).await,
             Scenario::SinksServer(a) => sinks::server(a).await,

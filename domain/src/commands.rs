@@ -270,6 +270,31 @@ impl Commands {
     }
 }
 
+impl Commands {
+    /// Records a transition this process wrote itself (at `version`),
+    /// before the subscription brings it back. A terminal one carries its
+    /// outcome (`payload`) at once: the next event of the stream seen (an
+    /// earlier one, late under load) hands the command to its waiters as
+    /// finished, and they must get the outcome with it.
+    pub fn wrote(
+        &mut self,
+        id: &str,
+        version: u64,
+        state: CommandState,
+        payload: &serde_json::Value,
+    ) {
+        if let Some(t) = self.by_id.get_mut(id) {
+            if version > t.version {
+                t.version = version;
+                t.state = state;
+                if state.is_terminal() {
+                    t.outcome = Some(payload.clone());
+                }
+            }
+        }
+    }
+}
+
 /// Reads commands from the table: those of `node` (all nodes when `None`),
 /// the newest `limit`.
 pub async fn list(
@@ -340,4 +365,41 @@ pub async fn open(client: &tokio_postgres::Client) -> Result<Vec<Tracked>, tokio
             })
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(version: u64, event_type: &str, payload: &str) -> Event {
+        Event {
+            position: events::Position(version),
+            stream: command_stream("c1"),
+            version,
+            event_type: event_type.into(),
+            payload: payload.into(),
+            metadata: "{}".into(),
+            recorded_at: std::time::SystemTime::now(),
+            xid: 1,
+        }
+    }
+
+    #[test]
+    fn a_command_this_process_finished_has_its_outcome_before_the_log_brings_it_back() {
+        let mut c = Commands::default();
+        let issued = serde_json::json!({"id": "c1", "node": "n1", "kind": "diag.nvml", "args": {}, "deadline_ms": 1, "issued_by": "t"});
+        c.apply(&event(1, ISSUED, &issued.to_string()));
+        // The gateway wrote the result at version 3 before the subscription
+        // brought its acknowledgement (version 2).
+        let outcome = serde_json::json!({"detail": "all GPUs pass", "output": {}});
+        c.wrote("c1", 3, CommandState::Succeeded, &outcome);
+        assert_eq!(
+            c.apply(&event(2, "command.acked", "{}")),
+            None,
+            "older than what it knows"
+        );
+        let t = &c.by_id["c1"];
+        assert!(t.state.is_terminal());
+        assert_eq!(t.outcome.as_ref(), Some(&outcome));
+    }
 }

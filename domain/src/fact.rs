@@ -204,19 +204,22 @@ facts! {
 
     NodeDrained = "node.drained" {
         stream: "pool/<pool>",
-        written_by: "operators (`strata nodes drain`, the client API)",
+        written_by: "operators (`strata nodes drain`, the client API); the placer holding the pool, for a fault that asks for it",
         about: "No new placements; the node's live reservations fail (`node_drained`) at the deadline, at once without one. Payload version 2 (in the metadata's `payload_version`) has `deadline` as an RFC 3339 time; version 1 had `deadline_ms`, Unix milliseconds.",
         fields: [
             NODE,
             opt("reason", Ty::String, "Why (default empty)."),
             opt("deadline", Ty::Time, "When its reservations end (absent: at once)."),
             opt("deadline_ms", Ty::Integer, "Payload version 1 only: the deadline in Unix milliseconds."),
+            opt("fault", Ty::String, "The fault it was drained for, when the pool's placer drained it for one (`XID-79`, `NVML-unavailable`); it counts against the pool's circuit breaker."),
         ],
         formerly: ["NodeDrained"],
     } {
         node: String,
         #[serde(default)]
         reason: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fault: Option<String>,
         #[serde(
             rename = "deadline",
             default,
@@ -233,8 +236,10 @@ facts! {
         fields: [
             NODE,
             opt("device", Ty::String, "The device's id (absent: the whole node)."),
-            req("condition", Ty::String, "The condition's name, e.g. `xid_79`."),
+            req("condition", Ty::String, "The condition's name, e.g. `XID-79`, `ECC-uncorrected`."),
             opt("detail", Ty::String, "Free text (default empty)."),
+            opt("severity", Ty::String, "`info`, `warning` or `critical`, from the fault catalog (absent in events written before it: classified when read)."),
+            opt("action", Ty::String, "What the fault asks for: `none`, `restart_workload`, `reset_gpu`, `drain_node` or `service` (absent: classified when read). From `reset_gpu` up the GPU (or node) is out of service until the pool's placer decides (`device.quarantined`, `node.drained` or `device.quarantine_withheld`)."),
         ],
         formerly: ["HealthRaised"],
     } {
@@ -244,6 +249,10 @@ facts! {
         condition: String,
         #[serde(default)]
         detail: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        severity: Option<crate::faults::Severity>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        action: Option<crate::faults::Action>,
     },
 
     HealthCleared = "health.cleared" {
@@ -262,6 +271,74 @@ facts! {
         device: Option<String>,
         condition: String,
     },
+
+    DeviceQuarantined = "device.quarantined" {
+        stream: "pool/<pool>",
+        written_by: "the placer holding the pool, for a fault that takes a GPU out of service (under the pool's fault policy and circuit breaker)",
+        about: "The GPU takes no new placements, and its live reservations end (`gpu_fault`; placed again when they asked to be), until `device.restored`.",
+        fields: [
+            NODE,
+            req("device", Ty::String, "The GPU's id."),
+            req("condition", Ty::String, "The fault that took it out."),
+            req("action", Ty::String, "What the fault asks for (`reset_gpu`, `service`)."),
+            opt("reason", Ty::String, "Free text (default empty)."),
+        ],
+        formerly: [],
+    } {
+        node: String,
+        device: String,
+        condition: String,
+        action: crate::faults::Action,
+        #[serde(default)]
+        reason: String,
+    },
+
+    DeviceQuarantineWithheld = "device.quarantine_withheld" {
+        stream: "pool/<pool>",
+        written_by: "the placer holding the pool",
+        about: "A fault that asks for a GPU or node to be taken out of service is reported but not acted on: the pool's fault policy is advisory, or its circuit breaker is open (as many GPUs quarantined as it allows). The GPU stays in service; an alert fires.",
+        fields: [
+            NODE,
+            opt("device", Ty::String, "The GPU's id (absent: the whole node)."),
+            req("condition", Ty::String, "The fault."),
+            req("reason", Ty::String, "Why it was not acted on."),
+        ],
+        formerly: [],
+    } {
+        node: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        device: Option<String>,
+        condition: String,
+        reason: String,
+    },
+
+    DeviceRestored = "device.restored" {
+        stream: "pool/<pool>",
+        written_by: "operators (`strata nodes clear-health`, the client API's ClearNodeHealth)",
+        about: "Lifts `device.quarantined`: the GPU takes placements again.",
+        fields: [
+            NODE,
+            req("device", Ty::String, "The GPU's id."),
+            opt("reason", Ty::String, "Why (default empty)."),
+        ],
+        formerly: [],
+    } {
+        node: String,
+        device: String,
+        #[serde(default)]
+        reason: String,
+    },
+
+    PoolFaultPolicySet = "pool.fault_policy_set" {
+        stream: "pool/<pool>",
+        written_by: "operators (`strata pool policy`)",
+        about: "How the pool's placer acts on GPU faults: automatically (quarantine, drain) or advisory (report only), and the circuit breaker: the most of the pool's GPUs quarantined automatically. The default is automatic and 10%.",
+        fields: [
+            req("automatic", Ty::Boolean, "Whether faults are acted on automatically."),
+            req("max_quarantined_percent", Ty::Integer, "The circuit breaker, 0 to 100 (one GPU at least unless 0)."),
+        ],
+        formerly: [],
+    } (crate::faults::Policy),
 
     QueueConfigured = "queue.configured" {
         stream: "pool/<pool>",
@@ -785,6 +862,7 @@ mod tests {
                     node: node(),
                     reason: "x".into(),
                     deadline_ms: Some(1),
+                    fault: Some("XID-79".into()),
                 },
                 "pool/p",
             ),
@@ -793,6 +871,7 @@ mod tests {
                     node: node(),
                     reason: "x".into(),
                     deadline_ms: None,
+                    fault: None,
                 },
                 "pool/p",
             ),
@@ -802,6 +881,8 @@ mod tests {
                     device: Some("0".into()),
                     condition: "c".into(),
                     detail: "d".into(),
+                    severity: Some(crate::faults::Severity::Warning),
+                    action: Some(crate::faults::Action::ResetGpu),
                 },
                 "pool/p",
             ),
@@ -811,6 +892,40 @@ mod tests {
                     device: None,
                     condition: "c".into(),
                 },
+                "pool/p",
+            ),
+            (
+                Fact::DeviceQuarantined {
+                    node: node(),
+                    device: "0".into(),
+                    condition: "XID-48".into(),
+                    action: crate::faults::Action::ResetGpu,
+                    reason: "r".into(),
+                },
+                "pool/p",
+            ),
+            (
+                Fact::DeviceQuarantineWithheld {
+                    node: node(),
+                    device: Some("0".into()),
+                    condition: "XID-48".into(),
+                    reason: "r".into(),
+                },
+                "pool/p",
+            ),
+            (
+                Fact::DeviceRestored {
+                    node: node(),
+                    device: "0".into(),
+                    reason: "r".into(),
+                },
+                "pool/p",
+            ),
+            (
+                Fact::PoolFaultPolicySet(crate::faults::Policy {
+                    automatic: false,
+                    max_quarantined_percent: 5,
+                }),
                 "pool/p",
             ),
             (

@@ -19,6 +19,7 @@
 pub mod commands;
 mod error;
 pub mod fact;
+pub mod faults;
 mod payload;
 pub mod pools;
 pub mod queues;

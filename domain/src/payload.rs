@@ -146,6 +146,7 @@ mod tests {
             node: "n1".into(),
             reason: "rma".into(),
             deadline_ms: Some(1_700_000_000_123),
+            fault: None,
         };
         // Version 1 (no version in the metadata): Unix milliseconds.
         let v1 = r#"{"node":"n1","reason":"rma","deadline_ms":1700000000123}"#;
@@ -172,6 +173,7 @@ mod tests {
                 node: "n1".into(),
                 reason: "rma".into(),
                 deadline_ms: None,
+                fault: None,
             })
         );
         // A version newer than this binary reads is refused, never misread.
@@ -204,6 +206,7 @@ mod tests {
             node: "n1".into(),
             reason: String::new(),
             deadline_ms: None,
+            fault: None,
         };
         assert_eq!(now.to_event().payload.get(), r#"{"node":"n1","reason":""}"#);
     }

@@ -1,4 +1,4 @@
-//! A pool's own writes: creating it, and nodes joining it or labelled with
+//! A pool's own writes: creating it, setting its fault policy, and nodes joining it or labelled with
 //! their place in its topology in bulk (simulated fleets: `strata pool
 //! seed`, `strata dev`, tests and benchmarks; a real node joins through its
 //! gateway). Each is appended here and nowhere else.
@@ -60,6 +60,27 @@ pub async fn create_pool(
         Err(AppendError::VersionConflict { .. }) => Err(RequestError::PoolExists(pool.to_string())),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Sets how the pool's placer acts on GPU faults (`pool.fault_policy_set`),
+/// recording `metadata` (who asked).
+pub async fn set_fault_policy(
+    appender: &Appender,
+    pool: &str,
+    policy: crate::faults::Policy,
+    metadata: Option<&serde_json::Value>,
+) -> Result<(), RequestError> {
+    if policy.max_quarantined_percent > 100 {
+        return Err(RequestError::Invalid(format!(
+            "the circuit breaker is a percentage of the pool, 0 to 100, not {}",
+            policy.max_quarantined_percent
+        )));
+    }
+    let mut event = Fact::PoolFaultPolicySet(policy).to_event();
+    if let Some(m) = metadata {
+        event = event.with_metadata(m);
+    }
+    append_to_pool(appender, pool, vec![event]).await
 }
 
 /// Nodes joining a pool with their inventory, appended in chunks (each chunk

@@ -47,6 +47,25 @@ pub enum Change {
 }
 
 impl Change {
+    /// The facts of the change: one, and for a GPU's condition cleared by
+    /// an operator also `device.restored` (an operator's clear is the way
+    /// back for a quarantined GPU).
+    fn facts(&self, node: &str) -> Vec<Fact> {
+        let mut out = vec![self.fact(node)];
+        if let Change::ClearHealth {
+            device: Some(device),
+            condition,
+        } = self
+        {
+            out.push(Fact::DeviceRestored {
+                node: node.to_string(),
+                device: device.clone(),
+                reason: format!("{condition} cleared by an operator"),
+            });
+        }
+        out
+    }
+
     fn fact(&self, node: &str) -> Fact {
         let node = node.to_string();
         match self {
@@ -63,6 +82,7 @@ impl Change {
                         .duration_since(UNIX_EPOCH)
                         .map_or(0, |d| d.as_millis() as u64)
                 }),
+                fault: None,
             },
             Change::Leave { reason } => Fact::NodeLeft {
                 node,
@@ -137,16 +157,16 @@ pub async fn change(
         Some(p) => p.to_string(),
         None => pool_of_node(client, node).await?,
     };
-    let mut event = change.fact(node).to_event();
-    if let Some(m) = metadata {
-        event = event.with_metadata(m);
-    }
+    let events = change
+        .facts(node)
+        .iter()
+        .map(|f| match metadata {
+            Some(m) => f.to_event().with_metadata(m),
+            None => f.to_event(),
+        })
+        .collect();
     match appender
-        .append(
-            &pool_stream(&pool),
-            ExpectedVersion::StreamExists,
-            vec![event],
-        )
+        .append(&pool_stream(&pool), ExpectedVersion::StreamExists, events)
         .await
     {
         Ok(_) => Ok(pool),

@@ -110,7 +110,7 @@ pub fn well_named(t: &str) -> bool {
             && !w.ends_with('_')
             && w.chars().all(|c| c.is_ascii_lowercase() || c == '_')
     };
-    const IRREGULAR: &[&str] = &["set", "reset", "left", "lost", "run", "sent"];
+    const IRREGULAR: &[&str] = &["set", "reset", "left", "lost", "run", "sent", "withheld"];
     word(noun)
         && word(verb)
         && verb

@@ -61,12 +61,7 @@ pub(crate) async fn command_transition(
         match commands::transition(&shared.appender, id, version, event_type, &payload).await {
             Ok(v) => {
                 let mut cmds = shared.commands.lock().expect("commands lock");
-                if let Some(t) = cmds.by_id.get_mut(id) {
-                    if v > t.version {
-                        t.version = v;
-                        t.state = target;
-                    }
-                }
+                cmds.wrote(id, v, target, &payload);
                 if target.is_terminal() {
                     shared
                         .stats

@@ -715,11 +715,16 @@ async fn health(
             condition: h.condition,
         }
     } else {
+        // Classified where the control plane reads it, so the fault
+        // catalog can change without touching the nodes.
+        let class = domain::faults::classify(&h.condition);
         Fact::HealthRaised {
             node: node.to_string(),
             device,
             condition: h.condition,
             detail: h.detail,
+            severity: Some(class.severity),
+            action: Some(class.action),
         }
     };
     // Waits for room in the write queue: a node that reports faster

@@ -36,6 +36,9 @@ pub struct DaemonConfig {
     pub backoff_cap: Duration,
     /// Called with a command's id when it arrives (measurements).
     pub on_command: Option<CommandHook>,
+    /// Called with a command's id once it has run, before its result is
+    /// sent (measurements: a bind's CDI spec is in place by then).
+    pub on_finished: Option<CommandHook>,
     /// While away from its home gateway, how often (on average; each wait
     /// is uniform in half to one and a half times this) the daemon checks
     /// whether home is back. Zero: never move back.
@@ -77,6 +80,7 @@ impl DaemonConfig {
             backoff_base: Duration::from_millis(500),
             backoff_cap: Duration::from_secs(30),
             on_command: None,
+            on_finished: None,
             return_home: Duration::from_secs(30),
             topology: BTreeMap::new(),
         }

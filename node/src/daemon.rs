@@ -394,6 +394,10 @@ async fn session(
         every,
     );
     let mut health = tokio::time::interval(config.health_poll);
+    // Health that changed between polls is reported at once.
+    let changed = config.backend.changed();
+    let health_changed = notified(changed.as_deref());
+    tokio::pin!(health_changed);
     // Away from home: when to look whether it is back.
     let next_look =
         || tokio::time::Instant::now() + config.return_home.mul_f64(0.5 + fastrand::f64());
@@ -434,6 +438,12 @@ async fn session(
                 }
             }
             _ = health.tick() => {
+                if let Err(end) = report_health(config, stats, conditions, gpus, &tx).await {
+                    return end;
+                }
+            }
+            _ = &mut health_changed => {
+                health_changed.set(notified(changed.as_deref()));
                 if let Err(end) = report_health(config, stats, conditions, gpus, &tx).await {
                     return end;
                 }
@@ -586,6 +596,14 @@ fn status(state: &str, detail: String) -> NodeMessage {
             state: state.into(),
             detail,
         })),
+    }
+}
+
+/// Waits for `n`, or forever without one.
+async fn notified(n: Option<&tokio::sync::Notify>) {
+    match n {
+        Some(n) => n.notified().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -748,6 +766,9 @@ impl Runner {
                 output: serde_json::Value::Null,
             })
         };
+        if let Some(hook) = &config.on_finished {
+            hook(&c.id);
+        }
         if let Err(e) = self.executor.lock().expect("runner lock").finish(&c.id, &o) {
             tracing::error!(command = %c.id, error = %e, "could not record a command's result");
         }

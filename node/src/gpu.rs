@@ -2,7 +2,11 @@
 //! driver is present, or a fake device set shaped like it.
 
 use crate::cdi::DeviceNode;
-use std::sync::Mutex;
+use crate::faults;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use tokio::sync::Notify;
 
 /// One GPU as the daemon reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,6 +56,11 @@ pub trait GpuBackend: Send + Sync {
     /// driver's control and unified-memory devices).
     fn control_devices(&self) -> Vec<DeviceNode>;
     fn name(&self) -> &'static str;
+    /// Notified when health changed before the next poll is due (an XID
+    /// event, an injected fault), so the daemon reports it at once.
+    fn changed(&self) -> Option<Arc<Notify>> {
+        None
+    }
 }
 
 /// The driver's node-wide devices, in the order the NVIDIA container
@@ -73,7 +82,9 @@ fn device_node(path: String, host: Option<&str>) -> DeviceNode {
 }
 
 /// A fake device set: `COUNTxCLASS`, e.g. `8xH100-80GB`, one NVLink island
-/// per node. Health changes can be injected. Its device nodes are named as
+/// per node. Health changes and failing diagnostics can be injected, in the
+/// process ([`FakeGpus::inject`]) or from outside it through a fault folder
+/// ([`FakeGpus::with_fault_dir`], [`crate::faults`]). Its device nodes are named as
 /// the driver's (`/dev/nvidia0`, `/dev/nvidiactl`, ...) and read from a
 /// stand-in on the node ([`FAKE_DEVICE_NODE`] unless told otherwise), so a
 /// container given a fake binding sees the same paths a real one would.
@@ -85,6 +96,11 @@ pub struct FakeGpus {
     failing: std::sync::atomic::AtomicBool,
     /// How long `diagnose` takes (drills of commands in flight).
     pub diag_delay: std::time::Duration,
+    /// GPUs (by index) whose diagnostic fails, and why.
+    failing_diag: Mutex<BTreeMap<usize, String>>,
+    /// Where faults are injected from outside, if anywhere.
+    fault_dir: Option<PathBuf>,
+    wake: Arc<Notify>,
 }
 
 /// The node's device that stands in for every fake GPU's and control
@@ -129,7 +145,88 @@ impl FakeGpus {
             injected: Mutex::new(Vec::new()),
             failing: std::sync::atomic::AtomicBool::new(false),
             diag_delay: std::time::Duration::ZERO,
+            failing_diag: Mutex::new(BTreeMap::new()),
+            fault_dir: None,
+            wake: Arc::new(Notify::new()),
         })
+    }
+
+    /// Takes faults injected from outside the process from the `faults/`
+    /// folder of `data_dir` (see [`crate::faults`]); a thread looks for
+    /// them every 100 ms and wakes the daemon when one is there.
+    pub fn with_fault_dir(mut self, data_dir: &std::path::Path) -> FakeGpus {
+        let dir = data_dir.join(faults::DIR);
+        self.fault_dir = Some(dir.clone());
+        let wake = Arc::downgrade(&self.wake);
+        let spawned = std::thread::Builder::new()
+            .name("fake-faults".into())
+            .spawn(move || loop {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                // Ends with the device set.
+                let Some(wake) = wake.upgrade() else { return };
+                if faults::waiting(&dir) {
+                    wake.notify_one();
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot watch for injected faults");
+        }
+        self
+    }
+
+    /// The index of a GPU named by index or id.
+    fn index_of(&self, gpu: &str) -> Option<usize> {
+        gpu.parse::<usize>()
+            .ok()
+            .filter(|i| *i < self.gpus.len())
+            .or_else(|| self.gpus.iter().position(|g| g.id == gpu))
+    }
+
+    /// Applies the faults waiting in the fault folder.
+    fn take_faults(&self) {
+        let Some(dir) = &self.fault_dir else { return };
+        for f in faults::take(dir) {
+            let device = match &f.gpu {
+                None => None,
+                Some(g) => match self.index_of(g) {
+                    Some(i) => Some(i),
+                    None => {
+                        tracing::warn!(gpu = %g, "an injected fault names no GPU of this node; dropped");
+                        continue;
+                    }
+                },
+            };
+            let id = device.map(|i| self.gpus[i].id.clone());
+            match f.what {
+                faults::What::Raise { condition, detail } => self.inject(HealthChange {
+                    device: id,
+                    condition,
+                    detail,
+                    cleared: false,
+                }),
+                faults::What::Clear { condition } => self.inject(HealthChange {
+                    device: id,
+                    condition,
+                    detail: String::new(),
+                    cleared: true,
+                }),
+                faults::What::DiagnosticFails { reason } => {
+                    let mut failing = self.failing_diag.lock().expect("fake lock");
+                    for i in device.map_or(0..self.gpus.len(), |i| i..i + 1) {
+                        failing.insert(i, reason.clone());
+                    }
+                }
+                faults::What::DiagnosticPasses => {
+                    let mut failing = self.failing_diag.lock().expect("fake lock");
+                    match device {
+                        Some(i) => {
+                            failing.remove(&i);
+                        }
+                        None => failing.clear(),
+                    }
+                }
+            }
+        }
     }
 
     /// Reads every device node from `host` on the node instead of
@@ -157,6 +254,7 @@ impl FakeGpus {
     /// Makes the next poll report this change (tests, drills).
     pub fn inject(&self, change: HealthChange) {
         self.injected.lock().expect("fake lock").push(change);
+        self.wake.notify_one();
     }
 }
 
@@ -165,6 +263,7 @@ impl GpuBackend for FakeGpus {
         Ok(self.gpus.clone())
     }
     fn poll_health(&self) -> Result<Vec<HealthChange>, GpuError> {
+        self.take_faults();
         if self.failing.load(std::sync::atomic::Ordering::Relaxed) {
             return Err(GpuError::Nvml("the fake driver is gone".into()));
         }
@@ -174,10 +273,21 @@ impl GpuBackend for FakeGpus {
     }
     fn diagnose(&self) -> Result<serde_json::Value, GpuError> {
         std::thread::sleep(self.diag_delay);
-        Ok(serde_json::json!({
-            "backend": "fake",
-            "gpus": self.gpus.iter().map(|g| serde_json::json!({"id": g.id, "ok": true})).collect::<Vec<_>>(),
-        }))
+        self.take_faults();
+        let failing = self.failing_diag.lock().expect("fake lock");
+        let gpus: Vec<serde_json::Value> = self
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| match failing.get(&i) {
+                Some(why) => serde_json::json!({"id": g.id, "ok": false, "reason": why}),
+                None => serde_json::json!({"id": g.id, "ok": true}),
+            })
+            .collect();
+        Ok(serde_json::json!({"backend": "fake", "gpus": gpus}))
+    }
+    fn changed(&self) -> Option<Arc<Notify>> {
+        Some(self.wake.clone())
     }
     fn control_devices(&self) -> Vec<DeviceNode> {
         CONTROL_DEVICES[..3]
@@ -198,12 +308,14 @@ pub struct NvmlGpus {
     ecc: Mutex<Vec<u64>>,
     /// Critical XID errors seen by the watcher thread, not yet polled.
     xids: std::sync::Arc<Mutex<Vec<HealthChange>>>,
+    /// Notified by the watcher thread when it saw one.
+    wake: Arc<Notify>,
 }
 
 /// Waits for critical XID events on every GPU, on its own thread with its
 /// own NVML handle (an event set borrows the handle that made it). Ends
 /// quietly where the driver does not support events.
-fn watch_xids(out: std::sync::Arc<Mutex<Vec<HealthChange>>>) {
+fn watch_xids(out: std::sync::Arc<Mutex<Vec<HealthChange>>>, wake: Arc<Notify>) {
     use nvml_wrapper::bitmasks::event::EventTypes;
     use nvml_wrapper::enums::event::XidError;
     use nvml_wrapper::error::NvmlError;
@@ -242,6 +354,7 @@ fn watch_xids(out: std::sync::Arc<Mutex<Vec<HealthChange>>>) {
                         cleared: false,
                     });
                 }
+                wake.notify_one();
             }
             Err(NvmlError::Timeout) => {}
             Err(e) => {
@@ -263,15 +376,18 @@ impl NvmlGpus {
         let n = nvml.device_count().map_err(nvml_err)? as usize;
         let xids = std::sync::Arc::new(Mutex::new(Vec::new()));
         let watcher = xids.clone();
+        let wake = Arc::new(Notify::new());
+        let waker = wake.clone();
         std::thread::Builder::new()
             .name("nvml-xid".into())
-            .spawn(move || watch_xids(watcher))
+            .spawn(move || watch_xids(watcher, waker))
             .map_err(|e| GpuError::Nvml(format!("start the XID watcher: {e}")))?;
         Ok(NvmlGpus {
             nvml,
             node: node.to_string(),
             ecc: Mutex::new(vec![0; n]),
             xids,
+            wake,
         })
     }
 
@@ -384,6 +500,10 @@ impl GpuBackend for NvmlGpus {
 
     fn name(&self) -> &'static str {
         "nvml"
+    }
+
+    fn changed(&self) -> Option<Arc<Notify>> {
+        Some(self.wake.clone())
     }
 }
 

@@ -6,6 +6,7 @@ mod config;
 pub mod daemon;
 mod durable;
 pub mod executor;
+pub mod faults;
 pub mod gpu;
 mod health;
 pub mod identity;

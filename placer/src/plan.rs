@@ -1222,14 +1222,16 @@ mod tests {
                 Fact::HealthRaised {
                     node: "n05".into(),
                     device: Some("gpu0".into()),
-                    condition: "XID-79".into(),
+                    condition: "XID-48".into(),
                     detail: String::new(),
+                    severity: None,
+                    action: None,
                 }
             } else {
                 Fact::HealthCleared {
                     node: "n05".into(),
                     device: Some("gpu0".into()),
-                    condition: "XID-79".into(),
+                    condition: "XID-48".into(),
                 }
             }
         };
@@ -1448,8 +1450,10 @@ mod tests {
         w.pool(&Fact::HealthRaised {
             node: "n00".into(),
             device: Some("gpu3".into()),
-            condition: "XID-79".into(),
+            condition: "XID-48".into(),
             detail: String::new(),
+            severity: None,
+            action: None,
         });
         assert_eq!(w.index.class("p", C).unwrap().node_free("n00"), 7);
         w.pool(&Fact::NodeCordoned {
@@ -1475,6 +1479,8 @@ mod tests {
             device: None,
             condition: "ECC".into(),
             detail: String::new(),
+            severity: None,
+            action: None,
         });
         assert!(w
             .index
@@ -1557,14 +1563,16 @@ mod tests {
                         Fact::HealthRaised {
                             node,
                             device,
-                            condition: "XID-79".into(),
+                            condition: "XID-48".into(),
                             detail: String::new(),
+                            severity: None,
+                            action: None,
                         }
                     } else {
                         Fact::HealthCleared {
                             node,
                             device,
-                            condition: "XID-79".into(),
+                            condition: "XID-48".into(),
                         }
                     };
                     w.pool(&fact);

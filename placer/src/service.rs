@@ -91,6 +91,12 @@ pub struct Stats {
     pub preempting: AtomicU64,
     /// Reservations preempted once their grace period ended.
     pub preempted: AtomicU64,
+    /// GPUs quarantined for a fault.
+    pub quarantined: AtomicU64,
+    /// Nodes drained for a fault.
+    pub drained_for_faults: AtomicU64,
+    /// Faults reported but not acted on (advisory policy, circuit breaker).
+    pub quarantine_withheld: AtomicU64,
     /// Batches refused because the pool stream moved (replanned).
     pub conflicts: AtomicU64,
     /// Batches that failed otherwise (retried).
@@ -115,6 +121,9 @@ pub struct StatsView {
     pub failed: u64,
     pub preempting: u64,
     pub preempted: u64,
+    pub quarantined: u64,
+    pub drained_for_faults: u64,
+    pub quarantine_withheld: u64,
     pub conflicts: u64,
     pub errors: u64,
     pub pools_held: u64,
@@ -136,6 +145,9 @@ impl Stats {
             failed: l(&self.failed),
             preempting: l(&self.preempting),
             preempted: l(&self.preempted),
+            quarantined: l(&self.quarantined),
+            drained_for_faults: l(&self.drained_for_faults),
+            quarantine_withheld: l(&self.quarantine_withheld),
             conflicts: l(&self.conflicts),
             errors: l(&self.errors),
             pools_held: l(&self.pools_held),
@@ -197,7 +209,7 @@ static FIELDS: &[Field<Stats>] = &[
         Stats,
         "strata_placer_failed_total",
         Counter,
-        "Reservations ended because a node of theirs left, was revoked or was lost.",
+        "Reservations ended because a node of theirs left, was revoked, was lost or drained, or a GPU of theirs was quarantined.",
         failed
     ),
     ops::stat_field!(
@@ -213,6 +225,27 @@ static FIELDS: &[Field<Stats>] = &[
         Counter,
         "Reservations preempted once their grace period ended.",
         preempted
+    ),
+    ops::stat_field!(
+        Stats,
+        "strata_placer_quarantined_total",
+        Counter,
+        "GPUs quarantined for a fault (device.quarantined).",
+        quarantined
+    ),
+    ops::stat_field!(
+        Stats,
+        "strata_placer_drained_for_faults_total",
+        Counter,
+        "Nodes drained for a fault (node.drained with its fault).",
+        drained_for_faults
+    ),
+    ops::stat_field!(
+        Stats,
+        "strata_placer_quarantine_withheld_total",
+        Counter,
+        "Faults reported but not acted on: the pool's policy is advisory or its circuit breaker is open (device.quarantine_withheld).",
+        quarantine_withheld
     ),
     ops::stat_field!(
         Stats,
@@ -359,6 +392,8 @@ impl PoolWork {
 struct Committed {
     pool: String,
     plan_counts: [u64; 8],
+    /// GPUs quarantined, nodes drained and faults withheld.
+    fault_counts: [u64; 3],
     retried_queued_at: Option<u64>,
     result: Result<Appended, AppendError>,
 }
@@ -538,6 +573,14 @@ fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stat
             stats.released.fetch_add(released, Ordering::Relaxed);
             stats.expired.fetch_add(expired, Ordering::Relaxed);
             stats.failed.fetch_add(failed, Ordering::Relaxed);
+            let [quarantined, drained, withheld] = done.fault_counts;
+            stats.quarantined.fetch_add(quarantined, Ordering::Relaxed);
+            stats
+                .drained_for_faults
+                .fetch_add(drained, Ordering::Relaxed);
+            stats
+                .quarantine_withheld
+                .fetch_add(withheld, Ordering::Relaxed);
         }
         Err(AppendError::VersionConflict { actual, .. }) => {
             // Someone else wrote to the pool: replan once the index has it.
@@ -592,7 +635,9 @@ fn plan_ready(
         let expiry_due = q.expiries.first().is_some_and(|(at, _)| *at <= now_ms);
         let preemption_due = q.preemptions.first().is_some_and(|(at, _)| *at <= now_ms);
         let failures = failures_due(p, q, config.node_lost_after, now_ms, max);
-        if q.pending.is_empty()
+        let answers = crate::faults::decide(p, q);
+        if answers.facts.is_empty()
+            && q.pending.is_empty()
             && !retry_queued
             && q.releases.is_empty()
             && !expiry_due
@@ -647,7 +692,7 @@ fn plan_ready(
             ended.len() as u64,
         ];
         let deadline = now_ms + config.preemption_grace.as_millis() as u64;
-        let (facts, replacements) = batch_facts(
+        let (mut facts, replacements) = batch_facts(
             index,
             Decided {
                 releases,
@@ -661,6 +706,10 @@ fn plan_ready(
             },
             deadline,
         );
+        // The answers to faults come first: the plan already kept off the
+        // GPUs they are about.
+        let fault_counts = [answers.quarantined, answers.drained, answers.withheld];
+        facts.splice(0..0, answers.facts);
         // When the batch ran out of searches for victims, what waits is
         // tried again next time even if capacity did not move.
         let retried_queued_at =
@@ -697,6 +746,7 @@ fn plan_ready(
             Committed {
                 pool,
                 plan_counts: counts,
+                fault_counts,
                 retried_queued_at,
                 result,
             }
@@ -931,7 +981,8 @@ type Key = (std::cmp::Reverse<i32>, u64, String);
 /// Live reservations that must end because a node of theirs is troubled:
 /// it left (`node_left`), was revoked (`node_revoked`), has been out of
 /// contact for `lost_after` (`node_lost`), or was drained and its wait is
-/// over (`node_drained`). At most `max`, each once, as
+/// over (`node_drained`); or because a GPU of theirs is quarantined
+/// (`gpu_fault`). At most `max`, each once, as
 /// (reservation, node, reason).
 fn failures_due(
     pool: &projections::index::Pool,
@@ -959,6 +1010,20 @@ fn failures_due(
         } else if drained {
             "node_drained"
         } else {
+            // Only the reservations on its quarantined GPUs end.
+            for id in node
+                .devices
+                .iter()
+                .filter(|d| d.quarantine.is_some())
+                .filter_map(|d| d.booked_by.as_deref())
+            {
+                if out.len() >= max {
+                    return out;
+                }
+                if !out.iter().any(|(r, _, _)| r == id) {
+                    out.push((id.to_string(), name.clone(), "gpu_fault"));
+                }
+            }
             continue;
         };
         for id in node.bookings() {

@@ -50,6 +50,37 @@ pub struct Pool {
     /// The pool's queues (`queue.configured`), by name: who may use how
     /// much of it.
     pub queues: BTreeMap<String, QueueSpec>,
+    /// Faults are reported, not acted on (`pool.fault_policy_set`).
+    pub faults_advisory: bool,
+    /// The circuit breaker (`pool.fault_policy_set`); `None`: the default.
+    pub max_quarantined_percent: Option<u32>,
+}
+
+impl Pool {
+    /// How its placer acts on GPU faults.
+    pub fn fault_policy(&self) -> domain::faults::Policy {
+        domain::faults::Policy {
+            automatic: !self.faults_advisory,
+            max_quarantined_percent: self
+                .max_quarantined_percent
+                .unwrap_or(domain::faults::DEFAULT_MAX_QUARANTINED_PERCENT),
+        }
+    }
+
+    /// GPUs present in the pool, and those out of service for faults
+    /// (quarantined, or on a node drained for a fault).
+    pub fn fault_budget(&self) -> (usize, usize) {
+        let (mut total, mut out) = (0, 0);
+        for n in self.nodes.values().filter(|n| !n.left) {
+            for d in n.devices.iter().filter(|d| d.present) {
+                total += 1;
+                if d.quarantine.is_some() || n.drained_for.is_some() {
+                    out += 1;
+                }
+            }
+        }
+        (total, out)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
@@ -65,6 +96,12 @@ pub struct Node {
     pub left_reason: String,
     /// Node-wide health conditions.
     pub conditions: Vec<String>,
+    /// A fault that asks for the node to be drained (node-wide, or on a
+    /// GPU: `XID-79`), waiting for the pool's placer to act on it: no new
+    /// placement meanwhile.
+    pub fault: Option<String>,
+    /// The fault it was drained for, when a fault drained it.
+    pub drained_for: Option<String>,
     /// Unix milliseconds of the `node.contact_lost` in force, if contact is
     /// lost.
     pub unreachable_since_ms: Option<u64>,
@@ -92,13 +129,25 @@ impl Node {
             && self.unreachable_since_ms.is_none()
             && self.cordoned.is_none()
             && self.drained.is_none()
-            && self.conditions.is_empty()
+            && self.fault.is_none()
     }
 
     /// Whether live reservations on the node may have to end: it left, is
-    /// drained, or the region lost contact with it.
+    /// drained, the region lost contact with it, or a GPU of a live
+    /// reservation is quarantined.
     pub fn troubled(&self) -> bool {
-        self.left || self.drained.is_some() || self.unreachable_since_ms.is_some()
+        self.left
+            || self.drained.is_some()
+            || self.unreachable_since_ms.is_some()
+            || self
+                .devices
+                .iter()
+                .any(|d| d.quarantine.is_some() && d.booked_by.is_some())
+    }
+
+    /// Whether a fault on the node or a GPU of it waits for the placer.
+    pub fn fault_pending(&self) -> bool {
+        self.fault.is_some() || self.devices.iter().any(|d| d.fault.is_some())
     }
 
     /// Reservations holding devices of the node.
@@ -133,17 +182,29 @@ impl Node {
 #[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Device {
     pub spec: DeviceSpec,
-    /// Health conditions; any makes the device unschedulable.
+    /// Health conditions in force, whatever they ask for.
     pub conditions: Vec<String>,
     /// Whether the node still reports the device.
     pub present: bool,
     pub booked_by: Option<String>,
+    /// A fault that asks for the GPU to be taken out of service, waiting
+    /// for the pool's placer to act on it: no new placement meanwhile.
+    pub fault: Option<String>,
+    /// The fault it is quarantined for (`device.quarantined`), until
+    /// `device.restored`.
+    pub quarantine: Option<String>,
 }
 
 impl Device {
-    /// Free to book (on a schedulable node).
+    /// Free to book (on a schedulable node): present, not booked, not
+    /// quarantined and no fault waiting.
     pub fn free(&self) -> bool {
-        self.present && self.booked_by.is_none() && self.conditions.is_empty()
+        self.present && self.booked_by.is_none() && !self.out_of_service()
+    }
+
+    /// Quarantined, or a fault that asks for it waits.
+    pub fn out_of_service(&self) -> bool {
+        self.quarantine.is_some() || self.fault.is_some()
     }
 }
 
@@ -433,6 +494,9 @@ pub struct Queues {
     /// [`Node::troubled`]): where
     /// the placer looks for reservations to end.
     pub troubled: BTreeSet<String>,
+    /// Nodes with a fault waiting for the placer to act on (see
+    /// [`Node::fault_pending`]).
+    pub faulted: BTreeSet<String>,
     /// The queued requests of each queue (those naming one), in placement
     /// order: what the placer retries from each queue in turn.
     pub queued_by_queue: BTreeMap<String, BTreeSet<(Reverse<i32>, u64, String)>>,
@@ -593,15 +657,21 @@ impl Index {
         else {
             return;
         };
-        if node.troubled() {
+        let (troubled, faulted) = (node.troubled(), node.fault_pending());
+        if troubled || faulted {
             let q = match self.queues.get_mut(pool) {
                 Some(q) => q,
                 None => self.queues.entry(pool.to_string()).or_default(),
             };
-            if add {
-                q.troubled.insert(node_name.to_string());
-            } else {
-                q.troubled.remove(node_name);
+            for (set, on) in [(&mut q.troubled, troubled), (&mut q.faulted, faulted)] {
+                if !on {
+                    continue;
+                }
+                if add {
+                    set.insert(node_name.to_string());
+                } else {
+                    set.remove(node_name);
+                }
             }
         }
         if node.left {

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 const MAGIC: &[u8; 8] = b"STRATAIX";
 // 2: nodes record contact lost and why they left.
 // 4: nodes carry a rail group.
-const FORMAT: u32 = 4;
+// 5: GPUs carry a waiting fault and a quarantine, nodes a waiting fault and
+//    the fault they were drained for, pools their fault policy.
+const FORMAT: u32 = 5;
 const HEADER: usize = 40;
 
 #[derive(Debug, thiserror::Error)]

@@ -169,13 +169,14 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
         prefix: "dev-n",
         gpus: &gpus,
         tls_name: "localhost",
+        faults: true,
     };
     let (fleet, fleet_tasks) = start_fleet(&client, &spec, &fleet_rx).await?;
     eprintln!(
-        "gateway on {}; {} simulated nodes (8 {DEMO_CLASS} each) joining pool {DEMO_POOL}; each writes its bindings' CDI specs under {}/<node>/cdi",
+        "gateway on {}; {} simulated nodes (8 {DEMO_CLASS} each) joining pool {DEMO_POOL}; each writes its bindings' CDI specs under {fleet}/<node>/cdi and takes faults from `strata fault --data-dir {fleet}/<node>`",
         gw.addr,
         args.demo_nodes,
-        fleet_dir.display()
+        fleet = fleet_dir.display()
     );
     let mut pc = placer::PlacerConfig::new(events::lease::default_holder());
     pc.snapshots = Some(projections::SnapshotStore::new(

@@ -66,6 +66,36 @@ pub(crate) struct NodeArgs {
     pub rail: Option<String>,
 }
 
+/// `strata fault`: what to inject, and where.
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["xid", "ecc", "condition", "diag"])))]
+pub(crate) struct FaultArgs {
+    /// The simulated daemon's data dir (its --data-dir)
+    #[arg(long)]
+    pub data_dir: PathBuf,
+    /// The GPU: its index (3) or id; absent: the whole node
+    #[arg(long)]
+    pub gpu: Option<String>,
+    /// An XID error, e.g. 48 (a double-bit ECC error), 79 (fallen off the bus), 13 (an application's fault)
+    #[arg(long)]
+    pub xid: Option<u32>,
+    /// An uncorrected ECC error, as NVML's counters report it (ECC-uncorrected)
+    #[arg(long)]
+    pub ecc: bool,
+    /// Any condition by name, e.g. NVML-unavailable
+    #[arg(long)]
+    pub condition: Option<String>,
+    /// The GPU's diagnostic (diag.nvml, the acceptance check) fails or passes from now on
+    #[arg(long, value_parser = ["fail", "pass"])]
+    pub diag: Option<String>,
+    /// Clear the condition instead of raising it
+    #[arg(long)]
+    pub clear: bool,
+    /// Free text carried with the condition, or why the diagnostic fails
+    #[arg(long, default_value = "injected by strata fault")]
+    pub detail: String,
+}
+
 #[derive(Args, Debug)]
 pub(crate) struct FleetArgs {
     #[command(flatten)]
@@ -96,6 +126,56 @@ pub(crate) struct FleetArgs {
     /// Stop after this long
     #[arg(long, value_parser = humantime::parse_duration)]
     pub duration: Option<std::time::Duration>,
+    /// Let `strata fault --data-dir <data-dir>/<node>` inject faults into the daemons (a thread per node looks for them)
+    #[arg(long)]
+    pub faults: bool,
+}
+
+/// `strata fault`: writes the fault into the daemon's fault folder, where
+/// its fake device set takes it within a fraction of a second.
+pub(crate) fn fault(args: FaultArgs) -> Result<ExitCode> {
+    use node::faults::{Fault, What};
+    if !args.data_dir.join("commands.log").exists() && !args.data_dir.join("node.pem").exists() {
+        anyhow::bail!(
+            "{} is not a node daemon's data dir (no node.pem or commands.log in it)",
+            args.data_dir.display()
+        );
+    }
+    let condition = match (&args.xid, args.ecc, &args.condition) {
+        (Some(x), _, _) => Some(format!("XID-{x}")),
+        (_, true, _) => Some("ECC-uncorrected".to_string()),
+        (_, _, Some(c)) => Some(c.clone()),
+        _ => None,
+    };
+    let what = match (condition, args.diag.as_deref()) {
+        (Some(condition), _) if args.clear => What::Clear { condition },
+        (Some(condition), _) => What::Raise {
+            condition,
+            detail: args.detail.clone(),
+        },
+        (None, Some("fail")) => What::DiagnosticFails {
+            reason: args.detail.clone(),
+        },
+        _ => What::DiagnosticPasses,
+    };
+    let fault = Fault {
+        gpu: args.gpu.clone(),
+        what,
+    };
+    let path = node::faults::inject(&args.data_dir, &fault)
+        .with_context(|| format!("write into {}", args.data_dir.display()))?;
+    if crate::exit::json() {
+        crate::exit::print_json(&serde_json::json!({"fault": fault, "file": path}));
+    } else {
+        println!(
+            "injected {} on {}; the daemon (started with --fake-gpus) takes it within a second",
+            serde_json::to_string(&fault.what).unwrap_or_default(),
+            args.gpu
+                .as_deref()
+                .map_or("the node".to_string(), |g| format!("GPU {g}"))
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 pub(crate) fn host_name() -> String {
@@ -106,7 +186,9 @@ pub(crate) async fn node(args: NodeArgs) -> Result<ExitCode> {
     let node_id = args.node_id.clone().unwrap_or_else(host_name);
     let backend: Arc<dyn GpuBackend> = match &args.fake_gpus {
         Some(spec) => {
-            let mut f = FakeGpus::parse(spec, &node_id)?.with_stand_in(&args.fake_device_node)?;
+            let mut f = FakeGpus::parse(spec, &node_id)?
+                .with_stand_in(&args.fake_device_node)?
+                .with_fault_dir(&args.data_dir);
             f.diag_delay = args.fake_diag_delay.unwrap_or_default();
             Arc::new(f)
         }
@@ -169,6 +251,9 @@ pub(crate) struct FleetSpec<'a> {
     /// e.g. `8xH100-80GB`.
     pub gpus: &'a str,
     pub tls_name: &'a str,
+    /// Whether each daemon takes faults from `strata fault` (a thread per
+    /// node looks for them).
+    pub faults: bool,
 }
 
 pub(crate) type Daemons = Vec<tokio::task::JoinHandle<Result<(), daemon::DaemonError>>>;
@@ -189,12 +274,17 @@ pub(crate) async fn start_fleet(
         prefix,
         gpus: spec,
         tls_name,
+        faults,
     } = *spec;
     let stats = Arc::new(DaemonStats::default());
     let mut tasks = Vec::with_capacity(n as usize);
     for i in 0..n {
         let node_id = format!("{prefix}{i:05}");
-        let backend = Arc::new(FakeGpus::parse(spec, &node_id)?);
+        let mut backend = FakeGpus::parse(spec, &node_id)?;
+        if faults {
+            backend = backend.with_fault_dir(&data_dir.join(&node_id));
+        }
+        let backend = Arc::new(backend);
         let mut c = DaemonConfig::new(
             gateways.to_vec(),
             data_dir.join(&node_id),
@@ -228,6 +318,7 @@ pub(crate) async fn fleet(args: FleetArgs) -> Result<ExitCode> {
         prefix: &args.prefix,
         gpus: &args.fake_gpus,
         tls_name: &args.tls_name,
+        faults: args.faults,
     };
     let (stats, tasks) = start_fleet(&client, &spec, &rx).await?;
     let started = std::time::Instant::now();

@@ -91,8 +91,19 @@ pub(crate) enum NodesCmd {
         #[arg(long, default_value = "")]
         reason: String,
     },
+    /// Show a node: its standing, each GPU with what holds it and its
+    /// conditions (their severity and the action each asks for), its
+    /// quarantines, and its health history from the log
+    Show {
+        #[command(flatten)]
+        db: DbArgs,
+        node: String,
+        /// How many events of its health history (newest first)
+        #[arg(long, default_value_t = 20)]
+        history: i64,
+    },
     /// Clear a health condition the node no longer has, so its GPUs can be
-    /// placed on again
+    /// placed on again; on a GPU it also lifts a quarantine (device.restored)
     ClearHealth {
         #[command(flatten)]
         target: NodeTarget,
@@ -180,6 +191,7 @@ pub(crate) async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
             wait,
         } => standing(target, Change::Drain { reason, wait }).await?,
         NodesCmd::Leave { target, reason } => standing(target, Change::Leave { reason }).await?,
+        NodesCmd::Show { db, node, history } => show(&db, &node, history).await?,
         NodesCmd::ClearHealth {
             target,
             condition,
@@ -193,6 +205,136 @@ pub(crate) async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
         } => standing(target, Change::Topology { rack, block, rail }).await?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The events of a node's health history.
+const HEALTH_TYPES: &[&str] = &[
+    "health.raised",
+    "health.cleared",
+    "device.quarantined",
+    "device.quarantine_withheld",
+    "device.restored",
+    "node.drained",
+    "node.cordoned",
+    "node.uncordoned",
+];
+
+/// `strata nodes show`.
+async fn show(db: &DbArgs, node: &str, history: i64) -> Result<()> {
+    let index = crate::cli::index(db).await?;
+    let Some((pool, n)) = index
+        .state()
+        .pools
+        .iter()
+        .find_map(|(name, p)| p.nodes.get(node).map(|n| (name.clone(), n.clone())))
+    else {
+        return Err(crate::exit::not_found(format!(
+            "node {node:?} is in no pool (see `strata pool show POOL --nodes`)"
+        )));
+    };
+    let client = connect(db).await?;
+    let types: Vec<String> = HEALTH_TYPES
+        .iter()
+        .flat_map(|t| domain::stored_types(t))
+        .collect();
+    let rows = client
+        .query(
+            "SELECT recorded_at::text, type, payload::text FROM strata.events
+              WHERE stream = $1 AND type = ANY($2) AND payload->>'node' = $3
+              ORDER BY position DESC LIMIT $4",
+            &[&domain::pool_stream(&pool), &types, &node, &history.max(0)],
+        )
+        .await?;
+    let class = |c: &String| {
+        let k = domain::faults::classify(c);
+        serde_json::json!({"condition": c, "severity": k.severity.name(), "action": k.action.name(), "meaning": k.meaning})
+    };
+    let gpus: Vec<serde_json::Value> = n
+        .devices
+        .iter()
+        .map(|d| {
+            serde_json::json!({
+                "id": d.spec.id,
+                "class": d.spec.class,
+                "present": d.present,
+                "booked_by": d.booked_by,
+                "quarantined_for": d.quarantine,
+                "fault_waiting": d.fault,
+                "conditions": d.conditions.iter().map(class).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let events: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "at": r.get::<_, String>(0),
+                "type": domain::canonical_type(&r.get::<_, String>(1)),
+                "payload": serde_json::from_str::<serde_json::Value>(&r.get::<_, String>(2)).unwrap_or_default(),
+            })
+        })
+        .collect();
+    if crate::exit::json() {
+        crate::exit::print_json(&serde_json::json!({
+            "node": node,
+            "pool": pool,
+            "schedulable": n.schedulable(),
+            "state": crate::cmd::pools::node_state(&n),
+            "conditions": n.conditions.iter().map(class).collect::<Vec<_>>(),
+            "gpus": gpus,
+            "history": events,
+        }));
+        return Ok(());
+    }
+    println!(
+        "node {node} in pool {pool}: {}",
+        crate::cmd::pools::node_state(&n)
+    );
+    println!("  {:<20} {:<12} {:<24} STATE", "GPU", "CLASS", "BOOKED BY");
+    for d in &n.devices {
+        let mut state: Vec<String> = Vec::new();
+        if !d.present {
+            state.push("no longer reported".into());
+        }
+        if let Some(q) = &d.quarantine {
+            state.push(format!("quarantined for {q}"));
+        }
+        if let Some(f) = &d.fault {
+            state.push(format!("fault {f} waiting for the placer"));
+        }
+        for c in &d.conditions {
+            let k = domain::faults::classify(c);
+            state.push(format!(
+                "{c}: {} ({}, asks for {})",
+                k.meaning,
+                k.severity.name(),
+                k.action.name()
+            ));
+        }
+        println!(
+            "  {:<20} {:<12} {:<24} {}",
+            d.spec.id,
+            d.spec.class,
+            d.booked_by.as_deref().unwrap_or("-"),
+            if state.is_empty() {
+                "ok".to_string()
+            } else {
+                state.join("; ")
+            }
+        );
+    }
+    if !events.is_empty() {
+        println!("  health history (newest first):");
+        for e in &events {
+            println!(
+                "    {}  {:<28} {}",
+                e["at"].as_str().unwrap_or_default(),
+                e["type"].as_str().unwrap_or_default(),
+                e["payload"]
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Changes a node's standing and says what follows from it.
@@ -231,6 +373,10 @@ pub(crate) async fn standing(target: NodeTarget, change: Change) -> Result<()> {
         Change::Leave { .. } => (
             "left",
             "its GPUs are out of the pool; its live reservations end now".to_string(),
+        ),
+        Change::ClearHealth { device: Some(_), .. } => (
+            "cleared",
+            "the condition no longer keeps the GPU out of placement, and a quarantine of it is lifted (device.restored)".to_string(),
         ),
         Change::ClearHealth { .. } => (
             "cleared",

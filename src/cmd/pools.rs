@@ -50,6 +50,18 @@ pub(crate) enum PoolCmd {
         #[arg(long, default_value_t = 0, requires = "nodes_per_rack")]
         racks_per_block: u32,
     },
+    /// How the pool's placer acts on GPU faults: automatically (quarantine a GPU, drain a node, end what ran there) or advisory (report only), under a circuit breaker; without options, shows it
+    Policy {
+        #[command(flatten)]
+        db: DbArgs,
+        name: String,
+        /// automatic: the placer quarantines GPUs and drains nodes as each fault asks; advisory: faults are reported (device.quarantine_withheld) and an operator acts
+        #[arg(long, value_parser = ["automatic", "advisory"])]
+        faults: Option<String>,
+        /// The circuit breaker: the most of the pool's GPUs out of service for faults at once, in percent (one GPU at least unless 0); past it, faults are reported and an alert fires instead
+        #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100))]
+        max_quarantined: Option<u32>,
+    },
     /// Show a pool's nodes, free and booked GPUs, and what waits
     Show {
         #[command(flatten)]
@@ -189,6 +201,47 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
                 );
             }
         }
+        PoolCmd::Policy {
+            db,
+            name,
+            faults,
+            max_quarantined,
+        } => {
+            let index = index(&db).await?;
+            let Some(p) = index.pool(&name).filter(|p| p.created) else {
+                return Err(crate::exit::not_found(format!(
+                    "pool {name:?} does not exist (see `strata pools`)"
+                )));
+            };
+            let mut policy = p.fault_policy();
+            if faults.is_some() || max_quarantined.is_some() {
+                if let Some(f) = &faults {
+                    policy.automatic = f == "automatic";
+                }
+                if let Some(m) = max_quarantined {
+                    policy.max_quarantined_percent = m;
+                }
+                let who = crate::cli::asked_by();
+                domain::pools::set_fault_policy(&appender(&db)?, &name, policy, Some(&who)).await?;
+            }
+            let (total, out) = p.fault_budget();
+            if crate::exit::json() {
+                crate::exit::print_json(&serde_json::json!({
+                    "pool": name,
+                    "faults": if policy.automatic { "automatic" } else { "advisory" },
+                    "max_quarantined_percent": policy.max_quarantined_percent,
+                    "gpus": total,
+                    "out_of_service_for_faults": out,
+                }));
+            } else {
+                println!(
+                    "pool {name}: faults {}, circuit breaker {}% ({} of {total} GPUs); {out} out of service for faults now",
+                    if policy.automatic { "automatic" } else { "advisory" },
+                    policy.max_quarantined_percent,
+                    policy.limit(total)
+                );
+            }
+        }
         PoolCmd::Show { db, name, nodes } => {
             let index = index(&db).await?;
             if crate::exit::json() {
@@ -213,6 +266,18 @@ pub(crate) fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
     println!(
         "  nodes {} ({} schedulable), version {}, live reservations {}, waiting {}",
         c.nodes, c.schedulable, p.version, c.live, c.pending
+    );
+    let (total, out) = p.fault_budget();
+    let policy = p.fault_policy();
+    println!(
+        "  faults: {} (circuit breaker {}%: {} GPUs); {out} of {total} GPUs out of service for faults{}",
+        if policy.automatic { "automatic" } else { "advisory" },
+        policy.max_quarantined_percent,
+        policy.limit(total),
+        match quarantined(p).len() {
+            0 => String::new(),
+            n => format!(", {n} quarantined: {}", quarantined(p).join(" ")),
+        }
     );
     for (class, ci) in index.classes(name) {
         println!(
@@ -333,6 +398,12 @@ pub(crate) fn show_pool_json(index: &Index, name: &str, nodes: bool) -> Result<(
         "waiting": c.pending,
         "classes": classes,
         "queues": projections::quota::fair_shares(index, name),
+        "faults": {
+            "policy": if p.fault_policy().automatic { "automatic" } else { "advisory" },
+            "max_quarantined_percent": p.fault_policy().max_quarantined_percent,
+            "out_of_service": p.fault_budget().1,
+            "quarantined": quarantined(p),
+        },
     });
     if nodes {
         out["node_list"] = p
@@ -369,19 +440,59 @@ pub(crate) fn node_state(node: &projections::index::Node) -> String {
         }
     } else if let Some(r) = &node.cordoned {
         format!("cordoned {r}")
-    } else if !node.conditions.is_empty() {
-        format!("unhealthy {}", node.conditions.join(","))
+    } else if let Some(f) = &node.fault {
+        format!("fault {f}: waiting for the pool's placer to act")
     } else {
+        // Per GPU: quarantined, a fault waiting, or conditions that keep it
+        // in service (what they ask for in brackets).
         let sick: Vec<_> = node
             .devices
             .iter()
-            .filter(|d| !d.conditions.is_empty())
-            .map(|d| format!("{}:{}", d.spec.id, d.conditions.join("+")))
+            .filter_map(|d| {
+                let id = &d.spec.id;
+                if let Some(q) = &d.quarantine {
+                    Some(format!("{id} quarantined ({q})"))
+                } else if let Some(f) = &d.fault {
+                    Some(format!("{id} fault {f} waiting"))
+                } else if d.conditions.is_empty() {
+                    None
+                } else {
+                    Some(format!("{id} {}", with_actions(&d.conditions)))
+                }
+            })
             .collect();
-        if sick.is_empty() {
-            "ready".into()
+        let own = if node.conditions.is_empty() {
+            String::new()
         } else {
-            format!("ready, unhealthy devices {}", sick.join(" "))
+            format!(", node {}", with_actions(&node.conditions))
+        };
+        if sick.is_empty() {
+            format!("ready{own}")
+        } else {
+            format!("ready{own}, {}", sick.join("; "))
         }
     }
+}
+
+/// Conditions with what each asks for: `XID-13 (restart_workload)`.
+fn with_actions(conditions: &[String]) -> String {
+    conditions
+        .iter()
+        .map(|c| format!("{c} ({})", domain::faults::classify(c).action.name()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The pool's quarantined GPUs: `node/gpu (condition)`.
+fn quarantined(p: &projections::index::Pool) -> Vec<String> {
+    p.nodes
+        .iter()
+        .flat_map(|(n, node)| {
+            node.devices.iter().filter_map(move |d| {
+                d.quarantine
+                    .as_ref()
+                    .map(|q| format!("{n}/{} ({q})", d.spec.id))
+            })
+        })
+        .collect()
 }

@@ -107,9 +107,10 @@ impl Index {
             }
         };
         match &fact {
-            Fact::PoolCreated { .. } | Fact::PoolUpdated { .. } | Fact::QueueConfigured(_) => {
-                self.apply_pool(pool, fact)
-            }
+            Fact::PoolCreated { .. }
+            | Fact::PoolUpdated { .. }
+            | Fact::PoolFaultPolicySet(_)
+            | Fact::QueueConfigured(_) => self.apply_pool(pool, fact),
             Fact::NodeJoined { .. }
             | Fact::NodeInventoryReported { .. }
             | Fact::NodeLeft { .. }
@@ -120,7 +121,10 @@ impl Index {
             | Fact::NodeTopologySet { .. }
             | Fact::NodeUncordoned { .. }
             | Fact::HealthRaised { .. }
-            | Fact::HealthCleared { .. } => self.apply_standing(pool, fact),
+            | Fact::HealthCleared { .. }
+            | Fact::DeviceQuarantined { .. }
+            | Fact::DeviceQuarantineWithheld { .. }
+            | Fact::DeviceRestored { .. } => self.apply_standing(pool, fact),
             Fact::ReservationRequested(_)
             | Fact::ReservationReleaseRequested { .. }
             | Fact::ReservationActivated { .. }
@@ -157,6 +161,15 @@ impl Index {
                     .expect("made on the stream's first event");
                 p.created = true;
                 p.description = description;
+            }
+            Fact::PoolFaultPolicySet(policy) => {
+                let p = self
+                    .state
+                    .pools
+                    .get_mut(&pool)
+                    .expect("made on the stream's first event");
+                p.faults_advisory = !policy.automatic;
+                p.max_quarantined_percent = Some(policy.max_quarantined_percent.min(100));
             }
             Fact::QueueConfigured(spec) => {
                 spec.validate().map_err(|e| format!("invalid queue: {e}"))?;
@@ -210,6 +223,8 @@ impl Index {
                                 conditions: Vec::new(),
                                 present: true,
                                 booked_by: None,
+                                fault: None,
+                                quarantine: None,
                             },
                         });
                     }
@@ -254,10 +269,14 @@ impl Index {
                 node,
                 reason,
                 deadline_ms,
+                fault,
             } => {
                 self.with_node(&pool, &node, |n| {
                     n.drained = Some(reason);
                     n.drain_deadline_ms = deadline_ms;
+                    // A drain is the answer to a node's fault waiting.
+                    n.fault = None;
+                    n.drained_for = fault;
                 });
             }
             Fact::NodeTopologySet {
@@ -280,6 +299,7 @@ impl Index {
                     n.cordoned = None;
                     n.drained = None;
                     n.drain_deadline_ms = None;
+                    n.drained_for = None;
                 });
                 self.bump_capacity(&pool);
             }
@@ -287,16 +307,47 @@ impl Index {
                 node,
                 device,
                 condition,
+                action,
+                ..
+            } => {
+                let action = action.unwrap_or_else(|| domain::faults::classify(&condition).action);
+                self.with_node(&pool, &node, |n| {
+                    raise(n, device.as_deref(), condition, action)
+                });
+            }
+            Fact::DeviceQuarantined {
+                node,
+                device,
+                condition,
                 ..
             } => {
                 self.with_node(&pool, &node, |n| {
-                    let list = n.conditions_mut(device.as_deref());
-                    if let Some(list) = list {
-                        if !list.contains(&condition) {
-                            list.push(condition);
+                    if let Some(d) = n.devices.iter_mut().find(|d| d.spec.id == device) {
+                        d.quarantine = Some(condition);
+                        d.fault = None;
+                    }
+                })
+                .ok_or_else(|| format!("node {node:?} is not in pool {pool:?}"))?;
+            }
+            Fact::DeviceQuarantineWithheld { node, device, .. } => {
+                self.with_node(&pool, &node, |n| match device {
+                    None => n.fault = None,
+                    Some(id) => {
+                        if let Some(d) = n.devices.iter_mut().find(|d| d.spec.id == id) {
+                            d.fault = None;
                         }
                     }
                 });
+                self.bump_capacity(&pool);
+            }
+            Fact::DeviceRestored { node, device, .. } => {
+                self.with_node(&pool, &node, |n| {
+                    if let Some(d) = n.devices.iter_mut().find(|d| d.spec.id == device) {
+                        d.quarantine = None;
+                        d.fault = None;
+                    }
+                });
+                self.bump_capacity(&pool);
             }
             Fact::HealthCleared {
                 node,
@@ -307,6 +358,19 @@ impl Index {
                     let list = n.conditions_mut(device.as_deref());
                     if let Some(list) = list {
                         list.retain(|c| c != &condition);
+                    }
+                    // A fault gone before the placer acted on it asks for
+                    // nothing more; a quarantine stays until restored.
+                    if n.fault.as_ref() == Some(&condition) {
+                        n.fault = None;
+                    }
+                    if let Some(d) = device
+                        .as_deref()
+                        .and_then(|id| n.devices.iter_mut().find(|d| d.spec.id == id))
+                    {
+                        if d.fault.as_ref() == Some(&condition) {
+                            d.fault = None;
+                        }
                     }
                 });
                 self.bump_capacity(&pool);
@@ -700,12 +764,8 @@ impl Index {
                         a.node, dev.spec.class, request.class
                     ));
                 }
-                if !dev.conditions.is_empty() {
-                    return Some(format!(
-                        "device {}/{d} is unhealthy ({})",
-                        a.node,
-                        dev.conditions.join(", ")
-                    ));
+                if let Some(fault) = dev.quarantine.as_ref().or(dev.fault.as_ref()) {
+                    return Some(format!("device {}/{d} is out of service ({fault})", a.node));
                 }
                 if let Some(other) = &dev.booked_by {
                     return Some(format!(
@@ -815,4 +875,40 @@ impl Index {
 /// total).
 fn not_of(family: &str, fact: &Fact) -> Result<(), String> {
     Err(format!("not {family} fact: {}", fact.event_type()))
+}
+
+/// A condition raised on `node` (or its GPU `device`): recorded, and, when
+/// its action takes the GPU or node out of service, waiting for the
+/// placer's answer (no new placement meanwhile). A GPU already quarantined
+/// or a node already drained has had its answer.
+fn raise(
+    n: &mut super::Node,
+    device: Option<&str>,
+    condition: String,
+    action: domain::faults::Action,
+) {
+    use domain::faults::Action;
+    if let Some(list) = n.conditions_mut(device) {
+        if !list.contains(&condition) {
+            list.push(condition.clone());
+        }
+    } else {
+        return;
+    }
+    if !action.takes_out_of_service() {
+        return;
+    }
+    let device = device.and_then(|id| n.devices.iter_mut().find(|d| d.spec.id == id));
+    match device {
+        Some(d) if action != Action::DrainNode => {
+            if d.quarantine.is_none() && d.fault.is_none() {
+                d.fault = Some(condition);
+            }
+        }
+        _ => {
+            if n.drained.is_none() && n.fault.is_none() {
+                n.fault = Some(condition);
+            }
+        }
+    }
 }

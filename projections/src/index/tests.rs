@@ -69,6 +69,8 @@ fn invalid_placements_are_reported() {
         device: Some("gpu7".into()),
         condition: "XID-48".into(),
         detail: String::new(),
+        severity: None,
+        action: None,
     });
     let on = |d: &str| {
         vec![Allocation {
@@ -104,7 +106,7 @@ fn invalid_placements_are_reported() {
             allocations: on("gpu7"),
         })
         .unwrap();
-    assert!(v.message.contains("unhealthy"), "{v}");
+    assert!(v.message.contains("out of service (XID-48)"), "{v}");
     let v = w
         .pool(&Fact::ReservationPlaced {
             reservation: "nope".into(),

@@ -1,0 +1,221 @@
+//! GPU faults injected into a real node daemon from outside it
+//! (`strata fault`), acted on by a real placer: a double-bit ECC error on
+//! one GPU of a busy node quarantines that GPU and ends its reservation
+//! while the others run, a harmless XID takes nothing out of service, an
+//! operator's clear brings the GPU back, and a flood of faults across the
+//! pool stops at the circuit breaker.
+
+use super::ok;
+use super::one_node::region;
+
+/// The GPU index of `id`'s first device (`GPU-fake-n1-3` is 3).
+fn gpu_of(r: &super::one_node::Region, id: &str) -> String {
+    let shown = r.show(id);
+    let d = shown["allocations"][0]["devices"][0]
+        .as_str()
+        .unwrap()
+        .to_string();
+    d.rsplit('-').next().unwrap().to_string()
+}
+
+fn metric(at: &str, name: &str) -> f64 {
+    let (_, body) = super::http_get(at, "/metrics");
+    body.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn a_double_bit_ecc_error_quarantines_one_gpu_of_a_busy_node_and_ends_only_its_reservation() {
+    let r = region();
+    let _node = r.node(&[]);
+    r.wait_for_gpus();
+    r.reserve_with("a", 2, &["--replace-on-failure"]);
+    for id in ["b", "c", "d"] {
+        r.reserve(id, 2);
+    }
+    for id in ["a", "b", "c", "d"] {
+        r.wait_until(60, &format!("{id} is active"), || r.phase(id) == "active");
+    }
+    let (bad, harmless) = (gpu_of(&r, "a"), gpu_of(&r, "b"));
+    let bad_id = format!("GPU-fake-n1-{bad}");
+
+    // An application's fault on b's GPU: recorded, nothing taken out.
+    r.fault(&["--gpu", &harmless, "--xid", "13"]);
+    // A double-bit ECC error on a's.
+    r.fault(&["--gpu", &bad, "--xid", "48"]);
+    r.wait_until(30, "a ends", || r.phase("a") == "ended");
+    let quarantined = r.pool_events(&["device.quarantined"]);
+    assert_eq!(quarantined.len(), 1, "{quarantined:?}");
+    assert_eq!(quarantined[0].1["device"], bad_id.as_str());
+    assert_eq!(quarantined[0].1["condition"], "XID-48");
+    assert_eq!(quarantined[0].1["action"], "reset_gpu");
+    let raised = r.pool_events(&["health.raised"]);
+    let classified: Vec<(String, String)> = raised
+        .iter()
+        .map(|(_, p)| {
+            (
+                p["condition"].as_str().unwrap().to_string(),
+                p["action"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert!(classified.contains(&("XID-13".into(), "restart_workload".into())));
+    assert!(classified.contains(&("XID-48".into(), "reset_gpu".into())));
+    let failed = super::gateway::query(
+        &r.url,
+        "SELECT payload->>'reason', payload->>'replaced_by' FROM strata.events WHERE type = 'reservation.failed' AND payload->>'reservation' = 'a'",
+    );
+    assert_eq!(failed, [["gpu_fault".to_string(), "a~1".to_string()]]);
+    // The others keep running, b's harmless fault notwithstanding; a's
+    // binding and CDI spec go with it.
+    for id in ["b", "c", "d"] {
+        assert_eq!(r.phase(id), "active", "{id}");
+    }
+    r.wait_until(30, "a's binding and spec go", || {
+        !node::allocation::bound_reservations(&r.node_dir()).contains("a")
+            && !r.specs().iter().any(|s| s == "strata-reservation-a.json")
+    });
+    // Its replacement waits: 2 GPUs asked, 1 in service and free.
+    r.wait_until(30, "a~1 waits", || r.phase("a~1") == "queued");
+
+    let shown: serde_json::Value = serde_json::from_str(&ok(&[
+        "nodes",
+        "show",
+        "n1",
+        "--database-url",
+        &r.url,
+        "--output",
+        "json",
+    ]))
+    .unwrap();
+    let gpu = |id: &str| {
+        shown["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["id"] == id)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(gpu(&bad_id)["quarantined_for"], "XID-48");
+    let b_gpu = gpu(&format!("GPU-fake-n1-{harmless}"));
+    assert_eq!(b_gpu["quarantined_for"], serde_json::Value::Null);
+    assert_eq!(b_gpu["conditions"][0]["action"], "restart_workload");
+    assert!(shown["history"].as_array().unwrap().len() >= 3);
+    let pool: serde_json::Value = serde_json::from_str(&ok(&[
+        "pool",
+        "show",
+        "p",
+        "--database-url",
+        &r.url,
+        "--output",
+        "json",
+    ]))
+    .unwrap();
+    assert_eq!(pool["faults"]["out_of_service"], 1);
+    assert_eq!(
+        pool["faults"]["quarantined"],
+        serde_json::json!([format!("n1/{bad_id} (XID-48)")])
+    );
+    assert_eq!(metric(&r.metrics, "strata_placer_quarantined_total"), 1.0);
+
+    // An operator clears it: the GPU is back and the replacement runs.
+    ok(&[
+        "nodes",
+        "clear-health",
+        "n1",
+        "--device",
+        &bad_id,
+        "--condition",
+        "XID-48",
+        "--database-url",
+        &r.url,
+    ]);
+    r.wait_until(60, "a~1 is active on the restored GPU", || {
+        r.phase("a~1") == "active"
+    });
+    assert_eq!(r.pool_events(&["device.restored"]).len(), 1);
+}
+
+#[test]
+fn a_flood_of_faults_across_the_pool_stops_at_the_circuit_breaker() {
+    let r = region();
+    let _node = r.node(&[]);
+    r.wait_for_gpus();
+    let policy = ok(&[
+        "pool",
+        "policy",
+        "p",
+        "--max-quarantined",
+        "25",
+        "--database-url",
+        &r.url,
+    ]);
+    assert!(
+        policy.contains("circuit breaker 25% (2 of 8 GPUs)"),
+        "{policy}"
+    );
+    r.reserve("busy", 8);
+    r.wait_until(60, "busy is active", || r.phase("busy") == "active");
+    // Every GPU reports a double-bit ECC error at once (a bad driver
+    // update, say): two are quarantined, the rest reported and kept.
+    for g in 0..8 {
+        r.fault(&["--gpu", &g.to_string(), "--xid", "48"]);
+    }
+    r.wait_until(30, "every fault is answered", || {
+        r.pool_events(&["device.quarantined", "device.quarantine_withheld"])
+            .len()
+            == 8
+    });
+    assert_eq!(r.pool_events(&["device.quarantined"]).len(), 2);
+    let withheld = r.pool_events(&["device.quarantine_withheld"]);
+    assert_eq!(withheld.len(), 6);
+    assert!(
+        withheld[0].1["reason"]
+            .as_str()
+            .unwrap()
+            .contains("circuit breaker open: 2 of 8"),
+        "{withheld:?}"
+    );
+    r.wait_until(30, "the withheld count is on /metrics", || {
+        metric(&r.metrics, "strata_placer_quarantine_withheld_total") == 6.0
+    });
+    // The one reservation on the quarantined GPUs ends; the six withheld
+    // GPUs take work again.
+    r.wait_until(30, "busy ends", || r.phase("busy") == "ended");
+    r.reserve("after", 6);
+    r.wait_until(60, "six GPUs are placed again", || {
+        r.phase("after") == "active"
+    });
+
+    // An advisory pool quarantines nothing at all.
+    ok(&[
+        "pool",
+        "policy",
+        "p",
+        "--faults",
+        "advisory",
+        "--database-url",
+        &r.url,
+    ]);
+    ok(&[
+        "nodes",
+        "clear-health",
+        "n1",
+        "--device",
+        "GPU-fake-n1-0",
+        "--condition",
+        "XID-48",
+        "--database-url",
+        &r.url,
+    ]);
+    let before = r.pool_events(&["device.quarantine_withheld"]).len();
+    r.fault(&["--gpu", "0", "--clear", "--xid", "48"]);
+    r.fault(&["--gpu", "0", "--xid", "48"]);
+    r.wait_until(30, "the fault is reported, not acted on", || {
+        r.pool_events(&["device.quarantine_withheld"]).len() == before + 1
+    });
+    assert_eq!(r.pool_events(&["device.quarantined"]).len(), 2);
+}
