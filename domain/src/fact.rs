@@ -272,6 +272,29 @@ facts! {
         condition: String,
     },
 
+    NodeAcceptanceReported = "node.acceptance_reported" {
+        stream: "pool/<pool>",
+        written_by: "the gateway, from the node's daemon (with its `gpus` inventory, in the same transaction as `node.joined`; again when a re-check's result changes)",
+        about: "The node's acceptance check: every GPU answers, no uncorrected ECC error, no page pending retirement, and `dcgmi diag` where DCGM is installed. A node (or GPU) whose last check failed takes no placement until one passes. A node that never reported one (seeded, or an older daemon) is accepted.",
+        fields: [
+            NODE,
+            req("passed", Ty::Boolean, "Whether every check passed."),
+            opt("reason", Ty::String, "Why it failed (default empty)."),
+            opt("failed_devices", Ty::Array, "The GPUs that failed (empty with `passed` false: the whole node failed)."),
+            opt("report", Ty::Object, "The checks' own report."),
+        ],
+        formerly: [],
+    } {
+        node: String,
+        passed: bool,
+        #[serde(default)]
+        reason: String,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        failed_devices: Vec<String>,
+        #[serde(default)]
+        report: serde_json::Value,
+    },
+
     DeviceQuarantined = "device.quarantined" {
         stream: "pool/<pool>",
         written_by: "the placer holding the pool, for a fault that takes a GPU out of service (under the pool's fault policy and circuit breaker)",
@@ -891,6 +914,16 @@ mod tests {
                     node: node(),
                     device: None,
                     condition: "c".into(),
+                },
+                "pool/p",
+            ),
+            (
+                Fact::NodeAcceptanceReported {
+                    node: node(),
+                    passed: false,
+                    reason: "r".into(),
+                    failed_devices: vec!["0".into()],
+                    report: serde_json::json!({"gpus": []}),
                 },
                 "pool/p",
             ),

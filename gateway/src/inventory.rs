@@ -1,5 +1,6 @@
 //! A node's inventory sections as facts of its pool: `gpus` (its devices,
-//! `node.joined`) and `topology` (its rack, block and rail group,
+//! `node.joined`, and its acceptance check, `node.acceptance_reported`,
+//! written together) and `topology` (its rack, block and rail group,
 //! `node.topology_set`). Pure: the session writes what this returns.
 //!
 //! A section travels only when its hash is new to the region (the Hello
@@ -12,16 +13,47 @@ use domain::{valid_name, Tier};
 use domain::{DeviceSpec, Fact};
 use tonic::Status;
 
-/// The fact that section `section` of node `node` reports, or why the
+/// The facts that section `section` of node `node` reports, or why the
 /// section is refused.
-pub fn section_fact(node: &str, section: InventorySection) -> Result<Fact, Status> {
+pub fn section_facts(node: &str, section: InventorySection) -> Result<Vec<Fact>, Status> {
     match section.name.as_str() {
-        "gpus" => devices(node, section),
-        "topology" => topology(node, section),
+        "gpus" => {
+            let acceptance = acceptance(node, &section.acceptance_json)?;
+            Ok(std::iter::once(devices(node, section)?)
+                .chain(acceptance)
+                .collect())
+        }
+        "topology" => Ok(vec![topology(node, section)?]),
         other => Err(Status::invalid_argument(format!(
             "unknown inventory section {other:?}: gpus or topology"
         ))),
     }
+}
+
+/// The acceptance check a `gpus` section carries, if any.
+fn acceptance(node: &str, json: &str) -> Result<Option<Fact>, Status> {
+    if json.is_empty() {
+        return Ok(None);
+    }
+    #[derive(serde::Deserialize)]
+    struct Report {
+        passed: bool,
+        #[serde(default)]
+        reason: String,
+        #[serde(default)]
+        failed_devices: Vec<String>,
+        #[serde(default)]
+        report: serde_json::Value,
+    }
+    let r: Report = serde_json::from_str(json)
+        .map_err(|e| Status::invalid_argument(format!("acceptance_json: {e}")))?;
+    Ok(Some(Fact::NodeAcceptanceReported {
+        node: node.to_string(),
+        passed: r.passed,
+        reason: r.reason,
+        failed_devices: r.failed_devices,
+        report: r.report,
+    }))
 }
 
 fn devices(node: &str, section: InventorySection) -> Result<Fact, Status> {
@@ -82,33 +114,56 @@ mod tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect::<HashMap<_, _>>(),
+            acceptance_json: String::new(),
         }
     }
 
     #[test]
     fn a_nodes_labels_become_its_topology_and_bad_ones_are_refused() {
-        let fact = section_fact("n1", labels(&[("rack", "r7"), ("rail", "ra")])).unwrap();
+        let facts = section_facts("n1", labels(&[("rack", "r7"), ("rail", "ra")])).unwrap();
         assert_eq!(
-            fact,
-            Fact::NodeTopologySet {
+            facts,
+            [Fact::NodeTopologySet {
                 node: "n1".into(),
                 rack: Some("r7".into()),
                 block: None,
                 rail: Some("ra".into()),
-            }
+            }]
         );
-        let err = section_fact("n1", labels(&[("row", "3")])).unwrap_err();
+        let err = section_facts("n1", labels(&[("row", "3")])).unwrap_err();
         assert!(
             err.message().contains("unknown topology label \"row\""),
             "{err}"
         );
-        let err = section_fact("n1", labels(&[("rack", "a b")])).unwrap_err();
+        let err = section_facts("n1", labels(&[("rack", "a b")])).unwrap_err();
         assert!(
             err.message().contains("may not contain whitespace"),
             "{err}"
         );
         let mut odd = labels(&[]);
         odd.name = "firmware".into();
-        assert!(section_fact("n1", odd).is_err());
+        assert!(section_facts("n1", odd).is_err());
+    }
+
+    #[test]
+    fn a_gpus_section_with_its_acceptance_check_is_two_facts_and_a_bad_report_is_refused() {
+        let mut gpus = labels(&[]);
+        gpus.name = "gpus".into();
+        gpus.devices = vec![crate::proto::Device {
+            id: "GPU-1".into(),
+            class: "H100-80GB".into(),
+            ..Default::default()
+        }];
+        assert_eq!(section_facts("n1", gpus.clone()).unwrap().len(), 1);
+        gpus.acceptance_json =
+            r#"{"passed":false,"reason":"GPU-1 failed","failed_devices":["GPU-1"]}"#.into();
+        let facts = section_facts("n1", gpus.clone()).unwrap();
+        assert!(matches!(&facts[0], Fact::NodeJoined { .. }));
+        assert!(
+            matches!(&facts[1], Fact::NodeAcceptanceReported { passed: false, failed_devices, .. } if failed_devices == &["GPU-1".to_string()])
+        );
+        gpus.acceptance_json = "{".into();
+        let err = section_facts("n1", gpus).unwrap_err();
+        assert!(err.message().contains("acceptance_json"), "{err}");
     }
 }

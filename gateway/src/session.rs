@@ -638,15 +638,16 @@ async fn inventory(
     section: crate::proto::InventorySection,
 ) -> Result<(), Status> {
     let (name, hash) = (section.name.clone(), section.hash.clone());
-    let fact = crate::inventory::section_fact(node, section)?;
+    let facts = crate::inventory::section_facts(node, section)?;
     // Queued here, in the order the sections came (the devices
     // before the labels of a node new to the pool); the outcome is
-    // waited for apart, so the session goes on.
+    // waited for apart, so the session goes on. A section's facts (the
+    // devices and their acceptance check) commit together.
     let outcome = shared
         .submit(Write::plain(
             pool_stream(pool),
             ExpectedVersion::StreamExists,
-            vec![fact.to_event()],
+            facts.iter().map(Fact::to_event).collect(),
         ))
         .await;
     let (shared, node) = (shared.clone(), node.to_string());

@@ -3,9 +3,10 @@
 //! makes its folders agree when it starts.
 //!
 //! A binding is `allocations/<reservation>.json` under the data dir (the
-//! bound GPUs) and its CDI spec (see [`crate::cdi`]) in the CDI folder,
-//! which is what a container runtime reads. A bind writes the binding,
-//! then the spec; a release writes `<reservation>.released` (a tombstone),
+//! bound GPUs, written whole and flushed) and its CDI spec (see
+//! [`crate::cdi`]) in the CDI folder, which is what a container runtime
+//! reads (written whole, not flushed: it is derived from the binding). A
+//! bind writes the binding, then the spec; a release writes `<reservation>.released` (a tombstone),
 //! removes the spec, then the binding. So at any moment a spec without a
 //! binding, or a binding without a spec, is a command cut short by a crash,
 //! and [`Bindings::reconcile`] finishes it at the next start.
@@ -149,8 +150,8 @@ impl Bindings {
         self.dir.join(format!("{reservation}.preempting"))
     }
 
-    /// Writes a binding's CDI spec.
-    fn write_spec(&self, backend: &dyn GpuBackend, b: &Binding) -> std::io::Result<PathBuf> {
+    /// A binding's CDI spec.
+    fn spec_of(&self, backend: &dyn GpuBackend, b: &Binding) -> cdi::Spec {
         let gpus: Vec<cdi::BoundGpu> = b
             .devices
             .iter()
@@ -159,8 +160,12 @@ impl Bindings {
                 nodes: d.device_nodes.clone(),
             })
             .collect();
-        let spec = cdi::spec(&b.reservation, &gpus, &backend.control_devices());
-        cdi::write(&self.cdi_dir, &b.reservation, &spec)
+        cdi::spec(&b.reservation, &gpus, &backend.control_devices())
+    }
+
+    /// Writes a binding's CDI spec.
+    fn write_spec(&self, backend: &dyn GpuBackend, b: &Binding) -> std::io::Result<PathBuf> {
+        cdi::write(&self.cdi_dir, &b.reservation, &self.spec_of(backend, b))
     }
 
     /// `allocation.bind`: records the reservation's devices and writes their
@@ -321,8 +326,9 @@ impl Bindings {
 
     /// Makes the folders agree, at start: finishes the releases a crash cut
     /// short (a tombstone beside a binding), removes every spec without a
-    /// binding and writes every missing one (device nodes of bindings older
-    /// than specs are taken from `backend`'s inventory).
+    /// binding and writes every one that is missing or not what its binding
+    /// says (device nodes of bindings older than specs are taken from
+    /// `backend`'s inventory).
     pub fn reconcile(&self, backend: &dyn GpuBackend) -> std::io::Result<Reconciled> {
         let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = Reconciled::default();
@@ -337,7 +343,9 @@ impl Bindings {
         let specs = cdi::reconcile(&self.cdi_dir, &bound)?;
         out.specs_removed = specs.removed;
         let mut inventory: Option<Vec<Gpu>> = None;
-        for r in specs.missing {
+        // Every binding's spec is checked, not only the missing ones: specs
+        // are not flushed, so a power cut may have emptied one.
+        for r in bound {
             let mut b = self.binding(&r)?;
             for d in b.devices.iter_mut().filter(|d| d.device_nodes.is_empty()) {
                 if inventory.is_none() {
@@ -347,8 +355,11 @@ impl Bindings {
                     d.device_nodes = g.device_nodes.clone();
                 }
             }
-            self.write_spec(backend, &b)?;
-            out.specs_written.push(r);
+            let spec = self.spec_of(backend, &b);
+            if cdi::read(&self.cdi_dir, &r).as_ref() != Some(&spec) {
+                cdi::write(&self.cdi_dir, &r, &spec)?;
+                out.specs_written.push(r);
+            }
         }
         Ok(out)
     }
@@ -500,6 +511,8 @@ mod tests {
         // c: died in its release, after the spec went.
         std::fs::write(b.tombstone("c"), b"").unwrap();
         std::fs::remove_file(cdi::spec_path(&b.cdi_dir, "c")).unwrap();
+        // d: a spec a power cut emptied.
+        std::fs::write(cdi::spec_path(&b.cdi_dir, "d"), b"").unwrap();
         // e: a spec whose binding never landed.
         let e = cdi::spec("e", &[], &[]);
         cdi::write(&b.cdi_dir, "e", &e).unwrap();
@@ -513,7 +526,7 @@ mod tests {
         let r = b.reconcile(&gpus).unwrap();
         assert_eq!(r.released, ["b", "c"]);
         assert_eq!(r.specs_removed, ["b", "e"]);
-        assert_eq!(r.specs_written, ["a", "old"]);
+        assert_eq!(r.specs_written, ["a", "d", "old"]);
         assert_eq!(
             bound_reservations(b.dir.parent().unwrap()),
             ["a", "d", "old"].map(String::from).into()

@@ -7,9 +7,11 @@
 //! folder, holding one device named after the reservation: its GPUs' device
 //! nodes, the node-wide ones every GPU workload needs, and the environment
 //! (`NVIDIA_VISIBLE_DEVICES` with the GPUs' UUIDs, `STRATA_RESERVATION`).
-//! A file is written whole or not at all (a temporary file, flushed, then
-//! renamed over), and [`reconcile`] makes the folder agree with the
-//! bindings: no spec outlives its binding, no binding lacks its spec.
+//! A file is written whole or not at all (a temporary file renamed over
+//! it), visible to runtimes at once. It is not flushed: a spec is derived
+//! from its binding, which is, and a daemon that starts checks every spec
+//! against its binding and writes again any a power cut lost or emptied.
+//! [`reconcile`] removes the specs of bindings that are gone.
 //!
 //! The spec's types are the subset of the CDI JSON format Strata writes,
 //! checked here against the format's naming rules and, in the tests, by a
@@ -173,16 +175,22 @@ fn check(spec: &Spec) -> std::io::Result<()> {
 }
 
 /// Writes the spec of `reservation` into `dir` whole or not at all (a
-/// temporary file in the same folder, flushed, renamed over the spec);
-/// returns its path.
+/// temporary file in the same folder, renamed over the spec; not flushed,
+/// see the module's documentation); returns its path.
 pub fn write(dir: &Path, reservation: &str, spec: &Spec) -> std::io::Result<PathBuf> {
     check(spec)?;
     std::fs::create_dir_all(dir)?;
     let path = spec_path(dir, reservation);
     let tmp = dir.join(format!(".{FILE_PREFIX}{}.tmp", device_name(reservation)));
     let body = serde_json::to_vec_pretty(spec).map_err(std::io::Error::other)?;
-    crate::durable::write(&path, &tmp, &body)?;
+    crate::durable::replace(&path, &tmp, &body)?;
     Ok(path)
+}
+
+/// The spec of `reservation` in `dir`, if there is one that parses.
+pub fn read(dir: &Path, reservation: &str) -> Option<Spec> {
+    let text = std::fs::read(spec_path(dir, reservation)).ok()?;
+    serde_json::from_slice(&text).ok()
 }
 
 /// Removes the spec of `reservation`; whether there was one.

@@ -47,6 +47,12 @@ pub struct DaemonConfig {
     /// -> label), reported as the `topology` section; none: not reported,
     /// so an operator's labels stand.
     pub topology: BTreeMap<String, String>,
+    /// The level of `dcgmi diag` in the acceptance check where DCGM is
+    /// installed (0: not run).
+    pub dcgm_level: u32,
+    /// How often the acceptance check runs again (zero: only when the
+    /// daemon starts).
+    pub recheck: Duration,
 }
 
 impl DaemonConfig {
@@ -83,6 +89,8 @@ impl DaemonConfig {
             on_finished: None,
             return_home: Duration::from_secs(30),
             topology: BTreeMap::new(),
+            dcgm_level: 1,
+            recheck: Duration::ZERO,
         }
     }
 

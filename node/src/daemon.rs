@@ -88,7 +88,10 @@ fn next_generation(dir: &Path) -> Result<u64, DaemonError> {
     Ok(g)
 }
 
-fn inventory_section(backend: &dyn GpuBackend) -> Result<InventorySection, DaemonError> {
+fn inventory_section(
+    backend: &dyn GpuBackend,
+    acceptance: &crate::acceptance::Report,
+) -> Result<InventorySection, DaemonError> {
     let gpus = backend
         .inventory()
         .map_err(|e| DaemonError::Other(e.to_string()))?;
@@ -110,11 +113,14 @@ fn inventory_section(backend: &dyn GpuBackend) -> Result<InventorySection, Daemo
             d.id, d.class, d.memory_mb, d.island, d.pci, d.numa
         ));
     }
+    // The check's outcome is part of the hash: a changed one is sent again.
+    canonical.push_str(&acceptance.summary());
     Ok(InventorySection {
         name: "gpus".into(),
         hash: digest(&canonical),
         devices,
         labels: HashMap::new(),
+        acceptance_json: serde_json::to_string(acceptance).unwrap_or_default(),
     })
 }
 
@@ -128,6 +134,7 @@ fn topology_section(labels: &BTreeMap<String, String>) -> Option<InventorySectio
         name: "topology".into(),
         hash: digest(&canonical),
         devices: Vec::new(),
+        acceptance_json: String::new(),
         labels: labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
     })
 }
@@ -228,6 +235,18 @@ pub async fn run(
         }
     };
     let generation = next_generation(&config.data_dir)?;
+    // The acceptance check, before any session: the daemon starts after
+    // every reboot.
+    let acceptance = {
+        let (backend, level) = (config.backend.clone(), config.dcgm_level);
+        tokio::task::spawn_blocking(move || crate::acceptance::check(backend.as_ref(), level))
+            .await
+            .map_err(|e| DaemonError::Other(format!("the acceptance check panicked: {e}")))?
+    };
+    if !acceptance.passed {
+        tracing::warn!(node = %config.node_id, reason = %acceptance.reason, "the acceptance check failed; the node takes no work until one passes");
+    }
+    let acceptance = Arc::new(std::sync::Mutex::new(acceptance));
     let bindings = Bindings::new(&config.data_dir, &config.cdi_dir);
     let fixed = bindings
         .reconcile(config.backend.as_ref())
@@ -275,7 +294,7 @@ pub async fn run(
                     &stats,
                     channel,
                     generation,
-                    (&runner, &conditions),
+                    (&runner, &conditions, &acceptance),
                     (&mut shutdown, away.as_deref()),
                     &mut opened,
                 )
@@ -360,11 +379,16 @@ async fn session(
     stats: &Arc<DaemonStats>,
     channel: Channel,
     generation: u64,
-    (runner, conditions): (&Runner, &std::sync::Mutex<Conditions>),
+    (runner, conditions, acceptance): (
+        &Runner,
+        &std::sync::Mutex<Conditions>,
+        &Arc<std::sync::Mutex<crate::acceptance::Report>>,
+    ),
     (shutdown, home): (&mut watch::Receiver<bool>, Option<&str>),
     opened: &mut bool,
 ) -> End {
-    let section = match inventory_section(config.backend.as_ref()) {
+    let report = acceptance.lock().expect("acceptance lock").clone();
+    let section = match inventory_section(config.backend.as_ref(), &report) {
         Ok(s) => s,
         Err(e) => return End::Lost(e.to_string()),
     };
@@ -394,6 +418,13 @@ async fn session(
         every,
     );
     let mut health = tokio::time::interval(config.health_poll);
+    // Acceptance re-checks on the operator's schedule, off the session loop
+    // (a DCGM diagnostic takes minutes); a changed result is sent at once.
+    let (recheck_tx, mut rechecked) = mpsc::channel::<crate::acceptance::Report>(1);
+    let mut recheck = (!config.recheck.is_zero()).then(|| {
+        tokio::time::interval_at(tokio::time::Instant::now() + config.recheck, config.recheck)
+    });
+    let mut checking = false;
     // Health that changed between polls is reported at once.
     let changed = config.backend.changed();
     let health_changed = notified(changed.as_deref());
@@ -439,6 +470,19 @@ async fn session(
             }
             _ = health.tick() => {
                 if let Err(end) = report_health(config, stats, conditions, gpus, &tx).await {
+                    return end;
+                }
+            }
+            _ = tick(&mut recheck), if !checking => {
+                checking = true;
+                let (backend, level, done) = (config.backend.clone(), config.dcgm_level, recheck_tx.clone());
+                tokio::task::spawn_blocking(move || {
+                    let _ = done.blocking_send(crate::acceptance::check(backend.as_ref(), level));
+                });
+            }
+            Some(report) = rechecked.recv() => {
+                checking = false;
+                if let Err(end) = rechecked_report(config, acceptance, report, &tx).await {
                     return end;
                 }
             }
@@ -596,6 +640,44 @@ fn status(state: &str, detail: String) -> NodeMessage {
             state: state.into(),
             detail,
         })),
+    }
+}
+
+/// A re-check's result: kept, and sent with the `gpus` section when it
+/// changed.
+async fn rechecked_report(
+    config: &DaemonConfig,
+    acceptance: &std::sync::Mutex<crate::acceptance::Report>,
+    report: crate::acceptance::Report,
+    tx: &mpsc::Sender<NodeMessage>,
+) -> Result<(), End> {
+    let changed = {
+        let mut last = acceptance.lock().expect("acceptance lock");
+        let changed = last.summary() != report.summary();
+        *last = report.clone();
+        changed
+    };
+    if !changed {
+        return Ok(());
+    }
+    tracing::info!(node = %config.node_id, passed = report.passed, reason = %report.reason, "the acceptance check's result changed; reporting it");
+    let section = inventory_section(config.backend.as_ref(), &report)
+        .map_err(|e| End::Lost(e.to_string()))?;
+    let m = NodeMessage {
+        body: Some(node_message::Body::Inventory(section)),
+    };
+    tx.send(m)
+        .await
+        .map_err(|_| End::Lost("send the acceptance check".into()))
+}
+
+/// The next tick of `i`, or never without one.
+async fn tick(i: &mut Option<tokio::time::Interval>) {
+    match i {
+        Some(i) => {
+            i.tick().await;
+        }
+        None => std::future::pending().await,
     }
 }
 

@@ -50,8 +50,13 @@ pub trait GpuBackend: Send + Sync {
     fn inventory(&self) -> Result<Vec<Gpu>, GpuError>;
     /// Health changes since the last call.
     fn poll_health(&self) -> Result<Vec<HealthChange>, GpuError>;
-    /// Runs the acceptance check on every GPU (`diag.nvml`): a JSON report.
+    /// Runs the diagnostic on every GPU (`diag.nvml`): a JSON report, a
+    /// `gpus` list of `{id, ok, reason?}`.
     fn diagnose(&self) -> Result<serde_json::Value, GpuError>;
+    /// The same checks, for the node's acceptance check.
+    fn acceptance(&self) -> Result<serde_json::Value, GpuError> {
+        self.diagnose()
+    }
     /// The device nodes every GPU workload needs besides its GPUs' own (the
     /// driver's control and unified-memory devices).
     fn control_devices(&self) -> Vec<DeviceNode>;
@@ -273,6 +278,10 @@ impl GpuBackend for FakeGpus {
     }
     fn diagnose(&self) -> Result<serde_json::Value, GpuError> {
         std::thread::sleep(self.diag_delay);
+        self.acceptance()
+    }
+    /// Without `diag_delay`: that drills commands in flight.
+    fn acceptance(&self) -> Result<serde_json::Value, GpuError> {
         self.take_faults();
         let failing = self.failing_diag.lock().expect("fake lock");
         let gpus: Vec<serde_json::Value> = self
@@ -471,13 +480,34 @@ impl GpuBackend for NvmlGpus {
                 .temperature(nvml_wrapper::enum_wrappers::device::TemperatureSensor::Gpu)
                 .ok();
             let mem = d.memory_info().ok();
+            // Where the GPU has ECC: no uncorrected error since the driver
+            // loaded, and no page waiting to be retired at the next reset.
+            let ecc = d
+                .total_ecc_errors(
+                    nvml_wrapper::enum_wrappers::device::MemoryError::Uncorrected,
+                    nvml_wrapper::enum_wrappers::device::EccCounter::Volatile,
+                )
+                .ok();
+            let pending = d.are_pages_pending_retired().ok();
+            let reason = if temp.is_none() || mem.is_none() {
+                Some("does not answer".to_string())
+            } else if ecc.is_some_and(|n| n > 0) {
+                Some(format!("{} uncorrected ECC errors", ecc.unwrap_or(0)))
+            } else if pending == Some(true) {
+                Some("pages pending retirement: reset it".to_string())
+            } else {
+                None
+            };
             gpus.push(serde_json::json!({
                 "id": d.uuid().map_err(nvml_err)?,
                 "name": d.name().map_err(nvml_err)?,
                 "temperature_c": temp,
                 "memory_total_mb": mem.as_ref().map(|m| m.total / (1024 * 1024)),
                 "memory_used_mb": mem.as_ref().map(|m| m.used / (1024 * 1024)),
-                "ok": temp.is_some() && mem.is_some(),
+                "ecc_uncorrected_volatile": ecc,
+                "pages_pending_retirement": pending,
+                "ok": reason.is_none(),
+                "reason": reason,
             }));
         }
         Ok(serde_json::json!({

@@ -1,5 +1,6 @@
 //! The node daemon.
 
+pub mod acceptance;
 pub mod allocation;
 pub mod cdi;
 mod config;

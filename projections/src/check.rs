@@ -2,8 +2,8 @@
 //!
 //! 1. no device is booked by two live allocations;
 //! 2. every placement used devices that existed, were of the requested
-//!    class, healthy, on a schedulable node and free when it was placed, in
-//!    the requested shape;
+//!    class, in service (not quarantined, no fault waiting), on a schedulable
+//!    node and free when it was placed, in the requested shape;
 //! 3. every reservation follows its life: requested once, then queued,
 //!    placed or unschedulable, then active, released or expired, and is now
 //!    either pending or live or has reached a terminal state.

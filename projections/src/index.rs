@@ -102,6 +102,9 @@ pub struct Node {
     pub fault: Option<String>,
     /// The fault it was drained for, when a fault drained it.
     pub drained_for: Option<String>,
+    /// Why its last acceptance check failed, when it failed as a whole
+    /// (`node.acceptance_reported`): no placement until one passes.
+    pub acceptance_failed: Option<String>,
     /// Unix milliseconds of the `node.contact_lost` in force, if contact is
     /// lost.
     pub unreachable_since_ms: Option<u64>,
@@ -130,6 +133,7 @@ impl Node {
             && self.cordoned.is_none()
             && self.drained.is_none()
             && self.fault.is_none()
+            && self.acceptance_failed.is_none()
     }
 
     /// Whether live reservations on the node may have to end: it left, is
@@ -193,6 +197,9 @@ pub struct Device {
     /// The fault it is quarantined for (`device.quarantined`), until
     /// `device.restored`.
     pub quarantine: Option<String>,
+    /// Its node's last acceptance check found it failing: no placement
+    /// until one passes.
+    pub failed_acceptance: bool,
 }
 
 impl Device {
@@ -202,9 +209,10 @@ impl Device {
         self.present && self.booked_by.is_none() && !self.out_of_service()
     }
 
-    /// Quarantined, or a fault that asks for it waits.
+    /// Quarantined, a fault that asks for it waiting, or failing its
+    /// node's acceptance check.
     pub fn out_of_service(&self) -> bool {
-        self.quarantine.is_some() || self.fault.is_some()
+        self.quarantine.is_some() || self.fault.is_some() || self.failed_acceptance
     }
 }
 

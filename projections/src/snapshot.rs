@@ -14,7 +14,8 @@ const MAGIC: &[u8; 8] = b"STRATAIX";
 // 4: nodes carry a rail group.
 // 5: GPUs carry a waiting fault and a quarantine, nodes a waiting fault and
 //    the fault they were drained for, pools their fault policy.
-const FORMAT: u32 = 5;
+// 6: nodes and GPUs carry a failed acceptance check.
+const FORMAT: u32 = 6;
 const HEADER: usize = 40;
 
 #[derive(Debug, thiserror::Error)]

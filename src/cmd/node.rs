@@ -64,6 +64,12 @@ pub(crate) struct NodeArgs {
     /// The node's rail group: the nodes whose NICs share one set of rail switches
     #[arg(long, env = "STRATA_RAIL")]
     pub rail: Option<String>,
+    /// How often the acceptance check runs again (it runs whenever the daemon starts; its result goes to the pool, and a node or GPU that fails it takes no work until one passes; 0s: never again)
+    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    pub recheck_every: std::time::Duration,
+    /// The level of `dcgmi diag` in the acceptance check where DCGM is installed (1: quick, 2: medium, 3: long, 4: extended; 0: not run)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(0..=4))]
+    pub dcgm_level: u32,
 }
 
 /// `strata fault`: what to inject, and where.
@@ -200,6 +206,8 @@ pub(crate) async fn node(args: NodeArgs) -> Result<ExitCode> {
     let mut c = DaemonConfig::new(args.gateway.clone(), &args.data_dir, &node_id, backend);
     c.server_name = args.tls_name.clone();
     c.cdi_dir = args.cdi_dir.clone();
+    c.recheck = args.recheck_every;
+    c.dcgm_level = args.dcgm_level;
     c.return_home = args.return_home;
     c.token = args.token.clone();
     for (tier, label) in [

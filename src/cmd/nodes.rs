@@ -209,6 +209,7 @@ pub(crate) async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
 
 /// The events of a node's health history.
 const HEALTH_TYPES: &[&str] = &[
+    "node.acceptance_reported",
     "health.raised",
     "health.cleared",
     "device.quarantined",
@@ -260,6 +261,7 @@ async fn show(db: &DbArgs, node: &str, history: i64) -> Result<()> {
                 "booked_by": d.booked_by,
                 "quarantined_for": d.quarantine,
                 "fault_waiting": d.fault,
+                "failed_acceptance": d.failed_acceptance,
                 "conditions": d.conditions.iter().map(class).collect::<Vec<_>>(),
             })
         })
@@ -279,6 +281,7 @@ async fn show(db: &DbArgs, node: &str, history: i64) -> Result<()> {
             "node": node,
             "pool": pool,
             "schedulable": n.schedulable(),
+            "acceptance_failed": n.acceptance_failed,
             "state": crate::cmd::pools::node_state(&n),
             "conditions": n.conditions.iter().map(class).collect::<Vec<_>>(),
             "gpus": gpus,
@@ -301,6 +304,9 @@ async fn show(db: &DbArgs, node: &str, history: i64) -> Result<()> {
         }
         if let Some(f) = &d.fault {
             state.push(format!("fault {f} waiting for the placer"));
+        }
+        if d.failed_acceptance {
+            state.push("failed its acceptance check".into());
         }
         for c in &d.conditions {
             let k = domain::faults::classify(c);

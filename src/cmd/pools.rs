@@ -440,6 +440,8 @@ pub(crate) fn node_state(node: &projections::index::Node) -> String {
         }
     } else if let Some(r) = &node.cordoned {
         format!("cordoned {r}")
+    } else if let Some(why) = &node.acceptance_failed {
+        format!("failed its acceptance check: {why}")
     } else if let Some(f) = &node.fault {
         format!("fault {f}: waiting for the pool's placer to act")
     } else {
@@ -454,6 +456,8 @@ pub(crate) fn node_state(node: &projections::index::Node) -> String {
                     Some(format!("{id} quarantined ({q})"))
                 } else if let Some(f) = &d.fault {
                     Some(format!("{id} fault {f} waiting"))
+                } else if d.failed_acceptance {
+                    Some(format!("{id} failed its acceptance check"))
                 } else if d.conditions.is_empty() {
                     None
                 } else {

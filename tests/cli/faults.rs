@@ -2,8 +2,10 @@
 //! (`strata fault`), acted on by a real placer: a double-bit ECC error on
 //! one GPU of a busy node quarantines that GPU and ends its reservation
 //! while the others run, a harmless XID takes nothing out of service, an
-//! operator's clear brings the GPU back, and a flood of faults across the
-//! pool stops at the circuit breaker.
+//! operator's clear brings the GPU back, a flood of faults across the
+//! pool stops at the circuit breaker, and a node failing its acceptance
+//! check (on a re-check, or when its daemon starts again) takes no work
+//! until one passes.
 
 use super::ok;
 use super::one_node::region;
@@ -218,4 +220,76 @@ fn a_flood_of_faults_across_the_pool_stops_at_the_circuit_breaker() {
         r.pool_events(&["device.quarantine_withheld"]).len() == before + 1
     });
     assert_eq!(r.pool_events(&["device.quarantined"]).len(), 2);
+}
+
+#[test]
+fn a_node_failing_its_acceptance_check_never_gets_a_placement() {
+    let r = region();
+    let acceptance = || {
+        r.pool_events(&["node.acceptance_reported"])
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect::<Vec<_>>()
+    };
+    let mut daemon = r.node_with(&[], &["--recheck-every", "1s"]);
+    r.wait_for_gpus();
+    r.wait_until(30, "the first check is reported", || {
+        !acceptance().is_empty()
+    });
+    assert_eq!(acceptance()[0]["passed"], true, "{:?}", acceptance());
+
+    // Every GPU starts failing its diagnostic: the next re-check says so,
+    // and nothing is placed on the node.
+    r.fault(&["--diag", "fail", "--detail", "memory test failed"]);
+    r.wait_until(30, "the failed re-check is reported", || {
+        acceptance().last().is_some_and(|a| a["passed"] == false)
+    });
+    let failed = acceptance().last().cloned().unwrap();
+    assert_eq!(failed["failed_devices"].as_array().unwrap().len(), 8);
+    assert!(failed["reason"]
+        .as_str()
+        .unwrap()
+        .contains("GPU-fake-n1-0: memory test failed"));
+    r.reserve("waits", 1);
+    r.wait_until(30, "the request waits", || r.phase("waits") == "queued");
+    let placed = || r.pool_events(&["reservation.placed"]).len();
+    assert_eq!(placed(), 0);
+    let shown = ok(&["pool", "show", "p", "--nodes", "--database-url", &r.url]);
+    assert!(
+        shown.contains("GPU-fake-n1-0 failed its acceptance check"),
+        "{shown}"
+    );
+
+    // It passes again: the request is placed.
+    r.fault(&["--diag", "pass"]);
+    r.wait_until(60, "the request is placed once the check passes", || {
+        r.phase("waits") == "active"
+    });
+    assert_eq!(acceptance().last().unwrap()["passed"], true);
+    ok(&["release", "waits", "--database-url", &r.url]);
+    r.wait_until(30, "waits is released", || r.phase("waits") == "ended");
+
+    // The daemon stops; its GPUs fail while it is down; it starts again
+    // (a reboot): its first session reports the failed check with its
+    // devices, and the node takes no work.
+    drop(daemon);
+    r.fault(&["--diag", "fail", "--gpu", "5"]);
+    r.fault(&["--diag", "fail", "--detail", "after the reboot"]);
+    daemon = r.node_with(&[], &["--recheck-every", "0s"]);
+    r.wait_until(30, "the check after the restart is reported", || {
+        acceptance().last().is_some_and(|a| {
+            a["passed"] == false
+                && a["reason"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains("after the reboot")
+        })
+    });
+    let before = placed();
+    r.reserve("after-reboot", 1);
+    r.wait_until(30, "the request waits", || {
+        r.phase("after-reboot") == "queued"
+    });
+    assert_eq!(placed(), before);
+    drop(daemon);
 }

@@ -68,6 +68,11 @@ impl Region {
     /// Starts node `n1` (8 simulated H100s, `/dev/null` standing in for
     /// their device nodes), with `env` set.
     pub(crate) fn node(&self, env: &[(&str, &str)]) -> Killed {
+        self.node_with(env, &[])
+    }
+
+    /// Starts node `n1` with `env` set and `extra` options.
+    pub(crate) fn node_with(&self, env: &[(&str, &str)], extra: &[&str]) -> Killed {
         let ca = self.dir.path().join("ca/ca.pem");
         let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
         c.args([
@@ -89,6 +94,7 @@ impl Region {
             "--cdi-dir",
             self.cdi().to_str().unwrap(),
         ])
+        .args(extra)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -809,6 +809,27 @@ fn a_placer_process_follows_a_promoted_standby() {
         &["--gpus", "8", "--shape", "node", "--id", "before", "--wait"],
     ));
     assert!(out.starts_with("placed before"), "{out}");
+    // The placer's reader has recorded where it reads, and the standby has
+    // that record: only then can the reader tell, on the promoted standby,
+    // that its slot is missing rather than new.
+    let on_standby = standby.url(&dbname);
+    wait_for(30, || {
+        rt().block_on(async {
+            let c = events::db::connect(&on_standby.parse::<tokio_postgres::Config>().ok()?, "t")
+                .await
+                .ok()?;
+            let n: i64 = c
+                .query_one(
+                    "SELECT count(*) FROM strata.replication_readers WHERE slot_name = 'placer_failover'",
+                    &[],
+                )
+                .await
+                .ok()?
+                .get(0);
+            (n > 0).then_some(())
+        })
+    })
+    .expect("the reader's record reaches the standby");
 
     primary.crash();
     standby.promote().unwrap();

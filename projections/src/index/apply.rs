@@ -124,7 +124,8 @@ impl Index {
             | Fact::HealthCleared { .. }
             | Fact::DeviceQuarantined { .. }
             | Fact::DeviceQuarantineWithheld { .. }
-            | Fact::DeviceRestored { .. } => self.apply_standing(pool, fact),
+            | Fact::DeviceRestored { .. }
+            | Fact::NodeAcceptanceReported { .. } => self.apply_standing(pool, fact),
             Fact::ReservationRequested(_)
             | Fact::ReservationReleaseRequested { .. }
             | Fact::ReservationActivated { .. }
@@ -225,6 +226,7 @@ impl Index {
                                 booked_by: None,
                                 fault: None,
                                 quarantine: None,
+                                failed_acceptance: false,
                             },
                         });
                     }
@@ -338,6 +340,23 @@ impl Index {
                         }
                     }
                 });
+                self.bump_capacity(&pool);
+            }
+            Fact::NodeAcceptanceReported {
+                node,
+                passed,
+                reason,
+                failed_devices,
+                ..
+            } => {
+                self.with_node(&pool, &node, |n| {
+                    let whole = !passed && failed_devices.is_empty();
+                    n.acceptance_failed = whole.then_some(reason);
+                    for d in &mut n.devices {
+                        d.failed_acceptance = failed_devices.contains(&d.spec.id);
+                    }
+                })
+                .ok_or_else(|| format!("node {node:?} is not in pool {pool:?}"))?;
                 self.bump_capacity(&pool);
             }
             Fact::DeviceRestored { node, device, .. } => {
