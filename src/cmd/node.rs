@@ -37,9 +37,9 @@ pub(crate) struct NodeArgs {
     /// The region's CA certificate (first start only)
     #[arg(long)]
     pub ca: Option<PathBuf>,
-    /// Where the CDI specs of the node's bindings go, for container runtimes (Podman, Docker 25+, containerd with CDI on) to read: run a container on a reservation with `--device strata.dev/reservation=<id>`
-    #[arg(long, env = "STRATA_CDI_DIR", default_value = node::cdi::DEFAULT_DIR)]
-    pub cdi_dir: PathBuf,
+    /// Where the CDI specs of the node's bindings go, for container runtimes (Podman, Docker 25+, containerd with CDI on) to read: run a container on a reservation with `--device strata.dev/reservation=<id>` [default: /var/run/cdi; with --fake-gpus, <data-dir>/cdi]
+    #[arg(long, env = "STRATA_CDI_DIR")]
+    pub cdi_dir: Option<PathBuf>,
     /// Simulated GPUs instead of NVML, e.g. 8xH100-80GB
     #[arg(long)]
     pub fake_gpus: Option<String>,
@@ -205,7 +205,13 @@ pub(crate) async fn node(args: NodeArgs) -> Result<ExitCode> {
     tracing::info!(node = %node_id, backend = backend.name(), "node daemon starting");
     let mut c = DaemonConfig::new(args.gateway.clone(), &args.data_dir, &node_id, backend);
     c.server_name = args.tls_name.clone();
-    c.cdi_dir = args.cdi_dir.clone();
+    // A simulated node keeps its specs to itself unless told otherwise:
+    // several may share a machine, and they need not be root.
+    c.cdi_dir = match (&args.cdi_dir, &args.fake_gpus) {
+        (Some(dir), _) => dir.clone(),
+        (None, Some(_)) => args.data_dir.join("cdi"),
+        (None, None) => PathBuf::from(node::cdi::DEFAULT_DIR),
+    };
     c.recheck = args.recheck_every;
     c.dcgm_level = args.dcgm_level;
     c.return_home = args.return_home;

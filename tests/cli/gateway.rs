@@ -705,6 +705,11 @@ fn one_trace_follows_a_reservation_from_the_request_to_active() {
     wait_until(60, "the reservation is active", dir.path(), || {
         trace_of("reservation/r1", "reservation.activated").is_some()
     });
+    // A simulated node given no --cdi-dir keeps its specs in its data dir.
+    assert!(dir
+        .path()
+        .join("n1/cdi/strata-reservation-r1.json")
+        .exists());
     let requested =
         trace_of("reservation/r1", "reservation.requested").expect("the request's traceparent");
     let placed = trace_of("pool/p", "reservation.placed").expect("the placement's traceparent");
