@@ -282,6 +282,32 @@ pub(crate) async fn setup(
     Ok((cluster, cfg, client, url, dir))
 }
 
+/// Waits until `nodes` nodes have joined `pool` (their inventory is in the
+/// log), five minutes at most; how long it took.
+pub(crate) async fn wait_for_joins(
+    client: &tokio_postgres::Client,
+    pool: &str,
+    nodes: u32,
+) -> Result<Duration> {
+    let t = Instant::now();
+    loop {
+        let joined: i64 = client
+            .query_one(
+                "SELECT count(*) FROM strata.events WHERE stream = $1 AND type = 'node.joined'",
+                &[&domain::pool_stream(pool)],
+            )
+            .await?
+            .get(0);
+        if joined >= i64::from(nodes) {
+            return Ok(t.elapsed());
+        }
+        if t.elapsed() > Duration::from_secs(300) {
+            bail!("only {joined} of {nodes} nodes joined pool {pool}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
     let (cluster, cfg, client, url, dir) = setup("gw").await?;
     let pg_version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
@@ -631,24 +657,11 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
     let (stats, stop, tasks) =
         start_daemons(&ids, &gw.addr, &dir.path().join("nodes"), Arc::default());
     // Every node's inventory in the pool.
-    let t = Instant::now();
-    loop {
-        let joined: i64 = client
-            .query_one("SELECT count(*) FROM strata.events WHERE stream = 'pool/spine' AND type = 'node.joined'", &[])
-            .await?
-            .get(0);
-        if joined >= args.nodes as i64 {
-            break;
-        }
-        if t.elapsed() > Duration::from_secs(300) {
-            bail!("only {joined} nodes joined the pool");
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let joined = wait_for_joins(&client, "spine", args.nodes).await?;
     eprintln!(
         "{} nodes in the pool after {:.1} s ({} connected)",
         args.nodes,
-        t.elapsed().as_secs_f64(),
+        joined.as_secs_f64(),
         stats.connected.load(Ordering::Relaxed)
     );
     let mut rc = ReaderConfig::new("bench_spine");

@@ -27,7 +27,7 @@
 //! Everything (daemons, gateway, placer, binder, load generator and
 //! PostgreSQL) shares this machine's cores.
 
-use crate::gateway::{now_ms, provision, setup, GatewayProcess};
+use crate::gateway::{now_ms, provision, setup, wait_for_joins, GatewayProcess};
 use crate::util::{self, percentile_ms, round};
 use anyhow::{Context, Result};
 use domain::{Fact, Request, Shape};
@@ -136,27 +136,10 @@ pub async fn run(args: Args) -> Result<()> {
         .iter()
         .map(|id| start_daemon(id, &gw.addr, &nodes_dir, &stats))
         .collect();
-    let t = Instant::now();
-    loop {
-        let joined: i64 = client
-            .query_one(
-                "SELECT count(*) FROM strata.events WHERE stream = 'pool/life' AND type = 'node.joined'",
-                &[],
-            )
-            .await?
-            .get(0);
-        if joined >= i64::from(nodes) {
-            break;
-        }
-        anyhow::ensure!(
-            t.elapsed() < Duration::from_secs(300),
-            "only {joined} nodes joined"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let joined = wait_for_joins(&client, "life", nodes).await?;
     eprintln!(
         "{nodes} nodes in the pool after {:.1} s",
-        t.elapsed().as_secs_f64()
+        joined.as_secs_f64()
     );
 
     let mut rc = ReaderConfig::new("bench_lifecycle");

@@ -21,7 +21,7 @@
 //! Everything (daemons, gateway, placer, binder, load generator and
 //! PostgreSQL) shares this machine's cores.
 
-use crate::gateway::{provision, setup, GatewayProcess};
+use crate::gateway::{provision, setup, wait_for_joins, GatewayProcess};
 use crate::util::{self, percentile_ms, round};
 use anyhow::Result;
 use domain::{Fact, Request, Shape};
@@ -113,21 +113,9 @@ fn start_fleet(ids: &[String], gateway: &str, dir: &Path) -> Fleet {
     }
 }
 
+/// A request of `gpus` GPUs anywhere in the bench's pool.
 fn request(id: String, gpus: u32) -> Request {
-    Request {
-        reservation: id,
-        pool: "nodepath".into(),
-        class: "H100-80GB".into(),
-        gpus,
-        shape: Shape::Any,
-        priority: 0,
-        ttl_ms: None,
-        replace_on_failure: false,
-        replaces: None,
-        topology: None,
-        requeue_on_preemption: false,
-        queue: None,
-    }
+    crate::placements::request(id, "nodepath", gpus, Shape::Any)
 }
 
 /// The baseline of the bind phase: the files a bind writes, alone, `n`
@@ -259,25 +247,8 @@ pub async fn run(args: Args) -> Result<()> {
     .await?;
     let gw = GatewayProcess::start(&url, &dir.path().join("ca"), "2s").await?;
     let fleet = start_fleet(&ids, &gw.addr, &nodes_dir);
-    let t = Instant::now();
-    loop {
-        let joined: i64 = client
-            .query_one(
-                "SELECT count(*) FROM strata.events WHERE stream = 'pool/nodepath' AND type = 'node.joined'",
-                &[],
-            )
-            .await?
-            .get(0);
-        if joined >= i64::from(nodes) {
-            break;
-        }
-        anyhow::ensure!(
-            t.elapsed() < Duration::from_secs(300),
-            "only {joined} nodes joined"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    eprintln!("{nodes} nodes joined in {:.1} s", t.elapsed().as_secs_f64());
+    let joined = wait_for_joins(&client, "nodepath", nodes).await?;
+    eprintln!("{nodes} nodes joined in {:.1} s", joined.as_secs_f64());
 
     let mut rc = ReaderConfig::new("bench_nodepath");
     rc.temporary = true;

@@ -116,7 +116,8 @@ async fn watch(reader: Reader, seen: Arc<Seen>) -> Result<()> {
     }
 }
 
-fn request(id: String, pool: &str, gpus: u32, shape: Shape) -> Request {
+/// A request of `gpus` H100s in `pool`, shaped `shape`, priority 0.
+pub(crate) fn request(id: String, pool: &str, gpus: u32, shape: Shape) -> Request {
     Request {
         reservation: id,
         pool: pool.to_string(),

@@ -195,6 +195,15 @@ impl Policy {
         self.automatic && quarantined < self.limit(total)
     }
 
+    /// `automatic` or `advisory`, as operators name it.
+    pub fn mode(&self) -> &'static str {
+        if self.automatic {
+            "automatic"
+        } else {
+            "advisory"
+        }
+    }
+
     /// How many of `total` GPUs may be quarantined automatically.
     pub fn limit(&self, total: usize) -> usize {
         let pct = self.max_quarantined_percent.min(100) as usize;

@@ -340,8 +340,7 @@ impl Bindings {
             }
         }
         let bound = bound_in(&self.dir);
-        let specs = cdi::reconcile(&self.cdi_dir, &bound)?;
-        out.specs_removed = specs.removed;
+        out.specs_removed = cdi::reconcile(&self.cdi_dir, &bound)?;
         let mut inventory: Option<Vec<Gpu>> = None;
         // Every binding's spec is checked, not only the missing ones: specs
         // are not flushed, so a power cut may have emptied one.

@@ -202,29 +202,17 @@ pub fn remove(dir: &Path, reservation: &str) -> std::io::Result<bool> {
     }
 }
 
-/// What [`reconcile`] did.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Reconciled {
-    /// Specs whose binding is gone, removed (their device names).
-    pub removed: Vec<String>,
-    /// Bindings without a spec (their reservations), to be written.
-    pub missing: Vec<String>,
-}
-
-/// Makes `dir` agree with `bound` (the reservations bound on this node):
-/// removes every binding spec (and half-written temporary file) of a
-/// reservation not bound, and says which bindings lack a spec. Files of
-/// other kinds are left alone.
-pub fn reconcile(dir: &Path, bound: &BTreeSet<String>) -> std::io::Result<Reconciled> {
-    let mut out = Reconciled::default();
+/// Removes from `dir` every binding spec (and half-written temporary
+/// file) of a reservation not in `bound` (those bound on this node);
+/// returns the device names of the specs removed. Files of other kinds are
+/// left alone. (Which bindings lack a spec, or have a wrong one, the
+/// bindings say: see `Bindings::reconcile`.)
+pub fn reconcile(dir: &Path, bound: &BTreeSet<String>) -> std::io::Result<Vec<String>> {
+    let mut removed = Vec::new();
     let names: BTreeSet<String> = bound.iter().map(|r| device_name(r)).collect();
-    let mut present = BTreeSet::new();
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            out.missing = bound.iter().cloned().collect();
-            return Ok(out);
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
         Err(e) => return Err(e),
     };
     for entry in entries {
@@ -240,20 +228,13 @@ pub fn reconcile(dir: &Path, bound: &BTreeSet<String>) -> std::io::Result<Reconc
         else {
             continue;
         };
-        if names.contains(name) {
-            present.insert(name.to_string());
-        } else {
+        if !names.contains(name) {
             std::fs::remove_file(entry.path())?;
-            out.removed.push(name.to_string());
+            removed.push(name.to_string());
         }
     }
-    out.removed.sort();
-    out.missing = bound
-        .iter()
-        .filter(|r| !present.contains(&device_name(r)))
-        .cloned()
-        .collect();
-    Ok(out)
+    removed.sort();
+    Ok(removed)
 }
 
 #[cfg(test)]
@@ -358,9 +339,8 @@ mod tests {
         std::fs::write(d.join(".strata-reservation-b.tmp"), b"{").unwrap();
         std::fs::write(d.join("nvidia.com-gpu.json"), b"{}").unwrap();
         let bound: BTreeSet<String> = ["r~1".to_string(), "c".to_string()].into();
-        let r = reconcile(&d, &bound).unwrap();
-        assert_eq!(r.removed, vec!["a".to_string()]);
-        assert_eq!(r.missing, vec!["c".to_string()]);
+        let removed = reconcile(&d, &bound).unwrap();
+        assert_eq!(removed, vec!["a".to_string()]);
         let mut left: Vec<String> = std::fs::read_dir(&d)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -377,7 +357,8 @@ mod tests {
         bad.devices[0].name = "-x".into();
         assert!(write(&d, "x", &bad).is_err());
         assert!(!spec_path(&d, "x").exists());
-        let missing = reconcile(&dir.path().join("none"), &bound).unwrap();
-        assert_eq!(missing.missing.len(), 2);
+        assert!(reconcile(&dir.path().join("none"), &bound)
+            .unwrap()
+            .is_empty());
     }
 }

@@ -89,12 +89,13 @@ pub(crate) fn decide(pool: &Pool, queues: &Queues) -> Decisions {
                 None => {
                     out += 1;
                     d.quarantined += 1;
+                    let class = classify(condition);
                     d.facts.push(Fact::DeviceQuarantined {
                         node: name.clone(),
                         device: g.spec.id.clone(),
                         condition: condition.clone(),
-                        action: classify(condition).action,
-                        reason: classify(condition).meaning.into(),
+                        action: class.action,
+                        reason: class.meaning.into(),
                     });
                 }
                 Some(reason) => {
@@ -115,48 +116,8 @@ pub(crate) fn decide(pool: &Pool, queues: &Queues) -> Decisions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use domain::{DeviceSpec, Fact};
-    use projections::testing::Log;
-    use projections::Index;
-
-    /// A log and its index: pool `p` with `nodes` nodes of 8 GPUs.
-    struct World {
-        log: Log,
-        ix: Index,
-    }
-
-    impl World {
-        fn apply(&mut self, f: Fact) {
-            let e = self.log.push("pool/p", &f);
-            self.ix.apply(&e).unwrap();
-        }
-    }
-
-    fn index(nodes: u32) -> World {
-        let mut w = World {
-            log: Log::new(),
-            ix: Index::new(),
-        };
-        w.apply(Fact::PoolCreated {
-            description: String::new(),
-        });
-        for n in 0..nodes {
-            w.apply(Fact::NodeJoined {
-                node: format!("n{n}"),
-                devices: (0..8)
-                    .map(|i| DeviceSpec {
-                        id: format!("gpu{i}"),
-                        class: "H100-80GB".into(),
-                        memory_mb: 1,
-                        island: None,
-                        pci: None,
-                        numa: None,
-                    })
-                    .collect(),
-            });
-        }
-        w
-    }
+    use crate::plan::tests::World;
+    use domain::Fact;
 
     fn raise(node: &str, device: Option<&str>, condition: &str) -> Fact {
         Fact::HealthRaised {
@@ -170,46 +131,53 @@ mod tests {
     }
 
     fn decide_in(w: &World) -> Decisions {
-        decide(w.ix.pool("p").unwrap(), w.ix.queues("p").unwrap())
+        decide(w.index.pool("p").unwrap(), w.index.queues("p").unwrap())
+    }
+
+    fn apply(w: &mut World, f: Fact) {
+        assert_eq!(w.pool(&f), None);
     }
 
     #[test]
     fn gpu_faults_quarantine_the_gpu_node_faults_drain_and_harmless_ones_do_nothing() {
         // 160 GPUs: the breaker allows 16 out.
-        let mut w = index(20);
+        let mut w = World::new(20);
         for f in [
-            raise("n1", Some("gpu3"), "XID-48"),
-            raise("n2", Some("gpu0"), "XID-13"),
-            raise("n4", None, "NVML-unavailable"),
+            raise("n01", Some("gpu3"), "XID-48"),
+            raise("n02", Some("gpu0"), "XID-13"),
+            raise("n04", None, "NVML-unavailable"),
         ] {
-            w.apply(f);
+            apply(&mut w, f);
         }
         let d = decide_in(&w);
         assert_eq!((d.quarantined, d.drained, d.withheld), (1, 1, 0), "{d:?}");
         assert!(
-            matches!(&d.facts[0], Fact::DeviceQuarantined { node, device, .. } if node == "n1" && device == "gpu3")
+            matches!(&d.facts[0], Fact::DeviceQuarantined { node, device, .. } if node == "n01" && device == "gpu3")
         );
         assert!(
-            matches!(&d.facts[1], Fact::NodeDrained { node, fault: Some(f), deadline_ms: None, .. } if node == "n4" && f == "NVML-unavailable")
+            matches!(&d.facts[1], Fact::NodeDrained { node, fault: Some(f), deadline_ms: None, .. } if node == "n04" && f == "NVML-unavailable")
         );
         // XID-13 keeps its GPU in service.
-        let n2 = &w.ix.pool("p").unwrap().nodes["n2"];
+        let n2 = &w.index.pool("p").unwrap().nodes["n02"];
         assert!(n2.devices[0].free() && n2.devices[0].conditions == ["XID-13"]);
         // Applied, nothing waits any more.
         for f in d.facts {
-            w.apply(f);
+            apply(&mut w, f);
         }
         assert_eq!(decide_in(&w), Decisions::default());
-        assert_eq!(w.ix.pool("p").unwrap().fault_budget(), (160, 9));
+        assert_eq!(w.index.pool("p").unwrap().fault_budget(), (160, 9));
     }
 
     #[test]
     fn a_flood_of_faults_stops_at_the_circuit_breaker_and_advisory_pools_only_report() {
-        let mut w = index(10);
+        let mut w = World::new(10);
         // Every GPU of the pool reports a double-bit ECC error.
         for n in 0..10 {
             for g in 0..8 {
-                w.apply(raise(&format!("n{n}"), Some(&format!("gpu{g}")), "XID-48"));
+                apply(
+                    &mut w,
+                    raise(&format!("n{n:02}"), Some(&format!("gpu{g}")), "XID-48"),
+                );
             }
         }
         let d = decide_in(&w);
@@ -225,24 +193,28 @@ mod tests {
             .unwrap();
         assert!(why.contains("circuit breaker open: 8 of 80"), "{why}");
         for f in d.facts {
-            w.apply(f);
+            apply(&mut w, f);
         }
         // The withheld GPUs stay in service.
-        let free: usize =
-            w.ix.pool("p")
-                .unwrap()
-                .nodes
-                .values()
-                .map(|n| n.devices.iter().filter(|g| g.free()).count())
-                .sum();
+        let free: usize = w
+            .index
+            .pool("p")
+            .unwrap()
+            .nodes
+            .values()
+            .map(|n| n.devices.iter().filter(|g| g.free()).count())
+            .sum();
         assert_eq!(free, 72);
 
-        let mut w = index(2);
-        w.apply(Fact::PoolFaultPolicySet(Policy {
-            automatic: false,
-            max_quarantined_percent: 50,
-        }));
-        w.apply(raise("n0", Some("gpu1"), "XID-48"));
+        let mut w = World::new(2);
+        apply(
+            &mut w,
+            Fact::PoolFaultPolicySet(Policy {
+                automatic: false,
+                max_quarantined_percent: 50,
+            }),
+        );
+        apply(&mut w, raise("n00", Some("gpu1"), "XID-48"));
         let d = decide_in(&w);
         assert_eq!((d.quarantined, d.withheld), (0, 1));
         assert!(

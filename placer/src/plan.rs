@@ -528,7 +528,7 @@ fn victims(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use domain::pools::devices;
     use domain::Fact;
@@ -545,14 +545,16 @@ mod tests {
             .as_millis() as u64
     }
 
-    struct World {
+    /// A log and the index folded from it (the fault tests use it too).
+    pub(crate) struct World {
         log: Log,
-        index: Index,
+        pub(crate) index: Index,
     }
 
     impl World {
-        /// A pool of `nodes` nodes with 8 GPUs in two islands of 4.
-        fn new(nodes: u32) -> World {
+        /// A pool of `nodes` nodes (`n00`, `n01`, ...) with 8 GPUs
+        /// (`gpu0` to `gpu7`) in two islands of 4.
+        pub(crate) fn new(nodes: u32) -> World {
             World::build(nodes, |_, node| devices(node, C, 8, 4))
         }
 
@@ -588,7 +590,7 @@ mod tests {
             w
         }
 
-        fn pool(&mut self, fact: &Fact) -> Option<projections::Violation> {
+        pub(crate) fn pool(&mut self, fact: &Fact) -> Option<projections::Violation> {
             let e = self.log.push(&pool_stream("p"), fact);
             self.index.apply(&e).unwrap()
         }

@@ -228,7 +228,7 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
             if crate::exit::json() {
                 crate::exit::print_json(&serde_json::json!({
                     "pool": name,
-                    "faults": if policy.automatic { "automatic" } else { "advisory" },
+                    "faults": policy.mode(),
                     "max_quarantined_percent": policy.max_quarantined_percent,
                     "gpus": total,
                     "out_of_service_for_faults": out,
@@ -236,7 +236,7 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
             } else {
                 println!(
                     "pool {name}: faults {}, circuit breaker {}% ({} of {total} GPUs); {out} out of service for faults now",
-                    if policy.automatic { "automatic" } else { "advisory" },
+                    policy.mode(),
                     policy.max_quarantined_percent,
                     policy.limit(total)
                 );
@@ -269,14 +269,15 @@ pub(crate) fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
     );
     let (total, out) = p.fault_budget();
     let policy = p.fault_policy();
+    let held = quarantined(p);
     println!(
         "  faults: {} (circuit breaker {}%: {} GPUs); {out} of {total} GPUs out of service for faults{}",
-        if policy.automatic { "automatic" } else { "advisory" },
+        policy.mode(),
         policy.max_quarantined_percent,
         policy.limit(total),
-        match quarantined(p).len() {
+        match held.len() {
             0 => String::new(),
-            n => format!(", {n} quarantined: {}", quarantined(p).join(" ")),
+            n => format!(", {n} quarantined: {}", held.join(" ")),
         }
     );
     for (class, ci) in index.classes(name) {
@@ -376,6 +377,7 @@ pub(crate) fn show_pool_json(index: &Index, name: &str, nodes: bool) -> Result<(
         )));
     };
     let c = counts(index, name);
+    let policy = p.fault_policy();
     let classes: Vec<_> = index
         .classes(name)
         .map(|(class, ci)| {
@@ -399,8 +401,8 @@ pub(crate) fn show_pool_json(index: &Index, name: &str, nodes: bool) -> Result<(
         "classes": classes,
         "queues": projections::quota::fair_shares(index, name),
         "faults": {
-            "policy": if p.fault_policy().automatic { "automatic" } else { "advisory" },
-            "max_quarantined_percent": p.fault_policy().max_quarantined_percent,
+            "policy": policy.mode(),
+            "max_quarantined_percent": policy.max_quarantined_percent,
             "out_of_service": p.fault_budget().1,
             "quarantined": quarantined(p),
         },
