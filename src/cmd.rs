@@ -9,6 +9,7 @@ pub(crate) mod dev;
 pub(crate) mod doctor;
 pub(crate) mod events;
 pub(crate) mod grants;
+pub(crate) mod mig;
 pub(crate) mod migrate;
 pub(crate) mod node;
 pub(crate) mod nodes;

@@ -133,6 +133,7 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
                 island: None,
                 pci: None,
                 numa: None,
+                parent: None,
             })
             .collect();
         g.fact(

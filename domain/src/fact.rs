@@ -25,7 +25,7 @@ const RESERVATION: events::catalog::Field = req("reservation", Ty::String, "The 
 const DEVICES: events::catalog::Field = req(
     "devices",
     Ty::Array,
-    "The node's GPUs, each `{id, class, memory_mb, island?, pci?, numa?}`: `id` unique within the node, `class` what reservations ask for (`H100-80GB`), `island` the NVLink island, unique within the pool.",
+    "The node's GPUs, each `{id, class, memory_mb, island?, pci?, numa?, parent?}`: `id` unique within the node, `class` what reservations ask for (`H100-80GB`; a MIG instance's is its GPU's class and its profile, `H100-80GB/1g.10gb`), `island` the NVLink island, unique within the pool, `parent` the id of the GPU a MIG instance is carved from.",
 );
 
 /// Declares every fact once; see the module's documentation.
@@ -699,6 +699,7 @@ mod tests {
                     island: Some("n1/nvl0".into()),
                     pci: None,
                     numa: Some(0),
+                    parent: None,
                 }],
             },
             Fact::ReservationRequested(Request {
@@ -825,6 +826,7 @@ mod tests {
             island: Some("i".into()),
             pci: Some("p".into()),
             numa: Some(0),
+            parent: Some("g".into()),
         };
         let r = || "r1".to_string();
         let facts = vec![

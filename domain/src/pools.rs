@@ -168,6 +168,32 @@ pub fn devices(node: &str, class: &str, n: u32, per_island: u32) -> Vec<DeviceSp
             island: (per_island > 0).then(|| format!("{node}/nvl{}", i / per_island)),
             pci: Some(format!("0000:{:02x}:00.0", 0x18 + i)),
             numa: Some(i / 4),
+            parent: None,
         })
         .collect()
+}
+
+/// `per_gpu` MIG instances of `profile` on each of the first `gpus` GPUs of
+/// `devices` (whole GPUs made by [`devices`]): `gpu<i>.mig<k>`, of class
+/// `<gpu class>/<profile>`, without an island.
+pub fn split_mig(devices: &mut Vec<DeviceSpec>, gpus: usize, profile: &str, per_gpu: u32) {
+    let whole: Vec<DeviceSpec> = devices
+        .iter()
+        .filter(|d| d.parent.is_none())
+        .take(gpus)
+        .cloned()
+        .collect();
+    for g in whole {
+        for k in 0..per_gpu {
+            devices.push(DeviceSpec {
+                id: format!("{}.mig{k}", g.id),
+                class: crate::mig_class(&g.class, profile),
+                memory_mb: g.memory_mb / u64::from(per_gpu.max(1)),
+                island: None,
+                pci: g.pci.clone(),
+                numa: g.numa,
+                parent: Some(g.id.clone()),
+            });
+        }
+    }
 }

@@ -57,6 +57,17 @@ pub struct DeviceSpec {
     pub pci: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numa: Option<u32>,
+    /// The GPU this device is a MIG instance of (that GPU's id on the same
+    /// node); `None` for a whole GPU. A GPU and its instances are never
+    /// booked at once, and a GPU with instances is booked only through them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+}
+
+/// The class of a MIG instance: its GPU's class and its profile, e.g.
+/// `H100-80GB/1g.10gb`.
+pub fn mig_class(gpu_class: &str, profile: &str) -> String {
+    format!("{gpu_class}/{profile}")
 }
 
 /// Where a reservation's GPUs may lie.
@@ -223,7 +234,7 @@ impl Request {
     pub fn validate(&self) -> Result<(), String> {
         valid_name("reservation id", &self.reservation)?;
         valid_name("pool", &self.pool)?;
-        valid_name("class", &self.class)?;
+        valid_class(&self.class)?;
         if let Some(q) = &self.queue {
             valid_name("queue", q)?;
         }
@@ -298,6 +309,23 @@ pub fn valid_name(what: &str, name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks a GPU class: a name (see [`valid_name`]), or a GPU's class and a
+/// MIG profile joined by one '/' (see [`mig_class`]).
+pub fn valid_class(class: &str) -> Result<(), String> {
+    match class.split_once('/') {
+        Some((gpu, profile)) => {
+            let part = |p: &str| {
+                valid_name("class", p).map_err(|_| {
+                    format!("class {class:?} must be a GPU class or a GPU class and a MIG profile joined by '/' (e.g. H100-80GB/1g.10gb), without whitespace or control characters")
+                })
+            };
+            part(gpu)?;
+            part(profile)
+        }
+        None => valid_name("class", class),
+    }
+}
+
 /// A queue's share of one GPU class in its pool.
 #[derive(
     Debug,
@@ -368,7 +396,7 @@ impl QueueSpec {
             ));
         }
         for (i, q) in self.quotas.iter().enumerate() {
-            valid_name("class", &q.class)?;
+            valid_class(&q.class)?;
             if self.quotas[..i].iter().any(|o| o.class == q.class) {
                 return Err(format!("class {} has two quotas", q.class));
             }

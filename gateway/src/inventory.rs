@@ -57,10 +57,17 @@ fn acceptance(node: &str, json: &str) -> Result<Option<Fact>, Status> {
 }
 
 fn devices(node: &str, section: InventorySection) -> Result<Fact, Status> {
-    let mut devices = Vec::with_capacity(section.devices.len());
+    let mut devices: Vec<DeviceSpec> = Vec::with_capacity(section.devices.len());
     for d in section.devices {
         if d.id.is_empty() || d.class.is_empty() {
             return Err(Status::invalid_argument("a device needs an id and a class"));
+        }
+        domain::valid_class(&d.class).map_err(Status::invalid_argument)?;
+        if devices.iter().any(|e| e.id == d.id) {
+            return Err(Status::invalid_argument(format!(
+                "device {} is reported twice",
+                d.id
+            )));
         }
         devices.push(DeviceSpec {
             id: d.id,
@@ -69,7 +76,20 @@ fn devices(node: &str, section: InventorySection) -> Result<Fact, Status> {
             island: (!d.island.is_empty()).then_some(d.island),
             pci: (!d.pci.is_empty()).then_some(d.pci),
             numa: Some(d.numa),
+            parent: (!d.parent.is_empty()).then_some(d.parent),
         });
+    }
+    // A MIG instance names a whole GPU of the same node: the index keeps
+    // the two from being booked at once only if it can find the GPU.
+    for d in &devices {
+        if let Some(p) = &d.parent {
+            if !devices.iter().any(|g| &g.id == p && g.parent.is_none()) {
+                return Err(Status::invalid_argument(format!(
+                    "MIG instance {} names {p}, which is not a whole GPU of this node",
+                    d.id
+                )));
+            }
+        }
     }
     Ok(Fact::NodeJoined {
         node: node.to_string(),

@@ -139,7 +139,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let gpus = FakeGpus::parse("4xH100-80GB", "n")
             .unwrap()
-            .with_fault_dir(dir.path());
+            .with_data_dir(dir.path());
         let ok = check(&gpus, 0);
         assert!(ok.passed && ok.failed_devices.is_empty(), "{ok:?}");
         crate::faults::inject(

@@ -209,6 +209,22 @@ impl Bindings {
             cdi_device: cdi::qualified_name(reservation),
         };
         let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
+        for d in &binding.devices {
+            let Some(gpu) = inventory.iter().find(|g| g.id == d.uuid) else {
+                continue;
+            };
+            match self.family_bound(&inventory, gpu) {
+                Ok(None) => {}
+                Ok(Some(other)) if other == reservation => {}
+                Ok(Some(other)) => {
+                    return fail(format!(
+                        "device {} shares its GPU with a MIG relative bound to reservation {other}; nothing bound",
+                        d.id
+                    ))
+                }
+                Err(e) => return fail(format!("read the bindings: {e}")),
+            }
+        }
         if self.tombstone(reservation).exists() {
             return fail(format!(
                 "reservation {reservation} was released before its bind arrived; nothing bound"
@@ -242,6 +258,56 @@ impl Bindings {
             ),
             body,
         )
+    }
+
+    /// Every binding on the disk.
+    fn all(&self) -> std::io::Result<Vec<Binding>> {
+        let mut out = Vec::new();
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+            Err(e) => return Err(e),
+        };
+        for entry in entries {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            if let Some(r) = name.strip_suffix(".json").filter(|r| !r.starts_with('.')) {
+                out.push(self.binding(r)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Runs `f` on every binding while no bind or release runs (a change of
+    /// the GPUs themselves, which must find nothing bound to them).
+    pub(crate) fn holding<R>(&self, f: impl FnOnce(&[Binding]) -> R) -> std::io::Result<R> {
+        let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(f(&self.all()?))
+    }
+
+    /// A binding that holds a MIG relative of `gpu` (its GPU, or one of its
+    /// instances), if any: the node's own guard that a GPU and its
+    /// instances are never bound at once.
+    fn family_bound(&self, inventory: &[Gpu], gpu: &Gpu) -> std::io::Result<Option<String>> {
+        let relatives: Vec<&str> = inventory
+            .iter()
+            .filter(|o| {
+                gpu.parent.as_deref() == Some(o.id.as_str())
+                    || o.parent.as_deref() == Some(gpu.id.as_str())
+            })
+            .map(|o| o.id.as_str())
+            .collect();
+        if relatives.is_empty() {
+            return Ok(None);
+        }
+        Ok(self
+            .all()?
+            .into_iter()
+            .find(|b| {
+                b.devices
+                    .iter()
+                    .any(|d| relatives.contains(&d.uuid.as_str()))
+            })
+            .map(|b| b.reservation))
     }
 
     /// `allocation.release`: the tombstone first (from then on no bind of

@@ -124,13 +124,18 @@ pub fn qualified_name(reservation: &str) -> String {
     format!("{KIND}={}", device_name(reservation))
 }
 
-/// The spec of one binding: the GPUs' nodes and `node_wide` ones (the
-/// driver's control devices), and the environment a workload needs.
+/// The spec of one binding: the GPUs' nodes (for a MIG instance, its GPU's
+/// and its capability devices) and `node_wide` ones (the driver's control
+/// devices), each once, and the environment a workload needs.
 pub fn spec(reservation: &str, gpus: &[BoundGpu], node_wide: &[DeviceNode]) -> Spec {
     let uuids: Vec<&str> = gpus.iter().map(|g| g.uuid.as_str()).collect();
-    let mut device_nodes: Vec<DeviceNode> =
-        gpus.iter().flat_map(|g| g.nodes.iter().cloned()).collect();
-    device_nodes.extend(node_wide.iter().cloned());
+    // Once each: MIG instances of one GPU share its device node.
+    let mut device_nodes: Vec<DeviceNode> = Vec::new();
+    for n in gpus.iter().flat_map(|g| &g.nodes).chain(node_wide) {
+        if !device_nodes.iter().any(|d| d.path == n.path) {
+            device_nodes.push(n.clone());
+        }
+    }
     Spec {
         cdi_version: VERSION.into(),
         kind: KIND.into(),

@@ -104,13 +104,14 @@ fn inventory_section(
             island: g.island.unwrap_or_default(),
             pci: g.pci,
             numa: g.numa,
+            parent: g.parent.unwrap_or_default(),
         })
         .collect();
     let mut canonical = String::new();
     for d in &devices {
         canonical.push_str(&format!(
-            "{}|{}|{}|{}|{}|{}\n",
-            d.id, d.class, d.memory_mb, d.island, d.pci, d.numa
+            "{}|{}|{}|{}|{}|{}|{}\n",
+            d.id, d.class, d.memory_mb, d.island, d.pci, d.numa, d.parent
         ));
     }
     // The check's outcome is part of the hash: a changed one is sent again.
@@ -263,6 +264,7 @@ pub async fn run(
     let runner = Runner::new(
         Executor::open(&config.data_dir).map_err(io(&config.data_dir))?,
         bindings,
+        acceptance.clone(),
     );
     let conditions = std::sync::Mutex::new(Conditions::open(&config.data_dir));
     let mut endpoints = endpoints(&config, &creds)?;
@@ -742,6 +744,8 @@ async fn report_health(
 struct Runner {
     executor: Arc<std::sync::Mutex<Executor>>,
     bindings: Arc<Bindings>,
+    /// The last acceptance check, sent with the inventory a command changed.
+    acceptance: Arc<std::sync::Mutex<crate::acceptance::Report>>,
     running: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     out: Arc<std::sync::Mutex<Option<mpsc::Sender<NodeMessage>>>>,
 }
@@ -769,10 +773,15 @@ impl Drop for CurrentSession<'_> {
 }
 
 impl Runner {
-    fn new(executor: Executor, bindings: Bindings) -> Runner {
+    fn new(
+        executor: Executor,
+        bindings: Bindings,
+        acceptance: Arc<std::sync::Mutex<crate::acceptance::Report>>,
+    ) -> Runner {
         Runner {
             executor: Arc::new(std::sync::Mutex::new(executor)),
             bindings: Arc::new(bindings),
+            acceptance,
             running: Arc::default(),
             out: Arc::default(),
         }
@@ -857,6 +866,22 @@ impl Runner {
         self.running.lock().expect("runner lock").remove(&c.id);
         let out = self.out.lock().expect("runner lock").clone();
         if let Some(out) = out {
+            // A command that changed the GPUs: the new inventory goes
+            // first, so the log has the devices when it has the result.
+            if o.ok && c.kind == "gpu.mig" {
+                let report = self.acceptance.lock().expect("acceptance lock").clone();
+                match inventory_section(config.backend.as_ref(), &report) {
+                    Ok(section) => {
+                        let m = NodeMessage {
+                            body: Some(node_message::Body::Inventory(section)),
+                        };
+                        let _ = out.send(m).await;
+                    }
+                    Err(e) => {
+                        tracing::error!(node = %config.node_id, error = %e, "cannot read the inventory a MIG change made")
+                    }
+                }
+            }
             let _ = out.send(result_message(c.id, o)).await;
         }
     }

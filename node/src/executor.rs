@@ -7,7 +7,8 @@
 //! reported failed as interrupted. The log keeps the newest 10,000 ids.
 //!
 //! What each kind of command does is elsewhere: the bindings' kinds in
-//! [`crate::allocation`], `diag.nvml` in the GPU backend.
+//! [`crate::allocation`], `gpu.mig` in [`crate::repartition`], `diag.nvml`
+//! in the GPU backend.
 
 use crate::allocation::Bindings;
 use crate::gpu::GpuBackend;
@@ -174,6 +175,7 @@ impl Executor {
             "allocation.bind" => bindings.bind(backend, args),
             "allocation.release" => bindings.release(args),
             "allocation.preempting" => bindings.preempting(args),
+            "gpu.mig" => crate::repartition::run(bindings, backend, args),
             other => Outcome::failed(format!("unknown command kind {other:?}")),
         }
     }

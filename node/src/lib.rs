@@ -11,7 +11,9 @@ pub mod faults;
 pub mod gpu;
 mod health;
 pub mod identity;
+pub mod mig;
 mod outcome;
+pub mod repartition;
 
 pub mod proto {
     tonic::include_proto!("strata.node.v1");

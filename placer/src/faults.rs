@@ -57,7 +57,7 @@ pub(crate) fn decide(pool: &Pool, queues: &Queues) -> Decisions {
             let cost = node
                 .devices
                 .iter()
-                .filter(|g| g.present && g.quarantine.is_none())
+                .filter(|g| g.present && g.quarantine.is_none() && g.spec.parent.is_none())
                 .count();
             match withheld_because(&policy, out, cost, total) {
                 None => {
@@ -159,7 +159,7 @@ mod tests {
         );
         // XID-13 keeps its GPU in service.
         let n2 = &w.index.pool("p").unwrap().nodes["n02"];
-        assert!(n2.devices[0].free() && n2.devices[0].conditions == ["XID-13"]);
+        assert!(n2.free_devices()[0] && n2.devices[0].conditions == ["XID-13"]);
         // Applied, nothing waits any more.
         for f in d.facts {
             apply(&mut w, f);
@@ -202,7 +202,7 @@ mod tests {
             .unwrap()
             .nodes
             .values()
-            .map(|n| n.devices.iter().filter(|g| g.free()).count())
+            .map(|n| n.free_devices().into_iter().filter(|f| *f).count())
             .sum();
         assert_eq!(free, 72);
 

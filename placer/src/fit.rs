@@ -53,8 +53,9 @@ pub(crate) fn pick_on_node(
 ) -> Option<Vec<String>> {
     let node_state = index.pool(pool)?.nodes.get(node)?;
     let mut by_island: BTreeMap<Option<&str>, Vec<&str>> = BTreeMap::new();
-    for d in &node_state.devices {
-        if d.spec.class == class && d.free() {
+    let free = node_state.free_devices();
+    for (d, free) in node_state.devices.iter().zip(free) {
+        if d.spec.class == class && free {
             by_island
                 .entry(d.spec.island.as_deref())
                 .or_default()

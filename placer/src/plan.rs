@@ -570,6 +570,10 @@ pub(crate) mod tests {
                         d.push(extra);
                     }
                 }
+                // Every fourth node has two GPUs split into MIG instances.
+                if n % 4 == 1 {
+                    domain::pools::split_mig(&mut d, 2, "1g.10gb", 7);
+                }
                 d
             })
         }
@@ -624,10 +628,24 @@ pub(crate) mod tests {
             priority: i32,
             ttl_ms: Option<u64>,
         ) {
+            self.ask_class(C, queue, id, gpus, shape, priority, ttl_ms);
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        fn ask_class(
+            &mut self,
+            class: &str,
+            queue: Option<&str>,
+            id: &str,
+            gpus: u32,
+            shape: Shape,
+            priority: i32,
+            ttl_ms: Option<u64>,
+        ) {
             let r = Request {
                 reservation: id.into(),
                 pool: "p".into(),
-                class: C.into(),
+                class: class.into(),
                 gpus,
                 shape,
                 priority,
@@ -972,14 +990,9 @@ pub(crate) mod tests {
             .unwrap()
             .0
             .to_string();
-        let device = w.index.pool("p").unwrap().nodes[&node]
-            .devices
-            .iter()
-            .find(|d| d.free())
-            .unwrap()
-            .spec
-            .id
-            .clone();
+        let n = &w.index.pool("p").unwrap().nodes[&node];
+        let free = n.free_devices().iter().position(|f| *f).unwrap();
+        let device = n.devices[free].spec.id.clone();
         let v = w
             .pool(&Fact::ReservationPlaced {
                 reservation: "s3".into(),
@@ -1496,6 +1509,99 @@ pub(crate) mod tests {
 
     /// A long random run: incremental upkeep equals a rebuild, the planner
     /// never produces an invalid placement, and bookings stay consistent.
+    /// The class of the MIG instances of [`World::mixed`].
+    const MIG: &str = "H100-80GB/1g.10gb";
+
+    #[test]
+    fn a_mig_instance_and_its_gpu_are_never_booked_together() {
+        // One node: gpu0 is split into seven instances, gpu1..gpu7 are whole.
+        let mut w = World::build(1, |_, node| {
+            let mut d = devices(node, C, 8, 0);
+            domain::pools::split_mig(&mut d, 1, "1g.10gb", 7);
+            d
+        });
+        assert_eq!(w.index.class("p", C).unwrap().free, 7, "gpu0 is not whole");
+        assert_eq!(w.index.class("p", MIG).unwrap().free, 7);
+        // Eight whole GPUs wait: gpu0 is booked only through its instances.
+        w.request("whole", 8, Shape::Any, 0);
+        w.ask_class(MIG, None, "slices", 3, Shape::Any, 0, None);
+        w.run();
+        assert_eq!(w.phase("whole"), Some(Phase::Queued));
+        assert_eq!(w.phase("slices"), Some(Phase::Placed));
+        assert!(w.allocs("slices")[0]
+            .devices
+            .iter()
+            .all(|d| d.starts_with("gpu0.mig")));
+        // A placement naming gpu0 while its instances are booked is refused.
+        let v = w.pool(&Fact::ReservationPlaced {
+            reservation: "whole".into(),
+            allocations: vec![Allocation {
+                node: "n00".into(),
+                devices: (0..8).map(|i| format!("gpu{i}")).collect(),
+            }],
+        });
+        assert!(v.is_some(), "gpu0 was booked under its instances");
+        w.index.check_bookings().unwrap();
+        assert!(w.index.derived_is_consistent());
+
+        // A fault on gpu0 keeps its instances out of placement, and a
+        // quarantine of it ends the reservations on them.
+        let mut w = World::build(1, |_, node| {
+            let mut d = devices(node, C, 8, 0);
+            domain::pools::split_mig(&mut d, 1, "1g.10gb", 7);
+            d
+        });
+        w.ask_class(MIG, None, "slices", 2, Shape::Any, 0, None);
+        w.run();
+        assert_eq!(w.phase("slices"), Some(Phase::Placed));
+        w.pool(&Fact::HealthRaised {
+            node: "n00".into(),
+            device: Some("gpu0".into()),
+            condition: "XID-48".into(),
+            detail: String::new(),
+            severity: None,
+            action: None,
+        });
+        assert_eq!(w.index.class("p", MIG).unwrap().free, 0);
+        w.pool(&Fact::DeviceQuarantined {
+            node: "n00".into(),
+            device: "gpu0".into(),
+            condition: "XID-48".into(),
+            action: domain::faults::Action::ResetGpu,
+            reason: String::new(),
+        });
+        let node = &w.index.pool("p").unwrap().nodes["n00"];
+        assert!(node.troubled());
+        let ending: std::collections::BTreeSet<&str> = node.quarantined_bookings().collect();
+        assert_eq!(ending, ["slices"].into());
+        // The fault budget counts GPUs, not instances.
+        assert_eq!(w.index.pool("p").unwrap().fault_budget(), (8, 1));
+
+        // Repartitioned while an instance is still booked (the node reports
+        // gpu0 whole again): the booked instance keeps gpu0 out of placement.
+        let mut w = World::build(1, |_, node| {
+            let mut d = devices(node, C, 8, 0);
+            domain::pools::split_mig(&mut d, 1, "1g.10gb", 7);
+            d
+        });
+        w.ask_class(MIG, None, "slices", 1, Shape::Any, 0, None);
+        w.run();
+        w.pool(&Fact::NodeJoined {
+            node: "n00".into(),
+            devices: devices("n00", C, 8, 0),
+        });
+        assert_eq!(w.index.class("p", C).unwrap().free, 7);
+        w.request("whole", 8, Shape::Any, 0);
+        w.run();
+        assert_eq!(w.phase("whole"), Some(Phase::Queued));
+        w.release("slices");
+        assert_eq!(w.index.class("p", C).unwrap().free, 8);
+        w.run();
+        assert_eq!(w.phase("whole"), Some(Phase::Placed));
+        w.index.check_bookings().unwrap();
+        assert!(w.index.derived_is_consistent());
+    }
+
     #[test]
     fn random_runs_keep_the_index_consistent() {
         for seed in [7, 8, 9] {
@@ -1548,7 +1654,20 @@ pub(crate) mod tests {
                     // Half of them with a TTL, so waiting requests hold
                     // what they will start on (backfill).
                     let ttl = rng.bool().then(|| rng.u64(1_000..600_000));
-                    w.ask(queue.as_deref(), &id, gpus, shape, rng.i32(0..3), ttl);
+                    // Where the pool has MIG instances, a third ask for them.
+                    let class = match w.index.class("p", MIG) {
+                        Some(_) if rng.u32(0..3) == 0 => MIG,
+                        _ => C,
+                    };
+                    w.ask_class(
+                        class,
+                        queue.as_deref(),
+                        &id,
+                        gpus,
+                        shape,
+                        rng.i32(0..3),
+                        ttl,
+                    );
                     // Now and then a quota changes.
                     if shared && rng.u32(0..20) == 0 {
                         w.queue("q0", Some("c"), 1, rng.u32(10..40), None);

@@ -981,8 +981,8 @@ type Key = (std::cmp::Reverse<i32>, u64, String);
 /// Live reservations that must end because a node of theirs is troubled:
 /// it left (`node_left`), was revoked (`node_revoked`), has been out of
 /// contact for `lost_after` (`node_lost`), or was drained and its wait is
-/// over (`node_drained`); or because a GPU of theirs is quarantined
-/// (`gpu_fault`). At most `max`, each once, as
+/// over (`node_drained`); or because a GPU of theirs (or the GPU of a MIG
+/// instance of theirs) is quarantined (`gpu_fault`). At most `max`, each once, as
 /// (reservation, node, reason).
 fn failures_due(
     pool: &projections::index::Pool,
@@ -1011,12 +1011,7 @@ fn failures_due(
             "node_drained"
         } else {
             // Only the reservations on its quarantined GPUs end.
-            for id in node
-                .devices
-                .iter()
-                .filter(|d| d.quarantine.is_some())
-                .filter_map(|d| d.booked_by.as_deref())
-            {
+            for id in node.quarantined_bookings() {
                 if out.len() >= max {
                     return out;
                 }

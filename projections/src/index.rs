@@ -68,13 +68,23 @@ impl Pool {
     }
 
     /// GPUs present in the pool, and those out of service for faults
-    /// (quarantined, or on a node drained for a fault).
+    /// (quarantined, one of its MIG instances quarantined, or on a node
+    /// drained for a fault). MIG instances are counted as their GPU.
     pub fn fault_budget(&self) -> (usize, usize) {
         let (mut total, mut out) = (0, 0);
         for n in self.nodes.values().filter(|n| !n.left) {
-            for d in n.devices.iter().filter(|d| d.present) {
+            for d in n
+                .devices
+                .iter()
+                .filter(|d| d.present && d.spec.parent.is_none())
+            {
                 total += 1;
-                if d.quarantine.is_some() || n.drained_for.is_some() {
+                let instance_out = || {
+                    n.devices.iter().any(|i| {
+                        i.quarantine.is_some() && i.spec.parent.as_deref() == Some(&d.spec.id)
+                    })
+                };
+                if d.quarantine.is_some() || n.drained_for.is_some() || instance_out() {
                     out += 1;
                 }
             }
@@ -143,15 +153,81 @@ impl Node {
         self.left
             || self.drained.is_some()
             || self.unreachable_since_ms.is_some()
-            || self
-                .devices
-                .iter()
-                .any(|d| d.quarantine.is_some() && d.booked_by.is_some())
+            || self.quarantined_bookings().next().is_some()
+    }
+
+    /// Reservations holding a quarantined device, or a MIG instance of a
+    /// quarantined GPU: those a quarantine ends (`gpu_fault`), once per
+    /// device they hold.
+    pub fn quarantined_bookings(&self) -> impl Iterator<Item = &str> {
+        self.devices.iter().filter_map(move |d| {
+            let quarantined = d.quarantine.is_some()
+                || d.spec.parent.as_deref().is_some_and(|p| {
+                    self.devices
+                        .iter()
+                        .any(|g| g.spec.id == p && g.quarantine.is_some())
+                });
+            d.booked_by.as_deref().filter(|_| quarantined)
+        })
     }
 
     /// Whether a fault on the node or a GPU of it waits for the placer.
     pub fn fault_pending(&self) -> bool {
         self.fault.is_some() || self.devices.iter().any(|d| d.fault.is_some())
+    }
+
+    /// Whether each device may be booked now (in device order), ignoring
+    /// whether the node is schedulable: it is free itself, and a MIG
+    /// instance's GPU is neither booked nor out of service, and a GPU with
+    /// MIG instances (present, or booked) is never booked whole. So a GPU and its
+    /// instances are never booked at once, and a fault on a GPU keeps its
+    /// instances out of placement.
+    pub fn free_devices(&self) -> Vec<bool> {
+        let mut free: Vec<bool> = self.devices.iter().map(Device::own_free).collect();
+        if self.devices.iter().all(|d| d.spec.parent.is_none()) {
+            return free;
+        }
+        // The GPUs with present instances, and whether they hold their
+        // instances back (booked whole, or out of service): a handful.
+        let mut gpus: Vec<(&str, bool)> = Vec::new();
+        // A booked instance the node no longer reports still holds its GPU.
+        for d in self
+            .devices
+            .iter()
+            .filter(|d| d.present || d.booked_by.is_some())
+        {
+            if let Some(p) = d.spec.parent.as_deref() {
+                if !gpus.iter().any(|(g, _)| *g == p) {
+                    gpus.push((p, false));
+                }
+            }
+        }
+        for (i, d) in self.devices.iter().enumerate() {
+            if let Some(g) = gpus.iter_mut().find(|(g, _)| *g == d.spec.id) {
+                g.1 = d.booked_by.is_some() || d.out_of_service();
+                free[i] = false;
+            }
+        }
+        for (i, d) in self.devices.iter().enumerate() {
+            if let Some(p) = d.spec.parent.as_deref() {
+                if gpus.iter().any(|(g, held)| *g == p && *held) {
+                    free[i] = false;
+                }
+            }
+        }
+        free
+    }
+
+    /// Whether booking device `i` now would book a MIG instance and its GPU
+    /// at once (the instance's GPU, or one of the GPU's instances, is
+    /// booked).
+    pub fn books_family(&self, i: usize) -> bool {
+        let d = &self.devices[i];
+        self.devices.iter().any(|o| {
+            o.booked_by.is_some()
+                && (d.spec.parent.as_deref() == Some(o.spec.id.as_str())
+                    || o.spec.parent.as_deref() == Some(d.spec.id.as_str()))
+        })
     }
 
     /// Reservations holding devices of the node.
@@ -203,9 +279,10 @@ pub struct Device {
 }
 
 impl Device {
-    /// Free to book (on a schedulable node): present, not booked, not
-    /// quarantined and no fault waiting.
-    pub fn free(&self) -> bool {
+    /// Free as far as the device itself goes: present, not booked, not
+    /// quarantined and no fault waiting. Whether it may be booked also
+    /// depends on its node and its MIG family: see [`Node::free_devices`].
+    fn own_free(&self) -> bool {
         self.present && self.booked_by.is_none() && !self.out_of_service()
     }
 
@@ -693,11 +770,12 @@ impl Index {
         // (class, devices, free); (class, island, devices, free indexes).
         let mut per_class: Vec<(&str, u32, u32)> = Vec::new();
         let mut per_island: Vec<(&str, &str, u32, Vec<u32>)> = Vec::new();
+        let frees = node.free_devices();
         for (i, d) in node.devices.iter().enumerate() {
             if !d.present {
                 continue;
             }
-            let free = schedulable && d.free();
+            let free = schedulable && frees[i];
             let class = d.spec.class.as_str();
             match per_class.iter_mut().find(|c| c.0 == class) {
                 Some(c) => {
@@ -900,11 +978,13 @@ impl Index {
             return self.with_node(pool, node, f);
         }
         let free_mask = |n: &Node| -> u64 {
-            let schedulable = n.schedulable();
-            n.devices
+            if !n.schedulable() {
+                return 0;
+            }
+            n.free_devices()
                 .iter()
                 .enumerate()
-                .filter(|(_, d)| schedulable && d.free())
+                .filter(|(_, free)| **free)
                 .fold(0u64, |m, (i, _)| m | 1 << i)
         };
         let before = free_mask(n);
@@ -1003,8 +1083,10 @@ impl Index {
         let mut refused = Vec::new();
         let done = self.rebook(pool, &alloc.node, |node| {
             for id in &alloc.devices {
-                match node.devices.iter_mut().find(|d| &d.spec.id == id) {
-                    Some(d) if d.booked_by.is_none() => d.booked_by = Some(reservation.to_string()),
+                match node.devices.iter().position(|d| &d.spec.id == id) {
+                    Some(i) if node.devices[i].booked_by.is_none() && !node.books_family(i) => {
+                        node.devices[i].booked_by = Some(reservation.to_string());
+                    }
                     _ => refused.push(id.clone()),
                 }
             }

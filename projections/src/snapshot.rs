@@ -15,7 +15,8 @@ const MAGIC: &[u8; 8] = b"STRATAIX";
 // 5: GPUs carry a waiting fault and a quarantine, nodes a waiting fault and
 //    the fault they were drained for, pools their fault policy.
 // 6: nodes and GPUs carry a failed acceptance check.
-const FORMAT: u32 = 6;
+// 7: devices name the GPU they are a MIG instance of.
+const FORMAT: u32 = 7;
 const HEADER: usize = 40;
 
 #[derive(Debug, thiserror::Error)]

@@ -23,7 +23,7 @@ pub(crate) enum CommandsCmd {
         db: DbArgs,
         #[arg(long)]
         node: String,
-        /// diag.nvml, allocation.bind, allocation.release
+        /// diag.nvml, gpu.mig (args gpu, profiles; see `strata nodes mig`)
         #[arg(long)]
         kind: String,
         /// Arguments, a JSON object
@@ -75,6 +75,27 @@ pub(crate) fn print_command(t: &domain::commands::Tracked) {
     );
 }
 
+/// Waits at most `limit` for command `c` to end; `None` if it has not.
+pub(crate) async fn wait_for_result(
+    client: &tokio_postgres::Client,
+    c: &domain::commands::Command,
+    limit: Duration,
+) -> Result<Option<domain::commands::Tracked>> {
+    let until = std::time::Instant::now() + limit;
+    loop {
+        let found = domain::commands::list(client, Some(&c.node), 1000).await?;
+        if let Some(t) = found.into_iter().find(|t| t.command.id == c.id) {
+            if t.state.is_terminal() {
+                return Ok(Some(t));
+            }
+        }
+        if std::time::Instant::now() > until {
+            return Ok(None);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 pub(crate) async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
     use domain::commands::{self, Command};
     match cmd {
@@ -114,28 +135,21 @@ pub(crate) async fn commands(cmd: CommandsCmd) -> Result<ExitCode> {
             println!("issued {id}");
             if wait {
                 let client = connect(&db).await?;
-                let limit = std::time::Instant::now() + deadline + Duration::from_secs(5);
-                loop {
-                    let found = commands::list(&client, Some(&c.node), 1000).await?;
-                    if let Some(t) = found.iter().find(|t| t.command.id == id) {
-                        if t.state.is_terminal() {
-                            print_command(t);
-                            if let Some(o) = &t.outcome {
-                                println!("{}", serde_json::to_string_pretty(o)?);
-                            }
-                            return Ok(if t.state == commands::CommandState::Succeeded {
-                                ExitCode::SUCCESS
-                            } else {
-                                ExitCode::from(crate::exit::FAILURE)
-                            });
-                        }
-                    }
-                    if std::time::Instant::now() > limit {
-                        eprintln!("no result before the deadline");
-                        return Ok(ExitCode::from(crate::exit::TIMED_OUT));
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                let Some(t) =
+                    wait_for_result(&client, &c, deadline + Duration::from_secs(5)).await?
+                else {
+                    eprintln!("no result before the deadline");
+                    return Ok(ExitCode::from(crate::exit::TIMED_OUT));
+                };
+                print_command(&t);
+                if let Some(o) = &t.outcome {
+                    println!("{}", serde_json::to_string_pretty(o)?);
                 }
+                return Ok(if t.state == commands::CommandState::Succeeded {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(crate::exit::FAILURE)
+                });
             }
         }
         CommandsCmd::List { db, node, limit } => {

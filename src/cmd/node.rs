@@ -40,7 +40,9 @@ pub(crate) struct NodeArgs {
     /// Where the CDI specs of the node's bindings go, for container runtimes (Podman, Docker 25+, containerd with CDI on) to read: run a container on a reservation with `--device strata.dev/reservation=<id>` [default: /var/run/cdi; with --fake-gpus, <data-dir>/cdi]
     #[arg(long, env = "STRATA_CDI_DIR")]
     pub cdi_dir: Option<PathBuf>,
-    /// Simulated GPUs instead of NVML, e.g. 8xH100-80GB
+    /// Simulated GPUs instead of NVML, e.g. 8xH100-80GB; with MIG instances,
+    /// 8xH100-80GB:mig=1g.10gb*7 (every GPU) or ...:mig=3g.40gb,2g.20gb*2@0-1
+    /// (GPUs 0 and 1). A layout `strata nodes mig` gives is kept in the data dir
     #[arg(long)]
     pub fake_gpus: Option<String>,
     /// With --fake-gpus: the device on this machine that stands in for every simulated GPU's device node (/dev/nvidia0, /dev/nvidiactl, ...) in the CDI specs
@@ -124,7 +126,7 @@ pub(crate) struct FleetArgs {
     /// Node ids are this prefix and a number
     #[arg(long, default_value = "fleet-n")]
     pub prefix: String,
-    /// GPUs per node
+    /// GPUs per node (MIG instances as in `strata node --fake-gpus`)
     #[arg(long, default_value = "8xH100-80GB")]
     pub fake_gpus: String,
     #[arg(long, default_value = "localhost")]
@@ -194,7 +196,7 @@ pub(crate) async fn node(args: NodeArgs) -> Result<ExitCode> {
         Some(spec) => {
             let mut f = FakeGpus::parse(spec, &node_id)?
                 .with_stand_in(&args.fake_device_node)?
-                .with_fault_dir(&args.data_dir);
+                .with_data_dir(&args.data_dir);
             f.diag_delay = args.fake_diag_delay.unwrap_or_default();
             Arc::new(f)
         }
@@ -300,7 +302,7 @@ pub(crate) async fn start_fleet(
         let node_id = format!("{prefix}{i:05}");
         let mut backend = FakeGpus::parse(spec, &node_id)?;
         if faults {
-            backend = backend.with_fault_dir(&data_dir.join(&node_id));
+            backend = backend.with_data_dir(&data_dir.join(&node_id));
         }
         let backend = Arc::new(backend);
         let mut c = DaemonConfig::new(

@@ -102,6 +102,28 @@ pub(crate) enum NodesCmd {
         #[arg(long, default_value_t = 20)]
         history: i64,
     },
+    /// Split a GPU of a node into MIG instances, or make it whole again: a
+    /// command the node's daemon applies through NVML (a fake node applies
+    /// it to its fake GPUs). The node must be cordoned or drained and
+    /// nothing may hold the GPU or its instances. Each instance is then a
+    /// device of class <GPU class>/<profile> (e.g. H100-80GB/1g.10gb) that
+    /// reservations ask for like any class; a GPU with instances is booked
+    /// only through them
+    Mig {
+        #[command(flatten)]
+        db: DbArgs,
+        node: String,
+        /// The GPU: its index among the node's whole GPUs, or its id
+        #[arg(long)]
+        gpu: String,
+        /// The instances, e.g. 1g.10gb*7 or 3g.40gb,2g.20gb*2 (at most 7
+        /// compute slices and the GPU's memory); `none` makes the GPU whole
+        #[arg(long)]
+        profiles: String,
+        /// How long to wait for the node's answer
+        #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
+        wait: std::time::Duration,
+    },
     /// Clear a health condition the node no longer has, so its GPUs can be
     /// placed on again; on a GPU it also lifts a quarantine (device.restored)
     ClearHealth {
@@ -192,6 +214,13 @@ pub(crate) async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
         } => standing(target, Change::Drain { reason, wait }).await?,
         NodesCmd::Leave { target, reason } => standing(target, Change::Leave { reason }).await?,
         NodesCmd::Show { db, node, history } => show(&db, &node, history).await?,
+        NodesCmd::Mig {
+            db,
+            node,
+            gpu,
+            profiles,
+            wait,
+        } => return crate::cmd::mig::mig(&db, &node, &gpu, &profiles, wait).await,
         NodesCmd::ClearHealth {
             target,
             condition,
@@ -259,6 +288,7 @@ async fn show(db: &DbArgs, node: &str, history: i64) -> Result<()> {
                 "class": d.spec.class,
                 "present": d.present,
                 "booked_by": d.booked_by,
+                "mig_of": d.spec.parent,
                 "quarantined_for": d.quarantine,
                 "fault_waiting": d.fault,
                 "failed_acceptance": d.failed_acceptance,
@@ -293,7 +323,7 @@ async fn show(db: &DbArgs, node: &str, history: i64) -> Result<()> {
         "node {node} in pool {pool}: {}",
         crate::cmd::pools::node_state(&n)
     );
-    println!("  {:<20} {:<12} {:<24} STATE", "GPU", "CLASS", "BOOKED BY");
+    println!("  {:<20} {:<20} {:<24} STATE", "GPU", "CLASS", "BOOKED BY");
     for d in &n.devices {
         let mut state: Vec<String> = Vec::new();
         if !d.present {
@@ -308,6 +338,17 @@ async fn show(db: &DbArgs, node: &str, history: i64) -> Result<()> {
         if d.failed_acceptance {
             state.push("failed its acceptance check".into());
         }
+        if let Some(gpu) = &d.spec.parent {
+            state.push(format!("MIG instance of {gpu}"));
+        }
+        let instances = n
+            .devices
+            .iter()
+            .filter(|i| i.present && i.spec.parent.as_deref() == Some(&d.spec.id))
+            .count();
+        if instances > 0 {
+            state.push(format!("split into {instances} MIG instances"));
+        }
         for c in &d.conditions {
             let k = domain::faults::classify(c);
             state.push(format!(
@@ -318,7 +359,7 @@ async fn show(db: &DbArgs, node: &str, history: i64) -> Result<()> {
             ));
         }
         println!(
-            "  {:<20} {:<12} {:<24} {}",
+            "  {:<20} {:<20} {:<24} {}",
             d.spec.id,
             d.spec.class,
             d.booked_by.as_deref().unwrap_or("-"),

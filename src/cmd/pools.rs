@@ -306,11 +306,7 @@ pub(crate) fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
         );
         for (n, node) in &p.nodes {
             let state = node_state(node);
-            let free = node
-                .devices
-                .iter()
-                .filter(|d| node.schedulable() && d.free())
-                .count();
+            let free = node_free(node);
             let booked = node
                 .devices
                 .iter()
@@ -415,7 +411,7 @@ pub(crate) fn show_pool_json(index: &Index, name: &str, nodes: bool) -> Result<(
                 serde_json::json!({
                     "node": n,
                     "gpus": node.devices.len(),
-                    "free": node.devices.iter().filter(|d| node.schedulable() && d.free()).count(),
+                    "free": node_free(node),
                     "booked": node.devices.iter().filter(|d| d.booked_by.is_some()).count(),
                     "state": node_state(node),
                 })
@@ -424,6 +420,14 @@ pub(crate) fn show_pool_json(index: &Index, name: &str, nodes: bool) -> Result<(
     }
     crate::exit::print_json(&out);
     Ok(())
+}
+
+/// Devices of a node that may be booked now (none on an unschedulable node).
+fn node_free(node: &projections::index::Node) -> usize {
+    if !node.schedulable() {
+        return 0;
+    }
+    node.free_devices().into_iter().filter(|f| *f).count()
 }
 
 /// A node's standing as `pool show` prints it.

@@ -82,16 +82,7 @@ fn a_double_bit_ecc_error_quarantines_one_gpu_of_a_busy_node_and_ends_only_its_r
     // Its replacement waits: 2 GPUs asked, 1 in service and free.
     r.wait_until(30, "a~1 waits", || r.phase("a~1") == "queued");
 
-    let shown: serde_json::Value = serde_json::from_str(&ok(&[
-        "nodes",
-        "show",
-        "n1",
-        "--database-url",
-        &r.url,
-        "--output",
-        "json",
-    ]))
-    .unwrap();
+    let shown = r.node_shown();
     let gpu = |id: &str| {
         shown["gpus"]
             .as_array()

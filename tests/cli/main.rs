@@ -9,6 +9,7 @@ mod doctor;
 mod faults;
 mod gateway;
 mod maintenance;
+mod mig;
 mod one_node;
 mod placement;
 mod pooler;

@@ -73,6 +73,12 @@ impl Region {
 
     /// Starts node `n1` with `env` set and `extra` options.
     pub(crate) fn node_with(&self, env: &[(&str, &str)], extra: &[&str]) -> Killed {
+        self.node_of("8xH100-80GB", env, extra)
+    }
+
+    /// Starts node `n1` with the fake GPUs `spec`, `env` set and `extra`
+    /// options.
+    pub(crate) fn node_of(&self, spec: &str, env: &[(&str, &str)], extra: &[&str]) -> Killed {
         let ca = self.dir.path().join("ca/ca.pem");
         let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
         c.args([
@@ -88,7 +94,7 @@ impl Region {
             "--ca",
             ca.to_str().unwrap(),
             "--fake-gpus",
-            "8xH100-80GB",
+            spec,
             "--fake-device-node",
             "/dev/null",
             "--cdi-dir",
@@ -137,6 +143,11 @@ impl Region {
 
     /// `reserve` with `extra` options.
     pub(crate) fn reserve_with(&self, id: &str, gpus: u32, extra: &[&str]) {
+        self.reserve_class(id, "H100-80GB", gpus, extra);
+    }
+
+    /// `reserve` of `gpus` devices of `class`, with `extra` options.
+    pub(crate) fn reserve_class(&self, id: &str, class: &str, gpus: u32, extra: &[&str]) {
         let gpus = gpus.to_string();
         let mut args = vec![
             "reserve",
@@ -145,7 +156,7 @@ impl Region {
             "--pool",
             "p",
             "--class",
-            "H100-80GB",
+            class,
             "--gpus",
             &gpus,
             "--id",
@@ -179,6 +190,20 @@ impl Region {
         .into_iter()
         .map(|r| (r[0].clone(), serde_json::from_str(&r[1]).unwrap()))
         .collect()
+    }
+
+    /// `nodes show n1 --output json`.
+    pub(crate) fn node_shown(&self) -> serde_json::Value {
+        let out = ok(&[
+            "nodes",
+            "show",
+            "n1",
+            "--database-url",
+            &self.url,
+            "--output",
+            "json",
+        ]);
+        serde_json::from_str(&out).unwrap()
     }
 
     /// `reservations show --output json`.

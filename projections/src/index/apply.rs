@@ -863,11 +863,17 @@ impl Index {
     }
 
     /// Checks that every booked device is booked by a live reservation that
-    /// lists it, and that every live reservation's devices are booked by it.
+    /// lists it, and that no MIG instance is booked with its GPU.
     pub fn check_bookings(&self) -> Result<(), String> {
         for (pool, p) in &self.state.pools {
             for (node, n) in &p.nodes {
-                for d in &n.devices {
+                for (i, d) in n.devices.iter().enumerate() {
+                    if d.booked_by.is_some() && d.spec.parent.is_some() && n.books_family(i) {
+                        return Err(format!(
+                            "MIG instance {pool}/{node}/{} and its GPU are booked at once",
+                            d.spec.id
+                        ));
+                    }
                     if let Some(by) = &d.booked_by {
                         let ok = self.state.reservations.get(by).is_some_and(|r| {
                             r.phase.is_live()
