@@ -13,7 +13,10 @@
 //! 4. multi-tenant (`tenants.rs`), on a pool of its own as large as the
 //!    fleet: 16 queues in 2 cohorts with quotas summing to the pool, demand
 //!    at 150% of it, then requests of high priority placed by preemption
-//!    with a short grace period.
+//!    with a short grace period;
+//! 5. backfill (`backfill.rs`): gangs behind a stream of small requests;
+//! 6. MIG (`mig.rs`): 1-GPU requests on a pool where a tenth of the GPUs
+//!    are split into MIG instances, against a pool of whole GPUs.
 //!
 //! Then: the index built from the whole log, written as a snapshot and
 //! loaded again (and a synthetic 100,000-GPU index, when the fleet is
@@ -35,6 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod backfill;
+mod mig;
 mod tenants;
 
 const CLASS: &str = "H100-80GB";
@@ -74,6 +78,9 @@ pub struct Args {
     /// Nodes of each of the backfill phase's two pools (default 1,000, 200 quick; 0 skips the phase)
     #[arg(long)]
     backfill_nodes: Option<u32>,
+    /// Nodes of each of the MIG phase's two pools (default --nodes, 1,000 quick; 0 skips the phase)
+    #[arg(long)]
+    mig_nodes: Option<u32>,
 }
 
 /// What the watching subscription saw, by reservation.
@@ -531,6 +538,31 @@ pub async fn run(args: Args) -> Result<()> {
     } else {
         None
     };
+    // 6. MIG, on two pools of its own.
+    let mig_nodes = args
+        .mig_nodes
+        .unwrap_or(if args.quick { 1_000 } else { args.nodes });
+    let mig = if mig_nodes > 0 {
+        let held = stats.view().pools_held;
+        for (pool, split) in [(mig::PLAIN, false), (mig::SPLIT, true)] {
+            domain::pools::create_pool(&appender, pool, "MIG benchmark pool").await?;
+            domain::pools::join_nodes(&appender, pool, mig::fleet(pool, mig_nodes, split), |_| {})
+                .await?;
+        }
+        let t = Instant::now();
+        while stats.view().pools_held < held + 2 {
+            if t.elapsed() > Duration::from_secs(120) || placer.is_finished() {
+                bail!("the placer did not take the MIG pools: {:?}", stats.view());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // A quarter of the plain pool per round at most.
+        let per_round = (u64::from(mig_nodes) * 2).min(if args.quick { 2_000 } else { 20_000 });
+        let rounds = if args.quick { 2 } else { 3 };
+        Some(mig::run(&appender, &seen, mig_nodes, args.clients, per_round, rounds).await?)
+    } else {
+        None
+    };
     let placer_stats = stats.view();
     placer.stop().await?;
     watcher.abort();
@@ -637,6 +669,28 @@ pub async fn run(args: Args) -> Result<()> {
             "gang_wait_ratio": backfill_ratio.map(|r| round(r, 2)),
         })
     });
+    let mig_ratio = mig.as_ref().map(|m| {
+        let (mut plain, mut split) = (m.plain.clone(), m.split.clone());
+        util::median(&mut split) / util::median(&mut plain).max(1.0)
+    });
+    let mig_json = mig.as_ref().map(|m| {
+        let (mut plain, mut split) = (m.plain.clone(), m.split.clone());
+        serde_json::json!({
+            "nodes_per_pool": m.nodes,
+            "split": format!("GPUs 0-3 of every fifth node as {} x {}", mig::PROFILE, mig::PER_GPU),
+            "split_gpus": m.split_gpus,
+            "instances": m.instances,
+            "requests_per_round": m.per_round,
+            "instance_requests_per_round": m.mig_requests_per_round,
+            "rounds_per_pool": m.plain.len(),
+            "plain_per_s": m.plain.iter().map(|r| round(*r, 0)).collect::<Vec<_>>(),
+            "split_per_s": m.split.iter().map(|r| round(*r, 0)).collect::<Vec<_>>(),
+            "plain_median_per_s": round(util::median(&mut plain), 0),
+            "split_median_per_s": round(util::median(&mut split), 0),
+            "placed": m.placed,
+            "ratio": mig_ratio.map(|r| round(r, 3)),
+        })
+    });
     let mut result = serde_json::json!({
         "bench": "placements",
         "quick": args.quick,
@@ -674,6 +728,7 @@ pub async fn run(args: Args) -> Result<()> {
         "check": verdict,
         "tenants": tenants_json,
         "backfill": backfill_json,
+        "mig": mig_json,
     });
     result["targets"] = serde_json::json!({
         "placements_per_s": ">= 10000 at 10,000 nodes",
@@ -684,6 +739,7 @@ pub async fn run(args: Args) -> Result<()> {
         "tenants_preemption_p99_ms": "< 1000 including the grace period",
         "tenants_fair_share_spread": "<= 0.05",
         "backfill_gang_wait_ratio": "<= 1.25: gangs behind a stream of smaller requests start when they would alone (max wait, with the stream over alone), every gang placed",
+        "mig_ratio": ">= 0.8: placements/s with 10% of GPUs as MIG instances over the same load on whole GPUs",
     });
     result["met"] = serde_json::json!({
         "placements_per_s": rate1 >= 10_000.0,
@@ -697,6 +753,7 @@ pub async fn run(args: Args) -> Result<()> {
             b.contended.placed_gangs == backfill::GANGS as usize
                 && backfill_ratio.is_some_and(|r| r <= 1.25)
         }),
+        "mig_ratio": mig_ratio.map(|r| r >= 0.8),
     });
     let mut name = format!("placements-{}", args.nodes);
     if args.pools > 1 {

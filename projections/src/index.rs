@@ -981,6 +981,16 @@ impl Index {
             if !n.schedulable() {
                 return 0;
             }
+            if n.devices.iter().all(|d| d.spec.parent.is_none()) {
+                // No MIG family: each device's own state (no allocation on
+                // the path every booking takes).
+                return n
+                    .devices
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, d)| d.own_free())
+                    .fold(0u64, |m, (i, _)| m | 1 << i);
+            }
             n.free_devices()
                 .iter()
                 .enumerate()
