@@ -44,7 +44,7 @@ pub fn fleet(pool: &str, nodes: u32, split: bool) -> Vec<(String, Vec<DeviceSpec
     let mut fleet = domain::pools::uniform_fleet(&format!("{pool}-n"), nodes, CLASS, 8, 8);
     if split {
         for (i, (_, devices)) in fleet.iter_mut().enumerate() {
-            if i as u32 % EVERY == 0 {
+            if (i as u32).is_multiple_of(EVERY) {
                 domain::pools::split_mig(devices, GPUS_SPLIT, PROFILE, PER_GPU);
             }
         }
