@@ -337,7 +337,7 @@ facts! {
 
     DeviceRestored = "device.restored" {
         stream: "pool/<pool>",
-        written_by: "operators (`strata nodes clear-health`, the client API's ClearNodeHealth)",
+        written_by: "operators (`strata nodes clear-health`, the client API's ClearNodeHealth); the pool's placer, for a GPU quarantined for a fault a reset clears, once the condition is gone and a check of its node passed it",
         about: "Lifts `device.quarantined`: the GPU takes placements again.",
         fields: [
             NODE,

@@ -52,6 +52,13 @@ impl Severity {
 }
 
 impl Action {
+    /// Whether a GPU quarantined for it comes back by itself once the
+    /// condition is gone and a diagnostic passes (a reset's outcome); the
+    /// others wait for an operator.
+    pub fn restored_by_diagnostic(self) -> bool {
+        self == Action::ResetGpu
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Action::None => "none",

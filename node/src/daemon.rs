@@ -422,11 +422,26 @@ async fn session(
     let mut health = tokio::time::interval(config.health_poll);
     // Acceptance re-checks on the operator's schedule, off the session loop
     // (a DCGM diagnostic takes minutes); a changed result is sent at once.
-    let (recheck_tx, mut rechecked) = mpsc::channel::<crate::acceptance::Report>(1);
+    // A GPU's condition that clears (after a reset) also starts one, whose
+    // result is reported even when unchanged: it is the diagnostic a GPU
+    // quarantined for a reset waits for.
+    let (recheck_tx, mut rechecked) = mpsc::channel::<(crate::acceptance::Report, bool)>(1);
     let mut recheck = (!config.recheck.is_zero()).then(|| {
         tokio::time::interval_at(tokio::time::Instant::now() + config.recheck, config.recheck)
     });
     let mut checking = false;
+    // A GPU condition cleared while a check ran: one more after it.
+    let mut check_again = false;
+    let start_check = |forced: bool| {
+        let (backend, level, done) = (
+            config.backend.clone(),
+            config.dcgm_level,
+            recheck_tx.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            let _ = done.blocking_send((crate::acceptance::check(backend.as_ref(), level), forced));
+        });
+    };
     // Health that changed between polls is reported at once.
     let changed = config.backend.changed();
     let health_changed = notified(changed.as_deref());
@@ -471,27 +486,40 @@ async fn session(
                 }
             }
             _ = health.tick() => {
-                if let Err(end) = report_health(config, stats, conditions, gpus, &tx).await {
-                    return end;
+                match report_health(config, stats, conditions, gpus, &tx).await {
+                    Err(end) => return end,
+                    Ok(true) if checking => check_again = true,
+                    Ok(true) => {
+                        checking = true;
+                        start_check(true);
+                    }
+                    Ok(false) => {}
                 }
             }
             _ = tick(&mut recheck), if !checking => {
                 checking = true;
-                let (backend, level, done) = (config.backend.clone(), config.dcgm_level, recheck_tx.clone());
-                tokio::task::spawn_blocking(move || {
-                    let _ = done.blocking_send(crate::acceptance::check(backend.as_ref(), level));
-                });
+                start_check(false);
             }
-            Some(report) = rechecked.recv() => {
+            Some((report, forced)) = rechecked.recv() => {
                 checking = false;
-                if let Err(end) = rechecked_report(config, acceptance, report, &tx).await {
+                if let Err(end) = rechecked_report(config, acceptance, report, forced, &tx).await {
                     return end;
+                }
+                if std::mem::take(&mut check_again) {
+                    checking = true;
+                    start_check(true);
                 }
             }
             _ = &mut health_changed => {
                 health_changed.set(notified(changed.as_deref()));
-                if let Err(end) = report_health(config, stats, conditions, gpus, &tx).await {
-                    return end;
+                match report_health(config, stats, conditions, gpus, &tx).await {
+                    Err(end) => return end,
+                    Ok(true) if checking => check_again = true,
+                    Ok(true) => {
+                        checking = true;
+                        start_check(true);
+                    }
+                    Ok(false) => {}
                 }
             }
             m = inbound.message() => match m {
@@ -646,11 +674,12 @@ fn status(state: &str, detail: String) -> NodeMessage {
 }
 
 /// A re-check's result: kept, and sent with the `gpus` section when it
-/// changed.
+/// changed or was `forced` (a check after a GPU's condition cleared).
 async fn rechecked_report(
     config: &DaemonConfig,
     acceptance: &std::sync::Mutex<crate::acceptance::Report>,
     report: crate::acceptance::Report,
+    forced: bool,
     tx: &mpsc::Sender<NodeMessage>,
 ) -> Result<(), End> {
     let changed = {
@@ -659,10 +688,10 @@ async fn rechecked_report(
         *last = report.clone();
         changed
     };
-    if !changed {
+    if !changed && !forced {
         return Ok(());
     }
-    tracing::info!(node = %config.node_id, passed = report.passed, reason = %report.reason, "the acceptance check's result changed; reporting it");
+    tracing::info!(node = %config.node_id, passed = report.passed, reason = %report.reason, forced, "reporting the acceptance check's result");
     let section = inventory_section(config.backend.as_ref(), &report)
         .map_err(|e| End::Lost(e.to_string()))?;
     let m = NodeMessage {
@@ -700,11 +729,12 @@ async fn report_health(
     conditions: &std::sync::Mutex<Conditions>,
     gpus: usize,
     tx: &mpsc::Sender<NodeMessage>,
-) -> Result<(), End> {
+) -> Result<bool, End> {
     // Only changes are sent: a condition in force is not raised
     // again, and one the backend no longer sees is cleared.
     let polled = config.backend.poll_health().map_err(|e| e.to_string());
     let changes = conditions.lock().expect("conditions lock").observe(polled);
+    let gpu_cleared = changes.iter().any(|c| c.cleared && c.device.is_some());
     if let Some(c) = changes.iter().find(|c| !c.cleared) {
         let detail = format!(
             "{} on {}",
@@ -733,7 +763,7 @@ async fn report_health(
         }
         stats.health_reports.fetch_add(1, Ordering::Relaxed);
     }
-    Ok(())
+    Ok(gpu_cleared)
 }
 
 /// Runs commands off the session loop, so heartbeats go on while one runs;

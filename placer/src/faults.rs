@@ -9,7 +9,10 @@
 //! - `device.quarantine_withheld` when the pool's policy is advisory, or
 //!   when acting would take more of the pool out of service for faults than
 //!   its circuit breaker allows: the GPU or node stays in service, and the
-//!   withheld counter (and its alert) rises.
+//!   withheld counter (and its alert) rises;
+//! - `device.restored` for a GPU quarantined for a fault a reset clears,
+//!   once its condition is gone and a check of its node has passed it
+//!   (faults that need service wait for an operator's `clear-health`).
 //!
 //! Pure: the index in, the facts and their counts out.
 
@@ -24,6 +27,7 @@ pub(crate) struct Decisions {
     pub quarantined: u64,
     pub drained: u64,
     pub withheld: u64,
+    pub restored: u64,
 }
 
 /// Why a fault is not acted on, or `None` when `cost` more GPUs may go out
@@ -82,6 +86,15 @@ pub(crate) fn decide(pool: &Pool, queues: &Queues) -> Decisions {
             }
             // A drained node's GPUs need no quarantine of their own.
             continue;
+        }
+        for g in node.devices.iter().filter(|g| g.restorable()) {
+            let condition = g.quarantine.as_deref().unwrap_or_default();
+            d.restored += 1;
+            d.facts.push(Fact::DeviceRestored {
+                node: name.clone(),
+                device: g.spec.id.clone(),
+                reason: format!("{condition} is gone and a diagnostic passed"),
+            });
         }
         for g in &node.devices {
             let Some(condition) = &g.fault else { continue };
@@ -166,6 +179,67 @@ mod tests {
         }
         assert_eq!(decide_in(&w), Decisions::default());
         assert_eq!(w.index.pool("p").unwrap().fault_budget(), (160, 9));
+    }
+
+    #[test]
+    fn a_gpu_quarantined_for_a_reset_comes_back_after_its_condition_goes_and_a_diagnostic_passes() {
+        // gpu1 quarantined for a reset's fault, gpu2 for one needing service.
+        let quarantined = || {
+            let mut w = World::new(2);
+            apply(
+                &mut w,
+                Fact::PoolFaultPolicySet(Policy {
+                    automatic: true,
+                    max_quarantined_percent: 50,
+                }),
+            );
+            for (device, condition) in [("gpu1", "XID-48"), ("gpu2", "XID-64")] {
+                apply(&mut w, raise("n00", Some(device), condition));
+            }
+            let d = decide_in(&w);
+            assert_eq!(d.quarantined, 2);
+            for f in d.facts {
+                apply(&mut w, f);
+            }
+            w
+        };
+        let mut w = quarantined();
+        let check = |passed: bool, failed: &[&str]| Fact::NodeAcceptanceReported {
+            node: "n00".into(),
+            passed,
+            reason: String::new(),
+            failed_devices: failed.iter().map(|d| d.to_string()).collect(),
+            report: serde_json::Value::Null,
+        };
+        let cleared = |device: &str, condition: &str| Fact::HealthCleared {
+            node: "n00".into(),
+            device: Some(device.into()),
+            condition: condition.into(),
+        };
+        // A diagnostic passed while the condition is still in force, or the
+        // condition gone without one: the quarantine stays.
+        apply(&mut w, check(true, &[]));
+        assert_eq!(decide_in(&w).restored, 0);
+        let mut w = quarantined();
+        apply(&mut w, cleared("gpu1", "XID-48"));
+        apply(&mut w, cleared("gpu2", "XID-64"));
+        assert_eq!(decide_in(&w).restored, 0);
+        // A check that fails the GPU does not count; one that passes it does,
+        // for the reset's fault only (XID 64 asks for service).
+        apply(&mut w, check(false, &["gpu1"]));
+        assert_eq!(decide_in(&w).restored, 0);
+        apply(&mut w, check(true, &[]));
+        let d = decide_in(&w);
+        assert_eq!(d.restored, 1, "{d:?}");
+        assert!(
+            matches!(&d.facts[0], Fact::DeviceRestored { device, reason, .. } if device == "gpu1" && reason.contains("XID-48 is gone"))
+        );
+        for f in d.facts {
+            apply(&mut w, f);
+        }
+        let n = &w.index.pool("p").unwrap().nodes["n00"];
+        assert!(n.free_devices()[1] && !n.free_devices()[2]);
+        assert_eq!(decide_in(&w), Decisions::default());
     }
 
     #[test]

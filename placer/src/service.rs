@@ -97,6 +97,9 @@ pub struct Stats {
     pub drained_for_faults: AtomicU64,
     /// Faults reported but not acted on (advisory policy, circuit breaker).
     pub quarantine_withheld: AtomicU64,
+    /// Quarantined GPUs restored after their condition went and a
+    /// diagnostic passed.
+    pub restored: AtomicU64,
     /// Batches refused because the pool stream moved (replanned).
     pub conflicts: AtomicU64,
     /// Batches that failed otherwise (retried).
@@ -124,6 +127,7 @@ pub struct StatsView {
     pub quarantined: u64,
     pub drained_for_faults: u64,
     pub quarantine_withheld: u64,
+    pub restored: u64,
     pub conflicts: u64,
     pub errors: u64,
     pub pools_held: u64,
@@ -148,6 +152,7 @@ impl Stats {
             quarantined: l(&self.quarantined),
             drained_for_faults: l(&self.drained_for_faults),
             quarantine_withheld: l(&self.quarantine_withheld),
+            restored: l(&self.restored),
             conflicts: l(&self.conflicts),
             errors: l(&self.errors),
             pools_held: l(&self.pools_held),
@@ -246,6 +251,13 @@ static FIELDS: &[Field<Stats>] = &[
         Counter,
         "Faults reported but not acted on: the pool's policy is advisory or its circuit breaker is open (device.quarantine_withheld).",
         quarantine_withheld
+    ),
+    ops::stat_field!(
+        Stats,
+        "strata_placer_restored_total",
+        Counter,
+        "Quarantined GPUs restored by the placer: their condition went and a diagnostic passed (device.restored).",
+        restored
     ),
     ops::stat_field!(
         Stats,
@@ -392,8 +404,8 @@ impl PoolWork {
 struct Committed {
     pool: String,
     plan_counts: [u64; 8],
-    /// GPUs quarantined, nodes drained and faults withheld.
-    fault_counts: [u64; 3],
+    /// GPUs quarantined, nodes drained, faults withheld and GPUs restored.
+    fault_counts: [u64; 4],
     retried_queued_at: Option<u64>,
     result: Result<Appended, AppendError>,
 }
@@ -573,7 +585,8 @@ fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stat
             stats.released.fetch_add(released, Ordering::Relaxed);
             stats.expired.fetch_add(expired, Ordering::Relaxed);
             stats.failed.fetch_add(failed, Ordering::Relaxed);
-            let [quarantined, drained, withheld] = done.fault_counts;
+            let [quarantined, drained, withheld, restored] = done.fault_counts;
+            stats.restored.fetch_add(restored, Ordering::Relaxed);
             stats.quarantined.fetch_add(quarantined, Ordering::Relaxed);
             stats
                 .drained_for_faults
@@ -708,7 +721,12 @@ fn plan_ready(
         );
         // The answers to faults come first: the plan already kept off the
         // GPUs they are about.
-        let fault_counts = [answers.quarantined, answers.drained, answers.withheld];
+        let fault_counts = [
+            answers.quarantined,
+            answers.drained,
+            answers.withheld,
+            answers.restored,
+        ];
         facts.splice(0..0, answers.facts);
         // When the batch ran out of searches for victims, what waits is
         // tried again next time even if capacity did not move.

@@ -171,9 +171,14 @@ impl Node {
         })
     }
 
-    /// Whether a fault on the node or a GPU of it waits for the placer.
+    /// Whether a fault on the node or a GPU of it waits for the placer, or
+    /// a quarantined GPU of it may be restored.
     pub fn fault_pending(&self) -> bool {
-        self.fault.is_some() || self.devices.iter().any(|d| d.fault.is_some())
+        self.fault.is_some()
+            || self
+                .devices
+                .iter()
+                .any(|d| d.fault.is_some() || d.restorable())
     }
 
     /// Whether each device may be booked now (in device order), ignoring
@@ -276,6 +281,9 @@ pub struct Device {
     /// Its node's last acceptance check found it failing: no placement
     /// until one passes.
     pub failed_acceptance: bool,
+    /// Quarantined, and a check of its node has passed it since: with the
+    /// condition gone, a quarantine for a reset may be lifted.
+    pub diagnosed: bool,
 }
 
 impl Device {
@@ -284,6 +292,17 @@ impl Device {
     /// depends on its node and its MIG family: see [`Node::free_devices`].
     fn own_free(&self) -> bool {
         self.present && self.booked_by.is_none() && !self.out_of_service()
+    }
+
+    /// Quarantined for a fault a reset clears (not one that needs
+    /// service), the condition gone, and a diagnostic passed since: the
+    /// placer may restore it.
+    pub fn restorable(&self) -> bool {
+        self.diagnosed
+            && self.quarantine.as_ref().is_some_and(|c| {
+                !self.conditions.contains(c)
+                    && domain::faults::classify(c).action.restored_by_diagnostic()
+            })
     }
 
     /// Quarantined, a fault that asks for it waiting, or failing its

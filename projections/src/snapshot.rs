@@ -15,7 +15,8 @@ const MAGIC: &[u8; 8] = b"STRATAIX";
 // 5: GPUs carry a waiting fault and a quarantine, nodes a waiting fault and
 //    the fault they were drained for, pools their fault policy.
 // 6: nodes and GPUs carry a failed acceptance check.
-// 7: devices name the GPU they are a MIG instance of.
+// 7: devices name the GPU they are a MIG instance of, and whether a
+//    diagnostic passed them since their quarantine.
 const FORMAT: u32 = 7;
 const HEADER: usize = 40;
 

@@ -133,6 +133,65 @@ fn a_double_bit_ecc_error_quarantines_one_gpu_of_a_busy_node_and_ends_only_its_r
 }
 
 #[test]
+fn a_gpu_quarantined_for_a_reset_comes_back_by_itself_once_its_fault_clears_and_a_diagnostic_passes(
+) {
+    let r = region();
+    let _node = r.node(&[]);
+    r.wait_for_gpus();
+    r.reserve_with("all", 8, &["--replace-on-failure"]);
+    r.wait_until(60, "all is active", || r.phase("all") == "active");
+    let bad = "GPU-fake-n1-3";
+    r.fault(&["--gpu", "3", "--xid", "48"]);
+    r.wait_until(30, "all ends", || r.phase("all") == "ended");
+    r.wait_until(30, "all~1 waits", || r.phase("all~1") == "queued");
+    let checks = || r.pool_events(&["node.acceptance_reported"]).len();
+
+    // The fault clears (the GPU was reset), but its diagnostic fails: the
+    // daemon checks at once and reports it; the quarantine stays.
+    r.fault(&[
+        "--gpu",
+        "3",
+        "--diag",
+        "fail",
+        "--detail",
+        "row remap pending",
+    ]);
+    let before = checks();
+    r.fault(&["--gpu", "3", "--xid", "48", "--clear"]);
+    r.wait_until(30, "the daemon's check after the clear", || {
+        checks() > before
+    });
+    let last = r
+        .pool_events(&["node.acceptance_reported"])
+        .pop()
+        .unwrap()
+        .1;
+    assert_eq!(last["failed_devices"], serde_json::json!([bad]));
+    assert!(r.pool_events(&["device.restored"]).is_empty());
+    assert_eq!(r.phase("all~1"), "queued");
+
+    // Raised and cleared again with the diagnostic passing: the placer
+    // restores the GPU and the replacement runs.
+    r.fault(&["--gpu", "3", "--diag", "pass"]);
+    r.fault(&["--gpu", "3", "--xid", "48"]);
+    r.fault(&["--gpu", "3", "--xid", "48", "--clear"]);
+    r.wait_until(60, "all~1 is active on the restored GPU", || {
+        r.phase("all~1") == "active"
+    });
+    let restored = r.pool_events(&["device.restored"]);
+    assert_eq!(restored.len(), 1, "{restored:?}");
+    assert_eq!(restored[0].1["device"], bad);
+    assert!(
+        restored[0].1["reason"]
+            .as_str()
+            .unwrap()
+            .contains("XID-48 is gone and a diagnostic passed"),
+        "{restored:?}"
+    );
+    assert_eq!(metric(&r.metrics, "strata_placer_restored_total"), 1.0);
+}
+
+#[test]
 fn a_flood_of_faults_across_the_pool_stops_at_the_circuit_breaker() {
     let r = region();
     let _node = r.node(&[]);

@@ -227,6 +227,7 @@ impl Index {
                                 fault: None,
                                 quarantine: None,
                                 failed_acceptance: false,
+                                diagnosed: false,
                             },
                         });
                     }
@@ -327,6 +328,7 @@ impl Index {
                     if let Some(d) = n.devices.iter_mut().find(|d| d.spec.id == device) {
                         d.quarantine = Some(condition);
                         d.fault = None;
+                        d.diagnosed = false;
                     }
                 })
                 .ok_or_else(|| format!("node {node:?} is not in pool {pool:?}"))?;
@@ -354,6 +356,11 @@ impl Index {
                     n.acceptance_failed = whole.then_some(reason);
                     for d in &mut n.devices {
                         d.failed_acceptance = failed_devices.contains(&d.spec.id);
+                        // A check of the node that the GPU passed: the
+                        // diagnostic a quarantine for a reset waits for.
+                        if d.quarantine.is_some() && !whole && !d.failed_acceptance {
+                            d.diagnosed = true;
+                        }
                     }
                 })
                 .ok_or_else(|| format!("node {node:?} is not in pool {pool:?}"))?;
@@ -364,6 +371,7 @@ impl Index {
                     if let Some(d) = n.devices.iter_mut().find(|d| d.spec.id == device) {
                         d.quarantine = None;
                         d.fault = None;
+                        d.diagnosed = false;
                     }
                 });
                 self.bump_capacity(&pool);
