@@ -420,28 +420,7 @@ async fn session(
         every,
     );
     let mut health = tokio::time::interval(config.health_poll);
-    // Acceptance re-checks on the operator's schedule, off the session loop
-    // (a DCGM diagnostic takes minutes); a changed result is sent at once.
-    // A GPU's condition that clears (after a reset) also starts one, whose
-    // result is reported even when unchanged: it is the diagnostic a GPU
-    // quarantined for a reset waits for.
-    let (recheck_tx, mut rechecked) = mpsc::channel::<(crate::acceptance::Report, bool)>(1);
-    let mut recheck = (!config.recheck.is_zero()).then(|| {
-        tokio::time::interval_at(tokio::time::Instant::now() + config.recheck, config.recheck)
-    });
-    let mut checking = false;
-    // A GPU condition cleared while a check ran: one more after it.
-    let mut check_again = false;
-    let start_check = |forced: bool| {
-        let (backend, level, done) = (
-            config.backend.clone(),
-            config.dcgm_level,
-            recheck_tx.clone(),
-        );
-        tokio::task::spawn_blocking(move || {
-            let _ = done.blocking_send((crate::acceptance::check(backend.as_ref(), level), forced));
-        });
-    };
+    let mut rechecks = crate::rechecks::Rechecks::new(config);
     // Health that changed between polls is reported at once.
     let changed = config.backend.changed();
     let health_changed = notified(changed.as_deref());
@@ -485,41 +464,20 @@ async fn session(
                     }
                 }
             }
-            _ = health.tick() => {
-                match report_health(config, stats, conditions, gpus, &tx).await {
-                    Err(end) => return end,
-                    Ok(true) if checking => check_again = true,
-                    Ok(true) => {
-                        checking = true;
-                        start_check(true);
-                    }
-                    Ok(false) => {}
-                }
-            }
-            _ = tick(&mut recheck), if !checking => {
-                checking = true;
-                start_check(false);
-            }
-            Some((report, forced)) = rechecked.recv() => {
-                checking = false;
+            _ = health.tick() => match report_health(config, stats, conditions, gpus, &tx).await {
+                Err(end) => return end,
+                Ok(cleared) => if cleared { rechecks.cleared(config) },
+            },
+            Some((report, forced)) = rechecks.next(config) => {
                 if let Err(end) = rechecked_report(config, acceptance, report, forced, &tx).await {
                     return end;
-                }
-                if std::mem::take(&mut check_again) {
-                    checking = true;
-                    start_check(true);
                 }
             }
             _ = &mut health_changed => {
                 health_changed.set(notified(changed.as_deref()));
                 match report_health(config, stats, conditions, gpus, &tx).await {
                     Err(end) => return end,
-                    Ok(true) if checking => check_again = true,
-                    Ok(true) => {
-                        checking = true;
-                        start_check(true);
-                    }
-                    Ok(false) => {}
+                    Ok(cleared) => if cleared { rechecks.cleared(config) },
                 }
             }
             m = inbound.message() => match m {
@@ -700,16 +658,6 @@ async fn rechecked_report(
     tx.send(m)
         .await
         .map_err(|_| End::Lost("send the acceptance check".into()))
-}
-
-/// The next tick of `i`, or never without one.
-async fn tick(i: &mut Option<tokio::time::Interval>) {
-    match i {
-        Some(i) => {
-            i.tick().await;
-        }
-        None => std::future::pending().await,
-    }
 }
 
 /// Waits for `n`, or forever without one.

@@ -13,6 +13,7 @@ mod health;
 pub mod identity;
 pub mod mig;
 mod outcome;
+mod rechecks;
 pub mod repartition;
 
 pub mod proto {
