@@ -759,6 +759,10 @@ pub async fn run(args: Args) -> Result<()> {
     if args.pools > 1 {
         name.push_str(&format!("-p{}", args.pools));
     }
+    if tenants.is_none() || backfill.is_none() || mig.is_none() {
+        // Some phases skipped: not to be taken for a whole run.
+        name.push_str("-partial");
+    }
     if args.quick {
         name.push_str("-quick");
     }

@@ -30,6 +30,8 @@ pub const GRANT_REVOKED: &str = "grant.revoked";
 pub const ROLE_SET: &str = "role.set";
 /// `role.removed`: see its entry in [`EVENTS`].
 pub const ROLE_REMOVED: &str = "role.removed";
+/// `pool.dcgm_level_set`: see its entry in [`EVENTS`].
+pub const POOL_DCGM_LEVEL_SET: &str = "pool.dcgm_level_set";
 
 const NODE: events::catalog::Field = req("node", Ty::String, "The node's id.");
 
@@ -170,6 +172,17 @@ pub const EVENTS: &[EventSpec] = &[
         written_by: "admins (`strata roles remove`)",
         about: "The operator has no role: the client API refuses it.",
         fields: &[],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: POOL_DCGM_LEVEL_SET,
+        stream: "dcgm-level/<pool>",
+        written_by: "operators (`strata pool policy --dcgm-level`)",
+        about: "The `dcgmi diag` level of the pool's acceptance checks; gateways tell it to each node when its session opens (nodes that do not run DCGM ignore it). Without one, each node's own `--dcgm-level`.",
+        fields: &[
+            req("pool", Ty::String, "The pool."),
+            req("level", Ty::Integer, "1 (quick) to 4 (extended); 0: DCGM is not run."),
+        ],
         formerly: &[],
     },
 ];

@@ -6,6 +6,7 @@ pub mod ca;
 pub mod catalog;
 mod codec;
 mod damping;
+pub mod dcgm_level;
 mod dispatch;
 pub mod grants;
 pub mod identity;

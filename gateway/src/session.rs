@@ -175,6 +175,15 @@ pub(crate) async fn session(
         }
     };
     drop(hello);
+    let dcgm_level = match Box::pin(pool_dcgm_level(&shared, &pool)).await {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = tx
+                .send(Err(Status::unavailable(format!("database: {e}"))))
+                .await;
+            return;
+        }
+    };
     register(&shared, &node, &pool, epoch, &tx);
     shared.stats.sessions_opened.fetch_add(1, Ordering::Relaxed);
     let welcome = GatewayMessage {
@@ -182,6 +191,7 @@ pub(crate) async fn session(
             epoch,
             heartbeat_seconds: shared.config.heartbeat.as_secs().max(1) as u32,
             want_sections: want,
+            dcgm_level,
         })),
     };
     if tx.send(Ok(welcome)).await.is_err() {
@@ -484,6 +494,14 @@ pub(crate) async fn open_session(
     Err(AppendError::Invalid(
         "the node's stream kept moving while opening its session".into(),
     ))
+}
+
+/// The pool's DCGM level, told in the Welcome.
+async fn pool_dcgm_level(shared: &Shared, pool: &str) -> Result<Option<u32>, String> {
+    let client = shared.db.get().await.map_err(|e| e.to_string())?;
+    crate::dcgm_level::level(&client, pool)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 pub(crate) async fn wanted_sections(

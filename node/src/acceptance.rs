@@ -107,11 +107,18 @@ pub fn check(backend: &dyn GpuBackend, dcgm_level: u32) -> Report {
     }
     let mut report = serde_json::json!({ "nvml": diag });
     let mut node_failed = None;
-    if let Some((passed, out)) = dcgm(dcgm_level) {
-        report["dcgm"] = out;
-        if !passed {
-            node_failed = Some(format!("dcgmi diag -r {dcgm_level} failed"));
+    if dcgm_level > 0 {
+        report["dcgm_level"] = dcgm_level.into();
+    }
+    match dcgm(dcgm_level) {
+        Some((passed, out)) => {
+            report["dcgm"] = out;
+            if !passed {
+                node_failed = Some(format!("dcgmi diag -r {dcgm_level} failed"));
+            }
         }
+        None if dcgm_level > 0 => report["dcgm"] = "dcgmi is not installed".into(),
+        None => {}
     }
     match node_failed {
         Some(reason) => Report {

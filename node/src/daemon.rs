@@ -238,8 +238,9 @@ pub async fn run(
     let generation = next_generation(&config.data_dir)?;
     // The acceptance check, before any session: the daemon starts after
     // every reboot.
+    let dcgm = crate::rechecks::DcgmLevel::load(&config);
     let acceptance = {
-        let (backend, level) = (config.backend.clone(), config.dcgm_level);
+        let (backend, level) = (config.backend.clone(), dcgm.get());
         tokio::task::spawn_blocking(move || crate::acceptance::check(backend.as_ref(), level))
             .await
             .map_err(|e| DaemonError::Other(format!("the acceptance check panicked: {e}")))?
@@ -296,7 +297,7 @@ pub async fn run(
                     &stats,
                     channel,
                     generation,
-                    (&runner, &conditions, &acceptance),
+                    (&runner, &conditions, &acceptance, &dcgm),
                     (&mut shutdown, away.as_deref()),
                     &mut opened,
                 )
@@ -381,10 +382,11 @@ async fn session(
     stats: &Arc<DaemonStats>,
     channel: Channel,
     generation: u64,
-    (runner, conditions, acceptance): (
+    (runner, conditions, acceptance, dcgm): (
         &Runner,
         &std::sync::Mutex<Conditions>,
         &Arc<std::sync::Mutex<crate::acceptance::Report>>,
+        &Arc<crate::rechecks::DcgmLevel>,
     ),
     (shutdown, home): (&mut watch::Receiver<bool>, Option<&str>),
     opened: &mut bool,
@@ -420,7 +422,11 @@ async fn session(
         every,
     );
     let mut health = tokio::time::interval(config.health_poll);
-    let mut rechecks = crate::rechecks::Rechecks::new(config);
+    let mut rechecks = crate::rechecks::Rechecks::new(config, dcgm.clone());
+    if dcgm.told(welcome.dcgm_level) {
+        tracing::info!(node = %config.node_id, level = dcgm.get(), "the pool's DCGM level changed; checking at it");
+        rechecks.cleared(config);
+    }
     // Health that changed between polls is reported at once.
     let changed = config.backend.changed();
     let health_changed = notified(changed.as_deref());

@@ -69,9 +69,9 @@ pub(crate) struct NodeArgs {
     /// How often the acceptance check runs again (it runs whenever the daemon starts; its result goes to the pool, and a node or GPU that fails it takes no work until one passes; 0s: never again)
     #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
     pub recheck_every: std::time::Duration,
-    /// The level of `dcgmi diag` in the acceptance check where DCGM is installed (1: quick, 2: medium, 3: long, 4: extended; 0: not run); never with --fake-gpus, whose GPUs are not the machine's
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(0..=4))]
-    pub dcgm_level: u32,
+    /// The level of `dcgmi diag` in the acceptance check where DCGM is installed (1: quick, 2: medium, 3: long, 4: extended; 0: never run), unless the pool sets one (`strata pool policy --dcgm-level`) [default: 1; with --fake-gpus 0, whose GPUs are not the machine's]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=4))]
+    pub dcgm_level: Option<u32>,
 }
 
 /// `strata fault`: what to inject, and where.
@@ -215,11 +215,9 @@ pub(crate) async fn node(args: NodeArgs) -> Result<ExitCode> {
         (None, None) => PathBuf::from(node::cdi::DEFAULT_DIR),
     };
     c.recheck = args.recheck_every;
-    c.dcgm_level = if args.fake_gpus.is_some() {
-        0
-    } else {
-        args.dcgm_level
-    };
+    c.dcgm_level = args
+        .dcgm_level
+        .unwrap_or(if args.fake_gpus.is_some() { 0 } else { 1 });
     c.return_home = args.return_home;
     c.token = args.token.clone();
     for (tier, label) in [

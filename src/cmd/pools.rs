@@ -50,7 +50,7 @@ pub(crate) enum PoolCmd {
         #[arg(long, default_value_t = 0, requires = "nodes_per_rack")]
         racks_per_block: u32,
     },
-    /// How the pool's placer acts on GPU faults: automatically (quarantine a GPU, drain a node, end what ran there) or advisory (report only), under a circuit breaker; without options, shows it
+    /// How the pool's placer acts on GPU faults: automatically (quarantine a GPU, drain a node, end what ran there) or advisory (report only), under a circuit breaker; and the DCGM level of its nodes' acceptance checks. Without options, shows it
     Policy {
         #[command(flatten)]
         db: DbArgs,
@@ -61,6 +61,9 @@ pub(crate) enum PoolCmd {
         /// The circuit breaker: the most of the pool's GPUs out of service for faults at once, in percent (one GPU at least unless 0); past it, faults are reported and an alert fires instead
         #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100))]
         max_quarantined: Option<u32>,
+        /// The `dcgmi diag` level of its nodes' acceptance checks (1: quick, 2: medium, 3: long, 4: extended; 0: not run), told to each node when its session opens; nodes without DCGM, and simulated ones, ignore it [default: each node's own --dcgm-level]
+        #[arg(long, value_parser = clap::value_parser!(u32).range(0..=4))]
+        dcgm_level: Option<u32>,
     },
     /// Show a pool's nodes, free and booked GPUs, and what waits
     Show {
@@ -206,6 +209,7 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
             name,
             faults,
             max_quarantined,
+            dcgm_level,
         } => {
             let index = index(&db).await?;
             let Some(p) = index.pool(&name).filter(|p| p.created) else {
@@ -224,6 +228,12 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
                 let who = crate::cli::asked_by();
                 domain::pools::set_fault_policy(&appender(&db)?, &name, policy, Some(&who)).await?;
             }
+            if let Some(level) = dcgm_level {
+                let who = crate::cli::asked_by();
+                gateway::dcgm_level::set(&appender(&db)?, &name, level, Some(&who)).await?;
+            }
+            let client = crate::cli::connect(&db).await?;
+            let level = gateway::dcgm_level::level(&client, &name).await?;
             let (total, out) = p.fault_budget();
             if crate::exit::json() {
                 crate::exit::print_json(&serde_json::json!({
@@ -232,6 +242,7 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
                     "max_quarantined_percent": policy.max_quarantined_percent,
                     "gpus": total,
                     "out_of_service_for_faults": out,
+                    "dcgm_level": level,
                 }));
             } else {
                 println!(
@@ -240,6 +251,10 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
                     policy.max_quarantined_percent,
                     policy.limit(total)
                 );
+                match level {
+                    Some(l) => println!("  acceptance checks run dcgmi diag -r {l} where DCGM is installed (told to each node when its session opens)"),
+                    None => println!("  acceptance checks run dcgmi diag at each node's own --dcgm-level"),
+                }
             }
         }
         PoolCmd::Show { db, name, nodes } => {

@@ -343,3 +343,78 @@ fn a_node_failing_its_acceptance_check_never_gets_a_placement() {
     assert_eq!(placed(), before);
     drop(daemon);
 }
+
+/// A stand-in `dcgmi` in a folder of its own: it records its arguments in
+/// `calls` there and passes, or fails while `fail` exists beside it.
+fn fake_dcgmi(dir: &std::path::Path) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = dir.join("dcgm-bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let script = format!(
+        "#!/bin/sh\necho \"$@\" >> {calls}\nif [ -e {fail} ]; then echo '{{\"result\":\"fail\"}}'; exit 1; fi\necho '{{\"result\":\"pass\"}}'\n",
+        calls = bin.join("calls").display(),
+        fail = bin.join("fail").display(),
+    );
+    let path = bin.join("dcgmi");
+    std::fs::write(&path, script).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    bin
+}
+
+#[test]
+fn a_pools_dcgm_level_reaches_its_nodes_checks_and_a_failing_diag_keeps_the_node_out() {
+    let r = region();
+    let bin = fake_dcgmi(r.dir.path());
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let shown = ok(&[
+        "pool",
+        "policy",
+        "p",
+        "--dcgm-level",
+        "3",
+        "--database-url",
+        &r.url,
+        "--output",
+        "json",
+    ]);
+    let shown: serde_json::Value = serde_json::from_str(&shown).unwrap();
+    assert_eq!(shown["dcgm_level"], 3);
+    // The node runs DCGM (its own level 1); the pool's 3 is told when its
+    // session opens, and it checks again at it.
+    let env = [("PATH", path.as_str())];
+    let node = r.node_with(&env, &["--dcgm-level", "1"]);
+    let checked_at = |level: u32| {
+        r.pool_events(&["node.acceptance_reported"])
+            .iter()
+            .any(|(_, p)| p["report"]["dcgm_level"] == level)
+    };
+    r.wait_until(60, "a check at the pool's level reaches the log", || {
+        checked_at(3)
+    });
+    let calls = std::fs::read_to_string(bin.join("calls")).unwrap();
+    assert_eq!(calls.lines().next(), Some("diag -r 1 -j"), "{calls}");
+    assert!(calls.lines().any(|l| l == "diag -r 3 -j"), "{calls}");
+    assert_eq!(r.node_shown()["schedulable"], true);
+
+    // DCGM fails from now on; the daemon restarts and checks at the level it
+    // was last told (kept in its data dir): the node takes no work.
+    drop(node);
+    std::fs::write(bin.join("fail"), b"").unwrap();
+    let before = r.pool_events(&["node.acceptance_reported"]).len();
+    let _node = r.node_with(&env, &["--dcgm-level", "1"]);
+    r.wait_until(60, "the failing check reaches the log", || {
+        r.pool_events(&["node.acceptance_reported"]).len() > before
+    });
+    let last = r
+        .pool_events(&["node.acceptance_reported"])
+        .pop()
+        .unwrap()
+        .1;
+    assert_eq!(last["passed"], false);
+    assert_eq!(last["reason"], "dcgmi diag -r 3 failed");
+    let calls = std::fs::read_to_string(bin.join("calls")).unwrap();
+    assert_eq!(calls.lines().last(), Some("diag -r 3 -j"), "{calls}");
+    r.reserve("waits", 1);
+    r.wait_until(30, "the request waits", || r.phase("waits") == "queued");
+    assert_eq!(r.node_shown()["schedulable"], false);
+}
