@@ -38,6 +38,25 @@ impl Report {
     }
 }
 
+impl Report {
+    /// Why a new bind of `devices` is refused while this is the node's
+    /// last check: the whole node failed it, or one of the devices did.
+    /// The node's own guard; the index keeps placements off such a node
+    /// once the report reaches the log.
+    pub fn refuses(&self, devices: &[&str]) -> Option<String> {
+        if !self.passed && self.failed_devices.is_empty() {
+            return Some(format!(
+                "the node failed its acceptance check ({}); nothing is bound until one passes",
+                self.reason
+            ));
+        }
+        devices
+            .iter()
+            .find(|d| self.failed_devices.iter().any(|f| f == *d))
+            .map(|d| format!("device {d} failed the node's acceptance check; nothing bound"))
+    }
+}
+
 /// How long `dcgmi diag` may run.
 const DCGM_DEADLINE: Duration = Duration::from_secs(900);
 
@@ -140,6 +159,27 @@ pub fn check(backend: &dyn GpuBackend, dcgm_level: u32) -> Report {
 mod tests {
     use super::*;
     use crate::gpu::FakeGpus;
+
+    #[test]
+    fn a_failed_check_refuses_new_binds_of_what_failed() {
+        let mut r = Report {
+            passed: true,
+            reason: String::new(),
+            failed_devices: Vec::new(),
+            report: serde_json::Value::Null,
+        };
+        assert_eq!(r.refuses(&["GPU-1"]), None);
+        r.passed = false;
+        r.failed_devices = vec!["GPU-2".into()];
+        assert_eq!(r.refuses(&["GPU-1"]), None);
+        assert!(r.refuses(&["GPU-1", "GPU-2"]).unwrap().contains("GPU-2"));
+        r.failed_devices.clear();
+        r.reason = "dcgmi diag -r 3 failed".into();
+        assert!(r
+            .refuses(&["GPU-1"])
+            .unwrap()
+            .contains("dcgmi diag -r 3 failed"));
+    }
 
     #[test]
     fn failing_gpus_are_named_and_a_passing_check_says_so() {
