@@ -105,6 +105,9 @@ pub(crate) struct ServeArgs {
     /// gateway: heartbeat interval told to nodes; three missed make a node unreachable
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub heartbeat: std::time::Duration,
+    /// gateway: the gateway's lease (renewed every third of it); once it lapses (the process died, froze or lost the database) the other gateways mark its nodes lost
+    #[arg(long, default_value = "6s", value_parser = humantime::parse_duration)]
+    pub gateway_lease_ttl: std::time::Duration,
     /// maintenance: how often closed months are sealed and the open month checkpointed
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub seal_every: std::time::Duration,

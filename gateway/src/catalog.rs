@@ -12,6 +12,8 @@ pub const NODE_CERTIFICATE_RENEWED: &str = "node.certificate_renewed";
 pub const NODE_REVOKED: &str = "node.revoked";
 /// `node.session_opened`: see its entry in [`EVENTS`].
 pub const NODE_SESSION_OPENED: &str = "node.session_opened";
+/// `node.session_expired`: see its entry in [`EVENTS`].
+pub const NODE_SESSION_EXPIRED: &str = "node.session_expired";
 /// `node.disconnected`: see its entry in [`EVENTS`].
 pub const NODE_DISCONNECTED: &str = "node.disconnected";
 /// `node.marked_unreachable`: see its entry in [`EVENTS`].
@@ -84,6 +86,21 @@ pub const EVENTS: &[EventSpec] = &[
             req("gateway", Ty::String, "The gateway holding the session."),
             req("generation", Ty::Integer, "The node daemon's start count (grows on every start)."),
             req("agent_version", Ty::String, "The daemon's version."),
+            opt("pool", Ty::String, "The node's pool (absent from gateways before leases)."),
+            opt("gateway_epoch", Ty::Integer, "The epoch of the gateway's lease (`gateway/<id>`) when it opened the session."),
+        ],
+        formerly: &[],
+    },
+    EventSpec {
+        event_type: NODE_SESSION_EXPIRED,
+        stream: "node/<node>",
+        written_by: "another gateway (or the same one, restarted), once the session's gateway's lease lapsed",
+        about: "The gateway holding the session died, froze or lost the database: its lease `gateway/<id>` lapsed or belongs to a newer epoch. Appended at the node stream's exact version (a node that opened a session elsewhere is not marked, and the old gateway's later writes are refused), with `node.contact_lost` on the pool's stream in the same transaction.",
+        fields: &[
+            NODE,
+            req("gateway", Ty::String, "The gateway that held the session."),
+            req("gateway_epoch", Ty::Integer, "Its lease's epoch when it opened the session."),
+            req("by", Ty::String, "The gateway that found it lapsed."),
         ],
         formerly: &[],
     },

@@ -14,6 +14,7 @@ mod inventory;
 mod join;
 mod latest;
 mod listener;
+mod liveness;
 mod metrics;
 mod renewal;
 pub mod revocation;

@@ -83,6 +83,22 @@ static GATEWAY: &[Field<GatewayStats>] = &[
     ),
     ops::stat_field!(
         GatewayStats,
+        "strata_gateway_lease_lost_total",
+        Counter,
+        "Times this gateway found its lease lapsed (frozen, or cut off from the database) and ended its sessions.",
+        &[],
+        lease_lost
+    ),
+    ops::stat_field!(
+        GatewayStats,
+        "strata_gateway_lapsed_nodes_marked_total",
+        Counter,
+        "Nodes of gateways whose lease lapsed that this gateway marked lost (node.session_expired).",
+        &[],
+        orphans_marked
+    ),
+    ops::stat_field!(
+        GatewayStats,
         "strata_gateway_joins_total",
         Counter,
         "Nodes joined with a token.",

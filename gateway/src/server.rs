@@ -1,7 +1,8 @@
 //! The gateway server's wiring: one rustls (ring) listener serving the Join
 //! service (no client certificate needed), the Session service (client
 //! certificate required) and the client API, and the tasks behind them (the
-//! writer, the sweeper, the command dispatcher).
+//! writer, the sweeper, the command dispatcher, the lease and the sweep of
+//! lapsed gateways' nodes).
 //!
 //! The parts: `state` (what they share), `admission`, `join`, `session`,
 //! `writer`, `dispatch`.
@@ -103,31 +104,19 @@ pub async fn start(
         ),
     );
     let (writes, writes_rx) = mpsc::channel(65_536);
-    let shared = Arc::new(Shared {
-        streams: Arc::new(Semaphore::new(config.max_streams)),
-        pending_hellos: AtomicUsize::new(0),
-        bucket: Mutex::new(Bucket {
-            tokens: config.handshakes_per_second.max(1.0),
-            last: Instant::now(),
-        }),
-        join_bucket: Mutex::new(Bucket {
-            tokens: config.joins_per_second.max(1.0),
-            last: Instant::now(),
-        }),
-        sessions: Mutex::new(HashMap::new()),
-        db: events::db::SharedClient::new(db),
+    let shared = new_shared(
+        config,
+        db,
         appender,
-        stats: stats.clone(),
+        reader.clone(),
+        stats.clone(),
         ca,
         writes,
-        config,
-        reader: reader.clone(),
-        commands: Mutex::new(Commands::default()),
-        waiters: Mutex::new(HashMap::new()),
-        revoked: Default::default(),
-        pools: tokio::sync::Mutex::new(projections::Index::new()),
-        joins: tokio::sync::Mutex::new(None),
-    });
+    );
+    // The lease before any session: each session carries its epoch.
+    let liveness = crate::liveness::start(&shared)
+        .await
+        .map_err(GatewayError::Lease)?;
     // Follow commands from now, then load the ones still open (an event seen
     // twice is applied once).
     let sub = reader
@@ -159,6 +148,7 @@ pub async fn start(
     let (stop, stop_rx) = oneshot::channel::<()>();
     let writer = ops::task::spawn("gateway-writer", writer(shared.clone(), writes_rx));
     let sweeper = ops::task::spawn("gateway-sweeper", sweeper(shared.clone()));
+
     let incoming = crate::listener::serve(listener, tls, conns.clone());
     let server = Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
@@ -193,6 +183,9 @@ pub async fn start(
         let r = server.await;
         tracing::info!(id = %shared.config.id, "gateway stopped");
         sweeper.abort();
+        for t in liveness {
+            t.abort();
+        }
         dispatcher.abort();
         renewer.abort();
         // End the sessions' streams so the server can finish.
@@ -207,5 +200,43 @@ pub async fn start(
         conns,
         stop: Some(stop),
         task,
+    })
+}
+
+/// What every part of the gateway shares, before any task runs.
+fn new_shared(
+    config: GatewayConfig,
+    db: events::db::Database,
+    appender: Appender,
+    reader: Reader,
+    stats: Arc<GatewayStats>,
+    ca: Ca,
+    writes: mpsc::Sender<crate::state::Write>,
+) -> Arc<Shared> {
+    Arc::new(Shared {
+        streams: Arc::new(Semaphore::new(config.max_streams)),
+        pending_hellos: AtomicUsize::new(0),
+        bucket: Mutex::new(Bucket {
+            tokens: config.handshakes_per_second.max(1.0),
+            last: Instant::now(),
+        }),
+        join_bucket: Mutex::new(Bucket {
+            tokens: config.joins_per_second.max(1.0),
+            last: Instant::now(),
+        }),
+        sessions: Mutex::new(HashMap::new()),
+        db: events::db::SharedClient::new(db),
+        appender,
+        stats: stats.clone(),
+        ca,
+        writes,
+        config,
+        reader: reader.clone(),
+        commands: Mutex::new(Commands::default()),
+        waiters: Mutex::new(HashMap::new()),
+        revoked: Default::default(),
+        pools: tokio::sync::Mutex::new(projections::Index::new()),
+        joins: tokio::sync::Mutex::new(None),
+        lease_epoch: std::sync::atomic::AtomicI64::new(0),
     })
 }

@@ -261,11 +261,22 @@ pub(crate) async fn session(
             break;
         }
     }
+    closed(&shared, &node, &pool, epoch, node_went).await;
+}
+
+/// A session ended: forgotten once the sweeper is done with it, and, when
+/// the node's side ended it, its pool told at once that contact is lost.
+async fn closed(shared: &Shared, node: &str, pool: &str, epoch: u64, node_went: bool) {
     let current = {
         let mut sessions = shared.sessions.lock().expect("sessions lock");
-        let current = match sessions.get_mut(&node) {
+        let current = match sessions.get_mut(node) {
             Some(s) if s.epoch == epoch => {
                 s.closed = true;
+                // Its pool hears below that contact is lost: the sweeper
+                // must not say it again when the heartbeats stay away.
+                if node_went {
+                    s.reachable = false;
+                }
                 true
             }
             _ => false,
@@ -284,14 +295,17 @@ pub(crate) async fn session(
     if node_went && current {
         shared
             .session_write(
-                &node,
+                node,
                 NewEvent::new(
                     crate::catalog::NODE_DISCONNECTED,
                     &serde_json::json!({ "node": node, "gateway": shared.config.id }),
                 ),
                 vec![(
-                    pool_stream(&pool),
-                    Fact::NodeContactLost { node: node.clone() }.to_event(),
+                    pool_stream(pool),
+                    Fact::NodeContactLost {
+                        node: node.to_string(),
+                    }
+                    .to_event(),
                 )],
             )
             .await;
@@ -443,7 +457,8 @@ pub(crate) async fn open_session(
             .opt(
                 "SELECT type FROM strata.events WHERE stream = $1
                     AND type IN ('node.marked_unreachable', 'node.disconnected', 'node.marked_reachable',
-                                 'node.session_opened', 'node.unreachable', 'node.reachable')
+                                 'node.session_opened', 'node.unreachable', 'node.reachable',
+                                 'node.session_expired')
                   ORDER BY version DESC LIMIT 1",
                 &[&stream],
             )
@@ -452,7 +467,10 @@ pub(crate) async fn open_session(
             .is_some_and(|r| {
                 matches!(
                     r.get::<_, String>(0).as_str(),
-                    crate::catalog::NODE_MARKED_UNREACHABLE | crate::catalog::NODE_DISCONNECTED | "node.unreachable"
+                    crate::catalog::NODE_MARKED_UNREACHABLE
+                        | crate::catalog::NODE_DISCONNECTED
+                        | crate::catalog::NODE_SESSION_EXPIRED
+                        | "node.unreachable"
                 )
             });
         let also = if lost {
@@ -473,6 +491,8 @@ pub(crate) async fn open_session(
                 "gateway": shared.config.id,
                 "generation": hello.generation,
                 "agent_version": hello.agent_version,
+                "pool": pool,
+                "gateway_epoch": shared.lease_epoch.load(Ordering::Relaxed),
             }),
         );
         match shared

@@ -54,6 +54,9 @@ pub struct GatewayConfig {
     /// burst of ten times as many is allowed); a session sending more is
     /// ended.
     pub node_messages_per_second: f64,
+    /// The gateway's lease (`gateway/<id>`): renewed every third of it;
+    /// once it lapses, other gateways mark this one's nodes lost.
+    pub lease_ttl: Duration,
 }
 
 impl GatewayConfig {
@@ -75,6 +78,7 @@ impl GatewayConfig {
             idle_timeout: Duration::from_secs(60),
             max_idle_connections: 1_024,
             node_messages_per_second: 20.0,
+            lease_ttl: Duration::from_secs(6),
         }
     }
 }
@@ -97,6 +101,8 @@ pub enum GatewayError {
     Database(#[from] tokio_postgres::Error),
     #[error("follow commands: {0}")]
     Commands(String),
+    #[error("the gateway's lease: {0}")]
+    Lease(String),
 }
 
 /// Counters of a running gateway.
@@ -131,6 +137,10 @@ pub struct GatewayStats {
     pub command_drops: AtomicU64,
     /// Sessions ended for sending inventory and health past their limit.
     pub refused_messages: AtomicU64,
+    /// Times this gateway found its own lease lapsed.
+    pub lease_lost: AtomicU64,
+    /// Nodes of lapsed gateways this gateway marked lost.
+    pub orphans_marked: AtomicU64,
 }
 
 pub(crate) struct Bucket {
@@ -235,6 +245,9 @@ pub(crate) struct Shared {
     /// at a time (each is rare and short); made when first needed or after
     /// it closed ([`Shared::identity_db`]).
     pub(crate) joins: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
+    /// The epoch of the gateway's lease, written into every session it
+    /// opens (see the liveness module).
+    pub(crate) lease_epoch: std::sync::atomic::AtomicI64,
 }
 
 /// What an API caller waited for.

@@ -54,6 +54,11 @@ pub struct DaemonConfig {
     /// How often the acceptance check runs again (zero: only when the
     /// daemon starts).
     pub recheck: Duration,
+    /// How long the gateway may leave an HTTP/2 ping unanswered before the
+    /// daemon drops the connection and moves on (pings go out every this
+    /// long too): a gateway that died without closing its connections, or
+    /// froze, is noticed within twice this.
+    pub gateway_answer: Duration,
 }
 
 impl DaemonConfig {
@@ -91,6 +96,7 @@ impl DaemonConfig {
             return_home: Duration::from_secs(30),
             topology: BTreeMap::new(),
             dcgm_level: 0,
+            gateway_answer: Duration::from_secs(3),
             recheck: Duration::ZERO,
         }
     }

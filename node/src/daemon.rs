@@ -203,7 +203,12 @@ fn endpoints(config: &DaemonConfig, creds: &Credentials) -> Result<Vec<Endpoint>
                 .tls_config(tls.clone())
                 .map_err(|e| DaemonError::Other(e.to_string()))?
                 .connect_timeout(Duration::from_secs(10))
-                .tcp_nodelay(true),
+                .tcp_nodelay(true)
+                // A dead or frozen gateway answers no ping: the session
+                // ends and the daemon moves on within two of these.
+                .http2_keep_alive_interval(config.gateway_answer)
+                .keep_alive_timeout(config.gateway_answer)
+                .keep_alive_while_idle(true),
         );
     }
     if endpoints.is_empty() {

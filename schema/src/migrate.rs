@@ -174,6 +174,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0017_queue_index.sql"),
         change: Change::Expand,
     },
+    Migration {
+        version: 18,
+        name: "node_sessions",
+        sql: include_str!("../migrations/0018_node_sessions.sql"),
+        change: Change::Expand,
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

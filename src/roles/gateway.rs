@@ -32,6 +32,7 @@ pub(crate) async fn start(
     gc.node_messages_per_second = args.node_messages_per_second;
     gc.serving_validity = args.serving_validity;
     gc.heartbeat = args.heartbeat;
+    gc.lease_ttl = args.gateway_lease_ttl;
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
     let g = gateway::server::start(cfg.clone(), reader, appender, gc)
         .await

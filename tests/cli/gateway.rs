@@ -14,7 +14,7 @@ pub(crate) fn free_port() -> u16 {
         .port()
 }
 
-fn gateway(url: &str, id: &str, port: u16, ca: &str, log: &std::path::Path) -> Child {
+pub(crate) fn gateway(url: &str, id: &str, port: u16, ca: &str, log: &std::path::Path) -> Child {
     let listen = format!("127.0.0.1:{port}");
     spawn(
         &[

@@ -8,6 +8,7 @@ mod deploy;
 mod doctor;
 mod faults;
 mod gateway;
+mod liveness;
 mod maintenance;
 mod mig;
 mod one_node;

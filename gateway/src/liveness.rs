@@ -1,0 +1,237 @@
+//! A gateway's own liveness, and what happens to its nodes when it has none.
+//!
+//! Every gateway holds the lease `gateway/<id>` (judged by the database's
+//! clock) and writes the lease's epoch into each session it opens. When
+//! the lease lapses (the process died, froze, or lost the database), any
+//! other gateway's sweep finds the nodes whose sessions it held
+//! (`strata.node_sessions`, kept by the database as node events are
+//! appended) and marks each lost: `node.session_expired` on the node's
+//! stream at its exact version, with `node.contact_lost` on its pool's, in
+//! one transaction. The version fences it both ways: a node that opened a
+//! session elsewhere meanwhile is not marked, and the old gateway, should
+//! it wake, finds every session it held fenced and writes nothing more for
+//! them. A gateway restarted under the same id holds a newer epoch, so the
+//! sessions of its previous life are swept too, by itself if need be.
+//!
+//! A gateway that finds its own lease lost ends every session it holds
+//! (its nodes come back, to it or another) and takes a new epoch.
+
+use crate::state::Shared;
+use domain::{pool_stream, Fact};
+use events::db::Sql;
+use events::lease::{Lease, LeaseError};
+use events::{AppendError, ExpectedVersion, NewEvent, StreamAppend};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// The lease's name for gateway `id`.
+pub(crate) fn lease_name(id: &str) -> String {
+    format!("gateway/{id}")
+}
+
+/// Takes the gateway's lease and starts keeping it and sweeping for the
+/// nodes of lapsed gateways; the two tasks.
+pub(crate) async fn start(
+    shared: &Arc<Shared>,
+) -> Result<[tokio::task::JoinHandle<()>; 2], String> {
+    let lease = acquire(shared).await?;
+    Ok([
+        ops::task::spawn("gateway-lease", keep(shared.clone(), lease)),
+        ops::task::spawn("gateway-orphans", sweep(shared.clone())),
+    ])
+}
+
+/// Takes the gateway's lease, waiting while another live process holds
+/// the same id (at most two TTLs: then that is a configuration error).
+pub(crate) async fn acquire(shared: &Shared) -> Result<Lease, String> {
+    let ttl = shared.config.lease_ttl;
+    let name = lease_name(&shared.config.id);
+    let until = tokio::time::Instant::now() + ttl * 2;
+    loop {
+        let client = shared.db.get().await.map_err(|e| e.to_string())?;
+        match Lease::acquire(&client, &name, &shared.config.id, ttl).await {
+            Ok(Some(lease)) => {
+                shared.lease_epoch.store(lease.epoch, Ordering::Relaxed);
+                return Ok(lease);
+            }
+            Ok(None) if tokio::time::Instant::now() < until => {}
+            Ok(None) => {
+                return Err(format!(
+                "another live gateway holds the id {:?}; give each gateway its own --gateway-id",
+                shared.config.id
+            ))
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+        tokio::time::sleep(ttl / 6).await;
+    }
+}
+
+/// Renews the lease every third of its TTL. When it is found lost, ends
+/// every session this gateway holds and takes a new epoch. Transient
+/// database errors are retried at the next tick (the lease may lapse
+/// meanwhile: then it is lost, as it should be).
+pub(crate) async fn keep(shared: Arc<Shared>, mut lease: Lease) {
+    let every = shared.config.lease_ttl / 3;
+    loop {
+        tokio::time::sleep(every).await;
+        let renewed = match shared.db.get().await {
+            Ok(c) => lease.renew(&c).await,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot renew the gateway's lease: no database connection");
+                continue;
+            }
+        };
+        match renewed {
+            Ok(()) => {}
+            Err(LeaseError::Lost { .. }) => {
+                shared.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    id = %shared.config.id,
+                    epoch = lease.epoch,
+                    "the gateway's lease lapsed (frozen, or cut off from the database); its sessions may have been marked lost: ending them all"
+                );
+                end_sessions(&shared);
+                match acquire(&shared).await {
+                    Ok(l) => lease = l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot take the gateway's lease again; retrying")
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot renew the gateway's lease; retrying"),
+        }
+    }
+}
+
+/// Ends every session with a short pushback: the nodes open new ones.
+fn end_sessions(shared: &Shared) {
+    let sessions: Vec<_> = shared
+        .sessions
+        .lock()
+        .expect("sessions lock")
+        .drain()
+        .map(|(_, s)| s.tx)
+        .collect();
+    for tx in sessions {
+        let _ = tx.try_send(Err(crate::admission::pushback(
+            "this gateway lost its lease; open a new session",
+            200,
+        )));
+    }
+}
+
+/// A node whose session a gateway without a live lease held.
+struct Orphan {
+    node: String,
+    pool: String,
+    gateway: String,
+    epoch: i64,
+    version: i64,
+}
+
+/// Nodes in contact whose session's gateway has no live lease of the
+/// session's epoch (at most `limit`).
+async fn orphans(client: &tokio_postgres::Client, limit: i64) -> Result<Vec<Orphan>, String> {
+    let rows = client
+        .rows(
+            "SELECT s.node, s.pool, s.gateway, s.gateway_epoch, st.version
+               FROM strata.node_sessions s
+               JOIN strata.streams st ON st.stream = 'node/' || s.node
+               LEFT JOIN strata.leases l ON l.name = 'gateway/' || s.gateway
+              WHERE s.in_contact
+                AND (l.name IS NULL OR l.expires_at <= now() OR l.epoch <> s.gateway_epoch)
+              LIMIT $1",
+            &[&limit],
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(rows
+        .iter()
+        .map(|r| Orphan {
+            node: r.get(0),
+            pool: r.get(1),
+            gateway: r.get(2),
+            epoch: r.get(3),
+            version: r.get(4),
+        })
+        .collect())
+}
+
+/// Marks one orphan lost, fenced by its node stream's version. `false`
+/// when the node moved on first (nothing written).
+async fn expire(shared: &Shared, o: &Orphan) -> Result<bool, AppendError> {
+    let expired = NewEvent::new(
+        crate::catalog::NODE_SESSION_EXPIRED,
+        &serde_json::json!({
+            "node": o.node,
+            "gateway": o.gateway,
+            "gateway_epoch": o.epoch,
+            "by": shared.config.id,
+        }),
+    );
+    let lost = Fact::NodeContactLost {
+        node: o.node.clone(),
+    }
+    .to_event();
+    let appended = shared
+        .appender
+        .append_batch(vec![
+            StreamAppend {
+                stream: crate::identity::node_stream(&o.node),
+                expected: ExpectedVersion::Exact(o.version as u64),
+                events: vec![expired],
+            },
+            StreamAppend {
+                stream: pool_stream(&o.pool),
+                expected: ExpectedVersion::StreamExists,
+                events: vec![lost],
+            },
+        ])
+        .await;
+    match appended {
+        Ok(_) => Ok(true),
+        Err(AppendError::VersionConflict { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Most orphans marked per round, and at once.
+const ROUND: i64 = 5_000;
+const AT_ONCE: usize = 256;
+
+/// Every third of the lease's TTL, marks lost the nodes of gateways whose
+/// lease lapsed.
+pub(crate) async fn sweep(shared: Arc<Shared>) {
+    let every = shared.config.lease_ttl / 3;
+    loop {
+        tokio::time::sleep(every.mul_f64(0.75 + fastrand::f64() / 2.0)).await;
+        let found = match shared.db.get().await {
+            Ok(c) => orphans(&c, ROUND).await,
+            Err(e) => Err(e.to_string()),
+        };
+        let found = match found {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot look for the nodes of lapsed gateways; retrying");
+                continue;
+            }
+        };
+        for chunk in found.chunks(AT_ONCE) {
+            let marked =
+                futures_util::future::join_all(chunk.iter().map(|o| expire(&shared, o))).await;
+            for (o, r) in chunk.iter().zip(marked) {
+                match r {
+                    Ok(true) => {
+                        shared.stats.orphans_marked.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(node = %o.node, gateway = %o.gateway, "marked a node lost: its gateway's lease lapsed");
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(node = %o.node, error = %e, "cannot mark a lapsed gateway's node lost; retrying")
+                    }
+                }
+            }
+        }
+    }
+}
