@@ -119,6 +119,25 @@ pub fn is_internal(kind: &str) -> bool {
     INTERNAL_PREFIXES.iter().any(|p| kind.starts_with(p))
 }
 
+/// Command id spaces only Strata's own roles issue in: the binder's
+/// (`bind:<reservation>:<node>`, `rebind:<n>:...`, `release:...`,
+/// `preempting:...`). An id taken there first would be taken by the binder
+/// for its own command ("already issued"), and a reservation would wait for
+/// a bind that never comes, or a node keep a binding the log freed.
+pub const RESERVED_ID_PREFIXES: &[&str] = &["bind:", "rebind:", "release:", "preempting:"];
+
+pub fn is_reserved_id(id: &str) -> bool {
+    RESERVED_ID_PREFIXES.iter().any(|p| id.starts_with(p))
+}
+
+/// Why a command id in Strata's own id spaces was refused.
+pub fn reserved_id_refusal(id: &str) -> String {
+    format!(
+        "command id {id:?} is in Strata's own id space ({}): only the binder issues there",
+        RESERVED_ID_PREFIXES.join(", ")
+    )
+}
+
 /// Why a command of Strata's own kind was refused.
 pub fn internal_refusal(kind: &str) -> String {
     format!("{kind:?} is one of Strata's own command kinds: only the binder issues it")
@@ -164,8 +183,12 @@ pub async fn issue(appender: &Appender, command: &Command) -> Result<(), AppendE
             "a command records who issued it".into(),
         ));
     }
-    if is_internal(&command.kind) && !command.issued_by.starts_with("strata:") {
+    let own = command.issued_by.starts_with("strata:");
+    if is_internal(&command.kind) && !own {
         return Err(AppendError::Invalid(internal_refusal(&command.kind)));
+    }
+    if is_reserved_id(&command.id) && !own {
+        return Err(AppendError::Invalid(reserved_id_refusal(&command.id)));
     }
     if !command.args.is_object() && !command.args.is_null() {
         return Err(AppendError::Invalid(

@@ -774,6 +774,11 @@ impl api_server::Api for ApiService {
                 &req.get_ref().kind,
             )));
         }
+        if commands::is_reserved_id(&req.get_ref().id) {
+            return Err(Status::permission_denied(commands::reserved_id_refusal(
+                &req.get_ref().id,
+            )));
+        }
         let client = self.db().await?;
         let pool = self.pool_of(&client, "", &req.get_ref().node).await?;
         let who = authorized(&self.shared, &req, Need::Pool(&pool)).await?;

@@ -465,6 +465,21 @@ fn bad_input_gets_a_clear_error_and_writes_nothing() {
         ),
         (
             vec![
+                "commands".into(),
+                "issue".into(),
+                "--database-url".into(),
+                url.clone(),
+                "--node".into(),
+                "n1".into(),
+                "--kind".into(),
+                "diag.nvml".into(),
+                "--id".into(),
+                "bind:r1:n1".into(),
+            ],
+            "only the binder issues there",
+        ),
+        (
+            vec![
                 "migrate".into(),
                 "--database-url".into(),
                 "not a url".into(),

@@ -86,6 +86,25 @@ async fn operators_act_only_within_their_roles_and_the_log_records_who_asked() {
                 "{who} {kind}: {e:?}"
             );
         }
+        // Nor takes an id in the binder's id spaces, whatever the kind.
+        for id in [
+            "bind:r-alice:n1",
+            "rebind:1:r-alice:n1",
+            "release:r-alice:n1",
+            "preempting:r-alice:n1",
+        ] {
+            let e = api
+                .issue_command(IssueCommandRequest {
+                    id: id.into(),
+                    node: "n1".into(),
+                    kind: "diag.nvml".into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{who} {id}: {e:?}");
+            assert!(e.message().contains("only the binder"), "{e:?}");
+        }
     }
     // A viewer reads and does nothing else; no role, nothing at all.
     carol.list_pools(ListPoolsRequest {}).await.unwrap();
