@@ -423,7 +423,10 @@ async fn keep_cursor(cur: &Arc<Cursor>, reader: &Reader, name: &str) {
 
 fn lose(cur: &Cursor, name: &str) {
     cur.lost.store(true, Ordering::Release);
-    tracing::error!(subscription = %name, "lost the subscription's lease; it stops delivering");
+    // A handover, not a failure: whoever holds the lease now delivers
+    // from the stored cursor (a lease lost for good shows in the
+    // subscription's lag and its alert).
+    tracing::warn!(subscription = %name, "lost the subscription's lease; this process stops delivering it and the lease's new holder goes on from the stored cursor");
 }
 
 /// Stores the cursor, fenced by the subscription's lease: a process that lost
