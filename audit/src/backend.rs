@@ -93,6 +93,14 @@ const OPEN: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1";
 // defaults (the endpoint's startup options), whatever the auditor SET.
 const CLOSE: &str = "ROLLBACK; RESET ALL";
 
+/// How often (ms) an auditor's PostgreSQL process checks, while a
+/// statement runs, that the endpoint is still connected: one whose endpoint
+/// closed the connection (a statement past its limit, the endpoint's crash
+/// or restart) ends within this, whatever the statement does (a `DO` block
+/// catching every cancel included). TCP keepalives do the same for an
+/// endpoint whose machine went away.
+pub const CONNECTION_CHECK_MS: u64 = 1000;
+
 /// The limits an auditor's session is held to.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -105,7 +113,7 @@ impl Limits {
     /// Startup options: read-only transactions and these limits.
     pub fn options(&self) -> String {
         format!(
-            "-c default_transaction_read_only=on -c statement_timeout={} -c idle_in_transaction_session_timeout={} -c lock_timeout={} -c search_path=audit,strata,pg_catalog -c TimeZone=UTC -c DateStyle=ISO,MDY -c IntervalStyle=postgres",
+            "-c default_transaction_read_only=on -c statement_timeout={} -c idle_in_transaction_session_timeout={} -c lock_timeout={} -c client_connection_check_interval={CONNECTION_CHECK_MS} -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3 -c search_path=audit,strata,pg_catalog -c TimeZone=UTC -c DateStyle=ISO,MDY -c IntervalStyle=postgres",
             ms(self.statement_timeout),
             ms(self.idle_in_transaction),
             ms(self.lock_timeout)
@@ -114,7 +122,7 @@ impl Limits {
 
     fn reassert(&self) -> String {
         format!(
-            "SELECT set_config('statement_timeout', '{}', true), set_config('idle_in_transaction_session_timeout', '{}', true), set_config('lock_timeout', '{}', true), set_config('transaction_read_only', 'on', true)",
+            "SELECT set_config('statement_timeout', '{}', true), set_config('idle_in_transaction_session_timeout', '{}', true), set_config('lock_timeout', '{}', true), set_config('client_connection_check_interval', '{CONNECTION_CHECK_MS}', true), set_config('transaction_read_only', 'on', true)",
             ms(self.statement_timeout),
             ms(self.idle_in_transaction),
             ms(self.lock_timeout)
@@ -150,6 +158,12 @@ impl Backend {
             limits: limits.reassert(),
             notices: Vec::new(),
         })
+    }
+
+    /// Closes the connection to PostgreSQL (its process ends within
+    /// [`CONNECTION_CHECK_MS`], even mid-statement); the session is over.
+    pub async fn close(&mut self) {
+        self.conn.close().await;
     }
 
     /// The PostgreSQL process's id and cancel key.

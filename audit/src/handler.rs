@@ -46,6 +46,9 @@ pub struct Stats {
     pub unrecorded: AtomicU64,
     pub cancels: AtomicU64,
     pub transactions_expired: AtomicU64,
+    /// Statements that outlived their limit and a cancel: their sessions
+    /// were ended.
+    pub statements_ended: AtomicU64,
 }
 
 /// The endpoint's counters on `/metrics`.
@@ -91,6 +94,13 @@ static FIELDS: &[ops::metrics::Field<Stats>] = &[
         Counter,
         "Cancel requests passed on to PostgreSQL.",
         cancels
+    ),
+    ops::stat_field!(
+        Stats,
+        "strata_audit_statements_ended_total",
+        Counter,
+        "Auditor statements that outlived their limit and a cancel; their sessions were ended and their database connections closed.",
+        statements_ended
     ),
     ops::stat_field!(
         Stats,
@@ -717,6 +727,10 @@ fn response(stats: &Stats, outcome: Outcome, change: TxChange, format: &Format) 
     }
 }
 
+/// How long past the statement timeout a statement may run before it is
+/// cancelled again, and after that before its session is ended.
+const OVERRUN: Duration = Duration::from_secs(2);
+
 pub struct Queries {
     shared: Arc<Shared>,
     parser: Arc<Parser>,
@@ -756,10 +770,45 @@ impl Queries {
             ));
         }
         let mut backend = s.backend.lock().await;
-        let (outcome, change) = backend
-            .execute(sql, param_types, params, param_formats, result_formats)
-            .await
-            .map_err(|e| broken(&e))?;
+        let (outcome, change) = {
+            // PostgreSQL cancels a statement at the statement timeout; one
+            // that outlives it and a cancel after it (a DO block catching
+            // every cancel) ends with its session: the endpoint closes the
+            // connection and the process ends within a second.
+            let limit = self.shared.limits.statement_timeout + OVERRUN;
+            let mut running =
+                Box::pin(backend.execute(sql, param_types, params, param_formats, result_formats));
+            let done = match tokio::time::timeout(limit, &mut running).await {
+                Ok(done) => Some(done),
+                Err(_) => {
+                    if let Some((pid, key)) = s.pg_key {
+                        let _ = events::replication::cancel(&self.shared.backend.config, pid, key)
+                            .await;
+                    }
+                    tokio::time::timeout(OVERRUN, &mut running).await.ok()
+                }
+            };
+            drop(running);
+            match done {
+                Some(done) => done.map_err(|e| broken(&e))?,
+                None => {
+                    backend.close().await;
+                    self.shared
+                        .stats
+                        .statements_ended
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(auditor = %s.auditor, session = %s.id, "an auditor's statement ran past its limit and did not stop when cancelled; its session is ended");
+                    return Err(user_error(
+                        "FATAL",
+                        "57014",
+                        format!(
+                            "the statement ran past the audit endpoint's limit of {} and did not stop when cancelled; the session is ended",
+                            humantime::format_duration(self.shared.limits.statement_timeout)
+                        ),
+                    ));
+                }
+            }
+        };
         let notices = backend.take_notices();
         drop(backend);
         for n in notices {

@@ -466,6 +466,13 @@ impl ReplicationConnection {
     }
 
     /// The server process's id and cancel key, as it sent them at start-up.
+    /// Closes the connection (a FIN to the server): what it was doing is
+    /// abandoned, and the connection is not to be used again.
+    pub async fn close(&mut self) {
+        use tokio::io::AsyncWriteExt;
+        let _ = self.stream.shutdown().await;
+    }
+
     pub fn backend_key(&self) -> Option<(i32, i32)> {
         self.key
     }

@@ -329,3 +329,104 @@ fn the_audit_endpoint_serves_a_renewed_certificate_before_its_own_expires() {
     let log = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(log.contains("serving certificate renewed"), "{log}");
 }
+
+/// An auditor's statement that catches every cancel.
+const ENDLESS: &str = "DO $$ BEGIN LOOP BEGIN PERFORM pg_sleep(5); EXCEPTION WHEN query_canceled THEN NULL; END; END LOOP; END $$";
+
+/// Auditors' PostgreSQL processes on `url`'s database.
+fn auditor_backends(url: &str) -> usize {
+    super::gateway::query(
+        url,
+        "SELECT count(*)::text FROM pg_stat_activity WHERE datname = current_database() AND usename LIKE 'strata_audit\\_%'",
+    )[0][0]
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn an_auditors_statement_that_catches_every_cancel_still_ends_and_leaves_no_backend() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca");
+    ok(&["ca", "init", "--dir", ca.to_str().unwrap()]);
+    add_with_password(&url, "fred", "fred pass 1");
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let conninfo = |port: u16| {
+        format!(
+            "host=127.0.0.1 port={port} dbname=audit sslmode=verify-full sslrootcert={} user=fred",
+            ca.join("ca.pem").display()
+        )
+    };
+
+    // Past the 2 s limit the endpoint cancels; the statement swallows it,
+    // so the endpoint ends the session and its PostgreSQL process goes.
+    let port = free();
+    let server = serve_with(
+        &url,
+        port,
+        &ca,
+        &dir.path().join("audit.log"),
+        &["--audit-statement-timeout", "2s"],
+    );
+    let started = Instant::now();
+    let (okay, _, err) = psql(&conninfo(port), ENDLESS, Some("fred pass 1"));
+    assert!(!okay);
+    assert!(
+        err.contains("ran past the audit endpoint's limit of 2s"),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    testkit::wait_until(
+        10,
+        "the auditor's PostgreSQL process ends",
+        || auditor_backends(&url) == 0,
+        || {},
+    );
+    drop(server);
+
+    // The endpoint killed while such a statement runs: its process ends as
+    // soon as PostgreSQL sees the endpoint's connection gone.
+    let port = free();
+    let mut server = serve_with(
+        &url,
+        port,
+        &ca,
+        &dir.path().join("audit2.log"),
+        &["--audit-statement-timeout", "60s"],
+    );
+    let bindir = testkit::shared_cluster().bindir().to_path_buf();
+    let mut client = Command::new(bindir.join("psql"))
+        .arg(conninfo(port))
+        .args(["-X", "-c", ENDLESS])
+        .env("PGPASSWORD", "fred pass 1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    testkit::wait_until(
+        20,
+        "the statement runs",
+        || auditor_backends(&url) == 1,
+        || {},
+    );
+    server.0.kill().unwrap();
+    let _ = server.0.wait();
+    testkit::wait_until(
+        10,
+        "the orphaned PostgreSQL process ends",
+        || auditor_backends(&url) == 0,
+        || {},
+    );
+    let _ = client.kill();
+    let _ = client.wait();
+}
