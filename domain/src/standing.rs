@@ -154,7 +154,17 @@ pub async fn change(
         }
     }
     let pool = match pool {
-        Some(p) => p.to_string(),
+        // A pool named must be the node's own: a change written to another
+        // pool's stream would be a no-op there, reported as done.
+        Some(p) => match pool_of_node(client, node).await {
+            Ok(own) if own != p => {
+                return Err(RequestError::Invalid(format!(
+                    "node {node} is in pool {own}, not {p}"
+                )))
+            }
+            Ok(_) | Err(RequestError::NoSuchNode(_)) => p.to_string(),
+            Err(e) => return Err(e),
+        },
         None => pool_of_node(client, node).await?,
     };
     let events = change

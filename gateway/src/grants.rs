@@ -18,6 +18,16 @@ pub struct Grant {
     pub types: Vec<String>,
 }
 
+/// Whether stream prefix `prefix` covers `stream` (or a narrower prefix)
+/// by whole path segments: `pool/p1` covers `pool/p1` and `pool/p1/x`, not
+/// `pool/p10`; a prefix ending in `/` (`pool/`) covers everything under it.
+fn covers(prefix: &str, stream: &str) -> bool {
+    match stream.strip_prefix(prefix) {
+        None => false,
+        Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
+    }
+}
+
 impl Grant {
     /// The filter a subscription gets: what it asked for, within the grant.
     /// `None` when the request reaches outside the grant entirely.
@@ -28,11 +38,7 @@ impl Grant {
             // A requested prefix is allowed when a granted prefix covers it.
             prefixes
                 .iter()
-                .filter(|p| {
-                    self.stream_prefixes
-                        .iter()
-                        .any(|g| p.starts_with(g.as_str()))
-                })
+                .filter(|p| self.stream_prefixes.iter().any(|g| covers(g, p)))
                 .cloned()
                 .collect()
         };
@@ -58,9 +64,7 @@ impl Grant {
     }
 
     pub fn allows(&self, stream: &str, event_type: &str) -> bool {
-        self.stream_prefixes
-            .iter()
-            .any(|p| stream.starts_with(p.as_str()))
+        self.stream_prefixes.iter().any(|p| covers(p, stream))
             && (self.types.is_empty() || {
                 // A grant names current types; old events carry old names.
                 let event_type = domain::canonical_type(event_type);
@@ -163,5 +167,25 @@ mod tests {
         assert_eq!(typed.narrow(&[], &["node.joined".into()]), None);
         assert!(!typed.allows("pool/p", "node.joined"));
         assert!(!Grant::default().allows("pool/p", "x"));
+    }
+
+    #[test]
+    fn a_prefix_matches_whole_path_segments() {
+        let g = Grant {
+            stream_prefixes: vec!["pool/p1".into()],
+            types: vec![],
+        };
+        assert!(g.allows("pool/p1", "t"));
+        assert!(g.allows("pool/p1/x", "t"));
+        for other in ["pool/p10", "pool/p1x", "pool/p"] {
+            assert!(!g.allows(other, "t"), "{other}");
+        }
+        assert_eq!(g.narrow(&["pool/p10".into()], &[]), None);
+        assert!(g.narrow(&["pool/p1".into()], &[]).is_some());
+        let all = Grant {
+            stream_prefixes: vec!["pool/".into()],
+            types: vec![],
+        };
+        assert!(all.allows("pool/p10", "t") && !all.allows("pools", "t"));
     }
 }

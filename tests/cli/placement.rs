@@ -673,6 +673,25 @@ fn operators_cordon_drain_uncordon_and_clear_health() {
 
     let err = fails(&["nodes", "cordon", "no-such-node", "--database-url", &url]);
     assert!(err.contains("is in no pool"), "{err}");
+    // Named with another pool: refused, nothing written there.
+    ok(&["pool", "create", "other", "--database-url", &url]);
+    let err = fails(&[
+        "nodes",
+        "drain",
+        "gpu-n00001",
+        "--pool",
+        "other",
+        "--database-url",
+        &url,
+    ]);
+    assert!(
+        err.contains("node gpu-n00001 is in pool gpu, not other"),
+        "{err}"
+    );
+    assert_eq!(
+        count("SELECT count(*) FROM strata.events WHERE stream = 'pool/other' AND type = 'node.drained'"),
+        0
+    );
     assert_eq!(check_json(&url)["live"], 1);
     // A node taken out of the pool: its live reservation ends at once (the
     // drain's wait no longer applies), and the pool says why.
