@@ -308,28 +308,88 @@ pub fn check(path: &Path, json: bool) -> anyhow::Result<std::process::ExitCode> 
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-/// A connection string without its password.
+/// A connection string without its passwords, in either of libpq's forms:
+/// a URL (the password of its user info, which may itself hold `@`, and
+/// any `password`/`sslpassword` query parameter) or `key=value` pairs
+/// (spaces around `=` and quoted values included). A key-value string that
+/// does not parse is hidden whole.
 fn redact(url: &str) -> String {
-    // URL form: scheme://user:password@host
+    let secret = |key: &str| key.to_ascii_lowercase().contains("password");
     if let Some((scheme, rest)) = url.split_once("://") {
-        if let Some((creds, host)) = rest.split_once('@') {
-            if let Some((user, _)) = creds.split_once(':') {
-                return format!("{scheme}://{user}:***@{host}");
+        let (authority_and_path, query) = match rest.split_once('?') {
+            Some((a, q)) => (a, Some(q)),
+            None => (rest, None),
+        };
+        // The user info ends at the last '@' (a password may hold one).
+        let mut out = match authority_and_path.rsplit_once('@') {
+            Some((creds, host)) => match creds.split_once(':') {
+                Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+                None => format!("{scheme}://{creds}@{host}"),
+            },
+            None => format!("{scheme}://{authority_and_path}"),
+        };
+        if let Some(q) = query {
+            let params: Vec<String> = q
+                .split('&')
+                .map(|kv| match kv.split_once('=') {
+                    Some((k, _)) if secret(k) => format!("{k}=***"),
+                    _ => kv.to_string(),
+                })
+                .collect();
+            out.push('?');
+            out.push_str(&params.join("&"));
+        }
+        return out;
+    }
+    redact_pairs(url, &secret).unwrap_or_else(|| "***".into())
+}
+
+/// `key = value` pairs as libpq reads them, secret values replaced; `None`
+/// when the string is not such pairs.
+fn redact_pairs(s: &str, secret: &dyn Fn(&str) -> bool) -> Option<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut chars = s.chars().peekable();
+    loop {
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        if chars.peek().is_none() {
+            return Some(out.join(" "));
+        }
+        let mut key = String::new();
+        while let Some(c) = chars.next_if(|c| !c.is_whitespace() && *c != '=') {
+            key.push(c);
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        if chars.next() != Some('=') || key.is_empty() {
+            return None;
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        let mut value = String::new();
+        if chars.next_if_eq(&'\'').is_some() {
+            value.push('\'');
+            loop {
+                match chars.next()? {
+                    '\\' => {
+                        value.push('\\');
+                        value.push(chars.next()?);
+                    }
+                    '\'' => {
+                        value.push('\'');
+                        break;
+                    }
+                    c => value.push(c),
+                }
+            }
+        } else {
+            while let Some(c) = chars.next_if(|c| !c.is_whitespace()) {
+                value.push(c);
             }
         }
-        return url.to_string();
+        out.push(if secret(&key) {
+            format!("{key}=***")
+        } else {
+            format!("{key}={value}")
+        });
     }
-    // key=value form
-    url.split_whitespace()
-        .map(|kv| {
-            if kv.starts_with("password=") {
-                "password=***"
-            } else {
-                kv
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// `strata config`: the files `serve --config` reads.
@@ -360,6 +420,34 @@ mod tests {
             "host=db password=*** dbname=strata"
         );
         assert_eq!(redact("postgres://db/strata"), "postgres://db/strata");
+        // Every spelling libpq takes.
+        for (given, shown) in [
+            (
+                "postgres://ana:p@ss@db/strata",
+                "postgres://ana:***@db/strata",
+            ),
+            (
+                "postgres://ana@db/strata?password=s3cret&sslmode=require",
+                "postgres://ana@db/strata?password=***&sslmode=require",
+            ),
+            (
+                "postgres://db/strata?sslpassword=s3cret",
+                "postgres://db/strata?sslpassword=***",
+            ),
+            (
+                "host=db password = s3cret dbname=strata",
+                "host=db password=*** dbname=strata",
+            ),
+            (
+                "host=db password='s3 \\'cret' sslpassword=k",
+                "host=db password=*** sslpassword=***",
+            ),
+            ("host=db password='unterminated", "***"),
+        ] {
+            let out = redact(given);
+            assert_eq!(out, shown, "{given}");
+            assert!(!out.contains("s3"), "{given}");
+        }
     }
 
     #[test]
