@@ -81,7 +81,15 @@ pub(crate) async fn roles(cmd: RolesCmd) -> Result<ExitCode> {
                     }
                     e => e.into(),
                 })?;
-            println!("{operator} has no role now: it may do nothing through the API");
+            // A grant to read events is apart from the role: say so.
+            let client = crate::cli::connect(&db).await?;
+            match gateway::grants::get(&client, &operator).await? {
+                Some(g) => println!(
+                    "{operator} has no role now: it may do nothing through the API but read the events its grant allows (Subscribe to streams {}); `strata grants remove {operator}` ends that too",
+                    g.stream_prefixes.join(", ")
+                ),
+                None => println!("{operator} has no role now: it may do nothing through the API"),
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -788,11 +788,32 @@ fn roles_are_set_listed_and_removed_and_bad_ones_refused() {
     assert_eq!(listed[0]["operator"], "alice");
     assert_eq!(listed[0]["pools"], serde_json::json!(["p", "q"]));
     assert_eq!(listed[1]["role"], "admin");
-    ok(&["roles", "remove", "alice", "--database-url", &url]);
+    ok(&[
+        "grants",
+        "set",
+        "alice",
+        "--prefixes",
+        "pool/p",
+        "--database-url",
+        &url,
+    ]);
+    let out = ok(&["roles", "remove", "alice", "--database-url", &url]);
+    assert!(
+        out.contains("but read the events its grant allows (Subscribe to streams pool/p)"),
+        "{out}"
+    );
+    let out = ok(&["roles", "remove", "root", "--database-url", &url]);
+    assert!(
+        out.contains("it may do nothing through the API\n")
+            || out
+                .trim_end()
+                .ends_with("it may do nothing through the API"),
+        "{out}"
+    );
     let err = fails(&["roles", "remove", "nobody", "--database-url", &url]);
     assert!(err.contains("nobody has no role"), "{err}");
     let listed = lines(&ok(&["roles", "list", "--json", "--database-url", &url]));
-    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed.len(), 0, "{listed:?}");
     super::events_conform(&url, &[]);
 }
 
