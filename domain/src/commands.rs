@@ -174,6 +174,9 @@ impl CommandState {
     }
 }
 
+/// The largest command arguments, as JSON.
+pub const MAX_ARGS_BYTES: usize = 64 << 10;
+
 /// Issues a command. Refused if the id was used before.
 pub async fn issue(appender: &Appender, command: &Command) -> Result<(), AppendError> {
     crate::valid_name("command id", &command.id).map_err(AppendError::Invalid)?;
@@ -194,6 +197,12 @@ pub async fn issue(appender: &Appender, command: &Command) -> Result<(), AppendE
         return Err(AppendError::Invalid(
             "command arguments must be a JSON object".into(),
         ));
+    }
+    let size = command.args.to_string().len();
+    if size > MAX_ARGS_BYTES {
+        return Err(AppendError::Invalid(format!(
+            "command arguments are {size} bytes; at most {MAX_ARGS_BYTES} (every gateway holds open commands in memory and sends them again on every reconnect)"
+        )));
     }
     let payload = serde_json::to_value(command).expect("commands serialize");
     appender

@@ -480,6 +480,21 @@ fn bad_input_gets_a_clear_error_and_writes_nothing() {
         ),
         (
             vec![
+                "commands".into(),
+                "issue".into(),
+                "--database-url".into(),
+                url.clone(),
+                "--node".into(),
+                "n1".into(),
+                "--kind".into(),
+                "diag.nvml".into(),
+                "--args".into(),
+                format!("{{\"x\": \"{}\"}}", "a".repeat(70_000)),
+            ],
+            "at most 65536",
+        ),
+        (
+            vec![
                 "migrate".into(),
                 "--database-url".into(),
                 "not a url".into(),
