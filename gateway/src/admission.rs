@@ -71,3 +71,18 @@ impl Shared {
         Ok(())
     }
 }
+
+/// Ends every session `shared` holds with `why` and a short pushback: their
+/// nodes open new sessions (elsewhere, or here again).
+pub(crate) fn end_sessions(shared: &crate::state::Shared, why: &str) {
+    let sessions: Vec<_> = shared
+        .sessions
+        .lock()
+        .expect("sessions lock")
+        .drain()
+        .map(|(_, s)| s.tx)
+        .collect();
+    for tx in sessions {
+        let _ = tx.try_send(Err(pushback(why, 200)));
+    }
+}

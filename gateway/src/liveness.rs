@@ -91,7 +91,10 @@ pub(crate) async fn keep(shared: Arc<Shared>, mut lease: Lease) {
                     epoch = lease.epoch,
                     "the gateway's lease lapsed (frozen, or cut off from the database); its sessions may have been marked lost: ending them all"
                 );
-                end_sessions(&shared);
+                crate::admission::end_sessions(
+                    &shared,
+                    "this gateway lost its lease; open a new session",
+                );
                 match acquire(&shared).await {
                     Ok(l) => lease = l,
                     Err(e) => {
@@ -101,23 +104,6 @@ pub(crate) async fn keep(shared: Arc<Shared>, mut lease: Lease) {
             }
             Err(e) => tracing::warn!(error = %e, "cannot renew the gateway's lease; retrying"),
         }
-    }
-}
-
-/// Ends every session with a short pushback: the nodes open new ones.
-fn end_sessions(shared: &Shared) {
-    let sessions: Vec<_> = shared
-        .sessions
-        .lock()
-        .expect("sessions lock")
-        .drain()
-        .map(|(_, s)| s.tx)
-        .collect();
-    for tx in sessions {
-        let _ = tx.try_send(Err(crate::admission::pushback(
-            "this gateway lost its lease; open a new session",
-            200,
-        )));
     }
 }
 

@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tonic::transport::Server;
 
-use crate::admission::pushback;
 use crate::dispatch::dispatcher;
 use crate::join::JoinService;
 use crate::session::{sweeper, SessionService};
@@ -166,16 +165,7 @@ pub async fn start(
                 let _ = stop_rx.await;
                 // End every session with a status that sends its node
                 // elsewhere; the server then drains.
-                let sessions: Vec<_> = shared
-                    .sessions
-                    .lock()
-                    .expect("sessions lock")
-                    .drain()
-                    .map(|(_, s)| s.tx)
-                    .collect();
-                for tx in sessions {
-                    let _ = tx.try_send(Err(pushback("this gateway is shutting down", 200)));
-                }
+                crate::admission::end_sessions(&shared, "this gateway is shutting down");
             }
         });
     tracing::info!(%addr, id = %shared.config.id, "gateway listening");

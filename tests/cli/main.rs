@@ -420,6 +420,23 @@ fn bad_input_gets_a_clear_error_and_writes_nothing() {
     let with = |extra: &[&str]| -> Vec<String> {
         base.iter().chain(extra).map(|s| s.to_string()).collect()
     };
+    // `commands issue` of diag.nvml to n1, plus `extra`.
+    let issue = |extra: &[&str]| -> Vec<String> {
+        [
+            "commands",
+            "issue",
+            "--database-url",
+            url.as_str(),
+            "--node",
+            "n1",
+            "--kind",
+            "diag.nvml",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+    };
     let cases: Vec<(Vec<String>, &str)> = vec![
         (
             with(&["--data", "{oops"]),
@@ -464,33 +481,11 @@ fn bad_input_gets_a_clear_error_and_writes_nothing() {
             "no replication slot named \"nope\"",
         ),
         (
-            vec![
-                "commands".into(),
-                "issue".into(),
-                "--database-url".into(),
-                url.clone(),
-                "--node".into(),
-                "n1".into(),
-                "--kind".into(),
-                "diag.nvml".into(),
-                "--id".into(),
-                "bind:r1:n1".into(),
-            ],
+            issue(&["--id", "bind:r1:n1"]),
             "only the binder issues there",
         ),
         (
-            vec![
-                "commands".into(),
-                "issue".into(),
-                "--database-url".into(),
-                url.clone(),
-                "--node".into(),
-                "n1".into(),
-                "--kind".into(),
-                "diag.nvml".into(),
-                "--args".into(),
-                format!("{{\"x\": \"{}\"}}", "a".repeat(70_000)),
-            ],
+            issue(&["--args", &format!("{{\"x\": \"{}\"}}", "a".repeat(70_000))]),
             "at most 65536",
         ),
         (
