@@ -40,9 +40,9 @@ impl Report {
 
 impl Report {
     /// Why a new bind of `devices` is refused while this is the node's
-    /// last check: the whole node failed it, or one of the devices did.
-    /// The node's own guard; the index keeps placements off such a node
-    /// once the report reaches the log.
+    /// last check: the whole node failed it, or one of the devices did
+    /// (see `Bindings::guarded_by`). The node's own guard; the index keeps
+    /// placements off such a node once the report reaches the log.
     pub fn refuses(&self, devices: &[&str]) -> Option<String> {
         if !self.passed && self.failed_devices.is_empty() {
             return Some(format!(

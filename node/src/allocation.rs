@@ -22,12 +22,14 @@
 //! for the workload's runtime to see and checkpoint before the release
 //! comes; the release removes it.
 
+use crate::acceptance::Report;
 use crate::cdi;
 use crate::gpu::{Gpu, GpuBackend};
 use crate::outcome::Outcome;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// The environment variable that names a crash point: tests of crash
 /// recovery set it to make the daemon abort there, as a power cut would.
@@ -97,6 +99,9 @@ pub struct Bindings {
     pub dir: PathBuf,
     /// The CDI folder runtimes read (`/var/run/cdi` by default).
     pub cdi_dir: PathBuf,
+    /// The node's last acceptance check, if binds are held to it: while it
+    /// fails the node, or a device, no new bind of them lands.
+    acceptance: Option<Arc<Mutex<Report>>>,
 }
 
 fn fail(detail: String) -> Outcome {
@@ -135,7 +140,16 @@ impl Bindings {
         Bindings {
             dir: data_dir.join("allocations"),
             cdi_dir: cdi_dir.to_path_buf(),
+            acceptance: None,
         }
+    }
+
+    /// Holds new binds to the node's acceptance check as it stands when
+    /// each arrives (the daemon's; the log may still say the node passed
+    /// while a failing report is on its way).
+    pub fn guarded_by(mut self, acceptance: Arc<Mutex<Report>>) -> Bindings {
+        self.acceptance = Some(acceptance);
+        self
     }
 
     fn binding_path(&self, reservation: &str) -> PathBuf {
@@ -209,21 +223,26 @@ impl Bindings {
             cdi_device: cdi::qualified_name(reservation),
         };
         let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
-        for d in &binding.devices {
-            let Some(gpu) = inventory.iter().find(|g| g.id == d.uuid) else {
-                continue;
-            };
-            match self.family_bound(&inventory, gpu) {
-                Ok(None) => {}
-                Ok(Some(other)) if other == reservation => {}
-                Ok(Some(other)) => {
-                    return fail(format!(
-                        "device {} shares its GPU with a MIG relative bound to reservation {other}; nothing bound",
-                        d.id
-                    ))
-                }
-                Err(e) => return fail(format!("read the bindings: {e}")),
+        // A bind of a reservation bound here already is answered as before.
+        if let Some(acceptance) = self
+            .acceptance
+            .as_ref()
+            .filter(|_| !self.binding_path(reservation).exists())
+        {
+            let ids: Vec<&str> = binding.devices.iter().map(|d| d.uuid.as_str()).collect();
+            if let Some(why) = acceptance.lock().expect("acceptance lock").refuses(&ids) {
+                return fail(why);
             }
+        }
+        match self.family_bound(&inventory, &binding) {
+            Ok(None) => {}
+            Ok(Some((other, _))) if other == reservation => {}
+            Ok(Some((other, device))) => {
+                return fail(format!(
+                    "device {device} shares its GPU with a MIG relative bound to reservation {other}; nothing bound"
+                ))
+            }
+            Err(e) => return fail(format!("read the bindings: {e}")),
         }
         if self.tombstone(reservation).exists() {
             return fail(format!(
@@ -284,30 +303,43 @@ impl Bindings {
         Ok(f(&self.all()?))
     }
 
-    /// A binding that holds a MIG relative of `gpu` (its GPU, or one of its
-    /// instances), if any: the node's own guard that a GPU and its
-    /// instances are never bound at once.
-    fn family_bound(&self, inventory: &[Gpu], gpu: &Gpu) -> std::io::Result<Option<String>> {
-        let relatives: Vec<&str> = inventory
-            .iter()
-            .filter(|o| {
-                gpu.parent.as_deref() == Some(o.id.as_str())
-                    || o.parent.as_deref() == Some(gpu.id.as_str())
-            })
-            .map(|o| o.id.as_str())
-            .collect();
+    /// A binding that holds a MIG relative (the GPU, or one of its
+    /// instances) of a device of `binding`, and that device's id, if any:
+    /// the node's own guard that a GPU and its instances are never bound at
+    /// once. The bindings are read once, and only when a device has
+    /// relatives.
+    fn family_bound(
+        &self,
+        inventory: &[Gpu],
+        binding: &Binding,
+    ) -> std::io::Result<Option<(String, String)>> {
+        // (a relative's id, the bound device's id)
+        let mut relatives: Vec<(&str, &str)> = Vec::new();
+        for d in &binding.devices {
+            let Some(gpu) = inventory.iter().find(|g| g.id == d.uuid) else {
+                continue;
+            };
+            relatives.extend(
+                inventory
+                    .iter()
+                    .filter(|o| {
+                        gpu.parent.as_deref() == Some(o.id.as_str())
+                            || o.parent.as_deref() == Some(gpu.id.as_str())
+                    })
+                    .map(|o| (o.id.as_str(), d.id.as_str())),
+            );
+        }
         if relatives.is_empty() {
             return Ok(None);
         }
-        Ok(self
-            .all()?
-            .into_iter()
-            .find(|b| {
-                b.devices
-                    .iter()
-                    .any(|d| relatives.contains(&d.uuid.as_str()))
-            })
-            .map(|b| b.reservation))
+        for b in self.all()? {
+            for bd in &b.devices {
+                if let Some((_, device)) = relatives.iter().find(|(r, _)| *r == bd.uuid) {
+                    return Ok(Some((b.reservation, device.to_string())));
+                }
+            }
+        }
+        Ok(None)
     }
 
     /// `allocation.release`: the tombstone first (from then on no bind of
@@ -530,6 +562,51 @@ mod tests {
             std::fs::read_dir(dir.path()).unwrap().count(),
             0,
             "nothing written"
+        );
+    }
+
+    #[test]
+    fn a_failed_acceptance_check_refuses_new_binds_of_what_failed() {
+        let (_dir, b, gpus) = setup();
+        let report = Arc::new(Mutex::new(Report {
+            passed: true,
+            reason: String::new(),
+            failed_devices: Vec::new(),
+            report: serde_json::Value::Null,
+        }));
+        let b = b.guarded_by(report.clone());
+        assert!(
+            b.bind(&gpus, &json!({"reservation": "r1", "devices": ["gpu0"]}))
+                .ok
+        );
+        {
+            let mut r = report.lock().unwrap();
+            r.passed = false;
+            r.failed_devices = vec!["GPU-fake-n-1".into()];
+        }
+        let refused = b.bind(&gpus, &json!({"reservation": "r2", "devices": ["gpu1"]}));
+        assert!(
+            !refused.ok && refused.detail.contains("GPU-fake-n-1 failed"),
+            "{refused:?}"
+        );
+        assert!(
+            b.bind(&gpus, &json!({"reservation": "r3", "devices": ["gpu2"]}))
+                .ok
+        );
+        // The whole node failing refuses every new bind, not one bound here.
+        {
+            let mut r = report.lock().unwrap();
+            r.failed_devices.clear();
+            r.reason = "dcgmi diag -r 3 failed".into();
+        }
+        let refused = b.bind(&gpus, &json!({"reservation": "r4", "devices": ["gpu4"]}));
+        assert!(
+            !refused.ok && refused.detail.contains("dcgmi diag -r 3 failed"),
+            "{refused:?}"
+        );
+        assert!(
+            b.bind(&gpus, &json!({"reservation": "r1", "devices": ["gpu0"]}))
+                .ok
         );
     }
 

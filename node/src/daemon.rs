@@ -254,7 +254,7 @@ pub async fn run(
         tracing::warn!(node = %config.node_id, reason = %acceptance.reason, "the acceptance check failed; the node takes no work until one passes");
     }
     let acceptance = Arc::new(std::sync::Mutex::new(acceptance));
-    let bindings = Bindings::new(&config.data_dir, &config.cdi_dir);
+    let bindings = Bindings::new(&config.data_dir, &config.cdi_dir).guarded_by(acceptance.clone());
     let fixed = bindings
         .reconcile(config.backend.as_ref())
         .map_err(io(&config.cdi_dir))?;
@@ -820,29 +820,6 @@ impl Runner {
         tx.send(result_message(c.id, outcome)).await
     }
 
-    /// Why a new bind is refused: the node's last acceptance check failed
-    /// it or one of its devices (a bind of a reservation already bound here
-    /// is answered as before).
-    fn refused_bind(&self, c: &crate::proto::Command) -> Option<String> {
-        if c.kind != "allocation.bind" {
-            return None;
-        }
-        let args: serde_json::Value = serde_json::from_str(&c.args_json).ok()?;
-        let reservation = args["reservation"].as_str()?;
-        if self.bindings.binding(reservation).is_ok() {
-            return None;
-        }
-        let devices: Vec<&str> = args["devices"]
-            .as_array()?
-            .iter()
-            .filter_map(|d| d.as_str())
-            .collect();
-        self.acceptance
-            .lock()
-            .expect("acceptance lock")
-            .refuses(&devices)
-    }
-
     async fn run(&self, config: &DaemonConfig, stats: &DaemonStats, c: crate::proto::Command) {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -851,12 +828,6 @@ impl Runner {
             Outcome {
                 ok: false,
                 detail: "its deadline passed before it arrived; not run".into(),
-                output: serde_json::Value::Null,
-            }
-        } else if let Some(why) = self.refused_bind(&c) {
-            Outcome {
-                ok: false,
-                detail: why,
                 output: serde_json::Value::Null,
             }
         } else {
