@@ -101,31 +101,47 @@ const CLOSE: &str = "ROLLBACK; RESET ALL";
 /// endpoint whose machine went away.
 pub const CONNECTION_CHECK_MS: u64 = 1000;
 
+/// What the endpoint counts for each row it holds, beyond its payload: the
+/// row's buffer and its place in the result (a zero-column row is 2 bytes
+/// on the wire and about this much in memory).
+const ROW_OVERHEAD: usize = 64;
+
 /// The limits an auditor's session is held to.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub statement_timeout: std::time::Duration,
     pub idle_in_transaction: std::time::Duration,
     pub lock_timeout: std::time::Duration,
+    /// PostgreSQL closes a session idle this long: a backstop behind the
+    /// endpoint's own idle limit.
+    pub idle_session: std::time::Duration,
+    /// Memory per sort or hash of a statement, in KiB (hashes get no more:
+    /// `hash_mem_multiplier` is 1).
+    pub work_mem_kib: u64,
 }
 
 impl Limits {
     /// Startup options: read-only transactions and these limits.
     pub fn options(&self) -> String {
         format!(
-            "-c default_transaction_read_only=on -c statement_timeout={} -c idle_in_transaction_session_timeout={} -c lock_timeout={} -c client_connection_check_interval={CONNECTION_CHECK_MS} -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3 -c search_path=audit,strata,pg_catalog -c TimeZone=UTC -c DateStyle=ISO,MDY -c IntervalStyle=postgres",
+            "-c default_transaction_read_only=on -c statement_timeout={} -c idle_in_transaction_session_timeout={} -c lock_timeout={} -c idle_session_timeout={} -c work_mem={} -c hash_mem_multiplier=1 -c maintenance_work_mem={} -c client_connection_check_interval={CONNECTION_CHECK_MS} -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3 -c search_path=audit,strata,pg_catalog -c TimeZone=UTC -c DateStyle=ISO,MDY -c IntervalStyle=postgres",
             ms(self.statement_timeout),
             ms(self.idle_in_transaction),
-            ms(self.lock_timeout)
+            ms(self.lock_timeout),
+            ms(self.idle_session),
+            self.work_mem_kib.max(64),
+            self.work_mem_kib.max(1024),
         )
     }
 
     fn reassert(&self) -> String {
         format!(
-            "SELECT set_config('statement_timeout', '{}', true), set_config('idle_in_transaction_session_timeout', '{}', true), set_config('lock_timeout', '{}', true), set_config('client_connection_check_interval', '{CONNECTION_CHECK_MS}', true), set_config('transaction_read_only', 'on', true)",
+            "SELECT set_config('statement_timeout', '{}', true), set_config('idle_in_transaction_session_timeout', '{}', true), set_config('lock_timeout', '{}', true), set_config('work_mem', '{}', true), set_config('hash_mem_multiplier', '1', true), set_config('maintenance_work_mem', '{}', true), set_config('client_connection_check_interval', '{CONNECTION_CHECK_MS}', true), set_config('transaction_read_only', 'on', true)",
             ms(self.statement_timeout),
             ms(self.idle_in_transaction),
-            ms(self.lock_timeout)
+            ms(self.lock_timeout),
+            self.work_mem_kib.max(64),
+            self.work_mem_kib.max(1024),
         )
     }
 }
@@ -355,7 +371,9 @@ impl Backend {
                 ) if outcome.is_some() => {}
                 Some(Message::RowDescription(body)) => columns = Some(columns_of(&body)?),
                 Some(Message::DataRow(body)) => {
-                    bytes += body.buffer().len();
+                    // What a kept row costs in memory, not its payload
+                    // alone: a million empty rows are not free.
+                    bytes += body.buffer().len() + ROW_OVERHEAD;
                     if bytes <= self.max_result_bytes {
                         rows.push(BytesMut::from(body.buffer()));
                     }

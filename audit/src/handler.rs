@@ -49,6 +49,13 @@ pub struct Stats {
     /// Statements that outlived their limit and a cancel: their sessions
     /// were ended.
     pub statements_ended: AtomicU64,
+    /// Sessions the endpoint ended because they were idle too long.
+    pub sessions_ended_idle: AtomicU64,
+    /// Sessions the endpoint ended because their auditor or certificate was revoked.
+    pub sessions_ended_revoked: AtomicU64,
+    /// Password logins refused unchecked: too many failures of that auditor
+    /// or from that address just before.
+    pub logins_throttled: AtomicU64,
 }
 
 /// The endpoint's counters on `/metrics`.
@@ -104,6 +111,27 @@ static FIELDS: &[ops::metrics::Field<Stats>] = &[
     ),
     ops::stat_field!(
         Stats,
+        "strata_audit_sessions_ended_idle_total",
+        Counter,
+        "Auditor sessions ended by the endpoint because they were idle longer than --audit-idle-session-timeout.",
+        sessions_ended_idle
+    ),
+    ops::stat_field!(
+        Stats,
+        "strata_audit_sessions_ended_revoked_total",
+        Counter,
+        "Auditor sessions ended by the endpoint because the auditor or the certificate they logged in with was revoked.",
+        sessions_ended_revoked
+    ),
+    ops::stat_field!(
+        Stats,
+        "strata_audit_logins_throttled_total",
+        Counter,
+        "Password logins refused without checking the password: the auditor or the address failed too often just before.",
+        logins_throttled
+    ),
+    ops::stat_field!(
+        Stats,
         "strata_audit_transactions_expired_total",
         Counter,
         "Auditor transactions ended at the endpoint's maximum age.",
@@ -134,6 +162,11 @@ pub struct Shared {
     max_transaction_age: Duration,
     max_result_bytes: usize,
     max_sessions: u64,
+    /// Open connections: per-auditor caps, idle and revoked ones ended.
+    pub(crate) conns: Arc<crate::sessions::Conns>,
+    pub(crate) idle_session_timeout: Duration,
+    temp_file_limit_kib: u64,
+    throttle: crate::throttle::Throttle,
     appender: Appender,
     server_version: String,
     /// TLS is configured, so nothing is served without it.
@@ -171,10 +204,16 @@ impl Shared {
                 statement_timeout: config.statement_timeout,
                 idle_in_transaction: config.idle_in_transaction,
                 lock_timeout: config.statement_timeout,
+                idle_session: config.idle_session_timeout + Duration::from_secs(60),
+                work_mem_kib: config.work_mem_kib,
             },
             max_transaction_age: config.max_transaction_age,
             max_result_bytes: config.max_result_bytes,
             max_sessions: config.max_sessions.max(1),
+            conns: Arc::new(crate::sessions::Conns::new(config.max_sessions_per_auditor)),
+            idle_session_timeout: config.idle_session_timeout,
+            temp_file_limit_kib: config.temp_file_limit_kib,
+            throttle: Default::default(),
             appender,
             server_version: String::new(),
             tls,
@@ -213,7 +252,7 @@ impl Shared {
         let (role, password) = {
             let mut guard = self.accounts().await.map_err(|e| e.to_string())?;
             let db = guard.as_mut().ok_or("no accounts connection")?;
-            crate::setup::login_role(db, &self.group, auditor)
+            crate::setup::login_role(db, &self.group, auditor, self.temp_file_limit_kib)
                 .await
                 .map_err(|e| e.to_string())?
         };
@@ -237,7 +276,10 @@ impl Shared {
         Ok(guard)
     }
 
-    async fn lookup(&self, name: &str) -> PgWireResult<Option<Option<accounts::Verifier>>> {
+    pub(crate) async fn lookup(
+        &self,
+        name: &str,
+    ) -> PgWireResult<Option<Option<accounts::Verifier>>> {
         if accounts::check_name(name).is_err() {
             return Ok(None);
         }
@@ -249,7 +291,7 @@ impl Shared {
     }
 
     /// Whether a client certificate was revoked (by its serial).
-    async fn certificate_revoked(&self, serial: &str) -> PgWireResult<bool> {
+    pub(crate) async fn certificate_revoked(&self, serial: &str) -> PgWireResult<bool> {
         let guard = self.accounts().await.map_err(api)?;
         let db = guard
             .as_ref()
@@ -267,6 +309,8 @@ pub struct Session {
     id: String,
     /// Whether this connection is TLS (as recorded with every statement).
     tls: bool,
+    /// The connection as the endpoint's registry holds it.
+    conn: Arc<crate::sessions::Conn>,
     backend: Arc<Mutex<Backend>>,
     /// The process id of the cancel key this session's client was given.
     cancel_pid: std::sync::atomic::AtomicI32,
@@ -374,21 +418,34 @@ impl Startup {
         client: &mut C,
         user: &str,
         auth: &'static str,
+        serial: Option<String>,
     ) -> PgWireResult<()> {
         let stats = &self.shared.stats;
-        // Take a place first (atomically), give it back if the session fails.
-        if stats.sessions.fetch_add(1, Ordering::Relaxed) >= self.shared.max_sessions {
+        let full = |message: String| {
             stats.sessions.fetch_sub(1, Ordering::Relaxed);
             stats.logins_refused.fetch_add(1, Ordering::Relaxed);
-            return Err(user_error(
-                "FATAL",
-                "53300",
-                format!(
-                    "the audit endpoint holds its limit of {} sessions (--audit-max-sessions); try again later",
-                    self.shared.max_sessions
-                ),
+            Err(user_error("FATAL", "53300", message))
+        };
+        // Take a place first (atomically), give it back if the session fails.
+        if stats.sessions.fetch_add(1, Ordering::Relaxed) >= self.shared.max_sessions {
+            return full(format!(
+                "the audit endpoint holds its limit of {} sessions (--audit-max-sessions); try again later",
+                self.shared.max_sessions
             ));
         }
+        // The auditor's own place: given back when the connection ends.
+        let claim = crate::sessions::Claim {
+            auditor: user.to_string(),
+            serial,
+        };
+        let conn = match self.shared.conns.claim(client.socket_addr(), claim) {
+            Ok(conn) => conn,
+            Err(crate::sessions::AtCap(cap)) => {
+                return full(format!(
+                    "auditor {user:?} holds its limit of {cap} sessions at this endpoint (--audit-max-sessions-per-auditor); close one first"
+                ))
+            }
+        };
         let backend = match self.shared.open_backend(user).await {
             Ok(b) => b,
             Err(e) => {
@@ -411,6 +468,7 @@ impl Startup {
             client: client.socket_addr().to_string(),
             id,
             tls: client.is_secure(),
+            conn,
             backend: Arc::new(Mutex::new(backend)),
             cancel_pid: std::sync::atomic::AtomicI32::new(0),
             pg_key,
@@ -512,7 +570,8 @@ impl StartupHandler for Startup {
                                     format!("this certificate of auditor {user:?} (serial {serial}) is revoked"),
                                 ));
                             }
-                            self.open(client, &user, "certificate").await?;
+                            self.open(client, &user, "certificate", Some(serial))
+                                .await?;
                             self.driver.complete_authentication(client, None).await?;
                             register_cancel(&self.shared, client)?;
                         }
@@ -536,6 +595,23 @@ impl StartupHandler for Startup {
                         }
                     }
                 } else {
+                    let source = client.socket_addr().ip();
+                    let now = std::time::Instant::now();
+                    if let Some(wait) = self.shared.throttle.locked(&user, source, now) {
+                        self.shared
+                            .stats
+                            .logins_throttled
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(auditor = %user, client = %client.socket_addr(), "auditor login refused unchecked: too many failed logins just before");
+                        return Err(user_error(
+                            "FATAL",
+                            "28000",
+                            format!(
+                                "too many failed logins for auditor {user:?} or from this address; try again in {:.1}s",
+                                wait.as_secs_f64().max(0.1)
+                            ),
+                        ));
+                    }
                     self.driver
                         .begin_authentication(client, self.scram_mechanism())
                         .await?;
@@ -553,6 +629,11 @@ impl StartupHandler for Startup {
                             .stats
                             .logins_refused
                             .fetch_add(1, Ordering::Relaxed);
+                        self.shared.throttle.failed(
+                            &user,
+                            client.socket_addr().ip(),
+                            std::time::Instant::now(),
+                        );
                         tracing::info!(auditor = %user, client = %client.socket_addr(), "auditor refused: password authentication failed");
                         // Unknown, revoked and wrong password look the same.
                         return Err(user_error(
@@ -564,7 +645,10 @@ impl StartupHandler for Startup {
                     other => other?,
                 };
                 if let AuthOutcome::Authenticated { final_message, .. } = outcome {
-                    self.open(client, &user, "scram").await?;
+                    self.shared
+                        .throttle
+                        .succeeded(&user, client.socket_addr().ip());
+                    self.open(client, &user, "scram", None).await?;
                     self.driver
                         .complete_authentication(client, final_message)
                         .await?;
@@ -769,6 +853,7 @@ impl Queries {
                 TxChange::None,
             ));
         }
+        let _busy = self.shared.conns.busy(&s.conn);
         let mut backend = s.backend.lock().await;
         let (outcome, change) = {
             // PostgreSQL cancels a statement at the statement timeout; one

@@ -24,10 +24,13 @@
 pub mod accounts;
 mod backend;
 pub mod catalog;
-mod control;
+pub mod control;
 mod handler;
+mod sessions;
 pub mod setup;
-mod split;
+pub mod split;
+mod sweep;
+mod throttle;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -62,6 +65,17 @@ pub struct AuditConfig {
     pub max_result_bytes: usize,
     /// Most auditor sessions at once (each holds a PostgreSQL connection).
     pub max_sessions: u64,
+    /// Most sessions of one auditor at once, so that one cannot hold them all.
+    pub max_sessions_per_auditor: u64,
+    /// A session without a statement this long is closed (its PostgreSQL
+    /// connection with it).
+    pub idle_session_timeout: Duration,
+    /// Memory per sort or hash of an auditor's statement, in KiB, fixed
+    /// by the endpoint.
+    pub work_mem_kib: u64,
+    /// Temporary files one auditor's session may write, in KiB (set on each
+    /// auditor's role, which cannot change it).
+    pub temp_file_limit_kib: u64,
     /// TLS: the serving certificate chain, its key, and the CA whose auditor
     /// certificates are accepted in place of a password.
     pub tls: Option<TlsFiles>,
@@ -88,6 +102,10 @@ impl AuditConfig {
             max_transaction_age: Duration::from_secs(600),
             max_result_bytes: 256 << 20,
             max_sessions: 32,
+            max_sessions_per_auditor: 4,
+            idle_session_timeout: Duration::from_secs(15 * 60),
+            work_mem_kib: 16 << 10,
+            temp_file_limit_kib: 1 << 20,
             tls: None,
         }
     }
@@ -115,6 +133,7 @@ pub struct Endpoint {
     pub stats: Arc<handler::Stats>,
     renewer: Option<Renewer>,
     task: tokio::task::JoinHandle<()>,
+    sweeper: tokio::task::JoinHandle<()>,
 }
 
 /// Serves a renewed certificate from the next TLS handshake on.
@@ -141,10 +160,11 @@ impl Endpoint {
 
     pub fn stop(self) {
         self.task.abort();
+        self.sweeper.abort();
     }
 
     pub fn is_finished(&self) -> bool {
-        self.task.is_finished()
+        self.task.is_finished() || self.sweeper.is_finished()
     }
 }
 
@@ -171,6 +191,8 @@ pub async fn start(
         source,
     })?;
     let stats = shared.stats.clone();
+    let conns = shared.conns.clone();
+    let sweeper = tokio::spawn(sweep::run(shared.clone()));
     let handlers = Arc::new(handler::Handlers::new(shared, &config)?);
     let renewer = serving.map(|serving| Renewer {
         serving,
@@ -188,10 +210,23 @@ pub async fn start(
             };
             let handlers = handlers.clone();
             let acceptor = acceptor.clone();
+            let conns = conns.clone();
+            let conn = conns.register(peer);
             tokio::spawn(async move {
-                if let Err(e) = pgwire::tokio::process_socket(socket, acceptor, handlers).await {
-                    tracing::debug!(%peer, error = %e, "audit connection ended with an error");
+                tokio::select! {
+                    r = pgwire::tokio::process_socket(socket, acceptor, handlers) => {
+                        if let Err(e) = r {
+                            tracing::debug!(%peer, error = %e, "audit connection ended with an error");
+                        }
+                    }
+                    // Dropping the connection's task closes the client's
+                    // socket and the auditor's PostgreSQL connection.
+                    why = conn.ended() => {
+                        let auditor = conn.claim().map(|c| c.auditor.as_str()).unwrap_or("");
+                        tracing::info!(%peer, %auditor, reason = why.as_str(), "the audit endpoint ended an auditor's session");
+                    }
                 }
+                conns.remove(peer);
             });
         }
     });
@@ -200,6 +235,7 @@ pub async fn start(
         stats,
         renewer,
         task,
+        sweeper,
     })
 }
 

@@ -142,6 +142,31 @@ pub async fn login_role(
     db: &mut tokio_postgres::Client,
     group: &str,
     auditor: &str,
+    temp_file_limit_kib: u64,
+) -> Result<(String, String), SetupError> {
+    let (role, password) = find_or_make_login_role(db, group, auditor).await?;
+    limit_temp_files(db, &role, temp_file_limit_kib).await;
+    Ok((role, password))
+}
+
+/// Sets `temp_file_limit` on an auditor's role: a superuser's setting, so
+/// the auditor cannot raise it. Strata's database user needs to be a
+/// superuser or to have been granted `SET ON PARAMETER temp_file_limit`;
+/// without that the limit is not set, and said so.
+async fn limit_temp_files(db: &tokio_postgres::Client, role: &str, kib: u64) {
+    let sql = format!("ALTER ROLE {role} SET temp_file_limit = '{kib}kB'");
+    if let Err(e) = db.batch_execute(&sql).await {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(error = %e, "audit: could not limit auditors' temporary files (a superuser may run: GRANT SET ON PARAMETER temp_file_limit TO <strata's user>)");
+        });
+    }
+}
+
+async fn find_or_make_login_role(
+    db: &mut tokio_postgres::Client,
+    group: &str,
+    auditor: &str,
 ) -> Result<(String, String), SetupError> {
     check_role(group)?;
     let err = |source| SetupError::Db {

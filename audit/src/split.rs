@@ -269,4 +269,65 @@ mod tests {
             let _ = statements(s);
         }
     }
+
+    mod properties {
+        use super::super::{leading_words, statements};
+        use crate::control::classify;
+        use proptest::prelude::*;
+
+        /// SQL-ish text: the characters the lexer treats specially, often.
+        fn sqlish() -> impl Strategy<Value = String> {
+            proptest::collection::vec(
+                prop_oneof![
+                    Just(";".to_string()),
+                    Just("'".to_string()),
+                    Just("\"".to_string()),
+                    Just("$".to_string()),
+                    Just("$a$".to_string()),
+                    Just("--".to_string()),
+                    Just("/*".to_string()),
+                    Just("*/".to_string()),
+                    Just("\n".to_string()),
+                    Just("E'".to_string()),
+                    Just("\\".to_string()),
+                    Just(" BEGIN ".to_string()),
+                    Just(" SET work_mem = 1".to_string()),
+                    Just("commit and chain".to_string()),
+                    any::<char>().prop_map(String::from),
+                    "[a-z ]{0,6}",
+                ],
+                0..40,
+            )
+            .prop_map(|parts| parts.concat())
+        }
+
+        proptest! {
+            /// The splitter never panics, and every statement it returns is
+            /// a piece of the input, in order, the pieces not overlapping.
+            #[test]
+            fn statements_are_disjoint_pieces_of_the_input_in_order(sql in sqlish()) {
+                let base = sql.as_ptr() as usize;
+                let mut end = 0;
+                for stmt in statements(&sql) {
+                    let at = stmt.as_ptr() as usize - base;
+                    prop_assert!(at >= end, "{stmt:?} overlaps the one before in {sql:?}");
+                    prop_assert!(at + stmt.len() <= sql.len());
+                    prop_assert!(!stmt.trim().is_empty());
+                    end = at + stmt.len();
+                    // Whatever a statement holds, telling what it does and
+                    // reading its words never panics.
+                    let _ = classify(stmt);
+                    let _ = leading_words(stmt, 6);
+                }
+            }
+
+            /// Arbitrary text (any Unicode) as well.
+            #[test]
+            fn arbitrary_text_never_panics(sql in any::<String>()) {
+                for stmt in statements(&sql) {
+                    let _ = classify(stmt);
+                }
+            }
+        }
+    }
 }

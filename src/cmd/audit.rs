@@ -116,7 +116,7 @@ pub(crate) async fn audit_users(cmd: AuditUsersCmd) -> Result<ExitCode> {
         AuditUsersCmd::Revoke { db, name } => {
             let client = connect(&db).await?;
             audit::accounts::revoke(&client, &name).await?;
-            println!("auditor {name} revoked: new connections are refused");
+            println!("auditor {name} revoked: new connections are refused, and their open sessions at every audit endpoint end within seconds");
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -23,6 +23,10 @@ pub(crate) async fn start(args: &ServeArgs, cfg: &events::db::Database) -> Resul
     ac.max_transaction_age = args.audit_max_transaction_age;
     ac.max_result_bytes = args.audit_max_result_mib.max(1) << 20;
     ac.max_sessions = args.audit_max_sessions;
+    ac.max_sessions_per_auditor = args.audit_max_sessions_per_auditor;
+    ac.idle_session_timeout = args.audit_idle_session_timeout;
+    ac.work_mem_kib = args.audit_work_mem_mib.max(1) << 10;
+    ac.temp_file_limit_kib = args.audit_temp_file_limit_mib.max(1) << 10;
     if gateway::ca::exists(&args.ca_dir) {
         let ca = gateway::ca::Ca::load(&args.ca_dir)?;
         let (cert_pem, key_pem) = ca.server_identity_for(&args.tls_names, args.serving_validity)?;

@@ -430,3 +430,247 @@ fn an_auditors_statement_that_catches_every_cancel_still_ends_and_leaves_no_back
     let _ = client.kill();
     let _ = client.wait();
 }
+
+/// A free port on the loopback.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// psql as `user` over verified TLS to the endpoint on `port`.
+fn conninfo(ca: &Path, port: u16, user: &str) -> String {
+    format!(
+        "host=127.0.0.1 port={port} dbname=audit sslmode=verify-full sslrootcert={} user={user}",
+        ca.join("ca.pem").display()
+    )
+}
+
+/// psql running `sql` in the background, its output thrown away.
+fn psql_child(conninfo: &str, sql: Option<&str>, password: &str) -> Child {
+    let bindir = testkit::shared_cluster().bindir().to_path_buf();
+    let mut cmd = Command::new(bindir.join("psql"));
+    cmd.arg(conninfo).arg("-X");
+    if let Some(sql) = sql {
+        cmd.args(["-c", sql]);
+    }
+    cmd.env("PGPASSWORD", password)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// An endpoint with one password auditor, as `serve_with` starts it.
+struct Endpoint {
+    url: String,
+    dir: tempfile::TempDir,
+    port: u16,
+    _server: Server,
+}
+
+impl Endpoint {
+    fn start(auditors: &[(&str, &str)], extra: &[&str]) -> Endpoint {
+        let url = database();
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca");
+        ok(&["ca", "init", "--dir", ca.to_str().unwrap()]);
+        for (name, password) in auditors {
+            add_with_password(&url, name, password);
+        }
+        let port = free_port();
+        let server = serve_with(&url, port, &ca, &dir.path().join("audit.log"), extra);
+        Endpoint {
+            url,
+            dir,
+            port,
+            _server: server,
+        }
+    }
+
+    fn conninfo(&self, user: &str) -> String {
+        conninfo(&self.dir.path().join("ca"), self.port, user)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("audit.log")).unwrap()
+    }
+}
+
+#[test]
+fn audit_sessions_are_capped_per_auditor_idle_ones_close_and_revocation_ends_open_ones() {
+    let e = Endpoint::start(
+        &[("gina", "gina pass 1"), ("hank", "hank pass 1")],
+        &[
+            "--audit-max-sessions-per-auditor",
+            "2",
+            "--audit-idle-session-timeout",
+            "3s",
+        ],
+    );
+    let url = &e.url;
+
+    // Two busy sessions are gina's limit; hank is not held up by them.
+    let mut busy: Vec<Child> = (0..2)
+        .map(|_| {
+            psql_child(
+                &e.conninfo("gina"),
+                Some("SELECT pg_sleep(60)"),
+                "gina pass 1",
+            )
+        })
+        .collect();
+    testkit::wait_until(
+        20,
+        "gina's two statements run",
+        || auditor_backends(url) == 2,
+        || {},
+    );
+    let (okay, _, err) = psql(&e.conninfo("gina"), "SELECT 1", Some("gina pass 1"));
+    assert!(!okay);
+    assert!(err.contains("holds its limit of 2 sessions"), "{err}");
+    let (okay, out, err) = psql(&e.conninfo("hank"), "SELECT 1", Some("hank pass 1"));
+    assert!(okay && out.trim() == "1", "{err}");
+
+    // Revoking gina ends both running statements within seconds.
+    let revoked = Instant::now();
+    ok(&["audit", "users", "revoke", "gina", "--database-url", url]);
+    testkit::wait_until(
+        10,
+        "gina's sessions end",
+        || busy.iter_mut().all(|c| c.try_wait().unwrap().is_some()),
+        || {},
+    );
+    testkit::wait_until(
+        5,
+        "gina's PostgreSQL processes end",
+        || auditor_backends(url) == 0,
+        || {},
+    );
+    assert!(
+        revoked.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        revoked.elapsed()
+    );
+    for mut c in busy {
+        assert!(!c.wait().unwrap().success());
+    }
+
+    // A statement longer than the idle limit is not idle ...
+    let (okay, _, err) = psql(
+        &e.conninfo("hank"),
+        "SELECT pg_sleep(4)",
+        Some("hank pass 1"),
+    );
+    assert!(okay, "{err}");
+    // ... but a session that sends nothing is closed.
+    let mut idle = psql_child(&e.conninfo("hank"), None, "hank pass 1");
+    testkit::wait_until(
+        20,
+        "hank's session opens",
+        || auditor_backends(url) == 1,
+        || {},
+    );
+    let opened = Instant::now();
+    testkit::wait_until(
+        10,
+        "hank's idle session is closed",
+        || auditor_backends(url) == 0,
+        || {},
+    );
+    assert!(
+        opened.elapsed() >= Duration::from_secs(2),
+        "closed after {:?}, before its idle limit",
+        opened.elapsed()
+    );
+    let _ = idle.kill();
+    let _ = idle.wait();
+    let log = e.log();
+    assert!(
+        log.contains("reason=\"revoked\"") || log.contains("reason=revoked"),
+        "{log}"
+    );
+    assert!(
+        log.contains("reason=\"idle\"") || log.contains("reason=idle"),
+        "{log}"
+    );
+}
+
+#[test]
+fn failed_audit_logins_slow_down_further_tries_even_with_the_right_password() {
+    let e = Endpoint::start(&[("iris", "iris pass 1")], &[]);
+    let info = e.conninfo("iris");
+    // Ten failures that were checked (tries refused unchecked do not count):
+    // the lockout after the tenth is several seconds.
+    let (mut failed, mut throttled) = (0, 0);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while failed < 10 {
+        assert!(
+            Instant::now() < deadline,
+            "{failed} failures, {throttled} throttled"
+        );
+        let (okay, _, err) = psql(&info, "SELECT 1", Some("wrong"));
+        assert!(!okay);
+        if err.contains("too many failed logins") {
+            throttled += 1;
+        } else {
+            assert!(err.contains("password authentication failed"), "{err}");
+            failed += 1;
+        }
+    }
+    assert!(throttled > 0, "no try was refused unchecked");
+    let (okay, _, err) = psql(&info, "SELECT 1", Some("iris pass 1"));
+    assert!(!okay, "the right password went through a lockout");
+    assert!(err.contains("too many failed logins"), "{err}");
+    testkit::wait_until(
+        40,
+        "the lockout passes and the right password works",
+        || psql(&info, "SELECT 1", Some("iris pass 1")).0,
+        || {},
+    );
+    assert!(e.log().contains("too many failed logins just before"));
+}
+
+#[test]
+fn audit_results_count_rows_and_memory_settings_are_the_endpoints() {
+    let e = Endpoint::start(
+        &[("jude", "jude pass 1")],
+        &["--audit-max-result-mib", "1", "--audit-work-mem-mib", "8"],
+    );
+    let info = e.conninfo("jude");
+    let run = |sql: &str| psql(&info, sql, Some("jude pass 1"));
+    // 400,000 rows of no columns are 800 KB on the wire and far more in memory.
+    let (okay, _, err) = run("SELECT FROM generate_series(1, 400000)");
+    assert!(!okay);
+    assert!(
+        err.contains("larger than the audit endpoint's limit"),
+        "{err}"
+    );
+
+    let (okay, out, err) = run("SHOW work_mem");
+    assert!(okay && out.trim() == "8MB", "{out}{err}");
+    let (okay, out, err) = run("SHOW hash_mem_multiplier");
+    assert!(okay && out.trim() == "1", "{out}{err}");
+    let (okay, _, err) = run("SET work_mem = '1GB'");
+    assert!(
+        !okay && err.contains("fixed by the audit endpoint"),
+        "{err}"
+    );
+    let (okay, out, err) = run(
+        "BEGIN; SELECT set_config('work_mem', '1GB', false); SHOW work_mem; SELECT set_config('hash_mem_multiplier', '100', false); SHOW hash_mem_multiplier; COMMIT",
+    );
+    assert!(okay, "{err}");
+    let lines: Vec<&str> = out
+        .lines()
+        .filter(|l| !["BEGIN", "COMMIT", "ROLLBACK"].contains(l))
+        .collect();
+    assert_eq!(lines, ["1GB", "8MB", "100", "1"], "{out}");
+    // Temporary files are limited on the auditor's role, which cannot raise it.
+    let (okay, out, err) = run("SHOW temp_file_limit");
+    assert!(okay && out.trim() == "1GB", "{out}{err}");
+    let (okay, _, err) = run("SELECT set_config('temp_file_limit', '-1', false)");
+    assert!(!okay && err.contains("permission denied"), "{err}");
+}
