@@ -256,6 +256,7 @@ pub async fn run(args: Args) -> Result<()> {
         batch_max: 1000,
         max_attempts: 8,
         retry: None,
+        credentials: false,
     };
     let exe = std::env::current_exe()?;
     let mut child = tokio::process::Command::new(exe)

@@ -32,6 +32,7 @@ pub const EVENTS: &[EventSpec] = &[
             opt("batch_max", Ty::Integer, "Most events in one delivery (default 500)."),
             opt("max_attempts", Ty::Integer, "Attempts before a batch is parked (default 8)."),
             opt("retry", Ty::Object, "`{base_ms, cap_ms}`: the wait before attempt n+1 is drawn between half and all of min(base * 2^n, cap) (absent: the sinks process's default, 500 ms and 10 s)."),
+            opt("credentials", Ty::Boolean, "`true` when the target's URL had credentials (`user:password@` or `token@`): they are kept in `strata.sink_credentials`, which no auditor can read, and `url` here is without them. Sinks recorded before this field may hold them in `url`."),
         ],
         formerly: &[],
     },

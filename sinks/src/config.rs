@@ -89,6 +89,10 @@ pub struct SinkConfig {
     /// (`Retry::default`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry: Option<Retry>,
+    /// The target's URL had credentials, kept apart from the log (see
+    /// [`crate::credentials`]); the URL here is without them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub credentials: bool,
 }
 
 /// Backoff between a batch's attempts: before attempt n+1 a wait drawn
@@ -204,6 +208,57 @@ impl SinkConfig {
     }
 }
 
+impl SinkConfig {
+    /// The target's URL.
+    pub fn url(&self) -> &str {
+        match &self.target {
+            Target::Webhook { url, .. } | Target::Nats { url, .. } => url,
+        }
+    }
+
+    fn url_mut(&mut self) -> &mut String {
+        match &mut self.target {
+            Target::Webhook { url, .. } | Target::Nats { url, .. } => url,
+        }
+    }
+
+    /// This config as the log keeps it, with its URL's credentials (if any)
+    /// taken out.
+    pub fn without_credentials(&self) -> (SinkConfig, Option<String>) {
+        let mut c = self.clone();
+        let (bare, userinfo) = crate::credentials::split(c.url());
+        *c.url_mut() = bare;
+        c.credentials = c.credentials || userinfo.is_some();
+        (c, userinfo)
+    }
+
+    /// This config as it may be printed: credentials in its URL (a sink
+    /// recorded before they were kept apart) hidden.
+    pub fn printable(&self) -> SinkConfig {
+        let mut c = self.clone();
+        *c.url_mut() = crate::credentials::redact(c.url());
+        c
+    }
+
+    /// This config with its URL's credentials put back from the database,
+    /// to connect with (never to print or record).
+    pub async fn with_credentials(
+        &self,
+        client: &(impl tokio_postgres::GenericClient + Sync),
+    ) -> Result<SinkConfig, SinkError> {
+        let mut c = self.clone();
+        if c.credentials {
+            match crate::credentials::load(client, &c.name).await? {
+                Some(u) => *c.url_mut() = crate::credentials::join(c.url(), &u),
+                None => {
+                    tracing::warn!(sink = %c.name, "the sink's URL had credentials, and none are kept for it now; connecting without")
+                }
+            }
+        }
+        Ok(c)
+    }
+}
+
 /// A sink as the log has it now.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SinkState {
@@ -228,8 +283,15 @@ pub enum SinkError {
     Database(#[from] tokio_postgres::Error),
 }
 
+/// Records a sink whose URL has no credentials (a URL with some is
+/// refused: [`create_in`] keeps them apart from the log).
 pub async fn create(appender: &Appender, config: &SinkConfig) -> Result<(), SinkError> {
     config.validate().map_err(SinkError::Invalid)?;
+    if config.without_credentials().1.is_some() {
+        return Err(SinkError::Invalid(
+            "this URL has credentials, which are kept apart from the log: create the sink with `strata sinks create`".into(),
+        ));
+    }
     let payload = serde_json::to_value(config).expect("configs serialize");
     match appender
         .append(
@@ -315,7 +377,11 @@ pub async fn create_in(
             ExpectedVersion::Exact(s.version)
         }
     };
-    let payload = serde_json::to_value(config).expect("configs serialize");
+    // Credentials in the URL go to their own table, in this transaction;
+    // the event says only that they exist.
+    let (recorded, userinfo) = config.without_credentials();
+    crate::credentials::store(&tx, name, userinfo.as_deref()).await?;
+    let payload = serde_json::to_value(&recorded).expect("configs serialize");
     let event = NewEvent::new(crate::catalog::SINK_CREATED, &payload);
     match events::append::append_one_in(&tx, sink_stream(name), expected, vec![event]).await {
         Ok(_) => {}

@@ -6,6 +6,7 @@
 
 pub mod catalog;
 pub mod config;
+pub mod credentials;
 mod metrics;
 pub mod nats;
 pub mod parked;

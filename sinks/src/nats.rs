@@ -108,12 +108,27 @@ pub fn message_id(region: &str, sink: &str, position: u64) -> String {
     format!("{region}:{sink}:{position}")
 }
 
+/// Connects to the NATS server at `url`; credentials in it
+/// (`user:password@` or `token@`) are given as the client's options.
 pub async fn connect(url: &str) -> Result<async_nats::jetstream::Context, String> {
-    let client = async_nats::ConnectOptions::new()
+    let (bare, userinfo) = crate::credentials::split(url);
+    let options = match userinfo.as_deref().map(|u| u.split_once(':')) {
+        Some(Some((user, password))) => {
+            async_nats::ConnectOptions::with_user_and_password(user.into(), password.into())
+        }
+        Some(None) => async_nats::ConnectOptions::with_token(userinfo.unwrap_or_default()),
+        None => async_nats::ConnectOptions::new(),
+    };
+    let client = options
         .connection_timeout(Duration::from_secs(5))
-        .connect(url)
+        .connect(bare.as_str())
         .await
-        .map_err(|e| format!("connect to NATS at {url}: {e}"))?;
+        .map_err(|e| {
+            format!(
+                "connect to NATS at {}: {e}",
+                crate::credentials::redact(url)
+            )
+        })?;
     Ok(async_nats::jetstream::new(client))
 }
 
@@ -128,6 +143,7 @@ pub async fn ensure_stream(
     create: bool,
 ) -> Result<(String, bool), String> {
     let js = connect(url).await?;
+    let url = crate::credentials::redact(url);
     let subjects = format!("{prefix}.>");
     match js.stream_by_subject(subjects.clone()).await {
         Ok(name) => return Ok((name, false)),

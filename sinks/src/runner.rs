@@ -113,6 +113,10 @@ async fn run(
 ) {
     let store = events::db::SharedClient::new(db);
     let mut workers: HashMap<String, Worker> = HashMap::new();
+    // Workers told to stop and not finished yet: the runner does not wait
+    // for them (a receiver that never answers would hold up every other
+    // sink), but starts no new worker of their sink until they are done.
+    let mut stopping: Vec<(String, tokio::task::JoinHandle<()>)> = Vec::new();
     let mut tick = tokio::time::interval(config.poll);
     loop {
         tokio::select! {
@@ -148,14 +152,28 @@ async fn run(
             if !keep {
                 if let Some(w) = workers.remove(&name) {
                     let _ = w.stop.send(());
-                    let _ = w.task.await;
+                    stopping.push((name, w.task));
                 }
             }
         }
+        stopping.retain(|(_, task)| !task.is_finished());
         for (name, cfg) in wanted {
-            if workers.contains_key(name) {
+            if workers.contains_key(name) || stopping.iter().any(|(n, _)| n == name) {
                 continue;
             }
+            // The worker connects with the URL's credentials, kept apart
+            // from the log; the runner compares the recorded config.
+            let full = match store.get().await {
+                Ok(c) => cfg.with_credentials(&*c).await,
+                Err(e) => Err(e.into()),
+            };
+            let full = match full {
+                Ok(full) => full,
+                Err(e) => {
+                    tracing::warn!(sink = %name, error = %e, "could not read the sink's credentials");
+                    continue;
+                }
+            };
             let start = cfg.start.parse().unwrap_or(events::Start::Beginning);
             match reader.subscribe(&format!("sink.{name}"), start).await {
                 Ok(sub) => {
@@ -163,7 +181,7 @@ async fn run(
                     let task = ops::task::spawn(
                         "sink-worker",
                         worker(
-                            cfg.clone(),
+                            full,
                             sub,
                             http.clone(),
                             store.config.clone(),
@@ -190,9 +208,12 @@ async fn run(
         }
         stats.workers.store(workers.len() as u64, Ordering::Relaxed);
     }
-    for (_, w) in workers.drain() {
+    for (name, w) in workers.drain() {
         let _ = w.stop.send(());
-        let _ = w.task.await;
+        stopping.push((name, w.task));
+    }
+    for (_, task) in stopping {
+        let _ = task.await;
     }
     stats.workers.store(0, Ordering::Relaxed);
 }
@@ -363,9 +384,16 @@ async fn worker(
                 });
             let span =
                 tracing::info_span!("sink.deliver", sink = %cfg.name, events = matching.len());
-            let delivered = deliver(&out, &cfg, &http, &config, &matching, (base, cap))
-                .instrument(span)
-                .await;
+            // A stop (the sink paused, deleted or changed) ends a delivery
+            // still being tried: nothing of it is acknowledged, so whoever
+            // delivers the sink next sends it again.
+            let delivered = tokio::select! {
+                d = deliver(&out, &cfg, &http, &config, &matching, (base, cap)).instrument(span) => d,
+                _ = &mut stop => {
+                    tracing::info!(sink = %cfg.name, "stopped during a delivery; the batch is not acknowledged and will be sent again");
+                    break;
+                }
+            };
             match delivered {
                 Ok(attempts) => {
                     crate::metrics::batch(

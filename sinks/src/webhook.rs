@@ -117,7 +117,15 @@ pub async fn post(
     let ts = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let req = hyper::Request::post(url)
+    // Credentials in the URL are sent as HTTP Basic authentication.
+    let (bare, userinfo) = crate::credentials::split(url);
+    let mut req = hyper::Request::post(bare.as_str());
+    if let Some(u) = userinfo {
+        use base64::Engine;
+        let token = base64::engine::general_purpose::STANDARD.encode(u);
+        req = req.header("authorization", format!("Basic {token}"));
+    }
+    let req = req
         .header("content-type", "application/json")
         .header("x-strata-timestamp", ts.to_string())
         .header("x-strata-signature", signature(secret, ts, &body))

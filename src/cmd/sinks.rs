@@ -165,6 +165,7 @@ pub(crate) async fn sinks(cmd: SinksCmd) -> Result<ExitCode> {
                         cap_ms: retry_cap.map_or(d.cap_ms, |c| c.as_millis() as u64),
                     }
                 }),
+                credentials: false,
             };
             create(&db, c, create_stream).await?;
         }
@@ -258,7 +259,8 @@ async fn list(db: &DbArgs) -> Result<()> {
             "SINK", "STATE", "LAG EVENTS", "LAG S", "PARKED"
         );
     }
-    for s in config::list(&client).await? {
+    for mut s in config::list(&client).await? {
+        s.config = s.config.printable();
         let cursor = config::cursor(&client, &s.config.name).await?;
         let parked = sinks::parked::count(&client, &s.config.name).await?;
         let url = match &s.config.target {
@@ -308,7 +310,7 @@ async fn show(db: &DbArgs, name: &str) -> Result<()> {
     let cursor = config::cursor(&client, name).await?;
     let parked = sinks::parked::count(&client, name).await?;
     let shown = serde_json::json!({
-            "config": s.config,
+            "config": s.config.printable(),
             "paused": s.paused,
             "cursor": cursor,
             "lag_events": cursor.map(|c| head.saturating_sub(c)),
@@ -373,7 +375,8 @@ async fn parked_replay(
 ) -> Result<()> {
     let client = connect(db).await?;
     let sink = find(&client, name).await?;
-    let n = match &sink.config.target {
+    let config = sink.config.with_credentials(&client).await?;
+    let n = match &config.target {
         Target::Webhook { url, secret_env } => {
             sinks::config::check_secret_env(secret_env).map_err(anyhow::Error::msg)?;
             let secret = std::env::var(secret_env)

@@ -26,6 +26,8 @@ struct Receiver {
     requests: AtomicU32,
     /// Answer this many requests only after a second.
     slow_next: AtomicU32,
+    /// The last request's Authorization header.
+    authorization: Mutex<Option<String>>,
 }
 
 async fn receiver() -> (String, Arc<Receiver>) {
@@ -55,6 +57,10 @@ async fn receiver_on(tls: Option<tokio_rustls::TlsAcceptor>) -> (String, Arc<Rec
                 let s = s.clone();
                 async move {
                     s.requests.fetch_add(1, Ordering::Relaxed);
+                    *s.authorization.lock().unwrap() = req
+                        .headers()
+                        .get("authorization")
+                        .map(|v| v.to_str().unwrap().to_string());
                     if s.slow_next
                         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
                         .is_ok()
@@ -144,6 +150,7 @@ fn webhook_sink(
         batch_max,
         max_attempts,
         retry: None,
+        credentials: false,
     }
 }
 
@@ -396,6 +403,7 @@ async fn a_nats_sink_stores_each_event_once_in_jetstream() {
         batch_max: 16,
         max_attempts: 3,
         retry: None,
+        credentials: false,
     };
     config::create(&appender, &sink("js")).await.unwrap();
     let mut rc = ReaderConfig::new(format!("sink_n_{}", std::process::id()));
@@ -624,4 +632,224 @@ async fn a_webhook_sink_delivers_over_https_when_it_trusts_the_receivers_ca() {
     assert_eq!(*rx.positions.lock().unwrap(), want);
     assert_eq!(rx.bad_signatures.load(Ordering::Relaxed), 0);
     sinks.stop().await;
+}
+
+/// A `nats-server` with JetStream that wants a user and password.
+struct AuthNats {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for AuthNats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn nats_with_password(user: &str, password: &str) -> AuthNats {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = tempfile::tempdir().unwrap();
+    let child = std::process::Command::new("nats-server")
+        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string()])
+        .args(["--user", user, "--pass", password, "-sd"])
+        .arg(dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("nats-server is on this machine");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nats-server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    AuthNats {
+        child,
+        port,
+        _dir: dir,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sinks_url_credentials_stay_out_of_the_log_and_it_still_delivers() {
+    let url_db = testkit::migrated_database(testkit::shared_cluster()).await;
+    let cfg: tokio_postgres::Config = url_db.parse().unwrap();
+    let mut client = events::db::connect(&cfg, "test").await.unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let nats = nats_with_password("alice", "s3cr3t-pw");
+    let with_creds = format!("nats://alice:s3cr3t-pw@127.0.0.1:{}", nats.port);
+    let prefix = "credtest";
+    sinks::nats::ensure_stream(&with_creds, prefix, true)
+        .await
+        .unwrap();
+    // A wrong password's error names the server, never the password.
+    let wrong = format!("nats://alice:not-the-pw@127.0.0.1:{}", nats.port);
+    let err = sinks::nats::ensure_stream(&wrong, prefix, true)
+        .await
+        .unwrap_err();
+    assert!(
+        !err.contains("not-the-pw") && err.contains("***@127.0.0.1"),
+        "{err}"
+    );
+
+    let sink = SinkConfig {
+        name: "cred".into(),
+        target: Target::Nats {
+            url: with_creds.clone(),
+            subject_prefix: prefix.into(),
+        },
+        filter: Filter {
+            types: vec![],
+            prefixes: vec!["pool/".into()],
+        },
+        start: "start".into(),
+        batch_max: 16,
+        max_attempts: 3,
+        retry: None,
+        credentials: false,
+    };
+    // Through the appender alone there is nowhere to keep them: refused.
+    let err = config::create(&appender, &sink).await.unwrap_err();
+    assert!(err.to_string().contains("kept apart from the log"), "{err}");
+    config::create_in(&mut client, &sink).await.unwrap();
+    let recorded: String = client
+        .query_one(
+            "SELECT payload::text FROM strata.events WHERE stream = 'sink/cred'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        !recorded.contains("s3cr3t-pw") && !recorded.contains("alice"),
+        "{recorded}"
+    );
+    assert!(recorded.contains("\"credentials\": true"), "{recorded}");
+    let listed = config::list(&client).await.unwrap();
+    assert_eq!(
+        listed[0].config.url(),
+        format!("nats://127.0.0.1:{}", nats.port)
+    );
+
+    // The sinks process puts them back to connect, and delivers.
+    append(&appender, "pool/a", 5).await;
+    let mut rc = ReaderConfig::new(format!("sink_c_{}", std::process::id()));
+    rc.temporary = true;
+    let reader = Reader::start(cfg.clone(), rc);
+    let sinks = Sinks::start(
+        cfg.clone(),
+        reader.clone(),
+        SinksConfig {
+            poll: Duration::from_millis(200),
+            ..SinksConfig::default()
+        },
+    )
+    .unwrap();
+    let js = async_nats::jetstream::new(
+        async_nats::ConnectOptions::with_user_and_password("alice".into(), "s3cr3t-pw".into())
+            .connect(format!("127.0.0.1:{}", nats.port))
+            .await
+            .unwrap(),
+    );
+    let mut stream = js.get_stream("credtest").await.unwrap();
+    let mut polls = 0;
+    while stream.info().await.unwrap().state.messages < 5 && polls < 300 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        polls += 1;
+    }
+    assert_eq!(stream.info().await.unwrap().state.messages, 5);
+    sinks.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_never_answers_holds_up_no_other_sink() {
+    std::env::set_var("STRATA_SINK_SECRET_TEST", SECRET);
+    let url_db = testkit::migrated_database(testkit::shared_cluster()).await;
+    let cfg: tokio_postgres::Config = url_db.parse().unwrap();
+    let mut client = events::db::connect(&cfg, "test").await.unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    // A receiver that takes connections and never answers.
+    let stalled = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stalled_url = format!("http://{}/hook", stalled.local_addr().unwrap());
+    let accepted = Arc::new(AtomicU32::new(0));
+    let held = {
+        let accepted = accepted.clone();
+        tokio::spawn(async move {
+            let mut sockets = Vec::new();
+            while let Ok((s, _)) = stalled.accept().await {
+                accepted.fetch_add(1, Ordering::Relaxed);
+                sockets.push(s);
+            }
+        })
+    };
+    append(&appender, "pool/a", 3).await;
+    let stall = webhook_sink(
+        "stall",
+        &stalled_url,
+        "STRATA_SINK_SECRET_TEST",
+        "pool/",
+        10,
+        10,
+    );
+    config::create(&appender, &stall).await.unwrap();
+    let reader = temporary_reader(&cfg, "stall");
+    let sc = SinksConfig {
+        poll: Duration::from_millis(200),
+        backoff_base: Duration::from_millis(10),
+        backoff_cap: Duration::from_millis(50),
+        request_timeout: Duration::from_secs(30),
+        ..SinksConfig::default()
+    };
+    let sinks = Sinks::start(cfg.clone(), reader.clone(), sc).unwrap();
+    testkit::eventually(20, "the stalled receiver is being posted to", || async {
+        accepted.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    // Pausing it stops its worker mid-delivery, and the runner goes on: a
+    // new sink starts and delivers at once.
+    let paused = std::time::Instant::now();
+    assert!(
+        config::apply(&client, &appender, "stall", sinks::catalog::SINK_PAUSED)
+            .await
+            .unwrap()
+    );
+    let (url, rx) = receiver().await;
+    let with_credentials = url.replacen("http://", "http://bob:pw@", 1);
+    let next = webhook_sink(
+        "next",
+        &with_credentials,
+        "STRATA_SINK_SECRET_TEST",
+        "pool/",
+        10,
+        3,
+    );
+    config::create_in(&mut client, &next).await.unwrap();
+    testkit::eventually(10, "the new sink delivers", || async {
+        rx.positions.lock().unwrap().len() == 3
+    })
+    .await;
+    assert!(
+        paused.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        paused.elapsed()
+    );
+    // The URL's credentials went as Basic authentication ("bob:pw").
+    assert_eq!(
+        rx.authorization.lock().unwrap().as_deref(),
+        Some("Basic Ym9iOnB3")
+    );
+    testkit::eventually(10, "only the new sink's worker runs", || async {
+        sinks.stats.workers.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    sinks.stop().await;
+    held.abort();
 }
