@@ -81,9 +81,15 @@ pub(crate) struct ServeArgs {
     /// gateway: most sessions waiting for their Hello
     #[arg(long, default_value_t = 1_000)]
     pub max_pending_hellos: usize,
-    /// gateway: joins admitted per second (each signs a certificate)
+    /// gateway: joins admitted per second (each signs a certificate); only joins with a token the region issued count
     #[arg(long, default_value_t = 200.0)]
     pub joins_per_second: f64,
+    /// gateway: joins with a token the region never issued, per second from one address (bursts of five times as many); past it the address's joins are refused before their token is looked at
+    #[arg(long, default_value_t = 2.0)]
+    pub bad_joins_per_source_per_second: f64,
+    /// gateway: joins tried per second with one token (a pattern token may admit a fleet; bursts of twice as many)
+    #[arg(long, default_value_t = 100.0)]
+    pub joins_per_token_per_second: f64,
     /// gateway: a connection must finish its TLS handshake and start its first RPC within this of its accept
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub handshake_timeout: std::time::Duration,
@@ -93,6 +99,15 @@ pub(crate) struct ServeArgs {
     /// gateway: most connections without an RPC in progress; one more closes the one idle the longest
     #[arg(long, default_value_t = 1_024)]
     pub max_idle_connections: usize,
+    /// gateway: each request message must arrive whole within this of its start (the first from the RPC's headers); a stalled RPC is cancelled and its connection counts as idle
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub request_deadline: std::time::Duration,
+    /// gateway: most connections without a client certificate at once (joining nodes, and anyone else), so that they cannot take every descriptor from nodes and operators
+    #[arg(long, default_value_t = 256)]
+    pub max_unauthenticated_connections: usize,
+    /// gateway: durable subscriptions one caller of the client API may hold (ListSubscriptions shows them, DeleteSubscription ends one)
+    #[arg(long, default_value_t = 16)]
+    pub max_subscriptions_per_caller: u64,
     /// gateway: inventory and health messages one node may send per second (bursts of ten times as many); past it its session is ended
     #[arg(long, default_value_t = 20.0)]
     pub node_messages_per_second: f64,
@@ -138,6 +153,18 @@ pub(crate) struct ServeArgs {
     /// audit: most auditor sessions at once (each holds a PostgreSQL connection)
     #[arg(long, default_value_t = 32)]
     pub audit_max_sessions: u64,
+    /// audit: most sessions of one auditor at once (so that one auditor cannot hold them all)
+    #[arg(long, default_value_t = 4)]
+    pub audit_max_sessions_per_auditor: u64,
+    /// audit: a session without a statement this long is closed by the endpoint
+    #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
+    pub audit_idle_session_timeout: std::time::Duration,
+    /// audit: memory per sort or hash of an auditor's statement, in MiB (fixed: auditors cannot change work_mem, hash_mem_multiplier or maintenance_work_mem)
+    #[arg(long, default_value_t = 16)]
+    pub audit_work_mem_mib: u64,
+    /// audit: temporary files one auditor's statement may write, in MiB (set on each auditor's database role; needs a superuser or SET ON PARAMETER temp_file_limit)
+    #[arg(long, default_value_t = 1024)]
+    pub audit_temp_file_limit_mib: u64,
     /// sinks: PEM certificates to trust for https:// webhooks besides the system's roots (a private CA)
     #[arg(long, env = "STRATA_WEBHOOK_CA", value_name = "FILE")]
     pub webhook_ca: Option<PathBuf>,

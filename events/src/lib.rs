@@ -25,7 +25,7 @@ pub mod doctor;
 mod lag;
 pub mod lease;
 pub mod metrics;
-mod pgoutput;
+pub mod pgoutput;
 pub mod pgtls;
 pub mod read;
 mod reader;

@@ -4,6 +4,7 @@
 //! which daemons obey.
 
 use crate::state::Shared;
+use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::OwnedSemaphorePermit;
@@ -21,6 +22,14 @@ pub(crate) fn pushback(reason: &str, base_ms: u32) -> Status {
 
 impl Shared {
     pub(crate) fn admit(&self) -> Result<OwnedSemaphorePermit, Status> {
+        if self.lease_epoch.load(Ordering::Relaxed) == 0 {
+            // Its sessions could not be kept: the nodes go elsewhere.
+            self.stats.refused_no_lease.fetch_add(1, Ordering::Relaxed);
+            return Err(pushback(
+                "this gateway holds no lease (cut off from the database?)",
+                2000,
+            ));
+        }
         let rate = self.config.handshakes_per_second.max(0.001);
         if !self
             .bucket
@@ -55,10 +64,36 @@ impl Drop for PendingHello {
 }
 
 impl Shared {
-    /// A token from the joins' own bucket (`joins_per_second`), or a
-    /// `RESOURCE_EXHAUSTED` pushback the daemon waits out.
-    pub(crate) fn admit_join(&self) -> Result<(), Status> {
-        let rate = self.config.joins_per_second.max(0.001);
+    /// Admits a join from `source` with `token`, as `join_limits` says, or
+    /// refuses it: `RESOURCE_EXHAUSTED` with a pushback the daemon waits
+    /// out, or `PERMISSION_DENIED` for a token the region never issued.
+    pub(crate) async fn admit_join(&self, source: IpAddr, token: &str) -> Result<(), Status> {
+        let c = &self.config;
+        let bad_rate = c.bad_joins_per_source_per_second.max(0.001);
+        let bad_burst = (bad_rate * 5.0).max(1.0);
+        let bad = &self.join_limits.bad_per_source;
+        if !bad.holds(&source, bad_rate, bad_burst) {
+            self.stats.refused_joins.fetch_add(1, Ordering::Relaxed);
+            return Err(pushback("too many bad join tokens from this address", 2000));
+        }
+        let hash = crate::identity::digest(token);
+        if !self.token_known(&hash).await? {
+            bad.take(&source, bad_rate, bad_burst);
+            self.stats.refused_joins.fetch_add(1, Ordering::Relaxed);
+            return Err(Status::permission_denied(
+                crate::identity::IdentityError::BadToken.to_string(),
+            ));
+        }
+        let per_token = c.joins_per_token_per_second.max(0.001);
+        if !self
+            .join_limits
+            .per_token
+            .take(&hash, per_token, (per_token * 2.0).max(1.0))
+        {
+            self.stats.refused_joins.fetch_add(1, Ordering::Relaxed);
+            return Err(pushback("too many joins with this token", 1000));
+        }
+        let rate = c.joins_per_second.max(0.001);
         if !self
             .join_bucket
             .lock()
@@ -69,6 +104,40 @@ impl Shared {
             return Err(pushback("too many joins per second", 1000));
         }
         Ok(())
+    }
+
+    /// Whether `hash` is a join token's the region issued: known, or in a
+    /// load of the tokens made after this call began (at most one a
+    /// second; a miss waits for the next, so a token made a moment ago is
+    /// found and a flood of bad ones costs one query a second).
+    async fn token_known(&self, hash: &[u8]) -> Result<bool, Status> {
+        let arrived = std::time::Instant::now();
+        loop {
+            let wait = {
+                let mut known = self.join_limits.known.lock().await;
+                if known.contains(hash) {
+                    return Ok(true);
+                }
+                if known.loaded_since(arrived) {
+                    return Ok(false);
+                }
+                let now = std::time::Instant::now();
+                match known.reload_in(now) {
+                    None => {
+                        let hashes = {
+                            let client = self.identity_db().await?;
+                            crate::identity::known_token_hashes(&client)
+                                .await
+                                .map_err(|e| Status::unavailable(e.to_string()))?
+                        };
+                        known.replace(hashes, now);
+                        return Ok(known.contains(hash));
+                    }
+                    Some(wait) => wait,
+                }
+            };
+            tokio::time::sleep(wait).await;
+        }
     }
 }
 

@@ -8,6 +8,10 @@ use crate::api_proto::{
     QueueSpec as ApiQueueSpec, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest,
     SubscribeMessage, SubscribedEvent, Waiting,
 };
+use crate::api_proto::{
+    DeleteSubscriptionRequest, DeleteSubscriptionResponse, ListSubscriptionsRequest,
+    ListSubscriptionsResponse, SubscriptionInfo,
+};
 use crate::revocation;
 use crate::roles::Need;
 use crate::state::{Shared, Waited};
@@ -293,8 +297,9 @@ impl api_server::Api for ApiService {
                 }
             }
         };
-        let name = format!("api.{who}.{}", start.name);
-        let mut sub = self
+        let name = crate::subscriptions::row_name(&who, &start.name);
+        let existed = crate::subscriptions::exists(&client, &who, &start.name).await?;
+        let sub = self
             .shared
             .reader
             .subscribe(&name, from)
@@ -306,68 +311,22 @@ impl api_server::Api for ApiService {
                 )),
                 e => Status::unavailable(e.to_string()),
             })?;
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<SubscribedEvent, Status>>(256);
-        let shared = self.shared.clone();
-        ops::task::spawn("api-subscription", async move {
-            // Events outside the filter are acknowledged on the client's
-            // behalf when nothing it was sent is waiting for its ack.
-            let (mut sent, mut acked) = (0u64, 0u64);
-            // The certificate is checked again as often as revocations are
-            // reloaded: a revoked operator's stream ends.
-            let mut recheck = tokio::time::interval(crate::revocation::Revoked::RELOAD);
-            recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = recheck.tick() => {
-                        // Only a revocation ends the stream; a database
-                        // that is briefly away does not.
-                        if let Err(status) = still_valid(&shared, &who, &serial).await {
-                            if status.code() == tonic::Code::PermissionDenied {
-                                let _ = tx.send(Err(status)).await;
-                                break;
-                            }
-                        }
-                    }
-                    m = inbound.message() => match m {
-                        Ok(Some(SubscribeMessage { body: Some(subscribe_message::Body::Ack(a)) })) => {
-                            acked = acked.max(a.position.min(sent));
-                            sub.ack(events::Position(acked));
-                        }
-                        Ok(Some(_)) => {}
-                        _ => break,
-                    },
-                    e = sub.next() => match e {
-                        Ok(e) => {
-                            if filter.allows(&e.stream, &e.event_type) {
-                                let ev = SubscribedEvent {
-                                    position: e.position.0,
-                                    stream: e.stream.clone(),
-                                    version: e.version,
-                                    r#type: e.event_type.clone(),
-                                    payload: e.payload.clone(),
-                                    metadata: e.metadata.clone(),
-                                    recorded_at_unix_us: events::types::to_pg_time(e.recorded_at)
-                                        + events::types::PG_EPOCH_OFFSET_MICROS,
-                                };
-                                if tx.send(Ok(ev)).await.is_err() {
-                                    break;
-                                }
-                                sent = e.position.0;
-                            } else if acked >= sent {
-                                acked = e.position.0;
-                                sent = e.position.0;
-                                sub.ack(e.position);
-                            }
-                        }
-                        Err(err) => {
-                            let _ = tx.send(Err(Status::unavailable(err.to_string()))).await;
-                            break;
-                        }
-                    },
-                }
+        // A new one counts against the caller's cap.
+        let cap = self.shared.config.max_subscriptions_per_caller;
+        if !existed {
+            if let Some(held) = crate::subscriptions::over_cap(&client, &who, cap).await? {
+                let _ = sub.close().await;
+                crate::subscriptions::forget(&client, &who, &start.name).await;
+                return Err(Status::resource_exhausted(format!(
+                    "{who} would hold {held} durable subscriptions, more than a caller may (--max-subscriptions-per-caller {cap}); delete one first (DeleteSubscription)"
+                )));
             }
-            let _ = sub.close().await;
-        });
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<SubscribedEvent, Status>>(256);
+        ops::task::spawn(
+            "api-subscription",
+            stream_subscription(self.shared.clone(), who, serial, inbound, sub, filter, tx),
+        );
         let out =
             futures_util::stream::unfold(
                 rx,
@@ -836,6 +795,36 @@ impl api_server::Api for ApiService {
         }))
     }
 
+    async fn list_subscriptions(
+        &self,
+        req: Request<ListSubscriptionsRequest>,
+    ) -> Result<Response<ListSubscriptionsResponse>, Status> {
+        let (who, _) = caller(&self.shared, &req).await?;
+        let client = self.db().await?;
+        let subscriptions = crate::subscriptions::list(&client, &who)
+            .await?
+            .into_iter()
+            .map(|(name, position, open)| SubscriptionInfo {
+                name,
+                position,
+                open,
+            })
+            .collect();
+        Ok(Response::new(ListSubscriptionsResponse { subscriptions }))
+    }
+
+    async fn delete_subscription(
+        &self,
+        req: Request<DeleteSubscriptionRequest>,
+    ) -> Result<Response<DeleteSubscriptionResponse>, Status> {
+        let (who, _) = caller(&self.shared, &req).await?;
+        let name = req.into_inner().name;
+        domain::valid_name("subscription name", &name).map_err(Status::invalid_argument)?;
+        let client = self.db().await?;
+        crate::subscriptions::delete(&client, &who, &name).await?;
+        Ok(Response::new(DeleteSubscriptionResponse {}))
+    }
+
     async fn get_command(
         &self,
         req: Request<GetCommandRequest>,
@@ -852,4 +841,85 @@ impl api_server::Api for ApiService {
 /// Parses an RFC 3339 time such as `2026-11-30T10:00:00Z`.
 fn humantime_rfc3339(s: &str) -> Option<SystemTime> {
     humantime::parse_rfc3339_weak(s).ok()
+}
+
+/// Sends a subscription's events within `filter` to its caller, takes
+/// its acknowledgements, and ends it when the caller leaves, is revoked,
+/// or the gateway stops.
+async fn stream_subscription(
+    shared: Arc<Shared>,
+    who: String,
+    serial: String,
+    mut inbound: tonic::Streaming<SubscribeMessage>,
+    mut sub: events::Subscription,
+    filter: crate::grants::Grant,
+    tx: tokio::sync::mpsc::Sender<Result<SubscribedEvent, Status>>,
+) {
+    let mut stopping = shared.stopping.subscribe();
+    // Events outside the filter are acknowledged on the client's
+    // behalf when nothing it was sent is waiting for its ack.
+    let (mut sent, mut acked) = (0u64, 0u64);
+    // The certificate is checked again as often as revocations are
+    // reloaded: a revoked operator's stream ends.
+    let mut recheck = tokio::time::interval(crate::revocation::Revoked::RELOAD);
+    recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = async { let _ = stopping.wait_for(|s| *s).await; } => {
+                let _ = tx
+                    .send(Err(Status::unavailable(
+                        "this gateway is shutting down; subscribe again (to another gateway)",
+                    )))
+                    .await;
+                break;
+            }
+            _ = recheck.tick() => {
+                // Only a revocation ends the stream; a database
+                // that is briefly away does not.
+                if let Err(status) = still_valid(&shared, &who, &serial).await {
+                    if status.code() == tonic::Code::PermissionDenied {
+                        let _ = tx.send(Err(status)).await;
+                        break;
+                    }
+                }
+            }
+            m = inbound.message() => match m {
+                Ok(Some(SubscribeMessage { body: Some(subscribe_message::Body::Ack(a)) })) => {
+                    acked = acked.max(a.position.min(sent));
+                    sub.ack(events::Position(acked));
+                }
+                Ok(Some(_)) => {}
+                _ => break,
+            },
+            e = sub.next() => match e {
+                Ok(e) => {
+                    if filter.allows(&e.stream, &e.event_type) {
+                        let ev = SubscribedEvent {
+                            position: e.position.0,
+                            stream: e.stream.clone(),
+                            version: e.version,
+                            r#type: e.event_type.clone(),
+                            payload: e.payload.clone(),
+                            metadata: e.metadata.clone(),
+                            recorded_at_unix_us: events::types::to_pg_time(e.recorded_at)
+                                + events::types::PG_EPOCH_OFFSET_MICROS,
+                        };
+                        if tx.send(Ok(ev)).await.is_err() {
+                            break;
+                        }
+                        sent = e.position.0;
+                    } else if acked >= sent {
+                        acked = e.position.0;
+                        sent = e.position.0;
+                        sub.ack(e.position);
+                    }
+                }
+                Err(err) => {
+                    let _ = tx.send(Err(Status::unavailable(err.to_string()))).await;
+                    break;
+                }
+            },
+        }
+    }
+    let _ = sub.close().await;
 }

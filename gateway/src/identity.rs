@@ -46,10 +46,26 @@ pub fn node_stream(node: &str) -> String {
     format!("node/{node}")
 }
 
-fn digest(token: &str) -> Vec<u8> {
+/// A join token as the database keeps it (its SHA-256).
+pub fn digest(token: &str) -> Vec<u8> {
     ring::digest::digest(&ring::digest::SHA256, token.trim().as_bytes())
         .as_ref()
         .to_vec()
+}
+
+/// The hashes of every join token not expired for more than a day (used
+/// ones too: a node whose answer was lost asks again with its token), for
+/// a cheap check before a join costs a transaction.
+pub async fn known_token_hashes(
+    client: &Client,
+) -> Result<std::collections::HashSet<Vec<u8>>, IdentityError> {
+    let rows = client
+        .query(
+            "SELECT hash FROM strata.join_tokens WHERE expires_at > now() - interval '1 day'",
+            &[],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get::<_, Vec<u8>>(0)).collect())
 }
 
 fn interval(d: Duration) -> String {

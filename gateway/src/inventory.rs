@@ -186,4 +186,100 @@ mod tests {
         let err = section_facts("n1", gpus).unwrap_err();
         assert!(err.message().contains("acceptance_json"), "{err}");
     }
+
+    mod properties {
+        use super::super::section_facts;
+        use crate::proto::{node_message, Device, InventorySection, NodeMessage};
+        use proptest::prelude::*;
+        use prost::Message;
+
+        fn text() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just(String::new()),
+                Just("gpus".to_string()),
+                Just("topology".to_string()),
+                Just("rack".to_string()),
+                Just("H100-80GB/1g.10gb".to_string()),
+                "[a-z0-9./_-]{0,12}",
+                any::<String>(),
+            ]
+        }
+
+        fn device() -> impl Strategy<Value = Device> {
+            (
+                text(),
+                text(),
+                any::<u64>(),
+                text(),
+                text(),
+                any::<u32>(),
+                text(),
+            )
+                .prop_map(|(id, class, memory_mb, island, pci, numa, parent)| Device {
+                    id,
+                    class,
+                    memory_mb,
+                    island,
+                    pci,
+                    numa,
+                    parent,
+                })
+        }
+
+        fn section() -> impl Strategy<Value = InventorySection> {
+            (
+                text(),
+                proptest::collection::vec(device(), 0..6),
+                proptest::collection::hash_map(text(), text(), 0..4),
+                prop_oneof![
+                    Just(String::new()),
+                    any::<String>(),
+                    Just("{\"passed\":true}".into())
+                ],
+            )
+                .prop_map(|(name, devices, labels, acceptance_json)| {
+                    InventorySection {
+                        name,
+                        hash: "h".into(),
+                        devices,
+                        labels,
+                        acceptance_json,
+                    }
+                })
+        }
+
+        proptest! {
+            /// A section, however made, becomes facts or a refusal, never a
+            /// panic; every fact it becomes is one the pool can fold.
+            #[test]
+            fn sections_become_facts_or_refusals(node in "[a-z][a-z0-9-]{0,8}", s in section()) {
+                if let Ok(facts) = section_facts(&node, s) {
+                    for f in facts {
+                        let e = f.to_event();
+                        let back = domain::Fact::parse(&e.event_type, e.payload.get(), "{}");
+                        prop_assert_eq!(back, Ok(Some(f)));
+                    }
+                }
+            }
+
+            /// Bytes off the wire never panic the decoder, and an inventory
+            /// section inside them never panics the parser.
+            #[test]
+            fn wire_bytes_never_panic_the_session(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+                if let Ok(NodeMessage { body: Some(node_message::Body::Inventory(s)) }) =
+                    NodeMessage::decode(bytes.as_slice())
+                {
+                    let _ = section_facts("n1", s);
+                }
+            }
+
+            /// A section encoded and decoded is the same section.
+            #[test]
+            fn sections_survive_the_wire(s in section()) {
+                let m = NodeMessage { body: Some(node_message::Body::Inventory(s)) };
+                let again = NodeMessage::decode(m.encode_to_vec().as_slice()).unwrap();
+                prop_assert_eq!(m, again);
+            }
+        }
+    }
 }

@@ -14,11 +14,16 @@ pub(crate) struct JoinService {
 #[tonic::async_trait]
 impl join_server::Join for JoinService {
     async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinResponse>, Status> {
+        let source = req
+            .remote_addr()
+            .map(|a| a.ip())
+            .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into());
         let req = req.into_inner();
         domain::valid_name("node id", &req.node_id).map_err(Status::invalid_argument)?;
-        // Joins are rate-limited apart from sessions: each costs a
-        // signature and a transaction.
-        self.shared.admit_join()?;
+        // Joins are rate-limited apart from sessions (each costs a
+        // signature and a transaction): per address, per token, and only
+        // tokens the region issued spend the gateway's joins.
+        self.shared.admit_join(source, &req.token).await?;
         let mut client = self.shared.identity_db().await?;
         // The token and the node's id are checked before anything is signed.
         let (ca, validity) = (&self.shared.ca, self.shared.config.certificate_validity);

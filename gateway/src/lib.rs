@@ -2,16 +2,19 @@
 
 mod admission;
 mod api;
+mod bucket;
 pub mod ca;
 pub mod catalog;
 mod codec;
 mod damping;
 pub mod dcgm_level;
+mod deadline;
 mod dispatch;
 pub mod grants;
 pub mod identity;
-mod inventory;
+pub mod inventory;
 mod join;
+mod join_limits;
 mod latest;
 mod listener;
 mod liveness;
@@ -22,6 +25,7 @@ pub mod roles;
 pub mod server;
 mod session;
 mod state;
+mod subscriptions;
 mod writer;
 
 pub mod proto {

@@ -35,6 +35,10 @@ pub struct Limits {
     pub handshake_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_idle: usize,
+    /// Each request message must arrive whole within this of its start.
+    pub request_deadline: Duration,
+    /// Most connections without a client certificate at once.
+    pub max_unauthenticated: usize,
 }
 
 /// Counters of the listener.
@@ -50,6 +54,11 @@ pub struct ListenerStats {
     pub idle_closed: AtomicU64,
     /// Accepts that failed for want of a file descriptor.
     pub out_of_descriptors: AtomicU64,
+    /// Connections without a client certificate closed after their
+    /// handshake: their share of connections was full.
+    pub unauthenticated_refused: AtomicU64,
+    /// RPCs cancelled because a request message did not arrive whole in time.
+    pub requests_cut: AtomicU64,
 }
 
 /// One accepted connection.
@@ -64,6 +73,8 @@ pub(crate) struct Conn {
     /// none is in progress.
     settled: AtomicBool,
     closed: AtomicBool,
+    /// It presented no client certificate (and counts in that share).
+    unauthenticated: AtomicBool,
     waker: AtomicWaker,
 }
 
@@ -78,6 +89,8 @@ impl Conn {
 pub(crate) struct Conns {
     by_addr: Mutex<HashMap<SocketAddr, Arc<Conn>>>,
     idle: AtomicUsize,
+    /// Connections without a client certificate.
+    unauthenticated: AtomicUsize,
     epoch: Instant,
     limits: Limits,
     pub(crate) stats: Arc<ListenerStats>,
@@ -88,6 +101,7 @@ impl Conns {
         Arc::new(Conns {
             by_addr: Mutex::new(HashMap::new()),
             idle: AtomicUsize::new(0),
+            unauthenticated: AtomicUsize::new(0),
             epoch: Instant::now(),
             limits,
             stats,
@@ -118,6 +132,7 @@ impl Conns {
             accepted_ms: self.now_ms(),
             settled: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            unauthenticated: AtomicBool::new(false),
             waker: AtomicWaker::new(),
         });
         self.by_addr
@@ -134,6 +149,9 @@ impl Conns {
             if conn.settled.load(Ordering::SeqCst) && conn.active.load(Ordering::SeqCst) == 0 {
                 self.idle.fetch_sub(1, Ordering::Relaxed);
             }
+            if conn.unauthenticated.swap(false, Ordering::SeqCst) {
+                self.unauthenticated.fetch_sub(1, Ordering::SeqCst);
+            }
         }
     }
 
@@ -144,13 +162,16 @@ impl Conns {
     /// Closes the connection idle the longest (among those past their first
     /// RPC only, when `settled`).
     fn close_longest_idle(&self, settled: bool) -> bool {
+        self.close_longest_idle_of(|c| !settled || c.settled.load(Ordering::SeqCst))
+    }
+
+    /// Closes the connection idle the longest among those `of` picks.
+    fn close_longest_idle_of(&self, of: impl Fn(&Conn) -> bool) -> bool {
         let map = self.by_addr.lock().expect("conns lock");
         let oldest = map
             .values()
             .filter(|c| {
-                c.active.load(Ordering::SeqCst) == 0
-                    && !c.closed.load(Ordering::SeqCst)
-                    && (!settled || c.settled.load(Ordering::SeqCst))
+                c.active.load(Ordering::SeqCst) == 0 && !c.closed.load(Ordering::SeqCst) && of(c)
             })
             .min_by_key(|c| c.idle_since_ms.load(Ordering::Relaxed));
         match oldest {
@@ -161,6 +182,24 @@ impl Conns {
             }
             None => false,
         }
+    }
+
+    /// Counts `conn`, which presented no client certificate, in its share:
+    /// when the share is full, the one of them idle the longest is closed
+    /// to make room, and if every one is busy, `conn` is refused (false).
+    fn admit_unauthenticated(&self, conn: &Conn) -> bool {
+        let n = self.unauthenticated.fetch_add(1, Ordering::SeqCst) + 1;
+        conn.unauthenticated.store(true, Ordering::SeqCst);
+        if n <= self.limits.max_unauthenticated
+            || self.close_longest_idle_of(|c| {
+                c.unauthenticated.load(Ordering::SeqCst) && !std::ptr::eq(c, conn)
+            })
+        {
+            return true;
+        }
+        conn.unauthenticated.store(false, Ordering::SeqCst);
+        self.unauthenticated.fetch_sub(1, Ordering::SeqCst);
+        false
     }
 
     /// Closes every connection idle past the idle timeout, and every one
@@ -351,6 +390,16 @@ pub(crate) fn serve(
                 match tokio::time::timeout(timeout, acceptor.accept(tracked)).await {
                     Ok(Ok(tls)) => {
                         stats.handshakes.fetch_add(1, Ordering::Relaxed);
+                        let (tracked, session) = tls.get_ref();
+                        if session.peer_certificates().is_none()
+                            && !tracked.conns.admit_unauthenticated(&tracked.conn)
+                        {
+                            stats
+                                .unauthenticated_refused
+                                .fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!(%addr, "gateway: connection without a certificate refused: their share is full");
+                            return;
+                        }
                         let _ = tx.send(Ok(tls)).await;
                     }
                     Ok(Err(e)) => {
@@ -423,9 +472,12 @@ impl Drop for Busy {
     }
 }
 
-impl<S, B> tower_service::Service<http::Request<B>> for Activity<S>
+impl<S> tower_service::Service<http::Request<tonic::body::Body>> for Activity<S>
 where
-    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S: tower_service::Service<
+        http::Request<tonic::body::Body>,
+        Response = http::Response<tonic::body::Body>,
+    >,
     S::Future: Send + 'static,
 {
     type Response = http::Response<tonic::body::Body>;
@@ -436,7 +488,17 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        // Each request message is due whole within the deadline: a stalled
+        // one cancels the RPC, and the connection is idle again.
+        let stats = self.conns.stats.clone();
+        let on_cut: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+            stats.requests_cut.fetch_add(1, Ordering::Relaxed);
+        });
+        let deadline = self.conns.limits.request_deadline;
+        let req = req.map(|body| {
+            tonic::body::Body::new(crate::deadline::Deadlined::new(body, deadline, on_cut))
+        });
         let busy = req
             .extensions()
             .get::<TlsConnectInfo<TcpConnectInfo>>()

@@ -13,8 +13,10 @@
 //! them. A gateway restarted under the same id holds a newer epoch, so the
 //! sessions of its previous life are swept too, by itself if need be.
 //!
-//! A gateway that finds its own lease lost ends every session it holds
-//! (its nodes come back, to it or another) and takes a new epoch.
+//! A gateway that finds its own lease lost, or cannot renew it for a whole
+//! TTL (cut off from the database), ends every session it holds (its nodes
+//! move to another gateway, or come back once it holds a lease again),
+//! refuses new ones meanwhile, and takes a new epoch.
 
 use crate::state::Shared;
 use domain::{pool_stream, Fact};
@@ -23,6 +25,7 @@ use events::lease::{Lease, LeaseError};
 use events::{AppendError, ExpectedVersion, NewEvent, StreamAppend};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use tokio::time::Instant;
 
 /// The lease's name for gateway `id`.
 pub(crate) fn lease_name(id: &str) -> String {
@@ -34,9 +37,10 @@ pub(crate) fn lease_name(id: &str) -> String {
 pub(crate) async fn start(
     shared: &Arc<Shared>,
 ) -> Result<[tokio::task::JoinHandle<()>; 2], String> {
+    let asked = Instant::now();
     let lease = acquire(shared).await?;
     Ok([
-        ops::task::spawn("gateway-lease", keep(shared.clone(), lease)),
+        ops::task::spawn("gateway-lease", keep(shared.clone(), lease, asked)),
         ops::task::spawn("gateway-orphans", sweep(shared.clone())),
     ])
 }
@@ -46,7 +50,7 @@ pub(crate) async fn start(
 pub(crate) async fn acquire(shared: &Shared) -> Result<Lease, String> {
     let ttl = shared.config.lease_ttl;
     let name = lease_name(&shared.config.id);
-    let until = tokio::time::Instant::now() + ttl * 2;
+    let until = Instant::now() + ttl * 2;
     loop {
         let client = shared.db.get().await.map_err(|e| e.to_string())?;
         match Lease::acquire(&client, &name, &shared.config.id, ttl).await {
@@ -54,7 +58,7 @@ pub(crate) async fn acquire(shared: &Shared) -> Result<Lease, String> {
                 shared.lease_epoch.store(lease.epoch, Ordering::Relaxed);
                 return Ok(lease);
             }
-            Ok(None) if tokio::time::Instant::now() < until => {}
+            Ok(None) if Instant::now() < until => {}
             Ok(None) => {
                 return Err(format!(
                 "another live gateway holds the id {:?}; give each gateway its own --gateway-id",
@@ -67,42 +71,87 @@ pub(crate) async fn acquire(shared: &Shared) -> Result<Lease, String> {
     }
 }
 
-/// Renews the lease every third of its TTL. When it is found lost, ends
-/// every session this gateway holds and takes a new epoch. Transient
-/// database errors are retried at the next tick (the lease may lapse
-/// meanwhile: then it is lost, as it should be).
-pub(crate) async fn keep(shared: Arc<Shared>, mut lease: Lease) {
-    let every = shared.config.lease_ttl / 3;
+/// Renews the lease every third of its TTL, each renewal given that long.
+/// When it is found lost, or when no renewal has succeeded for a whole TTL
+/// on this process's clock (the database unreachable: a renewal that hangs
+/// proves nothing), ends every session this gateway holds, refuses new
+/// ones until it holds the lease again, and takes a new epoch.
+///
+/// The lease is held locally until the start of the last renewal that
+/// succeeded plus the TTL: the database's expiry is counted from a moment
+/// no earlier, so this gateway gives its sessions up no later than any
+/// other gateway may mark them lost.
+pub(crate) async fn keep(shared: Arc<Shared>, mut lease: Lease, asked: Instant) {
+    let ttl = shared.config.lease_ttl;
+    let every = ttl / 3;
+    let mut held_until = asked + ttl;
     loop {
         tokio::time::sleep(every).await;
-        let renewed = match shared.db.get().await {
-            Ok(c) => lease.renew(&c).await,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot renew the gateway's lease: no database connection");
+        let started = Instant::now();
+        let renewed = tokio::time::timeout(every, async {
+            match shared.db.get().await {
+                Ok(c) => lease.renew(&c).await.map_err(|e| match e {
+                    LeaseError::Lost { .. } => Renewal::Lost,
+                    e => Renewal::Failed(e.to_string()),
+                }),
+                Err(e) => Err(Renewal::Failed(format!("no database connection: {e}"))),
+            }
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(Renewal::Failed(format!(
+                "no answer from the database within {} ms",
+                every.as_millis()
+            )))
+        });
+        let why = match renewed {
+            Ok(()) => {
+                held_until = started + ttl;
                 continue;
             }
-        };
-        match renewed {
-            Ok(()) => {}
-            Err(LeaseError::Lost { .. }) => {
-                shared.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(
-                    id = %shared.config.id,
-                    epoch = lease.epoch,
-                    "the gateway's lease lapsed (frozen, or cut off from the database); its sessions may have been marked lost: ending them all"
-                );
-                crate::admission::end_sessions(
-                    &shared,
-                    "this gateway lost its lease; open a new session",
-                );
-                match acquire(&shared).await {
-                    Ok(l) => lease = l,
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot take the gateway's lease again; retrying")
-                    }
-                }
+            Err(Renewal::Failed(e)) if Instant::now() < held_until => {
+                tracing::warn!(error = %e, "cannot renew the gateway's lease; retrying");
+                continue;
             }
-            Err(e) => tracing::warn!(error = %e, "cannot renew the gateway's lease; retrying"),
+            Err(Renewal::Failed(e)) => format!(
+                "no renewal of the gateway's lease for its whole TTL ({e}): cut off from the database"
+            ),
+            Err(Renewal::Lost) => "the gateway's lease lapsed (frozen, or cut off from the database)".to_string(),
+        };
+        shared.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
+        shared.lease_epoch.store(0, Ordering::Relaxed);
+        tracing::error!(
+            id = %shared.config.id,
+            epoch = lease.epoch,
+            "{why}; its sessions may have been marked lost: ending them all"
+        );
+        crate::admission::end_sessions(&shared, "this gateway lost its lease; open a new session");
+        let asked;
+        (lease, asked) = retake(&shared).await;
+        held_until = asked + ttl;
+    }
+}
+
+/// Why a renewal did not succeed.
+enum Renewal {
+    Lost,
+    Failed(String),
+}
+
+/// Takes the lease again, as often as it takes; with when the attempt
+/// that took it began.
+async fn retake(shared: &Shared) -> (Lease, Instant) {
+    loop {
+        let asked = Instant::now();
+        match acquire(shared).await {
+            Ok(l) => {
+                tracing::info!(epoch = l.epoch, "the gateway holds its lease again");
+                return (l, asked);
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot take the gateway's lease again; retrying");
+                tokio::time::sleep(shared.config.lease_ttl / 6).await;
+            }
         }
     }
 }

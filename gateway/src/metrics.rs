@@ -62,6 +62,22 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         "strata_gateway_refused_total",
         Counter,
         REFUSED,
+        &[("reason", "inventory")],
+        refused_inventory
+    ),
+    ops::stat_field!(
+        GatewayStats,
+        "strata_gateway_refused_total",
+        Counter,
+        REFUSED,
+        &[("reason", "no_lease")],
+        refused_no_lease
+    ),
+    ops::stat_field!(
+        GatewayStats,
+        "strata_gateway_refused_total",
+        Counter,
+        REFUSED,
         &[("reason", "identity")],
         refused_identity
     ),
@@ -229,6 +245,22 @@ static LISTENER: &[Field<ListenerStats>] = &[
         "Accepts that failed for want of a file descriptor.",
         &[],
         out_of_descriptors
+    ),
+    ops::stat_field!(
+        ListenerStats,
+        "strata_gateway_unauthenticated_refused_total",
+        Counter,
+        "Connections without a client certificate closed after their handshake: their share (--max-unauthenticated-connections) was full of busy ones.",
+        &[],
+        unauthenticated_refused
+    ),
+    ops::stat_field!(
+        ListenerStats,
+        "strata_gateway_requests_cut_total",
+        Counter,
+        "RPCs cancelled because a request message did not arrive whole within --request-deadline.",
+        &[],
+        requests_cut
     ),
 ];
 

@@ -19,10 +19,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tonic::transport::Server;
 
+use crate::bucket::Bucket;
 use crate::dispatch::dispatcher;
 use crate::join::JoinService;
 use crate::session::{sweeper, SessionService};
-use crate::state::{Bucket, Shared};
+use crate::state::Shared;
 pub use crate::state::{GatewayConfig, GatewayError, GatewayStats};
 use crate::writer::writer;
 
@@ -54,6 +55,9 @@ impl Running {
         self.conns.counts()
     }
 }
+
+/// How long a stopping gateway waits for its connections to finish.
+const DRAIN: Duration = Duration::from_secs(10);
 
 /// Starts a gateway.
 pub async fn start(
@@ -89,6 +93,8 @@ pub async fn start(
             handshake_timeout: config.handshake_timeout,
             idle_timeout: config.idle_timeout,
             max_idle: config.max_idle_connections,
+            request_deadline: config.request_deadline,
+            max_unauthenticated: config.max_unauthenticated_connections,
         },
         listener_stats.clone(),
     );
@@ -164,13 +170,28 @@ pub async fn start(
             async move {
                 let _ = stop_rx.await;
                 // End every session with a status that sends its node
-                // elsewhere; the server then drains.
+                // elsewhere, and every client stream; the server then
+                // drains.
+                shared.stopping.send_replace(true);
                 crate::admission::end_sessions(&shared, "this gateway is shutting down");
             }
         });
     tracing::info!(%addr, id = %shared.config.id, "gateway listening");
     let task = ops::task::spawn("gateway", async move {
-        let r = server.await;
+        // The drain has a deadline: a client that keeps a stream open past
+        // it has its connection closed.
+        let mut stopping = shared.stopping.subscribe();
+        tokio::pin!(server);
+        let r = tokio::select! {
+            r = &mut server => r,
+            _ = async {
+                let _ = stopping.wait_for(|s| *s).await;
+                tokio::time::sleep(DRAIN).await;
+            } => {
+                tracing::warn!(id = %shared.config.id, "streams still open {} s after the gateway began to stop: closing their connections", DRAIN.as_secs());
+                Ok(())
+            }
+        };
         tracing::info!(id = %shared.config.id, "gateway stopped");
         sweeper.abort();
         for t in liveness {
@@ -214,6 +235,7 @@ fn new_shared(
             tokens: config.joins_per_second.max(1.0),
             last: Instant::now(),
         }),
+        join_limits: Default::default(),
         sessions: Mutex::new(HashMap::new()),
         db: events::db::SharedClient::new(db),
         appender,
@@ -228,5 +250,6 @@ fn new_shared(
         pools: tokio::sync::Mutex::new(projections::Index::new()),
         joins: tokio::sync::Mutex::new(None),
         lease_epoch: std::sync::atomic::AtomicI64::new(0),
+        stopping: tokio::sync::watch::Sender::new(false),
     })
 }

@@ -205,7 +205,7 @@ pub(crate) async fn session(
     // Inventory and health messages each cost a write; a node sending more
     // than its share is ended rather than let it crowd out the rest.
     let rate = shared.config.node_messages_per_second.max(0.1);
-    let mut budget = crate::state::Bucket {
+    let mut budget = crate::bucket::Bucket {
         tokens: rate * 10.0,
         last: Instant::now(),
     };
@@ -702,8 +702,16 @@ async fn inventory(
                         .await;
                 }
             }
+            Err(AppendError::Closed) => {}
             Err(e) => {
-                tracing::warn!(%node, error = %e, "could not write the node's inventory")
+                // Not recorded as seen: the node offers the section again
+                // on its next session, and it is written once the log
+                // takes it (a GPU's other claimant has left the pool).
+                shared
+                    .stats
+                    .refused_inventory
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%node, error = %e, "the log refused the node's inventory")
             }
         }
     });

@@ -27,8 +27,16 @@ pub struct GatewayConfig {
     pub names: Vec<String>,
     pub max_streams: usize,
     pub handshakes_per_second: f64,
-    /// Joins admitted per second (each signs a certificate).
+    /// Joins admitted per second (each signs a certificate), counting only
+    /// those whose token is one the region issued.
     pub joins_per_second: f64,
+    /// Joins with a token the region never issued, per second from one
+    /// address (a burst of five times as many is allowed); past it the
+    /// address's joins are refused before their token is looked at.
+    pub bad_joins_per_source_per_second: f64,
+    /// Joins tried per second with one token (a pattern token may admit a
+    /// whole fleet; a burst of twice as many is allowed).
+    pub joins_per_token_per_second: f64,
     pub max_pending_hellos: usize,
     /// The heartbeat interval nodes are told; a node is unreachable after
     /// three missed.
@@ -50,6 +58,16 @@ pub struct GatewayConfig {
     /// Most connections without an RPC in progress at once; one more closes
     /// the one idle the longest.
     pub max_idle_connections: usize,
+    /// An RPC must receive each request message whole within this of its
+    /// start (the first from the RPC's headers); one that does not is
+    /// cancelled, and its connection counts as idle again.
+    pub request_deadline: Duration,
+    /// Most connections without a client certificate (joining nodes, and
+    /// anyone) at once: their own share, so that they cannot take every
+    /// descriptor from nodes and operators.
+    pub max_unauthenticated_connections: usize,
+    /// Durable subscriptions one caller of the client API may hold.
+    pub max_subscriptions_per_caller: u64,
     /// Inventory and health messages a session may send per second (a
     /// burst of ten times as many is allowed); a session sending more is
     /// ended.
@@ -69,6 +87,8 @@ impl GatewayConfig {
             max_streams: 20_000,
             handshakes_per_second: 2_000.0,
             joins_per_second: 200.0,
+            bad_joins_per_source_per_second: 2.0,
+            joins_per_token_per_second: 100.0,
             max_pending_hellos: 1_000,
             heartbeat: Duration::from_secs(10),
             max_message_bytes: 1 << 20,
@@ -77,6 +97,9 @@ impl GatewayConfig {
             handshake_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             max_idle_connections: 1_024,
+            request_deadline: Duration::from_secs(10),
+            max_unauthenticated_connections: 256,
+            max_subscriptions_per_caller: 16,
             node_messages_per_second: 20.0,
             lease_ttl: Duration::from_secs(6),
         }
@@ -117,6 +140,10 @@ pub struct GatewayStats {
     /// Sessions refused: too many waiting for their Hello.
     pub refused_pending: AtomicU64,
     pub refused_identity: AtomicU64,
+    /// Sessions refused: the gateway held no lease.
+    pub refused_no_lease: AtomicU64,
+    /// Inventories the log refused (a GPU another node reports).
+    pub refused_inventory: AtomicU64,
     pub joins: AtomicU64,
     /// Joins refused: a bad token, an id taken or revoked, too many at once.
     pub refused_joins: AtomicU64,
@@ -141,27 +168,6 @@ pub struct GatewayStats {
     pub lease_lost: AtomicU64,
     /// Nodes of lapsed gateways this gateway marked lost.
     pub orphans_marked: AtomicU64,
-}
-
-pub(crate) struct Bucket {
-    pub(crate) tokens: f64,
-    pub(crate) last: Instant,
-}
-
-impl Bucket {
-    /// Takes one token if there is one, refilling at `rate` per second up
-    /// to `burst`.
-    pub(crate) fn take(&mut self, rate: f64, burst: f64) -> bool {
-        let now = Instant::now();
-        self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * rate).min(burst);
-        self.last = now;
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
-    }
 }
 
 /// A node's session as this gateway knows it.
@@ -227,8 +233,9 @@ pub(crate) struct Shared {
     pub(crate) stats: Arc<GatewayStats>,
     pub(crate) streams: Arc<Semaphore>,
     pub(crate) pending_hellos: AtomicUsize,
-    pub(crate) bucket: Mutex<Bucket>,
-    pub(crate) join_bucket: Mutex<Bucket>,
+    pub(crate) bucket: Mutex<crate::bucket::Bucket>,
+    pub(crate) join_bucket: Mutex<crate::bucket::Bucket>,
+    pub(crate) join_limits: crate::join_limits::JoinLimits,
     pub(crate) sessions: Mutex<HashMap<String, SessionEntry>>,
     pub(crate) writes: mpsc::Sender<Write>,
     /// Commands not yet terminal, as the log says.
@@ -248,6 +255,9 @@ pub(crate) struct Shared {
     /// The epoch of the gateway's lease, written into every session it
     /// opens (see the liveness module).
     pub(crate) lease_epoch: std::sync::atomic::AtomicI64,
+    /// Set once the gateway begins to stop: the client API's streams end
+    /// (their callers subscribe again elsewhere).
+    pub(crate) stopping: tokio::sync::watch::Sender<bool>,
 }
 
 /// What an API caller waited for.

@@ -180,6 +180,18 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0018_node_sessions.sql"),
         change: Change::Expand,
     },
+    Migration {
+        version: 19,
+        name: "sink_credentials",
+        sql: include_str!("../migrations/0019_sink_credentials.sql"),
+        change: Change::Expand,
+    },
+    Migration {
+        version: 20,
+        name: "device_owners",
+        sql: include_str!("../migrations/0020_device_owners.sql"),
+        change: Change::Expand,
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

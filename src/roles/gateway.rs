@@ -26,9 +26,14 @@ pub(crate) async fn start(
     gc.handshakes_per_second = args.handshakes_per_second;
     gc.max_pending_hellos = args.max_pending_hellos;
     gc.joins_per_second = args.joins_per_second;
+    gc.bad_joins_per_source_per_second = args.bad_joins_per_source_per_second;
+    gc.joins_per_token_per_second = args.joins_per_token_per_second;
     gc.handshake_timeout = args.handshake_timeout;
     gc.idle_timeout = args.idle_timeout;
     gc.max_idle_connections = args.max_idle_connections;
+    gc.request_deadline = args.request_deadline;
+    gc.max_unauthenticated_connections = args.max_unauthenticated_connections;
+    gc.max_subscriptions_per_caller = args.max_subscriptions_per_caller;
     gc.node_messages_per_second = args.node_messages_per_second;
     gc.serving_validity = args.serving_validity;
     gc.heartbeat = args.heartbeat;

@@ -594,3 +594,112 @@ async fn subscriptions_over_the_api_respect_grants_and_resume_after_acks() {
     assert!(ended.message().contains("revoked"), "{ended:?}");
     gw.stop().await.unwrap();
 }
+
+/// A Subscribe call's first message, and the sender for its acks.
+fn subscribe_start(
+    name: &str,
+) -> (
+    tokio::sync::mpsc::Sender<gateway::api_proto::SubscribeMessage>,
+    impl futures_util::Stream<Item = gateway::api_proto::SubscribeMessage>,
+) {
+    use gateway::api_proto::{subscribe_message, SubscribeMessage, SubscribeStart};
+    let (tx, rx) = tokio::sync::mpsc::channel::<SubscribeMessage>(16);
+    tx.try_send(SubscribeMessage {
+        body: Some(subscribe_message::Body::Start(SubscribeStart {
+            name: name.into(),
+            types: vec![],
+            stream_prefixes: vec![],
+            from: "now".into(),
+        })),
+    })
+    .unwrap();
+    let out =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    (tx, out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_holds_at_most_its_cap_of_durable_subscriptions_and_deletes_its_own() {
+    use gateway::api_proto::DeleteSubscriptionRequest;
+    let r = region().await;
+    let gw = r
+        .gateway("gw-subs", |c| c.max_subscriptions_per_caller = 2)
+        .await;
+    gateway::grants::set(
+        &r.appender,
+        "dora",
+        &gateway::grants::Grant {
+            stream_prefixes: vec!["pool/".into()],
+            types: vec![],
+        },
+    )
+    .await
+    .unwrap();
+    let ca = Ca::load(r.ca_dir.path()).unwrap();
+    let (cert, key) = ca.issue_operator("dora", 1).unwrap();
+    let mut dora = api_as(&r, &gw, cert, key).await;
+    // Two subscriptions made and left.
+    for name in ["a", "b"] {
+        let (tx, out) = subscribe_start(name);
+        let stream = dora.subscribe(out).await.unwrap();
+        drop((tx, stream));
+    }
+    // A third is refused, and leaves nothing behind.
+    let (_tx, out) = subscribe_start("c");
+    let err = match dora.subscribe(out).await {
+        Err(s) => s,
+        Ok(resp) => resp.into_inner().message().await.unwrap_err(),
+    };
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains("DeleteSubscription"), "{err:?}");
+    async fn names(
+        dora: &mut gateway::api_proto::api_client::ApiClient<tonic::transport::Channel>,
+    ) -> Vec<String> {
+        dora.list_subscriptions(gateway::api_proto::ListSubscriptionsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .subscriptions
+            .into_iter()
+            .map(|s| s.name)
+            .collect()
+    }
+    assert_eq!(names(&mut dora).await, ["a", "b"]);
+    // One still open cannot be deleted; once closed it can, and a new one fits.
+    let (tx, out) = subscribe_start("a");
+    let open = dora.subscribe(out).await.unwrap();
+    let err = dora
+        .delete_subscription(DeleteSubscriptionRequest { name: "a".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    drop((tx, open));
+    testkit::eventually(20, "the closed subscription is deleted", || {
+        let mut dora = dora.clone();
+        async move {
+            dora.delete_subscription(DeleteSubscriptionRequest { name: "a".into() })
+                .await
+                .is_ok()
+        }
+    })
+    .await;
+    let err = dora
+        .delete_subscription(DeleteSubscriptionRequest { name: "a".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    let (_tx, out) = subscribe_start("c");
+    let mut c = dora.subscribe(out).await.unwrap().into_inner();
+    assert_eq!(names(&mut dora).await, ["b", "c"]);
+    // A stopping gateway ends the open stream, so the caller goes to
+    // another, and stops without waiting for the caller to leave.
+    gw.stop().await.unwrap();
+    let err = loop {
+        match c.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended without a status"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+}

@@ -1,14 +1,36 @@
-//! A TCP proxy whose connections can be cut: the network failing under a
-//! request that is in flight.
+//! A TCP proxy whose connections can be cut (the network failing under a
+//! request that is in flight) or held (a link that goes silent: bytes
+//! sent get no answer, no connection is refused or closed, new ones hang).
 
 use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub struct Cut {
     pub addr: std::net::SocketAddr,
     conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
+    held: watch::Sender<bool>,
+}
+
+/// Copies `from` to `to`, holding what it read while `held` says so.
+async fn pump(
+    mut from: impl AsyncRead + Unpin,
+    mut to: impl AsyncWrite + Unpin,
+    mut held: watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if held.wait_for(|h| !*h).await.is_err() || to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
 }
 
 impl Cut {
@@ -17,22 +39,45 @@ impl Cut {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let held = conns.clone();
+        let (held, hold) = watch::channel(false);
+        let open = conns.clone();
         let accept = tokio::spawn(async move {
-            while let Ok((mut down, _)) = listener.accept().await {
+            while let Ok((down, _)) = listener.accept().await {
+                let hold = hold.clone();
                 let task = tokio::spawn(async move {
-                    if let Ok(mut up) = TcpStream::connect(upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+                    let mut h = hold.clone();
+                    if h.wait_for(|h| !*h).await.is_err() {
+                        return;
+                    }
+                    if let Ok(up) = TcpStream::connect(upstream).await {
+                        let (dr, dw) = down.into_split();
+                        let (ur, uw) = up.into_split();
+                        tokio::select! {
+                            _ = pump(dr, uw, hold.clone()) => {}
+                            _ = pump(ur, dw, hold) => {}
+                        }
                     }
                 });
-                held.lock().unwrap().push(task);
+                open.lock().unwrap().push(task);
             }
         });
         Cut {
             addr,
             conns,
             accept,
+            held,
         }
+    }
+
+    /// Holds every byte, both ways, on every connection (open and new)
+    /// until [`Cut::release`].
+    pub fn hold(&self) {
+        self.held.send_replace(true);
+    }
+
+    /// Lets bytes through again.
+    pub fn release(&self) {
+        self.held.send_replace(false);
     }
 
     pub fn url(&self) -> String {

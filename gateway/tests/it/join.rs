@@ -4,6 +4,27 @@
 //! that exists or was revoked.
 
 use super::*;
+use std::time::Instant;
+
+/// A channel for joins (no client certificate), from `from` if given.
+async fn join_channel(
+    ca_pem: &str,
+    url: &str,
+    from: Option<std::net::IpAddr>,
+) -> tonic::transport::Channel {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca_pem))
+        .domain_name("localhost");
+    Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .local_address(from)
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
 
 /// A join with this CSR; the certificate it was given.
 async fn join_with(
@@ -14,18 +35,7 @@ async fn join_with(
     csr: &str,
 ) -> Result<String, tonic::Status> {
     use gateway::proto::{join_client::JoinClient, JoinRequest};
-    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(r.ca_pem()))
-        .domain_name("localhost");
-    let channel = Endpoint::from_shared(url(gw))
-        .unwrap()
-        .tls_config(tls)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    JoinClient::new(channel)
+    JoinClient::new(join_channel(&r.ca_pem(), &url(gw), None).await)
         .join(JoinRequest {
             token: token.into(),
             node_id: node.into(),
@@ -404,5 +414,120 @@ async fn a_join_token_cannot_take_an_existing_or_revoked_node_id() {
     let err = join_as(r, &gw, &r.token().await, "zeta").await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
     assert!(err.metadata().get("retry-after-ms").is_some());
+    gw.stop().await.unwrap();
+}
+
+/// A join from `from` until it is answered other than "too many joins".
+async fn join_from(
+    r: &Region,
+    gw: &Running,
+    from: std::net::IpAddr,
+    token: &str,
+    node: &str,
+) -> Result<String, tonic::Status> {
+    use gateway::proto::{join_client::JoinClient, JoinRequest};
+    let mut client = JoinClient::new(join_channel(&r.ca_pem(), &url(gw), Some(from)).await);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let csr = rcgen::CertificateParams::new(Vec::<String>::new())
+        .unwrap()
+        .serialize_request(&key)
+        .unwrap()
+        .pem()
+        .unwrap();
+    loop {
+        let answer = client
+            .join(JoinRequest {
+                token: token.into(),
+                node_id: node.into(),
+                csr_pem: csr.clone(),
+            })
+            .await;
+        match answer {
+            Err(e) if e.code() == tonic::Code::ResourceExhausted => {
+                let ms: u64 = e
+                    .metadata()
+                    .get("retry-after-ms")
+                    .and_then(|v| v.to_str().ok()?.parse().ok())
+                    .unwrap_or(500);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            other => return other.map(|r| r.into_inner().certificate_pem),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_bad_join_tokens_from_one_address_does_not_keep_real_nodes_out() {
+    let r = region().await;
+    let gw = r.gateway("gw-flood", |c| c.joins_per_second = 2.0).await;
+    let attacker: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+    let node: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    // ~50 garbage joins a second from one address.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let (stop, url) = (stop.clone(), url(&gw));
+        let ca = r.ca_pem();
+        tokio::spawn(async move {
+            use gateway::proto::{join_client::JoinClient, JoinRequest};
+            let channel = join_channel(&ca, &url, Some(attacker)).await;
+            // Each request on its own, not waiting for the one before.
+            let client = JoinClient::new(channel);
+            let mut tries = Vec::new();
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let mut client = client.clone();
+                tries.push(tokio::spawn(async move {
+                    let e = client
+                        .join(JoinRequest {
+                            token: format!("garbage-{i}"),
+                            node_id: format!("x{i}"),
+                            csr_pem: String::new(),
+                        })
+                        .await
+                        .unwrap_err();
+                    format!("{:?}", e.code())
+                }));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let mut codes = std::collections::BTreeMap::<String, u32>::new();
+            for t in tries {
+                *codes.entry(t.await.unwrap()).or_default() += 1;
+            }
+            codes
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Six real nodes, each with its own token, join meanwhile, in time.
+    let started = Instant::now();
+    let mut tokens = Vec::new();
+    for i in 0..6 {
+        tokens.push((r.token().await, format!("real{i}")));
+    }
+    let joins = tokens
+        .iter()
+        .map(|(token, id)| join_from(&r, &gw, node, token, id));
+    let joined = tokio::time::timeout(
+        Duration::from_secs(20),
+        futures_util::future::join_all(joins),
+    )
+    .await
+    .expect("real nodes could not join during the flood");
+    for j in joined {
+        j.unwrap();
+    }
+    let took = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let codes = flood.await.unwrap();
+    // Bad tokens are refused as such, and the address is slowed down.
+    assert!(
+        codes.get("PermissionDenied").is_some_and(|n| *n > 10),
+        "{codes:?}"
+    );
+    assert!(
+        codes.get("ResourceExhausted").is_some_and(|n| *n > 10),
+        "{codes:?}"
+    );
+    assert!(took < Duration::from_secs(10), "{took:?}");
     gw.stop().await.unwrap();
 }

@@ -264,3 +264,102 @@ async fn the_serving_certificate_is_renewed_before_it_expires() {
     n2.stop().await.unwrap();
     gw.stop().await.unwrap();
 }
+
+/// An HTTP/2 connection, without a client certificate, whose Join RPC sent
+/// its headers and the first 10 of the 100 bytes its message announced, and
+/// then nothing more: what comes back, and when the gateway closed it.
+async fn stalled_join(
+    addr: std::net::SocketAddr,
+    connector: tokio_rustls::TlsConnector,
+) -> Option<(Option<String>, Duration)> {
+    let started = Instant::now();
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let tls = connector.connect(name, tcp).await.ok()?;
+    let (mut h2, connection) = h2::client::handshake(tls).await.ok()?;
+    let driver = tokio::spawn(connection);
+    let req = http::Request::post("https://localhost/strata.node.v1.Join/Join")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (response, mut body) = h2.send_request(req, false).ok()?;
+    let mut partial = vec![0u8, 0, 0, 0, 100];
+    partial.extend_from_slice(&[0x0a; 10]);
+    body.send_data(bytes::Bytes::from(partial), false).ok()?;
+    // The gRPC status the gateway answers with, if it answers.
+    let status = match response.await {
+        Ok(resp) => {
+            let from_headers = resp
+                .headers()
+                .get("grpc-status")
+                .map(|v| v.to_str().unwrap().to_string());
+            let mut recv = resp.into_body();
+            while recv.data().await.is_some() {}
+            let trailers = recv.trailers().await.ok().flatten();
+            from_headers.or_else(|| {
+                trailers.and_then(|t| {
+                    t.get("grpc-status")
+                        .map(|v| v.to_str().unwrap().to_string())
+                })
+            })
+        }
+        Err(_) => None,
+    };
+    // Keep our side open: only the gateway may close the connection.
+    let _keep = (h2, body);
+    let _ = driver.await;
+    Some((status, started.elapsed()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_rpcs_are_cut_at_their_deadline_and_their_connections_closed() {
+    let r = region().await;
+    let gw = r
+        .gateway("gw-stall", |c| {
+            c.request_deadline = Duration::from_secs(2);
+            c.idle_timeout = Duration::from_secs(2);
+            c.max_unauthenticated_connections = 40;
+        })
+        .await;
+    let connector = tls_client(&r.ca_pem());
+    let stalled: Vec<_> = (0..60)
+        .map(|_| tokio::spawn(stalled_join(gw.addr, connector.clone())))
+        .collect();
+    // Meanwhile the unauthenticated share is full, but a node with a
+    // certificate gets its session.
+    let dir = tempfile::tempdir().unwrap();
+    let c = joining(&r, &gw, dir.path(), "n1").await;
+    let n = start(c);
+    testkit::eventually(30, "n1 joined and opened a session", || async {
+        n.stats.connected.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    let mut cut = 0;
+    for s in stalled {
+        let outcome = tokio::time::timeout(Duration::from_secs(20), s)
+            .await
+            .expect("a stalled connection was left open")
+            .unwrap();
+        if let Some((status, took)) = outcome {
+            // DEADLINE_EXCEEDED, or closed before an answer (over the share).
+            if status.as_deref() == Some("4") {
+                cut += 1;
+                assert!(took >= Duration::from_secs(2), "{took:?}");
+            } else {
+                assert_eq!(status, None, "{status:?}");
+            }
+        }
+    }
+    assert!(cut > 0, "no stalled RPC was cut at its deadline");
+    // Past the share of 40, each new connection without a certificate
+    // closed one of them that was idle, or was refused when all were busy.
+    let refused = gw.listener.unauthenticated_refused.load(Ordering::Relaxed);
+    let closed = gw.listener.idle_closed.load(Ordering::Relaxed);
+    assert!(refused + closed >= 20, "{refused} refused, {closed} closed");
+    assert!(refused > 0, "every stalled RPC was let in");
+    assert!(gw.listener.requests_cut.load(Ordering::Relaxed) >= cut);
+    assert_eq!(n.stats.connected.load(Ordering::Relaxed), 1);
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}

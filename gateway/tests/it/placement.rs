@@ -149,13 +149,15 @@ async fn xid_and_ecc_conditions_reach_the_pool_and_make_the_device_unschedulable
     let (_, dev) = node.device(&gpu3).unwrap();
     assert_eq!(dev.conditions, ["XID-79"]);
     assert!(!node.schedulable());
-    // Statuses are written when they change: ready, then degraded.
+    // Statuses are written when they change: ready, then degraded (once,
+    // or twice when a health poll fell between the two injections and saw
+    // the XID alone: the second names the ECC error).
     testkit::eventually(20, "the degraded status is written", || async {
         r.count(
-            "SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.status_reported'",
+            "SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.status_reported' AND payload->>'state' = 'degraded'",
         )
         .await
-            == 2
+            >= 1
     })
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -170,7 +172,11 @@ async fn xid_and_ecc_conditions_reach_the_pool_and_make_the_device_unschedulable
         .iter()
         .map(|row| row.get(0))
         .collect();
-    assert_eq!(states, ["ready", "degraded"]);
+    assert_eq!(states[0], "ready");
+    assert!(
+        (2..=3).contains(&states.len()) && states[1..].iter().all(|s| s == "degraded"),
+        "{states:?}"
+    );
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
 }

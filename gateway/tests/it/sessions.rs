@@ -1,6 +1,8 @@
 //! A node's session: joining and holding it, refusals at the door, heartbeats
 //! and the fence of a newer session, malformed messages, a node whose
-//! connection is gone, writes while PostgreSQL is down, flapping health.
+//! connection is gone, writes while PostgreSQL is down, flapping health,
+//! a node that reports another node's GPUs, a gateway cut off from the
+//! database.
 
 use super::*;
 
@@ -101,6 +103,72 @@ async fn a_node_joins_holds_a_session_and_sends_only_changed_inventory() {
         "epoch = the node stream's version at the session's opening"
     );
     n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_reporting_another_nodes_gpus_is_refused_by_the_log() {
+    let r = region().await;
+    let gw = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let n1 = start(joining(&r, &gw, dir.path(), "n1").await);
+    testkit::eventually(20, "n1's inventory is in the pool", || async {
+        r.count("SELECT count(*) FROM strata.device_owners WHERE node = 'n1'")
+            .await
+            == 8
+    })
+    .await;
+    // n2's daemon reports n1's GPUs (a forged or misconfigured daemon).
+    let mut forged = joining(&r, &gw, dir.path(), "n2").await;
+    forged.backend = Arc::new(FakeGpus::parse("8xH100-80GB", "n1").unwrap());
+    let n2 = start(forged.clone());
+    testkit::eventually(20, "the log refuses n2's inventory", || async {
+        gw.stats.refused_inventory.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.joined' AND payload->>'node' = 'n2'")
+            .await,
+        0,
+        "no GPU is in two nodes' inventories"
+    );
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.device_owners WHERE node = 'n1'")
+            .await,
+        8
+    );
+    // The session itself stands (the node is who it says it is); its
+    // inventory is offered again on its next session.
+    assert_eq!(n2.stats.connected.load(Ordering::Relaxed), 1);
+    n2.stop().await.unwrap();
+
+    // Once n1 has left the pool, the GPUs are n2's to report.
+    n1.stop().await.unwrap();
+    r.appender
+        .append(
+            "pool/p",
+            ExpectedVersion::Any,
+            vec![Fact::NodeLeft {
+                node: "n1".into(),
+                reason: String::new(),
+            }
+            .to_event()],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.device_owners").await,
+        0
+    );
+    forged.token = None;
+    let n2 = start(forged);
+    testkit::eventually(20, "n2's inventory is written", || async {
+        r.count("SELECT count(*) FROM strata.device_owners WHERE node = 'n2'")
+            .await
+            == 8
+    })
+    .await;
+    n2.stop().await.unwrap();
     gw.stop().await.unwrap();
 }
 
@@ -508,6 +576,75 @@ async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() 
     );
     n.stop().await.unwrap();
     placer.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_cut_off_from_the_database_gives_its_sessions_up_within_its_lease() {
+    let r = region().await;
+    // gw-a reaches PostgreSQL through a link the test can silence.
+    let pg = cut::Cut::to(
+        format!("127.0.0.1:{}", r.cfg.get_ports()[0])
+            .parse()
+            .unwrap(),
+    )
+    .await;
+    let cfg: tokio_postgres::Config = format!(
+        "postgres://{}@{}/{}",
+        r.cfg.get_user().unwrap(),
+        pg.addr,
+        r.cfg.get_dbname().unwrap()
+    )
+    .parse()
+    .unwrap();
+    let ttl = Duration::from_secs(3);
+    let mut c = GatewayConfig::new("gw-a", "127.0.0.1:0".parse().unwrap(), r.ca_dir.path());
+    c.heartbeat = Duration::from_secs(1);
+    c.lease_ttl = ttl;
+    let gw = server::start(cfg, r.reader(), r.appender.clone(), c)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let n = start(joining(&r, &gw, dir.path(), "n1").await);
+    testkit::eventually(20, "the session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+
+    // The link goes silent: every renewal hangs, nothing is refused.
+    pg.hold();
+    let cut_at = std::time::Instant::now();
+    testkit::eventually(20, "the gateway gives its sessions up", || async {
+        gw.stats.lease_lost.load(Ordering::Relaxed) == 1
+            && gw.stats.sessions.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    assert!(
+        cut_at.elapsed() < ttl + Duration::from_secs(2),
+        "given up {:?} after the cut, past its lease of {ttl:?}",
+        cut_at.elapsed()
+    );
+    // The node is told, and is refused until the gateway holds a lease.
+    testkit::eventually(20, "the node's session ends and it is refused", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 0
+            && gw.stats.refused_no_lease.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+
+    // The link is back: the gateway takes a new epoch and the node its
+    // session again.
+    pg.release();
+    testkit::eventually(30, "the node's session opens again", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.session_opened'")
+            .await
+            == 2
+    })
+    .await;
+    let epochs = r
+        .count("SELECT count(DISTINCT payload->>'gateway_epoch') FROM strata.events WHERE stream = 'node/n1' AND type = 'node.session_opened'")
+        .await;
+    assert_eq!(epochs, 2, "the second session carries the new epoch");
+    n.stop().await.unwrap();
     gw.stop().await.unwrap();
 }
 

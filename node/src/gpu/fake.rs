@@ -483,4 +483,49 @@ mod tests {
         let raised = restarted.poll_health().unwrap();
         assert_eq!(raised[0].device.as_deref(), Some(after[8].id.as_str()));
     }
+
+    mod properties {
+        use super::super::FakeGpus;
+        use crate::gpu::GpuBackend;
+        use proptest::prelude::*;
+
+        fn spec() -> impl Strategy<Value = String> {
+            prop_oneof![
+                any::<String>(),
+                "[0-9]{1,3}x[A-Za-z0-9-]{0,10}",
+                "[0-9]{1,2}x[A-Z0-9-]{1,8}:mig=[0-9a-z.*+,@-]{0,24}",
+                (
+                    1u32..9,
+                    prop_oneof![
+                        Just("1g.10gb"),
+                        Just("3g.40gb"),
+                        Just("7g.80gb"),
+                        Just("9g.1gb")
+                    ],
+                    0u32..9,
+                    0u32..9
+                )
+                    .prop_map(|(n, p, k, at)| format!("{n}xH100-80GB:mig={p}*{k}@{at}")),
+            ]
+        }
+
+        proptest! {
+            /// Any spec is an inventory or a refusal, never a panic; an
+            /// inventory's ids are unique and each instance's GPU is in it,
+            /// whole.
+            #[test]
+            fn specs_become_consistent_inventories_or_refusals(spec in spec()) {
+                let Ok(gpus) = FakeGpus::parse(&spec, "n1") else { return Ok(()) };
+                let inv = gpus.inventory().unwrap();
+                let ids: std::collections::HashSet<&str> = inv.iter().map(|g| g.id.as_str()).collect();
+                prop_assert_eq!(ids.len(), inv.len(), "ids repeat in {:?}", spec);
+                for g in &inv {
+                    if let Some(parent) = &g.parent {
+                        let whole = inv.iter().find(|p| &p.id == parent);
+                        prop_assert!(whole.is_some_and(|p| p.parent.is_none()), "{:?}", spec);
+                    }
+                }
+            }
+        }
+    }
 }
