@@ -37,11 +37,36 @@ pub fn cluster_with_tls() -> Result<(Cluster, PathBuf)> {
 }
 
 fn cluster_serving(tls: Option<schema::cluster::ClusterTls>) -> Result<(Cluster, PathBuf)> {
+    cluster_with(tls, |_| {})
+}
+
+/// The same, also reachable from the region drill's network namespaces
+/// (`10.77.0.0/16`, see `region::net`), with initdb's trust rules.
+pub fn cluster_for_namespaces() -> Result<Cluster> {
+    Ok(cluster_with(None, |o| {
+        o.settings.push(("listen_addresses".into(), "*".into()));
+        o.hba = Some(
+            "local all all trust\n\
+             host all all 127.0.0.1/32 trust\n\
+             host all all 10.77.0.0/16 trust\n\
+             host replication all 127.0.0.1/32 trust\n\
+             host replication all 10.77.0.0/16 trust\n"
+                .into(),
+        );
+    })?
+    .0)
+}
+
+fn cluster_with(
+    tls: Option<schema::cluster::ClusterTls>,
+    tweak: impl FnOnce(&mut ClusterOptions),
+) -> Result<(Cluster, PathBuf)> {
     let base = std::env::temp_dir().join(format!("strata-bench-{}", std::process::id()));
     let mut opts = ClusterOptions::new(base.join("pg"));
     opts.fsync = true;
     opts.remove_on_exit = Some(base.clone());
     opts.tls = tls;
+    tweak(&mut opts);
     let c = Cluster::start(opts).context("start the benchmark's PostgreSQL")?;
     Ok((c, base))
 }

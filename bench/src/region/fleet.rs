@@ -26,14 +26,18 @@ pub struct Node {
     token: Option<String>,
 }
 
+/// A running daemon: its stop, and its task.
+type Daemon = (watch::Sender<bool>, JoinHandle<Result<(), DaemonError>>);
+
 /// Every simulated node, and the daemons running now.
 pub struct Fleet {
     pub nodes: Vec<Arc<Node>>,
     pub stats: Arc<DaemonStats>,
     gateways: Vec<String>,
     ca_pem: String,
-    stop: Option<watch::Sender<bool>>,
-    tasks: Vec<JoinHandle<Result<(), DaemonError>>>,
+    /// Each node's daemon now, by the node's index: its stop and its task.
+    running: Vec<Option<Daemon>>,
+    return_home: Duration,
     /// Daemons that ended with an error (a refused join, say), over all starts.
     pub refusals: Vec<String>,
     /// Why each daemon that ended by itself did, as it happened.
@@ -73,8 +77,8 @@ impl Fleet {
             stats: Arc::default(),
             gateways: Vec::new(),
             ca_pem,
-            stop: None,
-            tasks: Vec::new(),
+            running: Vec::new(),
+            return_home: Duration::from_secs(30),
             refusals: Vec::new(),
             why: Arc::default(),
         })
@@ -87,40 +91,58 @@ impl Fleet {
     /// Starts every daemon at the same instant. A node without a
     /// certificate yet joins with its token first.
     pub fn start(&mut self, return_home: Duration) {
-        let (tx, rx) = watch::channel(false);
-        self.stop = Some(tx);
-        for n in &self.nodes {
+        self.return_home = return_home;
+        let all: Vec<usize> = (0..self.nodes.len()).collect();
+        self.start_these(&all);
+    }
+
+    /// Starts the daemons of the nodes at these indexes (those not running).
+    pub fn start_these(&mut self, which: &[usize]) {
+        self.running.resize_with(self.nodes.len(), || None);
+        for &i in which {
+            if self.running[i].is_some() {
+                continue;
+            }
+            let n = &self.nodes[i];
             let mut c =
                 DaemonConfig::new(self.gateways.clone(), n.dir.clone(), &n.id, n.gpus.clone());
             c.health_poll = Duration::from_secs(1);
-            c.return_home = return_home;
+            c.return_home = self.return_home;
             if !n.dir.join("node.pem").exists() {
                 c.token = n.token.clone();
                 c.ca_pem = Some(self.ca_pem.clone());
             }
-            let (stats, rx, why, id) = (
-                self.stats.clone(),
-                rx.clone(),
-                self.why.clone(),
-                n.id.clone(),
-            );
-            self.tasks.push(tokio::spawn(async move {
+            let (tx, rx) = watch::channel(false);
+            let (stats, why, id) = (self.stats.clone(), self.why.clone(), n.id.clone());
+            let task = tokio::spawn(async move {
                 let r = daemon::run(c, stats, rx).await;
                 if let Err(e) = &r {
                     why.lock().expect("why lock").push(format!("{id}: {e}"));
                 }
                 r
-            }));
+            });
+            self.running[i] = Some((tx, task));
         }
     }
 
     /// Stops every daemon (their sessions end as a power loss would end
     /// them, without a goodbye) and waits for them.
     pub async fn stop(&mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(true);
+        let all: Vec<usize> = (0..self.nodes.len()).collect();
+        self.stop_these(&all).await;
+    }
+
+    /// Stops the daemons of the nodes at these indexes, all at once, as a
+    /// power loss would, and waits for them.
+    pub async fn stop_these(&mut self, which: &[usize]) {
+        let mut stopping = Vec::new();
+        for &i in which {
+            if let Some((tx, task)) = self.running.get_mut(i).and_then(Option::take) {
+                let _ = tx.send(true);
+                stopping.push((i, task));
+            }
         }
-        for (i, t) in std::mem::take(&mut self.tasks).into_iter().enumerate() {
+        for (i, t) in stopping {
             match t.await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => self.refusals.push(format!("{}: {e}", self.nodes[i].id)),
@@ -129,9 +151,21 @@ impl Fleet {
         }
     }
 
+    /// The indexes of these nodes.
+    pub fn indexes(&self, ids: &[String]) -> Vec<usize> {
+        let want: std::collections::HashSet<&String> = ids.iter().collect();
+        (0..self.nodes.len())
+            .filter(|&i| want.contains(&self.nodes[i].id))
+            .collect()
+    }
+
     /// Daemons that have ended while the fleet runs (each a refusal: a
     /// running daemon ends only when told to).
     pub fn ended(&self) -> usize {
-        self.tasks.iter().filter(|t| t.is_finished()).count()
+        self.running
+            .iter()
+            .flatten()
+            .filter(|(_, t)| t.is_finished())
+            .count()
     }
 }

@@ -17,6 +17,8 @@
 pub mod check;
 pub mod fleet;
 pub mod load;
+pub mod net;
+pub mod partitions;
 pub mod procs;
 pub mod scenarios;
 
@@ -52,9 +54,11 @@ pub struct Args {
     #[arg(long)]
     shared_processes: bool,
     /// The faults to inject after the steady phase, comma-separated, in
-    /// this order: power_cycle, gateway_kill, placer_kill, binder_kill,
-    /// sinks_kill, postgres_crash, walsenders_terminated, slot_dropped,
-    /// standby_promoted;
+    /// this order: power_cycle, gateway_kill, rack_power_loss, placer_kill,
+    /// binder_kill, sinks_kill, postgres_crash, walsenders_terminated,
+    /// slot_dropped, gateway_cut_from_postgres, rack_cut_from_gateway,
+    /// placer_cut_from_postgres, lossy_links, standby_promoted (the four
+    /// network faults need root: `ip netns`, `iptables`, `tc`);
     /// `all` (the default) or `none` (cold start and steady load only; the
     /// targets of faults left out are reported as not measured)
     #[arg(long, default_value = "all")]
@@ -62,16 +66,30 @@ pub struct Args {
 }
 
 /// Every fault the drill knows, in the order it injects them.
-pub const FAULTS: [&str; 9] = [
+pub const FAULTS: [&str; 14] = [
     "power_cycle",
     "gateway_kill",
+    "rack_power_loss",
     "placer_kill",
     "binder_kill",
     "sinks_kill",
     "postgres_crash",
     "walsenders_terminated",
     "slot_dropped",
+    "gateway_cut_from_postgres",
+    "rack_cut_from_gateway",
+    "placer_cut_from_postgres",
+    "lossy_links",
     "standby_promoted",
+];
+
+/// The faults that cut or degrade links (`net.rs`): with any of them, a
+/// gateway and a placer run in network namespaces of their own.
+pub const NETWORK_FAULTS: [&str; 4] = [
+    "gateway_cut_from_postgres",
+    "rack_cut_from_gateway",
+    "placer_cut_from_postgres",
+    "lossy_links",
 ];
 
 /// The faults `--faults` names, in the drill's order.
@@ -121,6 +139,16 @@ pub struct Options {
     pub shared: bool,
     /// The faults to inject (of [`FAULTS`]), in that order.
     pub faults: Vec<&'static str>,
+    /// How long a network fault is held before it is healed.
+    pub partition: Duration,
+    /// The placers' `--node-lost-after`.
+    pub node_lost_after: Duration,
+}
+
+impl Options {
+    pub fn network(&self) -> bool {
+        self.faults.iter().any(|f| NETWORK_FAULTS.contains(f))
+    }
 }
 
 impl Options {
@@ -146,6 +174,8 @@ impl Options {
             patience: Duration::from_secs(180),
             shared: false,
             faults: FAULTS.to_vec(),
+            partition: Duration::from_secs(30),
+            node_lost_after: Duration::from_secs(30),
         }
     }
 }
@@ -169,6 +199,7 @@ pub async fn run(args: Args) -> Result<()> {
     if args.quick {
         o.return_home = Duration::from_secs(10);
         o.spread_wait = Duration::from_secs(40);
+        o.partition = Duration::from_secs(20);
     }
     let result = drill(o).await?;
     let name = format!(
@@ -254,6 +285,11 @@ impl Region {
             .find(|r| r.runs(role))
             .map(|r| r.name.clone())
             .unwrap_or_default()
+    }
+
+    /// The port PostgreSQL listens on.
+    pub fn pg_port(&self) -> u16 {
+        self.cluster.port()
     }
 
     /// Starts a role's process again (after a kill) and, for a gateway,
@@ -393,7 +429,11 @@ pub async fn start(o: &Options) -> Result<Region> {
         .prefix("strata-region-")
         .tempdir()?;
     eprintln!("starting a private PostgreSQL (fsync on) ...");
-    let cluster = tokio::task::spawn_blocking(util::cluster).await??;
+    let cluster = if o.network() {
+        tokio::task::spawn_blocking(util::cluster_for_namespaces).await??
+    } else {
+        tokio::task::spawn_blocking(util::cluster).await??
+    };
     let cfg = util::database(&cluster, "region").await?;
     let standby_port = if o.faults.contains(&"standby_promoted") {
         Some(procs::free_port()?)
@@ -444,6 +484,7 @@ pub async fn start(o: &Options) -> Result<Region> {
             batch_max: 1000,
             max_attempts: 100,
             retry: None,
+            credentials: false,
         },
     )
     .await?;
@@ -470,6 +511,7 @@ pub async fn start(o: &Options) -> Result<Region> {
                     batch_max: 1000,
                     max_attempts: 100,
                     retry: None,
+                    credentials: false,
                 },
             )
             .await?;
@@ -486,6 +528,7 @@ pub async fn start(o: &Options) -> Result<Region> {
     };
     let ca_arg = ca.display().to_string();
     let mut roles = Vec::new();
+    let lost_after = format!("{}s", o.node_lost_after.as_secs());
     let role = |name: &str, args: &[&str]| {
         let mut a: Vec<String> = vec![
             "--slot".into(),
@@ -496,13 +539,30 @@ pub async fn start(o: &Options) -> Result<Region> {
             "5s".into(),
         ];
         a.extend(args.iter().map(|s| s.to_string()));
-        Role::new(name, a, dir.path())
+        let mut r = Role::new(name, a, dir.path());
+        if r.runs("placer") {
+            r.args_push(&["--node-lost-after", &lost_after]);
+        }
+        r
+    };
+    // With network faults, a gateway and a placer each in a namespace.
+    let (gw_ns, placer_ns) = if o.network() {
+        (
+            Some(Arc::new(net::Netns::create(1)?)),
+            Some(Arc::new(net::Netns::create(2)?)),
+        )
+    } else {
+        (None, None)
     };
     if !o.shared {
         roles.push(role("maintenance", &["--roles", "maintenance"]));
     }
     for i in 1..=3 {
-        let listen = format!("127.0.0.1:{}", procs::free_port()?);
+        let ns = gw_ns.clone().filter(|_| i == 1);
+        let host = ns
+            .as_ref()
+            .map_or("127.0.0.1".to_string(), |n| n.role_ip.clone());
+        let listen = format!("{host}:{}", procs::free_port()?);
         let mut r = role(
             &format!("gw-{i}"),
             &[
@@ -517,6 +577,7 @@ pub async fn start(o: &Options) -> Result<Region> {
             ],
         );
         r.listen = Some(listen);
+        r.netns = ns;
         roles.push(r);
     }
     let audit = format!("127.0.0.1:{}", procs::free_port()?);
@@ -538,6 +599,12 @@ pub async fn start(o: &Options) -> Result<Region> {
         let mut a = vec!["--roles", "audit"];
         a.extend(audit_args);
         roles.push(role("audit", &a));
+    }
+    if let Some(ns) = placer_ns {
+        let name = if o.shared { "core-2" } else { "placer-1" };
+        if let Some(r) = roles.iter_mut().find(|r| r.name == name) {
+            r.netns = Some(ns);
+        }
     }
     for r in &mut roles {
         r.start(&launch)?;
@@ -614,6 +681,9 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
         ("gateway_kill", |r, o| {
             Box::pin(scenarios::gateway_kill(r, o))
         }),
+        ("rack_power_loss", |r, o| {
+            Box::pin(partitions::rack_power_loss(r, o))
+        }),
         ("placer_kill", |r, o| Box::pin(scenarios::placer_kill(r, o))),
         ("binder_kill", |r, o| Box::pin(scenarios::binder_kill(r, o))),
         ("sinks_kill", |r, o| Box::pin(scenarios::sinks_kill(r, o))),
@@ -624,6 +694,18 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
             Box::pin(scenarios::walsenders(r, o))
         }),
         ("slot_dropped", |r, o| Box::pin(scenarios::slot_drop(r, o))),
+        ("gateway_cut_from_postgres", |r, o| {
+            Box::pin(partitions::gateway_cut_from_postgres(r, o))
+        }),
+        ("rack_cut_from_gateway", |r, o| {
+            Box::pin(partitions::rack_cut_from_gateway(r, o))
+        }),
+        ("placer_cut_from_postgres", |r, o| {
+            Box::pin(partitions::placer_cut_from_postgres(r, o))
+        }),
+        ("lossy_links", |r, o| {
+            Box::pin(partitions::lossy_links(r, o))
+        }),
         ("standby_promoted", |r, o| {
             Box::pin(scenarios::standby_promoted(r, o))
         }),

@@ -18,6 +18,9 @@ pub struct Role {
     pub listen: Option<String>,
     /// CPU seconds of earlier lives of this role (before a kill).
     pub cpu_before: f64,
+    /// The network namespace it runs in, for network faults (else the
+    /// host's).
+    pub netns: Option<std::sync::Arc<super::net::Netns>>,
 }
 
 /// How every role is started.
@@ -36,6 +39,7 @@ impl Role {
             log: dir.join(format!("{name}.log")),
             listen: None,
             cpu_before: 0.0,
+            netns: None,
         }
     }
 
@@ -45,7 +49,17 @@ impl Role {
             .append(true)
             .open(&self.log)
             .with_context(|| format!("open {}", self.log.display()))?;
-        let child = Command::new(&l.strata)
+        // In a namespace of its own, it reaches PostgreSQL over its link.
+        let (mut cmd, url) = match &self.netns {
+            Some(ns) => {
+                let p = ns.prefix();
+                let mut c = Command::new(&p[0]);
+                c.args(&p[1..]).arg(&l.strata);
+                (c, l.url.replace("127.0.0.1", &ns.host_ip))
+            }
+            None => (Command::new(&l.strata), l.url.clone()),
+        };
+        let child = cmd
             .arg("serve")
             .args(&self.args)
             // Its connections carry its name, so PostgreSQL's CPU per
@@ -54,8 +68,8 @@ impl Role {
                 "STRATA_DATABASE_URL",
                 format!(
                     "{}{}application_name={}",
-                    l.url,
-                    if l.url.contains('?') { '&' } else { '?' },
+                    url,
+                    if url.contains('?') { '&' } else { '?' },
                     self.name
                 ),
             )
@@ -73,6 +87,20 @@ impl Role {
             .with_context(|| format!("start {} ({})", self.name, l.strata.display()))?;
         self.child = Some(child);
         Ok(())
+    }
+
+    /// More arguments for its next start.
+    pub fn args_push(&mut self, more: &[&str]) {
+        self.args.extend(more.iter().map(|s| s.to_string()));
+    }
+
+    /// The port its `listen` address names (gateways).
+    pub fn listen_port(&self) -> Result<u16> {
+        self.listen
+            .as_deref()
+            .and_then(|l| l.rsplit_once(':'))
+            .and_then(|(_, p)| p.parse().ok())
+            .with_context(|| format!("{} listens nowhere", self.name))
     }
 
     /// Whether this process runs `role` (its `--roles`).

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-fn unix(t: SystemTime) -> f64 {
+pub(super) fn unix(t: SystemTime) -> f64 {
     t.duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
 }
@@ -32,7 +32,7 @@ fn pct(v: &mut [f64], p: f64) -> Option<f64> {
     Some(round(v[i], 2))
 }
 
-fn spread(v: &mut [f64]) -> serde_json::Value {
+pub(super) fn spread(v: &mut [f64]) -> serde_json::Value {
     serde_json::json!({
         "count": v.len(),
         "p50_s": pct(v, 0.5),
@@ -43,7 +43,7 @@ fn spread(v: &mut [f64]) -> serde_json::Value {
 
 /// Per node, the first time (unix seconds) an event of `event_type` about
 /// it was recorded at or after `since`.
-async fn first_after(
+pub(super) async fn first_after(
     r: &Region,
     event_type: &str,
     since: SystemTime,
@@ -62,7 +62,7 @@ async fn first_after(
 }
 
 /// Where each node's latest session is: gateway id -> nodes.
-async fn sessions_by_gateway(r: &Region) -> Result<BTreeMap<String, Vec<String>>> {
+pub(super) async fn sessions_by_gateway(r: &Region) -> Result<BTreeMap<String, Vec<String>>> {
     let c = r.client().await?;
     let mut by: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for row in c
@@ -543,7 +543,7 @@ pub async fn gateway_kill(r: &mut Region, o: &Options) -> Result<serde_json::Val
 }
 
 /// The holder of a lease now.
-async fn holder(r: &Region, lease: &str) -> Result<Option<String>> {
+pub(super) async fn holder(r: &Region, lease: &str) -> Result<Option<String>> {
     let c = r.client().await?;
     Ok(c.query_opt(
         "SELECT holder FROM strata.leases WHERE name = $1 AND expires_at > now()",
@@ -624,6 +624,11 @@ pub async fn standby_promoted(r: &mut Region, o: &Options) -> Result<serde_json:
         opts.port = Some(port);
         opts.fsync = true;
         opts.remove_on_exit = Some(base);
+        if o.network() {
+            // The roles in namespaces reach it too (its pg_hba.conf is
+            // the primary's).
+            opts.settings.push(("listen_addresses".into(), "*".into()));
+        }
         r.cluster.standby(opts)
     })?;
     let backup_s = started.elapsed().as_secs_f64();
