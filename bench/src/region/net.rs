@@ -4,7 +4,8 @@
 //! on the role's). PostgreSQL and the simulated nodes stay on the host's
 //! side, so a rule in the role's namespace cuts exactly one link:
 //! `iptables` drops (silence, not refusal: what a cable pulled or a switch
-//! gone does), `tc netem` delays and loses packets.
+//! gone does), `tc netem` delays and loses packets (where the kernel has
+//! netem; else only the loss, with `iptables -m statistic`).
 //!
 //! Needs root (`ip netns`, `iptables`, `tc`); the namespaces are removed
 //! when dropped.
@@ -145,16 +146,37 @@ impl Netns {
     }
 
     /// Delays every packet on the link by `delay_ms` each way and loses
-    /// `loss_pct` of them.
-    pub fn degrade(&self, delay_ms: u32, loss_pct: f64) -> Result<()> {
+    /// `loss_pct` of them (`tc netem`). A kernel without netem loses them
+    /// all the same (`iptables -m statistic`, both ways) but cannot delay
+    /// them: the delay applied is returned, 0 then.
+    pub fn degrade(&self, delay_ms: u32, loss_pct: f64) -> Result<u32> {
         let (d, l) = (format!("{delay_ms}ms"), format!("{loss_pct}%"));
         let netem = ["root", "netem", "delay", &d, "loss", &l];
         let mut host = vec!["tc", "qdisc", "add", "dev", &self.host_dev];
         host.extend_from_slice(&netem);
-        run(&host)?;
-        let mut role = vec!["tc", "qdisc", "add", "dev", &self.role_dev];
-        role.extend_from_slice(&netem);
-        self.exec(&role)
+        if run(&host).is_ok() {
+            let mut role = vec!["tc", "qdisc", "add", "dev", &self.role_dev];
+            role.extend_from_slice(&netem);
+            self.exec(&role)?;
+            return Ok(delay_ms);
+        }
+        let p = format!("{}", loss_pct / 100.0);
+        for chain in ["INPUT", "OUTPUT"] {
+            self.exec(&[
+                "iptables",
+                "-A",
+                chain,
+                "-m",
+                "statistic",
+                "--mode",
+                "random",
+                "--probability",
+                &p,
+                "-j",
+                "DROP",
+            ])?;
+        }
+        Ok(0)
     }
 
     /// Every fault of this namespace taken away.

@@ -99,6 +99,7 @@ async fn hold_then_heal(ns: &super::net::Netns, o: &Options, cut: Instant) -> Re
 async fn gateway_fault(
     r: &mut Region,
     o: &Options,
+    moves: bool,
     inject: impl FnOnce(&super::net::Netns) -> Result<()>,
 ) -> Result<serde_json::Value> {
     let ns = netns(r, GATEWAY)?;
@@ -109,10 +110,20 @@ async fn gateway_fault(
     let t = SystemTime::now();
     let cut = Instant::now();
     inject(&ns)?;
-    let mut moved = rehomed(r, GATEWAY, &nodes, t, cut, o.patience).await?;
-    let recovery = probe(r, o, &r.pools[0].clone(), cut).await?;
+    // A fault its nodes should leave for: until they have. One they should
+    // ride out (a slow link): whoever left by the end of the hold.
+    let (mut moved, recovery, healed) = if moves {
+        let moved = rehomed(r, GATEWAY, &nodes, t, cut, o.patience).await?;
+        let recovery = probe(r, o, &r.pools[0].clone(), cut).await?;
+        (moved, recovery, hold_then_heal(&ns, o, cut).await?)
+    } else {
+        let recovery = probe(r, o, &r.pools[0].clone(), cut).await?;
+        tokio::time::sleep(o.partition.saturating_sub(cut.elapsed())).await;
+        let moved = rehomed(r, GATEWAY, &nodes, t, cut, Duration::ZERO).await?;
+        ns.heal()?;
+        (moved, recovery, Instant::now())
+    };
     let lost = marked_lost(r, &nodes, t).await?;
-    let healed = hold_then_heal(&ns, o, cut).await?;
     // Healed, the gateway is a gateway again: a node that looks for its
     // home finds it.
     let lease = wait_lease(r, &format!("gateway/{GATEWAY}"), o.patience).await?;
@@ -134,21 +145,34 @@ async fn gateway_fault(
 /// must give its sessions up within its lease, so they move elsewhere.
 pub async fn gateway_cut_from_postgres(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
     let port = r.pg_port();
-    gateway_fault(r, o, |ns| ns.cut_to_host_port(port)).await
+    gateway_fault(r, o, true, |ns| ns.cut_to_host_port(port)).await
 }
 
 /// The nodes on [`GATEWAY`] (a rack behind it) cut off from it; it still
 /// reaches PostgreSQL: the nodes notice the silence and move.
 pub async fn rack_cut_from_gateway(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
     let port = r.role(GATEWAY).listen_port()?;
-    gateway_fault(r, o, |ns| ns.cut_role_port(port)).await
+    gateway_fault(r, o, true, |ns| ns.cut_role_port(port)).await
 }
 
 /// Every packet between [`GATEWAY`] and the rest (its nodes and
-/// PostgreSQL) delayed 500 ms each way, and 2% of them lost: its nodes
-/// should stay (no node is lost for a slow link), placements go on.
+/// PostgreSQL) delayed 500 ms each way (where the kernel has netem), and
+/// 2% of them lost: its nodes should stay (no node is lost for a slow
+/// link), placements go on.
 pub async fn lossy_links(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
-    gateway_fault(r, o, |ns| ns.degrade(500, 2.0)).await
+    let delayed = std::sync::atomic::AtomicU32::new(0);
+    let mut s = gateway_fault(r, o, false, |ns| {
+        delayed.store(ns.degrade(500, 2.0)?, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    })
+    .await?;
+    let d = delayed.load(std::sync::atomic::Ordering::Relaxed);
+    s["delay_ms_each_way"] = d.into();
+    s["loss_pct"] = 2.0.into();
+    if d == 0 {
+        s["delay_note"] = "this kernel has no netem: packets were lost, not delayed".into();
+    }
+    Ok(s)
 }
 
 /// The placer in a namespace cut off from PostgreSQL while it holds pool
