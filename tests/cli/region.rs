@@ -1,9 +1,11 @@
 //! The region drill in a small form: every role as its own `strata serve`
 //! process, 200 simulated nodes joining with tokens, each fault once
-//! (power cycle, gateway, placer, binder and sinks SIGKILLed, PostgreSQL
-//! crashed, walsenders terminated, a slot dropped, the primary killed and a
-//! synchronous standby promoted) and the invariant checker after each and at
-//! the end. `bench region` is the same drill at 10,000
+//! (power cycle, gateway, placer, binder and sinks SIGKILLed, a gateway
+//! killed with its nodes, PostgreSQL crashed, walsenders terminated, a slot
+//! dropped, a gateway and a placer cut off from PostgreSQL and a gateway
+//! from its nodes in network namespaces, a lossy link, the primary killed
+//! and a synchronous standby promoted) and the invariant checker after each
+//! and at the end. `bench region` is the same drill at 10,000
 //! nodes with the measurements.
 
 use std::time::Duration;
@@ -16,6 +18,8 @@ fn a_small_region_survives_every_fault_with_nothing_lost_or_doubled() {
     o.return_home = Duration::from_secs(2);
     o.spread_wait = Duration::from_secs(40);
     o.patience = Duration::from_secs(120);
+    o.partition = Duration::from_secs(10);
+    o.node_lost_after = Duration::from_secs(10);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -47,6 +51,20 @@ fn a_small_region_survives_every_fault_with_nothing_lost_or_doubled() {
     assert!(
         g["spread_back_s"].is_number(),
         "the killed gateway's nodes went back to it: {g:#}"
+    );
+    for cut in ["gateway_cut_from_postgres", "rack_cut_from_gateway"] {
+        let c = &r["scenarios"][cut];
+        assert_eq!(c["all_rehomed"], true, "{cut}: {c:#}");
+    }
+    let p = &r["scenarios"]["placer_cut_from_postgres"];
+    assert!(
+        p["detection_s"].is_number(),
+        "its pools were taken over: {p:#}"
+    );
+    let rack = &r["scenarios"]["rack_power_loss"];
+    assert!(
+        rack["gpus_free_s"].is_number(),
+        "the dead rack's GPUs were freed: {rack:#}"
     );
     assert_eq!(r["commands_run_twice"], 0);
     assert_eq!(r["scenarios"]["power_cycle"]["all_reconnected"], true);
