@@ -567,6 +567,7 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
         calm_cpu * 100.0,
         flood_cpu * 100.0
     );
+    let stalls = stalled_rpcs(&client, &gw.addr, addr, &ca_pem, &ca_path, args.quick).await?;
     let _ = stop.send(true);
     for t in tasks {
         let _ = t.await;
@@ -605,6 +606,7 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
             "per_s_no_limit": round(unlimited.per_s, 1),
             "default_over_no_limit": round(limited.per_s / unlimited.per_s.max(1e-9), 3),
         },
+        "stalls": stalls,
         "flood": {
             "connections": 10_000,
             "tls_idle": 2_000,
@@ -806,4 +808,55 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
     util::finish(name, &result)?;
     drop(cluster);
     Ok(())
+}
+
+/// 5,000 stalled Join RPCs and 1,000 joins a second with bad tokens (the
+/// `gateway-stalls` child, from addresses of its own) while real nodes join
+/// and new connections shake hands; against the same probes just before.
+/// Target: the real ones still served, p99 under 5x calm.
+async fn stalled_rpcs(
+    client: &tokio_postgres::Client,
+    url: &str,
+    addr: std::net::SocketAddr,
+    ca_pem: &str,
+    ca_path: &std::path::Path,
+    quick: bool,
+) -> Result<serde_json::Value> {
+    let secs = if quick { 15 } else { 30 };
+    let (mut hs_calm, _) = crate::hostile::probe(addr, ca_pem, 20).await?;
+    let (mut joins_calm, _) = crate::hostile::join_probe(client, url, ca_pem, "sc", 20).await?;
+    eprintln!("stalls: 5,000 stalled Join RPCs and 1,000 bad joins/s for {secs} s ...");
+    let child = crate::stalls::spawn(addr, ca_path, 5_000, 1_000.0, secs)?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (mut hs_during, hs_failed) = crate::hostile::probe(addr, ca_pem, 20).await?;
+    let (mut joins_during, joins_failed) =
+        crate::hostile::join_probe(client, url, ca_pem, "sd", 20).await?;
+    let out = child.wait_with_output().await?;
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+    let p99 = |v: &mut Vec<Duration>| percentile_ms(v, 0.99);
+    let (hc, hd, jc, jd) = (
+        p99(&mut hs_calm),
+        p99(&mut hs_during),
+        p99(&mut joins_calm),
+        p99(&mut joins_during),
+    );
+    let ratio = |d: f64, c: f64| round(d / c.max(1e-9), 2);
+    eprintln!(
+        "stalls: handshake p99 {hc:.1} -> {hd:.1} ms ({hs_failed} of 20 failed), real join p99 {jc:.1} -> {jd:.1} ms ({joins_failed} of 20 failed); {report}"
+    );
+    Ok(serde_json::json!({
+        "seconds": secs,
+        "handshake_p99_ms_calm": round(hc, 2),
+        "handshake_p99_ms_during": round(hd, 2),
+        "handshake_p99_during_over_calm": ratio(hd, hc),
+        "handshakes_failed_during": hs_failed,
+        "join_p99_ms_calm": round(jc, 2),
+        "join_p99_ms_during": round(jd, 2),
+        "join_p99_during_over_calm": ratio(jd, jc),
+        "joins_failed_during": joins_failed,
+        "target": "real joins and handshakes served, p99 during < 5x calm",
+        "met": hs_failed == 0 && joins_failed == 0 && hd < 5.0 * hc && jd < 5.0 * jc,
+        "hostile": report,
+    }))
 }

@@ -108,7 +108,7 @@ fn rcgen_key() -> Result<String> {
         .pem()?)
 }
 
-fn tls_connector(ca_pem: &str) -> Result<tokio_rustls::TlsConnector> {
+pub(crate) fn tls_connector(ca_pem: &str) -> Result<tokio_rustls::TlsConnector> {
     use tokio_rustls::rustls;
     let mut roots = rustls::RootCertStore::empty();
     for c in rustls::pki_types::pem::PemObject::pem_slice_iter(ca_pem.as_bytes()) {
@@ -254,4 +254,42 @@ pub(crate) fn spawn_flood(
         .kill_on_drop(true)
         .spawn()
         .context("start the flood process")
+}
+
+/// How long a real node's join takes, `n` times one after another, each
+/// with a fresh one-time token, and how many failed (refused, or over
+/// 30 s). From 127.0.0.1, an address of its own.
+pub(crate) async fn join_probe(
+    client: &tokio_postgres::Client,
+    addr: &str,
+    ca_pem: &str,
+    prefix: &str,
+    n: u32,
+) -> Result<(Vec<Duration>, u32)> {
+    let channel = tonic::transport::Endpoint::from_shared(addr.to_string())?
+        .tls_config(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem))
+                .domain_name("localhost"),
+        )?
+        .connect_lazy();
+    let mut join = gateway::proto::join_client::JoinClient::new(channel);
+    let (mut out, mut failed) = (Vec::new(), 0);
+    for i in 0..n {
+        let node = format!("{prefix}{i:05}");
+        let token =
+            gateway::identity::create_token(client, "gw", Duration::from_secs(3600), &node).await?;
+        let req = gateway::proto::JoinRequest {
+            token,
+            node_id: node,
+            csr_pem: rcgen_key()?,
+        };
+        let t = Instant::now();
+        match tokio::time::timeout(Duration::from_secs(30), join.join(req)).await {
+            Ok(Ok(_)) => out.push(t.elapsed()),
+            _ => failed += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok((out, failed))
 }

@@ -15,5 +15,6 @@ pub mod placements;
 pub mod region;
 pub mod replay;
 pub mod sinks;
+pub mod stalls;
 pub mod util;
 mod writers;

@@ -3,6 +3,7 @@
 
 use bench::{
     append, audit, gateway, hostile, lifecycle, node_path, placements, region, replay, sinks,
+    stalls,
 };
 
 use clap::{Parser, Subcommand};
@@ -45,6 +46,9 @@ enum Scenario {
     /// (internal) the hostile connections of `gateway`
     #[command(hide = true)]
     GatewayFlood(hostile::FloodArgs),
+    /// (internal) the stalled RPCs and bad joins of `gateway`
+    #[command(hide = true)]
+    GatewayStalls(stalls::StallArgs),
     /// Statements per second through the audit endpoint against PostgreSQL directly (pgbench, select-only)
     Audit(audit::Args),
     /// Events delivered to webhook and NATS JetStream sinks: rate, latency, WAL, CPU of 10 sinks vs 1
@@ -87,6 +91,7 @@ fn run() -> anyhow::Result<()> {
             Scenario::Spine(a) => gateway::run_spine(a).await,
             Scenario::GatewayServer(a) => gateway::server(a).await,
             Scenario::GatewayFlood(a) => hostile::flood(a).await,
+            Scenario::GatewayStalls(a) => stalls::stalls(a).await,
             Scenario::Lifecycle(a) => lifecycle::run(a).await,
             Scenario::Node(a) => node_path::run(a).await,
             Scenario::BinderServer(a) => lifecycle::binder_server(a).await,

@@ -224,10 +224,11 @@ pub async fn placer_cut_from_postgres(r: &mut Region, o: &Options) -> Result<ser
 }
 
 /// A rack loses power: the gateway with the most sessions is killed
-/// (SIGKILL) together with every node on it. Until every GPU of those
-/// nodes is free again (no live allocation on them in the log), against
-/// the target of the placers' lost-node bound plus 10 s; then the nodes
-/// and the gateway come back.
+/// (SIGKILL) together with every node on it, once every node holds a
+/// reservation that does not end by itself (a pin). Until every GPU of
+/// those nodes is free again (no live allocation on them in the log),
+/// against the target of the placers' lost-node bound plus 10 s; then the
+/// pins are released and the nodes and the gateway come back.
 pub async fn rack_power_loss(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
     let (victim, nodes) = sessions_by_gateway(r)
         .await?
@@ -235,6 +236,14 @@ pub async fn rack_power_loss(r: &mut Region, o: &Options) -> Result<serde_json::
         .max_by_key(|(_, n)| n.len())
         .unwrap_or_default();
     let which = r.fleet.indexes(&nodes);
+    // The load's reservations end within seconds by themselves: whole-node
+    // reservations that never end (pins) fill the pools first, so what
+    // frees the victims' GPUs is the lost-node bound, not their owners.
+    let pins = pin_every_node(r).await?;
+    let pinned_by = Instant::now() + Duration::from_secs(30);
+    while busy(&r.client().await?, &nodes).await? < nodes.len() && Instant::now() < pinned_by {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let t = SystemTime::now();
     let cut = Instant::now();
     let (gateway, fleet) = (&mut r.roles, &mut r.fleet);
@@ -257,6 +266,12 @@ pub async fn rack_power_loss(r: &mut Region, o: &Options) -> Result<serde_json::
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // The pins go (the probe needs room), then the rack comes back.
+    for id in &pins {
+        domain::requests::release(&r.appender, id, "drill", None)
+            .await
+            .with_context(|| format!("release pin {id}"))?;
+    }
     let recovery = probe(r, o, &r.pools[0].clone(), cut).await?;
     r.restart(&victim).await?;
     r.fleet.start_these(&which);
@@ -266,6 +281,7 @@ pub async fn rack_power_loss(r: &mut Region, o: &Options) -> Result<serde_json::
         "nodes": nodes.len(),
         "gpus": nodes.len() * 8,
         "nodes_with_allocations_at_cut": booked_at_cut,
+        "pins": pins.len(),
         "all_marked_lost_s": marked,
         "gpus_free_s": freed,
         "node_lost_after_s": bound,
@@ -282,4 +298,36 @@ async fn busy(c: &tokio_postgres::Client, nodes: &[String]) -> Result<usize> {
         .iter()
         .filter(|n| live.get(*n).is_some_and(|s| !s.is_empty()))
         .count())
+}
+
+/// As many whole-node reservations without an end as each pool has nodes,
+/// so every node that frees is taken; their ids.
+async fn pin_every_node(r: &Region) -> Result<Vec<String>> {
+    let mut ids = Vec::new();
+    for n in &r.fleet.nodes {
+        let id = format!("pin-{:016x}", fastrand::u64(..));
+        let request = domain::Request {
+            reservation: id.clone(),
+            pool: n.pool.clone(),
+            class: super::fleet::CLASS.into(),
+            gpus: 8,
+            shape: domain::Shape::Node,
+            priority: 0,
+            ttl_ms: None,
+            replace_on_failure: false,
+            replaces: None,
+            topology: None,
+            requeue_on_preemption: false,
+            queue: None,
+        };
+        r.appender
+            .append(
+                &domain::reservation_stream(&id),
+                events::ExpectedVersion::NoStream,
+                vec![domain::Fact::ReservationRequested(request).to_event()],
+            )
+            .await?;
+        ids.push(id);
+    }
+    Ok(ids)
 }
