@@ -236,24 +236,37 @@ pub(crate) fn spawn_flood(
     connections: u32,
     seconds: u64,
 ) -> Result<tokio::process::Child> {
-    let exe = std::env::current_exe()?;
-    tokio::process::Command::new(exe)
-        .args([
-            "gateway-flood",
+    spawn_self(
+        "gateway-flood",
+        &[
             "--addr",
             &addr.to_string(),
             "--connections",
             &connections.to_string(),
             "--seconds",
             &seconds.to_string(),
-        ])
+        ],
+        ca,
+    )
+}
+
+/// This program's hidden subcommand `sub` with `args` and `--ca ca`, as a
+/// child whose standard output (its JSON report) is kept.
+pub(crate) fn spawn_self(
+    sub: &str,
+    args: &[&str],
+    ca: &std::path::Path,
+) -> Result<tokio::process::Child> {
+    tokio::process::Command::new(std::env::current_exe()?)
+        .arg(sub)
+        .args(args)
         .arg("--ca")
         .arg(ca)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit())
         .kill_on_drop(true)
         .spawn()
-        .context("start the flood process")
+        .with_context(|| format!("start the {sub} process"))
 }
 
 /// How long a real node's join takes, `n` times one after another, each

@@ -249,10 +249,9 @@ pub(crate) fn spawn(
     bad_joins_per_s: f64,
     seconds: u64,
 ) -> Result<tokio::process::Child> {
-    use anyhow::Context;
-    tokio::process::Command::new(std::env::current_exe()?)
-        .args([
-            "gateway-stalls",
+    crate::hostile::spawn_self(
+        "gateway-stalls",
+        &[
             "--addr",
             &addr.to_string(),
             "--stalled",
@@ -261,12 +260,7 @@ pub(crate) fn spawn(
             &bad_joins_per_s.to_string(),
             "--seconds",
             &seconds.to_string(),
-        ])
-        .arg("--ca")
-        .arg(ca)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .context("start the stalls process")
+        ],
+        ca,
+    )
 }

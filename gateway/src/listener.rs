@@ -57,6 +57,9 @@ pub struct ListenerStats {
     /// Connections without a client certificate closed after their
     /// handshake: their share of connections was full.
     pub unauthenticated_refused: AtomicU64,
+    /// Busy connections without a client certificate closed to make room
+    /// for a new one: the oldest of a share full of busy ones.
+    pub unauthenticated_evicted: AtomicU64,
     /// RPCs cancelled because a request message did not arrive whole in time.
     pub requests_cut: AtomicU64,
 }
@@ -186,20 +189,44 @@ impl Conns {
 
     /// Counts `conn`, which presented no client certificate, in its share:
     /// when the share is full, the one of them idle the longest is closed
-    /// to make room, and if every one is busy, `conn` is refused (false).
+    /// to make room; if every one is busy, the one accepted the longest ago
+    /// is (a join takes milliseconds: a connection busy that long is
+    /// almost surely stalled, and a share full of stalls would otherwise
+    /// keep every real join out until their deadlines). `conn` is refused
+    /// (false) only if there is none to close.
     fn admit_unauthenticated(&self, conn: &Conn) -> bool {
         let n = self.unauthenticated.fetch_add(1, Ordering::SeqCst) + 1;
         conn.unauthenticated.store(true, Ordering::SeqCst);
+        let others = |c: &Conn| c.unauthenticated.load(Ordering::SeqCst) && !std::ptr::eq(c, conn);
         if n <= self.limits.max_unauthenticated
-            || self.close_longest_idle_of(|c| {
-                c.unauthenticated.load(Ordering::SeqCst) && !std::ptr::eq(c, conn)
-            })
+            || self.close_longest_idle_of(others)
+            || self.close_oldest_of(others)
         {
             return true;
         }
         conn.unauthenticated.store(false, Ordering::SeqCst);
         self.unauthenticated.fetch_sub(1, Ordering::SeqCst);
         false
+    }
+
+    /// Closes the connection accepted the longest ago among those `of`
+    /// picks, busy or not.
+    fn close_oldest_of(&self, of: impl Fn(&Conn) -> bool) -> bool {
+        let map = self.by_addr.lock().expect("conns lock");
+        let oldest = map
+            .values()
+            .filter(|c| !c.closed.load(Ordering::SeqCst) && of(c))
+            .min_by_key(|c| c.accepted_ms);
+        match oldest {
+            Some(c) => {
+                c.close();
+                self.stats
+                    .unauthenticated_evicted
+                    .fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Closes every connection idle past the idle timeout, and every one

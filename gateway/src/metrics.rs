@@ -250,9 +250,17 @@ static LISTENER: &[Field<ListenerStats>] = &[
         ListenerStats,
         "strata_gateway_unauthenticated_refused_total",
         Counter,
-        "Connections without a client certificate closed after their handshake: their share (--max-unauthenticated-connections) was full of busy ones.",
+        "Connections without a client certificate closed after their handshake: their share (--max-unauthenticated-connections) was full and none could be closed.",
         &[],
         unauthenticated_refused
+    ),
+    ops::stat_field!(
+        ListenerStats,
+        "strata_gateway_unauthenticated_evicted_total",
+        Counter,
+        "Busy connections without a client certificate closed to make room for a new one (the oldest of a share full of busy ones: stalled RPCs, as a rule).",
+        &[],
+        unauthenticated_evicted
     ),
     ops::stat_field!(
         ListenerStats,

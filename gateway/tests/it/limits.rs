@@ -353,13 +353,68 @@ async fn stalled_rpcs_are_cut_at_their_deadline_and_their_connections_closed() {
     }
     assert!(cut > 0, "no stalled RPC was cut at its deadline");
     // Past the share of 40, each new connection without a certificate
-    // closed one of them that was idle, or was refused when all were busy.
+    // closed one of them that was idle, or the oldest when all were busy.
     let refused = gw.listener.unauthenticated_refused.load(Ordering::Relaxed);
     let closed = gw.listener.idle_closed.load(Ordering::Relaxed);
-    assert!(refused + closed >= 20, "{refused} refused, {closed} closed");
-    assert!(refused > 0, "every stalled RPC was let in");
+    let evicted = gw.listener.unauthenticated_evicted.load(Ordering::Relaxed);
+    assert!(
+        refused + closed + evicted >= 20,
+        "{refused} refused, {closed} closed, {evicted} evicted"
+    );
+    assert!(refused + evicted > 0, "every stalled RPC was let in");
     assert!(gw.listener.requests_cut.load(Ordering::Relaxed) >= cut);
     assert_eq!(n.stats.connected.load(Ordering::Relaxed), 1);
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_kept_full_of_stalled_joins_still_lets_a_real_node_join_at_once() {
+    let r = region().await;
+    let gw = r
+        .gateway("gw-stalls", |c| {
+            c.request_deadline = Duration::from_secs(20);
+            c.max_unauthenticated_connections = 20;
+        })
+        .await;
+    // Stalls opened again as soon as the gateway ends one, until the test
+    // is done: the share never frees by itself before the deadline.
+    let connector = tls_client(&r.ca_pem());
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stalls: Vec<_> = (0..40)
+        .map(|_| {
+            let (connector, done, addr) = (connector.clone(), done.clone(), gw.addr);
+            tokio::spawn(async move {
+                while !done.load(Ordering::Relaxed) {
+                    let _ = stalled_join(addr, connector.clone()).await;
+                }
+            })
+        })
+        .collect();
+    testkit::eventually(20, "the share is full of stalled joins", || async {
+        let (open, idle) = gw.connections();
+        open >= 20 && idle == 0
+    })
+    .await;
+    // A real node joins and opens its session long before any stalled
+    // RPC reaches its deadline (20 s).
+    let started = std::time::Instant::now();
+    let dir = tempfile::tempdir().unwrap();
+    let n = start(joining(&r, &gw, dir.path(), "n1").await);
+    testkit::eventually(15, "n1 joined and opened a session", || async {
+        n.stats.connected.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "joined only after {:?}",
+        started.elapsed()
+    );
+    assert!(gw.listener.unauthenticated_evicted.load(Ordering::Relaxed) > 0);
+    done.store(true, Ordering::Relaxed);
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+    for s in stalls {
+        s.abort();
+    }
 }
