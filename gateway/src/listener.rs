@@ -64,6 +64,10 @@ pub struct ListenerStats {
     pub requests_cut: AtomicU64,
 }
 
+/// How long a busy connection without a client certificate is left alone
+/// before a newcomer may close it to take its place (milliseconds).
+const EVICTABLE_AFTER_MS: u64 = 1_000;
+
 /// One accepted connection.
 pub(crate) struct Conn {
     /// RPCs in progress.
@@ -189,11 +193,13 @@ impl Conns {
 
     /// Counts `conn`, which presented no client certificate, in its share:
     /// when the share is full, the one of them idle the longest is closed
-    /// to make room; if every one is busy, the one accepted the longest ago
-    /// is (a join takes milliseconds: a connection busy that long is
-    /// almost surely stalled, and a share full of stalls would otherwise
-    /// keep every real join out until their deadlines). `conn` is refused
-    /// (false) only if there is none to close.
+    /// to make room; if every one is busy, the one accepted the longest ago,
+    /// if that was at least [`EVICTABLE_AFTER_MS`] ago (a join takes
+    /// milliseconds: a connection busy that long is almost surely stalled,
+    /// and a share full of stalls would otherwise keep every real join out
+    /// until their deadlines; a newer one is left to finish, so a flood of
+    /// new connections cannot evict a real join under way). `conn` is
+    /// refused (false) when there is none to close.
     fn admit_unauthenticated(&self, conn: &Conn) -> bool {
         let n = self.unauthenticated.fetch_add(1, Ordering::SeqCst) + 1;
         conn.unauthenticated.store(true, Ordering::SeqCst);
@@ -210,13 +216,15 @@ impl Conns {
     }
 
     /// Closes the connection accepted the longest ago among those `of`
-    /// picks, busy or not.
+    /// picks, busy or not, if it was accepted at least
+    /// [`EVICTABLE_AFTER_MS`] ago.
     fn close_oldest_of(&self, of: impl Fn(&Conn) -> bool) -> bool {
         let map = self.by_addr.lock().expect("conns lock");
         let oldest = map
             .values()
             .filter(|c| !c.closed.load(Ordering::SeqCst) && of(c))
-            .min_by_key(|c| c.accepted_ms);
+            .min_by_key(|c| c.accepted_ms)
+            .filter(|c| self.now_ms().saturating_sub(c.accepted_ms) >= EVICTABLE_AFTER_MS);
         match oldest {
             Some(c) => {
                 c.close();
