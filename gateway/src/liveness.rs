@@ -116,7 +116,7 @@ pub(crate) async fn keep(shared: Arc<Shared>, mut lease: Lease, asked: Instant) 
                 continue;
             }
             Err(Renewal::Failed(e)) => format!(
-                "no renewal of the gateway's lease for its whole TTL ({e}): cut off from the database"
+                "the gateway's lease lapsed on its own clock: no renewal succeeded for its whole TTL ({e}; frozen, or cut off from the database)"
             ),
             Err(Renewal::Lost) => "the gateway's lease lapsed (frozen, or cut off from the database)".to_string(),
         };
