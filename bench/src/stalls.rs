@@ -1,6 +1,6 @@
 //! The `gateway-stalls` child of `bench gateway`: hostile RPCs over real
-//! TLS and HTTP/2, from many loopback source addresses (127.0.10.1 and up
-//! for stalls, 127.0.9.1 and up for bad joins; Linux routes all of
+//! TLS and HTTP/2, from many loopback source addresses (127.10.0.1 and up
+//! for stalls, 127.9.0.1 and up for bad joins; Linux routes all of
 //! 127.0.0.0/8 to this host). Join RPCs whose message never arrives whole
 //! (the headers and 10 of the 100 bytes announced, then silence; opened
 //! again once the gateway ends them), and Joins with tokens the region
@@ -31,7 +31,7 @@ pub struct StallArgs {
     seconds: u64,
 }
 
-/// Source addresses: `base`.x.y, 250 per third octet.
+/// The `i`th source address: 127.(`base` + i / 250).0.(1 + i % 250).
 fn source(base: u8, i: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::new(
         127,
