@@ -105,6 +105,9 @@ pub(crate) struct ServeArgs {
     /// gateway: most connections without a client certificate at once (joining nodes, and anyone else), so that they cannot take every descriptor from nodes and operators
     #[arg(long, default_value_t = 256)]
     pub max_unauthenticated_connections: usize,
+    /// gateway: while that share is pressed (full within five seconds), TLS handshakes a second for addresses that never presented a client certificate; the rest are closed at accept (nodes' and operators' addresses are never held back)
+    #[arg(long, default_value_t = 100.0)]
+    pub unknown_handshakes_per_second: f64,
     /// gateway: durable subscriptions one caller of the client API may hold (ListSubscriptions shows them, DeleteSubscription ends one)
     #[arg(long, default_value_t = 16)]
     pub max_subscriptions_per_caller: u64,

@@ -125,11 +125,12 @@ pub(crate) fn tls_connector(ca_pem: &str) -> Result<tokio_rustls::TlsConnector> 
 }
 
 /// How long a fresh TCP connection and TLS handshake take, `n` times, and
-/// how many of them failed (reset, or over 30 s).
+/// how many of them failed (reset, or over 30 s); from `from` if given.
 pub(crate) async fn probe(
     addr: SocketAddr,
     ca_pem: &str,
     n: usize,
+    from: Option<std::net::IpAddr>,
 ) -> Result<(Vec<Duration>, u32)> {
     let connector = tls_connector(ca_pem)?;
     let name = tokio_rustls::rustls::pki_types::ServerName::try_from("localhost")?;
@@ -137,7 +138,11 @@ pub(crate) async fn probe(
     for _ in 0..n {
         let t = Instant::now();
         let attempt = async {
-            let tcp = tokio::net::TcpStream::connect(addr).await?;
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            if let Some(ip) = from {
+                socket.bind(SocketAddr::new(ip, 0))?;
+            }
+            let tcp = socket.connect(addr).await?;
             connector.connect(name.clone(), tcp).await
         };
         match tokio::time::timeout(Duration::from_secs(30), attempt).await {
@@ -269,25 +274,35 @@ pub(crate) fn spawn_self(
         .with_context(|| format!("start the {sub} process"))
 }
 
-/// How long a real node's join takes, `n` times one after another, each
-/// with a fresh one-time token, and how many failed (refused, or over
-/// 30 s). From 127.0.0.1, an address of its own.
+/// What [`join_probe`] saw.
+pub(crate) struct JoinProbe {
+    /// Time to join of each node that joined: from its first try to its
+    /// certificate, retries included.
+    pub joined: Vec<Duration>,
+    /// Nodes not joined within 60 s, or refused for good.
+    pub failed: u32,
+    /// Tries in all (a node's first try included).
+    pub tries: u32,
+}
+
+/// How long `n` real nodes take to join, one after another, each with a
+/// fresh one-time token from an address of its own (127.`net`.0.1 and up,
+/// addresses the gateway has never seen), trying again as a daemon does
+/// (a new connection each time, after a full-jitter backoff from 500 ms
+/// doubling to 30 s) until 60 s have passed.
 pub(crate) async fn join_probe(
     client: &tokio_postgres::Client,
     addr: &str,
     ca_pem: &str,
     prefix: &str,
+    net: u8,
     n: u32,
-) -> Result<(Vec<Duration>, u32)> {
-    let channel = tonic::transport::Endpoint::from_shared(addr.to_string())?
-        .tls_config(
-            tonic::transport::ClientTlsConfig::new()
-                .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem))
-                .domain_name("localhost"),
-        )?
-        .connect_lazy();
-    let mut join = gateway::proto::join_client::JoinClient::new(channel);
-    let (mut out, mut failed) = (Vec::new(), 0);
+) -> Result<JoinProbe> {
+    let mut probe = JoinProbe {
+        joined: Vec::new(),
+        failed: 0,
+        tries: 0,
+    };
     for i in 0..n {
         let node = format!("{prefix}{i:05}");
         let token =
@@ -297,12 +312,42 @@ pub(crate) async fn join_probe(
             node_id: node,
             csr_pem: rcgen_key()?,
         };
-        let t = Instant::now();
-        match tokio::time::timeout(Duration::from_secs(30), join.join(req)).await {
-            Ok(Ok(_)) => out.push(t.elapsed()),
-            _ => failed += 1,
+        let from = std::net::IpAddr::from([127, net, (i / 250) as u8, 1 + (i % 250) as u8]);
+        let started = Instant::now();
+        let mut tries = 0u32;
+        let joined = loop {
+            tries += 1;
+            let channel = tonic::transport::Endpoint::from_shared(addr.to_string())?
+                .local_address(Some(from))
+                .tls_config(
+                    tonic::transport::ClientTlsConfig::new()
+                        .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem))
+                        .domain_name("localhost"),
+                )?
+                .connect_lazy();
+            let mut join = gateway::proto::join_client::JoinClient::new(channel);
+            let left = Duration::from_secs(60).saturating_sub(started.elapsed());
+            match tokio::time::timeout(left, join.join(req.clone())).await {
+                Ok(Ok(_)) => break true,
+                Ok(Err(s)) if s.code() == tonic::Code::PermissionDenied => break false,
+                Err(_) => break false,
+                Ok(Err(_)) => {}
+            }
+            let ceiling = Duration::from_millis(500)
+                .saturating_mul(1u32 << tries.min(16))
+                .min(Duration::from_secs(30));
+            let pause = ceiling.mul_f64(fastrand::f64());
+            if started.elapsed() + pause >= Duration::from_secs(60) {
+                break false;
+            }
+            tokio::time::sleep(pause).await;
+        };
+        probe.tries += tries;
+        match joined {
+            true => probe.joined.push(started.elapsed()),
+            false => probe.failed += 1,
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Ok((out, failed))
+    Ok(probe)
 }

@@ -5,6 +5,10 @@
 //! busy (and so out of the idle limits) for ever. Between messages of a
 //! stream nothing is due: a session waiting for its node's next report is
 //! not stalled.
+//!
+//! A [`Watch`] is told while a message is due from the client, so the
+//! listener can tell a connection waiting on its client (a stall, when it
+//! lasts) from one whose requests have arrived and are being served.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -58,6 +62,16 @@ impl Framing {
     }
 }
 
+/// Told what a [`Deadlined`] body waits for.
+pub(crate) trait Watch: Send + Sync {
+    /// A message is due from the client (`true`), or no longer (`false`:
+    /// it came whole, the body ended, the RPC was cut or dropped). Calls
+    /// alternate, starting with `true`.
+    fn due(&self, due: bool);
+    /// The RPC was cancelled: a message did not come whole in time.
+    fn cut(&self);
+}
+
 /// The request body of one RPC, held to the deadline.
 pub(crate) struct Deadlined {
     body: tonic::body::Body,
@@ -65,24 +79,40 @@ pub(crate) struct Deadlined {
     framing: Framing,
     /// Armed while a message is due; `None` between messages.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    on_cut: Arc<dyn Fn() + Send + Sync>,
+    watch: Arc<dyn Watch>,
 }
 
 impl Deadlined {
-    /// `body`, its first message due within `deadline` from now; `on_cut`
-    /// is told of an RPC cancelled.
-    pub(crate) fn new(
-        body: tonic::body::Body,
-        deadline: Duration,
-        on_cut: Arc<dyn Fn() + Send + Sync>,
-    ) -> Self {
+    /// `body`, its first message due within `deadline` from now; `watch`
+    /// is told while a message is due and of an RPC cancelled.
+    pub(crate) fn new(body: tonic::body::Body, deadline: Duration, watch: Arc<dyn Watch>) -> Self {
+        watch.due(true);
         Deadlined {
             body,
             deadline,
             framing: Framing::default(),
             timer: Some(Box::pin(tokio::time::sleep(deadline))),
-            on_cut,
+            watch,
         }
+    }
+
+    fn arm(&mut self) {
+        if self.timer.is_none() {
+            self.timer = Some(Box::pin(tokio::time::sleep(self.deadline)));
+            self.watch.due(true);
+        }
+    }
+
+    fn disarm(&mut self) {
+        if self.timer.take().is_some() {
+            self.watch.due(false);
+        }
+    }
+}
+
+impl Drop for Deadlined {
+    fn drop(&mut self) {
+        self.disarm();
     }
 }
 
@@ -102,23 +132,23 @@ impl http_body::Body for Deadlined {
                     let now = this.framing.take(data);
                     if !now {
                         // A message is whole: nothing is due until the next.
-                        this.timer = None;
-                    } else if !was && this.timer.is_none() {
-                        this.timer = Some(Box::pin(tokio::time::sleep(this.deadline)));
+                        this.disarm();
+                    } else if !was {
+                        this.arm();
                     }
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(None) => {
-                this.timer = None;
+                this.disarm();
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
             Poll::Pending => {
                 if let Some(timer) = this.timer.as_mut() {
                     if timer.as_mut().poll(cx).is_ready() {
-                        this.timer = None;
-                        (this.on_cut)();
+                        this.disarm();
+                        this.watch.cut();
                         return Poll::Ready(Some(Err(tonic::Status::deadline_exceeded(format!(
                             "the request was not received whole within {:?}; the RPC is cancelled",
                             this.deadline

@@ -11,6 +11,7 @@ pub mod dcgm_level;
 mod deadline;
 mod dispatch;
 pub mod grants;
+mod handshakes;
 pub mod identity;
 pub mod inventory;
 mod join;

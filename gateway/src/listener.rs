@@ -14,6 +14,9 @@
 //! - Running out of descriptors (`EMFILE` at accept) closes the connection
 //!   idle the longest of all, so a flood of connections that never open a
 //!   session cannot keep a real node or client out.
+//! - Connections without a client certificate have a share of their own;
+//!   while it is pressed, strangers' handshakes are rationed
+//!   ([`crate::handshakes`]).
 
 use futures_util::task::AtomicWaker;
 use std::collections::HashMap;
@@ -39,6 +42,9 @@ pub struct Limits {
     pub request_deadline: Duration,
     /// Most connections without a client certificate at once.
     pub max_unauthenticated: usize,
+    /// While that share is pressed, handshakes a second for addresses that
+    /// never presented a certificate (see [`crate::handshakes`]).
+    pub unknown_handshakes_per_second: f64,
 }
 
 /// Counters of the listener.
@@ -62,10 +68,15 @@ pub struct ListenerStats {
     pub unauthenticated_evicted: AtomicU64,
     /// RPCs cancelled because a request message did not arrive whole in time.
     pub requests_cut: AtomicU64,
+    /// Connections closed at accept, before their handshake: from an
+    /// address that never presented a certificate, while the share of
+    /// those without one was pressed and their handshakes' bucket empty.
+    pub handshakes_held_back: AtomicU64,
 }
 
-/// How long a busy connection without a client certificate is left alone
-/// before a newcomer may close it to take its place (milliseconds).
+/// How long a connection without a client certificate may wait on its
+/// client for a request message before a newcomer may close it to take its
+/// place (milliseconds).
 const EVICTABLE_AFTER_MS: u64 = 1_000;
 
 /// One accepted connection.
@@ -82,6 +93,11 @@ pub(crate) struct Conn {
     closed: AtomicBool,
     /// It presented no client certificate (and counts in that share).
     unauthenticated: AtomicBool,
+    /// Request messages due from its client (RPCs waiting on it).
+    awaiting: AtomicUsize,
+    /// Since when one has been due (milliseconds on `Conns.epoch`; valid
+    /// while `awaiting` is above zero).
+    awaiting_since_ms: AtomicU64,
     waker: AtomicWaker,
 }
 
@@ -100,6 +116,7 @@ pub(crate) struct Conns {
     unauthenticated: AtomicUsize,
     epoch: Instant,
     limits: Limits,
+    gate: crate::handshakes::HandshakeGate,
     pub(crate) stats: Arc<ListenerStats>,
 }
 
@@ -111,6 +128,7 @@ impl Conns {
             unauthenticated: AtomicUsize::new(0),
             epoch: Instant::now(),
             limits,
+            gate: crate::handshakes::HandshakeGate::new(limits.unknown_handshakes_per_second),
             stats,
         })
     }
@@ -140,6 +158,8 @@ impl Conns {
             settled: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             unauthenticated: AtomicBool::new(false),
+            awaiting: AtomicUsize::new(0),
+            awaiting_since_ms: AtomicU64::new(0),
             waker: AtomicWaker::new(),
         });
         self.by_addr
@@ -193,21 +213,25 @@ impl Conns {
 
     /// Counts `conn`, which presented no client certificate, in its share:
     /// when the share is full, the one of them idle the longest is closed
-    /// to make room; if every one is busy, the one accepted the longest ago,
-    /// if that was at least [`EVICTABLE_AFTER_MS`] ago (a join takes
-    /// milliseconds: a connection busy that long is almost surely stalled,
-    /// and a share full of stalls would otherwise keep every real join out
-    /// until their deadlines; a newer one is left to finish, so a flood of
-    /// new connections cannot evict a real join under way). `conn` is
-    /// refused (false) when there is none to close.
+    /// to make room; if every one is busy, the one that has waited the
+    /// longest on its client for a request message, if that wait is at
+    /// least [`EVICTABLE_AFTER_MS`] old (a join's message comes whole in
+    /// one round trip; a wait that long is almost surely a stall, and a
+    /// share full of stalls would otherwise keep every real join out until
+    /// their deadlines). A connection whose requests have all arrived is
+    /// being served and is never closed for a newcomer, so churn cannot
+    /// evict a real join under way. `conn` is refused (false) when there is
+    /// none to close, and the listener's handshake gate is told the share
+    /// is pressed either way.
     fn admit_unauthenticated(&self, conn: &Conn) -> bool {
         let n = self.unauthenticated.fetch_add(1, Ordering::SeqCst) + 1;
         conn.unauthenticated.store(true, Ordering::SeqCst);
+        if n <= self.limits.max_unauthenticated {
+            return true;
+        }
+        self.gate.pressed(self.now_ms());
         let others = |c: &Conn| c.unauthenticated.load(Ordering::SeqCst) && !std::ptr::eq(c, conn);
-        if n <= self.limits.max_unauthenticated
-            || self.close_longest_idle_of(others)
-            || self.close_oldest_of(others)
-        {
+        if self.close_longest_idle_of(others) || self.close_longest_waiting_of(others) {
             return true;
         }
         conn.unauthenticated.store(false, Ordering::SeqCst);
@@ -215,17 +239,22 @@ impl Conns {
         false
     }
 
-    /// Closes the connection accepted the longest ago among those `of`
-    /// picks, busy or not, if it was accepted at least
-    /// [`EVICTABLE_AFTER_MS`] ago.
-    fn close_oldest_of(&self, of: impl Fn(&Conn) -> bool) -> bool {
+    /// Closes the connection that has waited on its client the longest
+    /// among those `of` picks, if it has waited at least
+    /// [`EVICTABLE_AFTER_MS`].
+    fn close_longest_waiting_of(&self, of: impl Fn(&Conn) -> bool) -> bool {
+        let now = self.now_ms();
         let map = self.by_addr.lock().expect("conns lock");
-        let oldest = map
+        let longest = map
             .values()
-            .filter(|c| !c.closed.load(Ordering::SeqCst) && of(c))
-            .min_by_key(|c| c.accepted_ms)
-            .filter(|c| self.now_ms().saturating_sub(c.accepted_ms) >= EVICTABLE_AFTER_MS);
-        match oldest {
+            .filter(|c| {
+                !c.closed.load(Ordering::SeqCst) && c.awaiting.load(Ordering::SeqCst) > 0 && of(c)
+            })
+            .min_by_key(|c| c.awaiting_since_ms.load(Ordering::SeqCst))
+            .filter(|c| {
+                now.saturating_sub(c.awaiting_since_ms.load(Ordering::SeqCst)) >= EVICTABLE_AFTER_MS
+            });
+        match longest {
             Some(c) => {
                 c.close();
                 self.stats
@@ -411,6 +440,13 @@ pub(crate) fn serve(
                 }
             };
             conns.stats.accepted.fetch_add(1, Ordering::Relaxed);
+            if !conns.gate.admit(addr.ip(), conns.now_ms()) {
+                conns
+                    .stats
+                    .handshakes_held_back
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             let _ = tcp.set_nodelay(true);
             let conn = conns.add(addr);
             let tracked = Tracked {
@@ -426,9 +462,10 @@ pub(crate) fn serve(
                     Ok(Ok(tls)) => {
                         stats.handshakes.fetch_add(1, Ordering::Relaxed);
                         let (tracked, session) = tls.get_ref();
-                        if session.peer_certificates().is_none()
-                            && !tracked.conns.admit_unauthenticated(&tracked.conn)
-                        {
+                        let conns = &tracked.conns;
+                        if session.peer_certificates().is_some() {
+                            conns.gate.certified(addr.ip(), conns.now_ms());
+                        } else if !conns.admit_unauthenticated(&tracked.conn) {
                             stats
                                 .unauthenticated_refused
                                 .fetch_add(1, Ordering::Relaxed);
@@ -526,20 +563,20 @@ where
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
         // Each request message is due whole within the deadline: a stalled
         // one cancels the RPC, and the connection is idle again.
-        let stats = self.conns.stats.clone();
-        let on_cut: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
-            stats.requests_cut.fetch_add(1, Ordering::Relaxed);
-        });
-        let deadline = self.conns.limits.request_deadline;
-        let req = req.map(|body| {
-            tonic::body::Body::new(crate::deadline::Deadlined::new(body, deadline, on_cut))
-        });
-        let busy = req
+        let conn = req
             .extensions()
             .get::<TlsConnectInfo<TcpConnectInfo>>()
             .and_then(|i| i.get_ref().remote_addr())
-            .and_then(|a| self.conns.get(&a))
-            .map(|c| Busy::new(c, self.conns.clone()));
+            .and_then(|a| self.conns.get(&a));
+        let watch = Arc::new(Waiting {
+            conn: conn.clone(),
+            conns: self.conns.clone(),
+        });
+        let deadline = self.conns.limits.request_deadline;
+        let req = req.map(|body| {
+            tonic::body::Body::new(crate::deadline::Deadlined::new(body, deadline, watch))
+        });
+        let busy = conn.map(|c| Busy::new(c, self.conns.clone()));
         let fut = self.inner.call(req);
         Box::pin(async move {
             let resp = fut.await?;
@@ -550,6 +587,32 @@ where
                 None => resp,
             })
         })
+    }
+}
+
+/// Tells a connection while one of its RPCs waits on the client for a
+/// request message, and counts RPCs cut at the deadline.
+struct Waiting {
+    conn: Option<Arc<Conn>>,
+    conns: Arc<Conns>,
+}
+
+impl crate::deadline::Watch for Waiting {
+    fn due(&self, due: bool) {
+        let Some(conn) = &self.conn else { return };
+        if !due {
+            conn.awaiting.fetch_sub(1, Ordering::SeqCst);
+        } else if conn.awaiting.fetch_add(1, Ordering::SeqCst) == 0 {
+            conn.awaiting_since_ms
+                .store(self.conns.now_ms(), Ordering::SeqCst);
+        }
+    }
+
+    fn cut(&self) {
+        self.conns
+            .stats
+            .requests_cut
+            .fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -258,9 +258,17 @@ static LISTENER: &[Field<ListenerStats>] = &[
         ListenerStats,
         "strata_gateway_unauthenticated_evicted_total",
         Counter,
-        "Busy connections without a client certificate closed to make room for a new one (the oldest of a share full of busy ones: stalled RPCs, as a rule).",
+        "Busy connections without a client certificate closed to make room for a new one: of a share full of busy ones, the one that has waited the longest (over a second) on its client for a request message.",
         &[],
         unauthenticated_evicted
+    ),
+    ops::stat_field!(
+        ListenerStats,
+        "strata_gateway_handshakes_held_back_total",
+        Counter,
+        "Connections closed at accept, before their TLS handshake: from an address that never presented a client certificate, while the share of connections without one was pressed and --unknown-handshakes-per-second was spent.",
+        &[],
+        handshakes_held_back
     ),
     ops::stat_field!(
         ListenerStats,

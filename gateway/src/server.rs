@@ -95,6 +95,7 @@ pub async fn start(
             max_idle: config.max_idle_connections,
             request_deadline: config.request_deadline,
             max_unauthenticated: config.max_unauthenticated_connections,
+            unknown_handshakes_per_second: config.unknown_handshakes_per_second,
         },
         listener_stats.clone(),
     );

@@ -66,6 +66,11 @@ pub struct GatewayConfig {
     /// anyone) at once: their own share, so that they cannot take every
     /// descriptor from nodes and operators.
     pub max_unauthenticated_connections: usize,
+    /// While that share is pressed (it was full within five seconds),
+    /// TLS handshakes a second for addresses that never presented a client
+    /// certificate; the rest are closed at accept. Nodes' and operators'
+    /// addresses are not held back.
+    pub unknown_handshakes_per_second: f64,
     /// Durable subscriptions one caller of the client API may hold.
     pub max_subscriptions_per_caller: u64,
     /// Inventory and health messages a session may send per second (a
@@ -99,6 +104,7 @@ impl GatewayConfig {
             max_idle_connections: 1_024,
             request_deadline: Duration::from_secs(10),
             max_unauthenticated_connections: 256,
+            unknown_handshakes_per_second: 100.0,
             max_subscriptions_per_caller: 16,
             node_messages_per_second: 20.0,
             lease_ttl: Duration::from_secs(6),

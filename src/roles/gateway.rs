@@ -33,6 +33,7 @@ pub(crate) async fn start(
     gc.max_idle_connections = args.max_idle_connections;
     gc.request_deadline = args.request_deadline;
     gc.max_unauthenticated_connections = args.max_unauthenticated_connections;
+    gc.unknown_handshakes_per_second = args.unknown_handshakes_per_second;
     gc.max_subscriptions_per_caller = args.max_subscriptions_per_caller;
     gc.node_messages_per_second = args.node_messages_per_second;
     gc.serving_validity = args.serving_validity;

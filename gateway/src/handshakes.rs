@@ -1,0 +1,145 @@
+//! Which new connections get a TLS handshake while connections without a
+//! certificate crowd the gateway.
+//!
+//! A handshake costs the gateway a signature and a key exchange, the most
+//! expensive thing a stranger can make it do, and nothing tells a stalled
+//! or garbage join from a real one before it. So while the share of
+//! connections without a certificate is *pressed* (it was full within the
+//! last [`PRESSURE_MS`]), connections from addresses the gateway has not
+//! seen present a client certificate get handshakes only at
+//! `--unknown-handshakes-per-second` in all and [`PER_SOURCE_PER_S`] each
+//! (so one busy address cannot spend the others' turns); the rest are
+//! closed at accept, which costs neither side a handshake, and a daemon
+//! tries again after its backoff. Addresses that presented a certificate (the fleet's nodes,
+//! operators) are never held back, and with no pressure nobody is: a
+//! fleet re-homing onto this gateway after another died is not slowed.
+//! This is a priority of service, not a guarantee: what a connection may
+//! do is still decided by its certificate and its token.
+
+use crate::bucket::{Bucket, Buckets};
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// How long the share counts as pressed after it was last full.
+pub(crate) const PRESSURE_MS: u64 = 5_000;
+
+/// Handshakes a second one unknown address gets while pressed (bursts of
+/// [`PER_SOURCE_BURST`]).
+pub(crate) const PER_SOURCE_PER_S: f64 = 1.0;
+const PER_SOURCE_BURST: f64 = 3.0;
+
+/// Addresses remembered at most; past it, those not seen for an hour are
+/// forgotten, and if none were, no new one is remembered until some are.
+const MAX_KNOWN: usize = 262_144;
+
+/// Forgotten when the table is full and they were last seen this long ago.
+const KNOWN_FOR_MS: u64 = 3_600_000;
+
+/// The gate in front of the TLS handshake.
+pub(crate) struct HandshakeGate {
+    /// Addresses that presented a client certificate, with when they last
+    /// did (milliseconds on the listener's epoch).
+    known: Mutex<HashMap<IpAddr, u64>>,
+    /// Until when the share counts as pressed (milliseconds; 0: never was).
+    pressed_until_ms: AtomicU64,
+    /// Handshakes for unknown addresses while pressed: all of them, and
+    /// each.
+    bucket: Mutex<Bucket>,
+    per_source: Buckets<IpAddr>,
+    per_second: f64,
+}
+
+impl HandshakeGate {
+    /// A gate letting `per_second` handshakes (bursts of as many) from
+    /// unknown addresses through while pressed.
+    pub(crate) fn new(per_second: f64) -> HandshakeGate {
+        let per_second = per_second.max(0.1);
+        HandshakeGate {
+            known: Mutex::new(HashMap::new()),
+            pressed_until_ms: AtomicU64::new(0),
+            bucket: Mutex::new(Bucket {
+                tokens: per_second,
+                last: Instant::now(),
+            }),
+            per_source: Buckets::default(),
+            per_second,
+        }
+    }
+
+    /// `ip` presented a client certificate at `now_ms`.
+    pub(crate) fn certified(&self, ip: IpAddr, now_ms: u64) {
+        let mut known = self.known.lock().expect("known sources lock");
+        if known.len() >= MAX_KNOWN && !known.contains_key(&ip) {
+            known.retain(|_, seen| now_ms.saturating_sub(*seen) < KNOWN_FOR_MS);
+            if known.len() >= MAX_KNOWN {
+                return;
+            }
+        }
+        known.insert(ip, now_ms);
+    }
+
+    /// The share of connections without a certificate was full at `now_ms`.
+    pub(crate) fn pressed(&self, now_ms: u64) {
+        self.pressed_until_ms
+            .fetch_max(now_ms + PRESSURE_MS, Ordering::Relaxed);
+    }
+
+    /// Whether a connection from `ip`, accepted at `now_ms`, gets its
+    /// handshake.
+    pub(crate) fn admit(&self, ip: IpAddr, now_ms: u64) -> bool {
+        if now_ms >= self.pressed_until_ms.load(Ordering::Relaxed) {
+            return true;
+        }
+        if self
+            .known
+            .lock()
+            .expect("known sources lock")
+            .contains_key(&ip)
+        {
+            return true;
+        }
+        let (each, burst) = (PER_SOURCE_PER_S, PER_SOURCE_BURST);
+        if !self.per_source.holds(&ip, each, burst) {
+            return false;
+        }
+        let rate = self.per_second;
+        let all = self
+            .bucket
+            .lock()
+            .expect("handshake bucket lock")
+            .take(rate, rate);
+        all && self.per_source.take(&ip, each, burst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_unknown_addresses_are_held_back_and_only_while_pressed() {
+        let gate = HandshakeGate::new(100.0);
+        let (node, stranger): (IpAddr, IpAddr) =
+            ("10.0.0.1".parse().unwrap(), "10.9.9.9".parse().unwrap());
+        assert!((0..10).all(|_| gate.admit(stranger, 0)), "no pressure: all");
+        gate.certified(node, 0);
+        gate.pressed(10);
+        assert!(
+            (0..10).all(|_| gate.admit(node, 20)),
+            "a node's address: all"
+        );
+        let admitted = (0..10).filter(|_| gate.admit(stranger, 20)).count();
+        assert_eq!(admitted, 3, "a stranger gets its own burst");
+        let other: IpAddr = "10.9.9.8".parse().unwrap();
+        assert!(gate.admit(other, 20), "another stranger has its own turns");
+        let all = HandshakeGate::new(1.0);
+        all.pressed(0);
+        let sources = (0..10u8).map(|i| IpAddr::from([10, 8, 0, i]));
+        let admitted = sources.filter(|ip| all.admit(*ip, 1)).count();
+        assert!(admitted <= 2, "all strangers share the bucket: {admitted}");
+        assert!(gate.admit(stranger, 10 + PRESSURE_MS), "pressure over");
+    }
+}
