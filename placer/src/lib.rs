@@ -10,7 +10,10 @@
 pub mod backfill;
 mod faults;
 mod fit;
+mod leases;
 pub mod plan;
 mod service;
+mod stats;
 
-pub use service::{Placer, PlacerConfig, PlacerError, Stats, StatsView};
+pub use service::{Placer, PlacerConfig, PlacerError};
+pub use stats::{Stats, StatsView};

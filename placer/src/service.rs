@@ -2,9 +2,11 @@
 //! reservations in batches, plans them against its live index and commits
 //! each batch with the pool stream's expected version.
 //!
-//! One task does everything, in this order of priority: commit results,
-//! events from the subscription (applied to the index), lease upkeep. After
-//! each wake it plans every held pool that is ready: no commit of its own in
+//! Pool leases are kept by a task of their own (`leases`), which publishes
+//! what is held. One task does the rest, in this order of priority: commit
+//! results, changes of the leases held, events from the subscription
+//! (applied to the index). After each wake it plans every held pool that is
+//! ready: no commit of its own in
 //! flight, and the index has applied the pool up to the version of its last
 //! commit (so a plan never misses the placer's own bookings). While a batch
 //! commits, requests pile up for the next one: batches grow with load and
@@ -16,11 +18,11 @@
 //! winner's version and plans again against it. The lease only keeps that
 //! from happening in the normal case, and spreads pools over placers.
 
+use crate::leases::{Holdings, Keeper, KeeperConfig};
 use crate::plan::{self, Plan};
+use crate::stats::{placers, Stats};
 use domain::{pool_stream, replacement_id, reservation_stream, Fact, Request};
-use events::db::SharedClient;
-use events::db::Sql;
-use events::lease::{Lease, LeaseError};
+use events::lease::LeaseError;
 use events::{AppendError, Appended, Appender, ExpectedVersion, Reader, StreamAppend};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use ops::task::Backoff;
@@ -29,7 +31,7 @@ use projections::{Index, Projector, SnapshotStore};
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
@@ -74,238 +76,6 @@ impl PlacerConfig {
             preemption_grace: Duration::from_secs(30),
         }
     }
-}
-
-/// Counters of a running placer.
-#[derive(Debug, Default)]
-pub struct Stats {
-    pub batches: AtomicU64,
-    pub placed: AtomicU64,
-    pub queued: AtomicU64,
-    pub rejected: AtomicU64,
-    pub released: AtomicU64,
-    pub expired: AtomicU64,
-    /// Reservations ended because a node of theirs left or was lost.
-    pub failed: AtomicU64,
-    /// Live reservations told to make room for a waiting request.
-    pub preempting: AtomicU64,
-    /// Reservations preempted once their grace period ended.
-    pub preempted: AtomicU64,
-    /// GPUs quarantined for a fault.
-    pub quarantined: AtomicU64,
-    /// Nodes drained for a fault.
-    pub drained_for_faults: AtomicU64,
-    /// Faults reported but not acted on (advisory policy, circuit breaker).
-    pub quarantine_withheld: AtomicU64,
-    /// Quarantined GPUs restored after their condition went and a
-    /// diagnostic passed.
-    pub restored: AtomicU64,
-    /// Batches refused because the pool stream moved (replanned).
-    pub conflicts: AtomicU64,
-    /// Batches that failed otherwise (retried).
-    pub errors: AtomicU64,
-    pub pools_held: AtomicU64,
-    /// The index's applied position.
-    pub position: AtomicU64,
-    /// Leases taken over or lost.
-    pub leases_acquired: AtomicU64,
-    pub leases_lost: AtomicU64,
-}
-
-/// A plain copy of [`Stats`].
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct StatsView {
-    pub batches: u64,
-    pub placed: u64,
-    pub queued: u64,
-    pub rejected: u64,
-    pub released: u64,
-    pub expired: u64,
-    pub failed: u64,
-    pub preempting: u64,
-    pub preempted: u64,
-    pub quarantined: u64,
-    pub drained_for_faults: u64,
-    pub quarantine_withheld: u64,
-    pub restored: u64,
-    pub conflicts: u64,
-    pub errors: u64,
-    pub pools_held: u64,
-    pub position: u64,
-    pub leases_acquired: u64,
-    pub leases_lost: u64,
-}
-
-impl Stats {
-    pub fn view(&self) -> StatsView {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        StatsView {
-            batches: l(&self.batches),
-            placed: l(&self.placed),
-            queued: l(&self.queued),
-            rejected: l(&self.rejected),
-            released: l(&self.released),
-            expired: l(&self.expired),
-            failed: l(&self.failed),
-            preempting: l(&self.preempting),
-            preempted: l(&self.preempted),
-            quarantined: l(&self.quarantined),
-            drained_for_faults: l(&self.drained_for_faults),
-            quarantine_withheld: l(&self.quarantine_withheld),
-            restored: l(&self.restored),
-            conflicts: l(&self.conflicts),
-            errors: l(&self.errors),
-            pools_held: l(&self.pools_held),
-            position: l(&self.position),
-            leases_acquired: l(&self.leases_acquired),
-            leases_lost: l(&self.leases_lost),
-        }
-    }
-}
-
-use ops::metrics::{Field, Instances};
-
-/// The placers' counters on `/metrics`, summed over the placers of the
-/// process.
-static FIELDS: &[Field<Stats>] = &[
-    ops::stat_field!(
-        Stats,
-        "strata_placer_batches_total",
-        Counter,
-        "Batches committed.",
-        batches
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_placed_total",
-        Counter,
-        "Reservations placed.",
-        placed
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_queued_total",
-        Counter,
-        "Reservations queued for capacity.",
-        queued
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_rejected_total",
-        Counter,
-        "Reservations that can never fit.",
-        rejected
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_released_total",
-        Counter,
-        "Reservations released.",
-        released
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_expired_total",
-        Counter,
-        "Reservations expired.",
-        expired
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_failed_total",
-        Counter,
-        "Reservations ended because a node of theirs left, was revoked, was lost or drained, or a GPU of theirs was quarantined.",
-        failed
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_preempting_total",
-        Counter,
-        "Live reservations told to make room for a waiting request (reservation.preemption_scheduled).",
-        preempting
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_preempted_total",
-        Counter,
-        "Reservations preempted once their grace period ended.",
-        preempted
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_quarantined_total",
-        Counter,
-        "GPUs quarantined for a fault (device.quarantined).",
-        quarantined
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_drained_for_faults_total",
-        Counter,
-        "Nodes drained for a fault (node.drained with its fault).",
-        drained_for_faults
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_quarantine_withheld_total",
-        Counter,
-        "Faults reported but not acted on: the pool's policy is advisory or its circuit breaker is open (device.quarantine_withheld).",
-        quarantine_withheld
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_restored_total",
-        Counter,
-        "Quarantined GPUs restored by the placer: their condition went and a diagnostic passed (device.restored).",
-        restored
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_conflicts_total",
-        Counter,
-        "Batches refused by the pool version fence and replanned.",
-        conflicts
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_errors_total",
-        Counter,
-        "Batches that failed otherwise and were retried.",
-        errors
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_leases_acquired_total",
-        Counter,
-        "Pool leases taken.",
-        leases_acquired
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_leases_lost_total",
-        Counter,
-        "Pool leases lost to another placer or to expiry.",
-        leases_lost
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_pools_held",
-        Gauge,
-        "Pools whose lease this process's placer holds.",
-        pools_held
-    ),
-    ops::stat_field!(
-        Stats,
-        "strata_placer_position",
-        Gauge,
-        "Position of the log the placer's index has applied.",
-        position
-    ),
-];
-
-fn placers() -> &'static Instances<Stats> {
-    static P: std::sync::OnceLock<Instances<Stats>> = std::sync::OnceLock::new();
-    P.get_or_init(|| Instances::new(FIELDS))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -375,11 +145,9 @@ impl Placer {
 }
 
 struct PoolWork {
-    lease: Option<Lease>,
-    /// When the request behind the lease's last acquisition or renewal was
-    /// sent. The database's clock started the lease's time to live after
-    /// that, so the lease is surely held until this plus the TTL.
-    renewed: Instant,
+    /// The pool may be planned: its lease surely holds for a while yet.
+    /// Once not, the entry stays only until its commit in flight lands.
+    held: bool,
     inflight: bool,
     /// Plan only once the index has the pool at this version.
     wait_version: u64,
@@ -389,10 +157,9 @@ struct PoolWork {
 }
 
 impl PoolWork {
-    fn new(lease: Option<Lease>, renewed: Instant) -> PoolWork {
+    fn new() -> PoolWork {
         PoolWork {
-            lease,
-            renewed,
+            held: true,
             inflight: false,
             wait_version: 0,
             tried_epoch: u64::MAX,
@@ -426,20 +193,30 @@ async fn run(
     stats: Arc<Stats>,
     mut stop: oneshot::Receiver<()>,
 ) -> Result<(), PlacerError> {
-    // Leases go through a connection made again whenever it closed (the
-    // database restarted), so upkeep resumes by itself once it is back.
-    let leases = SharedClient::new(db);
+    // Leases go through a connection of their own, made again whenever it
+    // closed (the database restarted), so upkeep resumes by itself.
+    let keeper = Keeper::start(
+        db,
+        KeeperConfig {
+            holder: config.holder.clone(),
+            ttl: config.lease_ttl,
+            unleased: config.unleased,
+        },
+        stats.clone(),
+    );
+    let mut holdings = keeper.holdings();
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     let Some(mut proj) = start_projector(&reader, &config, &mut stop, &mut backoff).await else {
+        keeper.stop().await;
         return Ok(());
     };
+    keeper.want(pools_of(&proj.index, &config));
     let mut work: HashMap<String, PoolWork> = HashMap::new();
     let mut commits: FuturesUnordered<CommitFuture> = FuturesUnordered::new();
-    let mut upkeep = tokio::time::interval((config.lease_ttl / 3).max(Duration::from_millis(50)));
-    upkeep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut clock = tokio::time::interval(Duration::from_millis(100));
     clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let member = format!("placer/{}", config.holder);
+    let mut snapshots = tokio::time::interval(Duration::from_secs(1));
+    snapshots.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The trace context of requests that came with one (see events::trace),
     // until the placer decided them: empty unless spans are exported.
     let mut traces: HashMap<String, String> = HashMap::new();
@@ -451,6 +228,7 @@ async fn run(
             Some(done) = commits.next(), if !commits.is_empty() => {
                 on_commit(&mut work, done, &stats);
             }
+            _ = holdings.changed() => {}
             e = proj.step() => {
                 match e {
                     Err(e) => {
@@ -466,30 +244,25 @@ async fn run(
                             Some(p) => proj = p,
                             None => break,
                         }
+                        keeper.want(pools_of(&proj.index, &config));
                     }
-                    // A new pool: look for its lease now, not at the next tick.
-                    Ok(e) if domain::canonical_type(&e.event_type) == "pool.created" => upkeep.reset_immediately(),
+                    // A new pool: the keeper looks for its lease at once.
+                    Ok(e) if domain::canonical_type(&e.event_type) == "pool.created" => {
+                        keeper.want(pools_of(&proj.index, &config));
+                    }
                     Ok(e) => remember_trace(&mut traces, &e),
                 }
                 stats.position.store(proj.index.position(), Ordering::Relaxed);
             }
-            _ = upkeep.tick() => {
-                let limit = (config.lease_ttl / 3).max(Duration::from_millis(50));
-                match tokio::time::timeout(limit, upkeep_leases(&leases, &member, &config, &proj.index, &mut work, &stats)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::warn!(error = %e, "lease upkeep failed; retrying"),
-                    Err(_) => {
-                        tracing::warn!(limit_ms = limit.as_millis() as u64, "lease upkeep got no answer in time; reconnecting");
-                        leases.reset().await;
-                    }
-                }
+            _ = snapshots.tick() => {
                 if let Err(e) = proj.maybe_snapshot() {
                     tracing::warn!(error = %e, "could not write an index snapshot");
                 }
             }
             _ = clock.tick() => {}
         }
-        drop_unrenewed(&mut work, config.lease_ttl, &stats);
+        let held = holdings.borrow_and_update().clone();
+        follow_holdings(&held, &mut work, config.lease_ttl, &stats);
         plan_ready(
             &mut proj.index,
             &mut work,
@@ -503,21 +276,22 @@ async fn run(
     while let Some(done) = commits.next().await {
         on_commit(&mut work, done, &stats);
     }
-    if let Ok(client) = leases.get().await {
-        for (_, w) in work.drain() {
-            if let Some(lease) = w.lease {
-                let _ = lease.release(&client).await;
-            }
-        }
-        let _ = client
-            .exec(
-                "UPDATE strata.leases SET expires_at = now() WHERE name = $1",
-                &[&member],
-            )
-            .await;
-    }
+    keeper.stop().await;
     stats.pools_held.store(0, Ordering::Relaxed);
     Ok(())
+}
+
+/// The pools this placer may hold: those created, of its own if it was
+/// given some.
+fn pools_of(index: &Index, config: &PlacerConfig) -> BTreeSet<String> {
+    let wanted = |name: &str| config.pools.as_ref().is_none_or(|p| p.contains(name));
+    index
+        .state()
+        .pools
+        .values()
+        .filter(|p| p.created && wanted(&p.name))
+        .map(|p| p.name.clone())
+        .collect()
 }
 
 /// Starts the placer's projector, retrying with backoff until it starts;
@@ -543,24 +317,39 @@ async fn start_projector(
     }
 }
 
-/// Stops placing every pool whose lease could not be renewed for half its
-/// time to live: the lease may run out soon and another placer take the
-/// pool. Upkeep takes the pool again once the database answers (or another
-/// placer does). Correctness never rested on the lease (the pool's version
-/// fences every batch); this keeps two placers from contending for a pool.
-fn drop_unrenewed(work: &mut HashMap<String, PoolWork>, ttl: Duration, stats: &Stats) {
-    let before = work.len();
+/// Plans the pools whose leases surely hold for more than a quarter of
+/// their time to live yet, and stops planning the others (a lease not
+/// renewed that long may run out soon and another placer take the pool;
+/// the keeper takes it again once the database answers, or another placer
+/// does). A pool given back or lost leaves once its commit in flight has
+/// landed. Correctness never rested on the lease (the pool's version fences
+/// every batch); this keeps two placers from contending for a pool.
+fn follow_holdings(
+    held: &Holdings,
+    work: &mut HashMap<String, PoolWork>,
+    ttl: Duration,
+    stats: &Stats,
+) {
+    let now = Instant::now();
+    let placeable = |pool: &str| held.get(pool).is_some_and(|until| *until > now + ttl / 4);
+    for pool in held.keys() {
+        if placeable(pool) {
+            work.entry(pool.clone()).or_insert_with(PoolWork::new).held = true;
+        }
+    }
     work.retain(|pool, w| {
-        let keep = w.lease.is_none() || w.renewed.elapsed() < ttl / 2;
-        if !keep {
+        if placeable(pool) {
+            return true;
+        }
+        if w.held && held.contains_key(pool) {
             tracing::warn!(%pool, "could not renew the pool's lease in time; stopped placing it");
             stats.leases_lost.fetch_add(1, Ordering::Relaxed);
         }
-        keep
+        w.held = false;
+        w.inflight
     });
-    if work.len() != before {
-        stats.pools_held.store(work.len() as u64, Ordering::Relaxed);
-    }
+    let planned = work.values().filter(|w| w.held).count();
+    stats.pools_held.store(planned as u64, Ordering::Relaxed);
 }
 
 fn on_commit(work: &mut HashMap<String, PoolWork>, done: Committed, stats: &Stats) {
@@ -635,7 +424,7 @@ fn plan_ready(
     let now_ms = now_ms();
     let max = config.max_batch.max(1);
     for (pool, w) in work.iter_mut() {
-        if w.inflight || w.retry_at.is_some_and(|t| now < t) {
+        if !w.held || w.inflight || w.retry_at.is_some_and(|t| now < t) {
             continue;
         }
         let (Some(p), Some(q)) = (index.pool(pool), index.queues(pool)) else {
@@ -1116,108 +905,4 @@ fn batch_appends(
         });
     }
     appends
-}
-
-/// Renews held leases, then takes or gives back pools so that each live
-/// placer holds about its share.
-async fn upkeep_leases(
-    leases: &SharedClient,
-    member: &str,
-    config: &PlacerConfig,
-    index: &Index,
-    work: &mut HashMap<String, PoolWork>,
-    stats: &Stats,
-) -> Result<(), PlacerError> {
-    let wanted = |name: &str| config.pools.as_ref().is_none_or(|p| p.contains(name));
-    let pools: Vec<String> = index
-        .state()
-        .pools
-        .values()
-        .filter(|p| p.created && wanted(&p.name))
-        .map(|p| p.name.clone())
-        .collect();
-    if config.unleased {
-        for p in pools {
-            work.entry(p)
-                .or_insert_with(|| PoolWork::new(None, Instant::now()));
-        }
-        stats.pools_held.store(work.len() as u64, Ordering::Relaxed);
-        return Ok(());
-    }
-    let client = &*leases.get().await?;
-    Lease::acquire(client, member, &config.holder, config.lease_ttl).await?;
-    let mut lost = Vec::new();
-    for (pool, w) in work.iter_mut() {
-        if let Some(lease) = &w.lease {
-            let sent = Instant::now();
-            match lease.renew(client).await {
-                Ok(()) => w.renewed = sent,
-                Err(LeaseError::Lost { .. }) => lost.push(pool.clone()),
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-    for pool in lost {
-        tracing::warn!(pool = %pool, "lost the pool's lease; another placer has it");
-        stats.leases_lost.fetch_add(1, Ordering::Relaxed);
-        work.remove(&pool);
-    }
-    let live: i64 = client
-        .one(
-            "SELECT count(*) FROM strata.leases WHERE name LIKE 'placer/%' AND expires_at > now()",
-            &[],
-        )
-        .await?
-        .get(0);
-    let share = pools.len().div_ceil(live.max(1) as usize);
-    if work.len() < share {
-        let names: Vec<String> = pools.iter().map(|p| format!("pool/{p}")).collect();
-        let taken: BTreeSet<String> = client
-            .rows(
-                "SELECT name FROM strata.leases WHERE name = ANY($1) AND expires_at > now() AND holder <> $2",
-                &[&names, &config.holder],
-            )
-            .await?
-            .iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect();
-        let mut free: Vec<&String> = pools
-            .iter()
-            .filter(|p| !work.contains_key(*p) && !taken.contains(&format!("pool/{p}")))
-            .collect();
-        fastrand::shuffle(&mut free);
-        for pool in free {
-            if work.len() >= share {
-                break;
-            }
-            let sent = Instant::now();
-            if let Some(lease) = Lease::acquire(
-                client,
-                &format!("pool/{pool}"),
-                &config.holder,
-                config.lease_ttl,
-            )
-            .await?
-            {
-                tracing::info!(pool = %pool, epoch = lease.epoch, "took the pool's lease");
-                stats.leases_acquired.fetch_add(1, Ordering::Relaxed);
-                work.insert(pool.clone(), PoolWork::new(Some(lease), sent));
-            }
-        }
-    } else if work.len() > share {
-        let extra: Vec<String> = work
-            .iter()
-            .filter(|(_, w)| !w.inflight)
-            .map(|(p, _)| p.clone())
-            .take(work.len() - share)
-            .collect();
-        for pool in extra {
-            if let Some(lease) = work.remove(&pool).and_then(|w| w.lease) {
-                tracing::info!(pool = %pool, "giving the pool's lease back (more placers now)");
-                lease.release(client).await?;
-            }
-        }
-    }
-    stats.pools_held.store(work.len() as u64, Ordering::Relaxed);
-    Ok(())
 }

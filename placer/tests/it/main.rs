@@ -715,3 +715,70 @@ async fn a_placer_that_cannot_renew_its_lease_stops_placing_before_it_expires() 
     ));
     placer.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placer_keeps_its_lease_while_its_subscription_is_flooded() {
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "busy", 2).await;
+    let mut pc = PlacerConfig::new("busy");
+    pc.lease_ttl = Duration::from_secs(1);
+    pc.pools = Some(["busy".to_string()].into());
+    let placer = Placer::start(cfg.clone(), reader(&cfg), appender.clone(), pc);
+    let stats = placer.stats();
+    let t = std::time::Instant::now();
+    while stats.view().pools_held != 1 {
+        assert!(t.elapsed() < Duration::from_secs(10), "never took the pool");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let first = lease_epoch(&client, "pool/busy").await;
+    // A long backlog for the placer's subscription: events that mean
+    // nothing to the pool, appended faster than the placer applies them.
+    let flood = std::time::Instant::now();
+    for b in 0..100 {
+        let appends = (0..10)
+            .map(|s| events::StreamAppend {
+                stream: format!("noise-{b}-{s}"),
+                expected: ExpectedVersion::Any,
+                events: (0..100)
+                    .map(|i| events::NewEvent::new("test.noise", &serde_json::json!({ "i": i })))
+                    .collect(),
+            })
+            .collect();
+        appender.append_batch(appends).await.unwrap();
+    }
+    let end = head(&client).await;
+    let mut samples = 0;
+    while stats.view().position < end {
+        let v = stats.view();
+        assert_eq!(v.leases_lost, 0, "a lease lost while catching up");
+        assert_eq!(v.pools_held, 1, "the pool was given up while catching up");
+        samples += 1;
+        assert!(
+            flood.elapsed() < Duration::from_secs(120),
+            "never caught up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let busy = flood.elapsed();
+    // The backlog kept the placer busy for several lease lifetimes, and the
+    // lease row was renewed through them: the same epoch, not taken again.
+    assert!(busy > Duration::from_secs(3), "caught up in {busy:?}");
+    assert_eq!(
+        lease_epoch(&client, "pool/busy").await,
+        first,
+        "the lease was taken again"
+    );
+    assert_eq!(stats.view().leases_lost, 0);
+    eprintln!("kept the pool's lease through {busy:?} of catching up ({samples} samples)");
+    placer.stop().await.unwrap();
+}
+
+/// The epoch of lease `name` in the table.
+async fn lease_epoch(client: &Client, name: &str) -> i64 {
+    client
+        .query_one("SELECT epoch FROM strata.leases WHERE name = $1", &[&name])
+        .await
+        .unwrap()
+        .get(0)
+}
