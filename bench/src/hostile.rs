@@ -285,11 +285,12 @@ pub(crate) struct JoinProbe {
     pub tries: u32,
 }
 
-/// How long `n` real nodes take to join, one after another, each with a
-/// fresh one-time token from an address of its own (127.`net`.0.1 and up,
-/// addresses the gateway has never seen), trying again as a daemon does
-/// (a new connection each time, after a full-jitter backoff from 500 ms
-/// doubling to 30 s) until 60 s have passed.
+/// How long `n` real nodes take to join, all at once, each with a fresh
+/// one-time token from an address of its own (127.`net`.0.1 and up,
+/// addresses the gateway has never seen), trying again as a daemon does (a
+/// new connection each time, after a full-jitter backoff from 500 ms
+/// doubling to 30 s); a node not joined `within` of the start counts as
+/// failed.
 pub(crate) async fn join_probe(
     client: &tokio_postgres::Client,
     addr: &str,
@@ -297,12 +298,9 @@ pub(crate) async fn join_probe(
     prefix: &str,
     net: u8,
     n: u32,
+    within: Duration,
 ) -> Result<JoinProbe> {
-    let mut probe = JoinProbe {
-        joined: Vec::new(),
-        failed: 0,
-        tries: 0,
-    };
+    let mut nodes = Vec::new();
     for i in 0..n {
         let node = format!("{prefix}{i:05}");
         let token =
@@ -313,41 +311,67 @@ pub(crate) async fn join_probe(
             csr_pem: rcgen_key()?,
         };
         let from = std::net::IpAddr::from([127, net, (i / 250) as u8, 1 + (i % 250) as u8]);
-        let started = Instant::now();
-        let mut tries = 0u32;
-        let joined = loop {
-            tries += 1;
-            let channel = tonic::transport::Endpoint::from_shared(addr.to_string())?
-                .local_address(Some(from))
-                .tls_config(
-                    tonic::transport::ClientTlsConfig::new()
-                        .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem))
-                        .domain_name("localhost"),
-                )?
-                .connect_lazy();
-            let mut join = gateway::proto::join_client::JoinClient::new(channel);
-            let left = Duration::from_secs(60).saturating_sub(started.elapsed());
-            match tokio::time::timeout(left, join.join(req.clone())).await {
-                Ok(Ok(_)) => break true,
-                Ok(Err(s)) if s.code() == tonic::Code::PermissionDenied => break false,
-                Err(_) => break false,
-                Ok(Err(_)) => {}
-            }
-            let ceiling = Duration::from_millis(500)
-                .saturating_mul(1u32 << tries.min(16))
-                .min(Duration::from_secs(30));
-            let pause = ceiling.mul_f64(fastrand::f64());
-            if started.elapsed() + pause >= Duration::from_secs(60) {
-                break false;
-            }
-            tokio::time::sleep(pause).await;
-        };
+        nodes.push((req, from));
+    }
+    let started = Instant::now();
+    let deadline = started + within;
+    let joiners = nodes.into_iter().map(|(req, from)| {
+        let (addr, ca_pem) = (addr.to_string(), ca_pem.to_string());
+        tokio::spawn(async move { join_until(&addr, &ca_pem, req, from, deadline).await })
+    });
+    let mut probe = JoinProbe {
+        joined: Vec::new(),
+        failed: 0,
+        tries: 0,
+    };
+    for j in joiners.collect::<Vec<_>>() {
+        let (joined, tries) = j.await??;
         probe.tries += tries;
         match joined {
-            true => probe.joined.push(started.elapsed()),
-            false => probe.failed += 1,
+            Some(took) => probe.joined.push(took),
+            None => probe.failed += 1,
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Ok(probe)
+}
+
+/// One node joining from `from` until `deadline`, as a daemon retries: how
+/// long it took (`None`: not joined in time, or refused for good), and
+/// its tries.
+async fn join_until(
+    addr: &str,
+    ca_pem: &str,
+    req: gateway::proto::JoinRequest,
+    from: std::net::IpAddr,
+    deadline: Instant,
+) -> Result<(Option<Duration>, u32)> {
+    let started = Instant::now();
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        let channel = tonic::transport::Endpoint::from_shared(addr.to_string())?
+            .local_address(Some(from))
+            .tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem))
+                    .domain_name("localhost"),
+            )?
+            .connect_lazy();
+        let mut join = gateway::proto::join_client::JoinClient::new(channel);
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, join.join(req.clone())).await {
+            Ok(Ok(_)) => return Ok((Some(started.elapsed()), tries)),
+            Ok(Err(s)) if s.code() == tonic::Code::PermissionDenied => return Ok((None, tries)),
+            Err(_) => return Ok((None, tries)),
+            Ok(Err(_)) => {}
+        }
+        let ceiling = Duration::from_millis(500)
+            .saturating_mul(1u32 << tries.min(16))
+            .min(Duration::from_secs(30));
+        let pause = ceiling.mul_f64(fastrand::f64());
+        if Instant::now() + pause >= deadline {
+            return Ok((None, tries));
+        }
+        tokio::time::sleep(pause).await;
+    }
 }

@@ -79,6 +79,7 @@ impl Shared {
         let hash = crate::identity::digest(token);
         if !self.token_known(&hash).await? {
             bad.take(&source, bad_rate, bad_burst);
+            self.handshakes.suspect(source, self.handshakes.now_ms());
             self.stats.refused_joins.fetch_add(1, Ordering::Relaxed);
             return Err(Status::permission_denied(
                 crate::identity::IdentityError::BadToken.to_string(),

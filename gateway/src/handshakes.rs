@@ -8,9 +8,12 @@
 //! last [`PRESSURE_MS`]), connections from addresses the gateway has not
 //! seen present a client certificate get handshakes only at
 //! `--unknown-handshakes-per-second` in all and [`PER_SOURCE_PER_S`] each
-//! (so one busy address cannot spend the others' turns); the rest are
-//! closed at accept, which costs neither side a handshake, and a daemon
-//! tries again after its backoff. Addresses that presented a certificate (the fleet's nodes,
+//! (so one busy address cannot spend the others' turns), and addresses
+//! *suspected* in the last [`SUSPECT_MS`] (one of their RPCs stalled until
+//! it was evicted or cut at its deadline, or they offered a join token the
+//! region never issued) get none; the rest are closed at accept, which
+//! costs neither side a handshake, and a daemon tries again after its
+//! backoff. A flood from many addresses so spends each address once. Addresses that presented a certificate (the fleet's nodes,
 //! operators) are never held back, and with no pressure nobody is: a
 //! fleet re-homing onto this gateway after another died is not slowed.
 //! This is a priority of service, not a guarantee: what a connection may
@@ -26,13 +29,17 @@ use std::time::Instant;
 /// How long the share counts as pressed after it was last full.
 pub(crate) const PRESSURE_MS: u64 = 5_000;
 
+/// How long an address stays suspected after its last offence.
+pub(crate) const SUSPECT_MS: u64 = 60_000;
+
 /// Handshakes a second one unknown address gets while pressed (bursts of
 /// [`PER_SOURCE_BURST`]).
 pub(crate) const PER_SOURCE_PER_S: f64 = 1.0;
 const PER_SOURCE_BURST: f64 = 3.0;
 
-/// Addresses remembered at most; past it, those not seen for an hour are
-/// forgotten, and if none were, no new one is remembered until some are.
+/// Addresses remembered at most, known and suspected each; past it, known
+/// ones not seen for an hour and suspects past their time are forgotten,
+/// and if none were, no new one is remembered until some are.
 const MAX_KNOWN: usize = 262_144;
 
 /// Forgotten when the table is full and they were last seen this long ago.
@@ -40,9 +47,13 @@ const KNOWN_FOR_MS: u64 = 3_600_000;
 
 /// The gate in front of the TLS handshake.
 pub(crate) struct HandshakeGate {
+    /// What `now_ms` counts from.
+    epoch: Instant,
     /// Addresses that presented a client certificate, with when they last
-    /// did (milliseconds on the listener's epoch).
+    /// did (milliseconds on `epoch`).
     known: Mutex<HashMap<IpAddr, u64>>,
+    /// Suspected addresses, with until when.
+    suspects: Mutex<HashMap<IpAddr, u64>>,
     /// Until when the share counts as pressed (milliseconds; 0: never was).
     pressed_until_ms: AtomicU64,
     /// Handshakes for unknown addresses while pressed: all of them, and
@@ -58,7 +69,9 @@ impl HandshakeGate {
     pub(crate) fn new(per_second: f64) -> HandshakeGate {
         let per_second = per_second.max(0.1);
         HandshakeGate {
+            epoch: Instant::now(),
             known: Mutex::new(HashMap::new()),
+            suspects: Mutex::new(HashMap::new()),
             pressed_until_ms: AtomicU64::new(0),
             bucket: Mutex::new(Bucket {
                 tokens: per_second,
@@ -69,16 +82,26 @@ impl HandshakeGate {
         }
     }
 
+    /// Milliseconds since the gate was made: the clock of its methods.
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
     /// `ip` presented a client certificate at `now_ms`.
     pub(crate) fn certified(&self, ip: IpAddr, now_ms: u64) {
         let mut known = self.known.lock().expect("known sources lock");
-        if known.len() >= MAX_KNOWN && !known.contains_key(&ip) {
-            known.retain(|_, seen| now_ms.saturating_sub(*seen) < KNOWN_FOR_MS);
-            if known.len() >= MAX_KNOWN {
-                return;
-            }
-        }
-        known.insert(ip, now_ms);
+        remember(&mut known, ip, now_ms, |seen| {
+            now_ms.saturating_sub(seen) < KNOWN_FOR_MS
+        });
+    }
+
+    /// An RPC from `ip` stalled, or it offered a token never issued, at
+    /// `now_ms`.
+    pub(crate) fn suspect(&self, ip: IpAddr, now_ms: u64) {
+        let mut suspects = self.suspects.lock().expect("suspects lock");
+        remember(&mut suspects, ip, now_ms + SUSPECT_MS, |until| {
+            until > now_ms
+        });
     }
 
     /// The share of connections without a certificate was full at `now_ms`.
@@ -101,6 +124,11 @@ impl HandshakeGate {
         {
             return true;
         }
+        let suspects = self.suspects.lock().expect("suspects lock");
+        if suspects.get(&ip).is_some_and(|until| *until > now_ms) {
+            return false;
+        }
+        drop(suspects);
         let (each, burst) = (PER_SOURCE_PER_S, PER_SOURCE_BURST);
         if !self.per_source.holds(&ip, each, burst) {
             return false;
@@ -113,6 +141,18 @@ impl HandshakeGate {
             .take(rate, rate);
         all && self.per_source.take(&ip, each, burst)
     }
+}
+
+/// Puts `ip` in `table` with `value`; a full table first forgets the
+/// entries `keep` refuses, and takes no new address while still full.
+fn remember(table: &mut HashMap<IpAddr, u64>, ip: IpAddr, value: u64, keep: impl Fn(u64) -> bool) {
+    if table.len() >= MAX_KNOWN && !table.contains_key(&ip) {
+        table.retain(|_, v| keep(*v));
+        if table.len() >= MAX_KNOWN {
+            return;
+        }
+    }
+    table.insert(ip, value);
 }
 
 #[cfg(test)]
@@ -141,5 +181,17 @@ mod tests {
         let admitted = sources.filter(|ip| all.admit(*ip, 1)).count();
         assert!(admitted <= 2, "all strangers share the bucket: {admitted}");
         assert!(gate.admit(stranger, 10 + PRESSURE_MS), "pressure over");
+        let staller: IpAddr = "10.7.7.7".parse().unwrap();
+        gate.suspect(staller, 100);
+        gate.pressed(100);
+        assert!(
+            !gate.admit(staller, 200),
+            "a suspect gets none while pressed"
+        );
+        gate.certified(staller, 200);
+        assert!(
+            gate.admit(staller, 300),
+            "unless it presented a certificate"
+        );
     }
 }

@@ -40,11 +40,9 @@ pub struct Limits {
     pub max_idle: usize,
     /// Each request message must arrive whole within this of its start.
     pub request_deadline: Duration,
-    /// Most connections without a client certificate at once.
+    /// Most connections without a client certificate at once (while it is
+    /// full, strangers' handshakes are rationed: [`crate::handshakes`]).
     pub max_unauthenticated: usize,
-    /// While that share is pressed, handshakes a second for addresses that
-    /// never presented a certificate (see [`crate::handshakes`]).
-    pub unknown_handshakes_per_second: f64,
 }
 
 /// Counters of the listener.
@@ -93,6 +91,8 @@ pub(crate) struct Conn {
     closed: AtomicBool,
     /// It presented no client certificate (and counts in that share).
     unauthenticated: AtomicBool,
+    /// The address it came from.
+    ip: std::net::IpAddr,
     /// Request messages due from its client (RPCs waiting on it).
     awaiting: AtomicUsize,
     /// Since when one has been due (milliseconds on `Conns.epoch`; valid
@@ -116,19 +116,23 @@ pub(crate) struct Conns {
     unauthenticated: AtomicUsize,
     epoch: Instant,
     limits: Limits,
-    gate: crate::handshakes::HandshakeGate,
+    gate: Arc<crate::handshakes::HandshakeGate>,
     pub(crate) stats: Arc<ListenerStats>,
 }
 
 impl Conns {
-    pub(crate) fn new(limits: Limits, stats: Arc<ListenerStats>) -> Arc<Conns> {
+    pub(crate) fn new(
+        limits: Limits,
+        gate: Arc<crate::handshakes::HandshakeGate>,
+        stats: Arc<ListenerStats>,
+    ) -> Arc<Conns> {
         Arc::new(Conns {
             by_addr: Mutex::new(HashMap::new()),
             idle: AtomicUsize::new(0),
             unauthenticated: AtomicUsize::new(0),
             epoch: Instant::now(),
             limits,
-            gate: crate::handshakes::HandshakeGate::new(limits.unknown_handshakes_per_second),
+            gate,
             stats,
         })
     }
@@ -158,6 +162,7 @@ impl Conns {
             settled: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             unauthenticated: AtomicBool::new(false),
+            ip: addr.ip(),
             awaiting: AtomicUsize::new(0),
             awaiting_since_ms: AtomicU64::new(0),
             waker: AtomicWaker::new(),
@@ -229,7 +234,7 @@ impl Conns {
         if n <= self.limits.max_unauthenticated {
             return true;
         }
-        self.gate.pressed(self.now_ms());
+        self.gate.pressed(self.gate.now_ms());
         let others = |c: &Conn| c.unauthenticated.load(Ordering::SeqCst) && !std::ptr::eq(c, conn);
         if self.close_longest_idle_of(others) || self.close_longest_waiting_of(others) {
             return true;
@@ -257,6 +262,7 @@ impl Conns {
         match longest {
             Some(c) => {
                 c.close();
+                self.gate.suspect(c.ip, self.gate.now_ms());
                 self.stats
                     .unauthenticated_evicted
                     .fetch_add(1, Ordering::Relaxed);
@@ -440,7 +446,7 @@ pub(crate) fn serve(
                 }
             };
             conns.stats.accepted.fetch_add(1, Ordering::Relaxed);
-            if !conns.gate.admit(addr.ip(), conns.now_ms()) {
+            if !conns.gate.admit(addr.ip(), conns.gate.now_ms()) {
                 conns
                     .stats
                     .handshakes_held_back
@@ -464,7 +470,7 @@ pub(crate) fn serve(
                         let (tracked, session) = tls.get_ref();
                         let conns = &tracked.conns;
                         if session.peer_certificates().is_some() {
-                            conns.gate.certified(addr.ip(), conns.now_ms());
+                            conns.gate.certified(addr.ip(), conns.gate.now_ms());
                         } else if !conns.admit_unauthenticated(&tracked.conn) {
                             stats
                                 .unauthenticated_refused
@@ -613,6 +619,10 @@ impl crate::deadline::Watch for Waiting {
             .stats
             .requests_cut
             .fetch_add(1, Ordering::Relaxed);
+        if let Some(conn) = &self.conn {
+            let gate = &self.conns.gate;
+            gate.suspect(conn.ip, gate.now_ms());
+        }
     }
 }
 

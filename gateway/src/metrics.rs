@@ -266,7 +266,7 @@ static LISTENER: &[Field<ListenerStats>] = &[
         ListenerStats,
         "strata_gateway_handshakes_held_back_total",
         Counter,
-        "Connections closed at accept, before their TLS handshake: from an address that never presented a client certificate, while the share of connections without one was pressed and --unknown-handshakes-per-second was spent.",
+        "Connections closed at accept, before their TLS handshake: from an address that never presented a client certificate, while the share of connections without one was pressed, and suspected (an RPC of its stalled, or it offered a token never issued, in the last minute) or over --unknown-handshakes-per-second.",
         &[],
         handshakes_held_back
     ),

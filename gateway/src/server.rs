@@ -84,21 +84,9 @@ pub async fn start(
             addr: config.listen,
             source,
         })?;
-    let stats = Arc::new(GatewayStats::default());
     let listener_stats = Arc::new(crate::listener::ListenerStats::default());
-    crate::metrics::count_gateway(&stats);
     crate::metrics::count_listener(&listener_stats);
-    let conns = crate::listener::Conns::new(
-        crate::listener::Limits {
-            handshake_timeout: config.handshake_timeout,
-            idle_timeout: config.idle_timeout,
-            max_idle: config.max_idle_connections,
-            request_deadline: config.request_deadline,
-            max_unauthenticated: config.max_unauthenticated_connections,
-            unknown_handshakes_per_second: config.unknown_handshakes_per_second,
-        },
-        listener_stats.clone(),
-    );
+    let (conns, gate) = connection_limits(&config, listener_stats.clone());
     let renewer = ops::task::spawn(
         "gateway-serving-cert",
         crate::ca::keep_renewed(
@@ -110,15 +98,9 @@ pub async fn start(
         ),
     );
     let (writes, writes_rx) = mpsc::channel(65_536);
-    let shared = new_shared(
-        config,
-        db,
-        appender,
-        reader.clone(),
-        stats.clone(),
-        ca,
-        writes,
-    );
+    let shared = new_shared(config, db, appender, reader.clone(), ca, writes, gate);
+    let stats = shared.stats.clone();
+    crate::metrics::count_gateway(&stats);
     // The lease before any session: each session carries its epoch.
     let liveness = crate::liveness::start(&shared)
         .await
@@ -216,16 +198,40 @@ pub async fn start(
 }
 
 /// What every part of the gateway shares, before any task runs.
+/// The listener's connection table, with the handshake gate it shares with
+/// the join checks.
+fn connection_limits(
+    config: &GatewayConfig,
+    stats: Arc<crate::listener::ListenerStats>,
+) -> (
+    Arc<crate::listener::Conns>,
+    Arc<crate::handshakes::HandshakeGate>,
+) {
+    let gate = Arc::new(crate::handshakes::HandshakeGate::new(
+        config.unknown_handshakes_per_second,
+    ));
+    let limits = crate::listener::Limits {
+        handshake_timeout: config.handshake_timeout,
+        idle_timeout: config.idle_timeout,
+        max_idle: config.max_idle_connections,
+        request_deadline: config.request_deadline,
+        max_unauthenticated: config.max_unauthenticated_connections,
+    };
+    let conns = crate::listener::Conns::new(limits, gate.clone(), stats);
+    (conns, gate)
+}
+
 fn new_shared(
     config: GatewayConfig,
     db: events::db::Database,
     appender: Appender,
     reader: Reader,
-    stats: Arc<GatewayStats>,
     ca: Ca,
     writes: mpsc::Sender<crate::state::Write>,
+    handshakes: Arc<crate::handshakes::HandshakeGate>,
 ) -> Arc<Shared> {
     Arc::new(Shared {
+        handshakes,
         streams: Arc::new(Semaphore::new(config.max_streams)),
         pending_hellos: AtomicUsize::new(0),
         bucket: Mutex::new(Bucket {
@@ -240,7 +246,7 @@ fn new_shared(
         sessions: Mutex::new(HashMap::new()),
         db: events::db::SharedClient::new(db),
         appender,
-        stats: stats.clone(),
+        stats: Arc::new(GatewayStats::default()),
         ca,
         writes,
         config,

@@ -242,6 +242,9 @@ pub(crate) struct Shared {
     pub(crate) bucket: Mutex<crate::bucket::Bucket>,
     pub(crate) join_bucket: Mutex<crate::bucket::Bucket>,
     pub(crate) join_limits: crate::join_limits::JoinLimits,
+    /// Who gets a TLS handshake while strangers crowd the gateway; told of
+    /// addresses that offer tokens never issued.
+    pub(crate) handshakes: Arc<crate::handshakes::HandshakeGate>,
     pub(crate) sessions: Mutex<HashMap<String, SessionEntry>>,
     pub(crate) writes: mpsc::Sender<Write>,
     /// Commands not yet terminal, as the log says.
