@@ -1,7 +1,10 @@
-//! The placer's pool leases, kept by a task of their own on a connection of
-//! their own, so that planning, committing or catching up with the log can
-//! never delay a renewal (in one task, a busy subscription kept upkeep from
-//! running at all, and a loaded placer gave its pools up every few seconds).
+//! The placer's pool leases, kept on a thread of their own (with a runtime
+//! of its own) and a connection of their own, so that planning, committing
+//! or catching up with the log can never delay a renewal: in one task, a
+//! busy subscription kept upkeep from running at all, and a loaded placer
+//! gave its pools up every few seconds; as a task of the placer's runtime,
+//! it could still wait behind a long synchronous stretch of work on the
+//! worker that woke it.
 //!
 //! Every third of the lease's time to live the keeper renews what it holds,
 //! keeps its membership lease (`placer/<holder>`, by which placers count each
@@ -43,25 +46,36 @@ pub(crate) struct Keeper {
     holdings: watch::Receiver<Holdings>,
     pools: watch::Sender<BTreeSet<String>>,
     stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
+    /// Told when the keeper's thread is done (leases given back).
+    done: oneshot::Receiver<()>,
 }
 
 impl Keeper {
-    /// Starts keeping leases through `db`.
-    pub(crate) fn start(db: Database, config: KeeperConfig, stats: Arc<Stats>) -> Keeper {
+    /// Starts keeping leases through `db`, on a thread of its own.
+    pub(crate) fn start(
+        db: Database,
+        config: KeeperConfig,
+        stats: Arc<Stats>,
+    ) -> std::io::Result<Keeper> {
         let (holdings_tx, holdings) = watch::channel(Holdings::default());
         let (pools, pools_rx) = watch::channel(BTreeSet::new());
         let (stop, stop_rx) = oneshot::channel();
-        let task = ops::task::spawn(
-            "placer-leases",
-            keep(db, config, stats, pools_rx, holdings_tx, stop_rx),
-        );
-        Keeper {
+        let (done_tx, done) = oneshot::channel();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        std::thread::Builder::new()
+            .name("placer-leases".into())
+            .spawn(move || {
+                runtime.block_on(keep(db, config, stats, pools_rx, holdings_tx, stop_rx));
+                let _ = done_tx.send(());
+            })?;
+        Ok(Keeper {
             holdings,
             pools,
             stop: Some(stop),
-            task,
-        }
+            done,
+        })
     }
 
     /// The pools there are to hold (those created, of this placer's).
@@ -83,7 +97,7 @@ impl Keeper {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        let _ = (&mut self.task).await;
+        let _ = (&mut self.done).await;
     }
 }
 

@@ -86,6 +86,8 @@ pub enum PlacerError {
     Project(#[from] ProjectError),
     #[error(transparent)]
     Lease(#[from] LeaseError),
+    #[error("start the pool lease keeper's thread: {0}")]
+    Keeper(std::io::Error),
 }
 
 /// A running placer.
@@ -203,7 +205,8 @@ async fn run(
             unleased: config.unleased,
         },
         stats.clone(),
-    );
+    )
+    .map_err(PlacerError::Keeper)?;
     let mut holdings = keeper.holdings();
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     let Some(mut proj) = start_projector(&reader, &config, &mut stop, &mut backoff).await else {
