@@ -231,7 +231,11 @@ async fn run(
             Some(done) = commits.next(), if !commits.is_empty() => {
                 on_commit(&mut work, done, &stats);
             }
-            _ = holdings.changed() => {}
+            r = holdings.changed() => if r.is_err() {
+                // The keeper's thread ended (it only does when told to):
+                // end too, so the role's supervisor starts the placer again.
+                return Err(PlacerError::Keeper(std::io::Error::other("the pool lease keeper stopped")));
+            },
             e = proj.step() => {
                 match e {
                     Err(e) => {
