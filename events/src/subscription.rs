@@ -25,6 +25,8 @@ use crate::types::{Event, Position, Txn};
 use crate::ErrorKind;
 use schema::sql::Sql;
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -152,7 +154,24 @@ pub struct Subscription {
     /// not finished: `next` may be cancelled at that await (a `select!`
     /// polling it beside timers), and the message must not be lost with it.
     pending: Option<Live>,
+    /// A read of the table in flight, kept across calls to `next` that
+    /// were cancelled while it ran, so the next call goes on with it instead
+    /// of starting it again (a read that outlasts the timer beside it would
+    /// otherwise never finish).
+    reading: Option<TableRead>,
 }
+
+/// Rows of the table being read: after `from`, up to a page (`until` none)
+/// or up to `until` (a gap).
+struct TableRead {
+    from: Position,
+    until: Option<Position>,
+    /// In a mutex only to make the subscription `Sync`: it is reached
+    /// through `&mut` (`get_mut`), never locked.
+    rows: std::sync::Mutex<RowsFuture>,
+}
+
+type RowsFuture = Pin<Box<dyn Future<Output = Result<Vec<Arc<Event>>, SubscribeError>> + Send>>;
 
 const PAGE: i64 = 5000;
 
@@ -342,6 +361,7 @@ impl Reader {
             lost_in_takeovers: 0,
             diverged: None,
             pending: None,
+            reading: None,
         }
     }
 }
@@ -619,14 +639,9 @@ impl Subscription {
     /// Reads one page from the table; attaches to the live stream once a page
     /// comes back short (the head is reached).
     async fn catch_up(&mut self) -> Result<(), SubscribeError> {
-        let client = self
-            .reader
-            .client()
-            .await
-            .map_err(db("connect to postgres"))?;
-        let rows = read::after(&client, self.fetched, self.page)
-            .await
-            .map_err(db("read the event table"))?;
+        let rows = self.table_read(None).await;
+        self.reading = None;
+        let rows = rows?;
         let short = (rows.len() as i64) < self.page;
         if let Some(first) = rows.first() {
             if first.position.starts_epoch() && first.position.follows(self.fetched) {
@@ -676,49 +691,51 @@ impl Subscription {
         Ok(())
     }
 
-    /// Reads `fetched < position < until` from the table. Those rows are
-    /// committed (the slot already sent a later commit), but may take a moment
-    /// to become visible to a new snapshot, so short reads are retried.
+    /// Reads `fetched < position < until` from the table (see [`gap`]).
     async fn fill_gap(&mut self, until: Position) -> Result<(), SubscribeError> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let client = self
-                .reader
-                .client()
-                .await
-                .map_err(db("connect to postgres"))?;
-            let rows = read::between(&client, self.fetched, until)
-                .await
-                .map_err(db("fill a gap from the event table"))?;
-            // Each row follows the one before it, and `until` the last.
-            let mut at = self.fetched;
-            let mut contiguous = true;
-            for r in &rows {
-                contiguous &= r.position.follows(at);
-                at = r.position;
-            }
-            let contiguous = contiguous && until.follows(at);
-            if contiguous || Instant::now() > deadline {
-                if !contiguous {
-                    let err = SubscribeError::Missing {
-                        from: Position(self.fetched.0 + 1),
-                        to: Position(until.0 - 1),
-                    };
-                    tracing::error!(subscription = %self.name, error = %err, found = rows.len(), "gap could not be filled");
-                    return Err(err);
-                }
-                tracing::debug!(subscription = %self.name, events = rows.len(), "filled a gap from the table");
-                if let Some(start) = rows.iter().map(|r| r.position).find(|p| p.starts_epoch()) {
-                    self.crossed_epoch(start).await;
-                }
-                if let Some(last) = rows.last() {
-                    self.fetched = last.position;
-                }
-                self.buf.extend(rows);
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        let rows = self.table_read(Some(until)).await;
+        self.reading = None;
+        let rows = rows.inspect_err(|e| {
+            tracing::error!(subscription = %self.name, error = %e, "gap could not be filled");
+        })?;
+        tracing::debug!(subscription = %self.name, events = rows.len(), "filled a gap from the table");
+        if let Some(start) = rows.iter().map(|r| r.position).find(|p| p.starts_epoch()) {
+            self.crossed_epoch(start).await;
         }
+        if let Some(last) = rows.last() {
+            self.fetched = last.position;
+        }
+        self.buf.extend(rows);
+        Ok(())
+    }
+
+    /// The read of the table after `fetched` (a page, or up to `until`):
+    /// the one in flight if a cancelled call began it, else a new one.
+    fn table_read(&mut self, until: Option<Position>) -> &mut RowsFuture {
+        let from = self.fetched;
+        if !matches!(&self.reading, Some(r) if r.from == from && r.until == until) {
+            let (reader, page) = (self.reader.clone(), self.page);
+            let rows: RowsFuture = match until {
+                None => Box::pin(async move {
+                    let client = reader.client().await.map_err(db("connect to postgres"))?;
+                    read::after(&client, from, page)
+                        .await
+                        .map_err(db("read the event table"))
+                }),
+                Some(until) => Box::pin(gap(reader, from, until)),
+            };
+            self.reading = Some(TableRead {
+                from,
+                until,
+                rows: std::sync::Mutex::new(rows),
+            });
+        }
+        self.reading
+            .as_mut()
+            .expect("just set")
+            .rows
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The log jumps to `start`, a new epoch (a standby took over). What
@@ -781,5 +798,39 @@ impl Drop for Subscription {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.notify.notify_one();
+    }
+}
+
+/// Reads `from < position < until` from the table. Those rows are committed
+/// (the slot already sent a later commit), but may take a moment to become
+/// visible to a new snapshot, so short reads are retried for up to 10 s.
+async fn gap(
+    reader: Reader,
+    from: Position,
+    until: Position,
+) -> Result<Vec<Arc<Event>>, SubscribeError> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let client = reader.client().await.map_err(db("connect to postgres"))?;
+        let rows = read::between(&client, from, until)
+            .await
+            .map_err(db("fill a gap from the event table"))?;
+        // Each row follows the one before it, and `until` the last.
+        let mut at = from;
+        let mut contiguous = true;
+        for r in &rows {
+            contiguous &= r.position.follows(at);
+            at = r.position;
+        }
+        if contiguous && until.follows(at) {
+            return Ok(rows);
+        }
+        if Instant::now() > deadline {
+            return Err(SubscribeError::Missing {
+                from: Position(from.0 + 1),
+                to: Position(until.0 - 1),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
