@@ -125,20 +125,7 @@ async fn watch(reader: Reader, seen: Arc<Seen>) -> Result<()> {
 
 /// A request of `gpus` H100s in `pool`, shaped `shape`, priority 0.
 pub(crate) fn request(id: String, pool: &str, gpus: u32, shape: Shape) -> Request {
-    Request {
-        reservation: id,
-        pool: pool.to_string(),
-        class: CLASS.into(),
-        gpus,
-        shape,
-        priority: 0,
-        ttl_ms: None,
-        replace_on_failure: false,
-        replaces: None,
-        topology: None,
-        requeue_on_preemption: false,
-        queue: None,
-    }
+    domain::demand::request(id, pool, CLASS, gpus, shape)
 }
 
 async fn offer(appender: &Appender, r: &Request) -> Result<()> {

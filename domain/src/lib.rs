@@ -17,6 +17,7 @@
 //! it is refused or fails. It folds nothing: the state folded from these facts is `projections`'.
 
 pub mod commands;
+pub mod demand;
 mod error;
 pub mod fact;
 pub mod faults;

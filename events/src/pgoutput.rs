@@ -307,10 +307,69 @@ fn decode_tuple<'a>(c: &mut Cursor<'a>) -> Result<Vec<Datum<'a>>, DecodeError> {
     Ok(out)
 }
 
-/// Encoders, used by the tests to build well-formed input.
-#[cfg(test)]
-pub(crate) mod encode {
+/// Encoders of well-formed messages: for tests, and for the fixed WAL
+/// sample the instruction gauge decodes.
+pub mod encode {
     use super::*;
+    use crate::types::{to_pg_time, Event};
+
+    /// `strata.events` as pgoutput describes it, under relation id `id`.
+    pub fn events_relation(id: u32) -> Relation {
+        let columns = [
+            "position",
+            "stream",
+            "version",
+            "type",
+            "payload",
+            "metadata",
+            "recorded_at",
+            "xid",
+        ];
+        Relation {
+            id,
+            namespace: "strata".into(),
+            name: "events".into(),
+            replica_identity: b'd',
+            columns: columns
+                .iter()
+                .map(|n| Column {
+                    flags: 0,
+                    name: (*n).into(),
+                    type_oid: 0,
+                    type_modifier: -1,
+                })
+                .collect(),
+        }
+    }
+
+    /// The insert of `e` into `strata.events` (relation `relation`), every
+    /// value in binary as the reader asks for it.
+    pub fn event_insert(relation: u32, e: &Event) -> Vec<u8> {
+        let position = (e.position.0 as i64).to_be_bytes();
+        let version = (e.version as i64).to_be_bytes();
+        let recorded_at = to_pg_time(e.recorded_at).to_be_bytes();
+        let xid = (e.xid as i64).to_be_bytes();
+        // jsonb's binary form: a version byte, then the text.
+        let jsonb = |text: &str| {
+            let mut v = vec![1u8];
+            v.extend(text.as_bytes());
+            v
+        };
+        let (payload, metadata) = (jsonb(&e.payload), jsonb(&e.metadata));
+        insert(
+            relation,
+            &[
+                Datum::Binary(&position),
+                Datum::Binary(e.stream.as_bytes()),
+                Datum::Binary(&version),
+                Datum::Binary(e.event_type.as_bytes()),
+                Datum::Binary(&payload),
+                Datum::Binary(&metadata),
+                Datum::Binary(&recorded_at),
+                Datum::Binary(&xid),
+            ],
+        )
+    }
 
     pub fn begin(final_lsn: Lsn, commit_time: i64, xid: u32) -> Vec<u8> {
         let mut v = vec![b'B'];

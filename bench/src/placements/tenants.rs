@@ -5,7 +5,8 @@
 
 use crate::util::percentile_ms;
 use anyhow::{bail, Result};
-use domain::{QueueSpec, Quota, Request, Shape};
+pub use domain::demand::{COHORTS, QUEUES};
+use domain::{QueueSpec, Shape};
 use events::Appender;
 use projections::Index;
 use std::sync::atomic::Ordering;
@@ -13,9 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::{flood, offer, Seen, CLASS};
 
-/// Queues, cohorts, and the pool they share.
-pub const QUEUES: u32 = 16;
-pub const COHORTS: u32 = 2;
+/// The pool the queues share.
 pub const POOL: &str = "tenants";
 /// Nodes per rack of the pool.
 pub const NODES_PER_RACK: u32 = 32;
@@ -40,76 +39,9 @@ pub struct Tenants {
     pub spread: f64,
 }
 
-fn queue(i: u32) -> String {
-    format!("team{i:02}")
-}
-
-/// The queues: nominal quotas that sum to the pool's GPUs; weight 2 for
-/// every other queue.
+/// The queues of the pool (see [`domain::demand::queues`]).
 pub fn specs(gpus: u64) -> Vec<QueueSpec> {
-    (0..QUEUES)
-        .map(|i| {
-            let base = gpus / QUEUES as u64;
-            let nominal = base + u64::from((i as u64) < gpus % QUEUES as u64);
-            QueueSpec {
-                queue: queue(i),
-                cohort: Some(format!("cohort{}", i % COHORTS)),
-                weight: 1 + i % 2,
-                quotas: vec![Quota {
-                    class: CLASS.into(),
-                    nominal: nominal as u32,
-                    borrowing_limit: None,
-                }],
-            }
-        })
-        .collect()
-}
-
-fn request(id: String, queue: String, gpus: u32, shape: Shape, priority: i32) -> Request {
-    // Gangs within one rack.
-    let topology =
-        matches!(shape, Shape::Gang { .. }).then_some(domain::Topology::Within(domain::Tier::Rack));
-    Request {
-        priority,
-        topology,
-        requeue_on_preemption: true,
-        queue: Some(queue),
-        ..super::request(id, POOL, gpus, shape)
-    }
-}
-
-/// Demand at 150% of `gpus`, spread evenly over the queues and offered
-/// round robin across them: 1, 2, 4 and 8 GPUs and 2-node gangs of 8, at
-/// priorities 0 and 1.
-fn demand(gpus: u64) -> Vec<Request> {
-    let mut out = Vec::new();
-    let mut asked = 0u64;
-    let mut i = 0u64;
-    while asked < gpus * 3 / 2 {
-        let q = queue((i % QUEUES as u64) as u32);
-        let id = format!("ten-{i}");
-        let prio = ((i / QUEUES as u64) % 2) as i32;
-        let r = match (i / QUEUES as u64) % 10 {
-            0..=3 => request(id, q, 1, Shape::Any, prio),
-            4 | 5 => request(id, q, 2, Shape::Any, prio),
-            6 | 7 => request(id, q, 4, Shape::Node, prio),
-            8 => request(id, q, 8, Shape::Node, prio),
-            _ => request(
-                id,
-                q,
-                16,
-                Shape::Gang {
-                    nodes: 2,
-                    gpus_per_node: 8,
-                },
-                prio,
-            ),
-        };
-        asked += r.gpus as u64;
-        out.push(r);
-        i += 1;
-    }
-    out
+    domain::demand::queues(CLASS, gpus)
 }
 
 /// Runs the phase on the pool `POOL` (created, its nodes joined, its
@@ -125,7 +57,7 @@ pub async fn run(
     high: u64,
 ) -> Result<Tenants> {
     // Demand at 150%: every request decided (placed or queued).
-    let requests = demand(gpus);
+    let requests = domain::demand::mixed(POOL, CLASS, gpus);
     let n = requests.len() as u64;
     let requested_gpus: u64 = requests.iter().map(|r| r.gpus as u64).sum();
     let placed_before = seen.placed.load(Ordering::Relaxed);
@@ -148,11 +80,9 @@ pub async fn run(
     let t0 = Instant::now();
     let mut lat = Vec::new();
     for i in 0..high {
-        let r = request(
-            format!("hp-{i}"),
-            queue((i % QUEUES as u64) as u32),
-            1,
-            Shape::Any,
+        let r = domain::demand::tenant_request(
+            super::request(format!("hp-{i}"), POOL, 1, Shape::Any),
+            domain::demand::queue_name((i % QUEUES as u64) as u32),
             10,
         );
         let sent = Instant::now();
