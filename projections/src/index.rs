@@ -9,10 +9,12 @@
 //! node or island for a request is found by a range lookup in a `BTreeMap`
 //! (logarithmic in the number of distinct free counts), never by a scan.
 
+use crate::hashing::FastMap;
+use crate::tally::Tally;
 use domain::{Allocation, DeviceSpec, Fact, QueueSpec, Request, Shape};
 use events::Event;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::UNIX_EPOCH;
 
 mod apply;
@@ -393,16 +395,16 @@ struct IslandFree {
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct ClassIndex {
     /// Schedulable nodes with at least one free device of the class.
-    node_free: HashMap<String, u32>,
+    node_free: FastMap<String, u32>,
     /// The same nodes by free count.
     by_free: BTreeMap<u32, BTreeSet<String>>,
     /// Free devices per island (only on schedulable nodes).
-    island_members: HashMap<String, IslandFree>,
+    island_members: FastMap<String, IslandFree>,
     islands_by_free: BTreeMap<u32, BTreeSet<String>>,
     /// Devices per present node, counted regardless of health and bookings:
     /// what the pool could hold at best. `node size -> nodes`.
     node_sizes: BTreeMap<u32, u32>,
-    island_sizes: HashMap<String, u32>,
+    island_sizes: FastMap<String, u32>,
     island_size_counts: BTreeMap<u32, u32>,
     /// The same free nodes by rack, by block and by rail group (labelled
     /// ones only).
@@ -429,16 +431,21 @@ fn bucket_move(buckets: &mut BTreeMap<u32, BTreeSet<String>>, key: &str, from: u
     if from == to {
         return;
     }
+    // The name moves from set to set, allocated only when first seen.
+    let mut moved = None;
     if from > 0 {
         if let Some(set) = buckets.get_mut(&from) {
-            set.remove(key);
+            moved = set.take(key);
             if set.is_empty() {
                 buckets.remove(&from);
             }
         }
     }
     if to > 0 {
-        buckets.entry(to).or_default().insert(key.to_string());
+        buckets
+            .entry(to)
+            .or_default()
+            .insert(moved.unwrap_or_else(|| key.to_string()));
     }
 }
 
@@ -541,6 +548,70 @@ impl ClassIndex {
     }
 }
 
+/// A booking on `node` changed its free devices from `before` to `after`
+/// (bit masks over `n.devices`): each NVLink island whose free devices
+/// changed gets this node's free devices in it and its new free count.
+fn move_islands(
+    classes: &mut FastMap<String, ClassIndex>,
+    n: &Node,
+    node: &str,
+    before: u64,
+    after: u64,
+) {
+    let changed = before ^ after;
+    for (i, d) in n.devices.iter().enumerate() {
+        let Some(island) = d.spec.island.as_deref() else {
+            continue;
+        };
+        if changed & (1 << i) == 0 || !d.present {
+            continue;
+        }
+        let class = d.spec.class.as_str();
+        let same = |e: &Device| {
+            e.present && e.spec.class == class && e.spec.island.as_deref() == Some(island)
+        };
+        // Handle an island once: at its first changed device.
+        if n.devices[..i]
+            .iter()
+            .enumerate()
+            .any(|(j, e)| changed & (1 << j) != 0 && same(e))
+        {
+            continue;
+        }
+        let of_island = n
+            .devices
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| same(e))
+            .fold(0u64, |m, (j, _)| m | 1 << j);
+        let old = (before & of_island).count_ones();
+        let free: Vec<u32> = (0..n.devices.len() as u32)
+            .filter(|j| after & of_island & (1 << j) != 0)
+            .collect();
+        let Some(c) = classes.get_mut(class) else {
+            continue;
+        };
+        let members = match c.island_members.get_mut(island) {
+            Some(m) => m,
+            None => c.island_members.entry(island.to_string()).or_default(),
+        };
+        let was = members.free;
+        members.free = (members.free + free.len() as u32).saturating_sub(old);
+        if free.is_empty() {
+            members.nodes.remove(node);
+        } else if let Some(v) = members.nodes.get_mut(node) {
+            *v = free;
+        } else {
+            members.nodes.insert(node.to_string(), free);
+        }
+        let now = members.free;
+        if now == 0 {
+            c.island_members.remove(island);
+        }
+        bucket_move(&mut c.islands_by_free, island, was, now);
+    }
+}
+
 /// Adds `item` to (or removes it from) the set `map` keeps under `key`; an
 /// emptied set is dropped, so derived state equals a rebuilt one.
 fn enlist<K: Ord, T: Ord>(map: &mut BTreeMap<K, BTreeSet<T>>, key: K, item: T, add: bool) {
@@ -552,31 +623,6 @@ fn enlist<K: Ord, T: Ord>(map: &mut BTreeMap<K, BTreeSet<T>>, key: K, item: T, a
             map.remove(&key);
         }
     }
-}
-
-/// Adds `n` to (or takes it from) `map`'s count under `key`; a count that
-/// reaches 0 is dropped.
-fn tally(map: &mut HashMap<(String, String), u64>, key: (String, String), n: u64, add: bool) {
-    if add {
-        *map.entry(key).or_default() += n;
-    } else if let Some(c) = map.get_mut(&key) {
-        *c = c.saturating_sub(n);
-        if *c == 0 {
-            map.remove(&key);
-        }
-    }
-}
-
-/// GPUs per `(queue, class)`: `map`'s entry for `queue` and `class`, 0 if
-/// none. Looked up without building an owned key (the maps hold a queue's
-/// classes, a handful).
-pub(crate) fn gpus_of(map: &HashMap<(String, String), u64>, queue: &str, class: &str) -> u64 {
-    if map.is_empty() {
-        return 0;
-    }
-    map.iter()
-        .find(|((q, c), _)| q == queue && c == class)
-        .map_or(0, |(_, n)| *n)
 }
 
 /// A live reservation where preemption looks: priority (lowest first),
@@ -604,9 +650,8 @@ pub struct Queues {
     /// The queued requests of each queue (those naming one), in placement
     /// order: what the placer retries from each queue in turn.
     pub queued_by_queue: BTreeMap<String, BTreeSet<(Reverse<i32>, u64, String)>>,
-    /// GPUs of each class held by each queue's live reservations:
-    /// `(queue, class) -> GPUs`.
-    pub usage: HashMap<(String, String), u64>,
+    /// GPUs of each class held by each queue's live reservations.
+    pub usage: Tally,
     /// Live reservations per (class, queue; empty without one), lowest
     /// priority first and, within a priority, the most recently requested
     /// first: where preemption looks for victims.
@@ -618,8 +663,8 @@ pub struct Queues {
     /// request -> its victims.
     pub preemptors: BTreeMap<String, BTreeSet<String>>,
     /// GPUs of each class held by each queue's reservations being
-    /// preempted: `(queue, class) -> GPUs`.
-    pub preempting_usage: HashMap<(String, String), u64>,
+    /// preempted.
+    pub preempting_usage: Tally,
 }
 
 impl Queues {
@@ -629,12 +674,12 @@ impl Queues {
 
     /// GPUs of `class` that `queue`'s reservations being preempted hold.
     pub fn preempting(&self, queue: &str, class: &str) -> u64 {
-        gpus_of(&self.preempting_usage, queue, class)
+        self.preempting_usage.get(queue, class)
     }
 
     /// GPUs of `class` that `queue`'s live reservations hold.
     pub fn used(&self, queue: &str, class: &str) -> u64 {
-        gpus_of(&self.usage, queue, class)
+        self.usage.get(queue, class)
     }
 }
 
@@ -642,8 +687,8 @@ impl Queues {
 #[derive(Debug, Default, Clone)]
 pub struct Index {
     state: State,
-    classes: HashMap<String, HashMap<String, ClassIndex>>,
-    queues: HashMap<String, Queues>,
+    classes: FastMap<String, FastMap<String, ClassIndex>>,
+    queues: FastMap<String, Queues>,
 }
 
 impl PartialEq for Index {
@@ -654,7 +699,7 @@ impl PartialEq for Index {
     }
 }
 
-fn normalized(q: &HashMap<String, Queues>) -> BTreeMap<&String, &Queues> {
+fn normalized(q: &FastMap<String, Queues>) -> BTreeMap<&String, &Queues> {
     q.iter().filter(|(_, q)| **q != Queues::default()).collect()
 }
 
@@ -684,8 +729,8 @@ impl Index {
     pub fn from_state(state: State) -> Index {
         let mut index = Index {
             state,
-            classes: HashMap::new(),
-            queues: HashMap::new(),
+            classes: FastMap::default(),
+            queues: FastMap::default(),
         };
         let pools: Vec<String> = index.state.pools.keys().cloned().collect();
         for pool in pools {
@@ -906,16 +951,11 @@ impl Index {
             let k = (r.request.priority, Reverse(r.requested_at), id.to_string());
             enlist(&mut q.live, at, k, add);
             if let Some(name) = &r.request.queue {
-                tally(&mut q.usage, (name.clone(), class.clone()), gpus, add);
+                q.usage.change(name, class, gpus, add);
             }
             if let Some(by) = &r.preempted_by {
                 if let Some(name) = &r.request.queue {
-                    tally(
-                        &mut q.preempting_usage,
-                        (name.clone(), class.clone()),
-                        gpus,
-                        add,
-                    );
+                    q.preempting_usage.change(name, class, gpus, add);
                 }
                 let k = (r.preempt_deadline_ms.unwrap_or(0), id.to_string());
                 if add {
@@ -993,7 +1033,7 @@ impl Index {
     /// than 64 devices, take the general path.
     fn rebook<R>(&mut self, pool: &str, node: &str, f: impl FnOnce(&mut Node) -> R) -> Option<R> {
         let n = self.state.pools.get(pool)?.nodes.get(node)?;
-        if n.left || n.devices.len() > 64 || n.devices.iter().any(|d| d.spec.island.is_some()) {
+        if n.left || n.devices.len() > 64 {
             return self.with_node(pool, node, f);
         }
         let free_mask = |n: &Node| -> u64 {
@@ -1088,6 +1128,7 @@ impl Index {
                 c.by_free.entry(new).or_default().insert(name);
             }
         }
+        move_islands(classes, n, node, before, after);
         Some(r)
     }
 

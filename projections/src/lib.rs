@@ -8,10 +8,12 @@
 //! appends nothing: every write is `domain`'s.
 
 pub mod check;
+mod hashing;
 pub mod index;
 pub mod projector;
 pub mod quota;
 pub mod snapshot;
+pub mod tally;
 pub mod testing;
 mod tiers;
 pub mod views;

@@ -20,7 +20,9 @@
 //! nominal quota (or what it wants, if less), and what that leaves unused
 //! by weight among those that want more.
 
-use crate::index::{gpus_of, Index};
+use crate::hashing::FastSet;
+use crate::index::Index;
+use crate::tally::Tally;
 use domain::{QueueSpec, Request};
 use std::collections::{BTreeMap, HashMap};
 
@@ -28,34 +30,29 @@ use std::collections::{BTreeMap, HashMap};
 /// GPUs` of the placements planned so far.
 #[derive(Debug, Default, Clone)]
 pub struct Batch {
-    added: HashMap<(String, String), u64>,
+    added: Tally,
     /// GPUs of live reservations counted as gone (a preemption being
     /// weighed: what would fit without them).
-    freed: HashMap<(String, String), u64>,
+    freed: Tally,
     /// GPUs of reservations the batch chose to preempt, per queue.
-    preempting: HashMap<(String, String), u64>,
+    preempting: Tally,
     /// The reservations the batch chose to preempt.
-    victims: std::collections::HashSet<String>,
+    victims: FastSet<String>,
     /// The reservations the batch ends (released, expired, failed,
     /// preempted): gone before anything it places.
-    gone: std::collections::HashSet<String>,
+    gone: FastSet<String>,
     /// GPUs of those that were being preempted, per queue.
-    gone_preempting: HashMap<(String, String), u64>,
-}
-
-fn bump_key(map: &mut HashMap<(String, String), u64>, queue: &str, class: &str, gpus: u64) {
-    *map.entry((queue.to_string(), class.to_string()))
-        .or_default() += gpus;
+    gone_preempting: Tally,
 }
 
 impl Batch {
     pub fn add(&mut self, queue: &str, class: &str, gpus: u64) {
-        bump_key(&mut self.added, queue, class, gpus);
+        self.added.add(queue, class, gpus);
     }
 
     /// Counts a live reservation's GPUs as gone, for weighing a preemption.
     pub fn free(&mut self, queue: &str, class: &str, gpus: u64) {
-        bump_key(&mut self.freed, queue, class, gpus);
+        self.freed.add(queue, class, gpus);
     }
 
     /// Counts live reservation `id` as ended by the batch (`marked`: it was
@@ -64,7 +61,7 @@ impl Batch {
         if let Some(q) = queue {
             self.free(q, class, gpus);
             if marked {
-                bump_key(&mut self.gone_preempting, q, class, gpus);
+                self.gone_preempting.add(q, class, gpus);
             }
         }
         self.gone.insert(id.to_string());
@@ -74,7 +71,7 @@ impl Batch {
     /// preemption.
     pub fn preempt(&mut self, id: &str, queue: Option<&str>, class: &str, gpus: u64) {
         if let Some(q) = queue {
-            bump_key(&mut self.preempting, q, class, gpus);
+            self.preempting.add(q, class, gpus);
         }
         self.victims.insert(id.to_string());
     }
@@ -99,8 +96,8 @@ pub enum Refusal {
 
 /// GPUs of `class` that `queue` holds, with the batch's.
 pub fn held(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
-    (index.queues(pool).map_or(0, |q| q.used(queue, class)) + gpus_of(&batch.added, queue, class))
-        .saturating_sub(gpus_of(&batch.freed, queue, class))
+    (index.queues(pool).map_or(0, |q| q.used(queue, class)) + batch.added.get(queue, class))
+        .saturating_sub(batch.freed.get(queue, class))
 }
 
 /// The queues of `cohort` in a pool.
@@ -179,11 +176,8 @@ pub fn admit(index: &Index, pool: &str, request: &Request, batch: &Batch) -> Res
 /// chose).
 fn being_preempted(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
     let marked = index.queues(pool).map_or(0, |q| q.preempting(queue, class));
-    (marked + gpus_of(&batch.preempting, queue, class)).saturating_sub(gpus_of(
-        &batch.gone_preempting,
-        queue,
-        class,
-    ))
+    (marked + batch.preempting.get(queue, class))
+        .saturating_sub(batch.gone_preempting.get(queue, class))
 }
 
 /// Whether waiting request `by` may preempt live reservation `victim` of
@@ -202,49 +196,42 @@ fn being_preempted(index: &Index, pool: &str, queue: &str, class: &str, batch: &
 /// its placements, and weighs preemptions only once every placement is
 /// planned, so the index judges each by the same rule on the same state,
 /// and a preemption that breaks it is a violation.
-pub fn may_preempt(
-    index: &Index,
-    pool: &str,
-    by: &Request,
-    victim: &crate::index::Reservation,
+pub fn may_preempt<'a>(
+    index: &'a Index,
+    pool: &'a str,
+    by: &'a Request,
+    victim: &'a crate::index::Reservation,
     batch: &Batch,
-) -> Result<&'static str, String> {
+) -> Result<&'static str, NotPreemptible<'a>> {
+    use NotPreemptible as No;
     let v = &victim.request;
     if v.pool != pool || v.class != by.class {
-        return Err(format!(
-            "{} of class {} in pool {} cannot make room for {} {} GPUs in pool {pool}",
-            v.reservation, v.class, v.pool, by.gpus, by.class
-        ));
+        return Err(No::Elsewhere {
+            victim: v,
+            by,
+            pool,
+        });
     }
     if by.queue.is_none() || v.queue.is_none() {
-        return Err(format!(
-            "{} and {} are not in queues: only a pool shared by queues preempts",
-            v.reservation, by.reservation
-        ));
+        return Err(No::NotInQueues { victim: v, by });
     }
     if v.queue == by.queue {
         return if v.priority < by.priority {
             Ok("priority")
         } else {
-            Err(format!(
-                "{} (priority {}) may not be preempted by {} (priority {}): only a lower priority is",
-                v.reservation, v.priority, by.reservation, by.priority
-            ))
+            Err(No::NotLower { victim: v, by })
         };
     }
     let queues = index.pool(pool).map(|p| &p.queues);
     let spec = |q: &Option<String>| q.as_deref().and_then(|q| queues?.get(q));
     let (Some(vs), Some(bs)) = (spec(&v.queue), spec(&by.queue)) else {
-        return Err(format!(
-            "{} and {} are in different queues, not both of this pool",
-            v.reservation, by.reservation
-        ));
+        return Err(No::NotBothHere { victim: v, by });
     };
     if vs.cohort.is_none() || vs.cohort != bs.cohort {
-        return Err(format!(
-            "queues {} and {} share no cohort: {} lent {} nothing",
-            vs.queue, bs.queue, vs.queue, bs.queue
-        ));
+        return Err(No::NoCohort {
+            lender: &vs.queue,
+            borrower: &bs.queue,
+        });
     }
     let class = by.class.as_str();
     let nominal = |s: &QueueSpec| s.quota(class).map_or(0, |q| q.nominal) as u64;
@@ -252,23 +239,115 @@ pub fn may_preempt(
     let theirs =
         raw(&vs.queue).saturating_sub(being_preempted(index, pool, &vs.queue, class, batch));
     if theirs <= nominal(vs) {
-        return Err(format!(
-            "queue {} holds {theirs} of its {} {class} GPUs (not counting what is being preempted): it borrows nothing to take back",
-            vs.queue,
-            nominal(vs)
-        ));
+        return Err(No::BorrowsNothing {
+            queue: &vs.queue,
+            holds: theirs,
+            nominal: nominal(vs),
+            class,
+        });
     }
     let mine = raw(&bs.queue).saturating_sub(being_preempted(index, pool, &bs.queue, class, batch));
     if mine + by.gpus as u64 > nominal(bs) {
-        return Err(format!(
-            "queue {} would hold {} of its {} {class} GPUs with {}: only a queue within its own quota takes back what it lent",
-            bs.queue,
-            mine + by.gpus as u64,
-            nominal(bs),
-            by.reservation
-        ));
+        return Err(No::OverOwnQuota {
+            queue: &bs.queue,
+            would_hold: mine + by.gpus as u64,
+            nominal: nominal(bs),
+            class,
+            by: &by.reservation,
+        });
     }
     Ok("reclaim")
+}
+
+/// Why a reservation may not be preempted for a request
+/// ([`may_preempt`]); put into words only when it is shown, since the
+/// placer's searches weigh many victims that are not.
+#[derive(Debug, Clone, Copy)]
+pub enum NotPreemptible<'a> {
+    Elsewhere {
+        victim: &'a Request,
+        by: &'a Request,
+        pool: &'a str,
+    },
+    NotInQueues {
+        victim: &'a Request,
+        by: &'a Request,
+    },
+    NotLower {
+        victim: &'a Request,
+        by: &'a Request,
+    },
+    NotBothHere {
+        victim: &'a Request,
+        by: &'a Request,
+    },
+    NoCohort {
+        lender: &'a str,
+        borrower: &'a str,
+    },
+    BorrowsNothing {
+        queue: &'a str,
+        holds: u64,
+        nominal: u64,
+        class: &'a str,
+    },
+    OverOwnQuota {
+        queue: &'a str,
+        would_hold: u64,
+        nominal: u64,
+        class: &'a str,
+        by: &'a str,
+    },
+}
+
+impl std::fmt::Display for NotPreemptible<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            NotPreemptible::Elsewhere { victim: v, by, pool } => write!(
+                f,
+                "{} of class {} in pool {} cannot make room for {} {} GPUs in pool {pool}",
+                v.reservation, v.class, v.pool, by.gpus, by.class
+            ),
+            NotPreemptible::NotInQueues { victim, by } => write!(
+                f,
+                "{} and {} are not in queues: only a pool shared by queues preempts",
+                victim.reservation, by.reservation
+            ),
+            NotPreemptible::NotLower { victim: v, by } => write!(
+                f,
+                "{} (priority {}) may not be preempted by {} (priority {}): only a lower priority is",
+                v.reservation, v.priority, by.reservation, by.priority
+            ),
+            NotPreemptible::NotBothHere { victim, by } => write!(
+                f,
+                "{} and {} are in different queues, not both of this pool",
+                victim.reservation, by.reservation
+            ),
+            NotPreemptible::NoCohort { lender, borrower } => write!(
+                f,
+                "queues {lender} and {borrower} share no cohort: {lender} lent {borrower} nothing"
+            ),
+            NotPreemptible::BorrowsNothing {
+                queue,
+                holds,
+                nominal,
+                class,
+            } => write!(
+                f,
+                "queue {queue} holds {holds} of its {nominal} {class} GPUs (not counting what is being preempted): it borrows nothing to take back"
+            ),
+            NotPreemptible::OverOwnQuota {
+                queue,
+                would_hold,
+                nominal,
+                class,
+                by,
+            } => write!(
+                f,
+                "queue {queue} would hold {would_hold} of its {nominal} {class} GPUs with {by}: only a queue within its own quota takes back what it lent"
+            ),
+        }
+    }
 }
 
 /// The GPUs of `class` that `spec`'s share is measured against: its
@@ -299,20 +378,12 @@ pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> 
     };
     let mut classes: Vec<&str> = spec.quotas.iter().map(|q| q.class.as_str()).collect();
     if let Some(q) = index.queues(pool) {
-        classes.extend(
-            q.usage
-                .keys()
-                .filter(|(q, _)| q == queue)
-                .map(|(_, c)| c.as_str()),
-        );
+        classes.extend(q.usage.classes(queue));
     }
-    classes.extend(
-        batch
-            .added
-            .keys()
-            .filter(|(q, _)| q == queue)
-            .map(|(_, c)| c.as_str()),
-    );
+    classes.extend(batch.added.classes(queue));
+    // A class is usually in all three: weigh it once.
+    classes.sort_unstable();
+    classes.dedup();
     let weight = spec.weight.max(1) as f64;
     classes
         .into_iter()
@@ -375,9 +446,9 @@ pub fn fair_shares(index: &Index, pool: &str) -> Vec<Share> {
     for spec in queues.values() {
         let mut classes: Vec<String> = spec.quotas.iter().map(|q| q.class.clone()).collect();
         if let Some(q) = index.queues(pool) {
-            for (name, class) in q.usage.keys() {
-                if name == &spec.queue && !classes.contains(class) {
-                    classes.push(class.clone());
+            for class in q.usage.classes(&spec.queue) {
+                if !classes.iter().any(|c| c == class) {
+                    classes.push(class.to_string());
                 }
             }
         }

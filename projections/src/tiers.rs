@@ -9,7 +9,8 @@
 //! count from `a` to `b` moves it in its value's buckets and touches the
 //! counts of `g` between `a` and `b` only.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use crate::hashing::FastMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The most GPUs per node a tier lookup indexes (larger asks scan).
 pub const MAX_PER_NODE: u32 = 16;
@@ -17,9 +18,9 @@ pub const MAX_PER_NODE: u32 = 16;
 #[derive(Debug, Default, Clone)]
 pub struct TierIndex {
     /// Value -> its schedulable nodes with free GPUs, by free count.
-    values: HashMap<String, BTreeMap<u32, BTreeSet<String>>>,
+    values: FastMap<String, BTreeMap<u32, BTreeSet<String>>>,
     /// `counts[g - 1]`: value -> its nodes with at least `g` free.
-    counts: Vec<HashMap<String, u32>>,
+    counts: Vec<FastMap<String, u32>>,
     /// `by_count[g - 1]`: that count -> the values that have it.
     by_count: Vec<BTreeMap<u32, BTreeSet<String>>>,
 }
@@ -28,7 +29,7 @@ impl PartialEq for TierIndex {
     /// Equal when they index the same nodes the same way (one that was
     /// never used and one that was emptied are equal).
     fn eq(&self, other: &TierIndex) -> bool {
-        fn counts(t: &TierIndex) -> Vec<&HashMap<String, u32>> {
+        fn counts(t: &TierIndex) -> Vec<&FastMap<String, u32>> {
             t.counts.iter().filter(|m| !m.is_empty()).collect()
         }
         fn buckets(t: &TierIndex) -> Vec<&BTreeMap<u32, BTreeSet<String>>> {
@@ -47,23 +48,29 @@ impl TierIndex {
             return;
         }
         if self.counts.is_empty() {
-            self.counts = vec![HashMap::new(); MAX_PER_NODE as usize];
+            self.counts = vec![FastMap::default(); MAX_PER_NODE as usize];
             self.by_count = vec![BTreeMap::new(); MAX_PER_NODE as usize];
         }
         let buckets = match self.values.get_mut(value) {
             Some(b) => b,
             None => self.values.entry(value.to_string()).or_default(),
         };
+        // The names move from set to set: taken out of the old one and put
+        // into the new one, allocated only when first seen.
+        let mut moved = None;
         if from > 0 {
             if let Some(set) = buckets.get_mut(&from) {
-                set.remove(node);
+                moved = set.take(node);
                 if set.is_empty() {
                     buckets.remove(&from);
                 }
             }
         }
         if to > 0 {
-            buckets.entry(to).or_default().insert(node.to_string());
+            buckets
+                .entry(to)
+                .or_default()
+                .insert(moved.unwrap_or_else(|| node.to_string()));
         }
         if buckets.is_empty() {
             self.values.remove(value);
@@ -81,20 +88,26 @@ impl TierIndex {
             } else {
                 before.saturating_sub(1)
             };
+            let mut name = None;
             if before > 0 {
                 if let Some(set) = self.by_count[i].get_mut(&before) {
-                    set.remove(value);
+                    name = set.take(value);
                     if set.is_empty() {
                         self.by_count[i].remove(&before);
                     }
                 }
             }
             if after > 0 {
-                self.counts[i].insert(value.to_string(), after);
+                match self.counts[i].get_mut(value) {
+                    Some(c) => *c = after,
+                    None => {
+                        self.counts[i].insert(value.to_string(), after);
+                    }
+                }
                 self.by_count[i]
                     .entry(after)
                     .or_default()
-                    .insert(value.to_string());
+                    .insert(name.unwrap_or_else(|| value.to_string()));
             } else {
                 self.counts[i].remove(value);
             }

@@ -555,6 +555,7 @@ impl Index {
                                 &Default::default(),
                             )
                             .err()
+                            .map(|no| no.to_string())
                         }
                         _ => Some(format!(
                             "reservation {reservation:?} preempted for {by:?}, which does not wait"

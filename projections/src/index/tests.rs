@@ -236,3 +236,87 @@ fn releasing_a_reservation_releases_the_end_of_its_replacement_chain() {
     );
     assert!(index.derived_is_consistent());
 }
+
+#[test]
+fn bookings_keep_the_derived_index_as_a_rebuild_makes_it() {
+    // Nodes with NVLink islands, in racks, one with a second class and one
+    // with MIG instances: every booking and release moves the node in its
+    // class's free buckets, its rack's and its islands' as a full
+    // derivation from the state would.
+    let mut w = World::new();
+    for n in 1..4 {
+        let node = format!("n{n:02}");
+        let mut d = devices(&node, C, 8, if n == 3 { 0 } else { 4 });
+        if n == 1 {
+            for mut extra in devices(&node, "L40S", 2, 2) {
+                extra.id = format!("x{}", extra.id);
+                d.push(extra);
+            }
+        }
+        if n == 2 {
+            domain::pools::split_mig(&mut d, 2, "1g.10gb", 7);
+        }
+        w.pool(&Fact::NodeJoined { node, devices: d });
+    }
+    for n in 0..4 {
+        w.pool(&Fact::NodeTopologySet {
+            node: format!("n{n:02}"),
+            rack: Some(format!("rack{}", n / 2)),
+            block: Some("b0".into()),
+            rail: None,
+        });
+    }
+    let alloc = |node: &str, ids: &[&str]| Allocation {
+        node: node.into(),
+        devices: ids.iter().map(|s| s.to_string()).collect(),
+    };
+    let steps: Vec<(bool, &str, Allocation)> = vec![
+        (true, "a", alloc("n00", &["gpu0", "gpu1"])),
+        (true, "b", alloc("n00", &["gpu4", "gpu5", "gpu6", "gpu7"])),
+        (true, "c", alloc("n01", &["xgpu0"])),
+        (true, "d", alloc("n02", &["gpu0.mig3"])),
+        (true, "e", alloc("n02", &["gpu5"])),
+        (
+            true,
+            "f",
+            alloc(
+                "n03",
+                &[
+                    "gpu0", "gpu1", "gpu2", "gpu3", "gpu4", "gpu5", "gpu6", "gpu7",
+                ],
+            ),
+        ),
+        (false, "b", alloc("n00", &["gpu4", "gpu5", "gpu6", "gpu7"])),
+        (false, "d", alloc("n02", &["gpu0.mig3"])),
+        (true, "g", alloc("n00", &["gpu2", "gpu3", "gpu4"])),
+        (
+            false,
+            "f",
+            alloc(
+                "n03",
+                &[
+                    "gpu0", "gpu1", "gpu2", "gpu3", "gpu4", "gpu5", "gpu6", "gpu7",
+                ],
+            ),
+        ),
+        (false, "a", alloc("n00", &["gpu0", "gpu1"])),
+        (false, "c", alloc("n01", &["xgpu0"])),
+    ];
+    for (book, id, a) in steps {
+        if book {
+            assert!(
+                w.index.book("p", &a, id).is_empty(),
+                "{id} books free devices"
+            );
+        } else {
+            w.index.unbook("p", &a, id);
+        }
+        let rebuilt = Index::from_state(w.index.state().clone());
+        assert!(
+            w.index == rebuilt,
+            "after {} {id} on {}, the derived index differs from a rebuild",
+            if book { "booking" } else { "releasing" },
+            a.node
+        );
+    }
+}
