@@ -277,6 +277,7 @@ async fn run(
             &mut commits,
             &config,
             &mut traces,
+            &stats,
         );
     }
     // Let commits in flight land, then give the pools back.
@@ -426,6 +427,7 @@ fn plan_ready(
     commits: &mut FuturesUnordered<CommitFuture>,
     config: &PlacerConfig,
     traces: &mut HashMap<String, String>,
+    stats: &Stats,
 ) {
     let now = Instant::now();
     let now_ms = now_ms();
@@ -490,6 +492,8 @@ fn plan_ready(
             searches,
             ..
         } = batch.in_scope(|| plan::plan_with(index, pool, &ids, &ending, now_ms));
+        stats.planned.fetch_add(1, Ordering::Relaxed);
+        let found_victims = !preempting.is_empty();
         let counts = [
             placed.len() as u64,
             queued.len() as u64,
@@ -524,10 +528,14 @@ fn plan_ready(
             answers.restored,
         ];
         facts.splice(0..0, answers.facts);
-        // When the batch ran out of searches for victims, what waits is
-        // tried again next time even if capacity did not move.
-        let retried_queued_at =
-            (retry_queued && searches < plan::SEARCHES_PER_BATCH).then_some(epoch);
+        // When the batch ran out of searches for victims and found some,
+        // what waits is tried again next time even if capacity did not
+        // move: those chosen are being preempted then, and the searches go
+        // further. One that found none would search the same requests the
+        // same way again, every turn of the loop, for nothing.
+        let retried_queued_at = (retry_queued
+            && (searches < plan::SEARCHES_PER_BATCH || !found_victims))
+            .then_some(epoch);
         if facts.is_empty() {
             // Everything tried still waits: remember that until capacity moves.
             if let Some(e) = retried_queued_at {

@@ -7,6 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Debug, Default)]
 pub struct Stats {
     pub batches: AtomicU64,
+    /// Batches planned, committed or not (a batch that changes nothing
+    /// writes nothing).
+    pub planned: AtomicU64,
     pub placed: AtomicU64,
     pub queued: AtomicU64,
     pub rejected: AtomicU64,
@@ -43,6 +46,7 @@ pub struct Stats {
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StatsView {
     pub batches: u64,
+    pub planned: u64,
     pub placed: u64,
     pub queued: u64,
     pub rejected: u64,
@@ -68,6 +72,7 @@ impl Stats {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         StatsView {
             batches: l(&self.batches),
+            planned: l(&self.planned),
             placed: l(&self.placed),
             queued: l(&self.queued),
             rejected: l(&self.rejected),
@@ -101,6 +106,13 @@ static FIELDS: &[Field<Stats>] = &[
         Counter,
         "Batches committed.",
         batches
+    ),
+    ops::stat_field!(
+        Stats,
+        "strata_placer_planned_total",
+        Counter,
+        "Batches planned, committed or not.",
+        planned
     ),
     ops::stat_field!(
         Stats,

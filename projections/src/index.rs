@@ -26,7 +26,9 @@ pub struct State {
     pub position: u64,
     pub pools: BTreeMap<String, Pool>,
     /// Reservations that are pending or live; terminal ones are dropped.
-    pub reservations: BTreeMap<String, Reservation>,
+    /// Hashed: the planner looks each request up several times a batch,
+    /// and nothing depends on their order.
+    pub reservations: crate::hashing::FastMap<String, Reservation>,
     /// Facts whose payload did not parse (skipped, counted).
     pub malformed: u64,
     /// Events that broke an invariant (applied as far as possible, counted).

@@ -8,7 +8,7 @@
 //! appends nothing: every write is `domain`'s.
 
 pub mod check;
-mod hashing;
+pub mod hashing;
 pub mod index;
 pub mod projector;
 pub mod quota;

@@ -17,7 +17,8 @@ const MAGIC: &[u8; 8] = b"STRATAIX";
 // 6: nodes and GPUs carry a failed acceptance check.
 // 7: devices name the GPU they are a MIG instance of, and whether a
 //    diagnostic passed them since their quarantine.
-const FORMAT: u32 = 7;
+// 8: reservations in a hash map.
+const FORMAT: u32 = 8;
 const HEADER: usize = 40;
 
 #[derive(Debug, thiserror::Error)]

@@ -782,3 +782,82 @@ async fn lease_epoch(client: &Client, name: &str) -> i64 {
         .unwrap()
         .get(0)
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_can_preempt_nothing_are_not_planned_again_until_capacity_moves() {
+    // A pool shared by a queue, full, and more requests waiting than one
+    // batch may search victims for: none of them finds any (nothing of a
+    // lower priority, no other queue to take back from). Once each has
+    // been tried, the placer has nothing to do until capacity moves.
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "stuck", 2).await;
+    let spec = domain::QueueSpec {
+        queue: "team".into(),
+        cohort: None,
+        weight: 1,
+        quotas: vec![domain::Quota {
+            class: C.into(),
+            nominal: 16,
+            borrowing_limit: None,
+        }],
+    };
+    domain::queues::configure(
+        &client,
+        &appender,
+        "stuck",
+        "team",
+        &|_| Ok(spec.clone()),
+        None,
+    )
+    .await
+    .unwrap();
+    let mut pc = PlacerConfig::new("stuck");
+    pc.pools = Some(["stuck".to_string()].into());
+    let placer = Placer::start(cfg.clone(), reader(&cfg), appender.clone(), pc);
+    let stats = placer.stats();
+    let waiting = plan::SEARCHES_PER_BATCH as u32 + 36;
+    for i in 0..16 + waiting {
+        let r = Request {
+            queue: Some("team".into()),
+            ..request(&format!("s{i}"), "stuck", 1, Shape::Any)
+        };
+        domain::requests::reserve(&client, &appender, &r, None)
+            .await
+            .unwrap();
+    }
+    settled(&client, 16, waiting as usize).await;
+    // Every request decided: 16 placed, the rest queued once.
+    let t = std::time::Instant::now();
+    while stats.view().queued < u64::from(waiting) {
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", stats.view());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Capacity moves once: a reservation released, its GPU taken by the
+    // first waiting request, and every other one tried again.
+    domain::requests::release(&appender, "s0", "test", None)
+        .await
+        .unwrap();
+    while stats.view().placed < 17 {
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", stats.view());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    settled(&client, 16, waiting as usize - 1).await;
+    let before = stats.view();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = stats.view();
+    eprintln!(
+        "planned in 2 s of nothing to do: {} ({before:?} -> {after:?})",
+        after.planned - before.planned
+    );
+    assert!(
+        after.planned - before.planned <= 2,
+        "with nothing to do the placer planned {} batches in 2 s ({before:?} -> {after:?})",
+        after.planned - before.planned
+    );
+    assert_eq!(
+        after.batches, before.batches,
+        "nothing was written meanwhile"
+    );
+    placer.stop().await.unwrap();
+}
