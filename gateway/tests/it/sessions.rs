@@ -377,8 +377,11 @@ async fn heartbeats_become_transitions_and_a_newer_session_fences_the_older() {
     // The node stops: b writes its disconnect, and its pool hears of it
     // once (the heartbeat sweep says nothing more).
     n.stop().await.unwrap();
-    testkit::eventually(20, "b writes n1's disconnect", || async {
-        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.disconnected'").await == 1
+    // b's own disconnect: after its session opened (a may have written one
+    // before it). Generous: on a loaded machine the end of the stream can
+    // take b a while to see.
+    testkit::eventually(60, "b writes n1's disconnect", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.disconnected' AND version > (SELECT max(version) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.session_opened')").await == 1
     })
     .await;
     tokio::time::sleep(Duration::from_secs(4)).await;
