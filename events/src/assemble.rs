@@ -222,34 +222,12 @@ fn event_from_tuple(c: &EventColumns, t: &[Datum<'_>]) -> Result<Event, DecodeEr
 mod tests {
     use super::*;
     use crate::pgoutput::encode;
-    use crate::pgoutput::Column;
     use crate::types::Lsn;
 
     fn rel(id: u32, name: &str) -> Relation {
-        let cols = [
-            "position",
-            "stream",
-            "version",
-            "type",
-            "payload",
-            "metadata",
-            "recorded_at",
-            "xid",
-        ];
         Relation {
-            id,
-            namespace: "strata".into(),
             name: name.into(),
-            replica_identity: b'd',
-            columns: cols
-                .iter()
-                .map(|n| Column {
-                    flags: 0,
-                    name: (*n).into(),
-                    type_oid: 0,
-                    type_modifier: -1,
-                })
-                .collect(),
+            ..encode::events_relation(id)
         }
     }
 

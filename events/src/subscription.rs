@@ -696,7 +696,9 @@ impl Subscription {
         let rows = self.table_read(Some(until)).await;
         self.reading = None;
         let rows = rows.inspect_err(|e| {
-            tracing::error!(subscription = %self.name, error = %e, "gap could not be filled");
+            if matches!(e, SubscribeError::Missing { .. }) {
+                tracing::error!(subscription = %self.name, error = %e, "gap could not be filled");
+            }
         })?;
         tracing::debug!(subscription = %self.name, events = rows.len(), "filled a gap from the table");
         if let Some(start) = rows.iter().map(|r| r.position).find(|p| p.starts_epoch()) {

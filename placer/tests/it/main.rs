@@ -49,20 +49,7 @@ async fn pool(appender: &Appender, name: &str, nodes: u32) {
 }
 
 fn request(id: &str, pool: &str, gpus: u32, shape: Shape) -> Request {
-    Request {
-        reservation: id.into(),
-        pool: pool.into(),
-        class: C.into(),
-        gpus,
-        shape,
-        priority: 0,
-        ttl_ms: None,
-        replace_on_failure: false,
-        replaces: None,
-        topology: None,
-        requeue_on_preemption: false,
-        queue: None,
-    }
+    domain::demand::request(id.into(), pool, C, gpus, shape)
 }
 
 /// The next outcome of a reservation, within 30 s.
