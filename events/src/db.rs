@@ -287,7 +287,7 @@ pub async fn open(
     task: &'static str,
 ) -> Result<(Client, tokio::task::JoinHandle<()>), tokio_postgres::Error> {
     let startup = db.startup();
-    let (client, connection) = match startup.connect(db.tls.maker()).await {
+    let (client, connection) = match within_bound(db, startup.connect(db.tls.maker())).await {
         Err(e) if matches!(startup, std::borrow::Cow::Owned(_)) && refuses_options(&e) => {
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| {
@@ -295,7 +295,7 @@ pub async fn open(
                     "the server refused startup options (a connection pooler?): connecting without a statement timeout; give --database-direct-url for PostgreSQL itself, and set the role's statement_timeout"
                 )
             });
-            db.config.connect(db.tls.maker()).await?
+            within_bound(db, db.config.connect(db.tls.maker())).await?
         }
         r => r?,
     };
@@ -305,6 +305,28 @@ pub async fn open(
         }
     });
     Ok((client, handle))
+}
+
+/// `connect` given the URL's `connect_timeout` for each host it may try.
+/// tokio-postgres bounds only the socket's connect with it; a server that
+/// accepts TCP and then answers nothing (stopped, its backlog still taking
+/// connections) would hold the start-up exchange for ever.
+async fn within_bound<T>(
+    db: &Database,
+    connect: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+) -> Result<T, tokio_postgres::Error> {
+    let per_host = db
+        .config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    let hosts = db.config.get_hosts().len().max(1) as u32;
+    match tokio::time::timeout(per_host * hosts, connect).await {
+        Ok(r) => r,
+        // The crate's own "timeout waiting for server" error; it has no
+        // other constructor.
+        Err(_) => Err(tokio_postgres::Error::__private_api_timeout()),
+    }
 }
 
 /// PgBouncer's answer to a startup packet with `options` in it.

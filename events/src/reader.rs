@@ -285,6 +285,18 @@ impl SessionError {
             SessionError::Timeout { .. } => ErrorKind::Transient,
         }
     }
+
+    /// The database did not answer in time (a statement, or the connect of
+    /// the replication connection): the shared connection may hang too.
+    fn is_timeout(&self) -> bool {
+        match self {
+            SessionError::Timeout { .. } => true,
+            SessionError::Replication(ReplicationError::Io { source, .. }) => {
+                source.kind() == std::io::ErrorKind::TimedOut
+            }
+            _ => false,
+        }
+    }
 }
 
 fn sql(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SessionError {
@@ -323,7 +335,7 @@ async fn run(
                 return;
             }
             Err(e) => {
-                if matches!(e, SessionError::Timeout { .. }) {
+                if e.is_timeout() {
                     // The shared connection may be the one that hangs.
                     inner.timeouts.fetch_add(1, Ordering::Relaxed);
                     inner.db.reset().await;
@@ -364,15 +376,25 @@ struct SlotState {
     delivered: u64,
 }
 
-async fn session(
+/// Connects, prepares the slot and starts streaming from it; returns the
+/// reader's head with the connections.
+async fn start(
     inner: &Inner,
-    cmd: &mut mpsc::UnboundedReceiver<Cmd>,
-    attached: &mut Vec<Attached>,
-) -> Result<(), SessionError> {
+) -> Result<
+    (
+        Arc<Client>,
+        ReplicationConnection,
+        replication::SystemInfo,
+        Position,
+    ),
+    SessionError,
+> {
     let cfg = &inner.config;
-    let client = inner.db.get().await.map_err(sql("connect to postgres"))?;
+    // The replication connection first: its connect tells a server that
+    // does not answer apart from one that refuses.
     let app = format!("strata-reader-{}", cfg.slot);
     let mut conn = ReplicationConnection::connect(&inner.db.config, &app).await?;
+    let client = inner.db.get().await.map_err(sql("connect to postgres"))?;
     let system = conn.identify_system().await?;
     inner.sessions.fetch_add(1, Ordering::Relaxed);
     let covered = prepare_slot(inner, &client, &mut conn).await?;
@@ -387,6 +409,34 @@ async fn session(
         Covered::Unknown => crate::read::head(&client)
             .await
             .map_err(sql("read the log head"))?,
+    };
+    Ok((client, conn, system, head))
+}
+
+async fn session(
+    inner: &Inner,
+    cmd: &mut mpsc::UnboundedReceiver<Cmd>,
+    attached: &mut Vec<Attached>,
+) -> Result<(), SessionError> {
+    let cfg = &inner.config;
+    // Every step of the start has a deadline: a server that stops answering
+    // while the reader connects or prepares its slot ends the try.
+    let limit = cfg.query_timeout
+        + inner
+            .db
+            .config
+            .config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(crate::db::DEFAULT_CONNECT_TIMEOUT);
+    let (client, mut conn, system, head) = match tokio::time::timeout(limit, start(inner)).await {
+        Ok(r) => r?,
+        Err(_) => {
+            return Err(SessionError::Timeout {
+                context: "start replication",
+                limit,
+            })
+        }
     };
     inner.head.store(head.0, Ordering::Relaxed);
     inner.streaming.store(true, Ordering::Relaxed);
@@ -456,8 +506,22 @@ async fn session(
             }
             _ = maintenance.tick() => {
                 // Every process that reads the log also keeps months ahead created.
-                if let Err(e) = schema::partitions::ensure(&client, schema::partitions::DEFAULT_MONTHS_AHEAD, SystemTime::now()).await {
-                    tracing::warn!(error = %e, "partition maintenance failed");
+                // Bounded like every statement here: a server that stops
+                // answering mid-call must not hold the session.
+                match tokio::time::timeout(
+                    cfg.query_timeout,
+                    schema::partitions::ensure(&client, schema::partitions::DEFAULT_MONTHS_AHEAD, SystemTime::now()),
+                )
+                .await
+                {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => tracing::warn!(error = %e, "partition maintenance failed"),
+                    Err(_) => {
+                        return Err(SessionError::Timeout {
+                            context: "keep partitions ahead",
+                            limit: cfg.query_timeout,
+                        })
+                    }
                 }
             }
             c = cmd.recv() => match c {

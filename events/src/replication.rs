@@ -325,14 +325,24 @@ impl ReplicationConnection {
             wbuf: BytesMut::with_capacity(1024),
             key: None,
         };
-        conn.startup(config, application_name, replication, options)
-            .await?;
+        // The start-up exchange is bounded like the socket's connect: a
+        // stopped server takes the connection into its backlog and answers
+        // nothing.
+        tokio::time::timeout(
+            timeout,
+            conn.startup(config, application_name, replication, options),
+        )
+        .await
+        .map_err(|_| timed_out())??;
         // As libpq: with target_session_attrs=read-write a server that is
         // read-only (a standby not yet promoted) is passed over.
         if config.get_target_session_attrs()
             == tokio_postgres::config::TargetSessionAttrs::ReadWrite
         {
-            let rows = conn.simple_query("SHOW transaction_read_only").await?;
+            let rows =
+                tokio::time::timeout(timeout, conn.simple_query("SHOW transaction_read_only"))
+                    .await
+                    .map_err(|_| timed_out())??;
             let read_only = rows
                 .first()
                 .and_then(|r| r.first().cloned().flatten())

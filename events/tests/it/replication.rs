@@ -418,3 +418,42 @@ async fn a_reader_whose_database_stops_answering_notices_reconnects_and_resumes(
         .unwrap();
     assert_eq!(take(&mut sub, 1).await.len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_started_while_its_database_is_silent_gives_up_in_time_and_starts_later() {
+    let cluster = testkit::temp_cluster(&[]).unwrap();
+    let url = testkit::migrated_database(&cluster).await;
+    let mut cfg: tokio_postgres::Config = url.parse().unwrap();
+    cfg.connect_timeout(Duration::from_secs(2));
+    let mut rc = reader_config();
+    rc.query_timeout = Duration::from_secs(2);
+    crate::append::signal_cluster(&cluster, "-STOP");
+    // The server accepts TCP (the kernel's backlog) but answers nothing:
+    // the start-up exchange itself must be bounded, not only the socket.
+    let connect = tokio::time::timeout(
+        Duration::from_secs(15),
+        events::db::connect(cfg.clone(), "silent"),
+    )
+    .await;
+    let r = Reader::start(cfg.clone(), rc);
+    let noticed = tokio::time::timeout(Duration::from_secs(20), async {
+        while r.timeouts() == 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    crate::append::signal_cluster(&cluster, "-CONT");
+    let refused = connect.expect("a connection to a silent server gives up within its bound");
+    assert!(refused.is_err(), "no connection to a stopped server");
+    noticed.expect("the reader gave up its start against the silent database");
+    // Back: the reader starts and a subscription gets what is appended.
+    let mut sub = tokio::time::timeout(Duration::from_secs(30), r.subscribe_ephemeral(Start::Now))
+        .await
+        .expect("the reader started once the database answered")
+        .unwrap();
+    let a = appender(&cfg);
+    a.append("s/1", ExpectedVersion::NoStream, vec![ev(1)])
+        .await
+        .unwrap();
+    assert_eq!(take(&mut sub, 1).await.len(), 1);
+}
