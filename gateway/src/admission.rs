@@ -1,5 +1,6 @@
 //! Who may open a session now: a token bucket for new sessions, a cap on
-//! open sessions and on sessions waiting for their Hello. Every refusal is
+//! open sessions and on sessions not yet welcomed, and none while the
+//! gateway's writes are behind. Every refusal is
 //! `RESOURCE_EXHAUSTED` with a jittered `retry-after-ms` in its metadata,
 //! which daemons obey.
 
@@ -40,6 +41,10 @@ impl Shared {
             self.stats.refused_rate.fetch_add(1, Ordering::Relaxed);
             return Err(pushback("too many new sessions per second", 1000));
         }
+        if self.stats.writes_queued.load(Ordering::Relaxed) > self.config.max_queued_writes {
+            self.stats.refused_behind.fetch_add(1, Ordering::Relaxed);
+            return Err(pushback("this gateway's writes are behind", 2000));
+        }
         let permit = self.streams.clone().try_acquire_owned().map_err(|_| {
             self.stats.refused_full.fetch_add(1, Ordering::Relaxed);
             pushback("this gateway holds its maximum of sessions", 5000)
@@ -48,13 +53,13 @@ impl Shared {
         if pending >= self.config.max_pending_hellos {
             self.pending_hellos.fetch_sub(1, Ordering::AcqRel);
             self.stats.refused_pending.fetch_add(1, Ordering::Relaxed);
-            return Err(pushback("too many sessions waiting for their Hello", 1000));
+            return Err(pushback("too many sessions opening at once", 1000));
         }
         Ok(permit)
     }
 }
 
-/// Counts a session as waiting for its Hello until dropped.
+/// Counts a session as not yet welcomed until dropped.
 pub(crate) struct PendingHello(pub(crate) Arc<Shared>);
 
 impl Drop for PendingHello {

@@ -35,6 +35,22 @@ static GATEWAY: &[Field<GatewayStats>] = &[
     ),
     ops::stat_field!(
         GatewayStats,
+        "strata_gateway_hellos_abandoned_total",
+        Counter,
+        "Hellos whose node gave up waiting before its session opened (not opened).",
+        &[],
+        hellos_abandoned
+    ),
+    ops::stat_field!(
+        GatewayStats,
+        "strata_gateway_write_queue",
+        Gauge,
+        "Writes queued for the gateway's writer and not yet taken by it.",
+        &[],
+        writes_queued
+    ),
+    ops::stat_field!(
+        GatewayStats,
         "strata_gateway_refused_total",
         Counter,
         REFUSED,
@@ -56,6 +72,14 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         REFUSED,
         &[("reason", "pending_hellos")],
         refused_pending
+    ),
+    ops::stat_field!(
+        GatewayStats,
+        "strata_gateway_refused_total",
+        Counter,
+        REFUSED,
+        &[("reason", "writes_behind")],
+        refused_behind
     ),
     ops::stat_field!(
         GatewayStats,

@@ -151,13 +151,13 @@ pub(crate) async fn session(
     let Some(hello) = Box::pin(await_hello(&shared, &node, &mut inbound, &tx)).await else {
         return;
     };
-    drop(pending);
     // Take ownership: append at the version read; the new version is the epoch.
     // The long-lived session task stays small: futures that run once (or
     // now and then) are boxed instead of living in its state machine.
-    let epoch = match Box::pin(open_session(&shared, &node, &pool, &hello)).await {
-        Ok(e) => e,
-        Err(e) => {
+    let epoch = match Box::pin(opened(&shared, &node, &pool, &hello, &tx)).await {
+        Some(Ok(e)) => e,
+        None => return,
+        Some(Err(e)) => {
             tracing::warn!(%node, error = %e, "could not open the session");
             let _ = tx
                 .send(Err(Status::unavailable(format!("open the session: {e}"))))
@@ -184,6 +184,8 @@ pub(crate) async fn session(
             return;
         }
     };
+    // Welcomed from here on: no longer counted as pending.
+    drop(pending);
     register(&shared, &node, &pool, epoch, &tx);
     shared.stats.sessions_opened.fetch_add(1, Ordering::Relaxed);
     let welcome = GatewayMessage {
@@ -430,11 +432,48 @@ async fn renewal_reply(
     (ok, reply)
 }
 
+/// The session opened for `hello` ([`open_session`]), or `None` where the
+/// node gave up waiting first: a Hello nobody waits for any more is not
+/// finished (on a busy gateway, finishing it would only add the work of
+/// closing it again to the queue that made the node give up).
+async fn opened(
+    shared: &Shared,
+    node: &str,
+    pool: &str,
+    hello: &crate::proto::Hello,
+    tx: &Outbox,
+) -> Option<Result<u64, AppendError>> {
+    let gave_up = || {
+        shared
+            .stats
+            .hellos_abandoned
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(%node, "the node gave up waiting for its Welcome; not opening its session");
+    };
+    if tx.0.is_closed() {
+        gave_up();
+        return None;
+    }
+    let mut open = std::pin::pin!(open_session(shared, node, pool, hello, tx));
+    tokio::select! {
+        r = &mut open => return Some(r),
+        _ = tx.0.closed() => gave_up(),
+    }
+    // The writer leaves the open out unless it was already on its way; one
+    // that committed anyway is a session like any other, which the node's
+    // closed stream then ends.
+    match open.await {
+        Ok(epoch) => Some(Ok(epoch)),
+        Err(_) => None,
+    }
+}
+
 pub(crate) async fn open_session(
     shared: &Shared,
     node: &str,
     pool: &str,
     hello: &crate::proto::Hello,
+    outbox: &Outbox,
 ) -> Result<u64, AppendError> {
     let stream = node_stream(node);
     for _ in 0..5 {
@@ -498,6 +537,7 @@ pub(crate) async fn open_session(
         match shared
             .write(Write {
                 also,
+                client: Some(outbox.clone()),
                 ..Write::plain(
                     stream.clone(),
                     ExpectedVersion::Exact(version as u64),
@@ -847,6 +887,7 @@ pub(crate) async fn sweeper(shared: Arc<Shared>) {
                     )],
                     also: vec![(pool_stream(&pool), contact)],
                     done: None,
+                    client: None,
                 })
                 .await;
         }

@@ -37,7 +37,14 @@ pub struct GatewayConfig {
     /// Joins tried per second with one token (a pattern token may admit a
     /// whole fleet; a burst of twice as many is allowed).
     pub joins_per_token_per_second: f64,
+    /// Sessions between their admission and their Welcome (waiting for
+    /// the Hello, or opening in the log) at once; more are pushed back.
     pub max_pending_hellos: usize,
+    /// New sessions are pushed back while more writes than this wait for
+    /// the gateway's writer: a Hello admitted then would wait behind them
+    /// past the node's patience, and its node would try again, adding
+    /// more work where there is already too much.
+    pub max_queued_writes: u64,
     /// The heartbeat interval nodes are told; a node is unreachable after
     /// three missed.
     pub heartbeat: Duration,
@@ -95,6 +102,7 @@ impl GatewayConfig {
             bad_joins_per_source_per_second: 2.0,
             joins_per_token_per_second: 100.0,
             max_pending_hellos: 1_000,
+            max_queued_writes: 4_096,
             heartbeat: Duration::from_secs(10),
             max_message_bytes: 1 << 20,
             certificate_validity: Duration::from_secs(365 * 24 * 3600),
@@ -139,12 +147,19 @@ pub enum GatewayError {
 pub struct GatewayStats {
     pub sessions: AtomicU64,
     pub sessions_opened: AtomicU64,
+    /// Hellos whose node gave up waiting before its session opened; not
+    /// opened (or, where the open was already on its way, closed at once).
+    pub hellos_abandoned: AtomicU64,
+    /// Writes queued for the writer and not yet taken by it.
+    pub writes_queued: AtomicU64,
     /// Sessions refused: more new ones per second than allowed.
     pub refused_rate: AtomicU64,
     /// Sessions refused: the gateway held its maximum.
     pub refused_full: AtomicU64,
     /// Sessions refused: too many waiting for their Hello.
     pub refused_pending: AtomicU64,
+    /// Sessions refused: the gateway's writes are behind.
+    pub refused_behind: AtomicU64,
     pub refused_identity: AtomicU64,
     /// Sessions refused: the gateway held no lease.
     pub refused_no_lease: AtomicU64,
@@ -209,6 +224,16 @@ pub(crate) struct Write {
     /// no version check of their own.
     pub(crate) also: Vec<(String, NewEvent)>,
     pub(crate) done: Option<oneshot::Sender<Result<u64, AppendError>>>,
+    /// For the write that opens a session: the session's outgoing queue.
+    /// A node that gave up waiting for its Welcome closed it; the write is
+    /// then not sent (answered [`abandoned`]), rather than opening a
+    /// session for nobody that would only be closed again.
+    pub(crate) client: Option<Outbox>,
+}
+
+/// The answer to a write whose client went away before it was sent.
+pub(crate) fn abandoned() -> AppendError {
+    AppendError::Invalid("the node gave up waiting; nothing was written".into())
 }
 
 impl Write {
@@ -221,6 +246,7 @@ impl Write {
             events,
             also: Vec::new(),
             done: None,
+            client: None,
         }
     }
 

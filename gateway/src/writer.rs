@@ -15,7 +15,7 @@
 //! answered with that error and counted in `write_errors`.
 
 use crate::identity::node_stream;
-use crate::state::{Shared, Write};
+use crate::state::{abandoned, Shared, Write};
 use events::db::Sql;
 use events::{AppendError, Appended, ErrorKind, ExpectedVersion, NewEvent, StreamAppend};
 use ops::task::Backoff;
@@ -44,7 +44,11 @@ impl Shared {
             done: Some(tx),
             ..w
         };
+        self.stats.writes_queued.fetch_add(1, Ordering::Relaxed);
         let queued = self.writes.send(w).await.is_ok();
+        if !queued {
+            self.stats.writes_queued.fetch_sub(1, Ordering::Relaxed);
+        }
         async move {
             if !queued {
                 return Err(AppendError::Closed);
@@ -56,7 +60,9 @@ impl Shared {
     /// Queues a write without waiting for its outcome; waits for room in the
     /// queue (backpressure on whoever writes), never drops it.
     pub(crate) async fn queue(&self, w: Write) {
+        self.stats.writes_queued.fetch_add(1, Ordering::Relaxed);
         if self.writes.send(w).await.is_err() {
+            self.stats.writes_queued.fetch_sub(1, Ordering::Relaxed);
             self.stats.write_errors.fetch_add(1, Ordering::Relaxed);
             tracing::error!("the gateway's writer has stopped; an event was not written");
         }
@@ -84,6 +90,7 @@ impl Shared {
             events: vec![event],
             also,
             done: None,
+            client: None,
         })
         .await;
     }
@@ -112,12 +119,17 @@ pub(crate) async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Write>) {
                     Err(_) => break,
                 }
             }
+            shared
+                .stats
+                .writes_queued
+                .fetch_sub(batch.len() as u64, Ordering::Relaxed);
             todo.push_back(batch);
         }
         let Some(mut batch) = todo.pop_front() else {
             continue;
         };
         fence_superseded(&shared, &mut batch);
+        drop_abandoned(&mut batch);
         if batch.is_empty() {
             continue;
         }
@@ -188,6 +200,21 @@ pub(crate) async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Write>) {
             }
         }
     }
+}
+
+/// Answers, as [`abandoned`], the writes whose client went away before
+/// they were sent, and takes them out (checked before every attempt: a
+/// batch retried after a failure drops those given up meanwhile).
+fn drop_abandoned(batch: &mut Vec<Write>) {
+    batch.retain_mut(|w| {
+        if !w.client.as_ref().is_some_and(|c| c.0.is_closed()) {
+            return true;
+        }
+        if let Some(done) = w.done.take() {
+            let _ = done.send(Err(abandoned()));
+        }
+        false
+    });
 }
 
 /// Answers, as fenced, the session writes whose session this gateway has

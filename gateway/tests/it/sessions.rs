@@ -828,3 +828,129 @@ async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_f
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_gateway_pushes_new_sessions_back_and_drops_hellos_given_up() {
+    use node::proto::{node_message, session_client::SessionClient, Hello, NodeMessage};
+    let r = region().await;
+    let gw = r
+        .gateway("gw-a", |c| {
+            c.max_queued_writes = 0;
+        })
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut creds = Vec::new();
+    for node in ["n0", "n1", "n2"] {
+        let c = joining(&r, &gw, &dir.path().join(node), node).await;
+        creds.push(daemon::ensure_joined(&c).await.unwrap());
+    }
+    let hello = |node: &str| NodeMessage {
+        body: Some(node_message::Body::Hello(Hello {
+            node_id: node.into(),
+            generation: 1,
+            ..Hello::default()
+        })),
+    };
+    // The gateway's writer is held up (as on a busy gateway) by a lock on
+    // n0's stream, which n0's session opening must take.
+    let mut holder = events::db::connect(&r.cfg, "holder").await.unwrap();
+    let lock = holder.transaction().await.unwrap();
+    lock.execute(
+        "SELECT 1 FROM strata.streams WHERE stream = 'node/n0' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let c0 = &creds[0];
+    let ch0 = node_channel(&gw, &c0.ca_pem, &c0.cert_pem, &c0.key_pem)
+        .await
+        .unwrap();
+    let (keep0, rx0) = tokio::sync::mpsc::channel(1);
+    keep0.send(hello("n0")).await.unwrap();
+    let mut n0 = SessionClient::new(ch0)
+        .open(receiving(rx0))
+        .await
+        .unwrap()
+        .into_inner();
+    testkit::eventually(20, "n0's opening waits for the lock", || async {
+        r.count("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+            .await
+            >= 1
+    })
+    .await;
+    // n1 says Hello; its opening queues behind n0's. Then n1 gives up.
+    let c1 = &creds[1];
+    let ch1 = node_channel(&gw, &c1.ca_pem, &c1.cert_pem, &c1.key_pem)
+        .await
+        .unwrap();
+    let (keep1, rx1) = tokio::sync::mpsc::channel(1);
+    keep1.send(hello("n1")).await.unwrap();
+    let n1 = SessionClient::new(ch1)
+        .open(receiving(rx1))
+        .await
+        .unwrap()
+        .into_inner();
+    testkit::eventually(20, "n1's opening is queued", || async {
+        gw.stats.writes_queued.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    // While a write waits, a new session is pushed back with a pause.
+    let c2 = &creds[2];
+    let ch2 = node_channel(&gw, &c2.ca_pem, &c2.cert_pem, &c2.key_pem)
+        .await
+        .unwrap();
+    let refused = match SessionClient::new(ch2)
+        .open(futures_util::stream::iter(vec![hello("n2")]))
+        .await
+    {
+        Err(s) => s,
+        Ok(r) => r.into_inner().message().await.expect_err("pushed back"),
+    };
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert!(refused.metadata().get("retry-after-ms").is_some());
+    assert_eq!(gw.stats.refused_behind.load(Ordering::Relaxed), 1);
+    drop(n1);
+    drop(keep1);
+    testkit::eventually(20, "the gateway notices that n1 gave up", || async {
+        gw.stats.hellos_abandoned.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    lock.rollback().await.unwrap();
+    // n0 is welcomed; the writer has taken everything queued.
+    let first = tokio::time::timeout(Duration::from_secs(20), n0.message())
+        .await
+        .expect("n0 is answered")
+        .unwrap()
+        .expect("a message");
+    assert!(
+        matches!(
+            first.body,
+            Some(node::proto::gateway_message::Body::Welcome(_))
+        ),
+        "{first:?}"
+    );
+    testkit::eventually(20, "the writer's queue is empty", || async {
+        gw.stats.writes_queued.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    // Nothing was written for n1: no session opened for nobody, and none
+    // closed again.
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type IN ('node.session_opened', 'node.disconnected', 'node.marked_unreachable')").await,
+        0
+    );
+    assert_eq!(gw.stats.sessions_opened.load(Ordering::Relaxed), 1);
+    drop(keep0);
+    gw.stop().await.unwrap();
+}
+
+/// The messages of `rx` as a request stream, open until its sender drops.
+fn receiving(
+    rx: tokio::sync::mpsc::Receiver<node::proto::NodeMessage>,
+) -> impl futures_util::Stream<Item = node::proto::NodeMessage> {
+    futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
+}
