@@ -488,20 +488,29 @@ fn victims(
         }
         return None;
     }
-    // The smallest set: drop each one the request fits without.
+    // The smallest set: drop each one the request fits without. The last
+    // of two or more stays: without it is the set just found too small (a
+    // single one is weighed, as the request is not known not to fit with
+    // none). `sim` is kept as the batch with the GPUs of those still in the
+    // set freed.
     let mut keep = vec![true; chosen.len()];
-    for i in (0..chosen.len()).rev() {
-        let (v, _, allocs, _, _) = &chosen[i];
+    let weighed = if chosen.len() > 1 {
+        chosen.len() - 1
+    } else {
+        chosen.len()
+    };
+    for i in (0..weighed).rev() {
+        let (v, _, allocs, queue, gpus) = &chosen[i];
         put_back(index, v, allocs);
-        let mut without = batch.clone();
-        for (j, (_, _, _, queue, gpus)) in chosen.iter().enumerate() {
-            if let (true, true, Some(q)) = (j != i, keep[j], queue) {
-                without.free(q, &request.class, *gpus);
-            }
+        if let Some(q) = queue {
+            sim.unfree(q, &request.class, *gpus);
         }
-        if fits(index, &without) {
+        if fits(index, &sim) {
             keep[i] = false;
         } else {
+            if let Some(q) = queue {
+                sim.free(q, &request.class, *gpus);
+            }
             for a in allocs {
                 index.unbook(pool, a, v);
             }
@@ -513,8 +522,12 @@ fn victims(
         }
     }
     // Each kept one must still be preemptable in the order written (the
-    // index checks them so).
-    let mut check = batch.clone();
+    // index checks them so): judged on the batch as it came, which
+    // `picked` is again once the chosen are taken out of it.
+    for (v, _, _, queue, gpus) in &chosen {
+        picked.unpreempt(v, queue.as_deref(), &request.class, *gpus);
+    }
+    let mut check = picked;
     let mut out = Vec::new();
     for (i, (v, _, _, queue, gpus)) in chosen.iter().enumerate() {
         if !keep[i] {

@@ -67,6 +67,19 @@ impl Batch {
         self.gone.insert(id.to_string());
     }
 
+    /// Undoes [`Batch::free`] of the same GPUs.
+    pub fn unfree(&mut self, queue: &str, class: &str, gpus: u64) {
+        self.freed.sub(queue, class, gpus);
+    }
+
+    /// Undoes [`Batch::preempt`] of a reservation it alone chose.
+    pub fn unpreempt(&mut self, id: &str, queue: Option<&str>, class: &str, gpus: u64) {
+        if let Some(q) = queue {
+            self.preempting.sub(q, class, gpus);
+        }
+        self.victims.remove(id);
+    }
+
     /// Counts reservation `id` (of `queue`, if it has one) as chosen for
     /// preemption.
     pub fn preempt(&mut self, id: &str, queue: Option<&str>, class: &str, gpus: u64) {
@@ -143,17 +156,21 @@ pub fn admit(index: &Index, pool: &str, request: &Request, batch: &Batch) -> Res
     if mine + gpus <= nominal {
         return Ok(());
     }
+    // Put into words only when refused: most requests over their nominal
+    // quota borrow, and are admitted.
     let holds =
-        format!("queue {name} holds {mine} of its {nominal} {class} GPUs and asks for {gpus}");
+        || format!("queue {name} holds {mine} of its {nominal} {class} GPUs and asks for {gpus}");
     let Some(cohort) = spec.cohort.as_deref() else {
         return Err(Refusal::OverQuota(format!(
-            "{holds}; it is in no cohort, so it borrows nothing"
+            "{}; it is in no cohort, so it borrows nothing",
+            holds()
         )));
     };
     if let Some(limit) = spec.quota(class).and_then(|q| q.borrowing_limit) {
         if mine + gpus > nominal + limit as u64 {
             return Err(Refusal::OverQuota(format!(
-                "{holds}; it may borrow at most {limit}"
+                "{}; it may borrow at most {limit}",
+                holds()
             )));
         }
     }
@@ -164,7 +181,8 @@ pub fn admit(index: &Index, pool: &str, request: &Request, batch: &Batch) -> Res
     }
     if cohort_holds + gpus > total {
         return Err(Refusal::OverQuota(format!(
-            "{holds}; cohort {cohort} has {} of its {total} unused to lend",
+            "{}; cohort {cohort} has {} of its {total} unused to lend",
+            holds(),
             total.saturating_sub(cohort_holds)
         )));
     }
