@@ -28,8 +28,12 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-/// How long a gateway may take to answer a Hello.
+/// How long a gateway may take to answer a Hello, in the time this
+/// process could run ([`ops::patience`]).
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(15);
+/// The most a Hello is waited for in wall time, however starved the
+/// process.
+pub const HELLO_MOST: Duration = Duration::from_secs(60);
 
 /// `host:port` of a gateway address such as `https://gw1.example:7443`.
 fn authority(gateway: &str) -> Option<String> {
@@ -569,9 +573,11 @@ async fn open(
         let first = inbound.message().await?;
         Ok::<_, tonic::Status>((inbound, first))
     };
-    let (inbound, first) = match tokio::time::timeout(HELLO_TIMEOUT, opening).await {
-        Err(_) => {
-            tracing::warn!(node = %config.node_id, "no Welcome within {HELLO_TIMEOUT:?}; trying again");
+    // Counted in the time this process could run: a daemon waiting for a
+    // core must not take that for a gateway that does not answer.
+    let (inbound, first) = match ops::patience::patient(HELLO_TIMEOUT, HELLO_MOST, opening).await {
+        Err(gave) => {
+            tracing::warn!(node = %config.node_id, waited_ms = gave.waited.as_millis() as u64, "no Welcome within {HELLO_TIMEOUT:?}; trying again");
             return Err(End::Lost("no Welcome in time".into()));
         }
         Ok(Err(status)) => return Err(classify(status)),

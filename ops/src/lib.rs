@@ -3,12 +3,14 @@
 //! serves it with health and readiness ([`http`]); named background tasks
 //! that are supervised and counted when they restart ([`task`]); and the
 //! serving certificate that a TLS listener swaps for a renewed one while it
-//! runs ([`tls`]).
+//! runs ([`tls`]); and waits for a peer that count only the time the
+//! process could run ([`patience`]).
 //!
 //! It depends on no other crate of the workspace, so every crate can report
 //! through it.
 
 pub mod http;
 pub mod metrics;
+pub mod patience;
 pub mod task;
 pub mod tls;
