@@ -77,6 +77,15 @@ impl Database {
         self
     }
 
+    /// How long a connection attempt to one host may take: the URL's
+    /// `connect_timeout`, or [`DEFAULT_CONNECT_TIMEOUT`].
+    pub fn connect_timeout(&self) -> Duration {
+        self.config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(DEFAULT_CONNECT_TIMEOUT)
+    }
+
     /// The statement timeout connections get (see [`Database::startup`]).
     pub fn statement_timeout(&self) -> Option<Duration> {
         self.statement_timeout
@@ -315,13 +324,8 @@ async fn within_bound<T>(
     db: &Database,
     connect: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
 ) -> Result<T, tokio_postgres::Error> {
-    let per_host = db
-        .config
-        .get_connect_timeout()
-        .copied()
-        .unwrap_or(DEFAULT_CONNECT_TIMEOUT);
     let hosts = db.config.get_hosts().len().max(1) as u32;
-    match tokio::time::timeout(per_host * hosts, connect).await {
+    match tokio::time::timeout(db.connect_timeout() * hosts, connect).await {
         Ok(r) => r,
         // The crate's own "timeout waiting for server" error; it has no
         // other constructor.

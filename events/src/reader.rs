@@ -421,14 +421,7 @@ async fn session(
     let cfg = &inner.config;
     // Every step of the start has a deadline: a server that stops answering
     // while the reader connects or prepares its slot ends the try.
-    let limit = cfg.query_timeout
-        + inner
-            .db
-            .config
-            .config
-            .get_connect_timeout()
-            .copied()
-            .unwrap_or(crate::db::DEFAULT_CONNECT_TIMEOUT);
+    let limit = cfg.query_timeout + inner.db.config.connect_timeout();
     let (client, mut conn, system, head) = match tokio::time::timeout(limit, start(inner)).await {
         Ok(r) => r?,
         Err(_) => {

@@ -22,7 +22,6 @@ use bytes::{Buf, BytesMut};
 use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256, SCRAM_SHA_256};
 use postgres_protocol::message::backend::{Header, Message};
 use postgres_protocol::message::frontend;
-use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_postgres::config::Host;
 use tokio_postgres::Config;
@@ -287,10 +286,7 @@ impl ReplicationConnection {
         options: Option<&str>,
     ) -> Result<Self, ReplicationError> {
         let config = &db.config;
-        let timeout = config
-            .get_connect_timeout()
-            .copied()
-            .unwrap_or(Duration::from_secs(10));
+        let timeout = db.connect_timeout();
         let timed_out = || ReplicationError::Io {
             context: "connect for replication",
             source: std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),

@@ -62,6 +62,15 @@ pub async fn patient<F: Future>(
 mod tests {
     use super::*;
 
+    /// Holds the runtime's only thread a second at a time, as a process
+    /// short of cores is held.
+    async fn hog() {
+        loop {
+            std::thread::sleep(Duration::from_millis(1000));
+            tokio::task::yield_now().await;
+        }
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn a_silent_peer_is_given_up_on_after_the_limit_when_the_process_runs_freely() {
         let t = std::time::Instant::now();
@@ -81,12 +90,7 @@ mod tests {
         // Another task holds the only thread most of the time, as a
         // process short of cores is held: the wall clock runs, the
         // patient clock mostly does not.
-        let hog = tokio::spawn(async {
-            loop {
-                std::thread::sleep(Duration::from_millis(1000));
-                tokio::task::yield_now().await;
-            }
-        });
+        let hog = tokio::spawn(hog());
         let t = std::time::Instant::now();
         let r = patient(
             Duration::from_secs(1),
@@ -117,12 +121,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn an_answer_that_came_while_the_process_waited_is_taken() {
-        let hog = tokio::spawn(async {
-            loop {
-                std::thread::sleep(Duration::from_millis(1000));
-                tokio::task::yield_now().await;
-            }
-        });
+        let hog = tokio::spawn(hog());
         // The answer is due after 1.5 s of wall time, past the 1 s limit of
         // a plain timeout; the starved process still takes it.
         let answer = tokio::time::sleep(Duration::from_millis(1500));
