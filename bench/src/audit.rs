@@ -5,8 +5,11 @@
 //!
 //! Every statement through the endpoint is recorded in the log first (an
 //! `audit.query_recorded` append, a durable commit) and runs as the auditor's own
-//! read-only role; directly, it runs as the superuser. pgbench, the
-//! endpoint and PostgreSQL share the same two cores.
+//! read-only role; directly, it runs as the superuser. A third run sends
+//! each statement directly after a durable insert of a record of the same
+//! size, in a transaction of its own: what recording first costs at the
+//! least, without the endpoint. pgbench, the endpoint and PostgreSQL share
+//! the same two cores.
 
 use crate::util::{self, round};
 use anyhow::{bail, Context, Result};
@@ -26,6 +29,9 @@ pub struct Args {
 }
 
 const EVENTS: u64 = 10_000;
+
+/// A record the size of the endpoint's for the bench's statement.
+const FLOOR_RECORD: &str = r#"{"auditor": "bench", "auth": "password", "client": "127.0.0.1", "session": "0123456789abcdef", "protocol": "extended", "tls": false, "sql": "SELECT position, stream, type FROM strata.events WHERE position = $1", "parameters": ["1234"]}"#;
 
 /// Runs pgbench against `conninfo` for `seconds`; returns its tps.
 fn pgbench(
@@ -92,13 +98,30 @@ pub async fn run(args: Args) -> Result<()> {
     audit::accounts::add(&client, "bench", Some("bench-secret")).await?;
     let mut ac = audit::AuditConfig::new(cfg.clone());
     ac.max_sessions = u64::from(args.clients) + 4;
+    // Every pgbench client is the same auditor.
+    ac.max_sessions_per_auditor = u64::from(args.clients);
     let endpoint = audit::start("127.0.0.1:0".parse()?, ac, appender.clone()).await?;
     let dir = tempfile::tempdir()?;
+    let lookup = format!(
+        "\\set p random(1, {EVENTS})\nSELECT position, stream, type FROM strata.events WHERE position = :p;\n"
+    );
     let script = dir.path().join("select.sql");
+    std::fs::write(&script, &lookup)?;
+    // The least that recording first costs without the endpoint: the same
+    // statement, directly, after a durable insert of a record of about the
+    // endpoint's size in a transaction of its own.
+    client
+        .batch_execute(
+            "CREATE TABLE public.floor_records (id bigserial PRIMARY KEY, payload jsonb NOT NULL)",
+        )
+        .await?;
+    let floor_script = dir.path().join("floor.sql");
     std::fs::write(
-        &script,
-        format!(
-            "\\set p random(1, {EVENTS})\nSELECT position, stream, type FROM strata.events WHERE position = :p;\n"
+        &floor_script,
+        lookup.replacen(
+            '\n',
+            &format!("\nINSERT INTO public.floor_records (payload) VALUES ('{FLOOR_RECORD}');\n"),
+            1,
         ),
     )?;
     let direct = format!(
@@ -112,29 +135,35 @@ pub async fn run(args: Args) -> Result<()> {
     let bindir = cluster.bindir().to_path_buf();
     let mut runs = serde_json::Map::new();
     for protocol in ["simple", "extended"] {
-        let (b, s, d, t) = (
+        let (b, s, f, d, t) = (
             bindir.clone(),
             script.clone(),
+            floor_script.clone(),
             direct.clone(),
             through.clone(),
         );
         let clients = args.clients;
-        let (direct_tps, endpoint_tps) = tokio::task::spawn_blocking(move || {
+        let (direct_tps, floor_tps, endpoint_tps) = tokio::task::spawn_blocking(move || {
             let direct = pgbench(&b, &d, &s, protocol, clients, seconds, None)?;
+            let floor = pgbench(&b, &d, &f, protocol, clients, seconds, None)?;
             let through = pgbench(&b, &t, &s, protocol, clients, seconds, Some("bench-secret"))?;
-            anyhow::Ok((direct, through))
+            anyhow::Ok((direct, floor, through))
         })
         .await??;
         eprintln!(
-            "{protocol}: {direct_tps:.0} statements/s directly, {endpoint_tps:.0}/s through the endpoint ({:.3} of direct)",
-            endpoint_tps / direct_tps
+            "{protocol}: {direct_tps:.0} statements/s directly, {floor_tps:.0}/s directly each after a durable record, {endpoint_tps:.0}/s through the endpoint ({:.3} of direct, {:.3} of recorded directly)",
+            endpoint_tps / direct_tps,
+            endpoint_tps / floor_tps
         );
         runs.insert(
             protocol.to_string(),
             serde_json::json!({
                 "direct_per_s": round(direct_tps, 1),
+                "recorded_directly_per_s": round(floor_tps, 1),
                 "endpoint_per_s": round(endpoint_tps, 1),
                 "endpoint_over_direct": round(endpoint_tps / direct_tps, 3),
+                "recorded_directly_over_direct": round(floor_tps / direct_tps, 3),
+                "endpoint_over_recorded_directly": round(endpoint_tps / floor_tps, 3),
             }),
         );
     }
@@ -156,7 +185,7 @@ pub async fn run(args: Args) -> Result<()> {
         "statement": "SELECT position, stream, type FROM strata.events WHERE position = :p (random p)",
         "runs": runs,
         "statements_recorded": recorded,
-        "note": "through the endpoint every statement is first recorded as an audit.query_recorded event (a durable append) and runs as the auditor's own read-only role in a read-only transaction; directly it runs as the superuser. pgbench, the endpoint and PostgreSQL share the same two cores",
+        "note": "through the endpoint every statement is first recorded as an audit.query_recorded event (a durable append) and runs as the auditor's own read-only role in a read-only transaction; directly it runs as the superuser. 'recorded directly' runs each statement directly after a durable single-row insert of a record of the same size in its own transaction: the least recording first costs without the endpoint. pgbench, the endpoint and PostgreSQL share the same two cores",
     });
     util::finish(if args.quick { "audit-quick" } else { "audit" }, &result)?;
     drop(cluster);

@@ -121,7 +121,18 @@ impl GatewayProcess {
     ) -> Result<GatewayProcess> {
         use tokio::io::AsyncBufReadExt;
         let exe = std::env::current_exe()?;
-        let mut child = tokio::process::Command::new(exe)
+        // `BENCH_GATEWAY_WRAP=heaptrack` runs the gateway under a profiler
+        // (with a bench built `--features system-alloc`); RSS and CPU are
+        // then the wrapper's.
+        let mut command = match std::env::var_os("BENCH_GATEWAY_WRAP") {
+            Some(wrapper) => {
+                let mut c = tokio::process::Command::new(wrapper);
+                c.arg(exe);
+                c
+            }
+            None => tokio::process::Command::new(exe),
+        };
+        let mut child = command
             .args([
                 "gateway-server",
                 "--database-url",

@@ -9,7 +9,9 @@ use bench::{
 use clap::{Parser, Subcommand};
 
 /// mimalloc: the index and its snapshots allocate many small strings, which
-/// it serves markedly faster than the system allocator.
+/// it serves markedly faster than the system allocator. The `system-alloc`
+/// feature leaves it out, for heap profilers that follow `malloc`.
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
