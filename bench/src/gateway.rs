@@ -71,6 +71,10 @@ pub struct ServerArgs {
     /// Joins admitted per second (the gateway's default when not given)
     #[arg(long)]
     joins_per_second: Option<f64>,
+    /// The gateway's id: two gateways running at once need two (the second
+    /// would take the first one's lease and end its sessions)
+    #[arg(long, default_value = "bench-gw")]
+    id: String,
 }
 
 pub async fn server(args: ServerArgs) -> Result<()> {
@@ -79,7 +83,7 @@ pub async fn server(args: ServerArgs) -> Result<()> {
     rc.temporary = true;
     let reader = Reader::start(cfg.clone(), rc);
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
-    let mut gc = gateway::server::GatewayConfig::new("bench-gw", args.listen, &args.ca_dir);
+    let mut gc = gateway::server::GatewayConfig::new(&args.id, args.listen, &args.ca_dir);
     gc.heartbeat = args.heartbeat;
     gc.max_streams = 100_000;
     gc.handshakes_per_second = 5_000.0;
@@ -153,14 +157,17 @@ impl GatewayProcess {
             .context("start the gateway process")?;
         let pid = child.id().context("gateway pid")?;
         let mut lines = tokio::io::BufReader::new(child.stdout.take().context("stdout")?).lines();
-        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-            .await
-            .context("the gateway did not start")??
-            .context("the gateway exited")?;
-        let addr = line
-            .strip_prefix("listening ")
-            .context("unexpected gateway output")?
-            .to_string();
+        // A wrapper may print lines of its own first.
+        let addr = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let line = lines.next_line().await?.context("the gateway exited")?;
+                if let Some(addr) = line.strip_prefix("listening ") {
+                    return anyhow::Ok(addr.to_string());
+                }
+            }
+        })
+        .await
+        .context("the gateway did not start")??;
         Ok(GatewayProcess {
             child,
             pid,
@@ -351,7 +358,12 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
         &url,
         &dir.path().join("ca"),
         "10s",
-        &["--joins-per-second", "1000000"],
+        &[
+            "--joins-per-second",
+            "1000000",
+            "--id",
+            "bench-gw-unlimited",
+        ],
     )
     .await?;
     let n_free = if args.quick { 500 } else { 3_000 };
