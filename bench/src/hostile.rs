@@ -349,14 +349,13 @@ async fn join_until(
     let mut tries = 0u32;
     loop {
         tries += 1;
-        let channel = tonic::transport::Endpoint::from_shared(addr.to_string())?
-            .local_address(Some(from))
-            .tls_config(
-                tonic::transport::ClientTlsConfig::new()
-                    .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem))
-                    .domain_name("localhost"),
-            )?
-            .connect_lazy();
+        // As a daemon joins: its ClientHello names its token.
+        let connector = ops::join_alpn::JoinConnector::new(ca_pem, "localhost", &req.token)
+            .map_err(anyhow::Error::msg)?
+            .from_address(from);
+        let plain = addr.replacen("https://", "http://", 1);
+        let channel =
+            tonic::transport::Endpoint::from_shared(plain)?.connect_with_connector_lazy(connector);
         let mut join = gateway::proto::join_client::JoinClient::new(channel);
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, join.join(req.clone())).await {

@@ -116,7 +116,7 @@ impl Shared {
     /// load of the tokens made after this call began (at most one a
     /// second; a miss waits for the next, so a token made a moment ago is
     /// found and a flood of bad ones costs one query a second).
-    async fn token_known(&self, hash: &[u8]) -> Result<bool, Status> {
+    pub(crate) async fn token_known(&self, hash: &[u8]) -> Result<bool, Status> {
         let arrived = std::time::Instant::now();
         loop {
             let wait = {

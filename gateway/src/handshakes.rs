@@ -16,6 +16,13 @@
 //! backoff. A flood from many addresses so spends each address once. Addresses that presented a certificate (the fleet's nodes,
 //! operators) are never held back, and with no pressure nobody is: a
 //! fleet re-homing onto this gateway after another died is not slowed.
+//! A joining node names its token in its ClientHello
+//! ([`ops::join_alpn`]): a stranger held back has its ClientHello read
+//! (no cryptography; at most [`MAX_HELLO_READS`] at once, each within
+//! [`HELLO_READ`]) and gets its handshake if it names a token the region
+//! issued, [`PER_SOURCE_PER_S`] a second per token, whatever the
+//! strangers' bucket holds: a flood that knows no token cannot spend a
+//! real node's turn.
 //! This is a priority of service, not a guarantee: what a connection may
 //! do is still decided by its certificate and its token.
 
@@ -36,6 +43,13 @@ pub(crate) const SUSPECT_MS: u64 = 60_000;
 /// [`PER_SOURCE_BURST`]).
 pub(crate) const PER_SOURCE_PER_S: f64 = 1.0;
 const PER_SOURCE_BURST: f64 = 3.0;
+
+/// ClientHellos of held-back strangers read at once, at most; past it they
+/// are closed at accept unread.
+pub(crate) const MAX_HELLO_READS: usize = 64;
+
+/// How long a held-back stranger's ClientHello may take to arrive.
+pub(crate) const HELLO_READ: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Addresses remembered at most, known and suspected each; past it, known
 /// ones not seen for an hour and suspects past their time are forgotten,
@@ -60,6 +74,8 @@ pub(crate) struct HandshakeGate {
     /// each.
     bucket: Mutex<Bucket>,
     per_source: Buckets<IpAddr>,
+    /// Handshakes of held-back strangers that named a join token, per token.
+    per_token: Buckets<Vec<u8>>,
     per_second: f64,
 }
 
@@ -78,6 +94,7 @@ impl HandshakeGate {
                 last: Instant::now(),
             }),
             per_source: Buckets::default(),
+            per_token: Buckets::default(),
             per_second,
         }
     }
@@ -140,6 +157,14 @@ impl HandshakeGate {
             .expect("handshake bucket lock")
             .take(rate, rate);
         all && self.per_source.take(&ip, each, burst)
+    }
+
+    /// A held-back stranger named the join token `hash`, which the region
+    /// issued (the caller's check, so only issued tokens are remembered):
+    /// whether it gets its handshake.
+    pub(crate) fn token_turn(&self, hash: &[u8]) -> bool {
+        self.per_token
+            .take(&hash.to_vec(), PER_SOURCE_PER_S, PER_SOURCE_BURST)
     }
 }
 

@@ -46,11 +46,10 @@ pub fn node_stream(node: &str) -> String {
     format!("node/{node}")
 }
 
-/// A join token as the database keeps it (its SHA-256).
+/// A join token as the database keeps it (its SHA-256), as a joining
+/// node's ClientHello names it.
 pub fn digest(token: &str) -> Vec<u8> {
-    ring::digest::digest(&ring::digest::SHA256, token.trim().as_bytes())
-        .as_ref()
-        .to_vec()
+    ops::join_alpn::token_hash(token)
 }
 
 /// The hashes of every join token not expired for more than a day (used

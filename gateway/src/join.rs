@@ -50,6 +50,10 @@ impl join_server::Join for JoinService {
             })?
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         self.shared.stats.joins.fetch_add(1, Ordering::Relaxed);
+        // The node's session comes next, from the same address, with the
+        // certificate it was just given: not held back as a stranger's.
+        let handshakes = &self.shared.handshakes;
+        handshakes.certified(source, handshakes.now_ms());
         tracing::info!(node = %req.node_id, %pool, serial = %signed.serial, "node joined");
         Ok(Response::new(JoinResponse {
             certificate_pem: signed.certificate_pem,

@@ -66,10 +66,14 @@ pub struct ListenerStats {
     pub unauthenticated_evicted: AtomicU64,
     /// RPCs cancelled because a request message did not arrive whole in time.
     pub requests_cut: AtomicU64,
-    /// Connections closed at accept, before their handshake: from an
-    /// address that never presented a certificate, while the share of
-    /// those without one was pressed and their handshakes' bucket empty.
+    /// Connections closed before their handshake: from an address that
+    /// never presented a certificate, while the share of those without one
+    /// was pressed and their handshakes' bucket empty, and not naming a
+    /// join token the region issued.
     pub handshakes_held_back: AtomicU64,
+    /// Held-back connections let through because their ClientHello named a
+    /// join token the region issued.
+    pub handshakes_by_token: AtomicU64,
 }
 
 /// How long a connection without a client certificate may wait on its
@@ -117,6 +121,8 @@ pub(crate) struct Conns {
     epoch: Instant,
     limits: Limits,
     gate: Arc<crate::handshakes::HandshakeGate>,
+    /// Held-back strangers' ClientHellos being read.
+    hello_reads: Arc<tokio::sync::Semaphore>,
     pub(crate) stats: Arc<ListenerStats>,
 }
 
@@ -133,6 +139,9 @@ impl Conns {
             epoch: Instant::now(),
             limits,
             gate,
+            hello_reads: Arc::new(tokio::sync::Semaphore::new(
+                crate::handshakes::MAX_HELLO_READS,
+            )),
             stats,
         })
     }
@@ -392,6 +401,10 @@ pub fn server_config(
     Ok(Arc::new(config))
 }
 
+/// Whether a join token's hash is one the region issued.
+pub(crate) type TokenCheck =
+    Arc<dyn Fn(Vec<u8>) -> futures_util::future::BoxFuture<'static, bool> + Send + Sync>;
+
 /// The connections that finished their handshake, for the gRPC server.
 pub(crate) type Incoming = futures_util::stream::BoxStream<
     'static,
@@ -404,9 +417,10 @@ pub(crate) fn serve(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     conns: Arc<Conns>,
+    tokens: TokenCheck,
 ) -> Incoming {
     let (tx, rx) = tokio::sync::mpsc::channel(1024);
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls.clone());
     let sweep = {
         let conns = conns.clone();
         let tx = tx.clone();
@@ -446,13 +460,22 @@ pub(crate) fn serve(
                 }
             };
             conns.stats.accepted.fetch_add(1, Ordering::Relaxed);
-            if !conns.gate.admit(addr.ip(), conns.gate.now_ms()) {
-                conns
-                    .stats
-                    .handshakes_held_back
-                    .fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
+            // Held back: its ClientHello is read (while few are), and only
+            // one naming a join token the region issued gets a handshake.
+            let held_back = if conns.gate.admit(addr.ip(), conns.gate.now_ms()) {
+                None
+            } else {
+                match conns.hello_reads.clone().try_acquire_owned() {
+                    Ok(reading) => Some(reading),
+                    Err(_) => {
+                        conns
+                            .stats
+                            .handshakes_held_back
+                            .fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                }
+            };
             let _ = tcp.set_nodelay(true);
             let conn = conns.add(addr);
             let tracked = Tracked {
@@ -462,10 +485,43 @@ pub(crate) fn serve(
                 conns: conns.clone(),
             };
             let (acceptor, tx, stats) = (acceptor.clone(), tx.clone(), conns.stats.clone());
+            let (tls, tokens, gate) = (tls.clone(), tokens.clone(), conns.gate.clone());
             let timeout = conns.limits.handshake_timeout;
             tokio::spawn(async move {
-                match tokio::time::timeout(timeout, acceptor.accept(tracked)).await {
-                    Ok(Ok(tls)) => {
+                let handshake = async {
+                    let Some(reading) = held_back else {
+                        return acceptor.accept(tracked).await.map(Some);
+                    };
+                    let hello = tokio::time::timeout(
+                        crate::handshakes::HELLO_READ,
+                        tokio_rustls::LazyConfigAcceptor::new(
+                            rustls::server::Acceptor::default(),
+                            tracked,
+                        ),
+                    )
+                    .await;
+                    let Ok(Ok(start)) = hello else {
+                        return Ok(None);
+                    };
+                    let named = start
+                        .client_hello()
+                        .alpn()
+                        .and_then(|mut offered| offered.find_map(ops::join_alpn::named_token_hash));
+                    let Some(hash) = named else {
+                        return Ok(None);
+                    };
+                    if !(tokens(hash.clone()).await && gate.token_turn(&hash)) {
+                        return Ok(None);
+                    }
+                    drop(reading);
+                    stats.handshakes_by_token.fetch_add(1, Ordering::Relaxed);
+                    start.into_stream(tls).await.map(Some)
+                };
+                match tokio::time::timeout(timeout, handshake).await {
+                    Ok(Ok(None)) => {
+                        stats.handshakes_held_back.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(Ok(Some(tls))) => {
                         stats.handshakes.fetch_add(1, Ordering::Relaxed);
                         let (tracked, session) = tls.get_ref();
                         let conns = &tracked.conns;

@@ -290,9 +290,17 @@ static LISTENER: &[Field<ListenerStats>] = &[
         ListenerStats,
         "strata_gateway_handshakes_held_back_total",
         Counter,
-        "Connections closed at accept, before their TLS handshake: from an address that never presented a client certificate, while the share of connections without one was pressed, and suspected (an RPC of its stalled, or it offered a token never issued, in the last minute) or over --unknown-handshakes-per-second.",
+        "Connections closed before their TLS handshake: from an address that never presented a client certificate, while the share of connections without one was pressed, and suspected (an RPC of its stalled, or it offered a token never issued, in the last minute) or over --unknown-handshakes-per-second, and whose ClientHello named no join token the region issued (or was not read: too many were being read).",
         &[],
         handshakes_held_back
+    ),
+    ops::stat_field!(
+        ListenerStats,
+        "strata_gateway_handshakes_by_token_total",
+        Counter,
+        "Connections that would have been held back but whose ClientHello named a join token the region issued: they got their TLS handshake.",
+        &[],
+        handshakes_by_token
     ),
     ops::stat_field!(
         ListenerStats,

@@ -137,7 +137,14 @@ pub async fn start(
     let writer = ops::task::spawn("gateway-writer", writer(shared.clone(), writes_rx));
     let sweeper = ops::task::spawn("gateway-sweeper", sweeper(shared.clone()));
 
-    let incoming = crate::listener::serve(listener, tls, conns.clone());
+    let tokens: crate::listener::TokenCheck = {
+        let shared = shared.clone();
+        Arc::new(move |hash| {
+            let shared = shared.clone();
+            Box::pin(async move { shared.token_known(&hash).await.unwrap_or(false) })
+        })
+    };
+    let incoming = crate::listener::serve(listener, tls, conns.clone(), tokens);
     let server = Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))

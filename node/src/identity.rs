@@ -12,7 +12,7 @@ use crate::config::{io, DaemonConfig, DaemonError};
 use crate::proto::{join_client::JoinClient, JoinRequest};
 use std::path::Path;
 use std::time::{Duration, SystemTime};
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+use tonic::transport::Endpoint;
 
 /// The node's identity on disk.
 pub struct Credentials {
@@ -91,19 +91,24 @@ pub async fn ensure_joined_at(
         }
     };
     let csr = csr_for(&key)?;
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(ca_pem))
-        .domain_name(config.server_name.clone());
     if config.gateways.is_empty() {
         return Err(DaemonError::Other("no gateway given".into()));
     }
+    // The ClientHello names the token (its hash), so that a gateway
+    // rationing strangers' handshakes lets this node through.
+    let connector = ops::join_alpn::JoinConnector::new(ca_pem, &config.server_name, token)
+        .map_err(DaemonError::Other)?;
     let first = &config.gateways[(config.home() + attempt) % config.gateways.len()];
-    let channel = Endpoint::from_shared(first.clone())
+    // The connector does the TLS: the channel itself speaks plain HTTP/2
+    // over it.
+    let plain = match first.strip_prefix("https://") {
+        Some(rest) => format!("http://{rest}"),
+        None => first.clone(),
+    };
+    let channel = Endpoint::from_shared(plain)
         .map_err(|e| DaemonError::Other(format!("gateway address {first:?}: {e}")))?
-        .tls_config(tls)
-        .map_err(|e| DaemonError::Other(e.to_string()))?
         .connect_timeout(Duration::from_secs(10))
-        .connect()
+        .connect_with_connector(connector)
         .await
         .map_err(|e| DaemonError::Unreachable(format!("connect to the gateway {first}: {e}")))?;
     let mut client = JoinClient::new(channel);

@@ -3,13 +3,15 @@
 //! serves it with health and readiness ([`http`]); named background tasks
 //! that are supervised and counted when they restart ([`task`]); and the
 //! serving certificate that a TLS listener swaps for a renewed one while it
-//! runs ([`tls`]); and waits for a peer that count only the time the
-//! process could run ([`patience`]).
+//! runs ([`tls`]); waits for a peer that count only the time the
+//! process could run ([`patience`]); and the join protocol a joining node
+//! names its token with before its TLS handshake ([`join_alpn`]).
 //!
 //! It depends on no other crate of the workspace, so every crate can report
 //! through it.
 
 pub mod http;
+pub mod join_alpn;
 pub mod metrics;
 pub mod patience;
 pub mod task;

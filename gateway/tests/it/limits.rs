@@ -322,6 +322,29 @@ async fn stalled_join(
     Some((status, started.elapsed()))
 }
 
+/// Stalled joins from each of `sources`, each opened again as soon as the
+/// gateway ends it, until `done`.
+fn stalling(
+    addr: std::net::SocketAddr,
+    sources: impl Iterator<Item = std::net::IpAddr>,
+    connector: &tokio_rustls::TlsConnector,
+    done: &Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    sources
+        .map(|from| {
+            let (connector, done) = (connector.clone(), done.clone());
+            tokio::spawn(async move {
+                while !done.load(Ordering::Relaxed) {
+                    if stalled_join(addr, from, connector.clone()).await.is_none() {
+                        // Closed before its handshake: try again soon.
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_rpcs_are_cut_at_their_deadline_and_their_connections_closed() {
     let r = region().await;
@@ -395,19 +418,7 @@ async fn a_share_kept_full_of_stalled_joins_still_lets_a_real_node_join_at_once(
     // Forty addresses, and ten loops more from one of them, which gets no
     // more handshakes than the others while the share is pressed.
     let sources = (0..40).map(stranger).chain((0..10).map(|_| stranger(0)));
-    let stalls: Vec<_> = sources
-        .map(|from| {
-            let (connector, done, addr) = (connector.clone(), done.clone(), gw.addr);
-            tokio::spawn(async move {
-                while !done.load(Ordering::Relaxed) {
-                    if stalled_join(addr, from, connector.clone()).await.is_none() {
-                        // Closed before its handshake: try again soon.
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                }
-            })
-        })
-        .collect();
+    let stalls = stalling(gw.addr, sources, &connector, &done);
     testkit::eventually(20, "the share is full of stalled joins", || async {
         let (open, idle) = gw.connections();
         open >= 20 && idle == 0
@@ -415,22 +426,11 @@ async fn a_share_kept_full_of_stalled_joins_still_lets_a_real_node_join_at_once(
     .await;
     // A real node joins and opens its session long before any stalled
     // RPC reaches its deadline (20 s).
-    let started = std::time::Instant::now();
     let dir = tempfile::tempdir().unwrap();
-    let n = start(joining(&r, &gw, dir.path(), "n1").await);
-    testkit::eventually(15, "n1 joined and opened a session", || async {
-        n.stats.connected.load(Ordering::Relaxed) >= 1
-    })
-    .await;
-    assert!(
-        started.elapsed() < Duration::from_secs(10),
-        "joined only after {:?}",
-        started.elapsed()
-    );
+    let (took, n) = joins_within(&r, &gw, dir.path(), Duration::from_secs(10)).await;
     let l = &gw.listener;
     eprintln!(
-        "joined after {:?}: {} evicted, {} refused, {} idle closed, {} cut, {} held back",
-        started.elapsed(),
+        "joined after {took:?}: {} evicted, {} refused, {} idle closed, {} cut, {} held back",
         l.unauthenticated_evicted.load(Ordering::Relaxed),
         l.unauthenticated_refused.load(Ordering::Relaxed),
         l.idle_closed.load(Ordering::Relaxed),
@@ -444,6 +444,72 @@ async fn a_share_kept_full_of_stalled_joins_still_lets_a_real_node_join_at_once(
         l.unauthenticated_evicted.load(Ordering::Relaxed) + l.idle_closed.load(Ordering::Relaxed);
     assert!(made_room > 0);
     assert!(l.handshakes_held_back.load(Ordering::Relaxed) > 0);
+    done.store(true, Ordering::Relaxed);
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+    for s in stalls {
+        s.abort();
+    }
+}
+
+/// Starts a node joining through `gw` with a fresh token and waits for its
+/// session; how long that took, which must be under `within`.
+async fn joins_within(
+    r: &Region,
+    gw: &Running,
+    dir: &std::path::Path,
+    within: Duration,
+) -> (Duration, Node) {
+    let started = Instant::now();
+    let n = start(joining(r, gw, dir, "n1").await);
+    testkit::eventually(
+        within.as_secs() + 5,
+        "n1 joined and opened a session",
+        || async { n.stats.connected.load(Ordering::Relaxed) >= 1 },
+    )
+    .await;
+    let took = started.elapsed();
+    assert!(took < within, "joined only after {took:?}");
+    (took, n)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_node_naming_its_token_is_let_through_while_strangers_are_held_back() {
+    let r = region().await;
+    let gw = r
+        .gateway("gw-named", |c| {
+            c.request_deadline = Duration::from_secs(60);
+            c.max_unauthenticated_connections = 10;
+            // While pressed, strangers get no handshake at all: as if a
+            // flood from many addresses had spent every turn.
+            c.unknown_handshakes_per_second = 0.1;
+        })
+        .await;
+    let connector = tls_client(&r.ca_pem());
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // More strangers than the share holds: it stays full and pressed.
+    let stalls = stalling(gw.addr, (0..14).map(stranger), &connector, &done);
+    let l = &gw.listener;
+    testkit::eventually(20, "the share is full and pressed", || async {
+        let (open, idle) = gw.connections();
+        open >= 10 && idle == 0 && l.handshakes_held_back.load(Ordering::Relaxed) > 0
+    })
+    .await;
+    // Pressed: a stranger naming no token is closed before its handshake.
+    let held = l.handshakes_held_back.load(Ordering::Relaxed);
+    assert!(
+        stalled_join(gw.addr, stranger(50), connector.clone())
+            .await
+            .is_none(),
+        "a stranger got a handshake while pressed"
+    );
+    assert!(l.handshakes_held_back.load(Ordering::Relaxed) > held);
+    // A real node, from an address that never presented a certificate
+    // here, names its token in its ClientHello and joins long before any
+    // stall reaches its deadline (60 s).
+    let dir = tempfile::tempdir().unwrap();
+    let (_, n) = joins_within(&r, &gw, dir.path(), Duration::from_secs(15)).await;
+    assert!(l.handshakes_by_token.load(Ordering::Relaxed) >= 1);
     done.store(true, Ordering::Relaxed);
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
