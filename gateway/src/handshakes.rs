@@ -46,7 +46,7 @@ const PER_SOURCE_BURST: f64 = 3.0;
 
 /// ClientHellos of held-back strangers read at once, at most; past it they
 /// are closed at accept unread.
-pub(crate) const MAX_HELLO_READS: usize = 64;
+pub(crate) const MAX_HELLO_READS: usize = 512;
 
 /// How long a held-back stranger's ClientHello may take to arrive.
 pub(crate) const HELLO_READ: std::time::Duration = std::time::Duration::from_secs(1);

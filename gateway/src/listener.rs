@@ -235,9 +235,11 @@ impl Conns {
     /// their deadlines). A connection whose requests have all arrived is
     /// being served and is never closed for a newcomer, so churn cannot
     /// evict a real join under way. `conn` is refused (false) when there is
-    /// none to close, and the listener's handshake gate is told the share
-    /// is pressed either way.
-    fn admit_unauthenticated(&self, conn: &Conn) -> bool {
+    /// none to close, unless it `named` a join token the region issued in
+    /// its ClientHello (those are few: a handshake a second per token),
+    /// and the listener's handshake gate is told the share is pressed
+    /// either way.
+    fn admit_unauthenticated(&self, conn: &Conn, named: bool) -> bool {
         let n = self.unauthenticated.fetch_add(1, Ordering::SeqCst) + 1;
         conn.unauthenticated.store(true, Ordering::SeqCst);
         if n <= self.limits.max_unauthenticated {
@@ -245,7 +247,7 @@ impl Conns {
         }
         self.gate.pressed(self.gate.now_ms());
         let others = |c: &Conn| c.unauthenticated.load(Ordering::SeqCst) && !std::ptr::eq(c, conn);
-        if self.close_longest_idle_of(others) || self.close_longest_waiting_of(others) {
+        if self.close_longest_idle_of(others) || self.close_longest_waiting_of(others) || named {
             return true;
         }
         conn.unauthenticated.store(false, Ordering::SeqCst);
@@ -490,7 +492,7 @@ pub(crate) fn serve(
             tokio::spawn(async move {
                 let handshake = async {
                     let Some(reading) = held_back else {
-                        return acceptor.accept(tracked).await.map(Some);
+                        return acceptor.accept(tracked).await.map(|tls| Some((tls, false)));
                     };
                     let hello = tokio::time::timeout(
                         crate::handshakes::HELLO_READ,
@@ -515,19 +517,19 @@ pub(crate) fn serve(
                     }
                     drop(reading);
                     stats.handshakes_by_token.fetch_add(1, Ordering::Relaxed);
-                    start.into_stream(tls).await.map(Some)
+                    start.into_stream(tls).await.map(|tls| Some((tls, true)))
                 };
                 match tokio::time::timeout(timeout, handshake).await {
                     Ok(Ok(None)) => {
                         stats.handshakes_held_back.fetch_add(1, Ordering::Relaxed);
                     }
-                    Ok(Ok(Some(tls))) => {
+                    Ok(Ok(Some((tls, named)))) => {
                         stats.handshakes.fetch_add(1, Ordering::Relaxed);
                         let (tracked, session) = tls.get_ref();
                         let conns = &tracked.conns;
                         if session.peer_certificates().is_some() {
                             conns.gate.certified(addr.ip(), conns.gate.now_ms());
-                        } else if !conns.admit_unauthenticated(&tracked.conn) {
+                        } else if !conns.admit_unauthenticated(&tracked.conn, named) {
                             stats
                                 .unauthenticated_refused
                                 .fetch_add(1, Ordering::Relaxed);
