@@ -353,9 +353,9 @@ async fn join_until(
         let connector = ops::join_alpn::JoinConnector::new(ca_pem, "localhost", &req.token)
             .map_err(anyhow::Error::msg)?
             .from_address(from);
-        let plain = addr.replacen("https://", "http://", 1);
         let channel =
-            tonic::transport::Endpoint::from_shared(plain)?.connect_with_connector_lazy(connector);
+            tonic::transport::Endpoint::from_shared(ops::join_alpn::endpoint_address(addr))?
+                .connect_with_connector_lazy(connector);
         let mut join = gateway::proto::join_client::JoinClient::new(channel);
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, join.join(req.clone())).await {

@@ -99,13 +99,7 @@ pub async fn ensure_joined_at(
     let connector = ops::join_alpn::JoinConnector::new(ca_pem, &config.server_name, token)
         .map_err(DaemonError::Other)?;
     let first = &config.gateways[(config.home() + attempt) % config.gateways.len()];
-    // The connector does the TLS: the channel itself speaks plain HTTP/2
-    // over it.
-    let plain = match first.strip_prefix("https://") {
-        Some(rest) => format!("http://{rest}"),
-        None => first.clone(),
-    };
-    let channel = Endpoint::from_shared(plain)
+    let channel = Endpoint::from_shared(ops::join_alpn::endpoint_address(first))
         .map_err(|e| DaemonError::Other(format!("gateway address {first:?}: {e}")))?
         .connect_timeout(Duration::from_secs(10))
         .connect_with_connector(connector)

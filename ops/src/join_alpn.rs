@@ -92,6 +92,16 @@ impl JoinConnector {
     }
 }
 
+/// The address to give `Endpoint` for a gateway at `address` when a
+/// [`JoinConnector`] does the TLS: the channel itself then speaks plain
+/// HTTP/2 over it (tonic refuses an `https` address without TLS of its own).
+pub fn endpoint_address(address: &str) -> String {
+    match address.strip_prefix("https://") {
+        Some(rest) => format!("http://{rest}"),
+        None => address.to_string(),
+    }
+}
+
 type Connecting = Pin<
     Box<
         dyn Future<
@@ -156,5 +166,11 @@ mod tests {
         let mut odd = p.clone();
         *odd.last_mut().unwrap() = b'g';
         assert_eq!(named_token_hash(&odd), None);
+    }
+
+    #[test]
+    fn the_endpoint_address_drops_only_the_tls_scheme() {
+        assert_eq!(endpoint_address("https://gw1:7443"), "http://gw1:7443");
+        assert_eq!(endpoint_address("http://gw1:7443"), "http://gw1:7443");
     }
 }
