@@ -20,7 +20,7 @@
 
 use crate::state::Shared;
 use domain::{pool_stream, Fact};
-use events::db::Sql;
+use events::db::{SharedClient, Sql};
 use events::lease::{Lease, LeaseError};
 use events::{AppendError, ExpectedVersion, NewEvent, StreamAppend};
 use std::sync::atomic::Ordering;
@@ -32,27 +32,48 @@ pub(crate) fn lease_name(id: &str) -> String {
     format!("gateway/{id}")
 }
 
-/// Takes the gateway's lease and starts keeping it and sweeping for the
-/// nodes of lapsed gateways; the two tasks.
-pub(crate) async fn start(
-    shared: &Arc<Shared>,
-) -> Result<[tokio::task::JoinHandle<()>; 2], String> {
+/// Takes the gateway's lease, starts keeping it (see [`keep_apart`]) and
+/// sweeping for the nodes of lapsed gateways; the sweep's task.
+pub(crate) async fn start(shared: &Arc<Shared>) -> Result<tokio::task::JoinHandle<()>, String> {
     let asked = Instant::now();
-    let lease = acquire(shared).await?;
-    Ok([
-        ops::task::spawn("gateway-lease", keep(shared.clone(), lease, asked)),
-        ops::task::spawn("gateway-orphans", sweep(shared.clone())),
-    ])
+    let lease = acquire(shared, &shared.db).await?;
+    keep_apart(shared.clone(), lease, asked)
+        .map_err(|e| format!("cannot start the lease's thread: {e}"))?;
+    Ok(ops::task::spawn("gateway-orphans", sweep(shared.clone())))
 }
 
-/// Takes the gateway's lease, waiting while another live process holds
-/// the same id (at most two TTLs: then that is a configuration error).
-pub(crate) async fn acquire(shared: &Shared) -> Result<Lease, String> {
+/// Keeps the lease on a thread, a runtime and a database connection of its
+/// own until the gateway stops: as a task of the gateway's runtime, sharing
+/// its connection, a renewal waited behind thousands of TLS handshakes and
+/// node events during a ramp, and the lease lapsed while the gateway was
+/// merely busy, ending every session it held.
+fn keep_apart(shared: Arc<Shared>, lease: Lease, asked: Instant) -> std::io::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name("gateway-lease".into())
+        .spawn(move || {
+            let mut stopping = shared.stopping.subscribe();
+            runtime.block_on(async {
+                tokio::select! {
+                    _ = keep(shared.clone(), lease, asked) => {}
+                    _ = stopping.wait_for(|s| *s) => {}
+                }
+            });
+        })?;
+    Ok(())
+}
+
+/// Takes the gateway's lease through `db`, waiting while another live
+/// process holds the same id (at most two TTLs: then that is a
+/// configuration error).
+pub(crate) async fn acquire(shared: &Shared, db: &SharedClient) -> Result<Lease, String> {
     let ttl = shared.config.lease_ttl;
     let name = lease_name(&shared.config.id);
     let until = Instant::now() + ttl * 2;
     loop {
-        let client = shared.db.get().await.map_err(|e| e.to_string())?;
+        let client = db.get().await.map_err(|e| e.to_string())?;
         match Lease::acquire(&client, &name, &shared.config.id, ttl).await {
             Ok(Some(lease)) => {
                 shared.lease_epoch.store(lease.epoch, Ordering::Relaxed);
@@ -82,7 +103,8 @@ pub(crate) async fn acquire(shared: &Shared) -> Result<Lease, String> {
 /// succeeded plus the TTL: the database's expiry is counted from a moment
 /// no earlier, so this gateway gives its sessions up no later than any
 /// other gateway may mark them lost.
-pub(crate) async fn keep(shared: Arc<Shared>, mut lease: Lease, asked: Instant) {
+async fn keep(shared: Arc<Shared>, mut lease: Lease, asked: Instant) {
+    let db = SharedClient::new(shared.db.config.clone());
     let ttl = shared.config.lease_ttl;
     let every = ttl / 3;
     let mut held_until = asked + ttl;
@@ -92,7 +114,7 @@ pub(crate) async fn keep(shared: Arc<Shared>, mut lease: Lease, asked: Instant) 
         // A slow renewal that commits before the lease ends counts: the
         // wait ends only where the lease does.
         let renewed = tokio::time::timeout_at(held_until, async {
-            match shared.db.get().await {
+            match db.get().await {
                 Ok(c) => lease.renew(&c).await.map_err(|e| match e {
                     LeaseError::Lost { .. } => Renewal::Lost,
                     e => Renewal::Failed(e.to_string()),
@@ -129,7 +151,8 @@ pub(crate) async fn keep(shared: Arc<Shared>, mut lease: Lease, asked: Instant) 
         );
         crate::admission::end_sessions(&shared, "this gateway lost its lease; open a new session");
         let asked;
-        (lease, asked) = retake(&shared).await;
+        db.reset().await;
+        (lease, asked) = retake(&shared, &db).await;
         held_until = asked + ttl;
     }
 }
@@ -142,10 +165,10 @@ enum Renewal {
 
 /// Takes the lease again, as often as it takes; with when the attempt
 /// that took it began.
-async fn retake(shared: &Shared) -> (Lease, Instant) {
+async fn retake(shared: &Shared, db: &SharedClient) -> (Lease, Instant) {
     loop {
         let asked = Instant::now();
-        match acquire(shared).await {
+        match acquire(shared, db).await {
             Ok(l) => {
                 tracing::info!(epoch = l.epoch, "the gateway holds its lease again");
                 return (l, asked);

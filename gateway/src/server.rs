@@ -102,23 +102,30 @@ pub async fn start(
     let stats = shared.stats.clone();
     crate::metrics::count_gateway(&stats);
     // The lease before any session: each session carries its epoch.
-    let liveness = crate::liveness::start(&shared)
+    let orphans = crate::liveness::start(&shared)
         .await
         .map_err(GatewayError::Lease)?;
     // Follow commands from now, then load the ones still open (an event seen
     // twice is applied once).
-    let sub = reader
-        .subscribe_ephemeral_as("gateway-commands", events::Start::Now)
-        .await
-        .map_err(|e| GatewayError::Commands(e.to_string()))?;
-    {
+    let sub = async {
+        let sub = reader
+            .subscribe_ephemeral_as("gateway-commands", events::Start::Now)
+            .await
+            .map_err(|e| GatewayError::Commands(e.to_string()))?;
         let client = shared.db.get().await?;
         let open = commands::open(&client).await?;
         let mut cmds = shared.commands.lock().expect("commands lock");
         for t in open {
             cmds.by_id.entry(t.command.id.clone()).or_insert(t);
         }
+        Ok::<_, GatewayError>(sub)
     }
+    .await
+    .inspect_err(|_| {
+        // The lease's thread ends with the gateway.
+        shared.stopping.send_replace(true);
+        orphans.abort();
+    })?;
     let dispatcher = ops::task::spawn("gateway-commands", dispatcher(shared.clone(), sub));
     let max = shared.config.max_message_bytes;
     let join = join_server::JoinServer::new(JoinService {
@@ -183,10 +190,10 @@ pub async fn start(
             }
         };
         tracing::info!(id = %shared.config.id, "gateway stopped");
+        // The lease's thread ends with it.
+        shared.stopping.send_replace(true);
         sweeper.abort();
-        for t in liveness {
-            t.abort();
-        }
+        orphans.abort();
         dispatcher.abort();
         renewer.abort();
         // End the sessions' streams so the server can finish.

@@ -583,6 +583,36 @@ async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_whose_workers_are_all_busy_keeps_its_lease() {
+    let r = region().await;
+    let ttl = Duration::from_secs(1);
+    let gw = r.gateway("gw-busy", |c| c.lease_ttl = ttl).await;
+    let epoch = || async {
+        r.count("SELECT coalesce((SELECT epoch FROM strata.leases WHERE name = 'gateway/gw-busy' AND expires_at > now()), 0)")
+            .await
+    };
+    let held = epoch().await;
+    assert!(held > 0);
+    // Every worker of the gateway's runtime is held by synchronous work
+    // for three lifetimes of the lease (a ramp of TLS handshakes does the
+    // same): the lease is kept through it, by the database's reckoning
+    // and by the gateway's own.
+    let busy: Vec<_> = (0..4)
+        .map(|_| tokio::spawn(async { std::thread::sleep(Duration::from_millis(1500)) }))
+        .collect();
+    for b in busy {
+        b.await.unwrap();
+    }
+    assert_eq!(
+        gw.stats.lease_lost.load(Ordering::Relaxed),
+        0,
+        "the gateway gave its lease up while its workers were busy"
+    );
+    assert_eq!(epoch().await, held, "the lease lapsed or was taken again");
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_cut_off_from_the_database_gives_its_sessions_up_within_its_lease() {
     let r = region().await;
     // gw-a reaches PostgreSQL through a link the test can silence.
