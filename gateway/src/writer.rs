@@ -172,6 +172,28 @@ pub(crate) async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Write>) {
                 }
             }
             Attempt::Conflict(_) => unreachable!("only conflicts are classified so"),
+            Attempt::Failed(AppendError::Closed) => {
+                // The process is stopping: nothing queued can be written
+                // any more. Its nodes are marked by another gateway once
+                // this one's lease has lapsed.
+                let mut left = 0usize;
+                for w in todo.drain(..).flatten().chain(batch) {
+                    left += 1;
+                    if let Some(done) = w.done {
+                        let _ = done.send(Err(AppendError::Closed));
+                    }
+                }
+                rx.close();
+                while let Some(w) = rx.recv().await {
+                    shared.stats.writes_queued.fetch_sub(1, Ordering::Relaxed);
+                    left += 1;
+                    if let Some(done) = w.done {
+                        let _ = done.send(Err(AppendError::Closed));
+                    }
+                }
+                tracing::warn!(not_written = left, "the appender has shut down: the gateway's node events still queued are not written");
+                return;
+            }
             Attempt::Failed(e) if e.kind() == ErrorKind::Transient => {
                 // The database restarting, a connection lost: the same batch
                 // again, and whatever queues behind it waits.
