@@ -94,6 +94,21 @@ pub async fn server(args: ServerArgs) -> Result<()> {
     let gw = gateway::server::start(cfg, reader, appender, gc).await?;
     println!("listening {}", gw.addr);
     tokio::signal::ctrl_c().await?;
+    let l = &gw.listener;
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!(
+        "gateway listener: {}",
+        serde_json::json!({
+            "accepted": n(&l.accepted),
+            "handshakes": n(&l.handshakes),
+            "held_back": n(&l.handshakes_held_back),
+            "held_back_unread": n(&l.hellos_unread),
+            "by_token": n(&l.handshakes_by_token),
+            "unauthenticated_refused": n(&l.unauthenticated_refused),
+            "unauthenticated_evicted": n(&l.unauthenticated_evicted),
+            "requests_cut": n(&l.requests_cut),
+        })
+    );
     gw.stop().await?;
     Ok(())
 }
@@ -897,6 +912,7 @@ async fn stalled_rpcs(
         "joins_failed_during": joins_failed,
         "join_tries_calm": joins_calm.tries,
         "join_tries_during": joins_during.tries,
+        "join_retried_because_during": joins_during.retried_because,
         "join_window_s_during": round(within.as_secs_f64(), 1),
         "note": "handshakes probed from 127.0.0.1, where the fleet's daemons connect from, and from addresses the gateway never saw; twenty nodes join at once, each from a new address, timed from a node's first try to its certificate, retries included, and failed if not joined within the window (during the flood: before it ends); the hostile process shares the two cores with the gateway and PostgreSQL",
         "target": "real joins and handshakes served, p99 during < 5x calm",

@@ -283,6 +283,8 @@ pub(crate) struct JoinProbe {
     pub failed: u32,
     /// Tries in all (a node's first try included).
     pub tries: u32,
+    /// Why tries failed and were made again, with how many did so.
+    pub retried_because: std::collections::BTreeMap<String, u32>,
 }
 
 /// How long `n` real nodes take to join, all at once, each with a fresh
@@ -323,10 +325,14 @@ pub(crate) async fn join_probe(
         joined: Vec::new(),
         failed: 0,
         tries: 0,
+        retried_because: Default::default(),
     };
     for j in joiners.collect::<Vec<_>>() {
-        let (joined, tries) = j.await??;
+        let (joined, tries, why) = j.await??;
         probe.tries += tries;
+        for w in why {
+            *probe.retried_because.entry(w).or_default() += 1;
+        }
         match joined {
             Some(took) => probe.joined.push(took),
             None => probe.failed += 1,
@@ -336,17 +342,18 @@ pub(crate) async fn join_probe(
 }
 
 /// One node joining from `from` until `deadline`, as a daemon retries: how
-/// long it took (`None`: not joined in time, or refused for good), and
-/// its tries.
+/// long it took (`None`: not joined in time, or refused for good), its
+/// tries, and why each try that was made again failed.
 async fn join_until(
     addr: &str,
     ca_pem: &str,
     req: gateway::proto::JoinRequest,
     from: std::net::IpAddr,
     deadline: Instant,
-) -> Result<(Option<Duration>, u32)> {
+) -> Result<(Option<Duration>, u32, Vec<String>)> {
     let started = Instant::now();
     let mut tries = 0u32;
+    let mut why = Vec::new();
     loop {
         tries += 1;
         // As a daemon joins: its ClientHello names its token.
@@ -359,17 +366,19 @@ async fn join_until(
         let mut join = gateway::proto::join_client::JoinClient::new(channel);
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, join.join(req.clone())).await {
-            Ok(Ok(_)) => return Ok((Some(started.elapsed()), tries)),
-            Ok(Err(s)) if s.code() == tonic::Code::PermissionDenied => return Ok((None, tries)),
-            Err(_) => return Ok((None, tries)),
-            Ok(Err(_)) => {}
+            Ok(Ok(_)) => return Ok((Some(started.elapsed()), tries, why)),
+            Ok(Err(s)) if s.code() == tonic::Code::PermissionDenied => {
+                return Ok((None, tries, why))
+            }
+            Err(_) => return Ok((None, tries, why)),
+            Ok(Err(s)) => why.push(format!("{:?}: {}", s.code(), s.message())),
         }
         let ceiling = Duration::from_millis(500)
             .saturating_mul(1u32 << tries.min(16))
             .min(Duration::from_secs(30));
         let pause = ceiling.mul_f64(fastrand::f64());
         if Instant::now() + pause >= deadline {
-            return Ok((None, tries));
+            return Ok((None, tries, why));
         }
         tokio::time::sleep(pause).await;
     }

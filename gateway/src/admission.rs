@@ -72,7 +72,11 @@ impl Shared {
     /// Admits a join from `source` with `token`, as `join_limits` says, or
     /// refuses it: `RESOURCE_EXHAUSTED` with a pushback the daemon waits
     /// out, or `PERMISSION_DENIED` for a token the region never issued.
-    pub(crate) async fn admit_join(&self, source: IpAddr, token: &str) -> Result<(), Status> {
+    pub(crate) async fn admit_join(
+        self: &Arc<Self>,
+        source: IpAddr,
+        token: &str,
+    ) -> Result<(), Status> {
         let c = &self.config;
         let bad_rate = c.bad_joins_per_source_per_second.max(0.001);
         let bad_burst = (bad_rate * 5.0).max(1.0);
@@ -112,39 +116,105 @@ impl Shared {
         Ok(())
     }
 
-    /// Whether `hash` is a join token's the region issued: known, or in a
-    /// load of the tokens made after this call began (at most one a
-    /// second; a miss waits for the next, so a token made a moment ago is
-    /// found and a flood of bad ones costs one query a second).
-    pub(crate) async fn token_known(&self, hash: &[u8]) -> Result<bool, Status> {
-        let arrived = std::time::Instant::now();
-        loop {
-            let wait = {
-                let mut known = self.join_limits.known.lock().await;
-                if known.contains(hash) {
-                    return Ok(true);
-                }
-                if known.loaded_since(arrived) {
-                    return Ok(false);
-                }
-                let now = std::time::Instant::now();
-                match known.reload_in(now) {
-                    None => {
-                        let hashes = {
-                            let client = self.identity_db().await?;
-                            crate::identity::known_token_hashes(&client)
-                                .await
-                                .map_err(|e| Status::unavailable(e.to_string()))?
-                        };
-                        known.replace(hashes, now);
-                        return Ok(known.contains(hash));
-                    }
-                    Some(wait) => wait,
-                }
-            };
-            tokio::time::sleep(wait).await;
+    /// Whether `hash` is a join token's the region issued: one found
+    /// before, or found by the next lookup of the hashes missing (see
+    /// `join_limits`), which sees every token made before it runs.
+    pub(crate) async fn token_known(self: &Arc<Self>, hash: &[u8]) -> Result<bool, Status> {
+        let miss = {
+            let mut known = self.join_limits.known.lock().expect("known tokens lock");
+            if known.contains(hash, unix_now()) {
+                return Ok(true);
+            }
+            known
+                .wait_for(hash.to_vec())
+                .ok_or_else(|| pushback("too many join tokens waiting to be checked", 1000))?
+        };
+        if miss.start_lookups {
+            ops::task::spawn("gateway-token-lookups", self.clone().look_up_tokens());
+        }
+        match miss.answer.await {
+            Ok(answer) => answer.map_err(Status::unavailable),
+            Err(_) => Err(Status::unavailable("the lookup of join tokens ended")),
         }
     }
+
+    /// Looks up the hashes that missed, a batch at a time with a pause
+    /// between, until none waits.
+    async fn look_up_tokens(self: Arc<Self>) {
+        // However this task ends, the next miss starts the lookups again.
+        struct Ended<'a>(&'a Shared);
+        impl Drop for Ended<'_> {
+            fn drop(&mut self) {
+                if let Ok(mut known) = self.0.join_limits.known.lock() {
+                    known.lookups_ended();
+                }
+            }
+        }
+        let _ended = Ended(&self);
+        loop {
+            let batch = self
+                .join_limits
+                .known
+                .lock()
+                .expect("known tokens lock")
+                .next_batch();
+            if batch.is_empty() {
+                return;
+            }
+            let hashes: Vec<Vec<u8>> = batch.iter().map(|(h, _)| h.clone()).collect();
+            let found = match tokio::time::timeout(LOOKUP_DEADLINE, async {
+                let client = self
+                    .identity_db()
+                    .await
+                    .map_err(|s| s.message().to_string())?;
+                crate::identity::issued_among(&client, &hashes)
+                    .await
+                    .map_err(|e| e.to_string())
+            })
+            .await
+            {
+                Ok(found) => found,
+                Err(_) => Err(format!(
+                    "join tokens could not be looked up within {LOOKUP_DEADLINE:?}"
+                )),
+            };
+            match found {
+                Ok(found) => {
+                    let issued: std::collections::HashSet<&[u8]> =
+                        found.iter().map(|(h, _)| h.as_slice()).collect();
+                    let answers: Vec<bool> = batch
+                        .iter()
+                        .map(|(h, _)| issued.contains(h.as_slice()))
+                        .collect();
+                    self.join_limits
+                        .known
+                        .lock()
+                        .expect("known tokens lock")
+                        .learn(found.iter().cloned(), unix_now());
+                    for ((_, tx), known) in batch.into_iter().zip(answers) {
+                        let _ = tx.send(Ok(known));
+                    }
+                }
+                Err(why) => {
+                    tracing::warn!(error = %why, "could not look up join tokens");
+                    for (_, tx) in batch {
+                        let _ = tx.send(Err(why.clone()));
+                    }
+                }
+            }
+            tokio::time::sleep(crate::join_limits::LOOKUP_EVERY).await;
+        }
+    }
+}
+
+/// How long one lookup of join tokens may take.
+const LOOKUP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Seconds since the epoch, as found tokens' times are kept.
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Ends every session `shared` holds with `why` and a short pushback: their

@@ -52,19 +52,23 @@ pub fn digest(token: &str) -> Vec<u8> {
     ops::join_alpn::token_hash(token)
 }
 
-/// The hashes of every join token not expired for more than a day (used
-/// ones too: a node whose answer was lost asks again with its token), for
-/// a cheap check before a join costs a transaction.
-pub async fn known_token_hashes(
+/// Which of `hashes` are join tokens not expired for more than a day (used
+/// ones too: a node whose answer was lost asks again with its token), each
+/// with the time (seconds since the epoch) until which it counts so: a
+/// cheap check before a join costs a transaction.
+pub async fn issued_among(
     client: &Client,
-) -> Result<std::collections::HashSet<Vec<u8>>, IdentityError> {
+    hashes: &[Vec<u8>],
+) -> Result<Vec<(Vec<u8>, f64)>, IdentityError> {
     let rows = client
         .query(
-            "SELECT hash FROM strata.join_tokens WHERE expires_at > now() - interval '1 day'",
-            &[],
+            "SELECT hash, extract(epoch FROM expires_at + interval '1 day')::float8 \
+             FROM strata.join_tokens \
+             WHERE hash = ANY($1) AND expires_at > now() - interval '1 day'",
+            &[&hashes],
         )
         .await?;
-    Ok(rows.iter().map(|r| r.get::<_, Vec<u8>>(0)).collect())
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
 fn interval(d: Duration) -> String {

@@ -3,46 +3,97 @@
 //! (each bad one spends from the address's own bucket, so one address
 //! flooding cannot slow another, and a fleet joining from behind one
 //! address is not held up by good joins), a cheap check that its token is
-//! one the region issued (the hashes of tokens not long expired, held in
-//! memory and loaded again at most once a second on a miss), the token's
+//! one the region issued (the hashes found issued are held in memory; one
+//! not among them is looked up with the other misses of the moment, in one
+//! indexed query every [`LOOKUP_EVERY`] at most, so a token made a moment
+//! ago is found at once and a flood of bad ones costs a few small queries a
+//! second), the token's
 //! own bucket, and then the gateway's bucket for joins, which only tokens
 //! the region issued spend. The database still decides whether the token
 //! is good (`identity::redeem`).
 
 use crate::bucket::Buckets;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::sync::oneshot;
 
-/// How often the known tokens are loaded again, at most, on a miss.
-const RELOAD_AT_MOST_EVERY: Duration = Duration::from_secs(1);
+/// How long a lookup of the hashes missing from memory waits after the one
+/// before, at least: a token made a moment ago is found within about this,
+/// and a flood of bad ones costs one indexed query per interval.
+pub(crate) const LOOKUP_EVERY: Duration = Duration::from_millis(50);
 
-/// The hashes of the region's join tokens, as last loaded.
+/// Hashes looked up in one query, at most.
+pub(crate) const LOOKUP_BATCH: usize = 512;
+
+/// Checks waiting for a lookup, at most; one more is refused at once.
+pub(crate) const MAX_WAITING: usize = 4096;
+
+/// What a waiting check is answered: whether its hash is a token the
+/// region issued, or why the lookup failed.
+pub(crate) type Answer = Result<bool, String>;
+
+/// The hashes of the region's join tokens found so far (each with the
+/// time, in seconds since the epoch, until which it counts as known), and
+/// the checks of hashes not among them, waiting for the next lookup.
 #[derive(Default)]
 pub(crate) struct KnownTokens {
-    hashes: HashSet<Vec<u8>>,
-    loaded_at: Option<Instant>,
+    issued: HashMap<Vec<u8>, f64>,
+    waiting: Vec<(Vec<u8>, oneshot::Sender<Answer>)>,
+    looking: bool,
+}
+
+/// A check that missed: its answer, and whether its caller must start the
+/// lookups (none is running).
+pub(crate) struct Miss {
+    pub(crate) answer: oneshot::Receiver<Answer>,
+    pub(crate) start_lookups: bool,
 }
 
 impl KnownTokens {
-    pub(crate) fn contains(&self, hash: &[u8]) -> bool {
-        self.hashes.contains(hash)
+    pub(crate) fn contains(&self, hash: &[u8], now: f64) -> bool {
+        self.issued.get(hash).is_some_and(|until| *until > now)
     }
 
-    /// How long until they may be loaded again (`None`: now).
-    pub(crate) fn reload_in(&self, now: Instant) -> Option<Duration> {
-        let next = self.loaded_at? + RELOAD_AT_MOST_EVERY;
-        (next > now).then(|| next - now)
+    /// Queues a check of `hash` for the next lookup; `None` when too many
+    /// wait already.
+    pub(crate) fn wait_for(&mut self, hash: Vec<u8>) -> Option<Miss> {
+        if self.waiting.len() >= MAX_WAITING {
+            return None;
+        }
+        let (tx, answer) = oneshot::channel();
+        self.waiting.push((hash, tx));
+        let start_lookups = !self.looking;
+        self.looking = true;
+        Some(Miss {
+            answer,
+            start_lookups,
+        })
     }
 
-    /// Whether they were loaded at or after `t`.
-    pub(crate) fn loaded_since(&self, t: Instant) -> bool {
-        self.loaded_at.is_some_and(|l| l >= t)
+    /// The next checks to look up, at most [`LOOKUP_BATCH`], oldest first;
+    /// none means the lookups stop (the next miss starts them again).
+    pub(crate) fn next_batch(&mut self) -> Vec<(Vec<u8>, oneshot::Sender<Answer>)> {
+        let n = self.waiting.len().min(LOOKUP_BATCH);
+        if n == 0 {
+            self.looking = false;
+        }
+        self.waiting.drain(..n).collect()
     }
 
-    pub(crate) fn replace(&mut self, hashes: HashSet<Vec<u8>>, now: Instant) {
-        self.hashes = hashes;
-        self.loaded_at = Some(now);
+    /// Lookups stopped without a turn to say so (their task ended): the
+    /// waiting checks are dropped (their callers see the lookup gone), and
+    /// the next miss starts them again.
+    pub(crate) fn lookups_ended(&mut self) {
+        self.waiting.clear();
+        self.looking = false;
+    }
+
+    /// Remembers the hashes a lookup found, and forgets those past their
+    /// time.
+    pub(crate) fn learn(&mut self, found: impl IntoIterator<Item = (Vec<u8>, f64)>, now: f64) {
+        self.issued.retain(|_, until| *until > now);
+        self.issued.extend(found);
     }
 }
 
@@ -52,7 +103,7 @@ pub(crate) struct JoinLimits {
     /// Bad tokens tried, per address.
     pub(crate) bad_per_source: Buckets<IpAddr>,
     pub(crate) per_token: Buckets<Vec<u8>>,
-    pub(crate) known: tokio::sync::Mutex<KnownTokens>,
+    pub(crate) known: std::sync::Mutex<KnownTokens>,
 }
 
 #[cfg(test)]
@@ -60,18 +111,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn known_tokens_reload_at_most_once_a_second() {
+    fn misses_wait_in_batches_and_the_lookups_stop_when_none_wait() {
         let mut k = KnownTokens::default();
-        let now = Instant::now();
-        assert_eq!(k.reload_in(now), None);
-        assert!(!k.loaded_since(now));
-        k.replace([vec![1u8]].into(), now);
-        assert!(k.contains(&[1]) && !k.contains(&[2]));
-        assert!(k.loaded_since(now));
-        assert_eq!(
-            k.reload_in(now + Duration::from_millis(400)),
-            Some(Duration::from_millis(600))
-        );
-        assert_eq!(k.reload_in(now + RELOAD_AT_MOST_EVERY), None);
+        let first = k.wait_for(vec![1]).unwrap();
+        assert!(first.start_lookups);
+        // While lookups run, a miss only waits for them.
+        assert!(!k.wait_for(vec![2]).unwrap().start_lookups);
+        for i in 0..LOOKUP_BATCH {
+            k.wait_for(vec![3, i as u8]).unwrap();
+        }
+        let batch = k.next_batch();
+        assert_eq!(batch.len(), LOOKUP_BATCH);
+        assert_eq!(batch[0].0, vec![1]);
+        assert_eq!(k.next_batch().len(), 2);
+        // None waits: the lookups stop, and the next miss starts them.
+        assert!(k.next_batch().is_empty());
+        assert!(k.wait_for(vec![4]).unwrap().start_lookups);
+    }
+
+    #[test]
+    fn a_full_queue_refuses_and_an_ended_lookup_lets_the_next_miss_start_one() {
+        let mut k = KnownTokens::default();
+        let mut answers = Vec::new();
+        for _ in 0..MAX_WAITING {
+            answers.push(k.wait_for(vec![9]).unwrap().answer);
+        }
+        assert!(k.wait_for(vec![9]).is_none());
+        k.lookups_ended();
+        assert!(answers[0].try_recv().is_err());
+        assert!(k.wait_for(vec![9]).unwrap().start_lookups);
+    }
+
+    #[test]
+    fn found_hashes_count_until_their_time() {
+        let mut k = KnownTokens::default();
+        k.learn([(vec![1], 100.0), (vec![2], 50.0)], 10.0);
+        assert!(k.contains(&[1], 60.0) && !k.contains(&[2], 60.0) && !k.contains(&[3], 0.0));
+        k.learn([], 60.0);
+        assert_eq!(k.issued.len(), 1);
     }
 }

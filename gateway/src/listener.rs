@@ -74,6 +74,9 @@ pub struct ListenerStats {
     /// Held-back connections let through because their ClientHello named a
     /// join token the region issued.
     pub handshakes_by_token: AtomicU64,
+    /// Of those held back, the ones closed unread: too many ClientHellos
+    /// were being read at once.
+    pub hellos_unread: AtomicU64,
 }
 
 /// How long a connection without a client certificate may wait on its
@@ -227,7 +230,8 @@ impl Conns {
 
     /// Counts `conn`, which presented no client certificate, in its share:
     /// when the share is full, the one of them idle the longest is closed
-    /// to make room; if every one is busy, the one that has waited the
+    /// to make room (not one yet to begin its first RPC within
+    /// [`EVICTABLE_AFTER_MS`] of its acceptance); if every one is busy, the one that has waited the
     /// longest on its client for a request message, if that wait is at
     /// least [`EVICTABLE_AFTER_MS`] old (a join's message comes whole in
     /// one round trip; a wait that long is almost surely a stall, and a
@@ -247,7 +251,17 @@ impl Conns {
         }
         self.gate.pressed(self.gate.now_ms());
         let others = |c: &Conn| c.unauthenticated.load(Ordering::SeqCst) && !std::ptr::eq(c, conn);
-        if self.close_longest_idle_of(others) || self.close_longest_waiting_of(others) || named {
+        // One that has not begun its first RPC yet, less than a second after
+        // its handshake, is about to be served (a joining node between its
+        // handshake and its Join, on a busy machine): not idle yet.
+        let now = self.now_ms();
+        let idle_others = |c: &Conn| {
+            others(c)
+                && (c.settled.load(Ordering::SeqCst)
+                    || now.saturating_sub(c.accepted_ms) >= EVICTABLE_AFTER_MS)
+        };
+        if self.close_longest_idle_of(idle_others) || self.close_longest_waiting_of(others) || named
+        {
             return true;
         }
         conn.unauthenticated.store(false, Ordering::SeqCst);
@@ -474,6 +488,7 @@ pub(crate) fn serve(
                             .stats
                             .handshakes_held_back
                             .fetch_add(1, Ordering::Relaxed);
+                        conns.stats.hellos_unread.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
                 }

@@ -296,6 +296,14 @@ static LISTENER: &[Field<ListenerStats>] = &[
     ),
     ops::stat_field!(
         ListenerStats,
+        "strata_gateway_hellos_unread_total",
+        Counter,
+        "Of the connections held back before their TLS handshake, those closed without their ClientHello read: as many as the gateway reads at once were being read.",
+        &[],
+        hellos_unread
+    ),
+    ops::stat_field!(
+        ListenerStats,
         "strata_gateway_handshakes_by_token_total",
         Counter,
         "Connections that would have been held back but whose ClientHello named a join token the region issued: they got their TLS handshake.",

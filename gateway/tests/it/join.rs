@@ -26,6 +26,33 @@ async fn join_channel(
         .unwrap()
 }
 
+/// A CSR for `key`.
+fn csr(key: &rcgen::KeyPair) -> String {
+    rcgen::CertificateParams::new(Vec::<String>::new())
+        .unwrap()
+        .serialize_request(key)
+        .unwrap()
+        .pem()
+        .unwrap()
+}
+
+/// A join over `channel`, with a fresh key's CSR.
+async fn join_over(
+    channel: tonic::transport::Channel,
+    token: &str,
+    node: &str,
+) -> Result<String, tonic::Status> {
+    use gateway::proto::{join_client::JoinClient, JoinRequest};
+    JoinClient::new(channel)
+        .join(JoinRequest {
+            token: token.into(),
+            node_id: node.into(),
+            csr_pem: csr(&rcgen::KeyPair::generate().unwrap()),
+        })
+        .await
+        .map(|r| r.into_inner().certificate_pem)
+}
+
 /// A join with this CSR; the certificate it was given.
 async fn join_with(
     r: &Region,
@@ -53,14 +80,6 @@ async fn a_join_asked_again_with_the_same_key_gets_the_same_certificate() {
         .await
         .unwrap();
     let key = rcgen::KeyPair::generate().unwrap();
-    let csr = |k: &rcgen::KeyPair| {
-        rcgen::CertificateParams::new(Vec::<String>::new())
-            .unwrap()
-            .serialize_request(k)
-            .unwrap()
-            .pem()
-            .unwrap()
-    };
     let first = join_with(&r, &gw, &token, "n1", &csr(&key)).await.unwrap();
     // The answer was lost; the node asks again with the same key (a new CSR
     // for it): the same certificate, nothing issued twice.
@@ -427,13 +446,7 @@ async fn join_from(
 ) -> Result<String, tonic::Status> {
     use gateway::proto::{join_client::JoinClient, JoinRequest};
     let mut client = JoinClient::new(join_channel(&r.ca_pem(), &url(gw), Some(from)).await);
-    let key = rcgen::KeyPair::generate().unwrap();
-    let csr = rcgen::CertificateParams::new(Vec::<String>::new())
-        .unwrap()
-        .serialize_request(&key)
-        .unwrap()
-        .pem()
-        .unwrap();
+    let csr = csr(&rcgen::KeyPair::generate().unwrap());
     loop {
         let answer = client
             .join(JoinRequest {
@@ -456,6 +469,124 @@ async fn join_from(
     }
 }
 
+/// Garbage joins from `attacker`, about 50 a second, each sent without
+/// waiting for the one before, until `stop`; then how many were answered
+/// with each status code.
+fn garbage_joins(
+    r: &Region,
+    gw: &Running,
+    attacker: std::net::IpAddr,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<std::collections::BTreeMap<String, u32>> {
+    let (url, ca) = (url(gw), r.ca_pem());
+    tokio::spawn(async move {
+        use gateway::proto::{join_client::JoinClient, JoinRequest};
+        let channel = join_channel(&ca, &url, Some(attacker)).await;
+        let client = JoinClient::new(channel);
+        let mut tries = Vec::new();
+        let mut i = 0;
+        while !stop.load(Ordering::Relaxed) {
+            i += 1;
+            let mut client = client.clone();
+            tries.push(tokio::spawn(async move {
+                let e = client
+                    .join(JoinRequest {
+                        token: format!("garbage-{i}"),
+                        node_id: format!("x{i}"),
+                        csr_pem: String::new(),
+                    })
+                    .await
+                    .unwrap_err();
+                format!("{:?}", e.code())
+            }));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut codes = std::collections::BTreeMap::<String, u32>::new();
+        for t in tries {
+            *codes.entry(t.await.unwrap()).or_default() += 1;
+        }
+        codes
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_between_its_handshake_and_its_request_is_not_closed_for_a_newcomer() {
+    let r = region().await;
+    let gw = r
+        .gateway("gw-gap", |c| {
+            c.max_unauthenticated_connections = 2;
+            c.request_deadline = Duration::from_secs(60);
+        })
+        .await;
+    let (ca, u) = (r.ca_pem(), url(&gw));
+    let token = r.token().await;
+    // A joining node has its connection (TLS and HTTP/2 set up) and has not
+    // sent its Join yet: on a busy machine that gap lasts a while.
+    let joining = join_channel(&ca, &u, None).await;
+    let other = join_channel(&ca, &u, None).await;
+    // The share is full; a newcomer arrives in the gap. It may take a
+    // place only from a connection that is not about to be served.
+    let newcomer = {
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&ca))
+            .domain_name("localhost");
+        Endpoint::from_shared(u.clone())
+            .unwrap()
+            .tls_config(tls)
+            .unwrap()
+            .connect()
+            .await
+    };
+    join_over(joining, &token, "gap1")
+        .await
+        .expect("the joining node's connection was closed for a newcomer");
+    drop((other, newcomer));
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_made_a_moment_ago_is_found_at_once_while_bad_ones_flood_in() {
+    let r = region().await;
+    // Every garbage join reaches the token check (no per-address slowing),
+    // and real joins are not held back by the joins' own buckets.
+    let gw = r
+        .gateway("gw-fresh", |c| {
+            c.bad_joins_per_source_per_second = 10_000.0;
+            c.joins_per_second = 1_000.0;
+        })
+        .await;
+    let attacker: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+    let node: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = garbage_joins(&r, &gw, attacker, stop.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Ten nodes, one after the other, each with a token made just before
+    // it joins: the check of the token must not wait for a reload of every
+    // token that the flood's misses keep busy.
+    let mut took = Duration::ZERO;
+    for i in 0..10 {
+        let token = r.token().await;
+        let started = Instant::now();
+        join_from(&r, &gw, node, &token, &format!("fresh{i}"))
+            .await
+            .unwrap();
+        took += started.elapsed();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let codes = flood.await.unwrap();
+    assert!(
+        codes.get("PermissionDenied").is_some_and(|n| *n > 10),
+        "the flood did not reach the token check: {codes:?}"
+    );
+    // Waiting for a once-a-second reload, ten joins take about 5 s.
+    assert!(
+        took < Duration::from_millis(2500),
+        "ten joins with fresh tokens took {took:?}"
+    );
+    gw.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_bad_join_tokens_from_one_address_does_not_keep_real_nodes_out() {
     let r = region().await;
@@ -464,39 +595,7 @@ async fn a_flood_of_bad_join_tokens_from_one_address_does_not_keep_real_nodes_ou
     let node: std::net::IpAddr = "127.0.0.1".parse().unwrap();
     // ~50 garbage joins a second from one address.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flood = {
-        let (stop, url) = (stop.clone(), url(&gw));
-        let ca = r.ca_pem();
-        tokio::spawn(async move {
-            use gateway::proto::{join_client::JoinClient, JoinRequest};
-            let channel = join_channel(&ca, &url, Some(attacker)).await;
-            // Each request on its own, not waiting for the one before.
-            let client = JoinClient::new(channel);
-            let mut tries = Vec::new();
-            let mut i = 0;
-            while !stop.load(Ordering::Relaxed) {
-                i += 1;
-                let mut client = client.clone();
-                tries.push(tokio::spawn(async move {
-                    let e = client
-                        .join(JoinRequest {
-                            token: format!("garbage-{i}"),
-                            node_id: format!("x{i}"),
-                            csr_pem: String::new(),
-                        })
-                        .await
-                        .unwrap_err();
-                    format!("{:?}", e.code())
-                }));
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            let mut codes = std::collections::BTreeMap::<String, u32>::new();
-            for t in tries {
-                *codes.entry(t.await.unwrap()).or_default() += 1;
-            }
-            codes
-        })
-    };
+    let flood = garbage_joins(&r, &gw, attacker, stop.clone());
     tokio::time::sleep(Duration::from_secs(1)).await;
     // Six real nodes, each with its own token, join meanwhile, in time.
     let started = Instant::now();
