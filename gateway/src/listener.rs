@@ -84,6 +84,11 @@ pub struct ListenerStats {
 /// place (milliseconds).
 const EVICTABLE_AFTER_MS: u64 = 1_000;
 
+/// A connection's standing in the count of idle ones.
+const NOT_IDLE: u8 = 0;
+const IDLE: u8 = 1;
+const GONE: u8 = 2;
+
 /// One accepted connection.
 pub(crate) struct Conn {
     /// RPCs in progress.
@@ -95,6 +100,10 @@ pub(crate) struct Conn {
     /// Its first RPC began: from now on it counts against `max_idle` while
     /// none is in progress.
     settled: AtomicBool,
+    /// Whether it counts in `Conns.idle`: [`NOT_IDLE`], [`IDLE`] or
+    /// [`GONE`] (its socket dropped: never counted again, though an RPC
+    /// of its may end after).
+    idle_state: std::sync::atomic::AtomicU8,
     closed: AtomicBool,
     /// It presented no client certificate (and counts in that share).
     unauthenticated: AtomicBool,
@@ -172,6 +181,7 @@ impl Conns {
             idle_since_ms: AtomicU64::new(self.now_ms()),
             accepted_ms: self.now_ms(),
             settled: AtomicBool::new(false),
+            idle_state: std::sync::atomic::AtomicU8::new(NOT_IDLE),
             closed: AtomicBool::new(false),
             unauthenticated: AtomicBool::new(false),
             ip: addr.ip(),
@@ -186,16 +196,22 @@ impl Conns {
         conn
     }
 
+    /// Forgets `conn`, whose socket is dropped, and gives back its counts:
+    /// whether or not it is still the table's entry for `addr` (a newer
+    /// connection from the same address and port may have taken the entry
+    /// before this one's socket went: a fleet joining from one address
+    /// churns through every port, and a place in the share never given
+    /// back once kept every join of a 10,000-node cold start out).
     fn remove(&self, addr: &SocketAddr, conn: &Arc<Conn>) {
         let mut map = self.by_addr.lock().expect("conns lock");
         if map.get(addr).is_some_and(|c| Arc::ptr_eq(c, conn)) {
             map.remove(addr);
-            if conn.settled.load(Ordering::SeqCst) && conn.active.load(Ordering::SeqCst) == 0 {
-                self.idle.fetch_sub(1, Ordering::Relaxed);
-            }
-            if conn.unauthenticated.swap(false, Ordering::SeqCst) {
-                self.unauthenticated.fetch_sub(1, Ordering::SeqCst);
-            }
+        }
+        if conn.idle_state.swap(GONE, Ordering::SeqCst) == IDLE {
+            self.idle.fetch_sub(1, Ordering::SeqCst);
+        }
+        if conn.unauthenticated.swap(false, Ordering::SeqCst) {
+            self.unauthenticated.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
@@ -601,10 +617,15 @@ pub(crate) struct Busy {
 
 impl Busy {
     fn new(conn: Arc<Conn>, conns: Arc<Conns>) -> Busy {
-        let was_idle = conn.active.fetch_add(1, Ordering::SeqCst) == 0;
+        conn.active.fetch_add(1, Ordering::SeqCst);
         // The first RPC settles it; it was not counted idle before.
-        if conn.settled.swap(true, Ordering::SeqCst) && was_idle {
-            conns.idle.fetch_sub(1, Ordering::Relaxed);
+        conn.settled.store(true, Ordering::SeqCst);
+        if conn
+            .idle_state
+            .compare_exchange(IDLE, NOT_IDLE, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            conns.idle.fetch_sub(1, Ordering::SeqCst);
         }
         Busy { conn, conns }
     }
@@ -615,8 +636,18 @@ impl Drop for Busy {
         self.conn
             .idle_since_ms
             .store(self.conns.now_ms(), Ordering::Relaxed);
+        // Counted idle once, and only while its socket is open: an RPC can
+        // end after its connection was dropped (a client that went away
+        // mid-RPC), and counting that one idle for ever made the gateway
+        // close a connection after every RPC once enough had gone so: a
+        // join's, between its answer and the answer's flush.
         if self.conn.active.fetch_sub(1, Ordering::SeqCst) == 1
-            && self.conns.idle.fetch_add(1, Ordering::Relaxed) >= self.conns.limits.max_idle
+            && self
+                .conn
+                .idle_state
+                .compare_exchange(NOT_IDLE, IDLE, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            && self.conns.idle.fetch_add(1, Ordering::SeqCst) >= self.conns.limits.max_idle
         {
             self.conns.close_longest_idle(true);
         }
@@ -722,5 +753,62 @@ impl http_body::Body for BusyBody {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conns(max_unauthenticated: usize) -> Arc<Conns> {
+        let limits = Limits {
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_idle: 10,
+            request_deadline: Duration::from_secs(10),
+            max_unauthenticated,
+        };
+        let gate = Arc::new(crate::handshakes::HandshakeGate::new(100.0));
+        Conns::new(limits, gate, Arc::default())
+    }
+
+    #[test]
+    fn a_connection_whose_address_came_back_before_it_went_still_gives_its_place_back() {
+        let c = conns(1);
+        let addr: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+        let old = c.add(addr);
+        assert!(c.admit_unauthenticated(&old, false));
+        // The client's port is used again (a fleet joining from one address
+        // churns through every port) before the old socket is dropped.
+        let new = c.add(addr);
+        c.remove(&addr, &old);
+        assert!(
+            c.admit_unauthenticated(&new, false),
+            "the old connection's place in the share was never given back"
+        );
+        c.remove(&addr, &new);
+        assert_eq!(c.unauthenticated.load(Ordering::SeqCst), 0);
+        assert!(c.by_addr.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_rpc_that_ends_after_its_connection_went_is_not_counted_idle() {
+        let c = conns(10);
+        let addr: SocketAddr = "127.0.0.1:40001".parse().unwrap();
+        // An RPC ends and one starts again: idle once between them.
+        let conn = c.add(addr);
+        drop(Busy::new(conn.clone(), c.clone()));
+        assert_eq!(c.idle.load(Ordering::SeqCst), 1);
+        let busy = Busy::new(conn.clone(), c.clone());
+        assert_eq!(c.idle.load(Ordering::SeqCst), 0);
+        // The client goes away mid-RPC: the socket is dropped first, the
+        // RPC ends after.
+        c.remove(&addr, &conn);
+        drop(busy);
+        assert_eq!(
+            c.idle.load(Ordering::SeqCst),
+            0,
+            "a dropped connection counted idle"
+        );
     }
 }
