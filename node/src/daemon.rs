@@ -189,8 +189,26 @@ fn classify(status: tonic::Status) -> End {
         tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => {
             End::Refused(status.message().to_string())
         }
-        _ => End::Lost(format!("{}: {}", status.code(), status.message())),
+        _ => End::Lost(with_causes(&status)),
     }
+}
+
+/// A status in words with every cause under it ("Unknown: transport
+/// error: ... : keep-alive timed out"): a transport error alone does not
+/// say whether the gateway, the network or this process ended the
+/// connection.
+fn with_causes(status: &tonic::Status) -> String {
+    let mut words = format!("{}: {}", status.code(), status.message());
+    let mut cause = std::error::Error::source(status);
+    while let Some(c) = cause {
+        let said = c.to_string();
+        if !words.ends_with(&said) {
+            words.push_str(": ");
+            words.push_str(&said);
+        }
+        cause = c.source();
+    }
+    words
 }
 
 /// One endpoint per gateway, presenting these credentials.
@@ -895,5 +913,23 @@ impl<'a> Connected<'a> {
 impl Drop for Connected<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_session_says_every_cause() {
+        let io = std::io::Error::new(std::io::ErrorKind::TimedOut, "keep-alive timed out");
+        let mut status = tonic::Status::unknown("transport error");
+        status.set_source(Arc::new(io));
+        match classify(status) {
+            End::Lost(why) => {
+                assert_eq!(why, "Unknown error: transport error: keep-alive timed out")
+            }
+            _ => panic!("not a lost session"),
+        }
     }
 }
