@@ -130,7 +130,10 @@ impl Shared {
                 .ok_or_else(|| pushback("too many join tokens waiting to be checked", 1000))?
         };
         if miss.start_lookups {
-            ops::task::spawn("gateway-token-lookups", self.clone().look_up_tokens());
+            ops::task::spawn(
+                "gateway-token-lookups",
+                self.clone().look_up_tokens(miss.run),
+            );
         }
         match miss.answer.await {
             Ok(answer) => answer.map_err(Status::unavailable),
@@ -140,17 +143,17 @@ impl Shared {
 
     /// Looks up the hashes that missed, a batch at a time with a pause
     /// between, until none waits.
-    async fn look_up_tokens(self: Arc<Self>) {
+    async fn look_up_tokens(self: Arc<Self>, run: u64) {
         // However this task ends, the next miss starts the lookups again.
-        struct Ended<'a>(&'a Shared);
+        struct Ended<'a>(&'a Shared, u64);
         impl Drop for Ended<'_> {
             fn drop(&mut self) {
                 if let Ok(mut known) = self.0.join_limits.known.lock() {
-                    known.lookups_ended();
+                    known.lookups_ended(self.1);
                 }
             }
         }
-        let _ended = Ended(&self);
+        let _ended = Ended(&self, run);
         loop {
             let batch = self
                 .join_limits

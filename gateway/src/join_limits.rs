@@ -41,6 +41,8 @@ pub(crate) struct KnownTokens {
     issued: HashMap<Vec<u8>, f64>,
     waiting: Vec<(Vec<u8>, oneshot::Sender<Answer>)>,
     looking: bool,
+    /// Which run of the lookups is (or was last) under way.
+    run: u64,
 }
 
 /// A check that missed: its answer, and whether its caller must start the
@@ -48,6 +50,8 @@ pub(crate) struct KnownTokens {
 pub(crate) struct Miss {
     pub(crate) answer: oneshot::Receiver<Answer>,
     pub(crate) start_lookups: bool,
+    /// The run of the lookups that answers it.
+    pub(crate) run: u64,
 }
 
 impl KnownTokens {
@@ -64,10 +68,14 @@ impl KnownTokens {
         let (tx, answer) = oneshot::channel();
         self.waiting.push((hash, tx));
         let start_lookups = !self.looking;
+        if start_lookups {
+            self.run += 1;
+        }
         self.looking = true;
         Some(Miss {
             answer,
             start_lookups,
+            run: self.run,
         })
     }
 
@@ -81,12 +89,15 @@ impl KnownTokens {
         self.waiting.drain(..n).collect()
     }
 
-    /// Lookups stopped without a turn to say so (their task ended): the
-    /// waiting checks are dropped (their callers see the lookup gone), and
-    /// the next miss starts them again.
-    pub(crate) fn lookups_ended(&mut self) {
-        self.waiting.clear();
-        self.looking = false;
+    /// The task of lookup run `run` ended: if that run had not stopped by
+    /// itself (it found none waiting), its waiting checks are dropped
+    /// (their callers see the lookup gone) and the next miss starts a run
+    /// again. A run that stopped by itself, or a newer run, is left alone.
+    pub(crate) fn lookups_ended(&mut self, run: u64) {
+        if self.looking && self.run == run {
+            self.waiting.clear();
+            self.looking = false;
+        }
     }
 
     /// Remembers the hashes a lookup found, and forgets those past their
@@ -137,9 +148,28 @@ mod tests {
             answers.push(k.wait_for(vec![9]).unwrap().answer);
         }
         assert!(k.wait_for(vec![9]).is_none());
-        k.lookups_ended();
+        k.lookups_ended(1);
         assert!(answers[0].try_recv().is_err());
         assert!(k.wait_for(vec![9]).unwrap().start_lookups);
+    }
+
+    #[test]
+    fn a_run_that_stopped_by_itself_does_not_drop_the_next_runs_checks() {
+        let mut k = KnownTokens::default();
+        let first = k.wait_for(vec![1]).unwrap();
+        assert_eq!(k.next_batch().len(), 1);
+        // None waits: the first run stops, and a miss starts the next one
+        // before the first run's task is gone.
+        assert!(k.next_batch().is_empty());
+        let second = k.wait_for(vec![2]).unwrap();
+        assert!(second.start_lookups && second.run != first.run);
+        k.lookups_ended(first.run);
+        let mut answer = second.answer;
+        assert!(
+            matches!(answer.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
+            "the next run's check was dropped"
+        );
+        assert_eq!(k.next_batch().len(), 1);
     }
 
     #[test]
