@@ -183,17 +183,19 @@ impl Shared {
             };
             match found {
                 Ok(found) => {
-                    let issued: std::collections::HashSet<&[u8]> =
-                        found.iter().map(|(h, _)| h.as_slice()).collect();
-                    let answers: Vec<bool> = batch
-                        .iter()
-                        .map(|(h, _)| issued.contains(h.as_slice()))
-                        .collect();
+                    let answers: Vec<bool> = {
+                        let issued: std::collections::HashSet<&[u8]> =
+                            found.iter().map(|(h, _)| h.as_slice()).collect();
+                        batch
+                            .iter()
+                            .map(|(h, _)| issued.contains(h.as_slice()))
+                            .collect()
+                    };
                     self.join_limits
                         .known
                         .lock()
                         .expect("known tokens lock")
-                        .learn(found.iter().cloned(), unix_now());
+                        .learn(found, unix_now());
                     for ((_, tx), known) in batch.into_iter().zip(answers) {
                         let _ = tx.send(Ok(known));
                     }

@@ -48,20 +48,13 @@ pub(crate) async fn start(shared: &Arc<Shared>) -> Result<tokio::task::JoinHandl
 /// node events during a ramp, and the lease lapsed while the gateway was
 /// merely busy, ending every session it held.
 fn keep_apart(shared: Arc<Shared>, lease: Lease, asked: Instant) -> std::io::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    std::thread::Builder::new()
-        .name("gateway-lease".into())
-        .spawn(move || {
-            let mut stopping = shared.stopping.subscribe();
-            runtime.block_on(async {
-                tokio::select! {
-                    _ = keep(shared.clone(), lease, asked) => {}
-                    _ = stopping.wait_for(|s| *s) => {}
-                }
-            });
-        })?;
+    ops::task::spawn_apart("gateway-lease", move || async move {
+        let mut stopping = shared.stopping.subscribe();
+        tokio::select! {
+            _ = keep(shared.clone(), lease, asked) => {}
+            _ = stopping.wait_for(|s| *s) => {}
+        }
+    })?;
     Ok(())
 }
 

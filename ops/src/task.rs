@@ -21,6 +21,30 @@ where
     tokio::spawn(fut.instrument(tracing::info_span!(parent: None, "task", name)))
 }
 
+/// Runs the future `make` builds on a thread named `name` with a runtime
+/// of its own (one thread, every driver on), inside a span named after it,
+/// so that nothing queued on the caller's runtime can delay it: a lease
+/// keeper behind a ramp of TLS handshakes, a bench's receiver behind
+/// thousands of simulated daemons. Ends when the future does.
+pub fn spawn_apart<M, F>(
+    name: &'static str,
+    make: M,
+) -> std::io::Result<std::thread::JoinHandle<F::Output>>
+where
+    M: FnOnce() -> F + Send + 'static,
+    F: Future,
+    F::Output: Send + 'static,
+{
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            runtime.block_on(make().instrument(tracing::info_span!(parent: None, "task", name)))
+        })
+}
+
 /// Delays between attempts: doubling from `min` up to `max`, each drawn at
 /// random from its upper half, so a fleet of restarting processes does not
 /// come back in lockstep and none waits much less than its step.

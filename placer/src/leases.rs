@@ -61,15 +61,10 @@ impl Keeper {
         let (pools, pools_rx) = watch::channel(BTreeSet::new());
         let (stop, stop_rx) = oneshot::channel();
         let (done_tx, done) = oneshot::channel();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        std::thread::Builder::new()
-            .name("placer-leases".into())
-            .spawn(move || {
-                runtime.block_on(keep(db, config, stats, pools_rx, holdings_tx, stop_rx));
-                let _ = done_tx.send(());
-            })?;
+        ops::task::spawn_apart("placer-leases", move || async move {
+            keep(db, config, stats, pools_rx, holdings_tx, stop_rx).await;
+            let _ = done_tx.send(());
+        })?;
         Ok(Keeper {
             holdings,
             pools,

@@ -343,61 +343,56 @@ fn receiver(rx: Arc<check::Received>) -> Result<String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     listener.set_nonblocking(true)?;
     let url = format!("http://{}/", listener.local_addr()?);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    std::thread::Builder::new()
-        .name("webhook-receiver".into())
-        .spawn(move || {
-            rt.block_on(async move {
-                let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                    return;
+    ops::task::spawn_apart("webhook-receiver", move || {
+        async move {
+            let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                return;
+            };
+            loop {
+                // An accept that fails (descriptors run out, say) is
+                // tried again: the sink retries what it could not send.
+                let stream = match listener.accept().await {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "webhook receiver: accept failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
                 };
-                loop {
-                    // An accept that fails (descriptors run out, say) is
-                    // tried again: the sink retries what it could not send.
-                    let stream = match listener.accept().await {
-                        Ok((stream, _)) => stream,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "webhook receiver: accept failed; retrying");
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                            continue;
-                        }
-                    };
-                    let rx = rx.clone();
-                    let svc = hyper::service::service_fn(
-                        move |req: hyper::Request<hyper::body::Incoming>| {
-                            let rx = rx.clone();
-                            async move {
-                                let body = req
-                                    .into_body()
-                                    .collect()
-                                    .await
-                                    .map(|b| b.to_bytes())
-                                    .unwrap_or_default();
-                                if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) {
-                                    rx.record(
-                                        v["events"]
-                                            .as_array()
-                                            .into_iter()
-                                            .flatten()
-                                            .filter_map(|e| e["position"].as_u64()),
-                                    );
-                                }
-                                Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
-                                    Bytes::new(),
-                                )))
+                let rx = rx.clone();
+                let svc = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let rx = rx.clone();
+                        async move {
+                            let body = req
+                                .into_body()
+                                .collect()
+                                .await
+                                .map(|b| b.to_bytes())
+                                .unwrap_or_default();
+                            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) {
+                                rx.record(
+                                    v["events"]
+                                        .as_array()
+                                        .into_iter()
+                                        .flatten()
+                                        .filter_map(|e| e["position"].as_u64()),
+                                );
                             }
-                        },
-                    );
-                    tokio::spawn(async move {
-                        let _ = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                            .await;
-                    });
-                }
-            })
-        })?;
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                                Bytes::new(),
+                            )))
+                        }
+                    },
+                );
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        }
+    })?;
     Ok(url)
 }
 
