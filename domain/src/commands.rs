@@ -372,7 +372,11 @@ pub async fn list(
     Ok(out)
 }
 
-/// Commands not yet terminal, as the table has them now.
+/// Commands not yet terminal, as the table has them now, each of them
+/// durable: appends commit asynchronously, so a row can be visible before
+/// it is flushed (or, with synchronous standbys named, before a standby has
+/// it). A flush barrier after the read waits for that, so a command handed
+/// to a node from here cannot be lost by a crash or a standby's takeover.
 pub async fn open(client: &tokio_postgres::Client) -> Result<Vec<Tracked>, tokio_postgres::Error> {
     let rows = client
         .rows(
@@ -385,6 +389,7 @@ pub async fn open(client: &tokio_postgres::Client) -> Result<Vec<Tracked>, tokio
             &[],
         )
         .await?;
+    events::read::flush_barrier(client).await?;
     Ok(rows
         .iter()
         .filter_map(|r| {

@@ -11,7 +11,7 @@
 //! | `slots` | a slot whose WAL was removed (`lost`) | a stale slot; one past its WAL budget (`unreserved`) |
 //! | `partitions` | none for this month | fewer than the months kept ahead |
 //! | `tls` | | this connection is in the clear |
-//! | `synchronous_standby` | named but none connected (commits wait) | none named (a failover may lose acknowledged events) |
+//! | `synchronous_standby` | named but none connected (commits wait); a replication reader is one (the setting matches it) | none named (a failover may lose acknowledged events) |
 //! | `standby_lag` | | a standby more than 10 s behind |
 //! | `takeovers` | | (reported, not judged: where takeovers cut the log) |
 
@@ -354,6 +354,23 @@ async fn standbys(client: &Client, out: &mut Vec<Finding>) -> Result<(), tokio_p
             &[],
         )
         .await?;
+    let readers_synchronous: i64 = client
+        .one(
+            "SELECT count(*) FROM pg_stat_replication r
+               JOIN pg_replication_slots s ON s.active_pid = r.pid AND s.slot_type = 'logical'
+              WHERE r.sync_state IN ('sync', 'quorum')",
+            &[],
+        )
+        .await?
+        .get(0);
+    if readers_synchronous > 0 {
+        out.push(Finding::bad(
+            "synchronous_standby",
+            Status::Problem,
+            format!("synchronous_standby_names = '{names}' makes {readers_synchronous} replication reader(s) synchronous standbys: commits wait for Strata's own readers, and those readers cannot hold back what the physical standbys lack"),
+            "name the physical standbys (their application_name) in synchronous_standby_names, not '*'",
+        ));
+    }
     let sync_connected = standbys
         .iter()
         .any(|r| matches!(r.get::<_, String>(1).as_str(), "sync" | "quorum"));

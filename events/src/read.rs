@@ -10,7 +10,10 @@
 //!   therefore bound every read by a head taken *before* a flush barrier:
 //!   everything at or below it is durable, and nothing a reader delivers can
 //!   be lost in a crash. (Rows that arrive through the replication stream are
-//!   always durable: logical decoding only sends flushed WAL.)
+//!   durable too: logical decoding only sends flushed WAL, and the reader
+//!   holds back what synchronous standbys do not have yet, see
+//!   `standby_gate`.) With synchronous standbys named, the barrier's commit
+//!   waits for them as well, so nothing read is lost by a takeover either.
 
 use crate::types::{Event, Position};
 use schema::sql::Sql;

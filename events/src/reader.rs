@@ -30,6 +30,8 @@ use crate::db::SharedClient;
 use crate::metrics;
 use crate::pgoutput::ReplicationMessage;
 use crate::replication::{self, Frame, ReplicationConnection, ReplicationError};
+use crate::session_error::{bounded, sql, SessionError};
+use crate::standby_gate::StandbyGate;
 use crate::types::{Lsn, Position, Txn};
 use crate::ErrorKind;
 use schema::sql::Sql;
@@ -259,62 +261,6 @@ impl Reader {
     }
 }
 
-/// Why a replication session ended.
-#[derive(Debug, thiserror::Error)]
-enum SessionError {
-    #[error(transparent)]
-    Replication(#[from] ReplicationError),
-    #[error("{context}: {source}")]
-    Sql {
-        context: &'static str,
-        #[source]
-        source: tokio_postgres::Error,
-    },
-    #[error("{context}: no answer from the database within {limit:?}")]
-    Timeout {
-        context: &'static str,
-        limit: Duration,
-    },
-}
-
-impl SessionError {
-    fn kind(&self) -> ErrorKind {
-        match self {
-            SessionError::Replication(e) => e.kind(),
-            SessionError::Sql { source, .. } => crate::classify_pg(source),
-            SessionError::Timeout { .. } => ErrorKind::Transient,
-        }
-    }
-
-    /// The database did not answer in time (a statement, or the connect of
-    /// the replication connection): the shared connection may hang too.
-    fn is_timeout(&self) -> bool {
-        match self {
-            SessionError::Timeout { .. } => true,
-            SessionError::Replication(ReplicationError::Io { source, .. }) => {
-                source.kind() == std::io::ErrorKind::TimedOut
-            }
-            _ => false,
-        }
-    }
-}
-
-fn sql(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SessionError {
-    move |source| SessionError::Sql { context, source }
-}
-
-/// One of the reader's statements, given at most `limit`.
-async fn bounded<T>(
-    limit: Duration,
-    context: &'static str,
-    f: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
-) -> Result<T, SessionError> {
-    match tokio::time::timeout(limit, f).await {
-        Ok(r) => r.map_err(sql(context)),
-        Err(_) => Err(SessionError::Timeout { context, limit }),
-    }
-}
-
 async fn run(
     inner: Arc<Inner>,
     mut cmd: mpsc::UnboundedReceiver<Cmd>,
@@ -431,6 +377,10 @@ async fn session(
             })
         }
     };
+    // Read before the first transaction arrives: with synchronous standbys
+    // named, none is delivered before they have it.
+    let mut gate = StandbyGate::new(inner.db.config.clone(), &cfg.slot, cfg.query_timeout);
+    gate.refresh(&client).await?;
     inner.head.store(head.0, Ordering::Relaxed);
     inner.streaming.store(true, Ordering::Relaxed);
     tracing::info!(slot = %cfg.slot, server_lsn = %system.xlogpos, head = %head, "replication started");
@@ -468,20 +418,30 @@ async fn session(
                         state.received = state.received.max(start);
                         state.server_end = state.server_end.max(end);
                         if let Some(txn) = asm.push(data).map_err(ReplicationError::from)? {
-                            deliver(inner, &mut state, attached, txn);
+                            if let Some(txn) = gate.admit(txn) {
+                                deliver(inner, &mut state, attached, txn);
+                            }
                         }
                     }
                     ReplicationMessage::Keepalive { end, reply, .. } => {
                         state.server_end = state.server_end.max(end);
                         if reply {
-                            let ack = compute_ack(inner, &mut state, attached, !asm.in_transaction());
+                            let idle = !asm.in_transaction() && gate.is_empty();
+                            let ack = compute_ack(inner, &mut state, attached, idle);
                             report(inner, &client, &mut conn, &mut state, ack).await?;
                         }
                     }
                 }
             }
+            passed = gate.passed() => {
+                for txn in passed? {
+                    deliver(inner, &mut state, attached, txn);
+                }
+            }
             _ = status.tick() => {
-                let ack = compute_ack(inner, &mut state, attached, !asm.in_transaction());
+                gate.refresh(&client).await?;
+                let idle = !asm.in_transaction() && gate.is_empty();
+                let ack = compute_ack(inner, &mut state, attached, idle);
                 report(inner, &client, &mut conn, &mut state, ack).await?;
                 let m = metrics::global();
                 m.replication_lag_bytes.set(state.server_end.0.saturating_sub(ack.0) as f64);

@@ -192,6 +192,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0020_device_owners.sql"),
         change: Change::Expand,
     },
+    Migration {
+        version: 21,
+        name: "reader_standbys",
+        sql: include_str!("../migrations/0021_reader_standbys.sql"),
+        change: Change::Expand,
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

@@ -1,11 +1,13 @@
 //! What the tests and the benchmarks share, and nothing a release build of
 //! `strata` needs: private clusters and databases for tests (`clusters.rs`),
 //! a private PgBouncer (`bouncer.rs`), and the one way a test waits for a
-//! condition (`poll.rs`).
+//! condition (`poll.rs`); standbys made synchronous, cut off and let back
+//! (`standbys.rs`).
 
 mod bouncer;
 mod clusters;
 mod poll;
+pub mod standbys;
 
 pub use bouncer::{Bouncer, BouncerOptions};
 pub use clusters::{

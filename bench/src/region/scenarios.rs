@@ -686,22 +686,45 @@ pub async fn standby_promoted(r: &mut Region, o: &Options) -> Result<serde_json:
         r.cluster.standby(opts)
     })?;
     let backup_s = started.elapsed().as_secs_f64();
-    // Synchronous: an acknowledged event is on the standby too.
+    // Synchronous: an acknowledged event is on the standby too. Named by
+    // its WAL receiver's name: '*' would match the readers' replication
+    // connections as well.
     let c = r.client().await?;
-    c.batch_execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
-        .await?;
-    c.batch_execute("SELECT pg_reload_conf()").await?;
     let deadline = Instant::now() + o.patience;
-    while c
-        .query_opt(
-            "SELECT 1 FROM pg_stat_replication WHERE sync_state = 'sync'",
-            &[],
-        )
-        .await?
-        .is_none()
-    {
+    let name = loop {
+        let row = c
+            .query_opt(testkit::standbys::PHYSICAL_STANDBYS_SQL, &[])
+            .await?;
+        if let Some(row) = row {
+            break row.get::<_, String>(0);
+        }
         if Instant::now() > deadline {
-            anyhow::bail!("the standby never became synchronous");
+            anyhow::bail!("the standby never streamed");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    c.batch_execute(&format!(
+        "ALTER SYSTEM SET synchronous_standby_names = '\"{name}\"'"
+    ))
+    .await?;
+    c.batch_execute("SELECT pg_reload_conf()").await?;
+    // Until the standby is synchronous and every reader streaming now
+    // holds what it decodes until the standby has it: before, a reader may
+    // hand a role a commit the standby lacks.
+    let ready = "SELECT (SELECT count(*) FROM pg_stat_replication WHERE application_name = $1 AND sync_state = 'sync'),
+                        (SELECT count(*) FROM pg_replication_slots s
+                           JOIN strata.replication_readers r ON r.slot_name = s.slot_name::text
+                          WHERE s.active AND s.slot_type = 'logical' AND NOT r.holds_for_standbys)";
+    loop {
+        let row = c.query_one(ready, &[&name]).await?;
+        if row.get::<_, i64>(0) == 1 && row.get::<_, i64>(1) == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            anyhow::bail!(
+                "the standby never became synchronous, or {} readers never held for it",
+                row.get::<_, i64>(1)
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -55,14 +55,9 @@ async fn takeover(synchronous: bool) -> Vec<u64> {
         .unwrap();
     let sync = if synchronous { "sync" } else { "async" };
     if synchronous {
-        admin
-            .batch_execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
-            .await
-            .unwrap();
-        admin
-            .batch_execute("SELECT pg_reload_conf()")
-            .await
-            .unwrap();
+        // The physical standby by name: '*' would match the readers'
+        // replication connections too.
+        testkit::standbys::make_synchronous(&admin).await;
     }
     testkit::eventually(30, "the condition", || async {
         admin
@@ -290,23 +285,7 @@ async fn the_new_primary_never_reuses_a_position_the_old_one_handed_out() {
     .await;
     // The standby is pointed at a port where nothing listens: its WAL
     // receiver ends and receives nothing more; the primary goes on alone.
-    for sql in [
-        "ALTER SYSTEM SET primary_conninfo = 'host=127.0.0.1 port=1'",
-        "SELECT pg_reload_conf()",
-    ] {
-        on_standby.batch_execute(sql).await.unwrap();
-    }
-    testkit::eventually(30, "the condition", || async {
-        on_standby
-            .query_opt(
-                "SELECT 1 FROM pg_stat_wal_receiver WHERE status = 'streaming'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .is_none()
-    })
-    .await;
+    testkit::standbys::stop_receiving(&on_standby).await;
     let mut lost = Vec::new();
     for i in 0..5 {
         lost.push(append(format!("lost/{i}")).await);
@@ -392,4 +371,214 @@ async fn the_new_primary_never_reuses_a_position_the_old_one_handed_out() {
     // The subscription knows what it delivered that is gone.
     assert_eq!(sub.lost_in_takeovers(), 5);
     drop(standby);
+}
+
+/// A synchronous standby stops receiving (it is pointed away from the
+/// primary): commits go on on the primary, and their acknowledgements wait
+/// for the standby. The primary's logical decoding sends them at once, but
+/// a reader must hold them back: a consumer that acted on one (a gateway
+/// handing a node its command) would act on what the standby's takeover
+/// then loses. The primary dies and the standby takes over: the
+/// subscription delivered none of the lost commits and has no divergence
+/// to report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_delivers_nothing_a_synchronous_standby_lacks() {
+    let mut primary = testkit::temp_cluster(&[]).unwrap();
+    let url = testkit::migrated_database(&primary).await;
+    let dbname = url.rsplit('/').next().unwrap().to_string();
+    let standby = testkit::temp_standby(&primary).unwrap();
+    let admin = events::db::connect(&url.parse::<tokio_postgres::Config>().unwrap(), "test")
+        .await
+        .unwrap();
+    testkit::standbys::make_synchronous(&admin).await;
+    let db = both(&primary, &standby, &dbname);
+    let rc = reader_config();
+    let slot = rc.slot.clone();
+    let reader = Reader::start(&db, rc);
+    let mut sub = reader.subscribe_ephemeral(Start::Now).await.unwrap();
+    let appender = Appender::start(&db, AppenderConfig::default());
+    for i in 0..3 {
+        appender
+            .append(&format!("kept/{i}"), ExpectedVersion::NoStream, vec![ev(i)])
+            .await
+            .unwrap();
+    }
+    crate::take(&mut sub, 3).await;
+    testkit::eventually(30, "the reader records that it holds for the standby", || async {
+        admin
+            .query_opt(
+                "SELECT 1 FROM strata.replication_readers WHERE slot_name = $1 AND holds_for_standbys",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+
+    // The standby is pointed at a port where nothing listens.
+    let on_standby = events::db::connect(&Database::parse(&standby.url(&dbname)).unwrap(), "t")
+        .await
+        .unwrap();
+    testkit::standbys::stop_receiving(&on_standby).await;
+    // Five appends; those the appender's connections commit are on the
+    // primary alone (each connection then waits for the standby, before
+    // the acknowledgement), and none is acknowledged.
+    let waiting: Vec<_> = (0..5)
+        .map(|i| {
+            let appender = appender.clone();
+            tokio::spawn(async move {
+                appender
+                    .append(&format!("lost/{i}"), ExpectedVersion::NoStream, vec![ev(i)])
+                    .await
+            })
+        })
+        .collect();
+    testkit::eventually(30, "the lost appends committed on the primary", || async {
+        admin
+            .query_one(
+                "SELECT count(*) FROM strata.events WHERE stream LIKE 'lost/%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            > 0
+    })
+    .await;
+    // Decoded and sent to the reader's walsender's client: everything
+    // written so far went out.
+    let written: String = admin
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    testkit::eventually(30, "the reader was sent the lost appends", || async {
+        admin
+            .query_opt(
+                "SELECT 1 FROM pg_stat_replication r JOIN pg_replication_slots s ON s.active_pid = r.pid
+                  WHERE s.slot_type = 'logical' AND r.sent_lsn >= $1::text::pg_lsn",
+                &[&written],
+            )
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    if let Ok(e) = tokio::time::timeout(Duration::from_secs(3), sub.next()).await {
+        panic!(
+            "delivered while the synchronous standby lacks it: {:?}",
+            e.map(|e| (e.stream.clone(), e.position))
+        );
+    }
+    assert!(
+        waiting.iter().all(|w| !w.is_finished()),
+        "none acknowledged"
+    );
+
+    primary.crash();
+    standby.promote().unwrap();
+    for w in waiting {
+        w.abort();
+    }
+    for i in 0..3 {
+        loop {
+            match appender
+                .append(&format!("new/{i}"), ExpectedVersion::NoStream, vec![ev(i)])
+                .await
+            {
+                Ok(_) => break,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+    let mut streams = Vec::new();
+    while streams.len() < 3 {
+        let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .expect("the new primary's events are delivered")
+            .unwrap_or_else(|e| panic!("nothing delivered was lost, so no divergence: {e}"));
+        streams.push(e.stream.clone());
+    }
+    assert_eq!(streams, ["new/0", "new/1", "new/2"]);
+    assert_eq!(sub.lost_in_takeovers(), 0);
+    drop(standby);
+}
+
+/// `synchronous_standby_names = '*'` with no physical standby: the server
+/// makes the reader's own replication connection the synchronous standby.
+/// A reader that waited for the standbys would wait for itself; it delivers
+/// instead (and says why), commits go on, and `doctor` names the problem.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_made_a_synchronous_standby_itself_still_delivers_and_doctor_says_so() {
+    let cluster = testkit::temp_cluster(&[]).unwrap();
+    let url = testkit::migrated_database(&cluster).await;
+    let db = Database::parse(&url).unwrap();
+    let admin = events::db::connect(&db, "test").await.unwrap();
+    let rc = reader_config();
+    let slot = rc.slot.clone();
+    let reader = Reader::start(&db, rc);
+    let mut sub = reader.subscribe_ephemeral(Start::Now).await.unwrap();
+    // Named once the reader streams (a slot made while '*' names no one
+    // streaming waits for ever: its snapshot's flush barrier is a
+    // synchronous commit).
+    testkit::eventually(30, "the reader streams", || async { reader.streaming() }).await;
+    for sql in [
+        "ALTER SYSTEM SET synchronous_standby_names = '*'",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    testkit::eventually(30, "the reader is the synchronous standby", || async {
+        admin
+            .query_opt(
+                "SELECT 1 FROM pg_stat_replication r JOIN pg_replication_slots s ON s.active_pid = r.pid
+                  WHERE s.slot_name = $1 AND r.sync_state = 'sync'",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    // Each commit waits for the reader to acknowledge it, so the events
+    // are taken (and acknowledged) while they are appended.
+    let appender = Appender::start(&db, AppenderConfig::default());
+    let appends = tokio::spawn(async move {
+        for i in 0..5 {
+            tokio::time::timeout(
+                Duration::from_secs(20),
+                appender.append(&format!("self/{i}"), ExpectedVersion::NoStream, vec![ev(i)]),
+            )
+            .await
+            .expect("acknowledged in time")
+            .unwrap();
+        }
+    });
+    for _ in 0..5 {
+        let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .expect("delivered in time")
+            .unwrap();
+        sub.ack(e.position);
+    }
+    appends.await.unwrap();
+    let held: bool = admin
+        .query_one(
+            "SELECT holds_for_standbys FROM strata.replication_readers WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!held, "a reader cannot hold for itself");
+    let findings = events::doctor::examine(&admin, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(
+        findings.iter().any(|f| f.check == "synchronous_standby"
+            && f.status == events::doctor::Status::Problem
+            && f.detail.contains("replication reader")),
+        "{findings:?}"
+    );
 }

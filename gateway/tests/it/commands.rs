@@ -141,3 +141,71 @@ async fn commands_run_once_across_reconnects_and_a_stopping_gateway() {
     .await;
     alive.stop().await.unwrap();
 }
+
+/// The open commands a gateway loads (at start, and after its subscription
+/// failed) are durable: a command committed on the primary alone, its
+/// issue still waiting for the synchronous standby, is not handed out,
+/// since the standby's takeover would lose it after a node ran it. It is
+/// loaded once the standby has it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_a_synchronous_standby_lacks_is_not_loaded_as_open() {
+    let primary = testkit::temp_cluster(&[]).unwrap();
+    let url = testkit::migrated_database(&primary).await;
+    let dbname = url.rsplit('/').next().unwrap().to_string();
+    let standby = testkit::temp_standby(&primary).unwrap();
+    let db = events::db::Database::parse(&url).unwrap();
+    let admin = events::db::connect(&db, "test").await.unwrap();
+    let on_standby = events::db::connect(
+        &events::db::Database::parse(&standby.url(&dbname)).unwrap(),
+        "test",
+    )
+    .await
+    .unwrap();
+    testkit::standbys::make_synchronous(&admin).await;
+    let conninfo = testkit::standbys::stop_receiving(&on_standby).await;
+    let appender = events::Appender::start(&db, events::AppenderConfig::default());
+    let issuing = tokio::spawn(async move {
+        domain::commands::issue(&appender, &diag("lagging", "n1", now_ms() + 60_000)).await
+    });
+    testkit::eventually(30, "the command committed on the primary", || async {
+        admin
+            .query_opt(
+                "SELECT 1 FROM strata.events WHERE stream = 'command/lagging'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    let loading = tokio::spawn(async move { domain::commands::open(&admin).await });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !loading.is_finished(),
+        "loaded while the standby lacks it: {:?}",
+        loading.await.unwrap().map(|open| open
+            .iter()
+            .map(|t| t.command.id.clone())
+            .collect::<Vec<_>>())
+    );
+    assert!(!issuing.is_finished(), "the issue waits for the standby");
+    // The standby receives again: the issue is acknowledged and the
+    // command is loaded.
+    testkit::standbys::receive_again(&on_standby, &conninfo).await;
+    tokio::time::timeout(Duration::from_secs(30), issuing)
+        .await
+        .expect("acknowledged once the standby has it")
+        .unwrap()
+        .unwrap();
+    let open = tokio::time::timeout(Duration::from_secs(30), loading)
+        .await
+        .expect("loaded once the standby has it")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        open.iter()
+            .map(|t| t.command.id.as_str())
+            .collect::<Vec<_>>(),
+        ["lagging"]
+    );
+}
