@@ -292,6 +292,9 @@ pub async fn jetstream(
         .await?;
     let mut counts: BTreeMap<i64, u32> = BTreeMap::new();
     let mut read = 0u64;
+    // A fetch that brings nothing may only be late (the server shares the
+    // cores): given up after a minute without progress.
+    let mut progressed = Instant::now();
     while read < stored {
         let mut batch = consumer
             .fetch()
@@ -312,7 +315,9 @@ pub async fn jetstream(
                 *counts.entry(p).or_default() += 1;
             }
         }
-        if read == before {
+        if read > before {
+            progressed = Instant::now();
+        } else if progressed.elapsed() > Duration::from_secs(60) {
             break;
         }
     }

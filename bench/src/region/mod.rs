@@ -276,6 +276,9 @@ pub const JS_PREFIX: &str = "command/";
 pub const HOOK_SINK: &str = "region-hook";
 pub const JS_SINK: &str = "region-js";
 pub const JS_STREAM: &str = "REGION";
+/// How long one of the drill's own statements or JetStream requests may
+/// take: the checker reads the whole log, on the cores the region uses.
+pub const CHECK_STATEMENT_TIMEOUT: Duration = Duration::from_secs(600);
 
 impl Region {
     /// The process running `role` (the first, if several do).
@@ -317,9 +320,14 @@ impl Region {
     /// A connection for the drill's own reads (a new one: the server may
     /// have restarted since the last).
     pub async fn client(&self) -> Result<tokio_postgres::Client> {
+        // The drill's own statements (the checker reads the whole log) may
+        // run long on a machine the region keeps busy: they are given
+        // minutes, not a role's deadline.
+        let db = events::db::Database::from(self.cfg.clone())
+            .with_statement_timeout(Some(CHECK_STATEMENT_TIMEOUT));
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            match events::db::connect(&self.cfg, "region-drill").await {
+            match events::db::connect(db.clone(), "region-drill").await {
                 Ok(c) => return Ok(c),
                 Err(e) if Instant::now() > deadline => return Err(e.into()),
                 Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
@@ -485,7 +493,10 @@ pub async fn start(o: &Options) -> Result<Region> {
     .await?;
     let (nats, js) = match nats(dir.path()).await? {
         Some((child, nats_url)) => {
-            let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await?);
+            let mut js = async_nats::jetstream::new(async_nats::connect(&nats_url).await?);
+            // The checker's requests are answered by a server that shares
+            // two cores with the region: not within the default 5 s.
+            js.set_timeout(CHECK_STATEMENT_TIMEOUT);
             js.create_stream(async_nats::jetstream::stream::Config {
                 name: JS_STREAM.into(),
                 subjects: vec!["region.>".into()],
