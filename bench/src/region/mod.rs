@@ -762,6 +762,9 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
         );
         all_violations.push(serde_json::json!({"after": "end", "violation": x}));
     }
+    if !all_violations.is_empty() {
+        procs::tell_warnings(&r.roles, 40);
+    }
     r.fleet.stop().await;
     for role in &mut r.roles {
         role.stop().await;

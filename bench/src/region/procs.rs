@@ -169,6 +169,30 @@ impl Role {
     }
 }
 
+/// The last `n` warnings and errors each role logged, on standard error:
+/// what a failed check needs to be explained once the drill's folder is
+/// gone (a CI run keeps only its output).
+pub fn tell_warnings(roles: &[Role], n: usize) {
+    for role in roles {
+        let Ok(text) = std::fs::read_to_string(&role.log) else {
+            continue;
+        };
+        let said: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+            .collect();
+        eprintln!(
+            "  {}: {} warnings and errors, the last {}:",
+            role.name,
+            said.len(),
+            said.len().min(n)
+        );
+        for line in &said[said.len().saturating_sub(n)..] {
+            eprintln!("    {line}");
+        }
+    }
+}
+
 fn signal(pid: u32, sig: &str) {
     let _ = std::process::Command::new("kill")
         .args([&format!("-{sig}"), &pid.to_string()])
