@@ -87,6 +87,8 @@ pub struct Args {
 #[derive(Default)]
 struct Seen {
     placed: AtomicU64,
+    /// Devices of the placements seen.
+    placed_devices: AtomicU64,
     decided: AtomicU64,
     queued: AtomicU64,
     preempted: AtomicU64,
@@ -106,9 +108,16 @@ async fn watch(reader: Reader, seen: Arc<Seen>) -> Result<()> {
         };
         let now = Instant::now();
         match fact {
-            Fact::ReservationPlaced { reservation, .. } => {
+            Fact::ReservationPlaced {
+                reservation,
+                allocations,
+                ..
+            } => {
                 seen.at.lock().expect("seen lock").insert(reservation, now);
                 seen.placed.fetch_add(1, Ordering::Relaxed);
+                let devices: usize = allocations.iter().map(|a| a.devices.len()).sum();
+                seen.placed_devices
+                    .fetch_add(devices as u64, Ordering::Relaxed);
                 seen.decided.fetch_add(1, Ordering::Relaxed);
             }
             Fact::ReservationQueued { .. } | Fact::ReservationRejected { .. } => {
@@ -614,6 +623,14 @@ pub async fn run(args: Args) -> Result<()> {
     eprintln!("check: {verdict}");
 
     let placements_ratio = rate1 / raw_multirow;
+    if let Some(t) = &tenants {
+        eprintln!(
+            "tenants against the 1-GPU phase: placements/s {:.2}, requests decided/s {:.2}, GPUs placed/s {:.2}",
+            t.placements_per_s / rate1,
+            t.requests as f64 / t.decided_s / rate1,
+            t.placed_gpus as f64 / t.decided_s / rate1
+        );
+    }
     let tenants_json = tenants.as_ref().map(|t| {
         serde_json::json!({
             "nodes": tenant_nodes,
@@ -629,6 +646,14 @@ pub async fn run(args: Args) -> Result<()> {
             "placed": t.placed,
             "placements_per_s": round(t.placements_per_s, 0),
             "placements_ratio_vs_raw_rows": round(t.placements_per_s / raw_multirow, 3),
+            // Against the 1-GPU phase of the same run: placements, requests
+            // decided (a third of them wait, at 150% demand) and GPUs placed
+            // (4 per request on average, against 1) per second.
+            "placements_ratio_vs_1gpu": round(t.placements_per_s / rate1, 3),
+            "decided_per_s": round(t.requests as f64 / t.decided_s, 0),
+            "decided_ratio_vs_1gpu": round(t.requests as f64 / t.decided_s / rate1, 3),
+            "gpus_placed_per_s": round(t.placed_gpus as f64 / t.decided_s, 0),
+            "gpus_placed_ratio_vs_1gpu": round(t.placed_gpus as f64 / t.decided_s / rate1, 3),
             "high_priority_requests": t.high,
             "preempted": t.preempted,
             "preemptions_per_s": round(t.preemptions_per_s, 1),
@@ -739,6 +764,7 @@ pub async fn run(args: Args) -> Result<()> {
         "tenants_placements_per_s": ">= 10000 with quotas and fair share on",
         "tenants_preemption_p99_ms": "< 1000 including the grace period",
         "tenants_fair_share_spread": "<= 0.05",
+        "tenants_placements_ratio_vs_1gpu": ">= 0.6: multi-tenant placements/s over 1-GPU placements/s in the same run",
         "backfill_gang_wait_ratio": "<= 1.25: gangs behind a stream of smaller requests start when they would alone (max wait, with the stream over alone), every gang placed",
         "mig_ratio": ">= 0.8: placements/s with 10% of GPUs as MIG instances over the same load on whole GPUs",
     });
@@ -750,6 +776,7 @@ pub async fn run(args: Args) -> Result<()> {
         "tenants_placements_per_s": tenants.as_ref().map(|t| t.placements_per_s >= 10_000.0),
         "tenants_preemption_p99_ms": tenants.as_ref().map(|t| t.p99_ms < 1000.0),
         "tenants_fair_share_spread": tenants.as_ref().map(|t| t.spread <= 0.05),
+        "tenants_placements_ratio_vs_1gpu": tenants.as_ref().map(|t| t.placements_per_s / rate1 >= 0.6),
         "backfill_gang_wait_ratio": backfill.as_ref().map(|b| {
             b.contended.placed_gangs == backfill::GANGS as usize
                 && backfill_ratio.is_some_and(|r| r <= 1.25)

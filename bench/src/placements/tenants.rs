@@ -26,6 +26,8 @@ pub struct Tenants {
     pub requested_gpus: u64,
     pub decided_s: f64,
     pub placed: u64,
+    /// GPUs (devices) those placements took.
+    pub placed_gpus: u64,
     pub placements_per_s: f64,
     pub high: u64,
     pub preempted: u64,
@@ -61,6 +63,7 @@ pub async fn run(
     let n = requests.len() as u64;
     let requested_gpus: u64 = requests.iter().map(|r| r.gpus as u64).sum();
     let placed_before = seen.placed.load(Ordering::Relaxed);
+    let devices_before = seen.placed_devices.load(Ordering::Relaxed);
     // Preemptions of the whole phase: priority 1 requests preempt priority
     // 0 reservations of their queue as the queues fill, and those of high
     // priority preempt both.
@@ -68,6 +71,7 @@ pub async fn run(
     let preempted_before = seen.preempted.load(Ordering::Relaxed);
     let (decided_s, _) = flood(appender, seen, requests, clients).await?;
     let placed = seen.placed.load(Ordering::Relaxed) - placed_before;
+    let placed_gpus = seen.placed_devices.load(Ordering::Relaxed) - devices_before;
     // Placements per second: until the last placement of the flood was seen.
     let placements_per_s = placed as f64 / decided_s;
     eprintln!(
@@ -134,6 +138,7 @@ pub async fn run(
         requested_gpus,
         decided_s,
         placed,
+        placed_gpus,
         placements_per_s,
         high,
         preempted,
