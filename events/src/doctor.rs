@@ -11,7 +11,7 @@
 //! | `slots` | a slot whose WAL was removed (`lost`) | a stale slot; one past its WAL budget (`unreserved`) |
 //! | `partitions` | none for this month | fewer than the months kept ahead |
 //! | `tls` | | this connection is in the clear |
-//! | `synchronous_standby` | named but none connected (commits wait); a replication reader is one (the setting matches it) | none named (a failover may lose acknowledged events) |
+//! | `synchronous_standby` | named but none connected (commits wait); a replication reader is one (the setting matches it) | none named (a failover may lose acknowledged events); a streaming reader does not hold for them yet |
 //! | `standby_lag` | | a standby more than 10 s behind |
 //! | `takeovers` | | (reported, not judged: where takeovers cut the log) |
 
@@ -394,6 +394,9 @@ async fn standbys(client: &Client, out: &mut Vec<Finding>) -> Result<(), tokio_p
     } else {
         Finding::ok("synchronous_standby", format!("'{names}', connected"))
     });
+    if !names.trim().is_empty() {
+        readers_not_holding(client, out).await?;
+    }
     for r in &standbys {
         let (name, lag): (String, f64) = (r.get(0), r.get(2));
         if lag > 10.0 {
@@ -404,6 +407,52 @@ async fn standbys(client: &Client, out: &mut Vec<Finding>) -> Result<(), tokio_p
                 "a failover to it now would wait for it to catch up",
             ));
         }
+    }
+    Ok(())
+}
+
+/// Streaming readers that do not yet hold back what the synchronous
+/// standbys lack (each reads the setting once per status interval): until
+/// they do, a takeover may lose commits they delivered.
+async fn readers_not_holding(
+    client: &Client,
+    out: &mut Vec<Finding>,
+) -> Result<(), tokio_postgres::Error> {
+    let recorded: bool = client
+        .one(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns
+                             WHERE table_schema = 'strata' AND table_name = 'replication_readers'
+                               AND column_name = 'holds_for_standbys')",
+            &[],
+        )
+        .await?
+        .get(0);
+    if !recorded {
+        return Ok(());
+    }
+    let slots: Vec<String> = client
+        .rows(
+            "SELECT s.slot_name::text FROM pg_replication_slots s
+               JOIN strata.replication_readers r ON r.slot_name = s.slot_name::text
+              WHERE s.active AND s.slot_type = 'logical' AND NOT r.holds_for_standbys
+              ORDER BY 1",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if !slots.is_empty() {
+        out.push(Finding::bad(
+            "synchronous_standby",
+            Status::Warning,
+            format!(
+                "{} streaming reader(s) do not hold back yet what the standbys lack ({}): a takeover now may lose commits they delivered",
+                slots.len(),
+                slots.join(", ")
+            ),
+            "each reader reads synchronous_standby_names once per status interval (strata.replication_readers.holds_for_standbys); wait for them before relying on the standby",
+        ));
     }
     Ok(())
 }

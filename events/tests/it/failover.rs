@@ -601,3 +601,31 @@ async fn a_reader_made_a_synchronous_standby_itself_still_delivers_and_doctor_sa
         "{findings:?}"
     );
 }
+
+/// A reader reads `synchronous_standby_names` once per status interval:
+/// until it has found the standby named, it delivers what a takeover may
+/// lose, and `doctor` says which readers that is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_names_the_readers_that_do_not_hold_for_a_newly_named_standby_yet() {
+    let primary = testkit::temp_cluster(&[]).unwrap();
+    let url = testkit::migrated_database(&primary).await;
+    let _standby = testkit::temp_standby(&primary).unwrap();
+    let db = Database::parse(&url).unwrap();
+    let admin = events::db::connect(&db, "test").await.unwrap();
+    // It reads the setting at its start, then not for a minute.
+    let mut rc = reader_config();
+    rc.status_interval = Duration::from_secs(60);
+    let slot = rc.slot.clone();
+    let reader = Reader::start(&db, rc);
+    testkit::eventually(30, "the reader streams", || async { reader.streaming() }).await;
+    testkit::standbys::make_synchronous(&admin).await;
+    let findings = events::doctor::examine(&admin, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(
+        findings.iter().any(|f| f.check == "synchronous_standby"
+            && f.status == events::doctor::Status::Warning
+            && f.detail.contains(&slot)),
+        "{findings:?}"
+    );
+}
