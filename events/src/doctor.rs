@@ -418,30 +418,7 @@ async fn readers_not_holding(
     client: &Client,
     out: &mut Vec<Finding>,
 ) -> Result<(), tokio_postgres::Error> {
-    let recorded: bool = client
-        .one(
-            "SELECT EXISTS (SELECT 1 FROM information_schema.columns
-                             WHERE table_schema = 'strata' AND table_name = 'replication_readers'
-                               AND column_name = 'holds_for_standbys')",
-            &[],
-        )
-        .await?
-        .get(0);
-    if !recorded {
-        return Ok(());
-    }
-    let slots: Vec<String> = client
-        .rows(
-            "SELECT s.slot_name::text FROM pg_replication_slots s
-               JOIN strata.replication_readers r ON r.slot_name = s.slot_name::text
-              WHERE s.active AND s.slot_type = 'logical' AND NOT r.holds_for_standbys
-              ORDER BY 1",
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let slots = crate::slots::not_holding_for_standbys(client).await?;
     if !slots.is_empty() {
         out.push(Finding::bad(
             "synchronous_standby",

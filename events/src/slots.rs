@@ -24,6 +24,39 @@ pub struct SlotInfo {
     pub stale: bool,
 }
 
+/// The active logical slots whose reader does not hold back yet what the
+/// synchronous standbys lack (`replication_readers.holds_for_standbys`:
+/// each reader reads the setting once per status interval), by name; none
+/// on a schema older than that column.
+pub async fn not_holding_for_standbys(
+    client: &Client,
+) -> Result<Vec<String>, tokio_postgres::Error> {
+    let recorded: bool = client
+        .one(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns
+                             WHERE table_schema = 'strata' AND table_name = 'replication_readers'
+                               AND column_name = 'holds_for_standbys')",
+            &[],
+        )
+        .await?
+        .get(0);
+    if !recorded {
+        return Ok(Vec::new());
+    }
+    Ok(client
+        .rows(
+            "SELECT s.slot_name::text FROM pg_replication_slots s
+               JOIN strata.replication_readers r ON r.slot_name = s.slot_name::text
+              WHERE s.active AND s.slot_type = 'logical' AND NOT r.holds_for_standbys
+              ORDER BY 1",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
 /// Every slot on the server, flagged stale when its owner has not been seen
 /// for longer than `stale_after` and the slot is not in use.
 pub async fn list(

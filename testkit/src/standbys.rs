@@ -10,7 +10,7 @@ use tokio_postgres::Client;
 /// The physical standbys streaming from the primary `admin` is connected
 /// to, by their WAL receivers' `application_name` (replication readers'
 /// logical walsenders left out).
-pub const PHYSICAL_STANDBYS_SQL: &str = "SELECT application_name FROM pg_stat_replication r
+const PHYSICAL_STANDBYS_SQL: &str = "SELECT application_name FROM pg_stat_replication r
   WHERE state = 'streaming' AND NOT EXISTS (SELECT 1 FROM pg_replication_slots s
                  WHERE s.active_pid = r.pid AND s.slot_type = 'logical')";
 
@@ -31,13 +31,26 @@ where
 
 /// The name the primary's physical standby streams under, once it streams.
 pub async fn physical_name(admin: &Client) -> String {
-    let deadline = Instant::now() + DEADLINE;
+    physical_name_within(admin, DEADLINE)
+        .await
+        .unwrap()
+        .expect("the standby never streamed")
+}
+
+/// The name the primary's physical standby streams under, once it streams;
+/// `None` if none streams within `within`.
+pub async fn physical_name_within(
+    admin: &Client,
+    within: Duration,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    let deadline = Instant::now() + within;
     loop {
-        let row = admin.query_opt(PHYSICAL_STANDBYS_SQL, &[]).await.unwrap();
-        if let Some(r) = row {
-            return r.get(0);
+        if let Some(r) = admin.query_opt(PHYSICAL_STANDBYS_SQL, &[]).await? {
+            return Ok(Some(r.get(0)));
         }
-        assert!(Instant::now() < deadline, "the standby never streamed");
+        if Instant::now() > deadline {
+            return Ok(None);
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

@@ -691,18 +691,9 @@ pub async fn standby_promoted(r: &mut Region, o: &Options) -> Result<serde_json:
     // connections as well.
     let c = r.client().await?;
     let deadline = Instant::now() + o.patience;
-    let name = loop {
-        let row = c
-            .query_opt(testkit::standbys::PHYSICAL_STANDBYS_SQL, &[])
-            .await?;
-        if let Some(row) = row {
-            break row.get::<_, String>(0);
-        }
-        if Instant::now() > deadline {
-            anyhow::bail!("the standby never streamed");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let name = testkit::standbys::physical_name_within(&c, o.patience)
+        .await?
+        .context("the standby never streamed")?;
     c.batch_execute(&format!(
         "ALTER SYSTEM SET synchronous_standby_names = '\"{name}\"'"
     ))
@@ -711,19 +702,21 @@ pub async fn standby_promoted(r: &mut Region, o: &Options) -> Result<serde_json:
     // Until the standby is synchronous and every reader streaming now
     // holds what it decodes until the standby has it: before, a reader may
     // hand a role a commit the standby lacks.
-    let ready = "SELECT (SELECT count(*) FROM pg_stat_replication WHERE application_name = $1 AND sync_state = 'sync'),
-                        (SELECT count(*) FROM pg_replication_slots s
-                           JOIN strata.replication_readers r ON r.slot_name = s.slot_name::text
-                          WHERE s.active AND s.slot_type = 'logical' AND NOT r.holds_for_standbys)";
     loop {
-        let row = c.query_one(ready, &[&name]).await?;
-        if row.get::<_, i64>(0) == 1 && row.get::<_, i64>(1) == 0 {
+        let sync = c
+            .query_opt(
+                "SELECT 1 FROM pg_stat_replication WHERE application_name = $1 AND sync_state = 'sync'",
+                &[&name],
+            )
+            .await?
+            .is_some();
+        let not_holding = events::slots::not_holding_for_standbys(&c).await?;
+        if sync && not_holding.is_empty() {
             break;
         }
         if Instant::now() > deadline {
             anyhow::bail!(
-                "the standby never became synchronous, or {} readers never held for it",
-                row.get::<_, i64>(1)
+                "the standby never became synchronous (synchronous: {sync}), or readers never held for it: {not_holding:?}"
             );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
