@@ -19,6 +19,8 @@ use std::time::Instant;
 pub(crate) enum Output {
     Text,
     Json,
+    /// `usage report` only
+    Csv,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -24,3 +24,4 @@ pub(crate) mod serve;
 pub(crate) mod sinks;
 pub(crate) mod slots;
 pub(crate) mod tokens;
+pub(crate) mod usage;

@@ -56,6 +56,17 @@ pub fn of(e: &anyhow::Error) -> ExitCode {
 
 static ONE_SHOT: AtomicBool = AtomicBool::new(false);
 static JSON: AtomicBool = AtomicBool::new(false);
+static CSV: AtomicBool = AtomicBool::new(false);
+
+/// `--output csv` (`usage report` only).
+pub fn set_csv(yes: bool) {
+    CSV.store(yes, Ordering::Relaxed);
+}
+
+/// Whether this run prints CSV.
+pub fn csv() -> bool {
+    CSV.load(Ordering::Relaxed)
+}
 
 /// `--output json`: lists print one JSON object per line, shows one object.
 pub fn set_json(yes: bool) {

@@ -32,7 +32,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser, Debug)]
 #[command(name = "strata", version, propagate_version = true, after_help = exit::HELP)]
 pub struct Cli {
-    /// How list and show commands print: text (tables for people) or json (one JSON object per line for lists, one object for a show)
+    /// How list and show commands print: text (tables for people), json (one JSON object per line for lists, one object for a show) or csv (`usage report` only)
     #[arg(long, global = true, value_enum, default_value_t = cli::Output::Text, env = "STRATA_OUTPUT")]
     output: cli::Output,
     #[command(subcommand)]
@@ -91,6 +91,9 @@ enum Command {
         #[command(flatten)]
         db: cli::DbArgs,
     },
+    /// Who used what: GPU-hours by pool, queue, owner, class or node, and billing weights
+    #[command(subcommand)]
+    Usage(cmd::usage::UsageCmd),
     /// Create, seed and inspect one pool
     #[command(subcommand)]
     Pool(cmd::pools::PoolCmd),
@@ -147,6 +150,16 @@ fn main() -> ExitCode {
     );
     exit::one_shot(!long_running);
     exit::set_json(cli.output == cli::Output::Json);
+    exit::set_csv(cli.output == cli::Output::Csv);
+    if cli.output == cli::Output::Csv
+        && !matches!(
+            cli.command,
+            Command::Usage(cmd::usage::UsageCmd::Report { .. })
+        )
+    {
+        eprintln!("error: --output csv is for `strata usage report` only; use text or json");
+        return ExitCode::from(2);
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -181,6 +194,7 @@ fn main() -> ExitCode {
             Command::Pools { db } => cmd::pools::pools(&db).await,
             Command::Reservations(c) => cmd::reservations::reservations(c).await,
             Command::Queues(c) => cmd::queues::queues(c).await,
+            Command::Usage(c) => cmd::usage::usage(c).await,
             Command::Pool(c) => cmd::pools::pool(c).await,
             Command::Replay(c) => cmd::replay::replay(c).await,
             Command::Ca(c) => cmd::ca::ca(c).await,

@@ -1,5 +1,5 @@
 //! The roles a `strata serve` process runs (`--roles`), one module each:
-//! `maintenance`, `placer`, `gateway`, `binder`, `sinks`, `audit`. A role
+//! `maintenance`, `placer`, `gateway`, `binder`, `sinks`, `audit`, `usage`. A role
 //! keeps nothing but leases in the database, so any number of processes may
 //! run it and a dead one's work is handed on when its leases run out.
 //!
@@ -13,6 +13,7 @@ pub(crate) mod gateway;
 pub(crate) mod maintenance;
 pub(crate) mod placer;
 pub(crate) mod sinks;
+pub(crate) mod usage;
 
 use crate::cli::DbArgs;
 use anyhow::{Context, Result};
@@ -29,7 +30,7 @@ pub(crate) struct ServeArgs {
     pub config: Option<PathBuf>,
     #[command(flatten)]
     pub db: DbArgs,
-    /// Roles to run, comma-separated. maintenance: partitions ahead, seals of closed months and checkpoints of the open one; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks; audit: the Postgres-protocol endpoint for auditors
+    /// Roles to run, comma-separated. maintenance: partitions ahead, seals of closed months and checkpoints of the open one; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks; audit: the Postgres-protocol endpoint for auditors; usage: keeps the usage rollups (GPU time by pool, queue, owner, class and node) from the log
     #[arg(long, value_delimiter = ',', default_value = "maintenance", value_enum)]
     pub roles: Vec<Role>,
     /// Serve Prometheus metrics at this address
@@ -191,6 +192,8 @@ pub(crate) enum Role {
     Sinks,
     /// The audit endpoint.
     Audit,
+    /// The usage rollups, kept from the log.
+    Usage,
 }
 
 impl Role {
@@ -203,6 +206,7 @@ impl Role {
             Role::Binder => "binder",
             Role::Sinks => "sinks",
             Role::Audit => "audit",
+            Role::Usage => "usage",
         }
     }
 
@@ -212,7 +216,7 @@ impl Role {
     pub(crate) fn follows_log(self) -> bool {
         matches!(
             self,
-            Role::Placer | Role::Gateway | Role::Binder | Role::Sinks
+            Role::Placer | Role::Gateway | Role::Binder | Role::Sinks | Role::Usage
         )
     }
 }
@@ -267,6 +271,9 @@ impl Running {
         };
         if has(Role::Maintenance) {
             maintenance::start(cfg, args.seal_every, args.seal_grace);
+        }
+        if has(Role::Usage) {
+            usage::start(cfg, reader()?);
         }
         let audit = match has(Role::Audit) {
             true => Some(audit::start(args, cfg).await?),

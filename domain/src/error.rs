@@ -25,6 +25,9 @@ pub enum RequestError {
         "queue {queue:?} already exists in pool {pool:?} (change it with `strata queues set`)"
     )]
     QueueExists { pool: String, queue: String },
+    /// A change refused for what it asks (the message says why).
+    #[error("{0}")]
+    Refused(String),
     #[error(transparent)]
     Append(#[from] AppendError),
     #[error("read the log: {0}")]

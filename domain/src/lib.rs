@@ -10,8 +10,8 @@
 //!   line, the client API and Strata's own roles call, with the same checks
 //!   and answers: [`requests`] (a reservation asked for and released),
 //!   [`standing`] (cordon, drain, leave, clear a condition, topology),
-//!   [`queues`] (a queue configured) and [`commands`] (a command to a node
-//!   and its transitions).
+//!   [`queues`] (a queue configured), [`commands`] (a command to a node
+//!   and its transitions) and [`usage`] (billing weights).
 //!
 //! `error.rs` holds `RequestError`, the one answer every write gives when
 //! it is refused or fails. It folds nothing: the state folded from these facts is `projections`'.
@@ -27,6 +27,7 @@ pub mod queues;
 pub mod requests;
 pub mod standing;
 pub mod types;
+pub mod usage;
 
 pub use fact::{canonical_type, stored_types, Fact, FACT_TYPES, LEGACY_FACT_TYPES};
 pub use types::*;

@@ -95,7 +95,7 @@ async fn still_valid(shared: &Shared, who: &str, serial: &str) -> Result<(), Sta
 
 fn request_status(e: RequestError) -> Status {
     match e {
-        RequestError::Invalid(m) => Status::invalid_argument(m),
+        RequestError::Invalid(m) | RequestError::Refused(m) => Status::invalid_argument(m),
         RequestError::NoSuchPool(_)
         | RequestError::NotFound(_)
         | RequestError::NoSuchNode(_)

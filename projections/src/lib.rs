@@ -4,8 +4,9 @@
 //! against. It applies events strictly in position order, each once (the
 //! applied position is part of its state), can be saved as an rkyv
 //! [`snapshot`] and resumed from one plus the events after it.
-//! [`check`] replays the log and verifies the placement invariants. It
-//! appends nothing: every write is `domain`'s.
+//! [`check`] replays the log and verifies the placement invariants.
+//! [`usage`] folds the GPU time reservations held into rollup tables. It
+//! appends nothing: every write to the log is `domain`'s.
 
 pub mod check;
 pub mod hashing;
@@ -16,6 +17,7 @@ pub mod snapshot;
 pub mod tally;
 pub mod testing;
 mod tiers;
+pub mod usage;
 pub mod views;
 pub mod waiting;
 

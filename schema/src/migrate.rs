@@ -198,6 +198,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0021_reader_standbys.sql"),
         change: Change::Expand,
     },
+    Migration {
+        version: 22,
+        name: "usage",
+        sql: include_str!("../migrations/0022_usage.sql"),
+        change: Change::Expand,
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

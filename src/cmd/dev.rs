@@ -144,6 +144,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
         Duration::from_secs(60),
         Duration::from_secs(600),
     );
+    crate::roles::usage::start(&cfg, reader.clone());
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
 
     // A demo pool whose nodes are simulated daemons joining through a

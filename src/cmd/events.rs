@@ -258,6 +258,7 @@ pub(crate) fn all() -> Vec<EventSpec> {
     [
         domain::fact::EVENTS,
         domain::commands::EVENTS,
+        domain::usage::EVENTS,
         gateway::catalog::EVENTS,
         sinks::catalog::EVENTS,
         audit::catalog::EVENTS,

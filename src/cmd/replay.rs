@@ -160,15 +160,45 @@ pub(crate) async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
             }
             match result {
                 Ok(r) => {
+                    // The usage rollups against a fold of the raw log.
+                    let mut client = client;
+                    let usage = projections::usage::verify::verify(&mut client, |p| {
+                        if tty {
+                            eprint!("\rusage checked up to position {p}");
+                        }
+                    })
+                    .await
+                    .context("check the usage rollups")?;
+                    if tty {
+                        eprint!("\r\x1b[K");
+                    }
+                    let ok = usage.differences.is_empty();
                     if json || crate::exit::json() {
-                        println!("{}", serde_json::to_string(&r)?);
+                        let mut v = serde_json::to_value(&r)?;
+                        v["usage"] = serde_json::to_value(&usage)?;
+                        println!("{v}");
                     } else {
                         println!(
                             "ok: {} events up to position {}; {} pools, {} nodes, {} devices ({} booked), {} live and {} waiting reservations",
                             r.events, r.position, r.pools, r.nodes, r.devices, r.booked_devices, r.live, r.pending
                         );
+                        match usage.position {
+                            Some(p) if ok => println!(
+                                "ok: usage rollups at position {p} equal a fold of the log's {} reservation events ({} buckets, {} by node, {} open)",
+                                usage.events, usage.account_buckets, usage.node_buckets, usage.open
+                            ),
+                            Some(p) => println!("usage rollups at position {p} differ from the log:"),
+                            None => println!("usage: no rollups kept yet (no process runs `serve --roles usage`)"),
+                        }
+                        for d in &usage.differences {
+                            println!("violation: {d}");
+                        }
                     }
-                    Ok(ExitCode::SUCCESS)
+                    Ok(if ok {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(1)
+                    })
                 }
                 Err(projections::check::CheckError::Read(e)) => Err(e).context("replay the log"),
                 Err(e) => {

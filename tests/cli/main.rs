@@ -20,6 +20,7 @@ mod sinks;
 mod structure;
 mod topology;
 mod upgrade;
+mod usage;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};

@@ -19,6 +19,11 @@ pub(crate) struct Region {
 }
 
 pub(crate) fn region() -> Region {
+    region_with("gateway,placer,binder", &[])
+}
+
+/// A region whose `serve` runs `roles` with `extra` options.
+pub(crate) fn region_with(roles: &str, extra: &[&str]) -> Region {
     let url = database();
     let dir = tempfile::tempdir().unwrap();
     let ca = dir.path().join("ca");
@@ -28,24 +33,23 @@ pub(crate) fn region() -> Region {
     // Slots are the cluster's: one per test's database.
     let slot = format!("containers_{}", url.rsplit('/').next().unwrap());
     let metrics = format!("127.0.0.1:{}", free_port());
-    let serve = Killed(spawn(
-        &[
-            "serve",
-            "--roles",
-            "gateway,placer,binder",
-            "--database-url",
-            &url,
-            "--listen",
-            &listen,
-            "--ca-dir",
-            ca_s,
-            "--slot",
-            &slot,
-            "--metrics-listen",
-            &metrics,
-        ],
-        &dir.path().join("serve.log"),
-    ));
+    let mut args = vec![
+        "serve",
+        "--roles",
+        roles,
+        "--database-url",
+        &url,
+        "--listen",
+        &listen,
+        "--ca-dir",
+        ca_s,
+        "--slot",
+        &slot,
+        "--metrics-listen",
+        &metrics,
+    ];
+    args.extend_from_slice(extra);
+    let serve = Killed(spawn(&args, &dir.path().join("serve.log")));
     Region {
         dir,
         url,
