@@ -9,8 +9,8 @@ use crate::api_proto::{
     SubscribeMessage, SubscribedEvent, Waiting,
 };
 use crate::api_proto::{
-    DeleteSubscriptionRequest, DeleteSubscriptionResponse, ListSubscriptionsRequest,
-    ListSubscriptionsResponse, SubscriptionInfo,
+    DeleteSubscriptionRequest, DeleteSubscriptionResponse, GetUsageRequest, GetUsageResponse,
+    ListSubscriptionsRequest, ListSubscriptionsResponse, SubscriptionInfo,
 };
 use crate::revocation;
 use crate::roles::Need;
@@ -823,6 +823,21 @@ impl api_server::Api for ApiService {
         let client = self.db().await?;
         crate::subscriptions::delete(&client, &who, &name).await?;
         Ok(Response::new(DeleteSubscriptionResponse {}))
+    }
+
+    async fn get_usage(
+        &self,
+        req: Request<GetUsageRequest>,
+    ) -> Result<Response<GetUsageResponse>, Status> {
+        let who = authorized(&self.shared, &req, Need::Read).await?;
+        let client = self.db().await?;
+        let role = crate::roles::get(&client, &who)
+            .await
+            .map_err(|e| Status::unavailable(format!("database: {e}")))?
+            .ok_or_else(|| Status::permission_denied(format!("operator {who} has no role")))?;
+        crate::usage::get_usage(&self.shared, &who, &role, req.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn get_command(

@@ -271,6 +271,7 @@ fn new_shared(
         pools: tokio::sync::Mutex::new(projections::Index::new()),
         joins: tokio::sync::Mutex::new(None),
         lease_epoch: std::sync::atomic::AtomicI64::new(0),
+        reports: Semaphore::new(crate::usage::AT_ONCE),
         stopping: tokio::sync::watch::Sender::new(false),
     })
 }

@@ -290,6 +290,8 @@ pub(crate) struct Shared {
     /// The epoch of the gateway's lease, written into every session it
     /// opens (see the liveness module).
     pub(crate) lease_epoch: std::sync::atomic::AtomicI64,
+    /// Usage reports running now (`GetUsage`), at most `usage::AT_ONCE`.
+    pub(crate) reports: Semaphore,
     /// Set once the gateway begins to stop: the client API's streams end
     /// (their callers subscribe again elsewhere).
     pub(crate) stopping: tokio::sync::watch::Sender<bool>,

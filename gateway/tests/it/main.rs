@@ -2,7 +2,7 @@
 //! TLS. This file is the harness (a region: a database, a CA, gateways,
 //! daemons with fake GPUs); the tests are grouped by what they test:
 //! `sessions`, `join`, `commands`, `api`, `authz`, `placement`, `topology`,
-//! `renewal`, `limits`, `cut`.
+//! `renewal`, `limits`, `cut`, `usage`.
 
 use domain::Fact;
 use events::{Appender, AppenderConfig, ExpectedVersion};
@@ -28,6 +28,7 @@ mod placement;
 mod renewal;
 mod sessions;
 mod topology;
+mod usage;
 
 struct Region {
     cfg: Config,
