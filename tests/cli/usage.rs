@@ -4,9 +4,9 @@
 //! report must equal a computation by hand from the events' times, and
 //! `replay check` must find the rollups equal to a fold of the raw log.
 
-use super::gateway::query;
+use super::gateway::{query, Killed};
 use super::one_node::{region_with, Region};
-use super::{ok, strata};
+use super::{database, ok, reserve_args, seeded_pool, spawn, strata};
 use std::collections::BTreeMap;
 use std::process::Command;
 
@@ -60,9 +60,12 @@ fn wait_ended(r: &Region, id: &str, outcome_is: &str) {
     });
 }
 
+/// (active, held) GPU-milliseconds by (queue, owner, class).
+type Usage = BTreeMap<(String, String, String), (i64, i64)>;
+
 /// GPU-milliseconds by (queue, owner, class): (active, held), computed from
 /// the events' `recorded_at` alone.
-fn by_hand(url: &str) -> BTreeMap<(String, String, String), (i64, i64)> {
+fn by_hand(url: &str) -> Usage {
     let rows = query(
         url,
         "SELECT type, payload->>'reservation',
@@ -122,6 +125,201 @@ fn by_hand(url: &str) -> BTreeMap<(String, String, String), (i64, i64)> {
         }
     }
     out
+}
+
+/// The report by queue, owner and class as (active, held) GPU-ms, and
+/// whether it holds every event of the log.
+fn shown(url: &str) -> (Usage, bool) {
+    let rep = report(url, &["--by", "queue,owner,class"]);
+    let rows = rep["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            let k = row["keys"].as_array().unwrap();
+            let s = |i: usize| k[i].as_str().unwrap().to_string();
+            (
+                (s(0), s(1), s(2)),
+                (
+                    row["active_gpu_ms"].as_i64().unwrap(),
+                    row["held_gpu_ms"].as_i64().unwrap(),
+                ),
+            )
+        })
+        .collect();
+    (rows, rep["behind"] == 0)
+}
+
+/// Waits until the usage report of `url` equals the computation by hand
+/// from its events, with every event counted, and `replay check` agrees.
+fn wait_exact(url: &str, on_timeout: impl FnOnce()) {
+    let mut last = (BTreeMap::new(), BTreeMap::new());
+    testkit::wait_until(
+        60,
+        "the usage report equals the events",
+        || {
+            let (rows, caught_up) = shown(url);
+            last = (rows.clone(), by_hand(url));
+            caught_up && last.0 == last.1 && !rows.is_empty()
+        },
+        on_timeout,
+    );
+    let out = ok(&["replay", "check", "--database-url", url]);
+    assert!(out.contains("ok: usage rollups at position"), "{out}");
+}
+
+fn ended(url: &str) -> usize {
+    query(
+        url,
+        "SELECT count(*)::text FROM strata.events WHERE type = 'reservation.ended'",
+    )[0][0]
+        .parse()
+        .unwrap()
+}
+
+/// `serve --roles placer,usage` named `name`, with short leases.
+fn placer_and_usage(url: &str, name: &str, dir: &std::path::Path) -> Killed {
+    let db = url.rsplit('/').next().unwrap().split('?').next().unwrap();
+    Killed(spawn(
+        &[
+            "serve",
+            "--roles",
+            "placer,usage",
+            "--database-url",
+            url,
+            "--lease-ttl",
+            "2s",
+            "--subscription-lease-ttl",
+            "3s",
+            "--holder",
+            name,
+            "--slot",
+            &format!("usage_{name}_{db}"),
+        ],
+        &dir.join(format!("{name}.log")),
+    ))
+}
+
+fn print_logs(dir: &std::path::Path) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(30).collect();
+        eprintln!("--- {:?} (newest first)\n{}", e.path(), tail.join("\n"));
+    }
+}
+
+#[test]
+fn the_rollups_stay_exact_when_the_usage_role_and_the_placer_are_taken_over() {
+    let url = database();
+    seeded_pool(&url, 4);
+    let dir = tempfile::tempdir().unwrap();
+    let a = placer_and_usage(&url, "a", dir.path());
+    testkit::wait_until(
+        30,
+        "a holds the usage subscription and the pool",
+        || {
+            query(
+                &url,
+                "SELECT holder FROM strata.leases WHERE expires_at > now()
+                  AND (name = 'subscription/usage' OR name = 'pool/gpu') ORDER BY name",
+            )
+            .iter()
+            .filter(|r| r[0] == "a" || r[0].starts_with("usage_a_"))
+            .count()
+                == 2
+        },
+        || print_logs(dir.path()),
+    );
+    let _b = placer_and_usage(&url, "b", dir.path());
+    for i in 0..6 {
+        ok(&reserve_args(
+            &url,
+            &["--gpus", "2", "--ttl", "1s", "--id", &format!("r{i}")],
+        ));
+    }
+    // SIGKILL: b takes both over when their leases run out.
+    drop(a);
+    for i in 6..12 {
+        ok(&reserve_args(
+            &url,
+            &["--gpus", "2", "--ttl", "1s", "--id", &format!("r{i}")],
+        ));
+    }
+    testkit::wait_until(
+        60,
+        "every reservation expired",
+        || ended(&url) == 12,
+        || print_logs(dir.path()),
+    );
+    wait_exact(&url, || print_logs(dir.path()));
+    let holder = query(
+        &url,
+        "SELECT holder FROM strata.leases WHERE name = 'subscription/usage'",
+    );
+    assert!(holder[0][0].starts_with("usage_b_"), "{holder:?}");
+}
+
+/// The usage role and a placer against a primary and its streaming standby
+/// through one multi-host URL: the primary crashes, the standby is
+/// promoted (its log's positions jump to a new epoch), and the rollups on
+/// it stay equal to its own log.
+#[test]
+fn the_rollups_follow_a_promoted_standby() {
+    let mut primary = testkit::temp_cluster(&[]).unwrap();
+    let url = super::placement::rt().block_on(testkit::migrated_database(&primary));
+    let dbname = url.rsplit('/').next().unwrap().to_string();
+    let standby = testkit::temp_standby(&primary).unwrap();
+    let both = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/{dbname}?target_session_attrs=read-write&connect_timeout=2",
+        primary.port(),
+        standby.port()
+    );
+    let on_standby = standby.url(&dbname);
+    seeded_pool(&both, 2);
+    let dir = tempfile::tempdir().unwrap();
+    let _p = placer_and_usage(&both, "failover", dir.path());
+    for i in 0..3 {
+        ok(&reserve_args(
+            &both,
+            &["--gpus", "4", "--ttl", "1s", "--id", &format!("before{i}")],
+        ));
+    }
+    testkit::wait_until(
+        60,
+        "the first three expired",
+        || ended(&both) == 3,
+        || print_logs(dir.path()),
+    );
+    wait_exact(&both, || print_logs(dir.path()));
+    // The standby has the rollups as far as the primary has them.
+    let cursor = |u: &str| {
+        query(
+            u,
+            "SELECT position::text FROM strata.subscriptions WHERE name = 'usage'",
+        )
+    };
+    let at = cursor(&both);
+    testkit::wait_until(
+        30,
+        "the standby has the rollups",
+        || cursor(&on_standby) == at,
+        || {},
+    );
+    primary.crash();
+    standby.promote().unwrap();
+    for i in 0..3 {
+        ok(&reserve_args(
+            &on_standby,
+            &["--gpus", "4", "--ttl", "1s", "--id", &format!("after{i}")],
+        ));
+    }
+    testkit::wait_until(
+        90,
+        "the next three expired",
+        || ended(&on_standby) == 6,
+        || print_logs(dir.path()),
+    );
+    wait_exact(&on_standby, || print_logs(dir.path()));
 }
 
 fn report(url: &str, extra: &[&str]) -> serde_json::Value {
