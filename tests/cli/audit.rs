@@ -674,3 +674,53 @@ fn audit_results_count_rows_and_memory_settings_are_the_endpoints() {
     let (okay, _, err) = run("SELECT set_config('temp_file_limit', '-1', false)");
     assert!(!okay && err.contains("permission denied"), "{err}");
 }
+
+#[test]
+fn auditors_read_usage_with_sql_through_the_endpoint_and_not_the_tables_behind_it() {
+    let ep = Endpoint::start(&[("finance", "s3cret-finance")], &[]);
+    super::seeded_pool(&ep.url, 1);
+    let _region = super::usage::placer_and_usage(&ep.url, "audited", ep.dir.path());
+    ok(&super::reserve_args(
+        &ep.url,
+        &["--gpus", "2", "--ttl", "1s", "--id", "billed"],
+    ));
+    let ci = ep.conninfo("finance");
+    let mut rows = String::new();
+    testkit::wait_until(
+        60,
+        "the auditor sees the reservation's GPU time",
+        || {
+            let (good, out, err) = psql(
+                &ci,
+                "SELECT period, pool, class, sum(reservations_ended), sum(gpu_hours + held_gpu_hours) > 0
+                   FROM audit.usage GROUP BY 1, 2, 3 ORDER BY period",
+                Some("s3cret-finance"),
+            );
+            assert!(good, "{err}");
+            rows = out;
+            rows.lines().count() == 3
+        },
+        || eprintln!("{}", ep.log()),
+    );
+    assert_eq!(
+        rows.lines().collect::<Vec<_>>(),
+        [
+            "day|gpu|H100-80GB|1|t",
+            "hour|gpu|H100-80GB|1|t",
+            "month|gpu|H100-80GB|1|t"
+        ]
+    );
+    let (good, out, _) = psql(
+        &ci,
+        "SELECT count(DISTINCT period) FROM audit.usage_by_node WHERE node <> ''",
+        Some("s3cret-finance"),
+    );
+    assert!(good && out.trim() == "3", "{out}");
+    // The views, not the tables the usage role writes.
+    let (good, _, err) = psql(
+        &ci,
+        "SELECT count(*) FROM strata.usage_rollups",
+        Some("s3cret-finance"),
+    );
+    assert!(!good && err.contains("permission denied"), "{err}");
+}

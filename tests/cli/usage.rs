@@ -178,7 +178,7 @@ fn ended(url: &str) -> usize {
 }
 
 /// `serve --roles placer,usage` named `name`, with short leases.
-fn placer_and_usage(url: &str, name: &str, dir: &std::path::Path) -> Killed {
+pub(crate) fn placer_and_usage(url: &str, name: &str, dir: &std::path::Path) -> Killed {
     let db = url.rsplit('/').next().unwrap().split('?').next().unwrap();
     Killed(spawn(
         &[
