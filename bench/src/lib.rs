@@ -16,5 +16,6 @@ pub mod region;
 pub mod replay;
 pub mod sinks;
 pub mod stalls;
+pub mod usage;
 pub mod util;
 mod writers;

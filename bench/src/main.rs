@@ -3,7 +3,7 @@
 
 use bench::{
     append, audit, gateway, hostile, lifecycle, node_path, placements, region, replay, sinks,
-    stalls,
+    stalls, usage,
 };
 
 use clap::{Parser, Subcommand};
@@ -57,6 +57,8 @@ enum Scenario {
     Sinks(sinks::Args),
     /// Rebuilding the pool index from history: from PostgreSQL against COPY binary of the same rows, and from archives
     Replay(replay::Args),
+    /// Usage reports from the rollups and the rollups recomputed from a month's log, against COPY of the same rows
+    Usage(usage::Args),
     /// A whole region as separate processes (3 gateways, 2 placers, 2 binders, sinks, maintenance, audit) and simulated nodes: cold start, steady load, faults, and the invariant checker after each
     Region(region::Args),
     /// (internal) the sinks process of `sinks`
@@ -100,6 +102,7 @@ fn run() -> anyhow::Result<()> {
             Scenario::Sinks(a) => sinks::run(a).await,
             Scenario::SinksServer(a) => sinks::server(a).await,
             Scenario::Replay(a) => replay::run(a).await,
+            Scenario::Usage(a) => usage::run(a).await,
             Scenario::Audit(a) => audit::run(a).await,
             Scenario::Region(a) => region::run(a).await,
         }

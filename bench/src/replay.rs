@@ -228,23 +228,7 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
         sink.send(Bytes::from(std::mem::take(&mut g.buf))).await?;
     }
     sink.as_mut().finish().await?;
-    eprintln!(
-        "\rloaded {} events in {:.1} s",
-        g.position,
-        started.elapsed().as_secs_f64()
-    );
-    db.execute(
-        "UPDATE strata.log_head SET last_position = $1",
-        &[&(g.position as i64)],
-    )
-    .await?;
-    db.batch_execute(
-        "INSERT INTO strata.streams (stream, version)
-         SELECT stream, max(version) FROM strata.events GROUP BY stream
-         ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version",
-    )
-    .await?;
-    db.batch_execute("VACUUM ANALYZE strata.events").await?;
+    util::after_bulk_load(db, g.position, started).await?;
     Ok(g.index)
 }
 

@@ -242,3 +242,30 @@ impl CpuMeter {
         }
     }
 }
+
+/// After rows were COPYed into `strata.events` up to `last` (a bench's
+/// log, loaded in bulk): the log's head and every stream's version set as
+/// appends would have left them, and the table analyzed.
+pub async fn after_bulk_load(
+    db: &tokio_postgres::Client,
+    last: u64,
+    started: std::time::Instant,
+) -> Result<()> {
+    eprintln!(
+        "\rloaded {last} events in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    db.execute(
+        "UPDATE strata.log_head SET last_position = $1",
+        &[&(last as i64)],
+    )
+    .await?;
+    db.batch_execute(
+        "INSERT INTO strata.streams (stream, version)
+         SELECT stream, max(version) FROM strata.events GROUP BY stream
+         ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version",
+    )
+    .await?;
+    db.batch_execute("VACUUM ANALYZE strata.events").await?;
+    Ok(())
+}

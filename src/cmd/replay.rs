@@ -162,11 +162,15 @@ pub(crate) async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
                 Ok(r) => {
                     // The usage rollups against a fold of the raw log.
                     let mut client = client;
-                    let usage = projections::usage::verify::verify(&mut client, |p| {
-                        if tty {
-                            eprint!("\rusage checked up to position {p}");
-                        }
-                    })
+                    let usage = projections::usage::verify::verify(
+                        &crate::cli::config(&db)?,
+                        &mut client,
+                        |p| {
+                            if tty {
+                                eprint!("\rusage checked up to position {p}");
+                            }
+                        },
+                    )
                     .await
                     .context("check the usage rollups")?;
                     if tty {

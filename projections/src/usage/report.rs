@@ -2,7 +2,7 @@
 //! queue, owner, class or node, with billed hours at the weights in force.
 //!
 //! A period runs from whole hour to whole hour (its start rounded down, its
-//! end up). It is read as the fewest buckets that tile it (whole months,
+//! end up; by node from whole day to whole day, as node rollups are kept). It is read as the fewest buckets that tile it (whole months,
 //! then whole days, then hours), and the reservations still open are added
 //! from their rows up to the period's end or the report's time, whichever
 //! is first, all in one snapshot of the tables, so the figures are those of
@@ -97,7 +97,7 @@ pub struct Row {
 /// A report.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Report {
-    /// The period, rounded to whole hours, as RFC 3339.
+    /// The period, rounded to whole hours (days by node), as RFC 3339.
     pub since: String,
     pub until: String,
     pub by: Vec<By>,
@@ -163,11 +163,21 @@ impl Query {
             .collect()
     }
 
-    /// The period, whole hours: its start rounded down, its end up.
-    fn hours(&self) -> (i64, i64) {
-        let up = Period::Hour.start(self.until_ms);
-        let until = if up < self.until_ms { up + HOUR_MS } else { up };
-        (Period::Hour.start(self.since_ms), until)
+    /// The period in whole buckets: hours, or days by node (node rollups
+    /// are kept by day and month); its start rounded down, its end up.
+    fn bounds(&self) -> (i64, i64) {
+        let unit = if self.by.contains(&By::Node) {
+            Period::Day
+        } else {
+            Period::Hour
+        };
+        let up = unit.start(self.until_ms);
+        let until = if up < self.until_ms {
+            unit.next(up)
+        } else {
+            up
+        };
+        (unit.start(self.since_ms), until)
     }
 }
 
@@ -305,7 +315,7 @@ pub async fn report(
     client: &mut tokio_postgres::Client,
     q: &Query,
 ) -> Result<Report, tokio_postgres::Error> {
-    let (since, until) = q.hours();
+    let (since, until) = q.bounds();
     let tx = store::snapshot(client).await?;
     let weights = domain::usage::weights(&tx).await.unwrap_or_default();
     let cursor = store::position(&tx).await?;
