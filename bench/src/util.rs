@@ -255,6 +255,8 @@ pub async fn after_bulk_load(
         "\rloaded {last} events in {:.1} s",
         started.elapsed().as_secs_f64()
     );
+    // Millions of streams take longer than a role's statement timeout.
+    db.batch_execute("SET statement_timeout = 0").await?;
     db.execute(
         "UPDATE strata.log_head SET last_position = $1",
         &[&(last as i64)],

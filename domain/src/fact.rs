@@ -363,6 +363,14 @@ facts! {
         formerly: [],
     } (crate::faults::Policy),
 
+    PoolPreemptionSet = "pool.preemption_set" {
+        stream: "pool/<pool>",
+        written_by: "operators (`strata pool preemption`)",
+        about: "Whether the pool's placer preempts. On (the default), a waiting request makes room by ending the fewest live reservations of lower priority after the grace period (`reservation.preemption_scheduled`): in a pool shared by queues those of its own queue, or what other queues of its cohort borrowed from its quota; in a pool without queues any of the pool's. Off, requests wait.",
+        fields: [req("enabled", Ty::Boolean, "Whether it preempts.")],
+        formerly: [],
+    } { enabled: bool },
+
     QueueConfigured = "queue.configured" {
         stream: "pool/<pool>",
         written_by: "operators (`strata queues create|set`, the client API)",

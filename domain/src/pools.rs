@@ -83,6 +83,21 @@ pub async fn set_fault_policy(
     append_to_pool(appender, pool, vec![event]).await
 }
 
+/// Turns the pool's preemption on or off (`pool.preemption_set`),
+/// recording `metadata` (who asked).
+pub async fn set_preemption(
+    appender: &Appender,
+    pool: &str,
+    enabled: bool,
+    metadata: Option<&serde_json::Value>,
+) -> Result<(), RequestError> {
+    let mut event = Fact::PoolPreemptionSet { enabled }.to_event();
+    if let Some(m) = metadata {
+        event = event.with_metadata(m);
+    }
+    append_to_pool(appender, pool, vec![event]).await
+}
+
 /// Nodes joining a pool with their inventory, appended in chunks (each chunk
 /// one transaction); `progress` hears the count so far.
 pub async fn join_nodes(

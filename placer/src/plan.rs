@@ -265,12 +265,29 @@ fn plan_one(
         }
         Err(refusal @ quota::Refusal::OverQuota(_)) => refusal.to_string(),
     };
-    if !ending && request.queue.is_some() {
+    if !ending && may_preempt_any(index, pool, &request) {
         // It may preempt: weighed once the batch's placements are planned.
         plan.candidates.push((order, id.to_string(), why));
     } else {
         wait(plan, why);
     }
+}
+
+/// Whether `request` may have anything to preempt, cheaply: the pool
+/// preempts, and it is shared by queues (a queue may take back what it
+/// lent) or holds a live reservation of a lower priority of its class.
+fn may_preempt_any(index: &Index, pool: &str, request: &Request) -> bool {
+    if index.pool(pool).is_none_or(|p| p.preemption_off) {
+        return false;
+    }
+    if request.queue.is_some() {
+        return true;
+    }
+    index
+        .queues(pool)
+        .and_then(|q| q.live.get(&(request.class.clone(), String::new())))
+        .and_then(|set| set.first())
+        .is_some_and(|lowest| lowest.0 < request.priority)
 }
 
 /// Why an admitted request does not fit: the capacity, or, for a gang
@@ -399,8 +416,11 @@ fn victims(
     request: &Request,
     batch: &quota::Batch,
 ) -> Option<Vec<(String, &'static str)>> {
-    // Only a pool shared by queues preempts.
-    let mine = request.queue.as_deref()?;
+    if index.pool(pool)?.preemption_off {
+        return None;
+    }
+    // Its queue's, or in a pool without queues the pool's (queue "").
+    let mine = request.queue.as_deref().unwrap_or("");
     let q = index.queues(pool)?;
     let queues = &index.pool(pool)?.queues;
     let class = request.class.as_str();
@@ -1142,6 +1162,52 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_pool_without_queues_preempts_lower_priorities_unless_it_is_turned_off() {
+        let mut w = World::new(1);
+        w.request("low", 2, Shape::Any, 0);
+        w.request("low-big", 4, Shape::Any, 0);
+        w.request("mid", 2, Shape::Any, 1);
+        w.run();
+        assert_eq!(w.index.class("p", C).unwrap().free, 0);
+        // The fewest of the lowest priority, as in a queue.
+        w.request("high", 4, Shape::Any, 5);
+        let plan = w.run();
+        assert_eq!(
+            plan.preempting,
+            [(
+                "low-big".to_string(),
+                "high".to_string(),
+                "priority".to_string()
+            )],
+            "{plan:?}"
+        );
+        // An equal priority preempts nothing.
+        w.request("peer", 4, Shape::Any, 0);
+        let plan = w.run();
+        assert!(plan.preempting.is_empty(), "{plan:?}");
+        let plan = w.run_ending();
+        assert!(plan.placed.iter().any(|(id, _)| id == "high"), "{plan:?}");
+        assert!(w.index.reservation("low-big").is_none());
+        // Turned off: a higher priority waits, and a preemption in the log
+        // is a violation.
+        assert_eq!(w.pool(&Fact::PoolPreemptionSet { enabled: false }), None);
+        w.request("top", 2, Shape::Any, 9);
+        let plan = w.run();
+        assert!(plan.preempting.is_empty(), "{plan:?}");
+        assert!(plan.queued.iter().any(|(id, _)| id == "top"), "{plan:?}");
+        let v = w
+            .pool(&Fact::ReservationPreemptionScheduled {
+                reservation: "low".into(),
+                by: "top".into(),
+                reason: "priority".into(),
+                deadline_ms: None,
+            })
+            .expect("a violation");
+        assert!(v.message.contains("does not preempt"), "{v}");
+        assert!(w.index.derived_is_consistent());
+    }
+
+    #[test]
     fn a_queue_takes_back_what_it_lent_and_only_that() {
         // 16 GPUs; a and b have 8 each in one cohort. b borrowed a's 8.
         let mut w = World::new(2);
@@ -1747,12 +1813,8 @@ pub(crate) mod tests {
         assert!(w.index.derived_is_consistent());
         assert_eq!(w.index.state().violations, 0);
         assert!(placed > 100, "the run placed {placed}");
-        let shared = !w.index.pool("p").unwrap().queues.is_empty();
-        assert_eq!(
-            preempted > 0,
-            shared,
-            "only a shared pool preempts: {preempted}"
-        );
+        // Pools with and without queues preempt (priorities vary).
+        assert!(preempted > 0, "seed {seed}: nothing was preempted");
         // And a rebuild from the whole log equals the live index.
         let mut rebuilt = Index::new();
         for e in &w.log.events {

@@ -58,6 +58,8 @@ pub struct Pool {
     pub faults_advisory: bool,
     /// The circuit breaker (`pool.fault_policy_set`); `None`: the default.
     pub max_quarantined_percent: Option<u32>,
+    /// Its placer does not preempt (`pool.preemption_set`).
+    pub preemption_off: bool,
 }
 
 impl Pool {

@@ -230,9 +230,13 @@ pub fn may_preempt<'a>(
             pool,
         });
     }
-    if by.queue.is_none() || v.queue.is_none() {
+    if index.pool(pool).is_some_and(|p| p.preemption_off) {
+        return Err(No::Off { pool });
+    }
+    if by.queue.is_none() != v.queue.is_none() {
         return Err(No::NotInQueues { victim: v, by });
     }
+    // In its own queue, or both in a pool without queues: by priority.
     if v.queue == by.queue {
         return if v.priority < by.priority {
             Ok("priority")
@@ -291,6 +295,9 @@ pub enum NotPreemptible<'a> {
         victim: &'a Request,
         by: &'a Request,
     },
+    Off {
+        pool: &'a str,
+    },
     NotLower {
         victim: &'a Request,
         by: &'a Request,
@@ -328,8 +335,12 @@ impl std::fmt::Display for NotPreemptible<'_> {
             ),
             NotPreemptible::NotInQueues { victim, by } => write!(
                 f,
-                "{} and {} are not in queues: only a pool shared by queues preempts",
+                "one of {} and {} is in a queue and the other is not",
                 victim.reservation, by.reservation
+            ),
+            NotPreemptible::Off { pool } => write!(
+                f,
+                "pool {pool} does not preempt (`strata pool preemption {pool} on` turns it on)"
             ),
             NotPreemptible::NotLower { victim: v, by } => write!(
                 f,

@@ -18,7 +18,7 @@ const MAGIC: &[u8; 8] = b"STRATAIX";
 // 7: devices name the GPU they are a MIG instance of, and whether a
 //    diagnostic passed them since their quarantine.
 // 8: reservations in a hash map.
-const FORMAT: u32 = 8;
+const FORMAT: u32 = 9;
 const HEADER: usize = 40;
 
 #[derive(Debug, thiserror::Error)]
@@ -253,7 +253,10 @@ mod tests {
         assert!(decode(b"STRATAIX").is_err());
         assert!(decode(&[0u8; 100]).is_err());
         let mut other = encode(&state(5));
-        other[8] = 9;
-        assert!(decode(&other).unwrap_err().to_string().contains("format 9"));
+        other[8] = 99;
+        assert!(decode(&other)
+            .unwrap_err()
+            .to_string()
+            .contains("format 99"));
     }
 }

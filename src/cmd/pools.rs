@@ -50,7 +50,7 @@ pub(crate) enum PoolCmd {
         #[arg(long, default_value_t = 0, requires = "nodes_per_rack")]
         racks_per_block: u32,
     },
-    /// How the pool's placer acts on GPU faults: automatically (quarantine a GPU, drain a node, end what ran there) or advisory (report only), under a circuit breaker; and the DCGM level of its nodes' acceptance checks. Without options, shows it
+    /// How the pool's placer acts on GPU faults: automatically (quarantine a GPU, drain a node, end what ran there) or advisory (report only), under a circuit breaker; whether it preempts; and the DCGM level of its nodes' acceptance checks. Without options, shows it
     Policy {
         #[command(flatten)]
         db: DbArgs,
@@ -64,6 +64,9 @@ pub(crate) enum PoolCmd {
         /// The `dcgmi diag` level of its nodes' acceptance checks (1: quick, 2: medium, 3: long, 4: extended; 0: not run), told to each node when its session opens; nodes without DCGM, and simulated ones, ignore it [default: each node's own --dcgm-level]
         #[arg(long, value_parser = clap::value_parser!(u32).range(0..=4))]
         dcgm_level: Option<u32>,
+        /// on (the default): a waiting request of higher priority makes room by ending the fewest live reservations of lower priority after the grace period (serve --preemption-grace), in its queue or, without queues, in the pool; queues also take back what they lent. off: requests wait
+        #[arg(long, value_parser = ["on", "off"])]
+        preemption: Option<String>,
     },
     /// Show a pool's nodes, free and booked GPUs, and what waits
     Show {
@@ -210,6 +213,7 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
             faults,
             max_quarantined,
             dcgm_level,
+            preemption,
         } => {
             let index = index(&db).await?;
             let Some(p) = index.pool(&name).filter(|p| p.created) else {
@@ -228,6 +232,12 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
                 let who = crate::cli::asked_by();
                 domain::pools::set_fault_policy(&appender(&db)?, &name, policy, Some(&who)).await?;
             }
+            let mut preempts = !p.preemption_off;
+            if let Some(on) = &preemption {
+                preempts = on == "on";
+                let who = crate::cli::asked_by();
+                domain::pools::set_preemption(&appender(&db)?, &name, preempts, Some(&who)).await?;
+            }
             if let Some(level) = dcgm_level {
                 let who = crate::cli::asked_by();
                 gateway::dcgm_level::set(&appender(&db)?, &name, level, Some(&who)).await?;
@@ -243,6 +253,7 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
                     "gpus": total,
                     "out_of_service_for_faults": out,
                     "dcgm_level": level,
+                    "preemption": preempts,
                 }));
             } else {
                 println!(
@@ -250,6 +261,14 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
                     policy.mode(),
                     policy.max_quarantined_percent,
                     policy.limit(total)
+                );
+                println!(
+                    "  preemption {}",
+                    if preempts {
+                        "on: higher priorities make room, after the grace period"
+                    } else {
+                        "off: requests wait"
+                    }
                 );
                 match level {
                     Some(l) => println!("  acceptance checks run dcgmi diag -r {l} where DCGM is installed (told to each node when its session opens)"),

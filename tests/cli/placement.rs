@@ -967,6 +967,16 @@ fn reservations_show_why_one_waits_and_where_it_stands() {
     let url = database();
     let dir = tempfile::tempdir().unwrap();
     crate::seeded_pool(&url, 1);
+    // Higher priorities wait here rather than preempt.
+    ok(&[
+        "pool",
+        "policy",
+        "gpu",
+        "--database-url",
+        &url,
+        "--preemption",
+        "off",
+    ]);
     let _placer = crate::gateway::Killed(placer(&url, "w1", &dir.path().join("placer.log")));
     let show = |id: &str| show_reservation(&url, id);
     // The node is full for an hour.
@@ -1068,4 +1078,85 @@ fn reservations_show_why_one_waits_and_where_it_stands() {
     assert_eq!(ended["outcome"], "released");
     let out = strata(&["reservations", "show", "nope", "--database-url", &url]);
     assert_eq!(out.status.code(), Some(6));
+}
+
+/// A pool without queues and a real placer: a request of higher priority
+/// ends the lower one after the grace period and takes its GPUs; with the
+/// pool's preemption turned off, the next one waits.
+#[test]
+fn a_pool_without_queues_preempts_for_a_higher_priority_unless_told_not_to() {
+    let url = database();
+    super::seeded_pool(&url, 1);
+    let dir = tempfile::tempdir().unwrap();
+    let db = url.rsplit('/').next().unwrap().to_string();
+    let _placer = crate::gateway::Killed(super::spawn(
+        &[
+            "serve",
+            "--roles",
+            "placer",
+            "--database-url",
+            &url,
+            "--preemption-grace",
+            "1s",
+            "--slot",
+            &format!("preempt_{db}"),
+        ],
+        &dir.path().join("placer.log"),
+    ));
+    let out = ok(&reserve_args(
+        &url,
+        &["--gpus", "8", "--id", "low", "--wait"],
+    ));
+    assert!(out.starts_with("placed low"), "{out}");
+    let out = ok(&reserve_args(
+        &url,
+        &[
+            "--gpus",
+            "8",
+            "--id",
+            "high",
+            "--priority",
+            "5",
+            "--wait",
+            "--timeout",
+            "60s",
+        ],
+    ));
+    assert!(out.starts_with("placed high"), "{out}");
+    let ended = crate::gateway::query(
+        &url,
+        "SELECT payload->>'outcome' FROM strata.events
+          WHERE stream = 'reservation/low' AND type = 'reservation.ended'",
+    );
+    assert_eq!(ended, [["preempted"]]);
+    let out = ok(&[
+        "pool",
+        "policy",
+        "gpu",
+        "--database-url",
+        &url,
+        "--preemption",
+        "off",
+    ]);
+    assert!(out.contains("preemption off"), "{out}");
+    let out = strata(&reserve_args(
+        &url,
+        &[
+            "--gpus",
+            "8",
+            "--id",
+            "top",
+            "--priority",
+            "9",
+            "--wait",
+            "--timeout",
+            "3s",
+        ],
+    ));
+    assert_eq!(out.status.code(), Some(4), "it waits");
+    let scheduled = crate::gateway::query(
+        &url,
+        "SELECT count(*)::text FROM strata.events WHERE type = 'reservation.preemption_scheduled'",
+    );
+    assert_eq!(scheduled, [["1"]], "only low was preempted");
 }

@@ -110,6 +110,7 @@ impl Index {
             Fact::PoolCreated { .. }
             | Fact::PoolUpdated { .. }
             | Fact::PoolFaultPolicySet(_)
+            | Fact::PoolPreemptionSet { .. }
             | Fact::QueueConfigured(_) => self.apply_pool(pool, fact),
             Fact::NodeJoined { .. }
             | Fact::NodeInventoryReported { .. }
@@ -171,6 +172,15 @@ impl Index {
                     .expect("made on the stream's first event");
                 p.faults_advisory = !policy.automatic;
                 p.max_quarantined_percent = Some(policy.max_quarantined_percent.min(100));
+            }
+            Fact::PoolPreemptionSet { enabled } => {
+                self.state
+                    .pools
+                    .get_mut(&pool)
+                    .expect("made on the stream's first event")
+                    .preemption_off = !enabled;
+                // Requests that waited may preempt now.
+                self.bump_capacity(&pool);
             }
             Fact::QueueConfigured(spec) => {
                 spec.validate().map_err(|e| format!("invalid queue: {e}"))?;

@@ -145,6 +145,8 @@ async fn fold_log(
                 ORDER BY position) TO STDOUT",
         ms = store::ms_of("recorded_at")
     );
+    // One statement reads the whole log: no statement timeout.
+    let db = db.clone().with_statement_timeout(None);
     let mut conn =
         events::replication::ReplicationConnection::connect_session(db, "strata-usage-check", None)
             .await?;
