@@ -264,4 +264,18 @@ mod tests {
         assert!(copy_row(b"1\t2\t3\t4\t5\t6").is_none());
         assert!(copy_row(b"1\t2\t3\t4\t5\\").is_none());
     }
+
+    #[test]
+    fn any_bytes_are_a_row_or_none_never_a_panic() {
+        let mut rng = fastrand::Rng::with_seed(35);
+        let alphabet = b"\\\tnrbfv0x\xff\xc3\xa9a{}\"";
+        for _ in 0..20_000 {
+            let line: Vec<u8> = (0..rng.usize(0..40))
+                .map(|_| alphabet[rng.usize(0..alphabet.len())])
+                .collect();
+            if let Some(row) = copy_row(&line) {
+                assert_eq!(row.len(), 5);
+            }
+        }
+    }
 }
