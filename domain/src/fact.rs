@@ -971,6 +971,7 @@ mod tests {
                 }),
                 "pool/p",
             ),
+            (Fact::PoolPreemptionSet { enabled: false }, "pool/p"),
             (
                 Fact::ReservationRequested(Request {
                     reservation: r(),
