@@ -9,7 +9,8 @@
 //! and both sinks up to where they had caught up. At the end, once the load
 //! has stopped, also the daemons' bound reservations against the log's live
 //! allocations (while reservations come and go the two differ by what is in
-//! flight) and the commands each daemon ran.
+//! flight), the commands each daemon ran, and the usage rollups against a
+//! fold of the raw log.
 
 use super::fleet::Fleet;
 use anyhow::Result;
@@ -209,6 +210,49 @@ pub async fn sink_caught_up(
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// The usage rollups against a fold of the raw log (`replay check`'s usage
+/// part), once the usage role has caught up with the log's head as it is
+/// now (after the last fault it may be behind; it gets `within`).
+pub async fn usage(
+    cfg: &tokio_postgres::Config,
+    client: &mut Client,
+    within: Duration,
+) -> Result<Vec<Violation>> {
+    let head: i64 = client
+        .query_one("SELECT last_position FROM strata.log_head", &[])
+        .await?
+        .get(0);
+    let deadline = Instant::now() + within;
+    loop {
+        let at = projections::usage::store::position(client)
+            .await?
+            .map_or(0, |p| p as i64);
+        if at >= head {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Ok(vec![Violation {
+                invariant: "usage_caught_up",
+                positions: vec![at, head],
+                detail: format!(
+                    "the usage rollups stand at position {at}, the log's head at {head}, {within:?} after the load stopped"
+                ),
+            }]);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let db = events::db::Database::from(cfg.clone());
+    let c = projections::usage::verify::verify(&db, client, |_| {}).await?;
+    Ok(c.differences
+        .into_iter()
+        .map(|detail| Violation {
+            invariant: "usage_rollups",
+            positions: Vec::new(),
+            detail,
+        })
+        .collect())
 }
 
 /// Positions up to `upto` of the events whose stream starts with `prefix`.

@@ -590,16 +590,18 @@ pub async fn start(o: &Options) -> Result<Region> {
     let audit_args = ["--audit-listen", &audit, "--ca-dir", &ca_arg];
     if o.shared {
         // Two processes run the other roles, each with one slot.
-        let mut core = vec!["--roles", "placer,binder,sinks,audit,maintenance"];
+        let mut core = vec!["--roles", "placer,binder,sinks,audit,maintenance,usage"];
         core.extend(audit_args);
         roles.push(role("core-1", &core));
-        roles.push(role("core-2", &["--roles", "placer,binder"]));
+        roles.push(role("core-2", &["--roles", "placer,binder,usage"]));
     } else {
         for i in 1..=2 {
             roles.push(role(&format!("placer-{i}"), &["--roles", "placer"]));
         }
         for i in 1..=2 {
-            roles.push(role(&format!("binder-{i}"), &["--roles", "binder"]));
+            // The usage rollups ride on the binders' readers: killing a
+            // binder hands them on too.
+            roles.push(role(&format!("binder-{i}"), &["--roles", "binder,usage"]));
         }
         roles.push(role("sinks", &["--roles", "sinks"]));
         let mut a = vec!["--roles", "audit"];
@@ -754,6 +756,8 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
     let (run_twice, twice) = check::commands_run_twice(&r.fleet);
     v.extend(twice);
     v.extend(check::sinks(&c, &r.hook, r.js.as_ref(), Duration::from_secs(120)).await?);
+    let mut uc = r.client().await?;
+    v.extend(check::usage(&r.cfg, &mut uc, Duration::from_secs(120)).await?);
     let jetstream = r.js.is_some();
     for x in &v {
         eprintln!(
