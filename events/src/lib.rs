@@ -40,7 +40,7 @@ pub mod types;
 pub use append::{AppendError, Appended, Appender, AppenderConfig, StreamAppend};
 pub use assemble::Assembler;
 pub use reader::{Reader, ReaderConfig};
-pub use subscription::{Start, SubscribeError, Subscription};
+pub use subscription::{stored_cursor, Start, SubscribeError, Subscription};
 pub use types::{Event, ExpectedVersion, Lsn, NewEvent, Position, Txn, EPOCH_SIZE};
 
 /// Lowercase hex of `bytes` (digests, serials, tokens).

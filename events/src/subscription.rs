@@ -127,6 +127,21 @@ impl SubscribeError {
     }
 }
 
+/// The stored cursor of durable subscription `name`: the last position its
+/// consumer acknowledged durably (`None`: no such subscription).
+pub async fn stored_cursor(
+    client: &(impl tokio_postgres::GenericClient + Sync),
+    name: &str,
+) -> Result<Option<u64>, tokio_postgres::Error> {
+    Ok(client
+        .opt(
+            "SELECT position FROM strata.subscriptions WHERE name = $1",
+            &[&name],
+        )
+        .await?
+        .map(|r| r.get::<_, i64>(0) as u64))
+}
+
 fn db(context: &'static str) -> impl FnOnce(tokio_postgres::Error) -> SubscribeError {
     move |source| SubscribeError::Database { context, source }
 }

@@ -566,13 +566,7 @@ pub async fn reset(
 /// The position a sink stands at (its last acknowledged event), if it ever
 /// started.
 pub async fn cursor(client: &tokio_postgres::Client, name: &str) -> Result<Option<u64>, SinkError> {
-    Ok(client
-        .opt(
-            "SELECT position FROM strata.subscriptions WHERE name = $1",
-            &[&format!("sink.{name}")],
-        )
-        .await?
-        .map(|r| r.get::<_, i64>(0) as u64))
+    Ok(events::stored_cursor(client, &format!("sink.{name}")).await?)
 }
 
 #[cfg(test)]

@@ -3,20 +3,7 @@
 
 use super::*;
 use gateway::api_proto::*;
-use gateway::roles::{self, Assignment, Role};
-
-async fn role(r: &Region, who: &str, role: Role, pools: &[&str]) {
-    roles::set(
-        &r.appender,
-        who,
-        &Assignment {
-            role,
-            pools: pools.iter().map(|p| p.to_string()).collect(),
-        },
-    )
-    .await
-    .unwrap();
-}
+use gateway::roles::{self, Role};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operators_act_only_within_their_roles_and_the_log_records_who_asked() {

@@ -180,6 +180,20 @@ async fn api_as(
     gateway::api_proto::api_client::ApiClient::new(ep.connect().await.unwrap())
 }
 
+/// Gives `who` a role (and, for an operator, its pools).
+async fn role(r: &Region, who: &str, role: gateway::roles::Role, pools: &[&str]) {
+    gateway::roles::set(
+        &r.appender,
+        who,
+        &gateway::roles::Assignment {
+            role,
+            pools: pools.iter().map(|p| p.to_string()).collect(),
+        },
+    )
+    .await
+    .unwrap();
+}
+
 /// Gives `operator` the admin role.
 async fn admin(r: &Region, operator: &str) {
     gateway::roles::set(

@@ -4,14 +4,7 @@
 
 use super::*;
 use gateway::api_proto::*;
-use gateway::roles::{self, Assignment, Role};
-
-async fn role(r: &Region, who: &str, role: Role, pools: &[&str]) {
-    let pools = pools.iter().map(|p| p.to_string()).collect();
-    roles::set(&r.appender, who, &Assignment { role, pools })
-        .await
-        .unwrap();
-}
+use gateway::roles::Role;
 
 /// Owner to GPU-hours, as `who` sees them.
 async fn owners(

@@ -335,8 +335,9 @@ impl Fold {
         }
     }
 
-    /// Folds one event in, adding what it changed to `delta`. An event that
-    /// does not parse is the index's to report; it changes nothing here.
+    /// Folds one event in, adding what it changed to `delta`. An event of a
+    /// type the fold does not read, or one that does not parse (the index's
+    /// to report), changes nothing here.
     pub fn apply(
         &mut self,
         event_type: &str,
@@ -345,6 +346,10 @@ impl Fold {
         recorded_ms: i64,
         delta: &mut Delta,
     ) {
+        // Skipped before its payload is parsed.
+        if !reads(event_type) {
+            return;
+        }
         let Ok(Some(fact)) = Fact::parse(event_type, payload, metadata) else {
             return;
         };

@@ -44,7 +44,7 @@ pub async fn run(reader: Reader, cfg: Database) {
     let mut backoff = ops::task::Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     loop {
         let started = std::time::Instant::now();
-        let e = keep(&reader, &cfg).await;
+        let Err(e) = keep(&reader, &cfg).await;
         if started.elapsed() > Duration::from_secs(30) {
             backoff.reset();
         }
@@ -59,17 +59,7 @@ pub async fn run(reader: Reader, cfg: Database) {
 }
 
 /// Holds the subscription and folds it in until something fails.
-async fn keep(reader: &Reader, cfg: &Database) -> KeepError {
-    match keep_inner(reader, cfg).await {
-        Ok(never) => match never {},
-        Err(e) => e,
-    }
-}
-
-async fn keep_inner(
-    reader: &Reader,
-    cfg: &Database,
-) -> Result<std::convert::Infallible, KeepError> {
+async fn keep(reader: &Reader, cfg: &Database) -> Result<std::convert::Infallible, KeepError> {
     let mut sub = reader
         .subscribe_waiting(
             SUBSCRIPTION,
@@ -116,16 +106,8 @@ async fn keep_inner(
 }
 
 fn apply(fold: &mut Fold, e: &events::Event, delta: &mut Delta) {
-    if !super::fold::reads(&e.event_type) {
-        return;
-    }
-    fold.apply(
-        &e.event_type,
-        &e.payload,
-        &e.metadata,
-        super::unix_ms(e.recorded_at),
-        delta,
-    );
+    let at = super::unix_ms(e.recorded_at);
+    fold.apply(&e.event_type, &e.payload, &e.metadata, at, delta);
 }
 
 async fn commit(

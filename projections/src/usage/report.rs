@@ -9,7 +9,7 @@
 //! the log up to one position (the `usage` subscription's cursor).
 
 use super::fold::{Period, Span, HOUR_MS};
-use super::store::{self, AT};
+use super::store::{self, at};
 use events::db::Sql;
 use std::collections::{BTreeMap, HashMap};
 use tokio_postgres::GenericClient;
@@ -76,7 +76,7 @@ pub struct Query {
 }
 
 /// One group's figures.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct Row {
     /// The group's values, in the order of [`Report::by`].
     pub keys: Vec<String>,
@@ -137,13 +137,7 @@ type Groups = HashMap<(Vec<String>, String), Row>;
 fn empty_row(keys: Vec<String>) -> Row {
     Row {
         keys,
-        gpu_hours: 0.0,
-        held_gpu_hours: 0.0,
-        billed_hours: 0.0,
-        reservations_ended: 0,
-        reservations_running: 0,
-        active_gpu_ms: 0,
-        held_gpu_ms: 0,
+        ..Row::default()
     }
 }
 
@@ -213,7 +207,7 @@ async fn add_rollups<C: GenericClient + Sync>(
           WHERE ($3::text[] IS NULL OR r.pool = ANY($3))
             AND ($4::text IS NULL OR {owner_check})
           GROUP BY 1, 2, 3, 4, 5",
-        at = AT.replace("{}", "b.start_ms"),
+        at = at("b.start_ms"),
         owner_check = if by_node { "false" } else { "r.owner = $4" },
     );
     for r in tx

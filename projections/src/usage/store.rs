@@ -12,15 +12,14 @@ use tokio_postgres::GenericClient;
 /// The durable subscription the tables are kept from.
 pub const SUBSCRIPTION: &str = "usage";
 
-/// `timestamptz` from whole Unix milliseconds, exactly.
-pub(crate) const AT: &str = "(timestamptz 'epoch' + {} * interval '1 millisecond')";
 /// Whole Unix milliseconds of a `timestamptz` column, exactly (rounded
 /// down, as the keeper rounds the times it decodes).
 pub(crate) fn ms_of(column: &str) -> String {
     format!("floor(extract(epoch FROM {column}) * 1000)::int8")
 }
-fn at(expr: &str) -> String {
-    AT.replace("{}", expr)
+/// `timestamptz` from an SQL expression of whole Unix milliseconds, exactly.
+pub(crate) fn at(expr: &str) -> String {
+    format!("(timestamptz 'epoch' + {expr} * interval '1 millisecond')")
 }
 
 /// Open reservations matching `filter` (SQL over `strata.usage_open`'s
@@ -80,13 +79,7 @@ pub async fn snapshot(
 pub async fn position<C: GenericClient + Sync>(
     db: &C,
 ) -> Result<Option<u64>, tokio_postgres::Error> {
-    Ok(db
-        .opt(
-            "SELECT position FROM strata.subscriptions WHERE name = $1",
-            &[&SUBSCRIPTION],
-        )
-        .await?
-        .map(|r| r.get::<_, i64>(0) as u64))
+    events::stored_cursor(db, SUBSCRIPTION).await
 }
 
 /// Writes what `delta` changed, inside the caller's transaction: the
