@@ -146,10 +146,15 @@ pub(crate) async fn index_until(db: &DbArgs, until: Option<u64>) -> Result<Index
 
 /// The last position recorded at or before an RFC 3339 time.
 pub(crate) async fn position_at(db: &DbArgs, at: &str) -> Result<u64> {
-    let t = humantime::parse_rfc3339_weak(at)
-        .map_err(|_| anyhow::anyhow!("--at {at:?}: a time such as 2026-11-30T10:00:00Z"))?;
+    let t = time_arg(at)?;
     let client = connect(db).await?;
     Ok(events::read::position_at(&client, t).await?.0)
+}
+
+/// `--at`'s time.
+pub(crate) fn time_arg(at: &str) -> Result<std::time::SystemTime> {
+    humantime::parse_rfc3339_weak(at)
+        .map_err(|_| anyhow::anyhow!("--at {at:?}: a time such as 2026-11-30T10:00:00Z"))
 }
 
 /// Shows progress on stderr: a bar on a terminal, a line every 5 s otherwise.

@@ -371,6 +371,21 @@ facts! {
         formerly: [],
     } { enabled: bool },
 
+    CohortDecaySet = "cohort.decay_set" {
+        stream: "pool/<pool>",
+        written_by: "operators (`strata queues cohort`)",
+        about: "Whether the fair share of a cohort's queues remembers their past usage, and for how long. On, the queues that borrow are served in the order of what they hold beyond their quota plus what they held beyond it in the past, decayed with this half-life, so a queue that used more yields to one that used less; off (the default), only what they hold now counts. Past usage is kept either way (with a 7-day half-life while off), so turning it on acts on the history at once.",
+        fields: [
+            req("cohort", Ty::String, "The cohort (a name queues of the pool share)."),
+            opt("half_life_ms", Ty::Integer, "The half-life of past usage in milliseconds, a second to 366 days (absent: off)."),
+        ],
+        formerly: [],
+    } {
+        cohort: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        half_life_ms: Option<u64>,
+    },
+
     QueueConfigured = "queue.configured" {
         stream: "pool/<pool>",
         written_by: "operators (`strata queues create|set`, the client API)",
@@ -972,6 +987,13 @@ mod tests {
                 "pool/p",
             ),
             (Fact::PoolPreemptionSet { enabled: false }, "pool/p"),
+            (
+                Fact::CohortDecaySet {
+                    cohort: "c".into(),
+                    half_life_ms: Some(604_800_000),
+                },
+                "pool/p",
+            ),
             (
                 Fact::ReservationRequested(Request {
                     reservation: r(),

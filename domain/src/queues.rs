@@ -1,5 +1,6 @@
 //! Creating and changing a pool's queues: `queue.configured` on the pool's
-//! stream, appended at the version of the pool the change was read from, so
+//! stream, and `cohort.decay_set` (whether a cohort's fair share remembers
+//! past usage), appended at the version of the pool the change was read from, so
 //! two operators changing one queue at once cannot lose either change (the
 //! second is read again and applied to the first), and a quota change
 //! commits between placements, never inside a batch planned against the old
@@ -98,12 +99,7 @@ pub async fn configure(
     metadata: Option<&serde_json::Value>,
 ) -> Result<QueueSpec, RequestError> {
     valid_name("queue", queue).map_err(RequestError::Invalid)?;
-    if !pool_exists(client, pool).await? {
-        return Err(RequestError::NoSuchPool(pool.to_string()));
-    }
-    let mut last = None;
-    for attempt in 0..ATTEMPTS {
-        let (version, specs) = specs(client, pool).await?;
+    let build = |specs: &BTreeMap<String, QueueSpec>| {
         let spec = edit(specs.get(queue))?;
         if spec.queue != queue {
             return Err(RequestError::Invalid(format!(
@@ -112,7 +108,76 @@ pub async fn configure(
             )));
         }
         spec.validate().map_err(RequestError::Invalid)?;
-        let mut event = Fact::QueueConfigured(spec.clone()).to_event();
+        Ok((Fact::QueueConfigured(spec.clone()), spec))
+    };
+    append_at_read(client, appender, pool, &build, metadata).await
+}
+
+/// The half-life of past usage that a cohort's fair share forgets with
+/// while its decay is off (kept so that turning it on acts at once).
+pub const DEFAULT_HALF_LIFE_MS: u64 = 7 * 24 * 3_600_000;
+
+/// The shortest half-life a cohort may have.
+pub const MIN_HALF_LIFE_MS: u64 = 1_000;
+
+/// The longest: past this, usage is as good as never forgotten.
+pub const MAX_HALF_LIFE_MS: u64 = 366 * 24 * 3_600_000;
+
+/// Turns the decayed fair share of `cohort` in `pool` on with a half-life,
+/// or off (`None`): `cohort.decay_set`, appended at the pool's version its
+/// queues were read at. Refused when no queue of the pool is in the cohort.
+pub async fn set_decay(
+    client: &Client,
+    appender: &Appender,
+    pool: &str,
+    cohort: &str,
+    half_life_ms: Option<u64>,
+    metadata: Option<&serde_json::Value>,
+) -> Result<(), RequestError> {
+    if let Some(h) = half_life_ms {
+        if !(MIN_HALF_LIFE_MS..=MAX_HALF_LIFE_MS).contains(&h) {
+            return Err(RequestError::Invalid(format!(
+                "a half-life must be between a second and 366 days, not {h} ms"
+            )));
+        }
+    }
+    let build = |specs: &BTreeMap<String, QueueSpec>| {
+        if !specs.values().any(|s| s.cohort.as_deref() == Some(cohort)) {
+            return Err(RequestError::Invalid(format!(
+                "no queue of pool {pool} is in cohort {cohort:?} (see `strata queues list --pool {pool}`)"
+            )));
+        }
+        let fact = Fact::CohortDecaySet {
+            cohort: cohort.to_string(),
+            half_life_ms,
+        };
+        Ok((fact, ()))
+    };
+    append_at_read(client, appender, pool, &build, metadata).await
+}
+
+/// What a change makes of the pool's queues as read: the fact to append
+/// and what to answer, or why not.
+type Build<'a, T> =
+    dyn Fn(&BTreeMap<String, QueueSpec>) -> Result<(Fact, T), RequestError> + Send + Sync + 'a;
+
+/// Reads the pool's queues, builds a fact from them and appends it at the
+/// version they were read at, reading again while the pool moves.
+async fn append_at_read<T>(
+    client: &Client,
+    appender: &Appender,
+    pool: &str,
+    build: &Build<'_, T>,
+    metadata: Option<&serde_json::Value>,
+) -> Result<T, RequestError> {
+    if !pool_exists(client, pool).await? {
+        return Err(RequestError::NoSuchPool(pool.to_string()));
+    }
+    let mut last = None;
+    for attempt in 0..ATTEMPTS {
+        let (version, specs) = specs(client, pool).await?;
+        let (fact, answer) = build(&specs)?;
+        let mut event = fact.to_event();
         if let Some(m) = metadata {
             event = event.with_metadata(m);
         }
@@ -124,7 +189,7 @@ pub async fn configure(
             )
             .await
         {
-            Ok(_) => return Ok(spec),
+            Ok(_) => return Ok(answer),
             Err(e @ AppendError::VersionConflict { .. }) => {
                 last = Some(e);
                 // The pool moved: read it again, a little later each time.

@@ -621,13 +621,14 @@ impl api_server::Api for ApiService {
         let only = req.into_inner().pool;
         let client = self.db().await?;
         let index = self.pools(&client).await?;
+        let now_ms = projections::usage::unix_ms(std::time::SystemTime::now()).max(0) as u64;
         let mut queues = Vec::new();
         for pool in index.state().pools.keys() {
             if !only.is_empty() && *pool != only {
                 continue;
             }
             queues.extend(
-                projections::quota::fair_shares(&index, pool)
+                projections::quota::fair_shares(&index, pool, now_ms)
                     .into_iter()
                     .map(|s| QueueShare {
                         pool: pool.clone(),
@@ -640,6 +641,9 @@ impl api_server::Api for ApiService {
                         used: s.used,
                         waiting: s.waiting,
                         fair: s.fair,
+                        half_life_seconds: s.half_life_ms.map(|h| h / 1000),
+                        past_gpus: s.past_gpus,
+                        past_gpu_hours: s.past_gpu_hours,
                     }),
             );
         }

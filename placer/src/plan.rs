@@ -47,8 +47,10 @@ pub struct Plan {
 /// In a pool shared by queues, each request must first be admitted by its
 /// queue's quota ([`quota::admit`]), and the queues take turns by weighted
 /// dominant resource fairness: the next request planned is the next (by
-/// priority) of the queue with the smallest dominant share so far, counting
-/// what the batch has placed ([`quota::dominant_share`]).
+/// priority) of the queue whose turn comes first, counting what the batch
+/// has placed ([`quota::turn`]: short of its quota first, then the
+/// smallest dominant share, with its past usage where its cohort
+/// remembers it).
 ///
 /// A request that does not fit may preempt (see [`Plan::preempting`]).
 ///
@@ -141,7 +143,10 @@ pub fn plan_with(
         let mut turns = BinaryHeap::new();
         for (q, g) in groups.iter_mut() {
             g.make_contiguous().sort();
-            turns.push(Reverse((share_key(index, pool, q, &batch), q.clone())));
+            turns.push(Reverse((
+                share_key(index, pool, q, &batch, now_ms),
+                q.clone(),
+            )));
         }
         while let Some(Reverse((_, q))) = turns.pop() {
             let g = groups.get_mut(&q).expect("every turn has a group");
@@ -150,7 +155,7 @@ pub fn plan_with(
             };
             plan_one(index, pool, id, &mut plan, &mut batch, &mut holds, false);
             if !g.is_empty() {
-                turns.push(Reverse((share_key(index, pool, &q, &batch), q)));
+                turns.push(Reverse((share_key(index, pool, &q, &batch, now_ms), q)));
             }
         }
     }
@@ -174,9 +179,15 @@ pub fn plan_with(
 /// A request in its queue's turn: priority (highest first), position, id.
 type Turn<'a> = (Reverse<i32>, u64, &'a String);
 
-/// A queue's dominant share as an orderable key (parts per billion).
-fn share_key(index: &Index, pool: &str, queue: &str, batch: &quota::Batch) -> u64 {
-    (quota::dominant_share(index, pool, queue, batch) * 1e9) as u64
+/// A queue's turn ([`quota::turn`]) as an orderable key.
+fn share_key(
+    index: &Index,
+    pool: &str,
+    queue: &str,
+    batch: &quota::Batch,
+    now_ms: u64,
+) -> (bool, i64) {
+    quota::turn(index, pool, queue, batch, now_ms).key()
 }
 
 impl Plan {
@@ -753,7 +764,10 @@ pub(crate) mod tests {
             ids_sorted.sort();
             let ids: Vec<String> = ids_sorted.into_iter().map(|(_, id)| id).collect();
             let before = self.index.clone();
-            let plan = plan_with(&mut self.index, "p", &ids, &ending, now_ms());
+            let now = self.log.clock.map_or_else(now_ms, |t| {
+                t.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+            });
+            let plan = plan_with(&mut self.index, "p", &ids, &ending, now);
             assert!(self.index == before, "planning leaves the index as it was");
             for v in &ending.victims {
                 let r = self.index.reservation(v).unwrap();
@@ -1082,7 +1096,7 @@ pub(crate) mod tests {
                 w.request_in(Some("x"), &format!("x{i:02}"), 1, Shape::Any, 10);
                 w.request_in(Some("y"), &format!("y{i:02}"), 1, Shape::Any, 0);
             }
-            let shares = projections::quota::fair_shares(&w.index, "p");
+            let shares = projections::quota::fair_shares(&w.index, "p", now_ms());
             let fair: Vec<u64> = shares.iter().map(|s| s.fair).collect();
             assert_eq!(fair, [want_x, 24 - want_x, 0], "{shares:?}");
             w.run();
@@ -1090,8 +1104,79 @@ pub(crate) mod tests {
             assert_eq!(w.used("x"), want_x, "weights {wx}:{wy}");
             assert_eq!(w.used("y"), 24 - want_x, "weights {wx}:{wy}");
             assert_eq!(w.phase("x00"), Some(Phase::Placed));
-            let shares = projections::quota::fair_shares(&w.index, "p");
+            let shares = projections::quota::fair_shares(&w.index, "p", now_ms());
             assert!(shares.iter().all(|s| s.used == s.fair), "{shares:?}");
+        }
+    }
+
+    #[test]
+    fn a_queue_that_used_more_yields_to_one_that_used_less_where_its_cohort_remembers() {
+        use std::time::{Duration, UNIX_EPOCH};
+        const HOUR: u64 = 3_600_000;
+        for remembers in [false, true] {
+            // 24 GPUs, three queues of 8 in one cohort; z wants none.
+            let mut w = World::new(3);
+            let t0 = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+            w.log.clock = Some(t0);
+            w.queue("a", Some("c"), 1, 8, None);
+            w.queue("b", Some("c"), 1, 8, None);
+            w.queue("z", Some("c"), 1, 8, None);
+            if remembers {
+                let on = Fact::CohortDecaySet {
+                    cohort: "c".into(),
+                    half_life_ms: Some(HOUR),
+                };
+                assert_eq!(w.pool(&on), None);
+            }
+            // a holds 16 (8 of them b's and z's) for ten hours.
+            for i in 0..16 {
+                w.request_in(Some("a"), &format!("old{i:02}"), 1, Shape::Any, 0);
+            }
+            w.run();
+            assert_eq!(w.used("a"), 16);
+            w.log.clock = Some(t0 + Duration::from_millis(10 * HOUR));
+            for i in 0..16 {
+                w.release(&format!("old{i:02}"));
+            }
+            // Now both want 16, a at the higher priority and first in
+            // name order: what decides is the past.
+            for i in 0..16 {
+                w.request_in(Some("a"), &format!("a{i:02}"), 1, Shape::Any, 5);
+                w.request_in(Some("b"), &format!("b{i:02}"), 1, Shape::Any, 0);
+            }
+            let at = 1_800_000_000_000 + 10 * HOUR;
+            let shares = projections::quota::fair_shares(&w.index, "p", at);
+            let fair: Vec<u64> = shares.iter().map(|s| s.fair).collect();
+            // Ten hours of 16 GPUs, on average over the decay: nearly all
+            // of 16 with a half-life of an hour, a little with the default
+            // week kept while the cohort does not remember.
+            let half_life = if remembers { 1.0 } else { 168.0 };
+            let expected = 16.0 * (1.0 - 0.5f64.powf(10.0 / half_life));
+            assert!((shares[0].past_gpus - expected).abs() < 1e-6, "{shares:?}");
+            assert_eq!(shares[1].past_gpus, 0.0, "{shares:?}");
+            w.run();
+            let (a, b) = (w.used("a"), w.used("b"));
+            if remembers {
+                // Each gets its quota; z's unused 8 go to b, which borrowed
+                // nothing before.
+                assert_eq!((a, b), (8, 16));
+                assert_eq!(fair, [8, 16, 0], "{shares:?}");
+                assert_eq!(shares[0].half_life_ms, Some(HOUR));
+            } else {
+                assert_eq!((a, b), (12, 12));
+                assert_eq!(fair, [12, 12, 0], "{shares:?}");
+                assert_eq!(shares[0].half_life_ms, None);
+            }
+            // Past usage is folded from the events' times alone: the index
+            // rebuilt from the log holds the same bits.
+            let mut rebuilt = Index::new();
+            for e in &w.log.events {
+                rebuilt.apply(e).unwrap();
+            }
+            assert!(rebuilt == w.index);
+            assert!(w.index.derived_is_consistent());
+            let carried = w.index.pool("p").unwrap().past["a"][C];
+            assert!(carried.gpu_ms > 0.0 && carried.at_ms == at, "{carried:?}");
         }
     }
 

@@ -60,6 +60,13 @@ pub struct Pool {
     pub max_quarantined_percent: Option<u32>,
     /// Its placer does not preempt (`pool.preemption_set`).
     pub preemption_off: bool,
+    /// Cohorts whose fair share remembers past usage, with its half-life
+    /// in ms (`cohort.decay_set`).
+    pub half_lives: BTreeMap<String, u64>,
+    /// Each queue's past usage per GPU class (queue -> class -> GPU-ms,
+    /// decayed), carried forward at each placement and ending of the queue
+    /// (see [`crate::decay`]); kept whether its cohort's decay is on or not.
+    pub past: BTreeMap<String, BTreeMap<String, crate::decay::Decayed>>,
 }
 
 impl Pool {
@@ -693,6 +700,9 @@ pub struct Index {
     state: State,
     classes: FastMap<String, FastMap<String, ClassIndex>>,
     queues: FastMap<String, Queues>,
+    /// The recorded time of the event being applied (Unix ms): what past
+    /// usage is carried to.
+    event_ms: u64,
 }
 
 impl PartialEq for Index {
@@ -735,6 +745,7 @@ impl Index {
             state,
             classes: FastMap::default(),
             queues: FastMap::default(),
+            event_ms: 0,
         };
         let pools: Vec<String> = index.state.pools.keys().cloned().collect();
         for pool in pools {
@@ -790,6 +801,63 @@ impl Index {
 
     pub fn reservation(&self, id: &str) -> Option<&Reservation> {
         self.state.reservations.get(id)
+    }
+
+    /// The half-life `queue`'s past usage decays with, and whether its
+    /// cohort's fair share counts it (`cohort.decay_set`); without, the
+    /// default half-life, not counted.
+    pub fn half_life(&self, pool: &str, queue: &str) -> (u64, bool) {
+        let p = self.pool(pool);
+        let cohort = p.and_then(|p| p.queues.get(queue)?.cohort.as_deref());
+        match cohort.and_then(|c| p?.half_lives.get(c)) {
+            Some(&h) => (h, true),
+            None => (domain::queues::DEFAULT_HALF_LIFE_MS, false),
+        }
+    }
+
+    /// `queue`'s past usage of `class` decayed to `at_ms`, counting what it
+    /// holds now as held since its last change.
+    pub fn past_usage(
+        &self,
+        pool: &str,
+        queue: &str,
+        class: &str,
+        at_ms: u64,
+    ) -> crate::decay::Decayed {
+        let held = self.queues(pool).map_or(0, |q| q.used(queue, class));
+        let past = self
+            .pool(pool)
+            .and_then(|p| p.past.get(queue)?.get(class).copied())
+            .unwrap_or(crate::decay::Decayed { gpu_ms: 0.0, at_ms });
+        past.carried(at_ms, held, self.half_life(pool, queue).0)
+    }
+
+    /// Carries `queue`'s past usage of `class` to the event being applied,
+    /// before what it holds changes.
+    fn accrue(&mut self, pool: &str, queue: &str, class: &str) {
+        let now = self.past_usage(pool, queue, class, self.event_ms);
+        if let Some(p) = self.state.pools.get_mut(pool) {
+            p.past
+                .entry(queue.to_string())
+                .or_default()
+                .insert(class.to_string(), now);
+        }
+    }
+
+    /// Carries every queue's past usage in `pool` to the event being
+    /// applied, before half-lives change.
+    fn accrue_pool(&mut self, pool: &str) {
+        let Some(p) = self.pool(pool) else {
+            return;
+        };
+        let all: Vec<(String, String)> = p
+            .past
+            .iter()
+            .flat_map(|(q, classes)| classes.keys().map(move |c| (q.clone(), c.clone())))
+            .collect();
+        for (q, c) in all {
+            self.accrue(pool, &q, &c);
+        }
     }
 
     /// Whether the derived structures equal ones rebuilt from the state (a

@@ -5,10 +5,12 @@
 //! applied position is part of its state), can be saved as an rkyv
 //! [`snapshot`] and resumed from one plus the events after it.
 //! [`check`] replays the log and verifies the placement invariants.
+//! [`decay`] is the past usage that fair share remembers.
 //! [`usage`] folds the GPU time reservations held into rollup tables. It
 //! appends nothing: every write to the log is `domain`'s.
 
 pub mod check;
+pub mod decay;
 pub mod hashing;
 pub mod index;
 pub mod projector;

@@ -392,19 +392,17 @@ fn capacity(queues: &BTreeMap<String, QueueSpec>, spec: &QueueSpec, class: &str)
     total.max(1)
 }
 
-/// A queue's weighted dominant share: the largest, over the classes it
-/// holds or has quota of (with the batch's placements), of what it holds
-/// beyond its nominal quota over what its cohort is given, divided by its
-/// weight; below its nominal quota, how far below (unweighted, so a queue
-/// short of its guarantee is served before any that borrows, the one
-/// furthest short first). Queues with smaller shares are served first.
-pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> f64 {
-    let Some(queues) = index.pool(pool).map(|p| &p.queues) else {
-        return 0.0;
-    };
-    let Some(spec) = queues.get(queue) else {
-        return 0.0;
-    };
+/// Per class `spec`'s queue holds, has quota of or has held (with the
+/// batch's placements): the class, its nominal quota, and what the queue
+/// holds beyond it over the GPUs its share is measured against.
+fn overs<'a>(
+    index: &'a Index,
+    pool: &str,
+    queues: &BTreeMap<String, QueueSpec>,
+    spec: &'a QueueSpec,
+    batch: &'a Batch,
+) -> Vec<(&'a str, u64, f64, u64)> {
+    let queue = spec.queue.as_str();
     let mut classes: Vec<&str> = spec.quotas.iter().map(|q| q.class.as_str()).collect();
     if let Some(q) = index.queues(pool) {
         classes.extend(q.usage.classes(queue));
@@ -413,21 +411,98 @@ pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> 
     // A class is usually in all three: weigh it once.
     classes.sort_unstable();
     classes.dedup();
-    let weight = spec.weight.max(1) as f64;
     classes
         .into_iter()
         .map(|c| {
-            let nominal = spec.quota(c).map_or(0, |q| q.nominal) as f64;
-            let over = (held(index, pool, queue, c, batch) as f64 - nominal)
-                / capacity(queues, spec, c) as f64;
-            if over > 0.0 {
-                over / weight
-            } else {
-                over
-            }
+            let nominal = spec.quota(c).map_or(0, |q| q.nominal) as u64;
+            let capacity = capacity(queues, spec, c);
+            let over =
+                (held(index, pool, queue, c, batch) as f64 - nominal as f64) / capacity as f64;
+            (c, nominal, over, capacity)
         })
+        .collect()
+}
+
+/// A queue's weighted dominant share: the largest, over the classes it
+/// holds or has quota of (with the batch's placements), of what it holds
+/// beyond its nominal quota over what its cohort is given, divided by its
+/// weight; below its nominal quota, how far below (unweighted, so a queue
+/// short of its guarantee is served before any that borrows, the one
+/// furthest short first).
+pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> f64 {
+    let Some(queues) = index.pool(pool).map(|p| &p.queues) else {
+        return 0.0;
+    };
+    let Some(spec) = queues.get(queue) else {
+        return 0.0;
+    };
+    let weight = spec.weight.max(1) as f64;
+    overs(index, pool, queues, spec, batch)
+        .into_iter()
+        .map(|(_, _, over, _)| if over > 0.0 { over / weight } else { over })
         .fold(f64::NEG_INFINITY, f64::max)
         .max(-1.0)
+}
+
+/// Where a queue stands in a batch's turns: the queue with the smallest
+/// turn is served next. First every queue short of its nominal quota in
+/// every class, the furthest short first ([`dominant_share`] below zero,
+/// history aside: a guarantee is owed whatever was used before); then the
+/// queues that borrow, by weighted dominant share. In a cohort whose fair
+/// share remembers (`cohort.decay_set`), a borrowing queue's share counts,
+/// per class, what it held on average beyond its quota in the past
+/// (decayed to `at_ms`) as if it held that now too, so a queue that used
+/// more yields to one that used less.
+pub fn turn(index: &Index, pool: &str, queue: &str, batch: &Batch, at_ms: u64) -> Turn {
+    let share = dominant_share(index, pool, queue, batch);
+    let (half_life, remembers) = index.half_life(pool, queue);
+    let (Some(queues), true, true) = (index.pool(pool).map(|p| &p.queues), share >= 0.0, remembers)
+    else {
+        return Turn {
+            borrows: share >= 0.0,
+            share,
+        };
+    };
+    let spec = &queues[queue];
+    let weight = spec.weight.max(1) as f64;
+    let mut classes = overs(index, pool, queues, spec, batch);
+    // A class it only held in the past: no quota of it, holding none.
+    let past = index.pool(pool).and_then(|p| p.past.get(queue));
+    for c in past.into_iter().flat_map(|p| p.keys()) {
+        if !classes.iter().any(|(k, ..)| *k == c.as_str()) {
+            classes.push((c, 0, 0.0, capacity(queues, spec, c)));
+        }
+    }
+    let share = classes
+        .into_iter()
+        .map(|(c, nominal, over, capacity)| {
+            let past = index.past_usage(pool, queue, c, at_ms).average(half_life);
+            (over + (past - nominal as f64) / capacity as f64) / weight
+        })
+        .fold(f64::NEG_INFINITY, f64::max);
+    Turn {
+        borrows: true,
+        share,
+    }
+}
+
+/// A queue's place in a batch's turns ([`turn`]): smaller is served first.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+pub struct Turn {
+    /// Whether it holds its nominal quota of some class (those that do not
+    /// are served first).
+    pub borrows: bool,
+    /// Its share: how far short while it does not borrow, its weighted
+    /// dominant share (with its past, where its cohort remembers) when it
+    /// does.
+    pub share: f64,
+}
+
+impl Turn {
+    /// As an integer key that orders the same (shares to a billionth).
+    pub fn key(self) -> (bool, i64) {
+        (self.borrows, (self.share * 1e9) as i64)
+    }
 }
 
 /// One queue's standing in one class.
@@ -449,12 +524,25 @@ pub struct Share {
     /// max-min fairness by water filling, each getting at most what it
     /// wants beyond its quota, within its borrowing limit). Without a
     /// cohort, its nominal quota or what it wants, whichever is less.
+    /// Where the cohort remembers past usage, the share by weight counts
+    /// what each queue held beyond its quota in the past as already given
+    /// ([`turn`]'s rule): its effective fair share.
     pub fair: u64,
+    /// The half-life its past usage decays with where its cohort's fair
+    /// share remembers it (`cohort.decay_set`); `None`: only what it holds
+    /// now counts.
+    pub half_life_ms: Option<u64>,
+    /// GPUs it held on average in the recent past, each moment weighted by
+    /// the decay (with the default half-life while its cohort's is off).
+    pub past_gpus: f64,
+    /// Its decayed past usage, in GPU-hours.
+    pub past_gpu_hours: f64,
 }
 
 /// Every queue of the pool, per class it has quota of or uses, with its
-/// fair share. Sorted by queue, then class.
-pub fn fair_shares(index: &Index, pool: &str) -> Vec<Share> {
+/// fair share and its past usage decayed to `at_ms`. Sorted by queue, then
+/// class.
+pub fn fair_shares(index: &Index, pool: &str, at_ms: u64) -> Vec<Share> {
     let Some(p) = index.pool(pool) else {
         return Vec::new();
     };
@@ -486,8 +574,10 @@ pub fn fair_shares(index: &Index, pool: &str) -> Vec<Share> {
                 classes.push(class.to_string());
             }
         }
+        let (half_life, remembers) = index.half_life(pool, &spec.queue);
         for class in classes {
             let quota = spec.quota(&class);
+            let past = index.past_usage(pool, &spec.queue, &class, at_ms);
             out.push(Share {
                 queue: spec.queue.clone(),
                 cohort: spec.cohort.clone(),
@@ -502,6 +592,9 @@ pub fn fair_shares(index: &Index, pool: &str) -> Vec<Share> {
                     .copied()
                     .unwrap_or(0),
                 fair: 0,
+                half_life_ms: remembers.then_some(half_life),
+                past_gpus: past.average(half_life),
+                past_gpu_hours: past.gpu_ms / 3_600_000.0,
                 class,
             });
         }
@@ -532,11 +625,17 @@ pub fn fair_shares(index: &Index, pool: &str) -> Vec<Share> {
                 (Some(_), None) => beyond,
             }
         };
-        let fills = water_fill(
+        // Where the cohort remembers, what a queue held beyond its quota
+        // in the past counts as given already.
+        let had = |s: &Share| match s.half_life_ms {
+            Some(_) => s.past_gpus - s.nominal as f64,
+            None => 0.0,
+        };
+        let fills = water_fill_after(
             unused,
             &members
                 .iter()
-                .map(|&i| (out[i].weight as u64, more(&out[i])))
+                .map(|&i| (out[i].weight as u64, more(&out[i]), had(&out[i])))
                 .collect::<Vec<_>>(),
         );
         for (&i, fill) in members.iter().zip(fills) {
@@ -550,39 +649,72 @@ pub fn fair_shares(index: &Index, pool: &str) -> Vec<Share> {
 /// Divides `capacity` among claimants `(weight, most it takes)` by
 /// weighted max-min fairness: everyone gets `level * weight` or what it
 /// takes, whichever is less, with `level` as high as the capacity allows.
-/// Whole GPUs: the remainder of the division goes one each to the heaviest
+/// Whole GPUs: what the rounding leaves goes one each to the heaviest
 /// claimants still short, so the fills sum to `min(capacity, sum of most)`.
 pub fn water_fill(capacity: u64, claims: &[(u64, u64)]) -> Vec<u64> {
+    let claims: Vec<(u64, u64, f64)> = claims.iter().map(|&(w, m)| (w, m, 0.0)).collect();
+    water_fill_after(capacity, &claims)
+}
+
+/// [`water_fill`] among claimants `(weight, most, had)` that count as
+/// having had `had` already (negative: owed): each gets `level * weight -
+/// had`, within `0..=most`.
+pub fn water_fill_after(capacity: u64, claims: &[(u64, u64, f64)]) -> Vec<u64> {
     let mut fill = vec![0u64; claims.len()];
-    let mut left = capacity;
-    let mut open: Vec<usize> = (0..claims.len())
-        .filter(|&i| claims[i].1 > 0 && claims[i].0 > 0)
+    let open: Vec<usize> = (0..claims.len())
+        .filter(|&i| claims[i].0 > 0 && claims[i].1 > 0)
         .collect();
-    while left > 0 && !open.is_empty() {
-        let weights: u64 = open.iter().map(|&i| claims[i].0).sum();
-        let per = left / weights;
-        if per == 0 {
-            // Fewer GPUs left than weight: one each, heaviest first.
-            open.sort_by_key(|&i| (std::cmp::Reverse(claims[i].0), i));
-            for &i in &open {
-                if left == 0 {
-                    break;
-                }
-                fill[i] += 1;
-                left -= 1;
+    let target = capacity.min(open.iter().map(|&i| claims[i].1).sum());
+    if target == 0 {
+        return fill;
+    }
+    let given = |level: f64, i: usize| {
+        let (w, most, had) = claims[i];
+        (level * w as f64 - had).clamp(0.0, most as f64)
+    };
+    let sum = |level: f64| open.iter().map(|&i| given(level, i)).sum::<f64>();
+    // The sum is linear between the levels where a claimant starts or is
+    // full: find the piece where it reaches the target, and solve it.
+    let mut points: Vec<f64> = open
+        .iter()
+        .flat_map(|&i| {
+            let (w, most, had) = claims[i];
+            [had / w as f64, (had + most as f64) / w as f64]
+        })
+        .collect();
+    points.sort_by(f64::total_cmp);
+    let (mut below, mut level) = (points[0], points[points.len() - 1]);
+    for &p in &points {
+        let at = sum(p);
+        if at >= target as f64 {
+            let from = sum(below);
+            if at > from {
+                level = below + (p - below) * (target as f64 - from) / (at - from);
+            } else {
+                level = p;
             }
             break;
         }
-        let mut next = Vec::with_capacity(open.len());
-        for &i in &open {
-            let give = (per * claims[i].0).min(claims[i].1 - fill[i]);
-            fill[i] += give;
-            left -= give;
-            if fill[i] < claims[i].1 {
-                next.push(i);
+        below = p;
+    }
+    for &i in &open {
+        // A hair above, so a share computed as 29.999999 is 30.
+        fill[i] = ((given(level, i) + 1e-6).floor() as u64).min(claims[i].1);
+    }
+    let mut left = target.saturating_sub(fill.iter().sum());
+    let mut heaviest = open.clone();
+    heaviest.sort_by_key(|&i| (std::cmp::Reverse(claims[i].0), i));
+    while left > 0 {
+        let before = left;
+        for &i in &heaviest {
+            if left > 0 && fill[i] < claims[i].1 {
+                fill[i] += 1;
+                left -= 1;
             }
         }
-        open = next;
+        if left == before {
+            break;
+        }
     }
     fill
 }
@@ -610,5 +742,32 @@ mod tests {
         assert!(f.iter().all(|&x| (3..=4).contains(&x)), "{f:?}");
         assert_eq!(water_fill(0, &[(1, 5)]), [0]);
         assert_eq!(water_fill(5, &[(1, 0), (1, 9)]), [0, 5]);
+        // Every GPU is given, however the weights divide it.
+        assert_eq!(water_fill(13, &[(3, 100), (2, 100)]), [8, 5]);
+    }
+
+    #[test]
+    fn what_a_claimant_had_counts_as_given() {
+        // Equal weights; the first had 20 beyond its quota: the others
+        // catch up before it gets more.
+        assert_eq!(
+            water_fill_after(60, &[(1, 100, 20.0), (1, 100, 0.0), (1, 100, 0.0)]),
+            [7, 27, 26]
+        );
+        assert_eq!(
+            water_fill_after(30, &[(1, 100, 20.0), (1, 100, 0.0)]),
+            [5, 25]
+        );
+        // Owed (had less than its quota): it gets more.
+        assert_eq!(
+            water_fill_after(30, &[(1, 100, -10.0), (1, 100, 0.0)]),
+            [20, 10]
+        );
+        // So far behind that it takes everything, within what it wants.
+        assert_eq!(water_fill_after(10, &[(1, 100, 50.0), (1, 6, 0.0)]), [4, 6]);
+        assert_eq!(
+            water_fill_after(10, &[(1, 100, 50.0), (1, 100, 0.0)]),
+            [0, 10]
+        );
     }
 }

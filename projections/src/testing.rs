@@ -12,6 +12,8 @@ use std::time::SystemTime;
 pub struct Log {
     pub events: Vec<Event>,
     versions: HashMap<String, u64>,
+    /// The time events are recorded at from now on (`None`: the clock's).
+    pub clock: Option<SystemTime>,
 }
 
 impl Log {
@@ -33,7 +35,7 @@ impl Log {
             metadata: e
                 .metadata
                 .map_or_else(|| "{}".into(), |m| m.get().to_string()),
-            recorded_at: SystemTime::now(),
+            recorded_at: self.clock.unwrap_or_else(SystemTime::now),
             xid: 1,
         };
         self.events.push(event.clone());

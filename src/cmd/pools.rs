@@ -278,18 +278,20 @@ pub(crate) async fn pool(cmd: PoolCmd) -> Result<ExitCode> {
         }
         PoolCmd::Show { db, name, nodes } => {
             let index = index(&db).await?;
+            let now = crate::cmd::reservations::now_ms();
             if crate::exit::json() {
-                show_pool_json(&index, &name, nodes)?;
+                show_pool_json(&index, &name, nodes, now)?;
             } else {
-                show_pool(&index, &name, nodes)?;
+                show_pool(&index, &name, nodes, now)?;
             }
         }
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// Prints a pool as `strata pool show` does.
-pub(crate) fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
+/// Prints a pool as `strata pool show` does, its queues' past usage
+/// decayed to `at_ms`.
+pub(crate) fn show_pool(index: &Index, name: &str, nodes: bool, at_ms: u64) -> Result<()> {
     let Some(p) = index.pool(name).filter(|p| p.created) else {
         return Err(crate::exit::not_found(format!(
             "pool {name:?} does not exist (see `strata pools`)"
@@ -379,12 +381,12 @@ pub(crate) fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
             println!("    ... and {} more", waiting.len() - 20);
         }
     }
-    let shares = projections::quota::fair_shares(index, name);
+    let shares = projections::quota::fair_shares(index, name, at_ms);
     if !shares.is_empty() {
         println!("  queues:");
         for q in shares {
             println!(
-                "    {} (cohort {}, weight {}): {} holds {} of its {} nominal, its waiting requests ask for {}, fair share {}",
+                "    {} (cohort {}, weight {}): {} holds {} of its {} nominal, its waiting requests ask for {}, fair share {}; {}",
                 q.queue,
                 q.cohort.as_deref().unwrap_or("none"),
                 q.weight,
@@ -392,7 +394,8 @@ pub(crate) fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
                 q.used,
                 q.nominal,
                 q.waiting,
-                q.fair
+                q.fair,
+                crate::cmd::queues::past_words(&q)
             );
         }
     }
@@ -400,7 +403,7 @@ pub(crate) fn show_pool(index: &Index, name: &str, nodes: bool) -> Result<()> {
 }
 
 /// `strata pool show --output json`: one object.
-pub(crate) fn show_pool_json(index: &Index, name: &str, nodes: bool) -> Result<()> {
+pub(crate) fn show_pool_json(index: &Index, name: &str, nodes: bool, at_ms: u64) -> Result<()> {
     let Some(p) = index.pool(name).filter(|p| p.created) else {
         return Err(crate::exit::not_found(format!(
             "pool {name:?} does not exist (see `strata pools`)"
@@ -429,7 +432,7 @@ pub(crate) fn show_pool_json(index: &Index, name: &str, nodes: bool) -> Result<(
         "live": c.live,
         "waiting": c.pending,
         "classes": classes,
-        "queues": projections::quota::fair_shares(index, name),
+        "queues": projections::quota::fair_shares(index, name, at_ms),
         "faults": {
             "policy": policy.mode(),
             "max_quarantined_percent": policy.max_quarantined_percent,

@@ -1,4 +1,5 @@
-//! `strata queues create|set|list|show`: teams' shares of a pool.
+//! `strata queues create|set|cohort|list|show`: teams' shares of a pool, and
+//! whether a cohort's fair share remembers past usage.
 
 use crate::cli::appender;
 use crate::cli::asked_by;
@@ -65,7 +66,19 @@ pub(crate) enum QueuesCmd {
         #[arg(long, value_name = "CLASS")]
         remove_quota: Vec<String>,
     },
-    /// Every queue per class: its quota, what it holds, what its waiting requests ask for, and its fair share (the cohort's quota divided by weight among the queues that want it)
+    /// Make a cohort's fair share remember its queues' past usage (--half-life 7d), or only what they hold now (--half-life off, the default). Remembering, the queues that borrow are served in the order of what they hold beyond their quota plus what they held beyond it in the past, each moment of it weighing half as much one half-life later: a queue that used more yields to one that used less. Past usage is kept while it is off (with a 7-day half-life), so turning it on acts at once. Exit 6 if the pool does not exist
+    Cohort {
+        #[command(flatten)]
+        db: DbArgs,
+        /// The cohort (a name its queues were given with --cohort)
+        name: String,
+        #[arg(long)]
+        pool: String,
+        /// How long until past usage counts half: 7d, 36h, 90m (a second to 366 days), or off
+        #[arg(long, value_name = "DURATION|off")]
+        half_life: String,
+    },
+    /// Every queue per class: its quota, what it holds, what its waiting requests ask for, its fair share (the cohort's quota divided by weight among the queues that want it; where the cohort remembers, counting what each held beyond its quota in the past as given), and what it held on average in the recent past
     List {
         #[command(flatten)]
         db: DbArgs,
@@ -258,10 +271,71 @@ pub(crate) async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
             let spec = write(&db, &pool, &name, &edit).await?;
             println!("queue {name} in pool {pool}: {}", describe(&spec));
         }
+        QueuesCmd::Cohort {
+            db,
+            name,
+            pool,
+            half_life,
+        } => {
+            let half_life_ms = half_life_arg(&half_life)?;
+            let client = connect(&db).await?;
+            domain::queues::set_decay(
+                &client,
+                &appender(&db)?,
+                &pool,
+                &name,
+                half_life_ms,
+                Some(&asked_by()),
+            )
+            .await
+            .map_err(cli_error)?;
+            match half_life_ms {
+                Some(h) => println!(
+                    "cohort {name} in pool {pool}: fair share remembers past usage, half-life {}",
+                    humantime::format_duration(std::time::Duration::from_millis(h))
+                ),
+                None => println!(
+                    "cohort {name} in pool {pool}: fair share counts only what queues hold now"
+                ),
+            }
+        }
         QueuesCmd::List { db, pool } => list(&db, pool).await?,
         QueuesCmd::Show { db, name, pool } => show(&db, &name, &pool).await?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--half-life`: a duration in ms, or `None` for `off`.
+fn half_life_arg(s: &str) -> Result<Option<u64>> {
+    if s == "off" {
+        return Ok(None);
+    }
+    let d = humantime::parse_duration(s)
+        .map_err(|e| anyhow::anyhow!("--half-life {s:?}: {e} (write e.g. 7d, 36h, 90m, or off)"))?;
+    Ok(Some(d.as_millis() as u64))
+}
+
+/// A queue's past usage in words, for tables and `show`.
+pub(crate) fn past_words(s: &Share) -> String {
+    match s.half_life_ms {
+        Some(h) => format!(
+            "held {:.1} on average in the past (half-life {}), {:.1} GPU-hours decayed",
+            s.past_gpus,
+            humantime::format_duration(std::time::Duration::from_millis(h)),
+            s.past_gpu_hours
+        ),
+        None => format!(
+            "held {:.1} on average in the past (not counted: its cohort does not remember)",
+            s.past_gpus
+        ),
+    }
+}
+
+/// A half-life as a table shows it (`off` where its cohort forgets).
+fn half_life_cell(s: &Share) -> String {
+    s.half_life_ms.map_or("off".into(), |h| {
+        humantime::format_duration(std::time::Duration::from_secs(h / 1000)).to_string()
+    })
 }
 
 /// `strata queues list`: every queue of a pool (or of every pool) with its
@@ -277,7 +351,7 @@ async fn list(db: &DbArgs, pool: Option<String>) -> Result<()> {
     };
     if !crate::exit::json() {
         println!(
-            "{:<16} {:<16} {:<12} {:>6} {:<14} {:>8} {:>8} {:>6} {:>8} {:>6}",
+            "{:<16} {:<16} {:<12} {:>6} {:<14} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>10}",
             "POOL",
             "QUEUE",
             "COHORT",
@@ -287,16 +361,19 @@ async fn list(db: &DbArgs, pool: Option<String>) -> Result<()> {
             "BORROW",
             "USED",
             "WAITING",
-            "FAIR"
+            "FAIR",
+            "PAST",
+            "HALF-LIFE"
         );
     }
+    let now = crate::cmd::reservations::now_ms();
     for p in &pools {
-        for s in quota::fair_shares(&index, p) {
+        for s in quota::fair_shares(&index, p, now) {
             if crate::exit::json() {
                 crate::exit::print_json(&share_json(p, &s));
             } else {
                 println!(
-                    "{:<16} {:<16} {:<12} {:>6} {:<14} {:>8} {:>8} {:>6} {:>8} {:>6}",
+                    "{:<16} {:<16} {:<12} {:>6} {:<14} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8.1} {:>10}",
                     p,
                     s.queue,
                     s.cohort.as_deref().unwrap_or("-"),
@@ -306,7 +383,9 @@ async fn list(db: &DbArgs, pool: Option<String>) -> Result<()> {
                     borrow(&s),
                     s.used,
                     s.waiting,
-                    s.fair
+                    s.fair,
+                    s.past_gpus,
+                    half_life_cell(&s)
                 );
             }
         }
@@ -323,12 +402,14 @@ async fn show(db: &DbArgs, name: &str, pool: &str) -> Result<()> {
             "pool {pool:?} has no queue {name:?} (see `strata queues list --pool {pool}`)"
         )));
     };
-    let shares: Vec<Share> = quota::fair_shares(&index, pool)
+    let now = crate::cmd::reservations::now_ms();
+    let shares: Vec<Share> = quota::fair_shares(&index, pool, now)
         .into_iter()
         .filter(|s| s.queue == name)
         .collect();
     let (pending, queued) = waiting_in(&index, pool, name);
     let share = quota::dominant_share(&index, pool, name, &quota::Batch::default());
+    let turn = quota::turn(&index, pool, name, &quota::Batch::default(), now);
     if crate::exit::json() {
         crate::exit::print_json(&serde_json::json!({
             "pool": pool,
@@ -336,6 +417,7 @@ async fn show(db: &DbArgs, name: &str, pool: &str) -> Result<()> {
             "cohort": spec.cohort,
             "weight": spec.weight,
             "dominant_share": share,
+            "turn": { "borrows": turn.borrows, "share": turn.share },
             "pending": pending,
             "queued": queued,
             "classes": shares.iter().map(|s| share_json(pool, s)).collect::<Vec<_>>(),
@@ -344,18 +426,26 @@ async fn show(db: &DbArgs, name: &str, pool: &str) -> Result<()> {
     }
     println!("queue {name} in pool {pool}: {}", describe(spec));
     println!(
-        "  waiting: {pending} pending, {queued} queued; weighted dominant share {:.3}",
-        share
+        "  waiting: {pending} pending, {queued} queued; weighted dominant share {:.3}{}",
+        share,
+        if !turn.borrows {
+            " (short of its quota: served before the queues that borrow)".to_string()
+        } else if turn.share != share {
+            format!(", {:.3} with its past usage", turn.share)
+        } else {
+            String::new()
+        }
     );
     for s in &shares {
         println!(
-            "  {}: holds {} of its {} nominal (borrows up to {}); waiting requests ask for {}; fair share {}",
+            "  {}: holds {} of its {} nominal (borrows up to {}); waiting requests ask for {}; fair share {}; {}",
             s.class,
             s.used,
             s.nominal,
             borrow(s),
             s.waiting,
-            s.fair
+            s.fair,
+            past_words(s)
         );
     }
     Ok(())
@@ -428,5 +518,8 @@ pub(crate) fn share_json(pool: &str, s: &Share) -> serde_json::Value {
         "used": s.used,
         "waiting": s.waiting,
         "fair": s.fair,
+        "half_life_ms": s.half_life_ms,
+        "past_gpus": s.past_gpus,
+        "past_gpu_hours": s.past_gpu_hours,
     })
 }

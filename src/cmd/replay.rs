@@ -90,12 +90,13 @@ pub(crate) async fn replay(cmd: ReplayCmd) -> Result<ExitCode> {
             nodes,
         } => {
             let until = position_at(&db, &at).await?;
+            let at_ms = projections::usage::unix_ms(crate::cli::time_arg(&at)?).max(0) as u64;
             let index = index_until(&db, Some(until)).await?;
             if crate::exit::json() {
-                show_pool_json(&index, &pool, nodes)?;
+                show_pool_json(&index, &pool, nodes, at_ms)?;
             } else {
                 println!("as of {at} (position {until}):");
-                show_pool(&index, &pool, nodes)?;
+                show_pool(&index, &pool, nodes, at_ms)?;
             }
             Ok(ExitCode::SUCCESS)
         }

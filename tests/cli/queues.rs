@@ -484,3 +484,167 @@ fn a_higher_priority_request_preempts_after_the_grace_period_and_the_victim_is_r
     assert_eq!(report["live"], 1, "{report}");
     crate::events_conform(&url, &[]);
 }
+
+/// `strata queues list --pool gpu --output json`: queue -> its line.
+fn shares(url: &str) -> std::collections::BTreeMap<String, serde_json::Value> {
+    let out = ok(&queues(url, &["list", "--pool", "gpu", "--output", "json"]));
+    lines(&out)
+        .into_iter()
+        .map(|s| (s["queue"].as_str().unwrap().to_string(), s))
+        .collect()
+}
+
+#[test]
+fn a_team_that_used_more_is_served_after_one_that_used_less_where_the_cohort_remembers() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    crate::seeded_pool(&url, 2);
+    // 16 GPUs: ml and cv 4 each, spare 8 it does not use, in one cohort.
+    for (name, nominal) in [("ml", "4"), ("cv", "4"), ("spare", "8")] {
+        let quota = format!("{CLASS}={nominal}");
+        ok(&queues(
+            &url,
+            &[
+                "create", name, "--pool", "gpu", "--cohort", "research", "--quota", &quota,
+            ],
+        ));
+    }
+    for (cohort, half_life, said) in [
+        ("typo", "3s", "no queue of pool gpu is in cohort \"typo\""),
+        ("research", "soon", "--half-life \"soon\""),
+        ("research", "10ms", "between a second and 366 days"),
+    ] {
+        let args = ["cohort", cohort, "--pool", "gpu", "--half-life", half_life];
+        let err = fails(&queues(&url, &args));
+        assert!(err.contains(said), "{err}");
+    }
+    let nopool = strata(&queues(
+        &url,
+        &["cohort", "research", "--pool", "nope", "--half-life", "3s"],
+    ));
+    assert_eq!(nopool.status.code(), Some(6));
+    let out = ok(&queues(
+        &url,
+        &["cohort", "research", "--pool", "gpu", "--half-life", "3s"],
+    ));
+    assert!(out.contains("remembers past usage, half-life 3s"), "{out}");
+
+    let _placer = crate::gateway::Killed(placer(&url, "decay", &dir.path().join("placer.log")));
+    // ml holds the whole pool, borrowing cv's and spare's quota.
+    ok(&reserve_args(
+        &url,
+        &["--gpus", "16", "--queue", "ml", "--id", "old", "--wait"],
+    ));
+    // Both teams ask for 12 more, one GPU each; they wait.
+    for i in 0..12 {
+        for team in ["ml", "cv"] {
+            let id = format!("{team}-{i:02}");
+            ok(&reserve_args(
+                &url,
+                &["--gpus", "1", "--queue", team, "--id", &id],
+            ));
+        }
+    }
+    // ml's past fills towards the 16 it holds (12 of it beyond its quota
+    // after two half-lives); cv's stays empty.
+    testkit::wait_until(
+        30,
+        "ml held 12 on average",
+        || shares(&url)["ml"]["past_gpus"].as_f64().unwrap() >= 12.0,
+        || eprintln!("{:?}", shares(&url)),
+    );
+    let listed = ok(&queues(&url, &["list", "--pool", "gpu"]));
+    assert!(
+        listed.contains("PAST") && listed.contains("HALF-LIFE"),
+        "{listed}"
+    );
+    let before = shares(&url);
+    assert_eq!(before["cv"]["past_gpus"], 0.0, "{before:?}");
+    assert_eq!(before["ml"]["half_life_ms"], 3000, "{before:?}");
+    ok(&["release", "old", "--database-url", &url]);
+    // Each team gets its quota; of spare's 8, cv takes what ml held beyond
+    // its quota before (all of it while ml's past is at least 8 beyond).
+    let placed = testkit::wait_for(30, || {
+        let s = shares(&url);
+        let used = |q: &str| s[q]["used"].as_u64().unwrap();
+        (used("ml") + used("cv") == 16).then(|| (used("ml"), used("cv")))
+    })
+    .expect("the 16 GPUs placed");
+    assert!(placed.1 >= 10 && placed.0 <= 6, "ml, cv: {placed:?}");
+    // The log says who turned it on, and replay shows the past as it was.
+    let set = rt().block_on(async {
+        let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let row = client
+            .query_one(
+                "SELECT payload::text, metadata::text,
+                        to_char((SELECT recorded_at FROM strata.events
+                                  WHERE type = 'reservation.released' AND payload->>'reservation' = 'old')
+                                  AT TIME ZONE 'UTC' - interval '100 milliseconds',
+                                'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')
+                   FROM strata.events WHERE type = 'cohort.decay_set'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (
+            row.get::<_, String>(0),
+            row.get::<_, String>(1),
+            row.get::<_, String>(2),
+        )
+    });
+    assert!(set.0.contains("\"half_life_ms\": 3000"), "{set:?}");
+    assert!(set.1.contains("cli"), "{set:?}");
+    let then = ok(&[
+        "replay",
+        "state",
+        "--pool",
+        "gpu",
+        "--at",
+        &set.2,
+        "--output",
+        "json",
+        "--database-url",
+        &url,
+    ]);
+    let then: serde_json::Value = serde_json::from_str(&then).unwrap();
+    let past = |q: &str| {
+        then["queues"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["queue"] == q)
+            .unwrap()["past_gpus"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(past("ml") >= 12.0 && past("cv") == 0.0, "{then}");
+    let text = ok(&[
+        "replay",
+        "state",
+        "--pool",
+        "gpu",
+        "--at",
+        &set.2,
+        "--database-url",
+        &url,
+    ]);
+    assert!(
+        text.contains("on average in the past (half-life 3s)"),
+        "{text}"
+    );
+    ok(&["replay", "check", "--database-url", &url]);
+    // Turned off, the past is kept but no longer counted.
+    ok(&queues(
+        &url,
+        &["cohort", "research", "--pool", "gpu", "--half-life", "off"],
+    ));
+    let after = shares(&url);
+    assert!(after["ml"]["half_life_ms"].is_null(), "{after:?}");
+    assert!(
+        after["ml"]["past_gpus"].as_f64().unwrap() > 0.0,
+        "{after:?}"
+    );
+}

@@ -122,7 +122,11 @@ pub async fn run(
     let index = projections::projector::build(client, Index::new()).await?;
     let mut shares = Vec::new();
     let mut spread = 0f64;
-    for s in projections::quota::fair_shares(&index, POOL) {
+    for s in projections::quota::fair_shares(
+        &index,
+        POOL,
+        projections::usage::unix_ms(std::time::SystemTime::now()).max(0) as u64,
+    ) {
         if s.fair > 0 {
             spread = spread.max((s.used as f64 - s.fair as f64).abs() / s.fair as f64);
         }

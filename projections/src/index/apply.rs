@@ -74,6 +74,7 @@ impl Index {
                 return Ok(Some(violation(e)));
             }
         };
+        self.event_ms = millis(event.recorded_at);
         let result = self.apply_fact(event, fact);
         if let Err(message) = result {
             self.state.violations += 1;
@@ -111,6 +112,7 @@ impl Index {
             | Fact::PoolUpdated { .. }
             | Fact::PoolFaultPolicySet(_)
             | Fact::PoolPreemptionSet { .. }
+            | Fact::CohortDecaySet { .. }
             | Fact::QueueConfigured(_) => self.apply_pool(pool, fact),
             Fact::NodeJoined { .. }
             | Fact::NodeInventoryReported { .. }
@@ -184,6 +186,8 @@ impl Index {
             }
             Fact::QueueConfigured(spec) => {
                 spec.validate().map_err(|e| format!("invalid queue: {e}"))?;
+                // Its cohort, and so its half-life, may change.
+                self.accrue_pool(&pool);
                 self.state
                     .pools
                     .get_mut(&pool)
@@ -192,6 +196,22 @@ impl Index {
                     .insert(spec.queue.clone(), spec);
                 // More quota may admit what waits.
                 self.bump_capacity(&pool);
+            }
+            Fact::CohortDecaySet {
+                cohort,
+                half_life_ms,
+            } => {
+                self.accrue_pool(&pool);
+                let lives = &mut self
+                    .state
+                    .pools
+                    .get_mut(&pool)
+                    .expect("made on the stream's first event")
+                    .half_lives;
+                match half_life_ms {
+                    Some(h) => lives.insert(cohort, h.max(1)),
+                    None => lives.remove(&cohort),
+                };
             }
             other => return not_of("a pool", &other),
         }
@@ -689,6 +709,7 @@ impl Index {
 
     /// Ends a reservation: frees its devices and forgets it.
     fn terminate(&mut self, pool: &str, id: &str) {
+        self.accrue_for(id);
         self.queue(id, false);
         let r = self
             .state
@@ -699,6 +720,23 @@ impl Index {
             self.unbook(pool, a, id);
         }
         self.withdraw_preemptions(pool, id);
+    }
+
+    /// Carries the past usage of reservation `id`'s queue to now, before
+    /// its GPUs count (it is placed) or stop counting (it ends).
+    fn accrue_for(&mut self, id: &str) {
+        let Some(r) = self
+            .state
+            .reservations
+            .get(id)
+            .filter(|r| r.phase.is_live())
+        else {
+            return;
+        };
+        if let Some(q) = r.request.queue.clone() {
+            let (pool, class) = (r.request.pool.clone(), r.request.class.clone());
+            self.accrue(&pool, &q, &class);
+        }
     }
 
     /// A reservation ended for good (not placed again): the chain of
@@ -751,6 +789,7 @@ impl Index {
         r.placed_at_ms = Some(placed_at);
         r.expires_at_ms = r.request.ttl_ms.map(|t| placed_at.saturating_add(t));
         r.allocations = allocations;
+        self.accrue_for(id);
         self.queue(id, true);
         match problem {
             Some(p) => Err(p),
