@@ -13,7 +13,8 @@
 //! 4. multi-tenant (`tenants.rs`), on a pool of its own as large as the
 //!    fleet: 16 queues in 2 cohorts with quotas summing to the pool, demand
 //!    at 150% of it, then requests of high priority placed by preemption
-//!    with a short grace period;
+//!    with a short grace period; then the same on a pool alike whose
+//!    cohorts' fair share remembers past usage;
 //! 5. backfill (`backfill.rs`): gangs behind a stream of small requests;
 //! 6. MIG (`mig.rs`): 1-GPU requests on a pool where a tenth of the GPUs
 //!    are split into MIG instances, against a pool of whole GPUs.
@@ -458,67 +459,52 @@ pub async fn run(args: Args) -> Result<()> {
         after.queued - before.queued,
         after.conflicts - before.conflicts
     );
-    // 4. Multi-tenant, on a pool of its own.
+    // 4. Multi-tenant, on a pool of its own, then on one whose cohorts
+    // remember past usage.
     let tenant_nodes = args.tenant_nodes.unwrap_or(args.nodes);
-    let tenants = if tenant_nodes > 0 {
+    let (tenants, remembering) = if tenant_nodes > 0 {
         let t = Instant::now();
-        domain::pools::create_pool(&appender, tenants::POOL, "multi-tenant benchmark pool").await?;
-        let fleet = domain::pools::uniform_fleet("tenants-n", tenant_nodes, CLASS, 8, 8);
-        domain::pools::join_nodes(&appender, tenants::POOL, fleet, |_| {}).await?;
-        let racks = (0..tenant_nodes)
-            .map(|i| {
-                (
-                    format!("tenants-n{i:05}"),
-                    Some(format!("rack-{:04}", i / tenants::NODES_PER_RACK)),
-                    None,
-                )
-            })
-            .collect();
-        domain::pools::label_nodes(&appender, tenants::POOL, racks).await?;
-        let tenant_gpus = tenant_nodes as u64 * 8;
-        for spec in tenants::specs(tenant_gpus) {
-            let name = spec.queue.clone();
-            domain::queues::configure(
-                &client,
-                &appender,
-                tenants::POOL,
-                &name,
-                &|_| Ok(spec.clone()),
-                None,
-            )
-            .await?;
+        let held = stats.view().pools_held;
+        for pool in [tenants::POOL, tenants::REMEMBERING] {
+            tenants::prepare(&appender, &client, pool, tenant_nodes).await?;
         }
-        while stats.view().pools_held < args.pools as u64 + 1 {
+        while stats.view().pools_held < held + 2 {
             if t.elapsed() > Duration::from_secs(120) || placer.is_finished() {
                 bail!(
-                    "the placer did not take the tenants' pool: {:?}",
+                    "the placer did not take the tenants' pools: {:?}",
                     stats.view()
                 );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        let tenant_gpus = tenant_nodes as u64 * 8;
         eprintln!(
-            "tenants: {tenant_nodes} nodes in racks of {}, {tenant_gpus} GPUs, {} queues in {} cohorts, ready in {:.1} s",
+            "tenants: two pools of {tenant_nodes} nodes in racks of {}, {tenant_gpus} GPUs, {} queues in {} cohorts, ready in {:.1} s",
             tenants::NODES_PER_RACK,
             tenants::QUEUES,
             tenants::COHORTS,
             t.elapsed().as_secs_f64()
         );
         let high = args.high.unwrap_or(if args.quick { 50 } else { 200 });
-        Some(
-            tenants::run(
+        let mut runs = Vec::new();
+        for pool in [tenants::POOL, tenants::REMEMBERING] {
+            let r = tenants::run(
                 &appender,
                 &seen,
                 &client,
+                pool,
                 tenant_gpus,
                 args.grace,
                 args.clients,
                 high,
             )
-            .await?,
-        )
+            .await?;
+            runs.push(r);
+        }
+        let remembering = runs.pop();
+        (runs.pop(), remembering)
     } else {
-        None
+        (None, None)
     };
     // 5. Backfill, on two pools of its own.
     let backfill_nodes = args
@@ -631,7 +617,7 @@ pub async fn run(args: Args) -> Result<()> {
             t.placed_gpus as f64 / t.decided_s / rate1
         );
     }
-    let tenants_json = tenants.as_ref().map(|t| {
+    let tenant_json = |t: &tenants::Tenants| {
         serde_json::json!({
             "nodes": tenant_nodes,
             "nodes_per_rack": tenants::NODES_PER_RACK,
@@ -663,7 +649,22 @@ pub async fn run(args: Args) -> Result<()> {
             "fair_share_spread": round(t.spread, 4),
             "shares": t.shares.iter().map(|(q, w, u, f)| serde_json::json!({"queue": q, "weight": w, "used": u, "fair": f})).collect::<Vec<_>>(),
         })
+    };
+    let tenants_json = tenants.as_ref().map(tenant_json);
+    // Decayed fair share on against off: the same phase on a pool alike.
+    let decay_ratio = tenants
+        .as_ref()
+        .zip(remembering.as_ref())
+        .map(|(off, on)| on.placements_per_s / off.placements_per_s);
+    let remembering_json = remembering.as_ref().map(|t| {
+        let mut j = tenant_json(t);
+        j["half_life_ms"] = tenants::HALF_LIFE_MS.into();
+        j["placements_ratio_vs_forgetting"] = decay_ratio.map(|r| round(r, 3)).into();
+        j
     });
+    if let Some(r) = decay_ratio {
+        eprintln!("tenants, cohorts remembering against forgetting: placements/s {r:.3}");
+    }
     let round_json = |r: &backfill::Round| {
         let mut w = r.waits.clone();
         serde_json::json!({
@@ -753,6 +754,7 @@ pub async fn run(args: Args) -> Result<()> {
         "violations": violations,
         "check": verdict,
         "tenants": tenants_json,
+        "tenants_remembering": remembering_json,
         "backfill": backfill_json,
         "mig": mig_json,
     });
@@ -765,6 +767,8 @@ pub async fn run(args: Args) -> Result<()> {
         "tenants_preemption_p99_ms": "< 1000 including the grace period",
         "tenants_fair_share_spread": "<= 0.05",
         "tenants_placements_ratio_vs_1gpu": ">= 0.6: multi-tenant placements/s over 1-GPU placements/s in the same run",
+        "tenants_decay_ratio": ">= 0.9: multi-tenant placements/s with the cohorts' fair share remembering past usage over the same phase forgetting it",
+        "tenants_decay_fair_share_spread": "<= 0.05, against the fair shares that count past usage",
         "backfill_gang_wait_ratio": "<= 1.25: gangs behind a stream of smaller requests start when they would alone (max wait, with the stream over alone), every gang placed",
         "mig_ratio": ">= 0.8: placements/s with 10% of GPUs as MIG instances over the same load on whole GPUs",
     });
@@ -777,6 +781,8 @@ pub async fn run(args: Args) -> Result<()> {
         "tenants_preemption_p99_ms": tenants.as_ref().map(|t| t.p99_ms < 1000.0),
         "tenants_fair_share_spread": tenants.as_ref().map(|t| t.spread <= 0.05),
         "tenants_placements_ratio_vs_1gpu": tenants.as_ref().map(|t| t.placements_per_s / rate1 >= 0.6),
+        "tenants_decay_ratio": decay_ratio.map(|r| r >= 0.9),
+        "tenants_decay_fair_share_spread": remembering.as_ref().map(|t| t.spread <= 0.05),
         "backfill_gang_wait_ratio": backfill.as_ref().map(|b| {
             b.contended.placed_gangs == backfill::GANGS as usize
                 && backfill_ratio.is_some_and(|r| r <= 1.25)

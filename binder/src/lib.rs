@@ -208,6 +208,36 @@ fn to_its_nodes(
     }
 }
 
+/// Tells the nodes of live reservation `reservation` that it ends at
+/// `deadline_ms` (`allocation.preempting`), for `reason` and, when it is
+/// preempted, for whom; the command's id ends with `suffix`.
+#[allow(clippy::too_many_arguments)]
+fn tell_ending(
+    index: &Index,
+    appender: &Appender,
+    stats: &Arc<BinderStats>,
+    reservation: &str,
+    by: Option<&String>,
+    reason: &str,
+    deadline_ms: Option<u64>,
+    suffix: &str,
+) {
+    let Some(r) = index.reservation(reservation) else {
+        return;
+    };
+    let mut args = serde_json::json!({
+        "reservation": reservation,
+        "reason": reason,
+        "deadline_ms": deadline_ms,
+    });
+    if let Some(by) = by {
+        args["by"] = by.as_str().into();
+    }
+    to_its_nodes(appender, stats, r, "allocation.preempting", &args, |node| {
+        format!("preempting:{reservation}:{node}{suffix}")
+    });
+}
+
 fn deadline_in(after: Duration) -> u64 {
     (SystemTime::now() + after)
         .duration_since(UNIX_EPOCH)
@@ -564,21 +594,39 @@ async fn on_event(
         }) => {
             // Its nodes are told, so its workload can wind down before
             // the grace period ends.
-            if let Some(r) = index.reservation(reservation) {
-                let args = serde_json::json!({
-                    "reservation": reservation,
-                    "by": by,
-                    "reason": reason,
-                    "deadline_ms": deadline_ms,
-                });
-                to_its_nodes(appender, stats, r, "allocation.preempting", &args, |node| {
-                    format!("preempting:{reservation}:{node}")
-                });
-            }
+            let suffix = String::new();
+            tell_ending(
+                index,
+                appender,
+                stats,
+                reservation,
+                Some(by),
+                reason,
+                *deadline_ms,
+                &suffix,
+            );
+        }
+        Some(Fact::ReservationEndingNoticed {
+            reservation,
+            reason,
+            deadline_ms,
+        }) => {
+            // The notice preemption gives, one grace period before the end.
+            let suffix = format!(":{reason}");
+            tell_ending(
+                index,
+                appender,
+                stats,
+                reservation,
+                None,
+                reason,
+                *deadline_ms,
+                &suffix,
+            );
         }
         Some(
             Fact::ReservationReleased { reservation }
-            | Fact::ReservationExpired { reservation }
+            | Fact::ReservationExpired { reservation, .. }
             | Fact::ReservationFailed { reservation, .. }
             | Fact::ReservationPreempted { reservation, .. },
         ) => {

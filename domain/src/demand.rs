@@ -29,6 +29,8 @@ pub fn queues(class: &str, gpus: u64) -> Vec<QueueSpec> {
                     nominal: nominal as u32,
                     borrowing_limit: None,
                 }],
+                budgets: Vec::new(),
+                max_run_ms: None,
             }
         })
         .collect()

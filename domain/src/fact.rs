@@ -481,10 +481,39 @@ facts! {
     ReservationExpired = "reservation.expired" {
         stream: "pool/<pool>",
         written_by: "the placer",
-        about: "Terminal: its time (`ttl_ms`) ran out and its devices are free.",
-        fields: [RESERVATION],
+        about: "Terminal: its time ran out and its devices are free: its own (`ttl_ms`), or its queue's maximum run time, after `reservation.ending_noticed`.",
+        fields: [
+            RESERVATION,
+            opt("reason", Ty::String, "`max_run_time` for its queue's limit (absent: its own `ttl_ms`)."),
+        ],
         formerly: ["ReservationExpired"],
-    } { reservation: String },
+    } {
+        reservation: String,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reason: String,
+    },
+
+    ReservationEndingNoticed = "reservation.ending_noticed" {
+        stream: "pool/<pool>",
+        written_by: "the placer",
+        about: "A live reservation is told it ends at `deadline` for `reason` (`max_run_time`: its queue's maximum run time), one preemption grace period ahead: its nodes get the notice preemption gives (`allocation.preempting`), so its workload can wind down. It then ends as `reservation.expired` with the same reason, unless it ends first.",
+        fields: [
+            RESERVATION,
+            req("reason", Ty::String, "`max_run_time`."),
+            opt("deadline", Ty::Time, "When it ends."),
+        ],
+        formerly: [],
+    } {
+        reservation: String,
+        reason: String,
+        #[serde(
+            rename = "deadline",
+            default,
+            skip_serializing_if = "Option::is_none",
+            with = "rfc3339_ms"
+        )]
+        deadline_ms: Option<u64>,
+    },
 
     ReservationFailed = "reservation.failed" {
         stream: "pool/<pool>",
@@ -695,9 +724,10 @@ impl Fact {
             | Fact::ReservationActivated { reservation }
             | Fact::ReservationReleaseRequested { reservation, .. }
             | Fact::ReservationReleased { reservation }
-            | Fact::ReservationExpired { reservation }
+            | Fact::ReservationExpired { reservation, .. }
             | Fact::ReservationFailed { reservation, .. }
             | Fact::ReservationPreemptionScheduled { reservation, .. }
+            | Fact::ReservationEndingNoticed { reservation, .. }
             | Fact::ReservationPreempted { reservation, .. }
             | Fact::ReservationEnded { reservation, .. } => Some(reservation),
             _ => None,
@@ -1024,6 +1054,8 @@ mod tests {
                         nominal: 8,
                         borrowing_limit: Some(4),
                     }],
+                    budgets: Vec::new(),
+                    max_run_ms: None,
                 }),
                 "pool/p",
             ),
@@ -1063,7 +1095,21 @@ mod tests {
                 "reservation/r1",
             ),
             (Fact::ReservationReleased { reservation: r() }, "pool/p"),
-            (Fact::ReservationExpired { reservation: r() }, "pool/p"),
+            (
+                Fact::ReservationExpired {
+                    reservation: r(),
+                    reason: "max_run_time".into(),
+                },
+                "pool/p",
+            ),
+            (
+                Fact::ReservationEndingNoticed {
+                    reservation: r(),
+                    reason: "max_run_time".into(),
+                    deadline_ms: Some(1_800_000_000_000),
+                },
+                "pool/p",
+            ),
             (
                 Fact::ReservationFailed {
                     reservation: r(),

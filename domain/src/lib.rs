@@ -13,9 +13,12 @@
 //!   [`queues`] (a queue configured), [`commands`] (a command to a node
 //!   and its transitions) and [`usage`] (billing weights).
 //!
+//! [`calendar`] is where UTC hours, days, weeks and months begin.
+//!
 //! `error.rs` holds `RequestError`, the one answer every write gives when
 //! it is refused or fails. It folds nothing: the state folded from these facts is `projections`'.
 
+pub mod calendar;
 pub mod commands;
 pub mod demand;
 mod error;

@@ -376,6 +376,128 @@ pub struct QueueSpec {
     pub weight: u32,
     /// Per class; a class it has no quota of it may only borrow.
     pub quotas: Vec<Quota>,
+    /// Its GPU time per day, week or month (one per period at most).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub budgets: Vec<Budget>,
+    /// The longest one of its reservations may run (ms from its
+    /// placement): past it, it is ended (`reservation.expired`,
+    /// `max_run_time`) after a notice to its nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_run_ms: Option<u64>,
+}
+
+/// A queue's budget of GPU time in each period of a kind (UTC).
+#[derive(
+    Debug,
+    Clone,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+pub struct Budget {
+    pub period: BudgetPeriod,
+    /// GPU-seconds in each period: GPUs booked times how long.
+    pub gpu_seconds: u64,
+    /// What happens to a request once the budget is spent.
+    #[serde(default)]
+    pub enforce: Enforce,
+}
+
+/// The periods a budget renews in: UTC days, ISO weeks (from Monday) and
+/// months.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum BudgetPeriod {
+    Day,
+    Week,
+    Month,
+}
+
+impl BudgetPeriod {
+    pub const ALL: [BudgetPeriod; 3] = [BudgetPeriod::Day, BudgetPeriod::Week, BudgetPeriod::Month];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BudgetPeriod::Day => "day",
+            BudgetPeriod::Week => "week",
+            BudgetPeriod::Month => "month",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<BudgetPeriod> {
+        BudgetPeriod::ALL.into_iter().find(|p| p.name() == s)
+    }
+
+    /// The start of the period holding `ms` (Unix ms, UTC).
+    pub fn start(self, ms: i64) -> i64 {
+        match self {
+            BudgetPeriod::Day => crate::calendar::day_start(ms),
+            BudgetPeriod::Week => crate::calendar::week_start(ms),
+            BudgetPeriod::Month => crate::calendar::month_start(ms),
+        }
+    }
+
+    /// The start of the period after the one holding `ms`.
+    pub fn next(self, ms: i64) -> i64 {
+        let start = self.start(ms);
+        match self {
+            BudgetPeriod::Day => start + crate::calendar::DAY_MS,
+            BudgetPeriod::Week => start + crate::calendar::WEEK_MS,
+            BudgetPeriod::Month => crate::calendar::next_month(start),
+        }
+    }
+}
+
+/// What a spent budget does to a queue's requests.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Enforce {
+    /// They wait for the next period (a hard budget).
+    #[default]
+    Wait,
+    /// They are rejected (a hard budget).
+    Reject,
+    /// They are served after every queue within its budgets (a soft one).
+    Soft,
+}
+
+impl Enforce {
+    pub fn name(self) -> &'static str {
+        match self {
+            Enforce::Wait => "wait",
+            Enforce::Reject => "reject",
+            Enforce::Soft => "soft",
+        }
+    }
 }
 
 fn one() -> u32 {
@@ -395,6 +517,20 @@ impl QueueSpec {
                 self.weight
             ));
         }
+        for (i, b) in self.budgets.iter().enumerate() {
+            if self.budgets[..i].iter().any(|o| o.period == b.period) {
+                return Err(format!("two budgets per {}", b.period.name()));
+            }
+            if b.gpu_seconds == 0 {
+                return Err(format!(
+                    "a budget per {} of no GPU time would stop the queue: remove it instead",
+                    b.period.name()
+                ));
+            }
+        }
+        if self.max_run_ms.is_some_and(|m| m < 1000) {
+            return Err("a maximum run time is at least a second".into());
+        }
         for (i, q) in self.quotas.iter().enumerate() {
             valid_class(&q.class)?;
             if self.quotas[..i].iter().any(|o| o.class == q.class) {
@@ -408,6 +544,11 @@ impl QueueSpec {
             }
         }
         Ok(())
+    }
+
+    /// Its budget for `period`, if it has one.
+    pub fn budget(&self, period: BudgetPeriod) -> Option<&Budget> {
+        self.budgets.iter().find(|b| b.period == period)
     }
 
     /// The quota of `class`, if it has one.

@@ -591,6 +591,9 @@ impl api_server::Api for ApiService {
                     borrowing_limit: q.borrowing_limit,
                 })
                 .collect(),
+            // Budgets and run time are not in the API's spec: kept below.
+            budgets: Vec::new(),
+            max_run_ms: None,
         };
         let client = self.db().await?;
         let (pool, queue, create_only) = (given.pool.clone(), given.queue.clone(), r.create_only);
@@ -598,7 +601,12 @@ impl api_server::Api for ApiService {
             if create_only {
                 domain::queues::refuse_existing(&pool, &queue, now)?;
             }
-            Ok(spec.clone())
+            let mut spec = spec.clone();
+            if let Some(now) = now {
+                spec.budgets = now.budgets.clone();
+                spec.max_run_ms = now.max_run_ms;
+            }
+            Ok(spec)
         };
         domain::queues::configure(
             &client,

@@ -18,7 +18,9 @@
 //! than two days are pruned: by then the bind has long expired.
 //!
 //! Preemption: `allocation.preempting` writes `<reservation>.preempting`
-//! (who preempts it, and when its grace period ends) beside the binding,
+//! (why it ends, who preempts it if anyone, and when its grace period
+//! ends; the same notice comes one grace period before its queue's
+//! maximum run time) beside the binding,
 //! for the workload's runtime to see and checkpoint before the release
 //! comes; the release removes it.
 
@@ -387,8 +389,12 @@ impl Bindings {
         match std::fs::write(self.preempting_path(reservation), args.to_string()) {
             Ok(()) => done(
                 format!(
-                    "reservation {reservation} is preempted by {}; it keeps its devices until {}",
-                    args["by"].as_str().unwrap_or("another request"),
+                    "reservation {reservation} ends ({}{}); it keeps its devices until {}",
+                    args["reason"].as_str().unwrap_or("preempted"),
+                    match args["by"].as_str() {
+                        Some(by) if !by.is_empty() => format!(", for {by}"),
+                        _ => String::new(),
+                    },
                     args["deadline_ms"]
                 ),
                 args.clone(),

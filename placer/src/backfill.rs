@@ -121,6 +121,13 @@ pub struct Holds {
     tries: usize,
 }
 
+impl Holds {
+    /// The batch's moment (Unix ms).
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+}
+
 /// The holds lifted for one request, to be restored after it is planned.
 #[must_use]
 pub struct Lifted(Vec<usize>);

@@ -155,16 +155,37 @@ struct PoolWork {
     wait_version: u64,
     /// The capacity epoch at which the queued reservations were last tried.
     tried_epoch: u64,
+    /// The UTC day they were last tried on (budgets renew at midnight).
+    tried_day: u64,
     retry_at: Option<Instant>,
 }
 
 impl PoolWork {
+    /// Whether what waits is tried again: when capacity moved, and at each
+    /// UTC midnight where a queue has a budget (a day, week or month
+    /// renews).
+    fn retry_queued(
+        &mut self,
+        p: &projections::index::Pool,
+        q: &projections::index::Queues,
+        now_ms: u64,
+    ) -> bool {
+        let day = now_ms / domain::calendar::DAY_MS as u64;
+        let renewed = self.tried_day != day && p.queues.values().any(|s| !s.budgets.is_empty());
+        let retry = !q.queued.is_empty() && (p.capacity_epoch != self.tried_epoch || renewed);
+        if retry {
+            self.tried_day = day;
+        }
+        retry
+    }
+
     fn new() -> PoolWork {
         PoolWork {
             held: true,
             inflight: false,
             wait_version: 0,
             tried_epoch: u64::MAX,
+            tried_day: 0,
             retry_at: None,
         }
     }
@@ -442,7 +463,9 @@ fn plan_ready(
         if !p.created || p.version < w.wait_version {
             continue;
         }
-        let retry_queued = !q.queued.is_empty() && p.capacity_epoch != w.tried_epoch;
+        let retry_queued = w.retry_queued(p, q, now_ms);
+        let grace = config.preemption_grace.as_millis() as u64;
+        let notices = notices_due(index, q, now_ms + grace, max);
         let expiry_due = q.expiries.first().is_some_and(|(at, _)| *at <= now_ms);
         let preemption_due = q.preemptions.first().is_some_and(|(at, _)| *at <= now_ms);
         let failures = failures_due(p, q, config.node_lost_after, now_ms, max);
@@ -454,19 +477,13 @@ fn plan_ready(
             && !expiry_due
             && !preemption_due
             && failures.is_empty()
+            && notices.is_empty()
         {
             continue;
         }
         let (version, epoch) = (p.version, p.capacity_epoch);
         let releases: Vec<String> = q.releases.iter().take(max).cloned().collect();
-        let expiries: Vec<String> = q
-            .expiries
-            .iter()
-            .take_while(|(at, _)| *at <= now_ms)
-            .filter(|(_, id)| !q.releases.contains(id))
-            .take(max)
-            .map(|(_, id)| id.clone())
-            .collect();
+        let expiries = expiries_due(index, q, now_ms, max);
         // A reservation ends once: released or expired before it fails.
         let failures: Vec<(String, String, &str)> = failures
             .into_iter()
@@ -483,6 +500,9 @@ fn plan_ready(
         ending
             .victims
             .extend(failures.iter().map(|(id, _, _)| id.clone()));
+        // Nothing the batch ends is told it will end.
+        let mut notices = notices;
+        notices.retain(|(id, _)| !ending.victims.contains(id));
         let batch = tracing::info_span!("placement.batch", pool = %pool, requests = ids.len());
         let Plan {
             placed,
@@ -504,12 +524,13 @@ fn plan_ready(
             preempting.len() as u64,
             ended.len() as u64,
         ];
-        let deadline = now_ms + config.preemption_grace.as_millis() as u64;
+        let deadline = now_ms + grace;
         let (mut facts, replacements) = batch_facts(
             index,
             Decided {
                 releases,
                 expiries,
+                notices,
                 failures,
                 ended,
                 placed,
@@ -518,6 +539,7 @@ fn plan_ready(
                 rejected,
             },
             deadline,
+            grace,
         );
         // The answers to faults come first: the plan already kept off the
         // GPUs they are about.
@@ -574,6 +596,54 @@ fn plan_ready(
             }
         }));
     }
+}
+
+/// Live reservations whose time ran out by `now_ms`, none being released.
+/// Those at their queue's maximum run time end once told (see
+/// [`notices_due`]).
+fn expiries_due(
+    index: &Index,
+    q: &projections::index::Queues,
+    now_ms: u64,
+    max: usize,
+) -> Vec<String> {
+    q.expiries
+        .iter()
+        .take_while(|(at, _)| *at <= now_ms)
+        .filter(|(_, id)| !q.releases.contains(id))
+        .filter(|(_, id)| {
+            !index
+                .reservation(id)
+                .is_some_and(|r| r.run_limited && !r.noticed)
+        })
+        .take(max)
+        .map(|(_, id)| id.clone())
+        .collect()
+}
+
+/// Why a reservation ends at its queue's maximum run time.
+const MAX_RUN_TIME: &str = "max_run_time";
+
+/// Live reservations whose queue's maximum run time comes by `by_ms` (now
+/// and a preemption grace period) and whose nodes were not told yet: with
+/// when it comes.
+fn notices_due(
+    index: &Index,
+    q: &projections::index::Queues,
+    by_ms: u64,
+    max: usize,
+) -> Vec<(String, u64)> {
+    q.expiries
+        .iter()
+        .take_while(|(at, _)| *at <= by_ms)
+        .filter(|(_, id)| {
+            index
+                .reservation(id)
+                .is_some_and(|r| r.run_limited && !r.noticed && !q.releases.contains(id))
+        })
+        .take(max)
+        .map(|(at, id)| (id.clone(), *at))
+        .collect()
 }
 
 /// The request that takes `r`'s place when it fails or is preempted:
@@ -674,6 +744,8 @@ fn preemptions_due(
 struct Decided<'a> {
     releases: Vec<String>,
     expiries: Vec<String>,
+    /// Told of their end at their queue's maximum run time: (id, when).
+    notices: Vec<(String, u64)>,
     failures: Vec<(String, String, &'a str)>,
     ended: Vec<Ended>,
     placed: Vec<(String, Vec<domain::Allocation>)>,
@@ -683,11 +755,18 @@ struct Decided<'a> {
 }
 
 /// The facts a batch appends to its pool's stream, in the order they apply,
-/// and the replacements it requests (preemptions scheduled get `deadline`).
-fn batch_facts(index: &Index, d: Decided<'_>, deadline: u64) -> (Vec<Fact>, Vec<Request>) {
+/// and the replacements it requests (preemptions scheduled get `deadline`,
+/// `grace` from now).
+fn batch_facts(
+    index: &Index,
+    d: Decided<'_>,
+    deadline: u64,
+    grace: u64,
+) -> (Vec<Fact>, Vec<Request>) {
     let Decided {
         releases,
         expiries,
+        notices,
         failures,
         ended,
         placed,
@@ -704,8 +783,15 @@ fn batch_facts(index: &Index, d: Decided<'_>, deadline: u64) -> (Vec<Fact>, Vec<
     facts.extend(
         expiries
             .into_iter()
-            .map(|reservation| Fact::ReservationExpired { reservation }),
+            .map(|reservation| Fact::ReservationExpired {
+                reason: match index.reservation(&reservation) {
+                    Some(r) if r.run_limited => MAX_RUN_TIME.into(),
+                    _ => String::new(),
+                },
+                reservation,
+            }),
     );
+
     // Reservations that asked to be placed again are requested anew, in
     // the same transaction, under their replacement id.
     let mut replacements = Vec::new();
@@ -748,6 +834,19 @@ fn batch_facts(index: &Index, d: Decided<'_>, deadline: u64) -> (Vec<Fact>, Vec<
             deadline_ms: Some(deadline),
         }
     }));
+    // One grace period before the end, or as soon as the placer can (a
+    // limit shorter than the grace period, or a placer away): the end
+    // stays where the limit put it, or now if that is past.
+    let now_ms = deadline.saturating_sub(grace);
+    facts.extend(
+        notices
+            .into_iter()
+            .map(|(reservation, at)| Fact::ReservationEndingNoticed {
+                reservation,
+                reason: MAX_RUN_TIME.into(),
+                deadline_ms: Some(at.max(now_ms)),
+            }),
+    );
     facts.extend(
         queued
             .into_iter()

@@ -67,6 +67,9 @@ pub struct Pool {
     /// decayed), carried forward at each placement and ending of the queue
     /// (see [`crate::decay`]); kept whether its cohort's decay is on or not.
     pub past: BTreeMap<String, BTreeMap<String, crate::decay::Decayed>>,
+    /// Each queue's GPU time in the current day, week and month, for its
+    /// budgets (see [`crate::spent`]), carried like `past`.
+    pub spent: BTreeMap<String, crate::spent::Spent>,
 }
 
 impl Pool {
@@ -369,6 +372,11 @@ pub struct Reservation {
     pub preempt_deadline_ms: Option<u64>,
     /// Why it is preempted: `priority` or `reclaim`.
     pub preempt_reason: String,
+    /// Its end (`expires_at_ms`) is its queue's maximum run time, not its
+    /// own time to live.
+    pub run_limited: bool,
+    /// Its nodes were told of that end (`reservation.ending_noticed`).
+    pub noticed: bool,
 }
 
 /// An event that breaks an invariant. The index applies it as far as it can
@@ -830,6 +838,25 @@ impl Index {
             .and_then(|p| p.past.get(queue)?.get(class).copied())
             .unwrap_or(crate::decay::Decayed { gpu_ms: 0.0, at_ms });
         past.carried(at_ms, held, self.half_life(pool, queue).0)
+    }
+
+    /// `queue`'s GPU time in the current day, week and month, carried to
+    /// `at_ms` with what it holds now.
+    pub fn spent(&self, pool: &str, queue: &str, at_ms: u64) -> crate::spent::Spent {
+        let held = self.queues(pool).map_or(0, |q| {
+            q.usage
+                .classes(queue)
+                .map(|c| q.used(queue, c))
+                .sum::<u64>()
+        });
+        let was = self
+            .pool(pool)
+            .and_then(|p| p.spent.get(queue).copied())
+            .unwrap_or(crate::spent::Spent {
+                at_ms,
+                ..Default::default()
+            });
+        was.carried(at_ms, held)
     }
 
     /// Carries `queue`'s past usage of `class` to the event being applied,

@@ -5,10 +5,13 @@
 //! applied position is part of its state), can be saved as an rkyv
 //! [`snapshot`] and resumed from one plus the events after it.
 //! [`check`] replays the log and verifies the placement invariants.
-//! [`decay`] is the past usage that fair share remembers.
+//! [`decay`] is the past usage that fair share remembers; [`spent`] the
+//! GPU time queues booked in the current day, week and month, which
+//! [`budget`] judges requests by.
 //! [`usage`] folds the GPU time reservations held into rollup tables. It
 //! appends nothing: every write to the log is `domain`'s.
 
+pub mod budget;
 pub mod check;
 pub mod decay;
 pub mod hashing;
@@ -16,6 +19,7 @@ pub mod index;
 pub mod projector;
 pub mod quota;
 pub mod snapshot;
+pub mod spent;
 pub mod tally;
 pub mod testing;
 mod tiers;

@@ -445,7 +445,8 @@ pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> 
 }
 
 /// Where a queue stands in a batch's turns: the queue with the smallest
-/// turn is served next. First every queue short of its nominal quota in
+/// turn is served next. A queue past a soft budget comes after every queue
+/// within its budgets; among either, first every queue short of its nominal quota in
 /// every class, the furthest short first ([`dominant_share`] below zero,
 /// history aside: a guarantee is owed whatever was used before); then the
 /// queues that borrow, by weighted dominant share. In a cohort whose fair
@@ -455,10 +456,12 @@ pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> 
 /// more yields to one that used less.
 pub fn turn(index: &Index, pool: &str, queue: &str, batch: &Batch, at_ms: u64) -> Turn {
     let share = dominant_share(index, pool, queue, batch);
+    let over_soft = crate::budget::over_soft(index, pool, queue, at_ms);
     let (half_life, remembers) = index.half_life(pool, queue);
     let (Some(queues), true, true) = (index.pool(pool).map(|p| &p.queues), share >= 0.0, remembers)
     else {
         return Turn {
+            over_soft,
             borrows: share >= 0.0,
             share,
         };
@@ -481,6 +484,7 @@ pub fn turn(index: &Index, pool: &str, queue: &str, batch: &Batch, at_ms: u64) -
         })
         .fold(f64::NEG_INFINITY, f64::max);
     Turn {
+        over_soft,
         borrows: true,
         share,
     }
@@ -489,6 +493,9 @@ pub fn turn(index: &Index, pool: &str, queue: &str, batch: &Batch, at_ms: u64) -
 /// A queue's place in a batch's turns ([`turn`]): smaller is served first.
 #[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
 pub struct Turn {
+    /// Whether it spent a soft budget (such queues are served after every
+    /// queue within its budgets).
+    pub over_soft: bool,
     /// Whether it holds its nominal quota of some class (those that do not
     /// are served first).
     pub borrows: bool,
@@ -500,8 +507,8 @@ pub struct Turn {
 
 impl Turn {
     /// As an integer key that orders the same (shares to a billionth).
-    pub fn key(self) -> (bool, i64) {
-        (self.borrows, (self.share * 1e9) as i64)
+    pub fn key(self) -> (bool, bool, i64) {
+        (self.over_soft, self.borrows, (self.share * 1e9) as i64)
     }
 }
 

@@ -40,6 +40,8 @@ pub(crate) enum QueuesCmd {
         /// The most it may borrow of a class beyond its quota, CLASS=GPUS (default: whatever its cohort has unused)
         #[arg(long, value_name = "CLASS=GPUS")]
         borrowing_limit: Vec<String>,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Change a queue: only what is given changes. The change is appended at the pool's version it was read at, so concurrent changes are both kept; waiting requests are tried again under the new quota. Exit 6 if there is no such queue
     Set {
@@ -65,6 +67,11 @@ pub(crate) enum QueuesCmd {
         /// Remove the quota of a class (repeatable)
         #[arg(long, value_name = "CLASS")]
         remove_quota: Vec<String>,
+        #[command(flatten)]
+        limits: LimitArgs,
+        /// Remove the budget of a period: day, week or month (repeatable)
+        #[arg(long, value_name = "PERIOD")]
+        remove_budget: Vec<String>,
     },
     /// Make a cohort's fair share remember its queues' past usage (--half-life 7d), or only what they hold now (--half-life off, the default). Remembering, the queues that borrow are served in the order of what they hold beyond their quota plus what they held beyond it in the past, each moment of it weighing half as much one half-life later: a queue that used more yields to one that used less. Past usage is kept while it is off (with a 7-day half-life), so turning it on acts at once. Exit 6 if the pool does not exist
     Cohort {
@@ -96,6 +103,66 @@ pub(crate) enum QueuesCmd {
     },
 }
 
+/// A queue's budgets and longest run, as `create` and `set` take them.
+#[derive(clap::Args, Debug)]
+pub(crate) struct LimitArgs {
+    /// GPU-hours it may book per UTC day, ISO week or month: PERIOD=HOURS[:wait|reject|soft], e.g. month=20000 or day=0.5:reject (repeatable, one per period). Once spent, its requests wait for the next period (wait, the default) or are rejected (reject), whatever is free; a soft budget only serves its requests after the queues within their budgets. Running reservations go on; the time they are booked counts
+    #[arg(long, value_name = "PERIOD=HOURS[:HOW]")]
+    budget: Vec<String>,
+    /// The longest one of its reservations may run from its placement (e.g. 24h), or none: past it, it ends (expired, max_run_time) after the notice preemption gives its nodes, one preemption grace period ahead. Applies to reservations placed from now on
+    #[arg(long, value_name = "DURATION|none")]
+    max_run: Option<String>,
+}
+
+impl LimitArgs {
+    /// The budgets given.
+    fn budgets(&self) -> Result<Vec<domain::Budget>> {
+        self.budget.iter().map(|s| budget_arg(s)).collect()
+    }
+
+    /// The maximum run time given: `Some(None)` for `none`.
+    fn max_run(&self) -> Result<Option<Option<u64>>> {
+        let Some(s) = &self.max_run else {
+            return Ok(None);
+        };
+        if s == "none" {
+            return Ok(Some(None));
+        }
+        let d = humantime::parse_duration(s)
+            .map_err(|e| anyhow::anyhow!("--max-run {s:?}: {e} (write e.g. 24h, 90m, or none)"))?;
+        Ok(Some(Some(d.as_millis() as u64)))
+    }
+}
+
+/// `--budget PERIOD=HOURS[:HOW]`.
+fn budget_arg(s: &str) -> Result<domain::Budget> {
+    let bad = || {
+        anyhow::anyhow!("--budget {s:?}: write PERIOD=HOURS[:wait|reject|soft], e.g. month=20000 or day=0.5:reject")
+    };
+    let (period, rest) = s.split_once('=').ok_or_else(bad)?;
+    let period = domain::BudgetPeriod::from_name(period).ok_or_else(|| {
+        anyhow::anyhow!("--budget {s:?}: the period is day, week or month, not {period:?}")
+    })?;
+    let (hours, how) = rest.split_once(':').unwrap_or((rest, "wait"));
+    let hours: f64 = hours.parse().map_err(|_| bad())?;
+    if !hours.is_finite() || hours <= 0.0 {
+        return Err(anyhow::anyhow!(
+            "--budget {s:?}: a budget is more than 0 GPU-hours (remove one with --remove-budget)"
+        ));
+    }
+    let enforce = match how {
+        "wait" => domain::Enforce::Wait,
+        "reject" => domain::Enforce::Reject,
+        "soft" => domain::Enforce::Soft,
+        _ => return Err(bad()),
+    };
+    Ok(domain::Budget {
+        period,
+        gpu_seconds: (hours * 3600.0).round().max(1.0) as u64,
+        enforce,
+    })
+}
+
 /// `CLASS=N` from `--quota` or `--borrowing-limit` (`none` for no limit).
 pub(crate) fn class_value(flag: &str, s: &str) -> Result<(String, Option<u32>)> {
     let Some((class, n)) = s.split_once('=') else {
@@ -117,9 +184,13 @@ pub(crate) struct Changes {
     quotas: Vec<(String, u32)>,
     limits: Vec<(String, Option<u32>)>,
     remove: Vec<String>,
+    budgets: Vec<domain::Budget>,
+    remove_budgets: Vec<domain::BudgetPeriod>,
+    max_run: Option<Option<u64>>,
 }
 
 impl Changes {
+    #[allow(clippy::too_many_arguments)]
     fn parse(
         cohort: Option<String>,
         no_cohort: bool,
@@ -127,7 +198,17 @@ impl Changes {
         quota: &[String],
         borrowing_limit: &[String],
         remove: Vec<String>,
+        limits_arg: &LimitArgs,
+        remove_budget: &[String],
     ) -> Result<Changes> {
+        let remove_budgets = remove_budget
+            .iter()
+            .map(|p| {
+                domain::BudgetPeriod::from_name(p).ok_or_else(|| {
+                    anyhow::anyhow!("--remove-budget {p:?}: the period is day, week or month")
+                })
+            })
+            .collect::<Result<_>>()?;
         let quotas = quota
             .iter()
             .map(|s| class_value("--quota", s).map(|(c, n)| (c, n.expect("a number"))))
@@ -146,6 +227,9 @@ impl Changes {
             quotas,
             limits,
             remove,
+            budgets: limits_arg.budgets()?,
+            remove_budgets,
+            max_run: limits_arg.max_run()?,
         })
     }
 
@@ -188,6 +272,24 @@ impl Changes {
             }
         }
         spec.quotas.sort_by(|a, b| a.class.cmp(&b.class));
+        for period in &self.remove_budgets {
+            if spec.budget(*period).is_none() {
+                return Err(RequestError::Invalid(format!(
+                    "queue {} has no budget per {} to remove",
+                    spec.queue,
+                    period.name()
+                )));
+            }
+            spec.budgets.retain(|b| b.period != *period);
+        }
+        for b in &self.budgets {
+            spec.budgets.retain(|o| o.period != b.period);
+            spec.budgets.push(b.clone());
+        }
+        spec.budgets.sort_by_key(|b| b.period);
+        if let Some(m) = self.max_run {
+            spec.max_run_ms = m;
+        }
         Ok(spec)
     }
 }
@@ -225,6 +327,7 @@ pub(crate) async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
             weight,
             quota,
             borrowing_limit,
+            limits,
         } => {
             let changes = Changes::parse(
                 cohort,
@@ -233,6 +336,8 @@ pub(crate) async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
                 &quota,
                 &borrowing_limit,
                 vec![],
+                &limits,
+                &[],
             )?;
             let edit = |now: Option<&QueueSpec>| {
                 domain::queues::refuse_existing(&pool, &name, now)?;
@@ -241,6 +346,8 @@ pub(crate) async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
                     cohort: None,
                     weight: 1,
                     quotas: Vec::new(),
+                    budgets: Vec::new(),
+                    max_run_ms: None,
                 })
             };
             let spec = write(&db, &pool, &name, &edit).await?;
@@ -256,6 +363,8 @@ pub(crate) async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
             quota,
             borrowing_limit,
             remove_quota,
+            limits,
+            remove_budget,
         } => {
             let changes = Changes::parse(
                 cohort,
@@ -264,6 +373,8 @@ pub(crate) async fn queues(cmd: QueuesCmd) -> Result<ExitCode> {
                 &quota,
                 &borrowing_limit,
                 remove_quota,
+                &limits,
+                &remove_budget,
             )?;
             let edit = |now: Option<&QueueSpec>| {
                 changes.apply(domain::queues::existing(&pool, &name, now)?.clone())
@@ -410,6 +521,20 @@ async fn show(db: &DbArgs, name: &str, pool: &str) -> Result<()> {
     let (pending, queued) = waiting_in(&index, pool, name);
     let share = quota::dominant_share(&index, pool, name, &quota::Batch::default());
     let turn = quota::turn(&index, pool, name, &quota::Batch::default(), now);
+    let spent = index.spent(pool, name, now);
+    let budgets: Vec<serde_json::Value> = spec
+        .budgets
+        .iter()
+        .map(|b| {
+            serde_json::json!({
+                "period": b.period.name(),
+                "gpu_hours": b.gpu_seconds as f64 / 3600.0,
+                "enforce": b.enforce.name(),
+                "booked_gpu_hours": spent.of(b.period) as f64 / 3_600_000.0,
+                "renews_at": crate::cli::ms_time(b.period.next(now as i64).max(0) as u64),
+            })
+        })
+        .collect();
     if crate::exit::json() {
         crate::exit::print_json(&serde_json::json!({
             "pool": pool,
@@ -417,7 +542,9 @@ async fn show(db: &DbArgs, name: &str, pool: &str) -> Result<()> {
             "cohort": spec.cohort,
             "weight": spec.weight,
             "dominant_share": share,
-            "turn": { "borrows": turn.borrows, "share": turn.share },
+            "turn": { "over_soft_budget": turn.over_soft, "borrows": turn.borrows, "share": turn.share },
+            "budgets": budgets,
+            "max_run_ms": spec.max_run_ms,
             "pending": pending,
             "queued": queued,
             "classes": shares.iter().map(|s| share_json(pool, s)).collect::<Vec<_>>(),
@@ -436,6 +563,16 @@ async fn show(db: &DbArgs, name: &str, pool: &str) -> Result<()> {
             String::new()
         }
     );
+    for b in &budgets {
+        println!(
+            "  budget per {}: {:.3} of {} GPU-hours booked ({}); renews at {}",
+            b["period"].as_str().unwrap_or_default(),
+            b["booked_gpu_hours"].as_f64().unwrap_or_default(),
+            b["gpu_hours"],
+            b["enforce"].as_str().unwrap_or_default(),
+            b["renews_at"].as_str().unwrap_or_default()
+        );
+    }
     for s in &shares {
         println!(
             "  {}: holds {} of its {} nominal (borrows up to {}); waiting requests ask for {}; fair share {}; {}",
@@ -494,7 +631,7 @@ pub(crate) fn describe(spec: &QueueSpec) -> String {
             _ => format!("{} {}", q.nominal, q.class),
         })
         .collect();
-    format!(
+    let mut out = format!(
         "{}; cohort {}; weight {}",
         if quotas.is_empty() {
             "no quota".to_string()
@@ -503,7 +640,31 @@ pub(crate) fn describe(spec: &QueueSpec) -> String {
         },
         spec.cohort.as_deref().unwrap_or("none"),
         spec.weight
-    )
+    );
+    for b in &spec.budgets {
+        out.push_str(&format!(
+            "; {} GPU-hours per {} ({})",
+            projections::budget::hours(b.gpu_seconds * 1000),
+            b.period.name(),
+            enforce_words(b.enforce)
+        ));
+    }
+    if let Some(m) = spec.max_run_ms {
+        out.push_str(&format!(
+            "; runs at most {}",
+            humantime::format_duration(std::time::Duration::from_millis(m))
+        ));
+    }
+    out
+}
+
+/// What a spent budget does, in words.
+fn enforce_words(e: domain::Enforce) -> &'static str {
+    match e {
+        domain::Enforce::Wait => "then requests wait",
+        domain::Enforce::Reject => "then requests are rejected",
+        domain::Enforce::Soft => "soft: then served after the others",
+    }
 }
 
 pub(crate) fn share_json(pool: &str, s: &Share) -> serde_json::Value {

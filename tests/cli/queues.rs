@@ -648,3 +648,154 @@ fn a_team_that_used_more_is_served_after_one_that_used_less_where_the_cohort_rem
         "{after:?}"
     );
 }
+
+#[test]
+fn a_budget_reached_mid_run_holds_the_next_request_and_a_run_time_limit_ends_one_after_its_notice()
+{
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    crate::seeded_pool(&url, 1);
+    // ml may book 0.002 GPU-hours (7.2 GPU-seconds) a day; short's
+    // reservations run 3 s at most.
+    for (name, nominal, limit) in [
+        ("ml", "6", ["--budget", "day=0.002"]),
+        ("short", "2", ["--max-run", "3s"]),
+    ] {
+        let quota = format!("{CLASS}={nominal}");
+        let mut args = vec!["create", name, "--pool", "gpu", "--quota", &quota];
+        args.extend_from_slice(&limit);
+        ok(&queues(&url, &args));
+    }
+    for (flag, value, said) in [
+        (
+            "--budget",
+            "fortnight=1",
+            "the period is day, week or month",
+        ),
+        ("--budget", "day=0", "more than 0 GPU-hours"),
+        ("--budget", "day=1:maybe", "PERIOD=HOURS[:wait|reject|soft]"),
+        ("--max-run", "soon", "--max-run \"soon\""),
+    ] {
+        let err = fails(&queues(&url, &["set", "ml", "--pool", "gpu", flag, value]));
+        assert!(err.contains(said), "{flag} {value}: {err}");
+    }
+    let _serve = crate::gateway::Killed(crate::spawn(
+        &[
+            "serve",
+            "--roles",
+            "placer,binder",
+            "--database-url",
+            &url,
+            "--lease-ttl",
+            "2s",
+            "--holder",
+            "limits",
+            "--slot",
+            "limits",
+            "--preemption-grace",
+            "1s",
+        ],
+        &dir.path().join("serve.log"),
+    ));
+    for (id, queue, gpus) in [("ml-1", "ml", "2"), ("s-1", "short", "1")] {
+        ok(&reserve_args(
+            &url,
+            &["--gpus", gpus, "--queue", queue, "--id", id, "--wait"],
+        ));
+    }
+    // ml-1 runs on; within four seconds ml has booked its day.
+    let show = || {
+        let out = ok(&queues(
+            &url,
+            &["show", "ml", "--pool", "gpu", "--output", "json"],
+        ));
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    testkit::wait_until(
+        30,
+        "ml's budget booked",
+        || show()["budgets"][0]["booked_gpu_hours"].as_f64().unwrap() >= 0.002,
+        || eprintln!("{}", show()),
+    );
+    let text = ok(&queues(&url, &["show", "ml", "--pool", "gpu"]));
+    assert!(
+        text.contains("budget per day:") && text.contains("(wait); renews at"),
+        "{text}"
+    );
+    let held = strata(&reserve_args(
+        &url,
+        &[
+            "--gpus",
+            "1",
+            "--queue",
+            "ml",
+            "--id",
+            "ml-2",
+            "--wait",
+            "--timeout",
+            "3s",
+        ],
+    ));
+    let said = String::from_utf8_lossy(&held.stderr);
+    assert_eq!(held.status.code(), Some(4), "{said}");
+    assert!(
+        said.contains("over budget: queue ml booked") && said.contains("this day; it renews at"),
+        "{said}"
+    );
+    assert_eq!(show_reservation(&url, "ml-1")["phase"], "placed");
+    // s-1 was told of its end (the binder passed the notice to its node
+    // as a preemption's), then ended at its queue's limit.
+    let ends = testkit::wait_for(30, || {
+        let e = events_of(
+            &url,
+            "s-1",
+            &["reservation.ending_noticed", "reservation.expired"],
+        );
+        (e.len() == 2).then_some(e)
+    })
+    .expect("s-1 noticed and expired");
+    assert_eq!(ends[0].1, "reservation.ending_noticed", "{ends:?}");
+    assert_eq!(ends[0].2["reason"], "max_run_time", "{ends:?}");
+    assert_eq!(ends[1].1, "reservation.expired", "{ends:?}");
+    assert_eq!(ends[1].2["reason"], "max_run_time", "{ends:?}");
+    let notice = rt().block_on(async {
+        let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let placed_to_end: f64 = client
+            .query_one(
+                "SELECT extract(epoch FROM max(recorded_at) - min(recorded_at))::float8 FROM strata.events
+                  WHERE payload->>'reservation' = 's-1' AND type IN ('reservation.placed', 'reservation.expired')",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(placed_to_end >= 3.0, "{placed_to_end}");
+        client
+            .query_opt(
+                "SELECT payload::text FROM strata.events
+                  WHERE type = 'command.issued' AND payload->>'kind' = 'allocation.preempting'
+                    AND payload->'args'->>'reservation' = 's-1'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .map(|r| r.get::<_, String>(0))
+    });
+    let notice = notice.expect("the node told");
+    assert!(notice.contains("max_run_time"), "{notice}");
+    // A budget raised is an event; what waited is placed.
+    ok(&queues(
+        &url,
+        &["set", "ml", "--pool", "gpu", "--budget", "day=10"],
+    ));
+    testkit::wait_until(
+        30,
+        "ml-2 placed",
+        || show_reservation(&url, "ml-2")["phase"] == "placed",
+        || eprintln!("{}", show_reservation(&url, "ml-2")),
+    );
+    ok(&["replay", "check", "--database-url", &url]);
+}

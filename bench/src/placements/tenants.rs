@@ -1,7 +1,9 @@
 //! `bench placements`, the multi-tenant phase: a pool shared by 16 queues
 //! in 2 cohorts, quotas summing to the fleet, its nodes in racks of
 //! [`NODES_PER_RACK`], demand at 150% of it (gangs within one rack), then
-//! requests of high priority that get their GPUs by preemption.
+//! requests of high priority that get their GPUs by preemption. It runs
+//! twice, on two pools alike but for one thing: in [`REMEMBERING`] both
+//! cohorts' fair share remembers past usage ([`HALF_LIFE_MS`]).
 
 use crate::util::percentile_ms;
 use anyhow::{bail, Result};
@@ -14,8 +16,13 @@ use std::time::{Duration, Instant};
 
 use super::{flood, offer, Seen, CLASS};
 
-/// The pool the queues share.
+/// The pool whose cohorts forget: only what queues hold counts.
 pub const POOL: &str = "tenants";
+/// The pool whose cohorts remember past usage.
+pub const REMEMBERING: &str = "tenants-decay";
+/// Its cohorts' half-life: short enough that the past moves within the
+/// phase.
+pub const HALF_LIFE_MS: u64 = 60_000;
 /// Nodes per rack of the pool.
 pub const NODES_PER_RACK: u32 = 32;
 
@@ -46,20 +53,62 @@ pub fn specs(gpus: u64) -> Vec<QueueSpec> {
     domain::demand::queues(CLASS, gpus)
 }
 
-/// Runs the phase on the pool `POOL` (created, its nodes joined, its
-/// queues configured by the caller) with a placer whose preemption grace
-/// is `grace`.
+/// Creates `pool` with `nodes` nodes in racks and the queues, its cohorts
+/// remembering when it is [`REMEMBERING`].
+pub async fn prepare(
+    appender: &Appender,
+    client: &tokio_postgres::Client,
+    pool: &str,
+    nodes: u32,
+) -> Result<()> {
+    domain::pools::create_pool(appender, pool, "multi-tenant benchmark pool").await?;
+    let prefix = format!("{pool}-n");
+    let fleet = domain::pools::uniform_fleet(&prefix, nodes, CLASS, 8, 8);
+    domain::pools::join_nodes(appender, pool, fleet, |_| {}).await?;
+    let racks = (0..nodes)
+        .map(|i| {
+            (
+                format!("{prefix}{i:05}"),
+                Some(format!("rack-{:04}", i / NODES_PER_RACK)),
+                None,
+            )
+        })
+        .collect();
+    domain::pools::label_nodes(appender, pool, racks).await?;
+    for spec in specs(nodes as u64 * 8) {
+        let name = spec.queue.clone();
+        domain::queues::configure(client, appender, pool, &name, &|_| Ok(spec.clone()), None)
+            .await?;
+    }
+    if pool == REMEMBERING {
+        for c in 0..COHORTS {
+            let cohort = format!("cohort{c}");
+            domain::queues::set_decay(client, appender, pool, &cohort, Some(HALF_LIFE_MS), None)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs the phase on `pool` ([`prepare`]d) with a placer whose preemption
+/// grace is `grace`.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     appender: &Appender,
     seen: &Seen,
     client: &tokio_postgres::Client,
+    pool: &str,
     gpus: u64,
     grace: Duration,
     clients: usize,
     high: u64,
 ) -> Result<Tenants> {
-    // Demand at 150%: every request decided (placed or queued).
-    let requests = domain::demand::mixed(POOL, CLASS, gpus);
+    // Demand at 150%: every request decided (placed or queued); ids apart
+    // per pool.
+    let mut requests = domain::demand::mixed(pool, CLASS, gpus);
+    for r in &mut requests {
+        r.reservation = format!("{pool}-{}", r.reservation);
+    }
     let n = requests.len() as u64;
     let requested_gpus: u64 = requests.iter().map(|r| r.gpus as u64).sum();
     let placed_before = seen.placed.load(Ordering::Relaxed);
@@ -75,7 +124,7 @@ pub async fn run(
     // Placements per second: until the last placement of the flood was seen.
     let placements_per_s = placed as f64 / decided_s;
     eprintln!(
-        "tenants: {n} requests for {requested_gpus} GPUs ({}% of {gpus}) decided in {decided_s:.2} s; {placed} placed = {placements_per_s:.0} placements/s",
+        "{pool}: {n} requests for {requested_gpus} GPUs ({}% of {gpus}) decided in {decided_s:.2} s; {placed} placed = {placements_per_s:.0} placements/s",
         requested_gpus * 100 / gpus
     );
     // Requests of high priority, one GPU each, round robin over the queues,
@@ -85,7 +134,7 @@ pub async fn run(
     let mut lat = Vec::new();
     for i in 0..high {
         let r = domain::demand::tenant_request(
-            super::request(format!("hp-{i}"), POOL, 1, Shape::Any),
+            super::request(format!("{pool}-hp-{i}"), pool, 1, Shape::Any),
             domain::demand::queue_name((i % QUEUES as u64) as u32),
             10,
         );
@@ -114,26 +163,23 @@ pub async fn run(
     let preempted = seen.preempted.load(Ordering::Relaxed) - preempted_before;
     let (p50_ms, p99_ms) = (percentile_ms(&mut lat, 0.5), percentile_ms(&mut lat, 0.99));
     eprintln!(
-        "tenants: {high} requests of high priority placed through preemption, one at a time in {high_s:.1} s: p50 {p50_ms:.0} ms, p99 {p99_ms:.0} ms (grace {} ms); {preempted} preempted in the phase's {secs:.1} s = {:.1}/s",
+        "{pool}: {high} requests of high priority placed through preemption, one at a time in {high_s:.1} s: p50 {p50_ms:.0} ms, p99 {p99_ms:.0} ms (grace {} ms); {preempted} preempted in the phase's {secs:.1} s = {:.1}/s",
         grace.as_millis(),
         preempted as f64 / secs
     );
     // Each queue's usage against its fair share, from the log.
     let index = projections::projector::build(client, Index::new()).await?;
+    let now = projections::usage::unix_ms(std::time::SystemTime::now()).max(0) as u64;
     let mut shares = Vec::new();
     let mut spread = 0f64;
-    for s in projections::quota::fair_shares(
-        &index,
-        POOL,
-        projections::usage::unix_ms(std::time::SystemTime::now()).max(0) as u64,
-    ) {
+    for s in projections::quota::fair_shares(&index, pool, now) {
         if s.fair > 0 {
             spread = spread.max((s.used as f64 - s.fair as f64).abs() / s.fair as f64);
         }
         shares.push((s.queue, s.weight, s.used, s.fair));
     }
     eprintln!(
-        "tenants: usage against fair share within {:.1}% (worst queue)",
+        "{pool}: usage against fair share within {:.1}% (worst queue)",
         spread * 100.0
     );
     Ok(Tenants {

@@ -26,6 +26,8 @@ async fn a_preempted_reservations_node_is_told_and_released_after_the_grace_peri
             nominal: 8,
             borrowing_limit: None,
         }],
+        budgets: Vec::new(),
+        max_run_ms: None,
     };
     domain::queues::configure(
         &r.client,

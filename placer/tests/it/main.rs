@@ -796,6 +796,8 @@ async fn requests_that_can_preempt_nothing_are_not_planned_again_until_capacity_
             nominal: 16,
             borrowing_limit: None,
         }],
+        budgets: Vec::new(),
+        max_run_ms: None,
     };
     domain::queues::configure(
         &client,

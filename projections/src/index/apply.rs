@@ -136,6 +136,7 @@ impl Index {
             Fact::ReservationQueued { .. }
             | Fact::ReservationRejected { .. }
             | Fact::ReservationPlaced { .. }
+            | Fact::ReservationEndingNoticed { .. }
             | Fact::ReservationPreemptionScheduled { .. } => {
                 self.apply_placement(event, pool, fact)
             }
@@ -465,6 +466,8 @@ impl Index {
                         preempted_by: None,
                         preempt_deadline_ms: None,
                         preempt_reason: String::new(),
+                        run_limited: false,
+                        noticed: false,
                     },
                 );
                 self.queue(&id, true);
@@ -548,6 +551,31 @@ impl Index {
                     ));
                 }
             }
+            Fact::ReservationEndingNoticed {
+                reservation,
+                reason,
+                deadline_ms,
+            } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let r = &self.state.reservations[&reservation];
+                if !r.phase.is_live() || !r.run_limited {
+                    return Err(format!(
+                        "reservation {reservation:?} noticed of its end ({reason}) while {}{}",
+                        r.phase.name(),
+                        if r.run_limited {
+                            ""
+                        } else {
+                            ", with no maximum run time"
+                        }
+                    ));
+                }
+                // Told late (its placer was away): it keeps the grace
+                // period the notice promises.
+                self.with_reservation(&reservation, |r| {
+                    r.noticed = true;
+                    r.expires_at_ms = r.expires_at_ms.max(deadline_ms);
+                });
+            }
             Fact::ReservationPlaced {
                 reservation,
                 allocations,
@@ -629,7 +657,7 @@ impl Index {
                 self.forget_chain(&reservation);
                 self.bump_capacity(&pool);
             }
-            Fact::ReservationExpired { reservation }
+            Fact::ReservationExpired { reservation, .. }
             | Fact::ReservationFailed { reservation, .. } => {
                 // Only a live reservation can run out of time or lose a node.
                 self.check_in_pool(&reservation, &pool)?;
@@ -736,6 +764,10 @@ impl Index {
         if let Some(q) = r.request.queue.clone() {
             let (pool, class) = (r.request.pool.clone(), r.request.class.clone());
             self.accrue(&pool, &q, &class);
+            let spent = self.spent(&pool, &q, self.event_ms);
+            if let Some(p) = self.state.pools.get_mut(&pool) {
+                p.spent.insert(q, spent);
+            }
         }
     }
 
@@ -783,11 +815,19 @@ impl Index {
             refused.extend(self.book(pool, a, id));
         }
         let placed_at = millis(event.recorded_at);
+        // Its queue's maximum run time, where that ends it before its own.
+        let queue = self.state.reservations[id].request.queue.as_deref();
+        let max_run = self
+            .pool(pool)
+            .and_then(|p| p.queues.get(queue?)?.max_run_ms);
         let r = self.state.reservations.get_mut(id).expect("checked above");
         r.phase = Phase::Placed;
         r.reason.clear();
         r.placed_at_ms = Some(placed_at);
-        r.expires_at_ms = r.request.ttl_ms.map(|t| placed_at.saturating_add(t));
+        let own = r.request.ttl_ms.map(|t| placed_at.saturating_add(t));
+        let limit = max_run.map(|m| placed_at.saturating_add(m));
+        r.run_limited = limit.is_some_and(|l| own.is_none_or(|o| l < o));
+        r.expires_at_ms = if r.run_limited { limit } else { own };
         r.allocations = allocations;
         self.accrue_for(id);
         self.queue(id, true);

@@ -12,9 +12,7 @@
 use domain::Fact;
 use std::collections::{HashMap, HashSet};
 
-/// Milliseconds in an hour and in a day.
-pub const HOUR_MS: i64 = 3_600_000;
-pub const DAY_MS: i64 = 24 * HOUR_MS;
+pub use domain::calendar::{DAY_MS, HOUR_MS};
 
 /// A rollup's bucket length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -44,11 +42,8 @@ impl Period {
     pub fn start(self, ms: i64) -> i64 {
         match self {
             Period::Hour => ms.div_euclid(HOUR_MS) * HOUR_MS,
-            Period::Day => ms.div_euclid(DAY_MS) * DAY_MS,
-            Period::Month => {
-                let (y, m, _) = civil(ms.div_euclid(DAY_MS));
-                days_from_civil(y, m, 1) * DAY_MS
-            }
+            Period::Day => domain::calendar::day_start(ms),
+            Period::Month => domain::calendar::month_start(ms),
         }
     }
 
@@ -57,38 +52,9 @@ impl Period {
         match self {
             Period::Hour => start + HOUR_MS,
             Period::Day => start + DAY_MS,
-            Period::Month => {
-                let (y, m, _) = civil(start.div_euclid(DAY_MS));
-                let (y, m) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
-                days_from_civil(y, m, 1) * DAY_MS
-            }
+            Period::Month => domain::calendar::next_month(start),
         }
     }
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date.
-fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m as i64 + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d as i64 - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
-/// The date of a day since 1970-01-01: (year, month, day).
-fn civil(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
-    (y, m, d)
 }
 
 /// A span of time, `[from, to)` in Unix milliseconds.
@@ -482,10 +448,6 @@ pub(crate) mod tests {
             Period::Month.next(ms("2026-12-01T00:00:00Z")),
             ms("2027-01-01T00:00:00Z")
         );
-        for days in [-800_000, -1, 0, 1, 59, 365 * 30 + 7, 2_000_000] {
-            let (y, m, d) = civil(days);
-            assert_eq!(days_from_civil(y, m, d), days);
-        }
     }
 
     fn open(placed: &str, active: Option<&str>) -> Open {
