@@ -762,6 +762,7 @@ pub async fn run_spine(args: SpineArgs) -> Result<()> {
             replaces: None,
             topology: None,
             requeue_on_preemption: false,
+            start_ms: None,
             queue: None,
         };
         let (appender, committed) = (appender.clone(), committed.clone());

@@ -213,6 +213,7 @@ pub async fn run(args: Args) -> Result<()> {
                     replaces: None,
                     topology: None,
                     requeue_on_preemption: false,
+                    start_ms: None,
                     queue: None,
                 };
                 // PostgreSQL may be restarting: the request is retried, as

@@ -166,6 +166,7 @@ async fn load(db: &tokio_postgres::Client, total: u64) -> Result<Index> {
                 replaces: None,
                 topology: None,
                 requeue_on_preemption: false,
+                start_ms: None,
                 queue: None,
             }),
         );

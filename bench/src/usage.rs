@@ -179,6 +179,7 @@ async fn load(db: &tokio_postgres::Client, total: u64, month_ms: i64) -> Result<
             replaces: None,
             topology: None,
             requeue_on_preemption: false,
+            start_ms: None,
             queue: Some(format!("q{}", owner % QUEUES)),
         });
         g.fact(&rs, &f, &format!("{{\"operator\":\"u{owner}\"}}"), at);

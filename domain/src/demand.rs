@@ -51,6 +51,7 @@ pub fn request(id: String, pool: &str, class: &str, gpus: u32, shape: Shape) -> 
         replaces: None,
         topology: None,
         requeue_on_preemption: false,
+        start_ms: None,
         queue: None,
     }
 }
@@ -63,6 +64,7 @@ pub fn tenant_request(base: Request, queue: String, priority: i32) -> Request {
         priority,
         topology,
         requeue_on_preemption: true,
+        start_ms: None,
         queue: Some(queue),
         ..base
     }

@@ -173,6 +173,27 @@ facts! {
         reason: String,
     },
 
+    NodeMaintenanceScheduled = "node.maintenance_scheduled" {
+        stream: "pool/<pool>",
+        written_by: "operators (`strata nodes maintenance`)",
+        about: "A maintenance window on the node: no placement may last into it (one placed before must end by its start, by its time to live), nothing is placed during it, and the live reservations that would outlast its start end then (`reservation.expired`, reason `maintenance`, after `reservation.ending_noticed`).",
+        fields: [
+            NODE,
+            req("start", Ty::Time, "When it begins."),
+            req("end", Ty::Time, "When it ends: the node takes placements again."),
+            opt("reason", Ty::String, "Why (default empty)."),
+        ],
+        formerly: [],
+    } {
+        node: String,
+        #[serde(rename = "start", with = "rfc3339_ms")]
+        start_ms: Option<u64>,
+        #[serde(rename = "end", with = "rfc3339_ms")]
+        end_ms: Option<u64>,
+        #[serde(default)]
+        reason: String,
+    },
+
     NodeUncordoned = "node.uncordoned" {
         stream: "pool/<pool>",
         written_by: "operators",
@@ -413,6 +434,7 @@ facts! {
             opt("ttl_ms", Ty::Integer, "Released automatically this long after placement (absent: never)."),
             opt("replace_on_failure", Ty::Boolean, "Placed again as `<id>~<n>` when a node it is on fails (default false)."),
             opt("replaces", Ty::String, "The reservation this one replaces (written by the placer)."),
+            opt("start", Ty::Time, "For a reservation in advance: when it is to start; the placer promises its GPUs for its window (`reservation.promised`) or rejects it (absent: as soon as it fits)."),
             opt("queue", Ty::String, "The queue it is admitted under (`queue.configured`). A pool with queues places only requests naming one of them."),
             opt("requeue_on_preemption", Ty::Boolean, "Requested again as `<id>~<n>` when preempted (default false)."),
             opt("topology", Ty::Object, "A gang's place in the topology: `{mode: within|prefer|spread, tier: rack|block|rail}` (all in one rack, block or rail group; in one if it can be had now; each in a different one)."),
@@ -440,6 +462,26 @@ facts! {
     } {
         reservation: String,
         allocations: Vec<Allocation>,
+    },
+
+    ReservationPromised = "reservation.promised" {
+        stream: "pool/<pool>",
+        written_by: "the placer, at the pool stream's version it planned against",
+        about: "A reservation in advance is accepted: these devices are free for it from `start` to `end` (those booked now end by then, by their time to live), and nothing placed before may last into that window on them (backfill lends them only to work that ends before it). It waits, and is placed on them at its start.",
+        fields: [
+            RESERVATION,
+            req("allocations", Ty::Array, "One `{node, devices: [device id]}` per node."),
+            req("start", Ty::Time, "When it is placed."),
+            req("end", Ty::Time, "When its window ends: its start and its time to live."),
+        ],
+        formerly: [],
+    } {
+        reservation: String,
+        allocations: Vec<Allocation>,
+        #[serde(rename = "start", with = "rfc3339_ms")]
+        start_ms: Option<u64>,
+        #[serde(rename = "end", with = "rfc3339_ms")]
+        end_ms: Option<u64>,
     },
 
     ReservationRejected = "reservation.rejected" {
@@ -728,6 +770,7 @@ impl Fact {
             | Fact::ReservationFailed { reservation, .. }
             | Fact::ReservationPreemptionScheduled { reservation, .. }
             | Fact::ReservationEndingNoticed { reservation, .. }
+            | Fact::ReservationPromised { reservation, .. }
             | Fact::ReservationPreempted { reservation, .. }
             | Fact::ReservationEnded { reservation, .. } => Some(reservation),
             _ => None,
@@ -770,6 +813,7 @@ mod tests {
                 replaces: None,
                 topology: None,
                 requeue_on_preemption: false,
+                start_ms: None,
                 queue: None,
             }),
             Fact::ReservationReleased {
@@ -1018,6 +1062,27 @@ mod tests {
             ),
             (Fact::PoolPreemptionSet { enabled: false }, "pool/p"),
             (
+                Fact::NodeMaintenanceScheduled {
+                    node: node(),
+                    start_ms: Some(1_800_000_000_000),
+                    end_ms: Some(1_800_003_600_000),
+                    reason: "firmware".into(),
+                },
+                "pool/p",
+            ),
+            (
+                Fact::ReservationPromised {
+                    reservation: r(),
+                    allocations: vec![Allocation {
+                        node: node(),
+                        devices: vec!["0".into()],
+                    }],
+                    start_ms: Some(1_800_000_000_000),
+                    end_ms: Some(1_800_003_600_000),
+                },
+                "pool/p",
+            ),
+            (
                 Fact::CohortDecaySet {
                     cohort: "c".into(),
                     half_life_ms: Some(604_800_000),
@@ -1040,6 +1105,7 @@ mod tests {
                     replaces: Some("r0".into()),
                     topology: Some(crate::Topology::Within(crate::Tier::Rack)),
                     requeue_on_preemption: true,
+                    start_ms: None,
                     queue: Some("ml".into()),
                 }),
                 "reservation/r1",

@@ -168,6 +168,13 @@ pub async fn release(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     Placed(Vec<Allocation>),
+    /// A reservation in advance, promised these devices from `start_ms`
+    /// (Unix ms) on; it is placed then.
+    Promised {
+        allocations: Vec<Allocation>,
+        start_ms: u64,
+        end_ms: u64,
+    },
     Rejected(String),
     Released,
     Expired,
@@ -198,6 +205,18 @@ pub async fn wait(
         }
         match fact {
             Fact::ReservationPlaced { allocations, .. } => return Ok(Outcome::Placed(allocations)),
+            Fact::ReservationPromised {
+                allocations,
+                start_ms,
+                end_ms,
+                ..
+            } => {
+                return Ok(Outcome::Promised {
+                    allocations,
+                    start_ms: start_ms.unwrap_or_default(),
+                    end_ms: end_ms.unwrap_or_default(),
+                })
+            }
             Fact::ReservationRejected { reason, .. } => return Ok(Outcome::Rejected(reason)),
             Fact::ReservationQueued { reason, .. } => on_queued(&reason),
             Fact::ReservationReleased { .. } => return Ok(Outcome::Released),

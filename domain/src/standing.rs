@@ -2,7 +2,8 @@
 //! placements), uncordon it (placements again, a drain lifted too), drain it
 //! (no new placements, and its live reservations end: at once, or when a
 //! wait runs out), take it out of the pool (leave), clear a health
-//! condition the node no longer has, and say where it is in the topology. Each
+//! condition the node no longer has, say where it is in the topology, and
+//! book a maintenance window on it. Each
 //! is one fact on the pool's stream, so the pool's version fences it like
 //! any other change of what can be placed. The CLI and the client API both
 //! come through here.
@@ -38,6 +39,13 @@ pub enum Change {
         rack: Option<String>,
         block: Option<String>,
         rail: Option<String>,
+    },
+    /// A maintenance window `[start_ms, end_ms)` (Unix ms): no placement
+    /// lasts into it, and what would is ended at its start after a notice.
+    Maintenance {
+        start_ms: u64,
+        end_ms: u64,
+        reason: String,
     },
     /// A condition of the node (`device: None`) or of one of its devices.
     ClearHealth {
@@ -94,6 +102,16 @@ impl Change {
                 block: block.clone(),
                 rail: rail.clone(),
             },
+            Change::Maintenance {
+                start_ms,
+                end_ms,
+                reason,
+            } => Fact::NodeMaintenanceScheduled {
+                node,
+                start_ms: Some(*start_ms),
+                end_ms: Some(*end_ms),
+                reason: reason.clone(),
+            },
             Change::ClearHealth { device, condition } => Fact::HealthCleared {
                 node,
                 device: device.clone(),
@@ -144,6 +162,16 @@ pub async fn change(
     if let Change::ClearHealth { condition, .. } = change {
         if condition.is_empty() {
             return Err(RequestError::Invalid("name the condition to clear".into()));
+        }
+    }
+    if let Change::Maintenance {
+        start_ms, end_ms, ..
+    } = change
+    {
+        if end_ms <= start_ms {
+            return Err(RequestError::Invalid(
+                "a maintenance window ends after it starts".into(),
+            ));
         }
     }
     if let Change::Topology { rack, block, rail } = change {

@@ -224,6 +224,16 @@ pub struct Request {
     /// name one of them; a pool without places only those that name none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue: Option<String>,
+    /// When it is to start (Unix ms), for a reservation in advance: the
+    /// placer promises its GPUs for `[start, start + ttl)` now, or refuses
+    /// it, and places it at its start. `None`: as soon as it fits.
+    #[serde(
+        rename = "start",
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::payload::rfc3339_ms"
+    )]
+    pub start_ms: Option<u64>,
 }
 
 /// Most GPUs one reservation may ask for.
@@ -246,6 +256,14 @@ impl Request {
                 "{} GPUs is more than one reservation may ask for ({MAX_GPUS})",
                 self.gpus
             ));
+        }
+        if self.start_ms.is_some() && self.ttl_ms.is_none() {
+            return Err(
+                "a reservation in advance needs a duration (--duration), its time to live".into(),
+            );
+        }
+        if self.start_ms.is_some() && self.replaces.is_some() {
+            return Err("a replacement is placed at once, not in advance".into());
         }
         if self.topology.is_some() && !matches!(self.shape, Shape::Gang { .. }) {
             return Err(
@@ -605,6 +623,7 @@ mod tests {
             replaces: None,
             topology: None,
             requeue_on_preemption: false,
+            start_ms: None,
             queue: None,
         };
         assert!(r.validate().unwrap_err().contains("is 6 GPUs"));

@@ -394,6 +394,7 @@ impl api_server::Api for ApiService {
             replaces: None,
             topology,
             requeue_on_preemption: r.requeue_on_preemption,
+            start_ms: None,
             queue: (!r.queue.is_empty()).then_some(r.queue),
         };
         let client = self.db().await?;

@@ -30,6 +30,11 @@
 //! [`MAX_TRIES`] whose start it looks for). A request
 //! waiting for quota holds nothing either: it waits for its queue, not for
 //! devices.
+//!
+//! Windows hold the same way ([`Holds::hold_windows`]): the devices
+//! promised to a reservation in advance, and the nodes of a maintenance
+//! window, are held from every request that would not end before the
+//! window begins, as if a request ahead of all waited to start there.
 
 use crate::fit::{pick_on_node, place_one};
 use domain::{Allocation, Request, Shape};
@@ -60,6 +65,10 @@ pub const MAX_HOLDS: usize = 8;
 /// a walk costs up to [`MAX_WALK`] steps, and when what waits has no start
 /// the TTLs tell, every blocked request of a batch would walk in vain.
 pub const MAX_TRIES: usize = 2 * MAX_HOLDS;
+/// How long before a window (a promise, a maintenance) a request must end
+/// to be lent its devices: room for the placement's commit, which the
+/// index judges at its own time.
+pub const WINDOW_MARGIN_MS: u64 = 10_000;
 /// Most queued requests looked at, before a batch, for those to hold for.
 const MAX_SCAN: usize = 64;
 
@@ -75,6 +84,8 @@ struct Hold {
     /// the index under [`Hold::name`] unless lifted.
     held: Vec<Allocation>,
     lifted: bool,
+    /// A window's (a promise or a maintenance), not a waiting request's.
+    window: bool,
 }
 
 impl Hold {
@@ -145,7 +156,96 @@ impl Holds {
 
     /// Waiting requests holding devices now.
     pub fn count(&self) -> usize {
-        self.holds.len()
+        self.holds.iter().filter(|h| !h.window).count()
+    }
+
+    /// Holds the devices of the pool's windows that are not over: those
+    /// promised to reservations in advance that start later, and the nodes
+    /// of maintenance windows. They bind every request that would not end
+    /// [`WINDOW_MARGIN_MS`] before the window begins (its placement commits
+    /// a little after the plan, and the index judges it by then).
+    pub fn hold_windows(&mut self, index: &mut Index, pool: &str) {
+        let now = self.now_ms;
+        let ahead: Order = (Reverse(i32::MAX), 0);
+        let mut windows: Vec<Hold> = Vec::new();
+        if let Some(q) = index.queues(pool) {
+            for (start, id) in q.promised.iter().filter(|(s, _)| *s > now) {
+                let Some(r) = index.reservation(id) else {
+                    continue;
+                };
+                let Some(p) = &r.promise else {
+                    continue;
+                };
+                windows.push(Hold {
+                    id: id.clone(),
+                    class: r.request.class.clone(),
+                    order: ahead,
+                    start_ms: start.saturating_sub(WINDOW_MARGIN_MS),
+                    held: p.allocations.clone(),
+                    lifted: true,
+                    window: true,
+                });
+            }
+        }
+        if let Some(p) = index.pool(pool) {
+            for (node, n) in &p.nodes {
+                for w in n.maintenance.iter().filter(|w| w.end_ms > now) {
+                    // One hold per class of the node's devices.
+                    let mut by_class: HashMap<&str, Vec<String>> = HashMap::new();
+                    for d in &n.devices {
+                        by_class
+                            .entry(&d.spec.class)
+                            .or_default()
+                            .push(d.spec.id.clone());
+                    }
+                    for (class, devices) in by_class {
+                        windows.push(Hold {
+                            id: format!("maintenance of node {node}"),
+                            class: class.to_string(),
+                            order: ahead,
+                            start_ms: w.start_ms.max(now).saturating_sub(WINDOW_MARGIN_MS),
+                            held: vec![Allocation {
+                                node: node.clone(),
+                                devices,
+                            }],
+                            lifted: true,
+                            window: true,
+                        });
+                    }
+                }
+            }
+        }
+        for w in windows {
+            self.push_window(index, pool, w);
+        }
+    }
+
+    /// Holds the devices just promised to `id` from `start_ms`, for the
+    /// rest of the batch.
+    pub fn hold_promise(
+        &mut self,
+        index: &mut Index,
+        pool: &str,
+        id: &str,
+        class: &str,
+        start_ms: u64,
+        allocations: &[Allocation],
+    ) {
+        let hold = Hold {
+            id: id.to_string(),
+            class: class.to_string(),
+            order: (Reverse(i32::MAX), 0),
+            start_ms: start_ms.saturating_sub(WINDOW_MARGIN_MS),
+            held: allocations.to_vec(),
+            lifted: true,
+            window: true,
+        };
+        self.push_window(index, pool, hold);
+    }
+
+    fn push_window(&mut self, index: &mut Index, pool: &str, mut hold: Hold) {
+        hold.restore(index, pool);
+        self.holds.push(hold);
     }
 
     /// Holds for the queued requests of `pool` that wait for capacity and
@@ -189,7 +289,7 @@ impl Holds {
     /// is unknown, or [`MAX_HOLDS`] are held already, or the batch
     /// looked for [`MAX_TRIES`] starts.
     pub fn hold(&mut self, index: &mut Index, pool: &str, id: &str) {
-        if self.holds.len() >= MAX_HOLDS
+        if self.count() >= MAX_HOLDS
             || self.tries >= MAX_TRIES
             || self.holds.iter().any(|s| s.id == id)
         {
@@ -212,6 +312,7 @@ impl Holds {
             start_ms,
             held: at_start,
             lifted: true,
+            window: false,
         };
         hold.restore(index, pool);
         self.holds.push(hold);

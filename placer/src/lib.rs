@@ -12,6 +12,7 @@ mod faults;
 mod fit;
 mod leases;
 pub mod plan;
+mod promise;
 mod service;
 mod stats;
 

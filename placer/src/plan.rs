@@ -30,6 +30,8 @@ pub struct Plan {
     /// Live reservations to preempt: (victim, the request it makes room
     /// for, `priority` or `reclaim`). The request is queued meanwhile.
     pub preempting: Vec<(String, String, String)>,
+    /// Reservations in advance promised: (id, devices, start, end).
+    pub promised: Vec<(String, Vec<Allocation>, u64, u64)>,
     /// Requests that looked for victims.
     pub searches: usize,
     /// Waiting requests the batch held devices for (see
@@ -108,6 +110,7 @@ pub fn plan_with(
             index.unbook(pool, a, v);
         }
     }
+    holds.hold_windows(index, pool);
     for id in &ending.first {
         plan_one(index, pool, id, &mut plan, &mut batch, &mut holds, true);
     }
@@ -177,6 +180,56 @@ pub fn plan_with(
     plan
 }
 
+/// A reservation in advance: promised now if its start is to come (or
+/// rejected with why), or placed on what it was promised once its start
+/// came. Whether it was dealt with; if not (no start, or its promise can
+/// no longer be kept: it is planned as any request, now).
+fn in_advance(
+    index: &mut Index,
+    pool: &str,
+    id: &str,
+    request: &Request,
+    plan: &mut Plan,
+    batch: &mut quota::Batch,
+    holds: &mut Holds,
+) -> bool {
+    let now = holds.now_ms();
+    let Some(r) = index.reservation(id) else {
+        return false;
+    };
+    match (&r.promise, request.start_ms) {
+        (None, Some(start)) if start > now => {
+            let end = start.saturating_add(request.ttl_ms.unwrap_or(0));
+            match crate::promise::promise(index, pool, request, start, end) {
+                Ok(allocs) => {
+                    holds.hold_promise(index, pool, id, &request.class, start, &allocs);
+                    plan.promised.push((id.to_string(), allocs, start, end));
+                }
+                Err(why) => plan.rejected.push((id.to_string(), why)),
+            }
+            true
+        }
+        (Some(p), _) => {
+            let allocs = p.allocations.clone();
+            let fits = index.placement_problem(pool, request, &allocs).is_none()
+                && quota::admit(index, pool, request, batch).is_ok();
+            if !fits {
+                return false;
+            }
+            for a in &allocs {
+                let refused = index.book(pool, a, id);
+                debug_assert!(refused.is_empty(), "promised devices are free");
+            }
+            if let Some(q) = &request.queue {
+                batch.add(q, &request.class, request.gpus as u64);
+            }
+            plan.placed.push((id.to_string(), allocs));
+            true
+        }
+        _ => false,
+    }
+}
+
 /// A request in its queue's turn: priority (highest first), position, id.
 type Turn<'a> = (Reverse<i32>, u64, &'a String);
 
@@ -230,6 +283,9 @@ fn plan_one(
     let (queued, was) = (r.phase == projections::Phase::Queued, r.reason.clone());
     if let Some(reason) = never_fits(index, pool, &request) {
         plan.rejected.push((id.to_string(), reason));
+        return;
+    }
+    if in_advance(index, pool, id, &request, plan, batch, holds) {
         return;
     }
     let wait = |plan: &mut Plan, reason: String| plan.wait(id, queued, &was, reason);
@@ -712,7 +768,28 @@ pub(crate) mod tests {
                 replaces: None,
                 topology: None,
                 requeue_on_preemption: false,
+                start_ms: None,
                 queue: queue.map(str::to_string),
+            };
+            let e = self
+                .log
+                .push(&reservation_stream(id), &Fact::ReservationRequested(r));
+            assert_eq!(self.index.apply(&e).unwrap(), None);
+        }
+
+        /// The log's clock (Unix ms), or the machine's.
+        fn now(&self) -> u64 {
+            self.log.clock.map_or_else(now_ms, |t| {
+                t.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+            })
+        }
+
+        /// A request for `gpus` from `start_ms` for `duration_ms`.
+        fn ask_ahead(&mut self, id: &str, gpus: u32, start_ms: u64, duration_ms: u64) {
+            let r = Request {
+                start_ms: Some(start_ms),
+                ttl_ms: Some(duration_ms),
+                ..domain::demand::request(id.into(), "p", C, gpus, Shape::Any)
             };
             let e = self
                 .log
@@ -778,9 +855,18 @@ pub(crate) mod tests {
             ids_sorted.sort();
             let ids: Vec<String> = ids_sorted.into_iter().map(|(_, id)| id).collect();
             let before = self.index.clone();
-            let now = self.log.clock.map_or_else(now_ms, |t| {
-                t.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
-            });
+            let now = self.now();
+            // Reservations in advance whose start came go first.
+            for (_, id) in self
+                .index
+                .queues("p")
+                .map(|q| q.promised.clone())
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|(at, _)| *at <= now)
+            {
+                ending.first.push(id);
+            }
             let plan = plan_with(&mut self.index, "p", &ids, &ending, now);
             assert!(self.index == before, "planning leaves the index as it was");
             for v in &ending.victims {
@@ -792,6 +878,15 @@ pub(crate) mod tests {
                     replaced_by: None,
                 };
                 assert_eq!(self.pool(&fact), None);
+            }
+            for (reservation, allocations, start, end) in plan.promised.clone() {
+                let v = self.pool(&Fact::ReservationPromised {
+                    reservation,
+                    allocations,
+                    start_ms: Some(start),
+                    end_ms: Some(end),
+                });
+                assert_eq!(v, None, "the planner's promises are valid");
             }
             for (reservation, allocations) in plan.placed.clone() {
                 let v = self.pool(&Fact::ReservationPlaced {
@@ -1040,6 +1135,7 @@ pub(crate) mod tests {
                 replaces: None,
                 topology: None,
                 requeue_on_preemption: false,
+                start_ms: None,
                 queue: Some("solo".into()),
             }),
         );
@@ -1287,7 +1383,7 @@ pub(crate) mod tests {
         w.run();
         let long = w.index.reservation("long").unwrap().clone();
         let short = w.index.reservation("short").unwrap().clone();
-        assert!(long.run_limited && !short.run_limited);
+        assert!(long.end_reason == "max_run_time" && short.end_reason.is_empty());
         assert_eq!(long.expires_at_ms, long.placed_at_ms.map(|t| t + 600_000));
         assert_eq!(short.expires_at_ms, short.placed_at_ms.map(|t| t + 60_000));
         // A notice of its end keeps it at least to the notice's deadline;
@@ -1304,6 +1400,120 @@ pub(crate) mod tests {
         assert_eq!(long.expires_at_ms, Some(late));
         assert!(w.pool(&notice("short")).is_some());
         assert!(w.index.derived_is_consistent());
+    }
+
+    #[test]
+    fn a_reservation_in_advance_is_promised_lent_only_to_work_that_ends_before_and_placed_at_its_start(
+    ) {
+        use std::time::{Duration, UNIX_EPOCH};
+        const MIN: u64 = 60_000;
+        let mut w = World::new(1);
+        let t0 = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let t0_ms = 1_800_000_000_000;
+        w.log.clock = Some(t0);
+        // The node is full until 30 minutes from now.
+        w.request_ttl("fill", 8, Shape::Any, Some(30 * MIN));
+        w.run();
+        // The whole node from an hour from now, for two hours: promised,
+        // on the devices the fill frees.
+        w.ask_ahead("ahead", 8, t0_ms + 60 * MIN, 120 * MIN);
+        let plan = w.run();
+        assert_eq!(plan.promised.len(), 1, "{plan:?}");
+        let promise = w
+            .index
+            .reservation("ahead")
+            .unwrap()
+            .promise
+            .clone()
+            .unwrap();
+        assert_eq!(
+            (promise.start_ms, promise.end_ms),
+            (t0_ms + 60 * MIN, t0_ms + 180 * MIN)
+        );
+        // A second for an overlapping window cannot be promised.
+        w.ask_ahead("overlap", 1, t0_ms + 170 * MIN, 60 * MIN);
+        let plan = w.run();
+        assert!(
+            plan.rejected[0]
+                .1
+                .starts_with("cannot promise 1 H100-80GB GPUs from"),
+            "{plan:?}"
+        );
+        // The fill ends; work that ends 10 minutes later may use the
+        // devices, work without an end may not.
+        w.log.clock = Some(at(31 * MIN));
+        w.release("fill");
+        w.request_ttl("short", 4, Shape::Any, Some(10 * MIN));
+        w.request("long", 4, Shape::Any, 0);
+        w.run();
+        assert_eq!(w.phase("short"), Some(Phase::Placed));
+        assert_eq!(w.phase("long"), Some(Phase::Queued));
+        let why = &w.index.reservation("long").unwrap().reason;
+        assert!(
+            why.starts_with("held back") && why.contains("ahead"),
+            "{why}"
+        );
+        // At its start, it is placed on what it was promised.
+        w.log.clock = Some(at(60 * MIN));
+        w.release("short");
+        w.run();
+        assert_eq!(w.phase("ahead"), Some(Phase::Placed));
+        assert_eq!(w.allocs("ahead"), promise.allocations);
+        assert_eq!(w.phase("long"), Some(Phase::Queued));
+        let mut rebuilt = Index::new();
+        for e in &w.log.events {
+            rebuilt.apply(e).unwrap();
+        }
+        assert!(rebuilt == w.index);
+        assert!(w.index.derived_is_consistent());
+    }
+
+    #[test]
+    fn no_placement_lasts_into_a_maintenance_window_and_what_would_ends_at_its_start() {
+        use std::time::{Duration, UNIX_EPOCH};
+        const MIN: u64 = 60_000;
+        let mut w = World::new(1);
+        let t0_ms = 1_800_000_000_000;
+        w.log.clock = Some(UNIX_EPOCH + Duration::from_millis(t0_ms));
+        w.request("old", 2, Shape::Any, 0);
+        w.run();
+        let window = Fact::NodeMaintenanceScheduled {
+            node: "n00".into(),
+            start_ms: Some(t0_ms + 60 * MIN),
+            end_ms: Some(t0_ms + 120 * MIN),
+            reason: "firmware".into(),
+        };
+        assert_eq!(w.pool(&window), None);
+        // What runs ends at its start.
+        let old = w.index.reservation("old").unwrap();
+        assert_eq!(old.expires_at_ms, Some(t0_ms + 60 * MIN));
+        assert_eq!(old.end_reason, "maintenance");
+        // Only what ends before it is placed there.
+        w.request_ttl("short", 2, Shape::Any, Some(30 * MIN));
+        w.request("long", 2, Shape::Any, 0);
+        w.request_ttl("across", 2, Shape::Any, Some(90 * MIN));
+        w.run();
+        assert_eq!(w.phase("short"), Some(Phase::Placed));
+        assert_eq!(w.phase("long"), Some(Phase::Queued));
+        assert_eq!(w.phase("across"), Some(Phase::Queued));
+        // A placement that would last into it is a violation.
+        let bad = w.pool(&Fact::ReservationPlaced {
+            reservation: "long".into(),
+            allocations: vec![Allocation {
+                node: "n00".into(),
+                devices: vec!["gpu6".into(), "gpu7".into()],
+            }],
+        });
+        assert!(
+            bad.as_ref()
+                .is_some_and(|v| v.message.contains("would last into node n00's maintenance")),
+            "{bad:?}"
+        );
+        // After it, the node takes placements again.
+        w.log.clock = Some(UNIX_EPOCH + Duration::from_millis(t0_ms + 121 * MIN));
+        w.run();
+        assert_eq!(w.phase("across"), Some(Phase::Placed));
     }
 
     #[test]
@@ -1499,6 +1709,7 @@ pub(crate) mod tests {
                 replaces: None,
                 topology,
                 requeue_on_preemption: false,
+                start_ms: None,
                 queue: None,
             };
             let e = w

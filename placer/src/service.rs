@@ -465,8 +465,11 @@ fn plan_ready(
         }
         let retry_queued = w.retry_queued(p, q, now_ms);
         let grace = config.preemption_grace.as_millis() as u64;
-        let notices = notices_due(index, q, now_ms + grace, max);
-        let expiry_due = q.expiries.first().is_some_and(|(at, _)| *at <= now_ms);
+        let Due {
+            notices,
+            starting,
+            expiry_due,
+        } = due(index, q, now_ms, grace, max);
         let preemption_due = q.preemptions.first().is_some_and(|(at, _)| *at <= now_ms);
         let failures = failures_due(p, q, config.node_lost_after, now_ms, max);
         let answers = crate::faults::decide(p, q);
@@ -478,6 +481,7 @@ fn plan_ready(
             && !preemption_due
             && failures.is_empty()
             && notices.is_empty()
+            && starting.is_empty()
         {
             continue;
         }
@@ -500,15 +504,17 @@ fn plan_ready(
         ending
             .victims
             .extend(failures.iter().map(|(id, _, _)| id.clone()));
+        ending.first.extend(starting);
         // Nothing the batch ends is told it will end.
         let mut notices = notices;
-        notices.retain(|(id, _)| !ending.victims.contains(id));
+        notices.retain(|(id, _, _)| !ending.victims.contains(id));
         let batch = tracing::info_span!("placement.batch", pool = %pool, requests = ids.len());
         let Plan {
             placed,
             queued,
             rejected,
             preempting,
+            promised,
             searches,
             ..
         } = batch.in_scope(|| plan::plan_with(index, pool, &ids, &ending, now_ms));
@@ -531,6 +537,7 @@ fn plan_ready(
                 releases,
                 expiries,
                 notices,
+                promised,
                 failures,
                 ended,
                 placed,
@@ -573,28 +580,62 @@ fn plan_ready(
             expected: ExpectedVersion::NoStream,
             events: vec![Fact::ReservationRequested(r).to_event()],
         }));
-        let appender = appender.clone();
-        let pool = pool.clone();
-        use tracing::Instrument as _;
-        commits.push(Box::pin(async move {
-            let result = appender
-                .append_batch(appends)
-                .instrument(batch)
-                .await
-                .and_then(|mut out| {
-                    // The pool's stream is the batch's first.
-                    (!out.is_empty())
-                        .then(|| out.swap_remove(0))
-                        .ok_or(AppendError::Closed)
-                });
-            Committed {
-                pool,
-                plan_counts: counts,
-                fault_counts,
-                retried_queued_at,
-                result,
-            }
-        }));
+        let outcome = Committed {
+            pool: pool.clone(),
+            plan_counts: counts,
+            fault_counts,
+            retried_queued_at,
+            result: Err(AppendError::Closed),
+        };
+        commits.push(commit(appender.clone(), appends, batch, outcome));
+    }
+}
+
+/// Commits a batch's appends; `outcome` gets the result.
+fn commit(
+    appender: Appender,
+    appends: Vec<StreamAppend>,
+    batch: tracing::Span,
+    mut outcome: Committed,
+) -> CommitFuture {
+    use tracing::Instrument as _;
+    Box::pin(async move {
+        outcome.result = appender
+            .append_batch(appends)
+            .instrument(batch)
+            .await
+            .and_then(|mut out| {
+                // The pool's stream is the batch's first.
+                (!out.is_empty())
+                    .then(|| out.swap_remove(0))
+                    .ok_or(AppendError::Closed)
+            });
+        outcome
+    })
+}
+
+/// What time brings a pool now.
+struct Due {
+    /// Cut short, to be told (see [`notices_due`]).
+    notices: Vec<(String, u64, String)>,
+    /// Reservations in advance whose start came: placed first.
+    starting: Vec<String>,
+    /// Some live reservation's time ran out.
+    expiry_due: bool,
+}
+
+fn due(index: &Index, q: &projections::index::Queues, now_ms: u64, grace: u64, max: usize) -> Due {
+    Due {
+        notices: notices_due(index, q, now_ms + grace, max),
+        starting: q
+            .promised
+            .iter()
+            .take_while(|(at, _)| *at <= now_ms)
+            .filter(|(_, id)| !q.releases.contains(id))
+            .take(max)
+            .map(|(_, id)| id.clone())
+            .collect(),
+        expiry_due: q.expiries.first().is_some_and(|(at, _)| *at <= now_ms),
     }
 }
 
@@ -614,35 +655,32 @@ fn expiries_due(
         .filter(|(_, id)| {
             !index
                 .reservation(id)
-                .is_some_and(|r| r.run_limited && !r.noticed)
+                .is_some_and(|r| !r.end_reason.is_empty() && !r.noticed)
         })
         .take(max)
         .map(|(_, id)| id.clone())
         .collect()
 }
 
-/// Why a reservation ends at its queue's maximum run time.
-const MAX_RUN_TIME: &str = "max_run_time";
-
-/// Live reservations whose queue's maximum run time comes by `by_ms` (now
-/// and a preemption grace period) and whose nodes were not told yet: with
-/// when it comes.
+/// Live reservations cut short (their queue's maximum run time, a
+/// maintenance window) whose end comes by `by_ms` (now and a preemption
+/// grace period) and whose nodes were not told yet: with when, and why.
 fn notices_due(
     index: &Index,
     q: &projections::index::Queues,
     by_ms: u64,
     max: usize,
-) -> Vec<(String, u64)> {
+) -> Vec<(String, u64, String)> {
     q.expiries
         .iter()
         .take_while(|(at, _)| *at <= by_ms)
-        .filter(|(_, id)| {
-            index
-                .reservation(id)
-                .is_some_and(|r| r.run_limited && !r.noticed && !q.releases.contains(id))
+        .filter(|(_, id)| !q.releases.contains(id))
+        .filter_map(|(at, id)| {
+            let r = index.reservation(id)?;
+            (!r.end_reason.is_empty() && !r.noticed)
+                .then(|| (id.clone(), *at, r.end_reason.clone()))
         })
         .take(max)
-        .map(|(at, id)| (id.clone(), *at))
         .collect()
 }
 
@@ -744,8 +782,10 @@ fn preemptions_due(
 struct Decided<'a> {
     releases: Vec<String>,
     expiries: Vec<String>,
-    /// Told of their end at their queue's maximum run time: (id, when).
-    notices: Vec<(String, u64)>,
+    /// Told of their end, cut short: (id, when, why).
+    notices: Vec<(String, u64, String)>,
+    /// Reservations in advance promised: (id, devices, start, end).
+    promised: Vec<(String, Vec<domain::Allocation>, u64, u64)>,
     failures: Vec<(String, String, &'a str)>,
     ended: Vec<Ended>,
     placed: Vec<(String, Vec<domain::Allocation>)>,
@@ -767,6 +807,7 @@ fn batch_facts(
         releases,
         expiries,
         notices,
+        promised,
         failures,
         ended,
         placed,
@@ -780,17 +821,15 @@ fn batch_facts(
             .into_iter()
             .map(|reservation| Fact::ReservationReleased { reservation }),
     );
-    facts.extend(
-        expiries
-            .into_iter()
-            .map(|reservation| Fact::ReservationExpired {
-                reason: match index.reservation(&reservation) {
-                    Some(r) if r.run_limited => MAX_RUN_TIME.into(),
-                    _ => String::new(),
-                },
-                reservation,
-            }),
-    );
+    facts.extend(expiries.into_iter().map(|reservation| {
+        Fact::ReservationExpired {
+            reason: index
+                .reservation(&reservation)
+                .map(|r| r.end_reason.clone())
+                .unwrap_or_default(),
+            reservation,
+        }
+    }));
 
     // Reservations that asked to be placed again are requested anew, in
     // the same transaction, under their replacement id.
@@ -817,6 +856,20 @@ fn batch_facts(
         });
         replacements.extend(again);
     }
+    // Promises before placements: the index judges each placement
+    // against them.
+    facts.extend(
+        promised
+            .into_iter()
+            .map(
+                |(reservation, allocations, start, end)| Fact::ReservationPromised {
+                    reservation,
+                    allocations,
+                    start_ms: Some(start),
+                    end_ms: Some(end),
+                },
+            ),
+    );
     facts.extend(
         placed
             .into_iter()
@@ -838,15 +891,13 @@ fn batch_facts(
     // limit shorter than the grace period, or a placer away): the end
     // stays where the limit put it, or now if that is past.
     let now_ms = deadline.saturating_sub(grace);
-    facts.extend(
-        notices
-            .into_iter()
-            .map(|(reservation, at)| Fact::ReservationEndingNoticed {
-                reservation,
-                reason: MAX_RUN_TIME.into(),
-                deadline_ms: Some(at.max(now_ms)),
-            }),
-    );
+    facts.extend(notices.into_iter().map(|(reservation, at, reason)| {
+        Fact::ReservationEndingNoticed {
+            reservation,
+            reason,
+            deadline_ms: Some(at.max(now_ms)),
+        }
+    }));
     facts.extend(
         queued
             .into_iter()

@@ -112,6 +112,8 @@ impl Pool {
 #[derive(Debug, Clone, PartialEq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Node {
     pub devices: Vec<Device>,
+    /// Maintenance windows not over yet (`node.maintenance_scheduled`).
+    pub maintenance: Vec<Window>,
     pub cordoned: Option<String>,
     pub drained: Option<String>,
     /// When a drain ends the node's live reservations (unix ms); at once
@@ -328,6 +330,31 @@ impl Device {
     }
 }
 
+/// A span of time on devices that placements may not last into: a node's
+/// maintenance, or a reservation's promise (`[start_ms, end_ms)`, Unix ms).
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Window {
+    pub start_ms: u64,
+    pub end_ms: u64,
+    pub reason: String,
+}
+
+impl Window {
+    /// Whether a reservation booked over `[from, to)` (`to` `None`: with no
+    /// end) would last into it.
+    pub fn overlaps(&self, from: u64, to: Option<u64>) -> bool {
+        from < self.end_ms && to.is_none_or(|t| t > self.start_ms)
+    }
+}
+
+/// A reservation in advance, promised: where and when it is placed.
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Promise {
+    pub start_ms: u64,
+    pub end_ms: u64,
+    pub allocations: Vec<Allocation>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum Phase {
     /// Requested, not tried yet.
@@ -372,9 +399,13 @@ pub struct Reservation {
     pub preempt_deadline_ms: Option<u64>,
     /// Why it is preempted: `priority` or `reclaim`.
     pub preempt_reason: String,
-    /// Its end (`expires_at_ms`) is its queue's maximum run time, not its
-    /// own time to live.
-    pub run_limited: bool,
+    /// Why it ends at `expires_at_ms` when that is not its own time to
+    /// live: `max_run_time` (its queue's) or `maintenance` (a window on a
+    /// node it is on); empty otherwise.
+    pub end_reason: String,
+    /// Its promise, while it waits for its start (a reservation in
+    /// advance, `reservation.promised`).
+    pub promise: Option<Promise>,
     /// Its nodes were told of that end (`reservation.ending_noticed`).
     pub noticed: bool,
 }
@@ -684,6 +715,8 @@ pub struct Queues {
     /// GPUs of each class held by each queue's reservations being
     /// preempted.
     pub preempting_usage: Tally,
+    /// Reservations in advance waiting for their start, by it.
+    pub promised: BTreeSet<(u64, String)>,
 }
 
 impl Queues {
@@ -1065,12 +1098,21 @@ impl Index {
                 enlist(&mut q.preemptors, by.clone(), id.to_string(), add);
             }
         }
-        if let (Some(name), Phase::Queued) = (&r.request.queue, r.phase) {
+        if let (Some(name), Phase::Queued, None) = (&r.request.queue, r.phase, &r.promise) {
             enlist(&mut q.queued_by_queue, name.clone(), key(r), add);
         }
-        let set = match r.phase {
-            Phase::Pending => Some(&mut q.pending),
-            Phase::Queued => Some(&mut q.queued),
+        if let (Some(p), Phase::Queued) = (&r.promise, r.phase) {
+            let k = (p.start_ms, id.to_string());
+            if add {
+                q.promised.insert(k);
+            } else {
+                q.promised.remove(&k);
+            }
+        }
+        // A promised reservation waits for its start, not for capacity.
+        let set = match (r.phase, &r.promise) {
+            (Phase::Pending, _) => Some(&mut q.pending),
+            (Phase::Queued, None) => Some(&mut q.queued),
             _ => None,
         };
         if let Some(set) = set {

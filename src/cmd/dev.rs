@@ -483,6 +483,7 @@ pub(crate) async fn demo_workload(cfg: events::db::Database, appender: Appender,
             replaces: None,
             topology: None,
             requeue_on_preemption: false,
+            start_ms: None,
             queue: None,
         };
         if let Err(e) = domain::requests::reserve(&client, &appender, &request, None).await {

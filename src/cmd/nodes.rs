@@ -64,6 +64,28 @@ pub(crate) enum NodesCmd {
         #[arg(long, default_value = "")]
         reason: String,
     },
+    /// Book a maintenance window on nodes (named, or every node of a --rack): from --start for --duration no placement is on them; one placed before must end by the start (work with a time to live that ends by then may still go there), and live reservations that would outlast it end at its start (expired, maintenance) after the notice preemption gives
+    Maintenance {
+        #[command(flatten)]
+        db: DbArgs,
+        /// The nodes' ids
+        nodes: Vec<String>,
+        /// Every node of this rack (with --pool)
+        #[arg(long, requires = "pool")]
+        rack: Option<String>,
+        /// Their pool (found per node when omitted)
+        #[arg(long)]
+        pool: Option<String>,
+        /// When it begins (e.g. 2026-12-08T09:00:00Z)
+        #[arg(long)]
+        start: String,
+        /// How long it lasts (e.g. 4h)
+        #[arg(long, value_parser = humantime::parse_duration)]
+        duration: std::time::Duration,
+        /// Why, for the log
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
     /// Let placements go to a node again (lifts a cordon and a drain)
     Uncordon {
         #[command(flatten)]
@@ -207,6 +229,15 @@ pub(crate) async fn nodes(cmd: NodesCmd) -> Result<ExitCode> {
             standing(target, Change::Cordon { reason }).await?;
         }
         NodesCmd::Uncordon { target } => standing(target, Change::Uncordon).await?,
+        NodesCmd::Maintenance {
+            db,
+            nodes,
+            rack,
+            pool,
+            start,
+            duration,
+            reason,
+        } => maintenance(db, nodes, rack, pool, &start, duration, reason).await?,
         NodesCmd::Drain {
             target,
             reason,
@@ -385,6 +416,57 @@ async fn show(db: &DbArgs, node: &str, history: i64) -> Result<()> {
 }
 
 /// Changes a node's standing and says what follows from it.
+/// `strata nodes maintenance`: a window on each node named or of the rack.
+async fn maintenance(
+    db: DbArgs,
+    mut nodes: Vec<String>,
+    rack: Option<String>,
+    pool: Option<String>,
+    start: &str,
+    duration: std::time::Duration,
+    reason: String,
+) -> Result<()> {
+    let start_ms = crate::cli::time_arg(start)
+        .map_err(|_| anyhow::anyhow!("--start {start:?}: a time such as 2026-12-08T09:00:00Z"))?
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let end_ms = start_ms + duration.as_millis() as u64;
+    if let (Some(rack), Some(p)) = (&rack, &pool) {
+        let index = crate::cli::index(&db).await?;
+        let of_rack: Vec<String> = index
+            .pool(p)
+            .into_iter()
+            .flat_map(|p| p.nodes.iter())
+            .filter(|(_, n)| !n.left && n.rack.as_deref() == Some(rack.as_str()))
+            .map(|(id, _)| id.clone())
+            .collect();
+        if of_rack.is_empty() {
+            return Err(crate::exit::not_found(format!(
+                "pool {p:?} has no node in rack {rack:?}"
+            )));
+        }
+        nodes.extend(of_rack);
+    }
+    if nodes.is_empty() {
+        anyhow::bail!("name the nodes, or give --rack and --pool");
+    }
+    for node in nodes {
+        let target = NodeTarget {
+            db: db.clone(),
+            node,
+            pool: pool.clone(),
+            json: false,
+        };
+        let change = Change::Maintenance {
+            start_ms,
+            end_ms,
+            reason: reason.clone(),
+        };
+        standing(target, change).await?;
+    }
+    Ok(())
+}
+
 pub(crate) async fn standing(target: NodeTarget, change: Change) -> Result<()> {
     let client = connect(&target.db).await?;
     let appender = Appender::start(config(&target.db)?, AppenderConfig::default());
@@ -428,6 +510,16 @@ pub(crate) async fn standing(target: NodeTarget, change: Change) -> Result<()> {
         Change::ClearHealth { .. } => (
             "cleared",
             "the condition no longer keeps its GPUs out of placement".to_string(),
+        ),
+        Change::Maintenance {
+            start_ms, end_ms, ..
+        } => (
+            "booked maintenance on",
+            format!(
+                "from {} to {} nothing is placed on it; what would last into it ends at its start, after a notice",
+                crate::cli::ms_time(*start_ms),
+                crate::cli::ms_time(*end_ms)
+            ),
         ),
         Change::Topology { rack, block, rail } => (
             "labelled",

@@ -26,6 +26,9 @@ pub(crate) enum ReservationsCmd {
         /// Only this pool
         #[arg(long)]
         pool: Option<String>,
+        /// Only what is promised: reservations in advance waiting for their start, and maintenance windows to come, by start
+        #[arg(long)]
+        future: bool,
     },
 }
 
@@ -102,6 +105,13 @@ pub(crate) fn reservation_json(
         out["preemption"] = r.preempt_reason.clone().into();
         out["preempted_at"] = r.preempt_deadline_ms.map(ms_time).into();
     }
+    if let Some(p) = &r.promise {
+        out["promise"] = serde_json::json!({
+            "start": ms_time(p.start_ms),
+            "end": ms_time(p.end_ms),
+            "allocations": p.allocations,
+        });
+    }
     if r.phase.is_live() {
         out["allocations"] = serde_json::to_value(&r.allocations).unwrap_or_default();
         out["cdi_device"] = node::cdi::qualified_name(&r.request.reservation).into();
@@ -115,6 +125,83 @@ pub(crate) fn reservation_json(
         out["waiting"] = w;
     }
     out
+}
+
+/// `strata reservations list --future`: what is promised, by start:
+/// reservations in advance and maintenance windows not begun.
+fn list_future(index: &Index, pool: Option<&str>, now: u64) {
+    let mut rows: Vec<(u64, serde_json::Value)> = Vec::new();
+    for (name, p) in &index.state().pools {
+        if pool.is_some_and(|only| only != name) {
+            continue;
+        }
+        for (_, id) in index
+            .queues(name)
+            .into_iter()
+            .flat_map(|q| q.promised.iter())
+        {
+            let Some(r) = index.reservation(id) else {
+                continue;
+            };
+            let Some(promise) = &r.promise else {
+                continue;
+            };
+            let gpus: usize = promise.allocations.iter().map(|a| a.devices.len()).sum();
+            rows.push((
+                promise.start_ms,
+                serde_json::json!({
+                    "kind": "reservation",
+                    "id": id,
+                    "pool": name,
+                    "class": r.request.class,
+                    "gpus": gpus,
+                    "nodes": promise.allocations.len(),
+                    "start": ms_time(promise.start_ms),
+                    "end": ms_time(promise.end_ms),
+                }),
+            ));
+        }
+        for (node, n) in &p.nodes {
+            for w in n.maintenance.iter().filter(|w| w.end_ms > now) {
+                rows.push((
+                    w.start_ms,
+                    serde_json::json!({
+                        "kind": "maintenance",
+                        "id": node,
+                        "pool": name,
+                        "gpus": n.devices.len(),
+                        "nodes": 1,
+                        "start": ms_time(w.start_ms),
+                        "end": ms_time(w.end_ms),
+                        "reason": w.reason,
+                    }),
+                ));
+            }
+        }
+    }
+    rows.sort_by(|a, b| (a.0, a.1["id"].as_str()).cmp(&(b.0, b.1["id"].as_str())));
+    if crate::exit::json() {
+        for (_, row) in rows {
+            crate::exit::print_json(&row);
+        }
+        return;
+    }
+    println!(
+        "{:<12} {:<36} {:<16} {:>5} {:>5}  {:<20} {:<20}",
+        "KIND", "ID", "POOL", "GPUS", "NODES", "START", "END"
+    );
+    for (_, r) in rows {
+        println!(
+            "{:<12} {:<36} {:<16} {:>5} {:>5}  {:<20} {:<20}",
+            r["kind"].as_str().unwrap_or_default(),
+            r["id"].as_str().unwrap_or_default(),
+            r["pool"].as_str().unwrap_or_default(),
+            r["gpus"],
+            r["nodes"],
+            r["start"].as_str().unwrap_or_default(),
+            r["end"].as_str().unwrap_or_default()
+        );
+    }
 }
 
 /// `strata reservations show|list`.
@@ -206,7 +293,11 @@ pub(crate) async fn reservations(cmd: ReservationsCmd) -> Result<ExitCode> {
                 }
             }
         }
-        ReservationsCmd::List { db, pool } => {
+        ReservationsCmd::List { db, pool, future } if future => {
+            let index = index(&db).await?;
+            list_future(&index, pool.as_deref(), now);
+        }
+        ReservationsCmd::List { db, pool, .. } => {
             let index = index(&db).await?;
             let mut all: Vec<_> = index
                 .state()

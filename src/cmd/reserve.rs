@@ -59,8 +59,14 @@ pub(crate) struct ReserveArgs {
     #[arg(long, value_parser = ["rack", "block", "rail"], requires = "nodes")]
     pub spread: Option<String>,
     /// Release automatically this long after placement (e.g. 2h)
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = humantime::parse_duration, conflicts_with = "duration")]
     pub ttl: Option<std::time::Duration>,
+    /// Reserve in advance, from this time (e.g. 2026-12-08T09:00:00Z), for --duration: the pool's placer promises the GPUs now or refuses with why (exit 3), holds them free from the start (work that ends before it may still use them) and places the reservation then
+    #[arg(long, requires = "duration")]
+    pub start: Option<String>,
+    /// How long a reservation in advance lasts from its start (e.g. 12h)
+    #[arg(long, value_parser = humantime::parse_duration, requires = "start")]
+    pub duration: Option<std::time::Duration>,
     /// When a node it is on fails (lost, revoked, drained), place it again
     /// under a new id, <id>~<n>, instead of only ending it
     #[arg(long)]
@@ -138,6 +144,25 @@ pub(crate) fn print_allocations(id: &str, allocs: &[domain::Allocation]) {
 pub(crate) async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
     let (shape, gpus) = shape(&args)?;
     let id = args.id.clone().unwrap_or_else(|| domain::new_id("r"));
+    let start_ms = match &args.start {
+        Some(t) => {
+            let t = humantime::parse_rfc3339_weak(t).map_err(|_| {
+                anyhow::anyhow!("--start {t:?}: a time such as 2026-12-08T09:00:00Z")
+            })?;
+            let ms = t
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            if ms <= crate::cmd::reservations::now_ms() {
+                bail!(
+                    "--start {}: that is past; leave --start out to be placed as soon as it fits",
+                    args.start.as_deref().unwrap_or_default()
+                );
+            }
+            Some(ms)
+        }
+        None => None,
+    };
+    let ttl = args.ttl.or(args.duration);
     let request = Request {
         reservation: id.clone(),
         pool: args.pool.clone(),
@@ -145,11 +170,12 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
         gpus,
         shape,
         priority: args.priority,
-        ttl_ms: args.ttl.map(|t| t.as_millis() as u64),
+        ttl_ms: ttl.map(|t| t.as_millis() as u64),
         replace_on_failure: args.replace_on_failure,
         replaces: None,
         topology: topology(&args),
         requeue_on_preemption: args.requeue_on_preemption,
+        start_ms,
         queue: args.queue.clone(),
     };
     request
@@ -198,6 +224,23 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<ExitCode> {
         Ok(r) => match r? {
             Outcome::Placed(allocs) => {
                 print_allocations(&id, &allocs);
+                Ok(ExitCode::SUCCESS)
+            }
+            Outcome::Promised {
+                allocations,
+                start_ms,
+                end_ms,
+            } => {
+                let gpus: usize = allocations.iter().map(|a| a.devices.len()).sum();
+                println!(
+                    "promised {id}: {gpus} GPU(s) on {} node(s) from {} to {}; it is placed at its start",
+                    allocations.len(),
+                    crate::cli::ms_time(start_ms),
+                    crate::cli::ms_time(end_ms)
+                );
+                for a in &allocations {
+                    println!("  {}: {}", a.node, a.devices.join(", "));
+                }
                 Ok(ExitCode::SUCCESS)
             }
             Outcome::Rejected(reason) => {

@@ -1,5 +1,6 @@
 //! The `strata` binary end to end: real processes against a private Postgres.
 
+mod ahead;
 mod audit;
 mod backfill;
 mod config;

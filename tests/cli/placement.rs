@@ -444,6 +444,7 @@ fn placers_split_pools_and_a_killed_one_hands_them_over() {
         replaces: None,
         topology: None,
         requeue_on_preemption: false,
+        start_ms: None,
         queue: None,
     };
     let total = 120;

@@ -212,6 +212,7 @@ async fn reservation(a: &Appender, s: &LoadStats, stop: &AtomicBool, id: String,
         replaces: None,
         topology: None,
         requeue_on_preemption: false,
+        start_ms: None,
         queue: None,
     };
     let event = Fact::ReservationRequested(request)

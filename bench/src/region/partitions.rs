@@ -318,6 +318,7 @@ async fn pin_every_node(r: &Region) -> Result<Vec<String>> {
             replaces: None,
             topology: None,
             requeue_on_preemption: false,
+            start_ms: None,
             queue: None,
         };
         r.appender

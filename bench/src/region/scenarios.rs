@@ -422,6 +422,7 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
             replaces: None,
             topology: None,
             requeue_on_preemption: false,
+            start_ms: None,
             queue: None,
         })
         .to_event();

@@ -55,6 +55,7 @@ async fn a_preempted_reservations_node_is_told_and_released_after_the_grace_peri
         replaces: None,
         topology: None,
         requeue_on_preemption: false,
+        start_ms: None,
         queue: Some("team".into()),
     };
     let count = |sql: String| {
@@ -219,6 +220,7 @@ async fn dead_and_revoked_nodes_take_no_new_placements_and_their_reservations_fa
         replaces: None,
         topology: None,
         requeue_on_preemption: false,
+        start_ms: None,
         queue: None,
     };
     for id in ["a", "b"] {

@@ -552,6 +552,7 @@ async fn a_node_whose_connection_is_gone_takes_no_placements_until_it_is_back() 
         replaces: None,
         topology: None,
         requeue_on_preemption: false,
+        start_ms: None,
         queue: None,
     };
     domain::requests::reserve(&r.client, &r.appender, &whole, None)
@@ -798,6 +799,7 @@ async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_f
             replaces: None,
             topology: None,
             requeue_on_preemption: false,
+            start_ms: None,
             queue: None,
         };
         let asked = std::time::Instant::now();

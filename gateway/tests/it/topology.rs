@@ -135,6 +135,7 @@ async fn nodes_report_their_topology_and_gangs_are_placed_by_it() {
         replaces: None,
         topology: Some(Topology::Within(Tier::Rail)),
         requeue_on_preemption: false,
+        start_ms: None,
         queue: None,
     };
     let placed = placer::plan::place_one(&index, "p", &gang).expect("one rail group has two");

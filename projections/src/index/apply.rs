@@ -119,6 +119,22 @@ impl Index {
             | Fact::NodeLeft { .. }
             | Fact::NodeContactLost { .. }
             | Fact::NodeContactRestored { .. } => self.apply_membership(event, pool, fact),
+            Fact::NodeMaintenanceScheduled {
+                node,
+                start_ms,
+                end_ms,
+                reason,
+            } => {
+                let (Some(start_ms), Some(end_ms)) = (*start_ms, *end_ms) else {
+                    return Err("a maintenance window needs a start and an end".into());
+                };
+                let window = crate::index::Window {
+                    start_ms,
+                    end_ms,
+                    reason: reason.clone(),
+                };
+                self.schedule_maintenance(&pool, node, window)
+            }
             Fact::NodeCordoned { .. }
             | Fact::NodeDrained { .. }
             | Fact::NodeTopologySet { .. }
@@ -137,6 +153,7 @@ impl Index {
             | Fact::ReservationRejected { .. }
             | Fact::ReservationPlaced { .. }
             | Fact::ReservationEndingNoticed { .. }
+            | Fact::ReservationPromised { .. }
             | Fact::ReservationPreemptionScheduled { .. } => {
                 self.apply_placement(event, pool, fact)
             }
@@ -466,7 +483,8 @@ impl Index {
                         preempted_by: None,
                         preempt_deadline_ms: None,
                         preempt_reason: String::new(),
-                        run_limited: false,
+                        end_reason: String::new(),
+                        promise: None,
                         noticed: false,
                     },
                 );
@@ -529,6 +547,9 @@ impl Index {
                     if matches!(r.phase, Phase::Pending | Phase::Queued) {
                         r.phase = Phase::Queued;
                         r.reason = reason;
+                        // A promise not kept at its start: it waits like
+                        // any request now.
+                        r.promise = None;
                         Ok(())
                     } else {
                         Err(format!(
@@ -551,6 +572,23 @@ impl Index {
                     ));
                 }
             }
+            Fact::ReservationPromised {
+                reservation,
+                allocations,
+                start_ms,
+                end_ms,
+            } => {
+                self.check_in_pool(&reservation, &pool)?;
+                let (Some(start_ms), Some(end_ms)) = (start_ms, end_ms) else {
+                    return Err("a promise needs a start and an end".into());
+                };
+                let promise = crate::index::Promise {
+                    start_ms,
+                    end_ms,
+                    allocations,
+                };
+                self.promise(&pool, &reservation, promise)?;
+            }
             Fact::ReservationEndingNoticed {
                 reservation,
                 reason,
@@ -558,14 +596,14 @@ impl Index {
             } => {
                 self.check_in_pool(&reservation, &pool)?;
                 let r = &self.state.reservations[&reservation];
-                if !r.phase.is_live() || !r.run_limited {
+                if !r.phase.is_live() || r.end_reason != reason {
                     return Err(format!(
                         "reservation {reservation:?} noticed of its end ({reason}) while {}{}",
                         r.phase.name(),
-                        if r.run_limited {
-                            ""
+                        if r.end_reason.is_empty() {
+                            ", not cut short".to_string()
                         } else {
-                            ", with no maximum run time"
+                            format!(", cut short for {}", r.end_reason)
                         }
                     ));
                 }
@@ -704,6 +742,85 @@ impl Index {
         Ok(())
     }
 
+    /// A maintenance window on `node`: the live reservations on it that
+    /// would outlast its start end then.
+    fn schedule_maintenance(
+        &mut self,
+        pool: &str,
+        node: &str,
+        window: crate::index::Window,
+    ) -> Result<(), String> {
+        let (now, start_ms) = (self.event_ms, window.start_ms);
+        self.with_node(pool, node, |n| {
+            n.maintenance.retain(|w| w.end_ms > now);
+            n.maintenance.push(window);
+        })
+        .ok_or_else(|| format!("node {node:?} is not in pool {pool:?}"))?;
+        // What would outlast its start ends then, after a notice.
+        let on: Vec<String> = self.state.pools[pool].nodes[node]
+            .bookings()
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        for id in on {
+            self.with_reservation(&id, |r| {
+                if r.phase.is_live() && r.expires_at_ms.is_none_or(|e| e > start_ms) {
+                    r.expires_at_ms = Some(start_ms);
+                    r.end_reason = "maintenance".into();
+                    r.noticed = false;
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// A reservation in advance promised: it waits for its start, its
+    /// devices held for its window.
+    fn promise(
+        &mut self,
+        pool: &str,
+        reservation: &str,
+        promise: crate::index::Promise,
+    ) -> Result<(), String> {
+        let r = &self.state.reservations[reservation];
+        let problem = if !matches!(r.phase, Phase::Pending | Phase::Queued) || r.promise.is_some() {
+            Some(format!(
+                "reservation {reservation:?} promised while {}{}",
+                r.phase.name(),
+                if r.promise.is_some() {
+                    ", promised already"
+                } else {
+                    ""
+                }
+            ))
+        } else {
+            self.window_problem(
+                pool,
+                reservation,
+                &promise.allocations,
+                promise.start_ms,
+                Some(promise.end_ms),
+            )
+        };
+        let reason = format!(
+            "promised: {} GPUs from {}",
+            promise
+                .allocations
+                .iter()
+                .map(|a| a.devices.len())
+                .sum::<usize>(),
+            humantime::format_rfc3339_seconds(
+                UNIX_EPOCH + std::time::Duration::from_millis(promise.start_ms)
+            )
+        );
+        self.with_reservation(reservation, |r| {
+            r.phase = Phase::Queued;
+            r.reason = reason;
+            r.promise = Some(promise);
+        });
+        problem.map_or(Ok(()), Err)
+    }
+
     /// `preemptor` no longer waits (placed, or ended): the reservations
     /// being preempted for it are not.
     fn withdraw_preemptions(&mut self, pool: &str, preemptor: &str) {
@@ -802,8 +919,17 @@ impl Index {
             ));
         }
         // Check everything before booking anything.
+        let placed_at = millis(event.recorded_at);
+        // Placed from a promise, it ends with its window.
+        let window_end = r.promise.as_ref().map(|p| p.end_ms);
+        let ends = r
+            .request
+            .ttl_ms
+            .map(|t| placed_at.saturating_add(t))
+            .map(|e| window_end.map_or(e, |w| e.min(w)));
         let problem = self
             .placement_problem(pool, &r.request, &allocations)
+            .or_else(|| self.window_problem(pool, id, &allocations, placed_at, ends))
             .or_else(|| {
                 crate::quota::admit(self, pool, &r.request, &crate::quota::Batch::default())
                     .err()
@@ -814,7 +940,6 @@ impl Index {
         for a in &allocations {
             refused.extend(self.book(pool, a, id));
         }
-        let placed_at = millis(event.recorded_at);
         // Its queue's maximum run time, where that ends it before its own.
         let queue = self.state.reservations[id].request.queue.as_deref();
         let max_run = self
@@ -824,10 +949,14 @@ impl Index {
         r.phase = Phase::Placed;
         r.reason.clear();
         r.placed_at_ms = Some(placed_at);
-        let own = r.request.ttl_ms.map(|t| placed_at.saturating_add(t));
+        let own = ends;
         let limit = max_run.map(|m| placed_at.saturating_add(m));
-        r.run_limited = limit.is_some_and(|l| own.is_none_or(|o| l < o));
-        r.expires_at_ms = if r.run_limited { limit } else { own };
+        r.expires_at_ms = own;
+        if let Some(l) = limit.filter(|l| own.is_none_or(|o| *l < o)) {
+            r.expires_at_ms = Some(l);
+            r.end_reason = "max_run_time".into();
+        }
+        r.promise = None;
         r.allocations = allocations;
         self.accrue_for(id);
         self.queue(id, true);
@@ -836,6 +965,67 @@ impl Index {
             None if !refused.is_empty() => Err(format!("devices {refused:?} could not be booked")),
             None => Ok(()),
         }
+    }
+
+    /// Whether devices booked by `id` over `[from, to)` (`to` `None`: with
+    /// no end) would last into a maintenance window of their nodes, or a
+    /// window promised to another reservation on the same devices.
+    pub fn window_problem(
+        &self,
+        pool: &str,
+        id: &str,
+        allocations: &[Allocation],
+        from: u64,
+        to: Option<u64>,
+    ) -> Option<String> {
+        let p = self.state.pools.get(pool)?;
+        let at = |ms: u64| {
+            humantime::format_rfc3339_seconds(UNIX_EPOCH + std::time::Duration::from_millis(ms))
+        };
+        for a in allocations {
+            let windows = p
+                .nodes
+                .get(&a.node)
+                .map(|n| n.maintenance.as_slice())
+                .unwrap_or_default();
+            if let Some(w) = windows.iter().find(|w| w.overlaps(from, to)) {
+                return Some(format!(
+                    "it would last into node {}'s maintenance from {} to {}",
+                    a.node,
+                    at(w.start_ms),
+                    at(w.end_ms)
+                ));
+            }
+        }
+        let promised = self.queues(pool).map(|q| &q.promised)?;
+        for (_, other) in promised.iter().filter(|(_, o)| o != id) {
+            let Some(promise) = self.reservation(other).and_then(|r| r.promise.as_ref()) else {
+                continue;
+            };
+            let window = Window {
+                start_ms: promise.start_ms,
+                end_ms: promise.end_ms,
+                reason: String::new(),
+            };
+            if !window.overlaps(from, to) {
+                continue;
+            }
+            for a in allocations {
+                let shared = promise
+                    .allocations
+                    .iter()
+                    .filter(|b| b.node == a.node)
+                    .any(|b| b.devices.iter().any(|d| a.devices.contains(d)));
+                if shared {
+                    return Some(format!(
+                        "it would last into the window promised to {other} on node {} from {}",
+                        a.node,
+                        at(promise.start_ms)
+                    ));
+                }
+            }
+        }
+        None
     }
 
     /// What is wrong with a placement, checked against the index as it is:

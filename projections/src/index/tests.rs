@@ -49,6 +49,7 @@ impl World {
             replaces: None,
             topology: None,
             requeue_on_preemption: false,
+            start_ms: None,
             queue: None,
         };
         let e = self.log.push(
@@ -145,6 +146,7 @@ fn request(id: &str, replaces: Option<&str>) -> Request {
         replaces: replaces.map(str::to_string),
         topology: None,
         requeue_on_preemption: false,
+        start_ms: None,
         queue: None,
     }
 }

@@ -560,6 +560,7 @@ pub(crate) mod tests {
                 replace_on_failure: true,
                 replaces: replaces.map(str::to_string),
                 requeue_on_preemption: false,
+                start_ms: None,
                 topology: None,
                 queue: None,
             };
