@@ -18,7 +18,7 @@ const MAGIC: &[u8; 8] = b"STRATAIX";
 // 7: devices name the GPU they are a MIG instance of, and whether a
 //    diagnostic passed them since their quarantine.
 // 8: reservations in a hash map.
-const FORMAT: u32 = 11;
+const FORMAT: u32 = 12;
 const HEADER: usize = 40;
 
 #[derive(Debug, thiserror::Error)]
