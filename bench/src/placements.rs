@@ -15,7 +15,8 @@
 //!    at 150% of it, then requests of high priority placed by preemption
 //!    with a short grace period; then the same on a pool alike whose
 //!    cohorts' fair share remembers past usage;
-//! 5. backfill (`backfill.rs`): gangs behind a stream of small requests;
+//! 5. backfill (`backfill.rs`): gangs behind a stream of small requests,
+//!    then a whole pool reserved in advance behind short ones;
 //! 6. MIG (`mig.rs`): 1-GPU requests on a pool where a tenth of the GPUs
 //!    are split into MIG instances, against a pool of whole GPUs.
 //!
@@ -510,16 +511,20 @@ pub async fn run(args: Args) -> Result<()> {
     let backfill_nodes = args
         .backfill_nodes
         .unwrap_or(if args.quick { 200 } else { 1_000 });
+    let ahead_nodes = backfill_nodes.min(backfill::AHEAD_MAX_NODES);
     let backfill = if backfill_nodes > 0 {
         let held = stats.view().pools_held;
-        for pool in [backfill::QUIET, backfill::CONTENDED] {
+        for (pool, nodes) in [
+            (backfill::QUIET, backfill_nodes),
+            (backfill::CONTENDED, backfill_nodes),
+            (backfill::AHEAD, ahead_nodes),
+        ] {
             domain::pools::create_pool(&appender, pool, "backfill benchmark pool").await?;
-            let fleet =
-                domain::pools::uniform_fleet(&format!("{pool}-n"), backfill_nodes, CLASS, 8, 8);
+            let fleet = domain::pools::uniform_fleet(&format!("{pool}-n"), nodes, CLASS, 8, 8);
             domain::pools::join_nodes(&appender, pool, fleet, |_| {}).await?;
         }
         let t = Instant::now();
-        while stats.view().pools_held < held + 2 {
+        while stats.view().pools_held < held + 3 {
             if t.elapsed() > Duration::from_secs(120) || placer.is_finished() {
                 bail!(
                     "the placer did not take the backfill pools: {:?}",
@@ -528,10 +533,13 @@ pub async fn run(args: Args) -> Result<()> {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        Some(backfill::run(&appender, &seen, backfill_nodes, args.clients).await?)
+        let rounds = backfill::run(&appender, &seen, backfill_nodes, args.clients).await?;
+        let ahead = backfill::ahead(&appender, &seen, ahead_nodes, args.clients).await?;
+        Some((rounds, ahead))
     } else {
         None
     };
+    let (backfill, ahead) = backfill.unzip();
     // 6. MIG, on two pools of its own.
     let mig_nodes = args
         .mig_nodes
@@ -758,6 +766,19 @@ pub async fn run(args: Args) -> Result<()> {
         "backfill": backfill_json,
         "mig": mig_json,
     });
+    result["ahead"] = ahead
+        .as_ref()
+        .map(|a| {
+            serde_json::json!({
+                "nodes": a.nodes,
+                "gpus": a.gpus,
+                "starts_in_s": 10,
+                "placed_after_start_ms": round(a.late_ms, 1),
+                "short_requests_offered": a.stream_offered,
+                "short_requests_placed_before_it": a.stream_placed,
+            })
+        })
+        .into();
     result["targets"] = serde_json::json!({
         "placements_per_s": ">= 10000 at 10,000 nodes",
         "p99_ms": "< 50 at 1,000/s offered",
@@ -771,6 +792,7 @@ pub async fn run(args: Args) -> Result<()> {
         "tenants_decay_fair_share_spread": "<= 0.05, against the fair shares that count past usage",
         "backfill_gang_wait_ratio": "<= 1.25: gangs behind a stream of smaller requests start when they would alone (max wait, with the stream over alone), every gang placed",
         "mig_ratio": ">= 0.8: placements/s with 10% of GPUs as MIG instances over the same load on whole GPUs",
+        "ahead_placed_after_start_ms": "0 to 1000: a reservation in advance for a whole pool, 10 s ahead, placed within 1 s of its start while short requests ran before it",
     });
     result["met"] = serde_json::json!({
         "placements_per_s": rate1 >= 10_000.0,
@@ -788,6 +810,7 @@ pub async fn run(args: Args) -> Result<()> {
                 && backfill_ratio.is_some_and(|r| r <= 1.25)
         }),
         "mig_ratio": mig_ratio.map(|r| r >= 0.8),
+        "ahead_placed_after_start_ms": ahead.as_ref().map(|a| (0.0..=1000.0).contains(&a.late_ms)),
     });
     let mut name = format!("placements-{}", args.nodes);
     if args.pools > 1 {

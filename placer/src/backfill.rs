@@ -68,7 +68,7 @@ pub const MAX_TRIES: usize = 2 * MAX_HOLDS;
 /// How long before a window (a promise, a maintenance) a request must end
 /// to be lent its devices: room for the placement's commit, which the
 /// index judges at its own time.
-pub const WINDOW_MARGIN_MS: u64 = 10_000;
+pub const WINDOW_MARGIN_MS: u64 = 2_000;
 /// Most queued requests looked at, before a batch, for those to hold for.
 const MAX_SCAN: usize = 64;
 

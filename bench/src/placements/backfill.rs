@@ -4,6 +4,11 @@
 //! small requests arriving as fast as GPUs free, on a pool of their own
 //! each. Without backfill the stream takes every GPU as it frees and no
 //! node is ever whole again; with it, the gangs start as they do alone.
+//!
+//! Then a reservation in advance for a whole pool ([`AHEAD`]) 10 s ahead,
+//! with a stream of short requests before it: backfill lends them its
+//! devices only while they end before its start, and it is placed at its
+//! start.
 
 use crate::util::percentile_ms;
 use anyhow::Result;
@@ -18,6 +23,13 @@ use super::{flood, offer, Seen};
 /// The pools of the two rounds.
 pub const QUIET: &str = "backfill-quiet";
 pub const CONTENDED: &str = "backfill-contended";
+pub const AHEAD: &str = "backfill-ahead";
+/// Most nodes of [`AHEAD`]: one reservation may ask for 4,096 GPUs.
+pub const AHEAD_MAX_NODES: u32 = domain::MAX_GPUS / 8;
+/// How far ahead the reservation in advance starts.
+const AHEAD_START: Duration = Duration::from_secs(10);
+/// The short requests' time to live, before it.
+const SHORT_TTL_MS: u64 = 1_000;
 /// Gangs per round: as many as the placer guards in one batch
 /// (`placer::backfill::MAX_HOLDS`).
 pub const GANGS: u32 = 8;
@@ -161,6 +173,102 @@ async fn round(
         stream_offered: offered.load(Ordering::Relaxed),
         stream_placed,
         secs,
+    })
+}
+
+/// The round of the reservation in advance.
+pub struct Ahead {
+    pub nodes: u32,
+    pub gpus: u32,
+    /// Its placement seen, after its start (negative: before).
+    pub late_ms: f64,
+    pub stream_offered: u64,
+    pub stream_placed: u64,
+}
+
+/// [`AHEAD`], `nodes` nodes full of 1-GPU reservations (TTL 2-6 s): the
+/// whole pool asked for from 10 s from now, while 1-GPU requests of TTL
+/// 1 s arrive as fast as the fill frees GPUs until its start.
+pub async fn ahead(
+    appender: &Appender,
+    seen: &Arc<Seen>,
+    nodes: u32,
+    clients: usize,
+) -> Result<Ahead> {
+    let mut rng = fastrand::Rng::with_seed(11);
+    let fill: Vec<Request> = (0..nodes as u64 * 8)
+        .map(|i| {
+            let ttl = rng.u64(FILL_TTL_MS.0..FILL_TTL_MS.1);
+            request(format!("{AHEAD}-f{i}"), AHEAD, 1, Shape::Any, Some(ttl))
+        })
+        .collect();
+    flood(appender, seen, fill, clients).await?;
+    let start = std::time::SystemTime::now() + AHEAD_START;
+    let start_at = Instant::now() + AHEAD_START;
+    let gpus = nodes * 8;
+    let whole = Request {
+        start_ms: Some(
+            start
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+        ),
+        ..request(
+            format!("{AHEAD}-whole"),
+            AHEAD,
+            gpus,
+            Shape::Any,
+            Some(30_000),
+        )
+    };
+    offer(appender, &whole).await?;
+    // Short requests until its start, as fast as the fill frees GPUs.
+    let mean_ttl_s = (FILL_TTL_MS.0 + FILL_TTL_MS.1) as f64 / 2_000.0;
+    let rate = (gpus as f64 / mean_ttl_s).ceil();
+    let t0 = Instant::now();
+    let mut offered = 0u64;
+    while Instant::now() < start_at {
+        let at = t0 + Duration::from_secs_f64(offered as f64 / rate);
+        tokio::time::sleep_until(at.into()).await;
+        let r = request(
+            format!("{AHEAD}-s{offered}"),
+            AHEAD,
+            1,
+            Shape::Any,
+            Some(SHORT_TTL_MS),
+        );
+        offer(appender, &r).await?;
+        offered += 1;
+    }
+    let deadline = start_at + PATIENCE;
+    let placed = loop {
+        if let Some(at) = seen.at.lock().expect("seen lock").get(&whole.reservation) {
+            break Some(*at);
+        }
+        if Instant::now() > deadline {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    let late_ms = match placed {
+        Some(at) if at >= start_at => at.duration_since(start_at).as_secs_f64() * 1000.0,
+        Some(at) => -(start_at.duration_since(at).as_secs_f64() * 1000.0),
+        None => PATIENCE.as_secs_f64() * 1000.0,
+    };
+    let stream_placed = {
+        let at = seen.at.lock().expect("seen lock");
+        (0..offered)
+            .filter(|i| at.contains_key(&format!("{AHEAD}-s{i}")))
+            .count() as u64
+    };
+    eprintln!(
+        "backfill: {nodes} nodes, the whole pool ({gpus} GPUs) in advance 10 s ahead: placed {late_ms:.0} ms after its start; {stream_placed} of {offered} 1-GPU requests (TTL 1 s) placed before it"
+    );
+    Ok(Ahead {
+        nodes,
+        gpus,
+        late_ms,
+        stream_offered: offered,
+        stream_placed,
     })
 }
 
