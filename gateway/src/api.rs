@@ -4,7 +4,7 @@ use crate::api_proto::{
     api_server, subscribe_message, Allocation, CommandStatus, ConfigureQueueRequest,
     GetCommandRequest, GetReservationRequest, IssueCommandRequest, ListNodesRequest,
     ListNodesResponse, ListPoolsRequest, ListPoolsResponse, ListQueuesRequest, ListQueuesResponse,
-    Node, NodeStandingRequest, NodeStandingResponse, Pool, PoolClass, QueueShare,
+    Node, NodeStandingRequest, NodeStandingResponse, Pool, PoolClass, Promise, QueueShare,
     QueueSpec as ApiQueueSpec, ReleaseRequest, ReleaseResponse, Reservation, ReserveRequest,
     SubscribeMessage, SubscribedEvent, Waiting,
 };
@@ -394,7 +394,7 @@ impl api_server::Api for ApiService {
             replaces: None,
             topology,
             requeue_on_preemption: r.requeue_on_preemption,
-            start_ms: None,
+            start_ms: (r.start_ms > 0).then_some(r.start_ms),
             queue: (!r.queue.is_empty()).then_some(r.queue),
         };
         let client = self.db().await?;
@@ -424,11 +424,11 @@ impl api_server::Api for ApiService {
                 allocations,
             }) = self.wait(key, r.wait_ms, rx).await
             {
-                out.state = state;
-                out.reason = reason;
-                if !allocations.is_empty() {
+                if state == "placed" {
                     out.cdi_device = node::cdi::qualified_name(&id);
                 }
+                out.state = state;
+                out.reason = reason;
                 out.allocations = allocations
                     .into_iter()
                     .map(|a| Allocation {
@@ -463,10 +463,23 @@ impl api_server::Api for ApiService {
                 earliest_start_ms: s.earliest_start_ms.unwrap_or(0),
                 queue: s.queue.unwrap_or_default(),
             });
-            let state = match r.phase {
-                projections::index::Phase::Pending => "requested",
-                other => other.name(),
+            let state = match (r.phase, &r.promise) {
+                (projections::index::Phase::Pending, _) => "requested",
+                (projections::index::Phase::Queued, Some(_)) => "promised",
+                (other, _) => other.name(),
             };
+            let promise = r.promise.as_ref().map(|p| Promise {
+                start_ms: p.start_ms,
+                end_ms: p.end_ms,
+                allocations: p
+                    .allocations
+                    .iter()
+                    .map(|a| Allocation {
+                        node: a.node.clone(),
+                        devices: a.devices.clone(),
+                    })
+                    .collect(),
+            });
             let cdi_device = if r.phase.is_live() {
                 node::cdi::qualified_name(&id)
             } else {
@@ -486,6 +499,7 @@ impl api_server::Api for ApiService {
                     .collect(),
                 cdi_device,
                 waiting,
+                promise,
             }));
         }
         drop(index);

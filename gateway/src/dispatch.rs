@@ -207,12 +207,23 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                     // Placed, or how it ended: the states a waiting client hears.
                     let state = fact.as_ref().and_then(|f| match f {
                         Fact::ReservationPlaced { .. } => Some("placed"),
+                        Fact::ReservationPromised { .. } => Some("promised"),
                         f => f.outcome(),
                     });
                     if let (Some(state), Some(fact)) = (state, fact) {
                         if let Some(id) = fact.reservation() {
                             let (reason, allocations) = match &fact {
                                 Fact::ReservationPlaced { allocations, .. } => (String::new(), allocations.clone()),
+                                Fact::ReservationPromised { allocations, start_ms, .. } => (
+                                    format!(
+                                        "promised from {}",
+                                        humantime::format_rfc3339_seconds(
+                                            std::time::UNIX_EPOCH
+                                                + std::time::Duration::from_millis(start_ms.unwrap_or_default())
+                                        )
+                                    ),
+                                    allocations.clone(),
+                                ),
                                 Fact::ReservationRejected { reason, .. } => (reason.clone(), Vec::new()),
                                 Fact::ReservationFailed { reason, replaced_by, .. } => {
                                     (Fact::failure_reason(reason, replaced_by.as_deref()), Vec::new())
