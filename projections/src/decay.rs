@@ -32,6 +32,9 @@ impl Decayed {
         if at_ms <= self.at_ms {
             return self;
         }
+        if held == 0 && self.gpu_ms == 0.0 {
+            return Decayed { gpu_ms: 0.0, at_ms };
+        }
         let d = halving(at_ms - self.at_ms, half_life_ms);
         let tau = half_life_ms as f64 / LN_2;
         Decayed {
@@ -62,6 +65,10 @@ pub fn halving(elapsed_ms: u64, half_life_ms: u64) -> f64 {
     for k in 1..=20 {
         term *= -y / k as f64;
         sum += term;
+        // The rest no longer moves the sum (a short step: a term or two).
+        if term.abs() < 1e-17 {
+            break;
+        }
     }
     // 2^-whole exactly: a power of two built from its exponent.
     sum * f64::from_bits((1023 - whole) << 52)

@@ -36,6 +36,14 @@ impl Spent {
         }
         let mut out = self;
         out.at_ms = at_ms;
+        // Within the same day, no period began (weeks and months begin on
+        // days): the common case, without calendar arithmetic.
+        if self.windows[0].start_ms == BudgetPeriod::Day.start(at_ms as i64) {
+            for w in &mut out.windows {
+                w.gpu_ms += held * (at_ms - self.at_ms);
+            }
+            return out;
+        }
         for (i, period) in BudgetPeriod::ALL.into_iter().enumerate() {
             let start = period.start(at_ms as i64);
             let w = &mut out.windows[i];
