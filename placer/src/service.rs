@@ -690,6 +690,8 @@ fn replacement(r: &Request) -> Request {
     Request {
         reservation: replacement_id(&r.reservation),
         replaces: Some(r.reservation.clone()),
+        // Placed at once, even when the first was in advance.
+        start_ms: None,
         ..r.clone()
     }
 }
@@ -1070,4 +1072,23 @@ fn batch_appends(
         });
     }
     appends
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replacement_is_placed_at_once_even_for_a_reservation_in_advance() {
+        let first = Request {
+            start_ms: Some(1_800_000_000_000),
+            ttl_ms: Some(3_600_000),
+            ..domain::demand::request("ahead".into(), "p", "c", 8, domain::Shape::Any)
+        };
+        first.validate().unwrap();
+        let again = replacement(&first);
+        assert_eq!(again.reservation, "ahead~1");
+        assert_eq!(again.start_ms, None);
+        again.validate().unwrap();
+    }
 }
