@@ -445,6 +445,7 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
         // Until it is active and delivered, or it ended without that.
         loop {
             if Instant::now() > deadline {
+                tell_stuck(r, &id).await;
                 return Ok(None);
             }
             let mut ended = false;
@@ -479,6 +480,38 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
         }
     }
     Ok(None)
+}
+
+/// A probe that did not go the whole way in time, on standard error: every
+/// event about it in the log (its own stream, its pool's word on it, its
+/// commands), and each role's last warnings, so a failed drill says where
+/// it stopped once its folder is gone.
+async fn tell_stuck(r: &Region, id: &str) {
+    eprintln!("probe {id} did not go the whole way in time; its events:");
+    if let Ok(c) = events::db::connect(&r.cfg, "region-probe").await {
+        let rows = c
+            .query(
+                "SELECT position, stream, type, recorded_at::text, payload::text FROM strata.events
+                  WHERE stream = $1 OR payload->>'reservation' = $2
+                     OR payload->'args'->>'reservation' = $2
+                  ORDER BY position",
+                &[&domain::reservation_stream(id), &id],
+            )
+            .await
+            .unwrap_or_default();
+        for row in rows {
+            let payload: String = row.get(4);
+            eprintln!(
+                "  {} {} {} {} {}",
+                row.get::<_, i64>(0),
+                row.get::<_, String>(3),
+                row.get::<_, String>(1),
+                row.get::<_, String>(2),
+                payload.chars().take(300).collect::<String>()
+            );
+        }
+    }
+    procs::tell_warnings(&r.roles, 10);
 }
 
 /// Every node loses power for `o.outage` and comes back.
