@@ -145,12 +145,15 @@ pub fn plan_with(
             }
         }
         let mut turns = BinaryHeap::new();
+        // What does not change while the batch is planned, once per queue.
+        let standings: BTreeMap<String, quota::Standing> = groups
+            .keys()
+            .map(|q| (q.clone(), quota::standing(index, pool, q, now_ms)))
+            .collect();
         for (q, g) in groups.iter_mut() {
             g.make_contiguous().sort();
-            turns.push(Reverse((
-                share_key(index, pool, q, &batch, now_ms),
-                q.clone(),
-            )));
+            let key = share_key(index, pool, q, &batch, now_ms, standings[q]);
+            turns.push(Reverse((key, q.clone())));
         }
         while let Some(Reverse((_, q))) = turns.pop() {
             let g = groups.get_mut(&q).expect("every turn has a group");
@@ -159,7 +162,8 @@ pub fn plan_with(
             };
             plan_one(index, pool, id, &mut plan, &mut batch, &mut holds, false);
             if !g.is_empty() {
-                turns.push(Reverse((share_key(index, pool, &q, &batch, now_ms), q)));
+                let key = share_key(index, pool, &q, &batch, now_ms, standings[&q]);
+                turns.push(Reverse((key, q)));
             }
         }
     }
@@ -233,15 +237,16 @@ fn in_advance(
 /// A request in its queue's turn: priority (highest first), position, id.
 type Turn<'a> = (Reverse<i32>, u64, &'a String);
 
-/// A queue's turn ([`quota::turn`]) as an orderable key.
+/// A queue's turn ([`quota::turn_with`]) as an orderable key.
 fn share_key(
     index: &Index,
     pool: &str,
     queue: &str,
     batch: &quota::Batch,
     now_ms: u64,
+    standing: quota::Standing,
 ) -> (bool, bool, i64) {
-    quota::turn(index, pool, queue, batch, now_ms).key()
+    quota::turn_with(index, pool, queue, batch, now_ms, standing).key()
 }
 
 impl Plan {
@@ -280,12 +285,19 @@ fn plan_one(
         return;
     };
     let (request, order) = (r.request.clone(), order(r));
+    let promised = r.promise.is_some();
+    let budgets = request.queue.is_some()
+        && index
+            .pool(pool)
+            .is_some_and(|p| p.queues.values().any(|s| !s.budgets.is_empty()));
     let (queued, was) = (r.phase == projections::Phase::Queued, r.reason.clone());
     if let Some(reason) = never_fits(index, pool, &request) {
         plan.rejected.push((id.to_string(), reason));
         return;
     }
-    if in_advance(index, pool, id, &request, plan, batch, holds) {
+    if (promised || request.start_ms.is_some())
+        && in_advance(index, pool, id, &request, plan, batch, holds)
+    {
         return;
     }
     let wait = |plan: &mut Plan, reason: String| plan.wait(id, queued, &was, reason);
@@ -302,7 +314,12 @@ fn plan_one(
     }
     // A queue's hard budget, spent: it waits for the next period, or is
     // rejected, whatever there is room for.
-    match projections::budget::judge(index, pool, &request, holds.now_ms()) {
+    let verdict = if budgets {
+        projections::budget::judge(index, pool, &request, holds.now_ms())
+    } else {
+        Verdict::Within
+    };
+    match verdict {
         Verdict::Over(domain::Enforce::Reject, why) => {
             plan.rejected.push((id.to_string(), why));
             return;

@@ -896,11 +896,18 @@ impl Index {
     /// before what it holds changes.
     fn accrue(&mut self, pool: &str, queue: &str, class: &str) {
         let now = self.past_usage(pool, queue, class, self.event_ms);
-        if let Some(p) = self.state.pools.get_mut(pool) {
-            p.past
-                .entry(queue.to_string())
-                .or_default()
-                .insert(class.to_string(), now);
+        let Some(p) = self.state.pools.get_mut(pool) else {
+            return;
+        };
+        // Allocating names only the first time a queue uses a class.
+        match p.past.get_mut(queue).and_then(|c| c.get_mut(class)) {
+            Some(past) => *past = now,
+            None => {
+                p.past
+                    .entry(queue.to_string())
+                    .or_default()
+                    .insert(class.to_string(), now);
+            }
         }
     }
 

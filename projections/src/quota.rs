@@ -436,18 +436,53 @@ pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> 
     let Some(spec) = queues.get(queue) else {
         return 0.0;
     };
+    let mut classes: Vec<&str> = spec.quotas.iter().map(|q| q.class.as_str()).collect();
+    if let Some(q) = index.queues(pool) {
+        classes.extend(q.usage.classes(queue));
+    }
+    classes.extend(batch.added.classes(queue));
+    // A class is usually in all three: weigh it once.
+    classes.sort_unstable();
+    classes.dedup();
     let weight = spec.weight.max(1) as f64;
-    overs(index, pool, queues, spec, batch)
+    classes
         .into_iter()
-        .map(|(_, _, over, _)| if over > 0.0 { over / weight } else { over })
+        .map(|c| {
+            let nominal = spec.quota(c).map_or(0, |q| q.nominal) as f64;
+            let over = (held(index, pool, queue, c, batch) as f64 - nominal)
+                / capacity(queues, spec, c) as f64;
+            if over > 0.0 {
+                over / weight
+            } else {
+                over
+            }
+        })
         .fold(f64::NEG_INFINITY, f64::max)
         .max(-1.0)
+}
+
+/// What a queue's turn weighs besides what it holds, which does not change
+/// while one batch is planned: whether it spent a soft budget, and the
+/// half-life of its past where its cohort remembers it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Standing {
+    pub over_soft: bool,
+    pub half_life_ms: Option<u64>,
+}
+
+/// `queue`'s [`Standing`] at `at_ms`.
+pub fn standing(index: &Index, pool: &str, queue: &str, at_ms: u64) -> Standing {
+    let (half_life, remembers) = index.half_life(pool, queue);
+    Standing {
+        over_soft: crate::budget::over_soft(index, pool, queue, at_ms),
+        half_life_ms: remembers.then_some(half_life),
+    }
 }
 
 /// Where a queue stands in a batch's turns: the queue with the smallest
 /// turn is served next. A queue past a soft budget comes after every queue
 /// within its budgets; among either, first every queue short of its nominal quota in
-/// every class, the furthest short first ([`dominant_share`] below zero,
+/// every class, in turn ([`dominant_share`] below zero,
 /// history aside: a guarantee is owed whatever was used before); then the
 /// queues that borrow, by weighted dominant share. In a cohort whose fair
 /// share remembers (`cohort.decay_set`), a borrowing queue's share counts,
@@ -455,11 +490,33 @@ pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> 
 /// (decayed to `at_ms`) as if it held that now too, so a queue that used
 /// more yields to one that used less.
 pub fn turn(index: &Index, pool: &str, queue: &str, batch: &Batch, at_ms: u64) -> Turn {
+    turn_with(
+        index,
+        pool,
+        queue,
+        batch,
+        at_ms,
+        standing(index, pool, queue, at_ms),
+    )
+}
+
+/// [`turn`] with the queue's [`Standing`] known (a batch looks it up once
+/// per queue).
+pub fn turn_with(
+    index: &Index,
+    pool: &str,
+    queue: &str,
+    batch: &Batch,
+    at_ms: u64,
+    standing: Standing,
+) -> Turn {
     let share = dominant_share(index, pool, queue, batch);
-    let over_soft = crate::budget::over_soft(index, pool, queue, at_ms);
-    let (half_life, remembers) = index.half_life(pool, queue);
-    let (Some(queues), true, true) = (index.pool(pool).map(|p| &p.queues), share >= 0.0, remembers)
-    else {
+    let over_soft = standing.over_soft;
+    let (Some(queues), true, Some(half_life)) = (
+        index.pool(pool).map(|p| &p.queues),
+        share >= 0.0,
+        standing.half_life_ms,
+    ) else {
         return Turn {
             over_soft,
             borrows: share >= 0.0,
@@ -508,7 +565,10 @@ pub struct Turn {
 impl Turn {
     /// As an integer key that orders the same (shares to a billionth).
     pub fn key(self) -> (bool, bool, i64) {
-        (self.over_soft, self.borrows, (self.share * 1e9) as i64)
+        // Short of their quota, queues take turns by name (their shares
+        // below zero tie): a guarantee is owed whatever the shortfall.
+        let share = if self.borrows { self.share } else { 0.0 };
+        (self.over_soft, self.borrows, (share * 1e9) as i64)
     }
 }
 

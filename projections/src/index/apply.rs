@@ -883,7 +883,12 @@ impl Index {
             self.accrue(&pool, &q, &class);
             let spent = self.spent(&pool, &q, self.event_ms);
             if let Some(p) = self.state.pools.get_mut(&pool) {
-                p.spent.insert(q, spent);
+                match p.spent.get_mut(&q) {
+                    Some(s) => *s = spent,
+                    None => {
+                        p.spent.insert(q, spent);
+                    }
+                }
             }
         }
     }
