@@ -426,9 +426,9 @@ fn overs<'a>(
 /// A queue's weighted dominant share: the largest, over the classes it
 /// holds or has quota of (with the batch's placements), of what it holds
 /// beyond its nominal quota over what its cohort is given, divided by its
-/// weight; below its nominal quota, how far below (unweighted, so a queue
-/// short of its guarantee is served before any that borrows, the one
-/// furthest short first).
+/// weight; below its nominal quota, how far below (unweighted and below
+/// zero, so a queue short of its guarantee is served before any that
+/// borrows; [`turn`] serves those short in turn, whatever the shortfall).
 pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> f64 {
     let Some(queues) = index.pool(pool).map(|p| &p.queues) else {
         return 0.0;
