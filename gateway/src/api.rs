@@ -429,13 +429,7 @@ impl api_server::Api for ApiService {
                 }
                 out.state = state;
                 out.reason = reason;
-                out.allocations = allocations
-                    .into_iter()
-                    .map(|a| Allocation {
-                        node: a.node,
-                        devices: a.devices,
-                    })
-                    .collect();
+                out.allocations = api_allocations(&allocations);
             }
         }
         Ok(Response::new(out))
@@ -471,14 +465,7 @@ impl api_server::Api for ApiService {
             let promise = r.promise.as_ref().map(|p| Promise {
                 start_ms: p.start_ms,
                 end_ms: p.end_ms,
-                allocations: p
-                    .allocations
-                    .iter()
-                    .map(|a| Allocation {
-                        node: a.node.clone(),
-                        devices: a.devices.clone(),
-                    })
-                    .collect(),
+                allocations: api_allocations(&p.allocations),
             });
             let cdi_device = if r.phase.is_live() {
                 node::cdi::qualified_name(&id)
@@ -489,14 +476,7 @@ impl api_server::Api for ApiService {
                 id,
                 state: state.into(),
                 reason: r.reason.clone(),
-                allocations: r
-                    .allocations
-                    .iter()
-                    .map(|a| Allocation {
-                        node: a.node.clone(),
-                        devices: a.devices.clone(),
-                    })
-                    .collect(),
+                allocations: api_allocations(&r.allocations),
                 cdi_device,
                 waiting,
                 promise,
@@ -964,4 +944,15 @@ async fn stream_subscription(
         }
     }
     let _ = sub.close().await;
+}
+
+/// A placement's devices as the API carries them.
+fn api_allocations(allocations: &[domain::Allocation]) -> Vec<Allocation> {
+    allocations
+        .iter()
+        .map(|a| Allocation {
+            node: a.node.clone(),
+            devices: a.devices.clone(),
+        })
+        .collect()
 }

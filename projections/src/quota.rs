@@ -392,6 +392,26 @@ fn capacity(queues: &BTreeMap<String, QueueSpec>, spec: &QueueSpec, class: &str)
     total.max(1)
 }
 
+/// The classes `spec`'s queue has quota of or holds (with the batch's
+/// placements), each once.
+fn classes<'a>(
+    index: &'a Index,
+    pool: &str,
+    spec: &'a QueueSpec,
+    batch: &'a Batch,
+) -> Vec<&'a str> {
+    let queue = spec.queue.as_str();
+    let mut classes: Vec<&str> = spec.quotas.iter().map(|q| q.class.as_str()).collect();
+    if let Some(q) = index.queues(pool) {
+        classes.extend(q.usage.classes(queue));
+    }
+    classes.extend(batch.added.classes(queue));
+    // A class is usually in all three: weigh it once.
+    classes.sort_unstable();
+    classes.dedup();
+    classes
+}
+
 /// Per class `spec`'s queue holds, has quota of or has held (with the
 /// batch's placements): the class, its nominal quota, and what the queue
 /// holds beyond it over the GPUs its share is measured against.
@@ -403,15 +423,7 @@ fn overs<'a>(
     batch: &'a Batch,
 ) -> Vec<(&'a str, u64, f64, u64)> {
     let queue = spec.queue.as_str();
-    let mut classes: Vec<&str> = spec.quotas.iter().map(|q| q.class.as_str()).collect();
-    if let Some(q) = index.queues(pool) {
-        classes.extend(q.usage.classes(queue));
-    }
-    classes.extend(batch.added.classes(queue));
-    // A class is usually in all three: weigh it once.
-    classes.sort_unstable();
-    classes.dedup();
-    classes
+    classes(index, pool, spec, batch)
         .into_iter()
         .map(|c| {
             let nominal = spec.quota(c).map_or(0, |q| q.nominal) as u64;
@@ -436,16 +448,8 @@ pub fn dominant_share(index: &Index, pool: &str, queue: &str, batch: &Batch) -> 
     let Some(spec) = queues.get(queue) else {
         return 0.0;
     };
-    let mut classes: Vec<&str> = spec.quotas.iter().map(|q| q.class.as_str()).collect();
-    if let Some(q) = index.queues(pool) {
-        classes.extend(q.usage.classes(queue));
-    }
-    classes.extend(batch.added.classes(queue));
-    // A class is usually in all three: weigh it once.
-    classes.sort_unstable();
-    classes.dedup();
     let weight = spec.weight.max(1) as f64;
-    classes
+    classes(index, pool, spec, batch)
         .into_iter()
         .map(|c| {
             let nominal = spec.quota(c).map_or(0, |q| q.nominal) as f64;
