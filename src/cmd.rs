@@ -5,6 +5,7 @@
 pub(crate) mod audit;
 pub(crate) mod ca;
 pub(crate) mod commands;
+pub(crate) mod console;
 pub(crate) mod dev;
 pub(crate) mod doctor;
 pub(crate) mod events;

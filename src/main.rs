@@ -127,6 +127,9 @@ enum Command {
     /// What an operator may do through the client API: admin, operator (scoped to pools) or viewer
     #[command(subcommand)]
     Roles(cmd::roles::RolesCmd),
+    /// The web console: sign a browser in with a one-time link, or sign an operator's browsers out
+    #[command(subcommand)]
+    Console(cmd::console::ConsoleCmd),
     /// Verify sealed history; manage the auditors of the audit endpoint
     #[command(subcommand)]
     Audit(cmd::audit::AuditCmd),
@@ -211,6 +214,7 @@ fn main() -> ExitCode {
             Command::Audit(cmd::audit::AuditCmd::Users(c)) => cmd::audit::audit_users(c).await,
             Command::Grants(c) => cmd::grants::grants(c).await,
             Command::Roles(c) => cmd::roles::roles(c).await,
+            Command::Console(c) => cmd::console::console(c).await,
             Command::Config(config::ConfigCmd::Check { file, json }) => {
                 match config::check(&file, json) {
                     Ok(code) => Ok(code),

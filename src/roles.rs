@@ -1,5 +1,6 @@
 //! The roles a `strata serve` process runs (`--roles`), one module each:
-//! `maintenance`, `placer`, `gateway`, `binder`, `sinks`, `audit`, `usage`. A role
+//! `maintenance`, `placer`, `gateway`, `binder`, `sinks`, `audit`, `usage`,
+//! `console`. A role
 //! keeps nothing but leases in the database, so any number of processes may
 //! run it and a dead one's work is handed on when its leases run out.
 //!
@@ -9,6 +10,7 @@
 
 pub(crate) mod audit;
 pub(crate) mod binder;
+pub(crate) mod console;
 pub(crate) mod gateway;
 pub(crate) mod maintenance;
 pub(crate) mod placer;
@@ -30,7 +32,7 @@ pub(crate) struct ServeArgs {
     pub config: Option<PathBuf>,
     #[command(flatten)]
     pub db: DbArgs,
-    /// Roles to run, comma-separated. maintenance: partitions ahead, seals of closed months and checkpoints of the open one; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks; audit: the Postgres-protocol endpoint for auditors; usage: keeps the usage rollups (GPU time by pool, queue, owner, class and node) from the log
+    /// Roles to run, comma-separated. maintenance: partitions ahead, seals of closed months and checkpoints of the open one; placer: places reservations of the pools it leases; gateway: node sessions over mutual TLS; binder: turns placements into bind commands and bound ones active; sinks: delivers events to the defined sinks; audit: the Postgres-protocol endpoint for auditors; usage: keeps the usage rollups (GPU time by pool, queue, owner, class and node) from the log; console: the web console over HTTPS (`strata console login` signs a browser in)
     #[arg(long, value_delimiter = ',', default_value = "maintenance", value_enum)]
     pub roles: Vec<Role>,
     /// Serve Prometheus metrics at this address
@@ -175,6 +177,12 @@ pub(crate) struct ServeArgs {
     /// The region's name, in the message id of every event a NATS sink publishes (`<region>:<sink>:<position>`): regions that feed one JetStream stream need names of their own
     #[arg(long, env = "STRATA_REGION", default_value = "default")]
     pub region: String,
+    /// console: where to serve the web console (HTTPS, with a serving certificate of the CA in --ca-dir for --tls-names)
+    #[arg(long, default_value = "127.0.0.1:7480")]
+    pub console_listen: SocketAddr,
+    /// console: how long a browser stays signed in (a removed role or revoked certificate ends it sooner)
+    #[arg(long, default_value = "8h", value_parser = humantime::parse_duration)]
+    pub console_session_ttl: std::time::Duration,
 }
 
 /// A role of `strata serve`.
@@ -194,6 +202,8 @@ pub(crate) enum Role {
     Audit,
     /// The usage rollups, kept from the log.
     Usage,
+    /// The web console over HTTPS.
+    Console,
 }
 
 impl Role {
@@ -207,6 +217,7 @@ impl Role {
             Role::Sinks => "sinks",
             Role::Audit => "audit",
             Role::Usage => "usage",
+            Role::Console => "console",
         }
     }
 
@@ -216,7 +227,7 @@ impl Role {
     pub(crate) fn follows_log(self) -> bool {
         matches!(
             self,
-            Role::Placer | Role::Gateway | Role::Binder | Role::Sinks | Role::Usage
+            Role::Placer | Role::Gateway | Role::Binder | Role::Sinks | Role::Usage | Role::Console
         )
     }
 }
@@ -233,6 +244,7 @@ pub(crate) struct Running {
     binder: Option<::binder::Binder>,
     sinks: Option<::sinks::Sinks>,
     audit: Option<::audit::Endpoint>,
+    console: Option<::console::Console>,
 }
 
 impl Running {
@@ -279,12 +291,17 @@ impl Running {
             true => Some(audit::start(args, cfg).await?),
             false => None,
         };
+        let console = match has(Role::Console) {
+            true => Some(console::start(args, cfg, reader()?).await?),
+            false => None,
+        };
         Ok(Running {
             placer,
             gateway,
             binder,
             sinks,
             audit,
+            console,
         })
     }
 
@@ -293,6 +310,7 @@ impl Running {
         self.gateway.as_ref().is_some_and(|g| g.is_finished())
             || self.binder.as_ref().is_some_and(|b| b.is_finished())
             || self.audit.as_ref().is_some_and(|a| a.is_finished())
+            || self.console.as_ref().is_some_and(|c| c.is_finished())
             || self.placer.as_ref().is_some_and(|p| p.is_finished())
     }
 
@@ -308,6 +326,9 @@ impl Running {
 
     /// Stops every role, the audit endpoint first and the placer last.
     pub(crate) async fn stop(self) -> Result<()> {
+        if let Some(c) = self.console {
+            c.stop();
+        }
         if let Some(a) = self.audit {
             a.stop();
         }

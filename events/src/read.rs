@@ -185,3 +185,19 @@ pub async fn stream(client: &Client, stream: &str) -> Result<Vec<Event>, tokio_p
         .await?;
     Ok(rows.iter().map(event).collect())
 }
+
+/// The events at these positions, in position order (those that are not
+/// in the table are left out): one look-up by primary key each.
+pub async fn at(client: &Client, positions: &[u64]) -> Result<Vec<Event>, tokio_postgres::Error> {
+    let positions: Vec<i64> = positions.iter().map(|p| *p as i64).collect();
+    let rows = client
+        .rows(
+            &format!(
+                "SELECT {COLUMNS} FROM strata.events
+                  WHERE position = ANY($1) ORDER BY position"
+            ),
+            &[&positions],
+        )
+        .await?;
+    Ok(rows.iter().map(event).collect())
+}

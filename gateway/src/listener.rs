@@ -410,27 +410,7 @@ pub fn server_config(
     cert: Arc<ServingCert>,
     client_ca_pem: &str,
 ) -> Result<Arc<rustls::ServerConfig>, String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::CertificateDer;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(client_ca_pem.as_bytes()) {
-        roots
-            .add(c.map_err(|e| format!("client CA: {e}"))?)
-            .map_err(|e| format!("client CA: {e}"))?;
-    }
-    let verifier =
-        rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider.clone())
-            .allow_unauthenticated()
-            .build()
-            .map_err(|e| e.to_string())?;
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_client_cert_verifier(verifier)
-        .with_cert_resolver(cert);
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    Ok(Arc::new(config))
+    ops::tls::server_config(cert, client_ca_pem, &[b"h2"])
 }
 
 /// Whether a join token's hash is one the region issued.

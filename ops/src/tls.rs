@@ -1,5 +1,6 @@
-//! A serving certificate (the gateway's, the audit endpoint's), swapped for a renewed one
-//! while it runs (every TLS handshake asks for the current one).
+//! A serving certificate (the gateway's, the audit endpoint's, the
+//! console's), swapped for a renewed one while it runs (every TLS handshake
+//! asks for the current one), and the server configuration around it.
 
 use std::sync::{Arc, RwLock};
 use tokio_rustls::rustls;
@@ -44,4 +45,35 @@ impl rustls::server::ResolvesServerCert for ServingCert {
     ) -> Option<Arc<rustls::sign::CertifiedKey>> {
         Some(self.current.read().expect("serving cert lock").clone())
     }
+}
+
+/// A server configuration: this serving certificate, client certificates
+/// optional but checked against `client_ca_pem` when presented, and these
+/// ALPN protocols.
+pub fn server_config(
+    cert: Arc<ServingCert>,
+    client_ca_pem: &str,
+    alpn: &[&[u8]],
+) -> Result<Arc<rustls::ServerConfig>, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(client_ca_pem.as_bytes()) {
+        roots
+            .add(c.map_err(|e| format!("client CA: {e}"))?)
+            .map_err(|e| format!("client CA: {e}"))?;
+    }
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider.clone())
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| e.to_string())?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_client_cert_verifier(verifier)
+        .with_cert_resolver(cert);
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
 }

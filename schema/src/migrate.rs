@@ -204,6 +204,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0022_usage.sql"),
         change: Change::Expand,
     },
+    Migration {
+        version: 23,
+        name: "console",
+        sql: include_str!("../migrations/0023_console.sql"),
+        change: Change::Expand,
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

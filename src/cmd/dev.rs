@@ -64,6 +64,44 @@ pub(crate) const DEMO_CLASS: &str = "H100-80GB";
 
 pub(crate) const DEV_AUDIT_PORT: u16 = 56543;
 
+pub(crate) const DEV_CONSOLE_PORT: u16 = 57480;
+
+/// The web console on its dev port (or any free one), an operator `dev`
+/// who is an admin, and a link that signs a browser in as it.
+async fn start_console(
+    cfg: &events::db::Database,
+    client: &tokio_postgres::Client,
+    reader: &Reader,
+    ca_dir: &std::path::Path,
+    appender: Appender,
+) -> Result<(console::Console, String)> {
+    if gateway::roles::get(client, "dev").await?.is_none() {
+        let admin = gateway::roles::Assignment {
+            role: gateway::roles::Role::Admin,
+            pools: vec![],
+        };
+        gateway::roles::set(&appender, "dev", &admin).await?;
+    }
+    let ca = gateway::ca::Ca::load(ca_dir)?;
+    let (cert_pem, key_pem) = ca.server_identity(&["localhost".into(), "127.0.0.1".into()])?;
+    let port = if std::net::TcpListener::bind(("127.0.0.1", DEV_CONSOLE_PORT)).is_ok() {
+        DEV_CONSOLE_PORT
+    } else {
+        0
+    };
+    let cc = console::ConsoleConfig::new(
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        cert_pem,
+        key_pem,
+        ca.cert_pem().to_string(),
+    );
+    let c = console::start(cc, cfg.clone(), reader.clone(), appender).await?;
+    let url = format!("https://localhost:{}", c.addr.port());
+    let link =
+        crate::cmd::console::login_link(client, "dev", &url, Duration::from_secs(3600)).await?;
+    Ok((c, link))
+}
+
 /// The audit endpoint with an auditor `dev` whose password is kept (0600) in
 /// the data folder.
 pub(crate) async fn start_audit(
@@ -157,6 +195,8 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
     let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
     let audit = start_audit(&cfg, &client, &args.data_dir, &ca_dir, appender.clone()).await;
     print_audit(&audit);
+    let web = start_console(&cfg, &client, &reader, &ca_dir, appender.clone()).await;
+    print_console(&web, &ca_dir, &url);
     let ca_pem = std::fs::read_to_string(ca_dir.join(gateway::ca::CA_CERT))?;
     let (stop_fleet, fleet_rx) = tokio::sync::watch::channel(false);
     let gateways = [format!("https://{}", gw.addr)];
@@ -233,9 +273,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
     for t in fleet_tasks {
         let _ = t.await;
     }
-    if let Ok((endpoint, _)) = audit {
-        endpoint.stop();
-    }
+    stop_endpoints(audit, web);
     if let Err(e) = gw.stop().await {
         tracing::warn!(error = %e, "the gateway stopped with an error");
     }
@@ -292,6 +330,32 @@ async fn private_cluster(data_dir: &std::path::Path) -> Result<(Cluster, String)
     let url = c.url("strata");
     eprintln!("postgres is up (log: {})", c.log_path().display());
     Ok((c, url))
+}
+
+/// Stops the audit endpoint and the console, those that started.
+fn stop_endpoints(
+    audit: Result<(audit::Endpoint, String)>,
+    web: Result<(console::Console, String)>,
+) {
+    if let Ok((endpoint, _)) = audit {
+        endpoint.stop();
+    }
+    if let Ok((c, _)) = web {
+        c.stop();
+    }
+}
+
+/// Where the console is and how to sign in to it.
+fn print_console(web: &Result<(console::Console, String)>, ca_dir: &std::path::Path, url: &str) {
+    match web {
+        Ok((c, link)) => println!(
+            "  console:   https://localhost:{} (the region's CA signs its certificate: {})\n             sign in as the admin `dev`, within the hour, once: {link}\n             a new link: strata console login --operator dev --url https://localhost:{} --database-url '{url}'",
+            c.addr.port(),
+            ca_dir.join(gateway::ca::CA_CERT).display(),
+            c.addr.port(),
+        ),
+        Err(e) => println!("  console:   off ({e:#})"),
+    }
 }
 
 /// What `strata dev` prints when it is up: where everything is, and what to

@@ -2,9 +2,10 @@
 //! `strata` needs: private clusters and databases for tests (`clusters.rs`),
 //! a private PgBouncer (`bouncer.rs`), and the one way a test waits for a
 //! condition (`poll.rs`); standbys made synchronous, cut off and let back
-//! (`standbys.rs`).
+//! (`standbys.rs`); a headless Chromium driven over WebDriver (`browser.rs`).
 
 mod bouncer;
+pub mod browser;
 mod clusters;
 mod poll;
 pub mod standbys;

@@ -4,6 +4,7 @@ mod ahead;
 mod audit;
 mod backfill;
 mod config;
+mod console;
 mod containers;
 mod deploy;
 mod doctor;
