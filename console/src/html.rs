@@ -101,6 +101,7 @@ impl Page {
             ("/", "Region", "region"),
             ("/queues", "Queues", "queues"),
             ("/events", "Events", "events"),
+            ("/usage", "Usage", "usage"),
         ] {
             let current = if section == self.section {
                 r#" aria-current="page""#

@@ -78,6 +78,8 @@ pub struct Shared {
     pub root_subject: Vec<u8>,
     pub config: ConsoleConfig,
     pub streams: Arc<tokio::sync::Semaphore>,
+    /// Usage reports running now (`pages/usage.rs`).
+    pub reports: tokio::sync::Semaphore,
     /// A key of this process's, for the CSRF tokens of certificate
     /// sign-ins (which have no session row to keep one in).
     pub csrf_key: ring::hmac::Key,
@@ -158,6 +160,7 @@ pub async fn start(
         revoked: gateway::revocation::Revoked::default(),
         root_subject,
         streams: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
+        reports: tokio::sync::Semaphore::new(pages::usage::AT_ONCE),
         config,
         csrf_key,
     });

@@ -10,6 +10,7 @@ pub mod queues;
 pub mod region;
 pub mod reservation;
 pub mod timeline;
+pub mod usage;
 
 use projections::index::{Node, Pool};
 use std::collections::BTreeMap;

@@ -132,6 +132,24 @@ async fn answer(
         ["reservations", id] => pages::reservation::page(shared, &who, id).await,
         ["nodes", node] => pages::node::page(shared, &who, node).await,
         ["events"] => pages::events::page(shared, &query).await,
+        ["usage"] => pages::usage::page(shared, &who, &query).await,
+        ["usage.csv"] => {
+            return match pages::usage::run(shared, &who, &query).await {
+                Ok(r) => {
+                    let mut resp = full(
+                        StatusCode::OK,
+                        "text/csv; charset=utf-8",
+                        projections::usage::report::csv(&r),
+                    );
+                    resp.headers_mut().insert(
+                        header::CONTENT_DISPOSITION,
+                        HeaderValue::from_static("attachment; filename=\"usage.csv\""),
+                    );
+                    resp
+                }
+                Err(f) => failure_page(&f),
+            }
+        }
         _ => Err(Failure::not_found(format!("no page at {path}"))),
     };
     let page = page.map(|mut p| {

@@ -27,7 +27,7 @@ pub mod server;
 mod session;
 mod state;
 mod subscriptions;
-mod usage;
+pub mod usage;
 mod writer;
 
 pub mod proto {

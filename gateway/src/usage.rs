@@ -15,29 +15,30 @@ use tonic::Status;
 pub(crate) const AT_ONCE: usize = 4;
 
 /// Which pools and whose reservations `who`, holding `role`, may see of
-/// those it asked for (`pools` empty: all it may see).
-fn scope(
+/// those it asked for (`pools` empty: all it may see); why not, otherwise.
+/// The console's usage page asks the same.
+pub fn scope(
     who: &str,
     role: &Assignment,
     pools: Vec<String>,
     by: &[By],
-) -> Result<(Option<Vec<String>>, Option<String>), Status> {
+) -> Result<(Option<Vec<String>>, Option<String>), String> {
     let asked = (!pools.is_empty()).then_some(pools);
     match role.role {
         Role::Admin => Ok((asked, None)),
         Role::Operator => {
             let asked = asked.unwrap_or_else(|| role.pools.clone());
             if let Some(p) = asked.iter().find(|p| !role.pools.contains(p)) {
-                return Err(Status::permission_denied(format!(
+                return Err(format!(
                     "operator {who} acts in pools {:?}, not in {p:?}: its usage is not {who}'s to see",
                     role.pools
-                )));
+                ));
             }
             Ok((Some(asked), None))
         }
-        Role::Viewer if by.contains(&By::Node) => Err(Status::permission_denied(format!(
+        Role::Viewer if by.contains(&By::Node) => Err(format!(
             "{who} is a viewer: it sees its own usage, which is not kept by node"
-        ))),
+        )),
         Role::Viewer => Ok((asked, Some(who.to_string()))),
     }
 }
@@ -61,7 +62,7 @@ pub(crate) async fn get_usage(
     req: GetUsageRequest,
 ) -> Result<GetUsageResponse, Status> {
     let by = By::parse_list(&req.by.join(",")).map_err(Status::invalid_argument)?;
-    let (pools, owner) = scope(who, role, req.pools, &by)?;
+    let (pools, owner) = scope(who, role, req.pools, &by).map_err(Status::permission_denied)?;
     let now = projections::usage::unix_ms(std::time::SystemTime::now());
     let until = if req.until_unix_ms == 0 {
         now
@@ -122,7 +123,7 @@ mod tests {
             (Some(vec!["p".to_string()]), None)
         );
         let e = scope("ana", &op, vec!["q".into()], &[]).unwrap_err();
-        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(e.contains("not in \"q\""), "{e}");
         let viewer = role(Role::Viewer, &[]);
         assert_eq!(
             scope("bo", &viewer, vec![], &[]).unwrap(),

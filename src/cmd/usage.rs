@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use projections::usage::{By, Query};
 use std::process::ExitCode;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 #[derive(Subcommand, Debug)]
 pub(crate) enum UsageCmd {
@@ -51,11 +51,15 @@ pub(crate) async fn usage(cmd: UsageCmd) -> Result<ExitCode> {
         } => {
             let now = SystemTime::now();
             let since = match since {
-                Some(s) => parse_time(&s, now)?,
-                None => month_start(now),
+                Some(s) => {
+                    projections::usage::report::parse_time(&s, now).map_err(anyhow::Error::msg)?
+                }
+                None => projections::usage::report::month_start(now),
             };
             let until = match until {
-                Some(s) => parse_time(&s, now)?,
+                Some(s) => {
+                    projections::usage::report::parse_time(&s, now).map_err(anyhow::Error::msg)?
+                }
                 None => now,
             };
             if until < since {
@@ -101,59 +105,15 @@ pub(crate) async fn usage(cmd: UsageCmd) -> Result<ExitCode> {
     }
 }
 
-/// A time as `--since` and `--until` take it.
-fn parse_time(s: &str, now: SystemTime) -> Result<SystemTime> {
-    if let Ok(t) = humantime::parse_rfc3339_weak(s) {
-        return Ok(t);
-    }
-    if let Ok(t) = humantime::parse_rfc3339_weak(&format!("{s} 00:00:00")) {
-        return Ok(t);
-    }
-    if let Ok(d) = humantime::parse_duration(s) {
-        return now
-            .checked_sub(d)
-            .context("that is before the start of time");
-    }
-    bail!("{s:?}: use a time (2026-12-01T09:00:00Z), a day (2026-12-01) or how long ago (7d)")
-}
-
-/// 00:00 UTC on the first of `now`'s month.
-fn month_start(now: SystemTime) -> SystemTime {
-    let ms = projections::usage::Period::Month.start(projections::usage::unix_ms(now));
-    SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
-}
-
 fn print_report(r: &projections::usage::Report) -> Result<()> {
     let names: Vec<&str> = r.by.iter().map(|b| b.name()).collect();
     if crate::exit::json() {
         crate::exit::print_json(&serde_json::to_value(r)?);
         return Ok(());
     }
-    let figures = |row: &projections::usage::report::Row| {
-        [
-            format!("{:.3}", row.gpu_hours),
-            format!("{:.3}", row.held_gpu_hours),
-            format!("{:.3}", row.billed_hours),
-            row.reservations_ended.to_string(),
-            row.reservations_running.to_string(),
-        ]
-    };
+    let figures = projections::usage::report::figures;
     if crate::exit::csv() {
-        let mut out = csv_line(
-            names.iter().map(|s| s.to_string()).chain(
-                [
-                    "gpu_hours",
-                    "held_gpu_hours",
-                    "billed_hours",
-                    "reservations_ended",
-                    "reservations_running",
-                ]
-                .map(String::from),
-            ),
-        );
-        for row in &r.rows {
-            out.push_str(&csv_line(row.keys.iter().cloned().chain(figures(row))));
-        }
+        let out = projections::usage::report::csv(r);
         crate::exit::print_line(format_args!("{}", out.trim_end()));
         return Ok(());
     }
@@ -212,55 +172,4 @@ fn print_report(r: &projections::usage::Report) -> Result<()> {
         line(&keys, figures(&r.total));
     }
     Ok(())
-}
-
-/// One CSV record (RFC 4180 quoting).
-fn csv_line(fields: impl Iterator<Item = String>) -> String {
-    let mut out = fields
-        .map(|f| {
-            if f.contains([',', '"', '\n', '\r']) {
-                format!("\"{}\"", f.replace('"', "\"\""))
-            } else {
-                f
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(",");
-    out.push_str("\r\n");
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn times_are_read_in_three_forms() {
-        let now = humantime::parse_rfc3339("2026-12-06T10:00:00Z").unwrap();
-        assert_eq!(
-            parse_time("2026-12-01", now).unwrap(),
-            humantime::parse_rfc3339("2026-12-01T00:00:00Z").unwrap()
-        );
-        assert_eq!(
-            parse_time("2026-12-01T09:30:00Z", now).unwrap(),
-            humantime::parse_rfc3339("2026-12-01T09:30:00Z").unwrap()
-        );
-        assert_eq!(
-            parse_time("2d", now).unwrap(),
-            humantime::parse_rfc3339("2026-12-04T10:00:00Z").unwrap()
-        );
-        assert!(parse_time("yesterday", now).is_err());
-        assert_eq!(
-            month_start(now),
-            humantime::parse_rfc3339("2026-12-01T00:00:00Z").unwrap()
-        );
-    }
-
-    #[test]
-    fn csv_fields_are_quoted_when_they_must_be() {
-        assert_eq!(
-            csv_line(["a".to_string(), "b,c".into(), "d\"e".into()].into_iter()),
-            "a,\"b,c\",\"d\"\"e\"\r\n"
-        );
-    }
 }

@@ -27,6 +27,24 @@ fn q(url: &str, sql: &str) -> Vec<Vec<String>> {
         .unwrap()
 }
 
+/// `curl` against the console with an operator's certificate: the status
+/// and the body.
+fn curl_with(cert: &Path, ca: &Path, url: &str) -> (String, String) {
+    let out = std::process::Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "--cacert"])
+        .arg(ca)
+        .arg("--cert")
+        .arg(cert.join("operator.pem"))
+        .arg("--key")
+        .arg(cert.join("operator.key"))
+        .arg(url)
+        .output()
+        .expect("run curl");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, status) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (status.to_string(), body.to_string())
+}
+
 fn shots() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/console")
 }
@@ -97,7 +115,7 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         &[
             "serve",
             "--roles",
-            "placer,binder,gateway,console",
+            "placer,binder,gateway,usage,console",
             "--database-url",
             &url,
             "--listen",
@@ -155,6 +173,35 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         "--wait",
     ]);
     let base = format!("https://127.0.0.1:{web}");
+    // An operator's certificate signs in without a link, until revoked.
+    let certs = dir.path().join("alice-cert");
+    ok(&[
+        "ca",
+        "issue-operator",
+        "--dir",
+        ca.to_str().unwrap(),
+        "--name",
+        "alice",
+        "--out",
+        certs.to_str().unwrap(),
+    ]);
+    let (status, body) = curl_with(&certs, &ca.join("ca.pem"), &format!("{base}/"));
+    assert_eq!(status, "200", "{body}");
+    assert!(body.contains("alice") && body.contains("Pools"), "{body}");
+    ok(&[
+        "ca",
+        "revoke",
+        "--database-url",
+        &url,
+        "--cert",
+        certs.join("operator.pem").to_str().unwrap(),
+    ]);
+    testkit::wait_until(
+        10,
+        "the revoked certificate is refused",
+        || curl_with(&certs, &ca.join("ca.pem"), &format!("{base}/")).0 == "403",
+        || {},
+    );
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -244,6 +291,28 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         b.goto(&format!("{base}/queues")).await;
         b.wait_text("the queues page", 20, |t| t.contains("Queues")).await;
         b.screenshot(&shots().join("queues.png")).await;
+
+        // Usage, once the usage role has counted: a table, and its CSV.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            b.goto(&format!("{base}/usage?since=1h&by=pool,owner")).await;
+            let t = b.wait_text("the usage page", 20, |t| t.contains("GPU-hours by group")).await;
+            if t.contains("exact up to position") && t.contains("alice") {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "usage never counted alice's reservation: {t}");
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        }
+        let csv = b
+            .run_async(
+                "const done = arguments[arguments.length - 1];
+                 fetch('/usage.csv?since=1h&by=pool,owner').then((r) => r.text()).then(done);",
+            )
+            .await;
+        let csv = csv.as_str().unwrap_or_default();
+        assert!(csv.starts_with("pool,owner,gpu_hours,") && csv.contains("\r\np,alice,"), "{csv}");
+        assert_eq!(b.run(A11Y, vec![]).await, serde_json::json!([]), "accessibility of the usage page");
+        b.screenshot(&shots().join("usage.png")).await;
 
         // Signed out, the cookie opens nothing.
         b.click(&b.find("header button").await.expect("a sign-out button")).await;

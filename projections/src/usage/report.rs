@@ -12,6 +12,7 @@ use super::fold::{Period, Span, HOUR_MS};
 use super::store::{self, at};
 use events::db::Sql;
 use std::collections::{BTreeMap, HashMap};
+use std::time::SystemTime;
 use tokio_postgres::GenericClient;
 
 /// What a report groups by.
@@ -109,6 +110,79 @@ pub struct Report {
     pub weights: BTreeMap<String, f64>,
     pub rows: Vec<Row>,
     pub total: Row,
+}
+
+/// A time as a report's `since` and `until` are given: RFC 3339, a day
+/// (`2026-12-01`, at 00:00 UTC) or how long ago (`7d`).
+pub fn parse_time(s: &str, now: SystemTime) -> Result<SystemTime, String> {
+    if let Ok(t) = humantime::parse_rfc3339_weak(s) {
+        return Ok(t);
+    }
+    if let Ok(t) = humantime::parse_rfc3339_weak(&format!("{s} 00:00:00")) {
+        return Ok(t);
+    }
+    if let Ok(d) = humantime::parse_duration(s) {
+        return now
+            .checked_sub(d)
+            .ok_or_else(|| "that is before the start of time".to_string());
+    }
+    Err(format!(
+        "{s:?}: use a time (2026-12-01T09:00:00Z), a day (2026-12-01) or how long ago (7d)"
+    ))
+}
+
+/// 00:00 UTC on the first of `now`'s month.
+pub fn month_start(now: SystemTime) -> SystemTime {
+    let ms = crate::usage::Period::Month.start(crate::usage::unix_ms(now));
+    SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64)
+}
+
+/// The report as CSV (RFC 4180): a header of the groups' names and the
+/// figures, then one record per row.
+pub fn csv(r: &Report) -> String {
+    let mut out = csv_line(
+        r.by.iter().map(|b| b.name().to_string()).chain(
+            [
+                "gpu_hours",
+                "held_gpu_hours",
+                "billed_hours",
+                "reservations_ended",
+                "reservations_running",
+            ]
+            .map(String::from),
+        ),
+    );
+    for row in &r.rows {
+        out.push_str(&csv_line(row.keys.iter().cloned().chain(figures(row))));
+    }
+    out
+}
+
+/// A row's figures as a report prints them.
+pub fn figures(row: &Row) -> [String; 5] {
+    [
+        format!("{:.3}", row.gpu_hours),
+        format!("{:.3}", row.held_gpu_hours),
+        format!("{:.3}", row.billed_hours),
+        row.reservations_ended.to_string(),
+        row.reservations_running.to_string(),
+    ]
+}
+
+/// One CSV record (RFC 4180 quoting).
+pub fn csv_line(fields: impl Iterator<Item = String>) -> String {
+    let mut out = fields
+        .map(|f| {
+            if f.contains([',', '"', '\n', '\r']) {
+                format!("\"{}\"", f.replace('"', "\"\""))
+            } else {
+                f
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    out.push_str("\r\n");
+    out
 }
 
 /// The fewest buckets that tile `[since, until)` (both whole hours).
@@ -339,8 +413,38 @@ pub async fn report(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn csv_fields_are_quoted_when_they_must_be() {
+        assert_eq!(
+            csv_line(["a".to_string(), "b,c".into(), "d\"e".into()].into_iter()),
+            "a,\"b,c\",\"d\"\"e\"\r\n"
+        );
+    }
+
     use super::super::fold::tests::ms;
     use super::*;
+
+    #[test]
+    fn times_are_read_in_three_forms() {
+        let now = humantime::parse_rfc3339("2026-12-06T10:00:00Z").unwrap();
+        assert_eq!(
+            parse_time("2026-12-01", now).unwrap(),
+            humantime::parse_rfc3339("2026-12-01T00:00:00Z").unwrap()
+        );
+        assert_eq!(
+            parse_time("2026-12-01T09:30:00Z", now).unwrap(),
+            humantime::parse_rfc3339("2026-12-01T09:30:00Z").unwrap()
+        );
+        assert_eq!(
+            parse_time("2d", now).unwrap(),
+            humantime::parse_rfc3339("2026-12-04T10:00:00Z").unwrap()
+        );
+        assert!(parse_time("yesterday", now).is_err());
+        assert_eq!(
+            month_start(now),
+            humantime::parse_rfc3339("2026-12-01T00:00:00Z").unwrap()
+        );
+    }
 
     #[test]
     fn a_period_is_tiled_by_the_fewest_buckets() {
