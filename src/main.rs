@@ -175,9 +175,13 @@ fn main() -> ExitCode {
     };
     // The OTLP exporter runs on the runtime; the guard flushes it on drop,
     // before the runtime goes away.
+    let log_file = match &cli.command {
+        Command::Dev(args) => args.log_file(),
+        _ => None,
+    };
     let telemetry = {
         let _entered = rt.enter();
-        telemetry::init(long_running)
+        telemetry::init(long_running, log_file.as_deref())
     };
     let result = rt.block_on(async move {
         match cli.command {

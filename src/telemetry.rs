@@ -1,6 +1,7 @@
 //! Logging and telemetry setup.
 //!
-//! `tracing` to stderr, filtered by `RUST_LOG` (default `info` for
+//! `tracing` to stderr (or to a file, as `strata dev` asks, so its status
+//! report keeps the terminal), filtered by `RUST_LOG` (default `info` for
 //! long-running commands, `warn` for one-shot ones). When
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` is set, spans and metrics are also exported
 //! over OTLP/gRPC; the standard `OTEL_*` variables (service name, resource
@@ -49,14 +50,23 @@ impl Drop for Guard {
 
 /// Sets up logging, and OTLP export when configured. Must be called inside a
 /// Tokio runtime context: the gRPC exporter runs on it.
-pub fn init(long_running: bool) -> Guard {
+pub fn init(long_running: bool, log_file: Option<&std::path::Path>) -> Guard {
+    let writer = match log_file.map(open_log) {
+        Some(Ok(file)) => Some(file),
+        Some(Err(e)) => {
+            eprintln!("warning: {e}; logging to the terminal");
+            None
+        }
+        None => None,
+    };
+    let file = || writer.as_ref().and_then(|f| f.try_clone().ok());
     let default = if long_running { "info" } else { "warn" };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").unwrap_or_default();
     if endpoint.trim().is_empty() {
         let _ = tracing_subscriber::registry()
             .with(filter)
-            .with(fmt())
+            .with(fmt(file()))
             .try_init();
         return Guard {
             tracer: None,
@@ -70,7 +80,7 @@ pub fn init(long_running: bool) -> Guard {
             // Spans are exported at info and above whatever RUST_LOG says
             // for the console.
             let _ = tracing_subscriber::registry()
-                .with(fmt().with_filter(filter))
+                .with(fmt(file()).with_filter(filter))
                 .with(layer.with_filter(tracing_subscriber::filter::LevelFilter::INFO))
                 .try_init();
             // Trace context travels in event metadata (events::trace).
@@ -101,7 +111,7 @@ pub fn init(long_running: bool) -> Guard {
         Err(e) => {
             let _ = tracing_subscriber::registry()
                 .with(filter)
-                .with(fmt())
+                .with(fmt(file()))
                 .try_init();
             tracing::error!(error = %e, endpoint, "OTLP export is off: could not set up the exporter");
             Guard {
@@ -115,7 +125,6 @@ pub fn init(long_running: bool) -> Guard {
 
 use tracing_subscriber::Layer as _;
 
-/// Human-readable logs on stderr, coloured only on a terminal.
 /// The W3C `traceparent` of the current `tracing` span, as OpenTelemetry
 /// has it.
 fn current_traceparent() -> Option<String> {
@@ -159,14 +168,34 @@ fn follow_traceparent(span: &tracing::Span, traceparent: &str) {
     let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(sc));
 }
 
-fn fmt<S>() -> impl tracing_subscriber::Layer<S>
+/// Human-readable logs on stderr, coloured only on a terminal, or into
+/// `file`.
+fn fmt<S>(file: Option<std::fs::File>) -> impl tracing_subscriber::Layer<S>
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
 {
+    use tracing_subscriber::fmt::writer::BoxMakeWriter;
+    let ansi = file.is_none() && std::io::stderr().is_terminal();
+    let writer = match file {
+        Some(f) => BoxMakeWriter::new(Mutex::new(f)),
+        None => BoxMakeWriter::new(std::io::stderr),
+    };
     tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_target(false)
-        .with_ansi(std::io::stderr().is_terminal())
+        .with_ansi(ansi)
+}
+
+/// The log file, appended to (its folder made if need be).
+fn open_log(path: &std::path::Path) -> Result<std::fs::File, String> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| format!("open the log file {}: {e}", path.display()))
 }
 
 /// Whether the environment names the service.

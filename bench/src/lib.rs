@@ -6,6 +6,7 @@
 
 pub mod append;
 pub mod audit;
+pub mod console;
 pub mod gateway;
 pub mod hostile;
 pub mod lifecycle;

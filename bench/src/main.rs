@@ -2,8 +2,8 @@
 //! (`lib.rs`).
 
 use bench::{
-    append, audit, gateway, hostile, lifecycle, node_path, placements, region, replay, sinks,
-    stalls, usage,
+    append, audit, console, gateway, hostile, lifecycle, node_path, placements, region, replay,
+    sinks, stalls, usage,
 };
 
 use clap::{Parser, Subcommand};
@@ -61,6 +61,11 @@ enum Scenario {
     Usage(usage::Args),
     /// A whole region as separate processes (3 gateways, 2 placers, 2 binders, sinks, maintenance, audit) and simulated nodes: cold start, steady load, faults, and the invariant checker after each
     Region(region::Args),
+    /// The web console watched: 100 live streams on a 10,000-node pool placed into at 1,000/s; delay from commit to client, the pool page's time, the console's CPU and RSS
+    Console(console::Args),
+    /// (internal) the console process of `console`
+    #[command(hide = true)]
+    ConsoleServer(console::ServerArgs),
     /// (internal) the sinks process of `sinks`
     #[command(hide = true)]
     SinksServer(sinks::ServerArgs),
@@ -105,6 +110,8 @@ fn run() -> anyhow::Result<()> {
             Scenario::Usage(a) => usage::run(a).await,
             Scenario::Audit(a) => audit::run(a).await,
             Scenario::Region(a) => region::run(a).await,
+            Scenario::Console(a) => console::run(a).await,
+            Scenario::ConsoleServer(a) => console::server(a).await,
         }
     })
 }

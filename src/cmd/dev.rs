@@ -52,6 +52,20 @@ pub(crate) struct DevArgs {
     /// Stop by itself after this long (e.g. 30s); runs until Ctrl-C otherwise
     #[arg(long, value_parser = humantime::parse_duration)]
     pub duration: Option<std::time::Duration>,
+    /// Where the roles' logs go (default <data-dir>/strata.log; `-`: the terminal, between the status lines)
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
+}
+
+impl DevArgs {
+    /// The file the roles log into, if not the terminal.
+    pub(crate) fn log_file(&self) -> Option<PathBuf> {
+        match &self.log {
+            Some(p) if p.as_os_str() == "-" => None,
+            Some(p) => Some(p.clone()),
+            None => Some(self.data_dir.join("strata.log")),
+        }
+    }
 }
 
 pub(crate) const DEV_PORT: u16 = 55432;
@@ -168,11 +182,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<ExitCode> {
         SystemTime::now(),
     )
     .await?;
-    let listener = tokio::net::TcpListener::bind(args.metrics_listen).await;
-    banner(&url, &listener, args.metrics_listen, &applied);
-    if let Ok(l) = listener {
-        ops::task::spawn("metrics", ops::http::serve(l));
-    }
+    metrics_and_banner(&args, &url, &applied).await;
 
     let mut rc = ReaderConfig::new("strata_dev");
     rc.owner = "strata dev".into();
@@ -332,6 +342,21 @@ async fn private_cluster(data_dir: &std::path::Path) -> Result<(Cluster, String)
     Ok((c, url))
 }
 
+/// Serves the metrics (where their address is free) and prints the banner.
+async fn metrics_and_banner(args: &DevArgs, url: &str, applied: &[i32]) {
+    let listener = tokio::net::TcpListener::bind(args.metrics_listen).await;
+    banner(
+        url,
+        &listener,
+        args.metrics_listen,
+        applied,
+        args.log_file().as_deref(),
+    );
+    if let Ok(l) = listener {
+        ops::task::spawn("metrics", ops::http::serve(l));
+    }
+}
+
 /// Stops the audit endpoint and the console, those that started.
 fn stop_endpoints(
     audit: Result<(audit::Endpoint, String)>,
@@ -365,6 +390,7 @@ fn banner(
     listener: &std::io::Result<tokio::net::TcpListener>,
     metrics_listen: std::net::SocketAddr,
     applied: &[i32],
+    log: Option<&std::path::Path>,
 ) {
     println!();
     println!("  Strata dev is running.");
@@ -386,6 +412,12 @@ fn banner(
     println!("             strata pool show {DEMO_POOL} --database-url '{url}'");
     println!(
         "             strata reserve --database-url '{url}' --pool {DEMO_POOL} --class {DEMO_CLASS} --gpus 4 --wait"
+    );
+    println!(
+        "  logs:      {}",
+        log.map_or("here, between the status lines".to_string(), |p| p
+            .display()
+            .to_string())
     );
     println!("  Ctrl-C stops it.");
     println!();

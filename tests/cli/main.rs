@@ -695,6 +695,23 @@ fn dev_starts_a_private_postgres_shows_the_log_and_stops() {
     );
     assert!(last(" active ") > 0, "placements became active: {stdout}");
     assert!(stderr.contains("postgres stopped"), "{stderr}");
+    // The console runs, with a link to sign in; the roles' logs are in the
+    // file the banner names, not between the status lines.
+    assert!(
+        stdout.contains("console:   https://localhost:") && stdout.contains("/login?token="),
+        "{stdout}"
+    );
+    let log = dir.join("strata.log");
+    assert!(
+        stdout.contains(&format!("logs:      {}", log.display())),
+        "{stdout}"
+    );
+    assert!(!stderr.contains(" INFO "), "{stderr}");
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.contains(" INFO ") && logged.contains("joined"),
+        "{logged}"
+    );
     assert!(started.elapsed() < Duration::from_secs(60));
     let _ = std::fs::remove_dir_all(&dir);
 }
