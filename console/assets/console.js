@@ -201,6 +201,7 @@
       b.addEventListener("click", () => { zoom = Math.min(24, Math.max(2, zoom + 2 * Number(b.dataset.zoom))); grid(); });
     }
     document.body.dataset.gridCells = String(layout.length);
+    if (!window.__gridDrawnAt) window.__gridDrawnAt = performance.now();
   }
 
   localize(document);

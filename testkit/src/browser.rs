@@ -136,6 +136,12 @@ impl Browser {
             .to_string()
     }
 
+    /// Sets a cookie for the page's site (the browser must be on it).
+    pub async fn add_cookie(&self, name: &str, value: &str) {
+        let cookie = json!({"cookie": {"name": name, "value": value, "path": "/", "secure": true, "httpOnly": true}});
+        self.call("POST", &self.at("/cookie"), Some(cookie)).await;
+    }
+
     /// The first element `css` selects, if any.
     pub async fn find(&self, css: &str) -> Option<Element> {
         let v = self

@@ -47,6 +47,20 @@ fn letters(n: &projections::index::Node) -> String {
         .collect()
 }
 
+/// `s` as a JSON string, appended to `out`.
+fn json_string(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
 pub async fn page(
     shared: &Shared,
     who: &Who,
@@ -62,7 +76,8 @@ pub async fn page(
     let mut page = Page::new(format!("Pool {pool}"), "region");
     page.watch = vec![format!("pool/{pool}")];
     // The grid's data: [name, group, standing, gpu letters, queues].
-    let mut grid = Vec::with_capacity(p.nodes.len());
+    let mut grid = String::with_capacity(p.nodes.len() * 48);
+    let mut nodes = 0usize;
     let mut listed = String::new();
     let (mut matched, mut shown) = (0usize, 0usize);
     for (name, n) in p.nodes.iter().filter(|(_, n)| !n.left) {
@@ -83,13 +98,19 @@ pub async fn page(
         holders.sort();
         holders.dedup();
         let gpus = letters(n);
-        grid.push(serde_json::json!([
-            name,
-            group,
-            st,
-            gpus,
-            holders.join(" ")
-        ]));
+        if nodes > 0 {
+            grid.push(',');
+        }
+        nodes += 1;
+        grid.push('[');
+        let held = holders.join(" ");
+        for (i, field) in [name.as_str(), group, st, &gpus, &held].iter().enumerate() {
+            if i > 0 {
+                grid.push(',');
+            }
+            json_string(field, &mut grid);
+        }
+        grid.push(']');
         let hit = (search.is_empty() || name.contains(&search) || group.contains(&search))
             && (only.is_empty() || only == st);
         if hit && (!search.is_empty() || !only.is_empty()) {
@@ -131,11 +152,11 @@ pub async fn page(
 <button type="button" data-zoom="1" aria-label="Zoom in">+</button><button type="button" data-zoom="-1" aria-label="Zoom out">−</button> <span id="grid-hover" aria-live="polite"></span></div>
 <canvas id="grid" data-pool="{}" data-nodes="{}" role="img" aria-label="A grid of the pool's {} nodes, one cell per GPU; the table below lists nodes by search"></canvas>
 </section>"#,
-        grid.len(),
+        nodes,
         classes.join("; "),
         form::encode(pool),
         esc(pool),
-        esc(&serde_json::Value::Array(grid).to_string()),
+        esc(&format!("[{grid}]")),
         p.nodes.len(),
     );
     let _ = write!(
@@ -203,4 +224,18 @@ fn reserve_form(who: &Who, pool: &str, p: &projections::index::Pool, out: &mut S
             format!(r#"<label>Queue <select name="queue">{queues}</select></label>"#)
         },
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_fields_are_json_strings() {
+        for s in ["n1", "a\"b", "back\\slash", "tab\there", "é"] {
+            let mut out = String::new();
+            json_string(s, &mut out);
+            assert_eq!(serde_json::from_str::<String>(&out).unwrap(), s);
+        }
+    }
 }
