@@ -157,6 +157,58 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
     ));
     let joined = || query(&url, "SELECT count(*)::text FROM strata.node_sessions")[0][0] == "4";
     testkit::wait_until(60, "four nodes hold sessions", joined, || logs(dir.path()));
+    // A pool shared by two queues, with no nodes yet: what its queues hold
+    // and who waits in them.
+    ok(&["pool", "create", "shared", "--database-url", &url]);
+    for (queue, weight) in [("ml", "2"), ("cv", "1")] {
+        ok(&[
+            "queues",
+            "create",
+            queue,
+            "--pool",
+            "shared",
+            "--cohort",
+            "research",
+            "--weight",
+            weight,
+            "--quota",
+            "H100-80GB=8",
+            "--database-url",
+            &url,
+        ]);
+    }
+    ok(&[
+        "pool",
+        "seed",
+        "shared",
+        "--nodes",
+        "1",
+        "--gpus",
+        "8",
+        "--database-url",
+        &url,
+    ]);
+    for (id, wait) in [("ml-holds", true), ("ml-waits", false)] {
+        let mut args = vec![
+            "reserve",
+            "--database-url",
+            &url,
+            "--pool",
+            "shared",
+            "--class",
+            "H100-80GB",
+            "--gpus",
+            "8",
+            "--queue",
+            "ml",
+            "--id",
+            id,
+        ];
+        if wait {
+            args.push("--wait");
+        }
+        ok(&args);
+    }
     // Everything free is booked, so the browser's request waits.
     ok(&[
         "reserve",
@@ -288,8 +340,13 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         assert_eq!(b.run("return window.__kept;", vec![]).await, 7, "the page was not reloaded");
         b.screenshot(&shots().join("events.png")).await;
 
-        b.goto(&format!("{base}/queues")).await;
-        b.wait_text("the queues page", 20, |t| t.contains("Queues")).await;
+        b.goto(&format!("{base}/queues?pool=shared")).await;
+        let t = b
+            .wait_text("the queues page", 20, |t| t.contains("Who waits") && t.contains("ml-waits"))
+            .await;
+        assert!(t.contains("research") && t.contains("cv") && t.contains("Nobody waits"), "{t}");
+        assert!(["waiting for capacity", "behind", "over quota"].iter().any(|w| t.contains(w)), "the reason: {t}");
+        assert_eq!(b.run(A11Y, vec![]).await, serde_json::json!([]), "accessibility of the queues page");
         b.screenshot(&shots().join("queues.png")).await;
 
         // Usage, once the usage role has counted: a table, and its CSV.

@@ -133,10 +133,11 @@ pub async fn page(shared: &Shared, only: Option<&str>) -> Result<Page, Failure> 
 /// Who waits in a queue, in order, and why.
 fn waiters(index: &projections::Index, pool: &str, queue: &str, now: u64, out: &mut String) {
     let Some(q) = index.queues(pool) else { return };
-    let Some(keys) = q.queued_by_queue.get(queue) else {
-        return;
-    };
-    let mut ids: Vec<&str> = keys.iter().map(|k| k.2.as_str()).collect();
+    let mut ids: Vec<&str> = q
+        .queued_by_queue
+        .get(queue)
+        .map(|keys| keys.iter().map(|k| k.2.as_str()).collect())
+        .unwrap_or_default();
     for (_, _, id) in &q.pending {
         if index
             .reservation(id)
