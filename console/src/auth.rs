@@ -252,6 +252,44 @@ async fn by_certificate(
     Ok(Some((name, hex(&tag.as_ref()[..16]))))
 }
 
+/// Which raw events someone may read in the events tail.
+#[derive(Debug, Clone)]
+pub enum Reads {
+    /// An admin: every event.
+    All,
+    /// What a Subscribe grant allows (`strata grants`).
+    Granted(gateway::grants::Grant),
+    /// No grant: none.
+    Nothing,
+}
+
+impl Reads {
+    pub fn allows(&self, stream: &str, event_type: &str) -> bool {
+        match self {
+            Reads::All => true,
+            Reads::Granted(g) => g.allows(stream, event_type),
+            Reads::Nothing => false,
+        }
+    }
+}
+
+/// Which raw events `who` may read: an admin every one, anyone else what
+/// its grant allows, exactly as the client API's Subscribe reads them.
+pub async fn readable(shared: &Shared, who: &Who) -> Result<Reads, Refused> {
+    if who.role.role == gateway::roles::Role::Admin {
+        return Ok(Reads::All);
+    }
+    let client = shared
+        .db
+        .get()
+        .await
+        .map_err(|e| Refused::Unavailable(format!("database: {e}")))?;
+    Ok(gateway::grants::get(&client, &who.operator)
+        .await
+        .map_err(|e| Refused::Unavailable(format!("database: {e}")))?
+        .map_or(Reads::Nothing, Reads::Granted))
+}
+
 /// Whether a form's token is the session's (compared in constant time).
 pub fn csrf_ok(who: &Who, given: Option<&str>) -> bool {
     given.is_some_and(|g| {

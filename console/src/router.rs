@@ -131,7 +131,7 @@ async fn answer(
         ["queues"] => pages::queues::page(shared, form::get(&query, "pool")).await,
         ["reservations", id] => pages::reservation::page(shared, &who, id).await,
         ["nodes", node] => pages::node::page(shared, &who, node).await,
-        ["events"] => pages::events::page(shared, &query).await,
+        ["events"] => pages::events::page(shared, &who, &query).await,
         ["usage"] => pages::usage::page(shared, &who, &query).await,
         ["usage.csv"] => {
             return match pages::usage::run(shared, &who, &query).await {

@@ -97,6 +97,14 @@ pub async fn stream(
     };
     let filter = Filter::from_query(query);
     let events = form::get(query, "mode") == Some("events");
+    // The events themselves are sent only as far as a grant allows (an
+    // admin's covers all); a page's `change` says nothing but a position.
+    let mut grant = match events {
+        true => auth::readable(shared, &who)
+            .await
+            .unwrap_or(auth::Reads::Nothing),
+        false => auth::Reads::Nothing,
+    };
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     // Subscribed before the position is read: every event after it comes
     // through the subscription.
@@ -129,7 +137,9 @@ pub async fn stream(
             };
             tokio::select! {
                 got = sub.recv() => match got {
-                    Ok(s) => if filter.matches(&s) {
+                    Ok(s) => if filter.matches(&s)
+                        && (!events || grant.allows(&s.stream, &s.event_type))
+                    {
                         pending.push(s);
                         flush_at.get_or_insert(tokio::time::Instant::now() + COALESCE);
                     },
@@ -153,6 +163,11 @@ pub async fn stream(
                     last_sent = tokio::time::Instant::now();
                 }
                 _ = recheck.tick() => {
+                    if events {
+                        if let Ok(g) = auth::readable(&check.shared, &who).await {
+                            grant = g;
+                        }
+                    }
                     if let Err(why) = check.still(&who).await {
                         let _ = tx.send(message("ended", &serde_json::to_string(&why).unwrap_or_default())).await;
                         return;

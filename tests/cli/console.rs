@@ -108,6 +108,17 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         "--database-url",
         &url,
     ]);
+    // Raw events are alice's as far as her grant goes (pool p's stream);
+    // vic has none.
+    ok(&[
+        "grants",
+        "set",
+        "alice",
+        "--prefixes",
+        "pool/p",
+        "--database-url",
+        &url,
+    ]);
     let (gw, web) = (free_port(), free_port());
     let db = url.rsplit('/').next().unwrap().to_string();
     let slot = format!("console_{db}");
@@ -399,8 +410,11 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         let cordons = q(&url, "SELECT count(*)::text FROM strata.events WHERE type = 'node.cordoned' AND payload->>'node' = 'cn00002'");
         assert_eq!(cordons, [["0"]]);
 
-        // Removing vic's role ends the session, live stream included.
+        // Removing vic's role ends the session, live stream included. The
+        // tail shows vic no raw event: it has no grant.
         b.goto(&format!("{base}/events")).await;
+        assert!(b.find("#no-grant").await.is_some(), "{}", b.page_text().await);
+        assert_eq!(b.run("return document.querySelectorAll('#tail tr').length;", vec![]).await, 0);
         b.wait_text("the stream is live", 20, |t| t.contains("live")).await;
         ok(&["roles", "remove", "vic", "--database-url", &url]);
         b.wait_text("the session ends", 15, |t| t.contains("Signed out") && t.contains("no role")).await;

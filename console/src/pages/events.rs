@@ -1,8 +1,11 @@
 //! Events: a live tail of the log, filtered by stream prefix and event
 //! type. The first rows are the console's newest events; the console's
 //! script then adds each new one as it commits (`/live?mode=events` with
-//! the same filter), newest first, keeping the last [`KEPT`].
+//! the same filter), newest first, keeping the last [`KEPT`]. Raw events
+//! are an admin's to read, or what an operator's Subscribe grant allows
+//! (`strata grants`), exactly as through the client API.
 
+use crate::auth::Who;
 use crate::html::{esc, time, Page};
 use crate::reply::Failure;
 use crate::sse::Filter;
@@ -12,7 +15,11 @@ use std::fmt::Write;
 /// Rows the tail keeps in the page.
 pub const KEPT: usize = 200;
 
-pub async fn page(shared: &Shared, query: &[(String, String)]) -> Result<Page, Failure> {
+pub async fn page(shared: &Shared, who: &Who, query: &[(String, String)]) -> Result<Page, Failure> {
+    let grant = match crate::auth::readable(shared, who).await {
+        Ok(g) => g,
+        Err(e) => return Err(Failure::unavailable(format!("{e:?}"))),
+    };
     let prefix = form::get(query, "stream").unwrap_or("").trim().to_string();
     let types = form::get(query, "type").unwrap_or("").trim().to_string();
     let mut page = Page::new("Events", "events");
@@ -39,8 +46,25 @@ pub async fn page(shared: &Shared, query: &[(String, String)]) -> Result<Page, F
         esc(&filter.watch.join(",")),
         esc(&filter.types.join(",")),
     );
+    if matches!(grant, crate::auth::Reads::Nothing) {
+        let _ = write!(
+            page.body,
+            r#"</tbody></table><p class="note" id="no-grant">Raw events are an admin's to read, or what a grant allows: an admin gives {} one with <code>strata grants set {} --prefixes PREFIX,...</code>.</p>"#,
+            esc(&who.operator),
+            esc(&who.operator)
+        );
+        return Ok(page);
+    }
     let recent = shared.live.recent();
-    for s in recent.iter().rev().filter(|s| filter.matches(s)).take(KEPT) {
+    let readable =
+        |s: &&std::sync::Arc<crate::live::Summary>| grant.allows(&s.stream, &s.event_type);
+    for s in recent
+        .iter()
+        .rev()
+        .filter(|s| filter.matches(s))
+        .filter(readable)
+        .take(KEPT)
+    {
         let _ = write!(
             page.body,
             r#"<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td></tr>"#,
