@@ -10,7 +10,8 @@
 //! - `live.rs`: the subscription folded into an index, the newest events
 //!   and a broadcast of each; `mentions.rs` which events name which
 //!   reservation and node (their timelines); `samples.rs` queues' usage
-//!   over time; `sse.rs` a browser's live stream.
+//!   over time; `sse.rs` a browser's live stream; `metrics.rs` what it
+//!   reports to Prometheus.
 //! - `html.rs`: escaping and the page frame; `pages/`: one module per page;
 //!   `actions.rs`: what a signed-in operator may do, through the same
 //!   functions (and the same checks) as the client API; `form.rs`: the
@@ -22,6 +23,7 @@ pub mod form;
 pub mod html;
 pub mod live;
 pub mod mentions;
+pub mod metrics;
 pub mod pages;
 pub mod reply;
 pub mod router;
@@ -164,6 +166,11 @@ pub async fn start(
         config,
         csrf_key,
     });
+    metrics::register(
+        shared.live.clone(),
+        shared.streams.clone(),
+        shared.config.max_streams,
+    );
     let serving = ops::task::spawn("console-listen", server::serve(listener, tls, shared));
     Ok(Console {
         addr,

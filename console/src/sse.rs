@@ -146,6 +146,7 @@ pub async fn stream(
                     Err(RecvError::Lagged(_)) => {
                         pending.clear();
                         flush_at = None;
+                        crate::metrics::counters().resyncs.inc();
                         if tx.send(message("resync", "{}")).await.is_err() { return; }
                     }
                     Err(RecvError::Closed) => return,
@@ -169,6 +170,7 @@ pub async fn stream(
                         }
                     }
                     if let Err(why) = check.still(&who).await {
+                        crate::metrics::counters().ended.inc();
                         let _ = tx.send(message("ended", &serde_json::to_string(&why).unwrap_or_default())).await;
                         return;
                     }

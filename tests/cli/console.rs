@@ -45,6 +45,19 @@ fn curl_with(cert: &Path, ca: &Path, url: &str) -> (String, String) {
     (status.to_string(), body.to_string())
 }
 
+/// One metric's value as the process serves it.
+fn metric(port: u16, name: &str) -> f64 {
+    let out = std::process::Command::new("curl")
+        .args(["-s", &format!("http://127.0.0.1:{port}/metrics")])
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(-1.0)
+}
+
 fn shots() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/console")
 }
@@ -119,7 +132,7 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         "--database-url",
         &url,
     ]);
-    let (gw, web) = (free_port(), free_port());
+    let (gw, web, metrics) = (free_port(), free_port(), free_port());
     let db = url.rsplit('/').next().unwrap().to_string();
     let slot = format!("console_{db}");
     let _serve = Killed(spawn(
@@ -137,6 +150,8 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
             &format!("127.0.0.1:{web}"),
             "--slot",
             &slot,
+            "--metrics-listen",
+            &format!("127.0.0.1:{metrics}"),
         ],
         &dir.path().join("serve.log"),
     ));
@@ -284,6 +299,7 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         let t = b.wait_text("the region page", 20, |t| t.contains("Pools") && t.contains("alice")).await;
         assert!(t.contains("operator of p"), "{t}");
         b.wait_text("the stream is live", 20, |t| t.contains("live")).await;
+        assert!(metric(metrics, "strata_console_streams") >= 1.0);
         let bad = b.run(A11Y, vec![]).await;
         assert_eq!(bad, serde_json::json!([]), "accessibility of the region page");
         b.screenshot(&shots().join("region.png")).await;
@@ -418,6 +434,8 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         b.wait_text("the stream is live", 20, |t| t.contains("live")).await;
         ok(&["roles", "remove", "vic", "--database-url", &url]);
         b.wait_text("the session ends", 15, |t| t.contains("Signed out") && t.contains("no role")).await;
+        assert!(metric(metrics, "strata_console_streams_ended_total") >= 1.0);
+        assert!(metric(metrics, "strata_console_position") > 0.0);
         b.goto(&format!("{base}/")).await;
         assert!(b.page_text().await.contains("Sign in"));
     });
