@@ -87,6 +87,14 @@ async fn answer(
         (&Method::GET, ["assets", name]) => return asset(name),
         (&Method::GET, ["login"]) => return login_page(form::get(&query, "token")),
         (&Method::POST, ["login"]) => {
+            // A page of another site may not sign a browser in (as its
+            // author, say).
+            if !same_origin(&req) {
+                return failure_page(&Failure::new(
+                    StatusCode::FORBIDDEN,
+                    "this sign-in did not come from this console's page",
+                ));
+            }
             let body = match read_form(req).await {
                 Ok(b) => b,
                 Err(f) => return failure_page(&f),
@@ -170,16 +178,7 @@ async fn act(
     req: Request<hyper::body::Incoming>,
     seg: &[&str],
 ) -> Response<Body> {
-    let origin_ok = match (
-        req.headers().get(header::ORIGIN),
-        req.headers().get(header::HOST),
-    ) {
-        (None, _) => true,
-        (Some(o), Some(h)) => {
-            o.as_bytes() == format!("https://{}", h.to_str().unwrap_or("")).as_bytes()
-        }
-        (Some(_), None) => false,
-    };
+    let origin_ok = same_origin(&req);
     let body = match read_form(req).await {
         Ok(b) => b,
         Err(f) => return failure_page(&f),
@@ -205,6 +204,21 @@ async fn act(
     match actions::act(shared, who, seg, &body).await {
         Ok(to) => redirect(&to),
         Err(f) => failure_page(&f),
+    }
+}
+
+/// Whether a POST came from this console's own pages: its `Origin`, when
+/// the browser sends one, is this host over HTTPS.
+fn same_origin<B>(req: &Request<B>) -> bool {
+    match (
+        req.headers().get(header::ORIGIN),
+        req.headers().get(header::HOST),
+    ) {
+        (None, _) => true,
+        (Some(o), Some(h)) => {
+            o.as_bytes() == format!("https://{}", h.to_str().unwrap_or("")).as_bytes()
+        }
+        (Some(_), None) => false,
     }
 }
 

@@ -280,6 +280,40 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         || curl_with(&certs, &ca.join("ca.pem"), &format!("{base}/")).0 == "403",
         || {},
     );
+    // Another site's page may not sign a browser in, even with a good link.
+    let link = ok(&[
+        "console",
+        "login",
+        "--operator",
+        "alice",
+        "--url",
+        &base,
+        "--database-url",
+        &url,
+    ]);
+    let token = link.trim().rsplit('=').next().unwrap().to_string();
+    let cross = std::process::Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-X",
+            "POST",
+            "-H",
+            "Origin: https://elsewhere.example",
+        ])
+        .args([
+            "--cacert",
+            ca.join("ca.pem").to_str().unwrap(),
+            "-d",
+            &format!("token={token}"),
+        ])
+        .arg(format!("{base}/login"))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&cross.stdout), "403");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -18,7 +18,11 @@ pub const KEPT: usize = 200;
 pub async fn page(shared: &Shared, who: &Who, query: &[(String, String)]) -> Result<Page, Failure> {
     let grant = match crate::auth::readable(shared, who).await {
         Ok(g) => g,
-        Err(e) => return Err(Failure::unavailable(format!("{e:?}"))),
+        Err(
+            crate::auth::Refused::Unavailable(m)
+            | crate::auth::Refused::SignIn(m)
+            | crate::auth::Refused::Forbidden(m),
+        ) => return Err(Failure::unavailable(m)),
     };
     let prefix = form::get(query, "stream").unwrap_or("").trim().to_string();
     let types = form::get(query, "type").unwrap_or("").trim().to_string();
