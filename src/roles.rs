@@ -57,7 +57,7 @@ pub(crate) struct ServeArgs {
     /// placer: only these pools (comma-separated; default all)
     #[arg(long, value_delimiter = ',')]
     pub pools: Vec<String>,
-    /// placer: keep pool index snapshots here and start from the newest
+    /// placer: keep pool index snapshots here and start from the newest; console: start from the newest there
     #[arg(long)]
     pub snapshot_dir: Option<PathBuf>,
     /// placer and binder: name in their leases (default host-pid-random)

@@ -50,6 +50,9 @@ pub struct ConsoleConfig {
     pub max_connections: usize,
     /// Most live streams at once.
     pub max_streams: usize,
+    /// Pool index snapshots (the placer's) to start from instead of the
+    /// log's beginning; timelines then know positions only from there on.
+    pub snapshots: Option<projections::SnapshotStore>,
 }
 
 impl ConsoleConfig {
@@ -67,6 +70,7 @@ impl ConsoleConfig {
             session_ttl: Duration::from_secs(8 * 3600),
             max_connections: 2048,
             max_streams: 1024,
+            snapshots: None,
         }
     }
 }
@@ -127,7 +131,10 @@ pub async fn start(
     appender: events::Appender,
 ) -> Result<Console, ConsoleError> {
     let live = live::Live::new();
-    let follower = ops::task::spawn("console-follow", live::follow(reader, live.clone()));
+    let follower = ops::task::spawn(
+        "console-follow",
+        live::follow(reader, live.clone(), config.snapshots.clone()),
+    );
     {
         let live = live.clone();
         ops::http::ready_when("console", move || match live.caught_up() {

@@ -195,11 +195,16 @@ pub fn unix_ms(t: SystemTime) -> u64 {
 }
 
 /// Follows the log into `live` until the task is dropped, opening the
-/// subscription again (and folding from the beginning) when it fails.
-pub async fn follow(reader: Reader, live: Arc<Live>) {
+/// subscription again (and folding from the newest snapshot, or the
+/// beginning) when it fails.
+pub async fn follow(
+    reader: Reader,
+    live: Arc<Live>,
+    snapshots: Option<projections::SnapshotStore>,
+) {
     let mut backoff = ops::task::Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     loop {
-        match follow_once(&reader, &live).await {
+        match follow_once(&reader, &live, snapshots.as_ref()).await {
             Ok(()) => return,
             Err(e) => {
                 let delay = backoff.next_delay();
@@ -212,7 +217,36 @@ pub async fn follow(reader: Reader, live: Arc<Live>) {
     }
 }
 
-async fn follow_once(reader: &Reader, live: &Live) -> Result<(), events::SubscribeError> {
+/// The subscription the index is fed by: from the newest usable snapshot
+/// (the placer's), its index put in place, or from the log's beginning.
+async fn start(
+    reader: &Reader,
+    live: &Live,
+    snapshots: Option<&projections::SnapshotStore>,
+) -> Result<events::Subscription, events::SubscribeError> {
+    if let Some(store) = snapshots {
+        match projections::Projector::start(reader, Some(store.clone())).await {
+            Ok(p) => {
+                let (index, sub) = p.into_parts();
+                *live.index.write().expect("console index lock") = index;
+                return Ok(sub);
+            }
+            Err(projections::projector::ProjectError::Subscribe(e)) => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "console: no usable snapshot; folding the log from its beginning")
+            }
+        }
+    }
+    reader
+        .subscribe_ephemeral_as("console", Start::Beginning)
+        .await
+}
+
+async fn follow_once(
+    reader: &Reader,
+    live: &Live,
+    snapshots: Option<&projections::SnapshotStore>,
+) -> Result<(), events::SubscribeError> {
     let head = {
         let client = reader
             .client()
@@ -229,10 +263,8 @@ async fn follow_once(reader: &Reader, live: &Live) -> Result<(), events::Subscri
             })?
             .0
     };
-    let mut sub = reader
-        .subscribe_ephemeral_as("console", Start::Beginning)
-        .await?;
-    if head == 0 {
+    let mut sub = start(reader, live, snapshots).await?;
+    if head <= live.index().position() {
         live.caught_up.store(true, Ordering::Release);
     }
     let mut tick = tokio::time::interval(crate::samples::EVERY);

@@ -141,6 +141,12 @@ impl Projector {
         })
     }
 
+    /// The index and the subscription that feeds it, for a caller that
+    /// folds on its own (the console shares its index between requests).
+    pub fn into_parts(self) -> (Index, Subscription) {
+        (self.index, self.sub)
+    }
+
     /// How often [`Projector::maybe_snapshot`] writes one (default 60 s).
     pub fn snapshot_every(mut self, every: Duration) -> Projector {
         self.snapshot_every = every;

@@ -27,6 +27,10 @@ pub(crate) async fn start(
         ca.cert_pem().to_string(),
     );
     cc.session_ttl = args.console_session_ttl;
+    cc.snapshots = args
+        .snapshot_dir
+        .clone()
+        .map(projections::SnapshotStore::new);
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
     let c = console::start(cc, cfg.clone(), reader, appender)
         .await

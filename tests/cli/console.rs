@@ -474,3 +474,114 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         assert!(b.page_text().await.contains("Sign in"));
     });
 }
+
+/// With `--snapshot-dir`, a console starts from the newest pool index
+/// snapshot there and folds only the log after it: a node that joined
+/// after the snapshot is on its pool page with the others.
+#[test]
+fn a_console_starts_from_the_newest_snapshot_and_folds_what_followed() {
+    let url = database();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca");
+    ok(&["ca", "init", "--dir", ca.to_str().unwrap()]);
+    ok(&[
+        "roles",
+        "set",
+        "ada",
+        "--role",
+        "admin",
+        "--database-url",
+        &url,
+    ]);
+    ok(&["pool", "create", "p", "--database-url", &url]);
+    ok(&[
+        "pool",
+        "seed",
+        "p",
+        "--nodes",
+        "3",
+        "--gpus",
+        "8",
+        "--database-url",
+        &url,
+    ]);
+    let head: u64 = query(&url, "SELECT last_position::text FROM strata.log_head")[0][0]
+        .parse()
+        .unwrap();
+    let snaps = dir.path().join("snapshots");
+    std::fs::create_dir_all(&snaps).unwrap();
+    let snap = snaps.join(format!("index-{head:020}.snap"));
+    ok(&[
+        "replay",
+        "run",
+        "--projection",
+        "pool-index",
+        "--snapshot-out",
+        snap.to_str().unwrap(),
+        "--database-url",
+        &url,
+    ]);
+    ok(&[
+        "pool",
+        "seed",
+        "p",
+        "--nodes",
+        "1",
+        "--gpus",
+        "8",
+        "--prefix",
+        "late",
+        "--database-url",
+        &url,
+    ]);
+    let web = free_port();
+    let db = url.rsplit('/').next().unwrap().to_string();
+    let log = dir.path().join("serve.log");
+    let _serve = Killed(spawn(
+        &[
+            "serve",
+            "--roles",
+            "console",
+            "--database-url",
+            &url,
+            "--ca-dir",
+            ca.to_str().unwrap(),
+            "--console-listen",
+            &format!("127.0.0.1:{web}"),
+            "--snapshot-dir",
+            snaps.to_str().unwrap(),
+            "--slot",
+            &format!("console_snap_{db}"),
+        ],
+        &log,
+    ));
+    let certs = dir.path().join("ada-cert");
+    ok(&[
+        "ca",
+        "issue-operator",
+        "--dir",
+        ca.to_str().unwrap(),
+        "--name",
+        "ada",
+        "--out",
+        certs.to_str().unwrap(),
+    ]);
+    let page = format!("https://127.0.0.1:{web}/pools/p");
+    testkit::wait_until(
+        30,
+        "the console shows the snapshot's nodes and the one after it",
+        || {
+            curl_with(&certs, &ca.join("ca.pem"), &page)
+                .1
+                .contains("4 nodes.")
+        },
+        || eprintln!("{}", std::fs::read_to_string(&log).unwrap_or_default()),
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("loaded from a snapshot") && text.contains(snap.to_str().unwrap()),
+        "{text}"
+    );
+    let (_, body) = curl_with(&certs, &ca.join("ca.pem"), &page);
+    assert!(body.contains("late00000"), "{body}");
+}
