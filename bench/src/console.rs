@@ -261,18 +261,6 @@ async fn first_paint(addr: std::net::SocketAddr, cookie: &str) -> Result<(f64, f
     Ok((util::median(&mut fcp), util::median(&mut grid)))
 }
 
-/// The console process's CPU seconds and resident memory (bytes) now.
-fn rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib * 1024)
-}
-
 pub async fn run(args: Args) -> Result<()> {
     let (nodes, clients, seconds) = if args.quick {
         (
@@ -381,7 +369,7 @@ pub async fn run(args: Args) -> Result<()> {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (cpu0, load_start) = (util::cpu_seconds(pid), Instant::now());
     let load = tokio::spawn(offer(appender.clone(), args.rate, seconds));
-    let (mut pool_ms, mut region_ms, mut peak_rss) = (Vec::new(), Vec::new(), 0u64);
+    let (mut pool_ms, mut region_ms, mut peak_rss) = (Vec::new(), Vec::new(), 0f64);
     for _ in 0..20 {
         tokio::time::sleep(Duration::from_secs_f64(seconds as f64 / 22.0)).await;
         // A connection of its own each time (an idle one is closed after
@@ -396,7 +384,7 @@ pub async fn run(args: Args) -> Result<()> {
         let t = Instant::now();
         get(&mut page, "/", &cookie).await?;
         region_ms.push(t.elapsed());
-        peak_rss = peak_rss.max(rss_bytes(pid));
+        peak_rss = peak_rss.max(crate::gateway::rss_of(pid));
     }
     let offered = load.await?;
     let load_secs = load_start.elapsed().as_secs_f64();
@@ -461,7 +449,7 @@ pub async fn run(args: Args) -> Result<()> {
             None => serde_json::json!("not measured: no Chromium here (apt-get install chromium chromium-driver)"),
         },
         "console_cpu_cores": round(cpu, 3),
-        "console_peak_rss_mib": round(peak_rss as f64 / 1048576.0, 1),
+        "console_peak_rss_mib": round(peak_rss, 1),
     });
     println!("{}", serde_json::to_string_pretty(&result)?);
     util::finish(

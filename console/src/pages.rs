@@ -49,33 +49,70 @@ pub struct Gpus {
     pub held: u64,
 }
 
+/// What one GPU is doing, as the pages draw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    Booked,
+    Out,
+    Free,
+    Held,
+}
+
+impl Use {
+    /// Its letter in the pool grid's data (`b`, `o`, `f`, `h`).
+    pub fn letter(self) -> char {
+        match self {
+            Use::Booked => 'b',
+            Use::Out => 'o',
+            Use::Free => 'f',
+            Use::Held => 'h',
+        }
+    }
+}
+
+/// Each GPU a node counts, with its use, in device order: a GPU split into
+/// MIG instances counts as its instances, and a missing one not at all.
+pub fn uses(n: &Node) -> Vec<(&str, Use)> {
+    let placeable = n.schedulable();
+    let parents: Vec<&str> = n
+        .devices
+        .iter()
+        .filter_map(|d| d.spec.parent.as_deref())
+        .collect();
+    n.devices
+        .iter()
+        .zip(n.free_devices())
+        .filter(|(d, _)| {
+            d.present && !(parents.contains(&d.spec.id.as_str()) && d.booked_by.is_none())
+        })
+        .map(|(d, free)| {
+            let u = if d.booked_by.is_some() {
+                Use::Booked
+            } else if d.out_of_service() {
+                Use::Out
+            } else if placeable && free {
+                Use::Free
+            } else {
+                Use::Held
+            };
+            (d.spec.class.as_str(), u)
+        })
+        .collect()
+}
+
 /// A pool's GPUs by class (a GPU split into MIG instances as its
 /// instances, under their own class).
 pub fn gpus_by_class(pool: &Pool) -> BTreeMap<String, Gpus> {
     let mut out: BTreeMap<String, Gpus> = BTreeMap::new();
     for n in pool.nodes.values().filter(|n| !n.left) {
-        let placeable = n.schedulable();
-        let free = n.free_devices();
-        let parents: Vec<&str> = n
-            .devices
-            .iter()
-            .filter_map(|d| d.spec.parent.as_deref())
-            .collect();
-        for (d, f) in n.devices.iter().zip(free) {
-            // A GPU split into MIG instances counts as its instances.
-            if !d.present || (parents.contains(&d.spec.id.as_str()) && d.booked_by.is_none()) {
-                continue;
-            }
-            let g = out.entry(d.spec.class.clone()).or_default();
+        for (class, u) in uses(n) {
+            let g = out.entry(class.to_string()).or_default();
             g.total += 1;
-            if d.booked_by.is_some() {
-                g.booked += 1;
-            } else if d.out_of_service() {
-                g.out += 1;
-            } else if placeable && f {
-                g.free += 1;
-            } else {
-                g.held += 1;
+            match u {
+                Use::Booked => g.booked += 1,
+                Use::Out => g.out += 1,
+                Use::Free => g.free += 1,
+                Use::Held => g.held += 1,
             }
         }
     }

@@ -457,11 +457,7 @@ impl api_server::Api for ApiService {
                 earliest_start_ms: s.earliest_start_ms.unwrap_or(0),
                 queue: s.queue.unwrap_or_default(),
             });
-            let state = match (r.phase, &r.promise) {
-                (projections::index::Phase::Pending, _) => "requested",
-                (projections::index::Phase::Queued, Some(_)) => "promised",
-                (other, _) => other.name(),
-            };
+            let state = r.state();
             let promise = r.promise.as_ref().map(|p| Promise {
                 start_ms: p.start_ms,
                 end_ms: p.end_ms,

@@ -410,6 +410,19 @@ pub struct Reservation {
     pub noticed: bool,
 }
 
+impl Reservation {
+    /// Its state as clients are told it: `requested` before its placer
+    /// tried it, `promised` for a reservation in advance whose GPUs are
+    /// promised, else its phase's name.
+    pub fn state(&self) -> &'static str {
+        match (self.phase, &self.promise) {
+            (Phase::Pending, _) => "requested",
+            (Phase::Queued, Some(_)) => "promised",
+            (other, _) => other.name(),
+        }
+    }
+}
+
 /// An event that breaks an invariant. The index applies it as far as it can
 /// (so live and rebuilt indexes agree) and reports it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

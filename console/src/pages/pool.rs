@@ -9,7 +9,7 @@
 use crate::auth::Who;
 use crate::form;
 use crate::html::{esc, node_link, Page};
-use crate::pages::{gpus_by_class, standing};
+use crate::pages::{gpus_by_class, standing, uses};
 use crate::reply::Failure;
 use crate::Shared;
 use gateway::roles::Need;
@@ -17,35 +17,6 @@ use std::fmt::Write;
 
 /// Most nodes listed in the table.
 pub const LISTED: usize = 100;
-
-/// One GPU's state as a letter: `b`ooked, `f`ree, `o`ut of service,
-/// `h`eld (on a node that takes nothing now).
-fn letters(n: &projections::index::Node) -> String {
-    let placeable = n.schedulable();
-    let parents: Vec<&str> = n
-        .devices
-        .iter()
-        .filter_map(|d| d.spec.parent.as_deref())
-        .collect();
-    n.devices
-        .iter()
-        .zip(n.free_devices())
-        .filter(|(d, _)| {
-            d.present && !(parents.contains(&d.spec.id.as_str()) && d.booked_by.is_none())
-        })
-        .map(|(d, free)| {
-            if d.booked_by.is_some() {
-                'b'
-            } else if d.out_of_service() {
-                'o'
-            } else if placeable && free {
-                'f'
-            } else {
-                'h'
-            }
-        })
-        .collect()
-}
 
 /// `s` as a JSON string, appended to `out`.
 fn json_string(s: &str, out: &mut String) {
@@ -97,7 +68,7 @@ pub async fn page(
             .collect();
         holders.sort();
         holders.dedup();
-        let gpus = letters(n);
+        let gpus: String = uses(n).into_iter().map(|(_, u)| u.letter()).collect();
         if nodes > 0 {
             grid.push(',');
         }

@@ -24,11 +24,7 @@ pub async fn page(shared: &Shared, who: &Who, id: &str) -> Result<Page, Failure>
         let index = shared.live.index();
         index.reservation(id).map(|r| {
             let mut s = String::new();
-            let state = match (r.phase, &r.promise) {
-                (projections::index::Phase::Pending, _) => "requested",
-                (projections::index::Phase::Queued, Some(_)) => "promised",
-                (other, _) => other.name(),
-            };
+            let state = r.state();
             let q = &r.request;
             let _ = write!(
                 s,
