@@ -4,7 +4,9 @@
 //! joined over mutual TLS. Sign-in by a one-time link, every page, a live
 //! update arriving without a reload, actions written with the operator's
 //! name, a viewer refused, a forged form refused, and a session ended by
-//! removing the role. Screenshots of each page go to `docs/console/`.
+//! removing the role. Screenshots of each page go to
+//! `target/console-screenshots/`, or to `docs/console/` with
+//! `STRATA_UPDATE_SCREENSHOTS=1`.
 
 use super::gateway::{ca_pool_and_token, free_port, query};
 use super::{database, ok, spawn};
@@ -45,6 +47,23 @@ fn curl_with(cert: &Path, ca: &Path, url: &str) -> (String, String) {
     (status.to_string(), body.to_string())
 }
 
+/// An operator certificate for `name` from the CA in `ca`, in a folder of
+/// its own under `dir` (`operator.pem`, `operator.key`).
+fn operator_cert(ca: &Path, name: &str, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{name}-cert"));
+    ok(&[
+        "ca",
+        "issue-operator",
+        "--dir",
+        ca.to_str().unwrap(),
+        "--name",
+        name,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    out
+}
+
 /// One metric's value as the process serves it.
 fn metric(port: u16, name: &str) -> f64 {
     let out = std::process::Command::new("curl")
@@ -58,8 +77,15 @@ fn metric(port: u16, name: &str) -> f64 {
         .unwrap_or(-1.0)
 }
 
+/// Where the screenshots go: `docs/console/` (the README's) when
+/// `STRATA_UPDATE_SCREENSHOTS=1`, else `target/console-screenshots/`, so an
+/// ordinary run leaves the tracked pictures as they are.
 fn shots() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/console")
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    match std::env::var("STRATA_UPDATE_SCREENSHOTS").as_deref() {
+        Ok("1") => root.join("docs/console"),
+        _ => root.join("target/console-screenshots"),
+    }
 }
 
 fn logs(dir: &Path) {
@@ -252,17 +278,7 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
     ]);
     let base = format!("https://127.0.0.1:{web}");
     // An operator's certificate signs in without a link, until revoked.
-    let certs = dir.path().join("alice-cert");
-    ok(&[
-        "ca",
-        "issue-operator",
-        "--dir",
-        ca.to_str().unwrap(),
-        "--name",
-        "alice",
-        "--out",
-        certs.to_str().unwrap(),
-    ]);
+    let certs = operator_cert(&ca, "alice", dir.path());
     let (status, body) = curl_with(&certs, &ca.join("ca.pem"), &format!("{base}/"));
     assert_eq!(status, "200", "{body}");
     assert!(body.contains("alice") && body.contains("Pools"), "{body}");
@@ -555,17 +571,7 @@ fn a_console_starts_from_the_newest_snapshot_and_folds_what_followed() {
         ],
         &log,
     ));
-    let certs = dir.path().join("ada-cert");
-    ok(&[
-        "ca",
-        "issue-operator",
-        "--dir",
-        ca.to_str().unwrap(),
-        "--name",
-        "ada",
-        "--out",
-        certs.to_str().unwrap(),
-    ]);
+    let certs = operator_cert(&ca, "ada", dir.path());
     let page = format!("https://127.0.0.1:{web}/pools/p");
     testkit::wait_until(
         30,
