@@ -279,6 +279,8 @@ fn start_daemons(ids: &[String], gateway: &str, dir: &Path, hook_seen: Seen) -> 
             .or_insert_with(Instant::now);
     });
     let mut tasks = Vec::with_capacity(ids.len());
+    // One clock for the process's daemons, as a real node has one.
+    let clock = ops::process_clock::ProcessClock::new(node::daemon::ANSWER_SLACK);
     for id in ids {
         let backend = Arc::new(FakeGpus::parse("8xH100-80GB", id).expect("spec"));
         let mut c = DaemonConfig::new(
@@ -289,6 +291,7 @@ fn start_daemons(ids: &[String], gateway: &str, dir: &Path, hook_seen: Seen) -> 
         );
         c.health_poll = Duration::from_secs(60);
         c.on_command = Some(hook.clone());
+        c.clock = clock.clone();
         tasks.push(tokio::spawn(daemon::run(c, stats.clone(), rx.clone())));
     }
     (stats, stop, tasks)

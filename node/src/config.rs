@@ -10,6 +10,10 @@ use std::time::Duration;
 /// Called with a command's id when it arrives.
 pub type CommandHook = Arc<dyn Fn(&str) + Send + Sync>;
 
+/// How much longer than `gateway_answer` a starved daemon may wait for the
+/// gateway's answer on the wall clock: as long as it waits for a Welcome.
+pub const ANSWER_SLACK: Duration = Duration::from_secs(60);
+
 /// How a daemon runs.
 #[derive(Clone)]
 pub struct DaemonConfig {
@@ -59,6 +63,9 @@ pub struct DaemonConfig {
     /// long too): a gateway that died without closing its connections, or
     /// froze, is noticed within twice this.
     pub gateway_answer: Duration,
+    /// The clock `gateway_answer` is counted on: the time this process
+    /// could run. Daemons sharing a process (a simulated fleet) share one.
+    pub clock: ops::process_clock::ProcessClock,
 }
 
 impl DaemonConfig {
@@ -97,6 +104,7 @@ impl DaemonConfig {
             topology: BTreeMap::new(),
             dcgm_level: 0,
             gateway_answer: Duration::from_secs(3),
+            clock: ops::process_clock::ProcessClock::new(ANSWER_SLACK),
             recheck: Duration::ZERO,
         }
     }

@@ -15,6 +15,7 @@ use crate::allocation::{Bindings, Reconciled};
 use crate::executor::{Decision, Executor, Outcome};
 use crate::gpu::{GpuBackend, HealthChange};
 use crate::health::Conditions;
+use crate::link::{Channel, Link};
 use crate::proto::{
     gateway_message, node_message, session_client::SessionClient, CommandAck, CommandResult,
     Device, GatewayMessage, HealthReport, Heartbeat, Hello, InventorySection, NodeMessage, Renew,
@@ -26,7 +27,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 /// How long a gateway may take to answer a Hello, in the time this
 /// process could run ([`ops::patience`]).
@@ -54,7 +54,7 @@ async fn accepts(addr: &str) -> bool {
 }
 
 use crate::config::io;
-pub use crate::config::{home_index, CommandHook, DaemonConfig, DaemonError};
+pub use crate::config::{home_index, CommandHook, DaemonConfig, DaemonError, ANSWER_SLACK};
 pub use crate::identity::{ensure_joined, Credentials};
 
 /// Counters of a running daemon.
@@ -211,32 +211,19 @@ fn with_causes(status: &tonic::Status) -> String {
     words
 }
 
-/// One endpoint per gateway, presenting these credentials.
-fn endpoints(config: &DaemonConfig, creds: &Credentials) -> Result<Vec<Endpoint>, DaemonError> {
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(&creds.ca_pem))
-        .identity(Identity::from_pem(&creds.cert_pem, &creds.key_pem))
-        .domain_name(config.server_name.clone());
-    let mut endpoints = Vec::with_capacity(config.gateways.len());
-    for g in &config.gateways {
-        endpoints.push(
-            Endpoint::from_shared(g.clone())
-                .map_err(|e| DaemonError::Other(format!("gateway address {g:?}: {e}")))?
-                .tls_config(tls.clone())
-                .map_err(|e| DaemonError::Other(e.to_string()))?
-                .connect_timeout(Duration::from_secs(10))
-                .tcp_nodelay(true)
-                // A dead or frozen gateway answers no ping: the session
-                // ends and the daemon moves on within two of these.
-                .http2_keep_alive_interval(config.gateway_answer)
-                .keep_alive_timeout(config.gateway_answer)
-                .keep_alive_while_idle(true),
-        );
-    }
-    if endpoints.is_empty() {
+/// One link per gateway, presenting these credentials.
+fn links(config: &DaemonConfig, creds: &Credentials) -> Result<Vec<Link>, DaemonError> {
+    if config.gateways.is_empty() {
         return Err(DaemonError::Other("no gateway given".into()));
     }
-    Ok(endpoints)
+    crate::link::links(
+        &config.gateways,
+        (&creds.ca_pem, &creds.cert_pem, &creds.key_pem),
+        &config.server_name,
+        config.gateway_answer,
+        &config.clock,
+    )
+    .map_err(DaemonError::Other)
 }
 
 /// Runs the daemon until `shutdown` turns true. Returns an error only when
@@ -295,7 +282,7 @@ pub async fn run(
         acceptance.clone(),
     );
     let conditions = std::sync::Mutex::new(Conditions::open(&config.data_dir));
-    let mut endpoints = endpoints(&config, &creds)?;
+    let mut links = links(&config, &creds)?;
     let home = config.home();
     let home_addr = authority(&config.gateways[home]);
     let mut at = home;
@@ -304,19 +291,19 @@ pub async fn run(
         if *shutdown.borrow() {
             return Ok(());
         }
-        let endpoint = &endpoints[at];
+        let link = &links[at];
         let away = (at != home && !config.return_home.is_zero())
             .then(|| home_addr.clone())
             .flatten();
         // Next time, any other gateway: the nodes of one that died spread
         // over all the others instead of doubling the next one's load.
         let tried = at;
-        at = match endpoints.len() {
+        at = match links.len() {
             1 => 0,
             n => (tried + 1 + fastrand::usize(..n - 1)) % n,
         };
         let mut opened = false;
-        let end = match endpoint.connect().await {
+        let end = match link.connect().await {
             Ok(channel) => {
                 stats.connects.fetch_add(1, Ordering::Relaxed);
                 session(
@@ -350,7 +337,7 @@ pub async fn run(
             End::Renewed => {
                 let creds =
                     crate::identity::load(&config.data_dir)?.ok_or(DaemonError::NeedsJoin)?;
-                endpoints = self::endpoints(&config, &creds)?;
+                links = self::links(&config, &creds)?;
                 Duration::ZERO
             }
             End::Home => {
@@ -584,7 +571,7 @@ async fn open(
     }
     let outbound =
         futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
-    let mut client = SessionClient::new(channel);
+    let mut client = SessionClient::with_origin(channel.clone(), channel.origin());
     // A gateway that does not answer the Hello in time is treated as lost.
     let opening = async {
         let mut inbound = client.open(outbound).await?.into_inner();

@@ -11,6 +11,7 @@ pub mod faults;
 pub mod gpu;
 mod health;
 pub mod identity;
+pub mod link;
 pub mod mig;
 mod outcome;
 mod rechecks;

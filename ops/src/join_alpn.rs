@@ -61,25 +61,12 @@ impl JoinConnector {
     /// A connector for a server named `server_name` with a certificate from
     /// the CA in `ca_pem`, naming `token`.
     pub fn new(ca_pem: &str, server_name: &str, token: &str) -> Result<JoinConnector, String> {
-        use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::CertificateDer;
-        let mut roots = rustls::RootCertStore::empty();
-        for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-            roots
-                .add(c.map_err(|e| format!("the region's CA: {e}"))?)
-                .map_err(|e| format!("the region's CA: {e}"))?;
-        }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        config.alpn_protocols = vec![b"h2".to_vec(), join_protocol(token)];
+        let config =
+            crate::tls::client_config(ca_pem, None, vec![b"h2".to_vec(), join_protocol(token)])?;
         let server_name = ServerName::try_from(server_name.to_string())
             .map_err(|e| format!("server name {server_name:?}: {e}"))?;
         Ok(JoinConnector {
-            config: Arc::new(config),
+            config,
             server_name,
             from: None,
         })
@@ -125,28 +112,7 @@ impl tower_service::Service<http::Uri> for JoinConnector {
         let connector = tokio_rustls::TlsConnector::from(self.config.clone());
         let (name, from) = (self.server_name.clone(), self.from);
         Box::pin(async move {
-            let bad = |why: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
-            let host = uri.host().ok_or_else(|| bad("no host in the address"))?;
-            let host = host.trim_start_matches('[').trim_end_matches(']');
-            let port = uri.port_u16().unwrap_or(443);
-            let tcp = match from {
-                None => TcpStream::connect((host, port)).await?,
-                Some(ip) => {
-                    let to = tokio::net::lookup_host((host, port))
-                        .await?
-                        .find(|a| a.is_ipv4() == ip.is_ipv4())
-                        .ok_or_else(|| bad("no address of the host's family"))?;
-                    let socket = if ip.is_ipv4() {
-                        tokio::net::TcpSocket::new_v4()?
-                    } else {
-                        tokio::net::TcpSocket::new_v6()?
-                    };
-                    socket.bind(std::net::SocketAddr::new(ip, 0))?;
-                    socket.connect(to).await?
-                }
-            };
-            tcp.set_nodelay(true)?;
-            let tls = connector.connect(name, tcp).await?;
+            let tls = crate::tls::connect(connector, name, &uri, from).await?;
             Ok(hyper_util::rt::TokioIo::new(tls))
         })
     }

@@ -58,18 +58,19 @@ pub async fn patient<F: Future>(
     }
 }
 
+/// Holds the runtime's only thread a second at a time, as a process short
+/// of cores is held (the tests of this module and of `process_clock`).
+#[cfg(test)]
+pub(crate) async fn hog() {
+    loop {
+        std::thread::sleep(Duration::from_millis(1000));
+        tokio::task::yield_now().await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Holds the runtime's only thread a second at a time, as a process
-    /// short of cores is held.
-    async fn hog() {
-        loop {
-            std::thread::sleep(Duration::from_millis(1000));
-            tokio::task::yield_now().await;
-        }
-    }
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_silent_peer_is_given_up_on_after_the_limit_when_the_process_runs_freely() {

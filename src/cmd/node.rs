@@ -296,6 +296,9 @@ pub(crate) async fn start_fleet(
     } = *spec;
     let stats = Arc::new(DaemonStats::default());
     let mut tasks = Vec::with_capacity(n as usize);
+    // One clock of the process's time for all its daemons: one ticker,
+    // not one per node.
+    let clock = ops::process_clock::ProcessClock::new(node::daemon::ANSWER_SLACK);
     for i in 0..n {
         let node_id = format!("{prefix}{i:05}");
         let mut backend = FakeGpus::parse(spec, &node_id)?;
@@ -310,6 +313,7 @@ pub(crate) async fn start_fleet(
             backend,
         );
         c.server_name = tls_name.to_string();
+        c.clock = clock.clone();
         if !data_dir.join(&node_id).join("node.pem").exists() {
             c.token = Some(
                 gateway::identity::create_token(client, pool, Duration::from_secs(3600), &node_id)

@@ -2,7 +2,7 @@
 //! and the fence of a newer session, malformed messages, a node whose
 //! connection is gone, writes while PostgreSQL is down, flapping health,
 //! a node that reports another node's GPUs, a gateway cut off from the
-//! database.
+//! database, a daemon short of a core.
 
 use super::*;
 
@@ -985,4 +985,77 @@ fn receiving(
     rx: tokio::sync::mpsc::Receiver<node::proto::NodeMessage>,
 ) -> impl futures_util::Stream<Item = node::proto::NodeMessage> {
     futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
+}
+
+/// A daemon whose process waits for a core (here: its runtime's one thread
+/// held 1.5 s at a time) still answers, late, and the gateway's answers to
+/// its pings sit unread while the wall clock runs. With its keep-alive on
+/// the wall clock it took that for a silent gateway and dropped the session
+/// every few seconds; on the time its process could run, it keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_short_of_a_core_keeps_its_session() {
+    let r = region().await;
+    let a = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(vec![url(&a)], dir.path(), "n1");
+    c.token = Some(r.token().await);
+    c.ca_pem = Some(r.ca_pem());
+    c.gateway_answer = Duration::from_secs(1);
+    let stats = Arc::new(DaemonStats::default());
+    let (stop, rx) = watch::channel(false);
+    let hogging = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let daemon = std::thread::spawn({
+        let (stats, hogging) = (stats.clone(), hogging.clone());
+        move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                tokio::spawn(async move {
+                    loop {
+                        if hogging.load(Ordering::Relaxed) {
+                            std::thread::sleep(Duration::from_millis(1500));
+                        } else {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                });
+                daemon::run(c, stats, rx).await
+            })
+        }
+    });
+    testkit::eventually(20, "the session opens", || async {
+        stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    let connects = stats.connects.load(Ordering::Relaxed);
+    hogging.store(true, Ordering::Relaxed);
+    // The window watched: ten of the daemon's pings, each answered at once
+    // by a gateway that runs freely.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    hogging.store(false, Ordering::Relaxed);
+    let heartbeats = stats.heartbeats.load(Ordering::Relaxed);
+    assert_eq!(
+        stats.connects.load(Ordering::Relaxed),
+        connects,
+        "the starved daemon dropped its session and connected again"
+    );
+    assert_eq!(stats.connected.load(Ordering::Relaxed), 1);
+    assert!(
+        heartbeats >= 4,
+        "the daemon ran, late: {heartbeats} heartbeats"
+    );
+    assert_eq!(
+        r.count("SELECT count(*) FROM strata.events WHERE (stream = 'node/n1' AND type IN ('node.disconnected', 'node.marked_unreachable')) OR (type = 'node.contact_lost' AND payload->>'node' = 'n1')").await,
+        0,
+        "the node never lost contact"
+    );
+    let _ = stop.send(true);
+    tokio::task::spawn_blocking(move || daemon.join().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    a.stop().await.unwrap();
 }
