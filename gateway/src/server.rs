@@ -273,5 +273,6 @@ fn new_shared(
         lease_epoch: std::sync::atomic::AtomicI64::new(0),
         reports: Semaphore::new(crate::usage::AT_ONCE),
         stopping: tokio::sync::watch::Sender::new(false),
+        clock: ops::process_clock::ProcessClock::new(crate::state::HEARD_SLACK),
     })
 }

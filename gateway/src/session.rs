@@ -366,7 +366,7 @@ fn register(shared: &Shared, node: &str, pool: &str, epoch: u64, tx: &Outbox) {
             pool: pool.to_string(),
             epoch,
             version: epoch,
-            last_heartbeat: Instant::now(),
+            heard: crate::state::Heard::now(&shared.clock),
             reachable: true,
             status: None,
             closed: false,
@@ -639,7 +639,7 @@ async fn heartbeat(shared: &Arc<Shared>, node: &str, pool: &str, epoch: u64) -> 
         let mut sessions = shared.sessions.lock().expect("sessions lock");
         match sessions.get_mut(node) {
             Some(s) if s.epoch == epoch => {
-                s.last_heartbeat = Instant::now();
+                s.heard = crate::state::Heard::now(&shared.clock);
                 !std::mem::replace(&mut s.reachable, true)
             }
             _ => {
@@ -830,9 +830,9 @@ async fn health(
 /// sessions once that is written.
 pub(crate) async fn sweeper(shared: Arc<Shared>) {
     let period = (shared.config.heartbeat / 2).max(Duration::from_millis(100));
-    let mut tick = tokio::time::interval(period);
     loop {
-        tick.tick().await;
+        // On the gateway's clock, as the heartbeats it weighs.
+        shared.clock.sleep(period).await;
         let limit = shared.config.heartbeat * 3;
         let mut lost = Vec::new();
         let mut clears: Vec<(String, String, crate::damping::Key)> = Vec::new();
@@ -840,7 +840,7 @@ pub(crate) async fn sweeper(shared: Arc<Shared>) {
             let now = Instant::now();
             let mut sessions = shared.sessions.lock().expect("sessions lock");
             sessions.retain(|node, s| {
-                if s.reachable && s.last_heartbeat.elapsed() > limit {
+                if s.reachable && s.heard.older_than(limit, &shared.clock) {
                     s.reachable = false;
                     lost.push((node.clone(), s.pool.clone(), s.epoch, s.version));
                 }

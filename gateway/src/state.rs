@@ -198,7 +198,8 @@ pub(crate) struct SessionEntry {
     pub(crate) epoch: u64,
     /// The node stream's version after this session's last write.
     pub(crate) version: u64,
-    pub(crate) last_heartbeat: Instant,
+    /// When the last heartbeat was read.
+    pub(crate) heard: Heard,
     pub(crate) reachable: bool,
     pub(crate) status: Option<(String, String)>,
     /// When the session's stream ended (the entry stays until the node is
@@ -207,6 +208,41 @@ pub(crate) struct SessionEntry {
     pub(crate) tx: Outbox,
     /// The session's health reports, coalesced and damped.
     pub(crate) health: crate::damping::Damper,
+}
+
+/// When a node was last heard from, on the wall clock and on the
+/// gateway's process clock (the time the gateway could run): a gateway
+/// short of cores reads heartbeats late, and must not take its own
+/// lateness for a silent node.
+#[derive(Clone, Copy)]
+pub(crate) struct Heard {
+    pub(crate) wall: Instant,
+    pub(crate) counted: Instant,
+}
+
+/// How much longer than its limit a heartbeat may be late on the wall clock
+/// while the gateway is short of cores, before the node is marked
+/// unreachable anyway (every deadline holds, however starved).
+pub(crate) const HEARD_SLACK: std::time::Duration = std::time::Duration::from_secs(30);
+
+impl Heard {
+    pub(crate) fn now(clock: &ops::process_clock::ProcessClock) -> Heard {
+        Heard {
+            wall: Instant::now(),
+            counted: clock.now(),
+        }
+    }
+
+    /// Whether nothing was heard for `limit` of the gateway's counted time,
+    /// or for `limit` and [`HEARD_SLACK`] of wall time.
+    pub(crate) fn older_than(
+        &self,
+        limit: std::time::Duration,
+        clock: &ops::process_clock::ProcessClock,
+    ) -> bool {
+        clock.now().saturating_duration_since(self.counted) > limit
+            || self.wall.elapsed() > limit + HEARD_SLACK
+    }
 }
 
 /// One write for the writer task.
@@ -295,6 +331,8 @@ pub(crate) struct Shared {
     /// Set once the gateway begins to stop: the client API's streams end
     /// (their callers subscribe again elsewhere).
     pub(crate) stopping: tokio::sync::watch::Sender<bool>,
+    /// The time this gateway could run, which heartbeats are timed on.
+    pub(crate) clock: ops::process_clock::ProcessClock,
 }
 
 /// What an API caller waited for.
