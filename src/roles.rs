@@ -81,7 +81,7 @@ pub(crate) struct ServeArgs {
     /// gateway: new sessions admitted per second (a token bucket)
     #[arg(long, default_value_t = 2_000.0)]
     pub handshakes_per_second: f64,
-    /// gateway: most sessions waiting for their Hello
+    /// gateway: most sessions waiting for their Welcome at once; fewer while the gateway welcomes slowly (as many as it welcomed in 5 s at its recent rate, at least 64), the rest pushed back for about 5 s
     #[arg(long, default_value_t = 1_000)]
     pub max_pending_hellos: usize,
     /// gateway: joins admitted per second (each signs a certificate); only joins with a token the region issued count

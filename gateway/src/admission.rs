@@ -1,5 +1,6 @@
 //! Who may open a session now: a token bucket for new sessions, a cap on
-//! open sessions and on sessions not yet welcomed, and none while the
+//! open sessions and on sessions not yet welcomed (as many as the gateway
+//! welcomes in a few seconds, `welcome_rate`), and none while the
 //! gateway's writes are behind. Every refusal is
 //! `RESOURCE_EXHAUSTED` with a jittered `retry-after-ms` in its metadata,
 //! which daemons obey.
@@ -50,10 +51,17 @@ impl Shared {
             pushback("this gateway holds its maximum of sessions", 5000)
         })?;
         let pending = self.pending_hellos.fetch_add(1, Ordering::AcqRel);
-        if pending >= self.config.max_pending_hellos {
+        if pending
+            >= self.welcomes.cap(
+                self.config.min_pending_hellos,
+                self.config.max_pending_hellos,
+            )
+        {
             self.pending_hellos.fetch_sub(1, Ordering::AcqRel);
             self.stats.refused_pending.fetch_add(1, Ordering::Relaxed);
-            return Err(pushback("too many sessions opening at once", 1000));
+            // Come back when those waiting now have been welcomed.
+            let wait = crate::welcome_rate::WAIT.as_millis() as u32;
+            return Err(pushback("too many sessions opening at once", wait));
         }
         Ok(permit)
     }

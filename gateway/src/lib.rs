@@ -28,6 +28,7 @@ mod session;
 mod state;
 mod subscriptions;
 pub mod usage;
+pub mod welcome_rate;
 mod writer;
 
 pub mod proto {

@@ -248,6 +248,7 @@ fn new_shared(
         handshakes,
         streams: Arc::new(Semaphore::new(config.max_streams)),
         pending_hellos: AtomicUsize::new(0),
+        welcomes: Default::default(),
         bucket: Mutex::new(Bucket {
             tokens: config.handshakes_per_second.max(1.0),
             last: Instant::now(),

@@ -186,6 +186,7 @@ pub(crate) async fn session(
     };
     // Welcomed from here on: no longer counted as pending.
     drop(pending);
+    shared.welcomes.welcomed();
     register(&shared, &node, &pool, epoch, &tx);
     shared.stats.sessions_opened.fetch_add(1, Ordering::Relaxed);
     let welcome = GatewayMessage {

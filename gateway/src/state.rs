@@ -39,7 +39,11 @@ pub struct GatewayConfig {
     pub joins_per_token_per_second: f64,
     /// Sessions between their admission and their Welcome (waiting for
     /// the Hello, or opening in the log) at once; more are pushed back.
+    /// Below this, as many as the gateway welcomes in a few seconds at the
+    /// rate it has been welcoming (`welcome_rate`), and never fewer than
+    /// `min_pending_hellos`.
     pub max_pending_hellos: usize,
+    pub min_pending_hellos: usize,
     /// New sessions are pushed back while more writes than this wait for
     /// the gateway's writer: a Hello admitted then would wait behind them
     /// past the node's patience, and its node would try again, adding
@@ -102,6 +106,7 @@ impl GatewayConfig {
             bad_joins_per_source_per_second: 2.0,
             joins_per_token_per_second: 100.0,
             max_pending_hellos: 1_000,
+            min_pending_hellos: crate::welcome_rate::FLOOR,
             max_queued_writes: 4_096,
             heartbeat: Duration::from_secs(10),
             max_message_bytes: 1 << 20,
@@ -301,6 +306,8 @@ pub(crate) struct Shared {
     pub(crate) stats: Arc<GatewayStats>,
     pub(crate) streams: Arc<Semaphore>,
     pub(crate) pending_hellos: AtomicUsize,
+    /// Welcomes a second, which bound how many may wait for one.
+    pub(crate) welcomes: crate::welcome_rate::WelcomeRate,
     pub(crate) bucket: Mutex<crate::bucket::Bucket>,
     pub(crate) join_bucket: Mutex<crate::bucket::Bucket>,
     pub(crate) join_limits: crate::join_limits::JoinLimits,

@@ -331,6 +331,11 @@ pub async fn jetstream(
     let consumer = s
         .create_consumer(async_nats::jetstream::consumer::pull::Config {
             ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
+            // An ephemeral consumer not asked for 5 s is deleted by the
+            // server (its default), and a check starved for that long on a
+            // saturated machine read nothing more: give it the check's own
+            // deadline.
+            inactive_threshold: super::CHECK_STATEMENT_TIMEOUT,
             ..Default::default()
         })
         .await?;
@@ -391,8 +396,13 @@ pub async fn jetstream(
             invariant: "jetstream_once",
             positions: missing.iter().take(NAMED).copied().collect(),
             detail: format!(
-                "{} events matching the NATS sink's filter are not in JetStream ({stored} stored)",
-                missing.len()
+                "{} events matching the NATS sink's filter are not in JetStream ({stored} stored, {read} read{})",
+                missing.len(),
+                if read < stored {
+                    "; the read stopped after a minute without progress"
+                } else {
+                    ""
+                }
             ),
         });
     }

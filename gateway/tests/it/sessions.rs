@@ -863,7 +863,7 @@ async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_f
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_gateway_pushes_new_sessions_back_and_drops_hellos_given_up() {
-    use node::proto::{node_message, session_client::SessionClient, Hello, NodeMessage};
+    use node::proto::session_client::SessionClient;
     let r = region().await;
     let gw = r
         .gateway("gw-a", |c| {
@@ -871,18 +871,7 @@ async fn a_busy_gateway_pushes_new_sessions_back_and_drops_hellos_given_up() {
         })
         .await;
     let dir = tempfile::tempdir().unwrap();
-    let mut creds = Vec::new();
-    for node in ["n0", "n1", "n2"] {
-        let c = joining(&r, &gw, &dir.path().join(node), node).await;
-        creds.push(daemon::ensure_joined(&c).await.unwrap());
-    }
-    let hello = |node: &str| NodeMessage {
-        body: Some(node_message::Body::Hello(Hello {
-            node_id: node.into(),
-            generation: 1,
-            ..Hello::default()
-        })),
-    };
+    let creds = joined(&r, &gw, dir.path(), &["n0", "n1", "n2"]).await;
     // The gateway's writer is held up (as on a busy gateway) by a lock on
     // n0's stream, which n0's session opening must take.
     let mut holder = events::db::connect(&r.cfg, "holder").await.unwrap();
@@ -953,18 +942,7 @@ async fn a_busy_gateway_pushes_new_sessions_back_and_drops_hellos_given_up() {
     .await;
     lock.rollback().await.unwrap();
     // n0 is welcomed; the writer has taken everything queued.
-    let first = tokio::time::timeout(Duration::from_secs(20), n0.message())
-        .await
-        .expect("n0 is answered")
-        .unwrap()
-        .expect("a message");
-    assert!(
-        matches!(
-            first.body,
-            Some(node::proto::gateway_message::Body::Welcome(_))
-        ),
-        "{first:?}"
-    );
+    welcomed(&mut n0).await;
     testkit::eventually(20, "the writer's queue is empty", || async {
         gw.stats.writes_queued.load(Ordering::Relaxed) == 0
     })
@@ -978,6 +956,121 @@ async fn a_busy_gateway_pushes_new_sessions_back_and_drops_hellos_given_up() {
     assert_eq!(gw.stats.sessions_opened.load(Ordering::Relaxed), 1);
     drop(keep0);
     gw.stop().await.unwrap();
+}
+
+/// A gateway that welcomes nobody (its writer held by a lock) lets only
+/// as many sessions wait for a Welcome as it welcomes in a few seconds (its
+/// floor here: one) and pushes the next back for seconds, instead of
+/// letting a thousand queue past their Hello's patience (a fleet powered on
+/// at once spiralled so).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_lets_no_more_wait_for_a_welcome_than_it_welcomes_in_seconds() {
+    use node::proto::{session_client::SessionClient, NodeMessage};
+    let r = region().await;
+    let gw = r.gateway("gw-a", |c| c.min_pending_hellos = 1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let creds = joined(&r, &gw, dir.path(), &["n0", "n1"]).await;
+    let mut holder = events::db::connect(&r.cfg, "holder").await.unwrap();
+    let lock = holder.transaction().await.unwrap();
+    lock.execute(
+        "SELECT 1 FROM strata.streams WHERE stream = 'node/n0' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let open = |i: usize, keep: tokio::sync::mpsc::Receiver<NodeMessage>| {
+        let c = &creds[i];
+        let gw = &gw;
+        async move {
+            let ch = node_channel(gw, &c.ca_pem, &c.cert_pem, &c.key_pem)
+                .await
+                .unwrap();
+            SessionClient::new(ch).open(receiving(keep)).await
+        }
+    };
+    let (keep0, rx0) = tokio::sync::mpsc::channel(1);
+    keep0.send(hello("n0")).await.unwrap();
+    let mut n0 = open(0, rx0).await.unwrap().into_inner();
+    testkit::eventually(20, "n0's opening waits for the lock", || async {
+        r.count("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+            .await
+            >= 1
+    })
+    .await;
+    let (keep1, rx1) = tokio::sync::mpsc::channel(1);
+    keep1.send(hello("n1")).await.unwrap();
+    let refused = tokio::time::timeout(Duration::from_secs(10), async {
+        match open(1, rx1).await {
+            Err(s) => s,
+            Ok(r) => r.into_inner().message().await.expect_err("pushed back"),
+        }
+    })
+    .await
+    .expect("n1 was admitted to wait behind n0 instead of being pushed back");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    let wait: u64 = refused
+        .metadata()
+        .get("retry-after-ms")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .expect("a wait");
+    assert!(
+        wait >= 2_500,
+        "come back once those waiting are welcomed: {wait} ms"
+    );
+    assert!(refused.message().contains("opening at once"), "{refused:?}");
+    lock.rollback().await.unwrap();
+    welcomed(&mut n0).await;
+    drop(keep0);
+    gw.stop().await.unwrap();
+}
+
+/// `nodes` joined through `gw` (each in its own folder under `dir`), with
+/// no session yet.
+async fn joined(
+    r: &Region,
+    gw: &Running,
+    dir: &std::path::Path,
+    nodes: &[&str],
+) -> Vec<daemon::Credentials> {
+    let mut creds = Vec::new();
+    for node in nodes {
+        let c = joining(r, gw, &dir.join(node), node).await;
+        creds.push(daemon::ensure_joined(&c).await.unwrap());
+    }
+    creds
+}
+
+/// Waits (20 s at most) for a session's first answer, which must be its
+/// Welcome.
+async fn welcomed(session: &mut tonic::Streaming<node::proto::GatewayMessage>) {
+    let first = tokio::time::timeout(Duration::from_secs(20), session.message())
+        .await
+        .expect("the session is answered")
+        .unwrap()
+        .expect("a message");
+    assert!(
+        matches!(
+            first.body,
+            Some(node::proto::gateway_message::Body::Welcome(_))
+        ),
+        "{first:?}"
+    );
+}
+
+/// A node's first message.
+fn hello(node: &str) -> node::proto::NodeMessage {
+    use node::proto::{node_message, Hello, NodeMessage};
+    NodeMessage {
+        body: Some(node_message::Body::Hello(Hello {
+            node_id: node.into(),
+            generation: 1,
+            ..Hello::default()
+        })),
+    }
 }
 
 /// The messages of `rx` as a request stream, open until its sender drops.
