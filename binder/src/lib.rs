@@ -34,6 +34,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
 
+mod lease_keeper;
+use lease_keeper::LeaseKeeper;
+
 /// How long a bind command may wait for its node.
 pub const COMMAND_DEADLINE: Duration = Duration::from_secs(120);
 
@@ -120,6 +123,8 @@ pub enum BinderError {
     Lease(#[from] LeaseError),
     #[error("renew the binder lease: no answer within {0:?}")]
     Stalled(Duration),
+    #[error("the binder's lease keeper: {0}")]
+    Keeper(String),
 }
 
 pub struct Binder {
@@ -473,7 +478,11 @@ async fn attempt(
         }
     };
     tracing::info!(%holder, epoch = lease.epoch, "binder lease taken");
-    let result = held(db, reader, appender, stats, stop, &lease).await;
+    let mut keeper = LeaseKeeper::start(db.clone(), lease.clone())
+        .map_err(|e| BinderError::Keeper(format!("start its thread: {e}")))?;
+    let result = held(db, reader, appender, stats, stop, &mut keeper).await;
+    // Renewals end before the lease is given back.
+    drop(keeper);
     if result.is_ok() {
         let _ = lease.release(&client).await;
     }
@@ -487,7 +496,7 @@ async fn held(
     appender: &Appender,
     stats: &Arc<BinderStats>,
     stop: &mut oneshot::Receiver<()>,
-    lease: &Lease,
+    keeper: &mut LeaseKeeper,
 ) -> Result<(), BinderError> {
     let (reader, appender, stats) = (reader.clone(), appender.clone(), stats.clone());
     let client = events::db::connect(db, "binder").await?;
@@ -503,20 +512,13 @@ async fn held(
         placed = placed.len(),
         "binder started"
     );
-    let mut renew = tokio::time::interval(LEASE_TTL / 3);
-    renew.tick().await;
     loop {
         let e = tokio::select! {
             _ = &mut *stop => return Ok(()),
-            _ = renew.tick() => {
-                // A renewal that does not answer in time counts as lost: the
-                // binder stops acting before its lease can run out.
-                match tokio::time::timeout(LEASE_TTL / 3, lease.renew(&client)).await {
-                    Ok(r) => r?,
-                    Err(_) => return Err(BinderError::Stalled(LEASE_TTL / 3)),
-                }
-                continue;
-            }
+            // The keeper renews apart; a renewal that failed or did not
+            // answer in time ends the binder's work before the lease can
+            // run out.
+            lost = keeper.lost() => return Err(lost),
             e = sub.next() => e?,
         };
         sub.ack(e.position);
