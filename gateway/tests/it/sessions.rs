@@ -874,40 +874,18 @@ async fn a_busy_gateway_pushes_new_sessions_back_and_drops_hellos_given_up() {
     let creds = joined(&r, &gw, dir.path(), &["n0", "n1", "n2"]).await;
     // The gateway's writer is held up (as on a busy gateway) by a lock on
     // n0's stream, which n0's session opening must take.
-    let mut holder = events::db::connect(&r.cfg, "holder").await.unwrap();
-    let lock = holder.transaction().await.unwrap();
-    lock.execute(
-        "SELECT 1 FROM strata.streams WHERE stream = 'node/n0' FOR UPDATE",
-        &[],
-    )
-    .await
-    .unwrap();
-    let c0 = &creds[0];
-    let ch0 = node_channel(&gw, &c0.ca_pem, &c0.cert_pem, &c0.key_pem)
-        .await
-        .unwrap();
+    let holder = lock_stream(&r, "node/n0").await;
     let (keep0, rx0) = tokio::sync::mpsc::channel(1);
     keep0.send(hello("n0")).await.unwrap();
-    let mut n0 = SessionClient::new(ch0)
-        .open(receiving(rx0))
+    let mut n0 = open_session(&gw, &creds[0], rx0)
         .await
         .unwrap()
         .into_inner();
-    testkit::eventually(20, "n0's opening waits for the lock", || async {
-        r.count("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
-            .await
-            >= 1
-    })
-    .await;
+    waits_for_a_lock(&r, "n0's opening waits for the lock").await;
     // n1 says Hello; its opening queues behind n0's. Then n1 gives up.
-    let c1 = &creds[1];
-    let ch1 = node_channel(&gw, &c1.ca_pem, &c1.cert_pem, &c1.key_pem)
-        .await
-        .unwrap();
     let (keep1, rx1) = tokio::sync::mpsc::channel(1);
     keep1.send(hello("n1")).await.unwrap();
-    let n1 = SessionClient::new(ch1)
-        .open(receiving(rx1))
+    let n1 = open_session(&gw, &creds[1], rx1)
         .await
         .unwrap()
         .into_inner();
@@ -940,7 +918,7 @@ async fn a_busy_gateway_pushes_new_sessions_back_and_drops_hellos_given_up() {
         gw.stats.hellos_abandoned.load(Ordering::Relaxed) == 1
     })
     .await;
-    lock.rollback().await.unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
     // n0 is welcomed; the writer has taken everything queued.
     welcomed(&mut n0).await;
     testkit::eventually(20, "the writer's queue is empty", || async {
@@ -965,42 +943,22 @@ async fn a_busy_gateway_pushes_new_sessions_back_and_drops_hellos_given_up() {
 /// at once spiralled so).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_lets_no_more_wait_for_a_welcome_than_it_welcomes_in_seconds() {
-    use node::proto::{session_client::SessionClient, NodeMessage};
     let r = region().await;
     let gw = r.gateway("gw-a", |c| c.min_pending_hellos = 1).await;
     let dir = tempfile::tempdir().unwrap();
     let creds = joined(&r, &gw, dir.path(), &["n0", "n1"]).await;
-    let mut holder = events::db::connect(&r.cfg, "holder").await.unwrap();
-    let lock = holder.transaction().await.unwrap();
-    lock.execute(
-        "SELECT 1 FROM strata.streams WHERE stream = 'node/n0' FOR UPDATE",
-        &[],
-    )
-    .await
-    .unwrap();
-    let open = |i: usize, keep: tokio::sync::mpsc::Receiver<NodeMessage>| {
-        let c = &creds[i];
-        let gw = &gw;
-        async move {
-            let ch = node_channel(gw, &c.ca_pem, &c.cert_pem, &c.key_pem)
-                .await
-                .unwrap();
-            SessionClient::new(ch).open(receiving(keep)).await
-        }
-    };
+    let holder = lock_stream(&r, "node/n0").await;
     let (keep0, rx0) = tokio::sync::mpsc::channel(1);
     keep0.send(hello("n0")).await.unwrap();
-    let mut n0 = open(0, rx0).await.unwrap().into_inner();
-    testkit::eventually(20, "n0's opening waits for the lock", || async {
-        r.count("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
-            .await
-            >= 1
-    })
-    .await;
+    let mut n0 = open_session(&gw, &creds[0], rx0)
+        .await
+        .unwrap()
+        .into_inner();
+    waits_for_a_lock(&r, "n0's opening waits for the lock").await;
     let (keep1, rx1) = tokio::sync::mpsc::channel(1);
     keep1.send(hello("n1")).await.unwrap();
     let refused = tokio::time::timeout(Duration::from_secs(10), async {
-        match open(1, rx1).await {
+        match open_session(&gw, &creds[1], rx1).await {
             Err(s) => s,
             Ok(r) => r.into_inner().message().await.expect_err("pushed back"),
         }
@@ -1022,7 +980,7 @@ async fn a_gateway_lets_no_more_wait_for_a_welcome_than_it_welcomes_in_seconds()
         "come back once those waiting are welcomed: {wait} ms"
     );
     assert!(refused.message().contains("opening at once"), "{refused:?}");
-    lock.rollback().await.unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
     welcomed(&mut n0).await;
     drop(keep0);
     gw.stop().await.unwrap();
@@ -1059,6 +1017,46 @@ async fn welcomed(session: &mut tonic::Streaming<node::proto::GatewayMessage>) {
         ),
         "{first:?}"
     );
+}
+
+/// A connection of its own holding `stream`'s row locked (as a busy
+/// writer would wait on it) until it sends `ROLLBACK`.
+async fn lock_stream(r: &Region, stream: &str) -> tokio_postgres::Client {
+    let holder = events::db::connect(&r.cfg, "holder").await.unwrap();
+    holder.batch_execute("BEGIN").await.unwrap();
+    holder
+        .execute(
+            "SELECT 1 FROM strata.streams WHERE stream = $1 FOR UPDATE",
+            &[&stream],
+        )
+        .await
+        .unwrap();
+    holder
+}
+
+/// Waits until some statement waits for a lock.
+async fn waits_for_a_lock(r: &Region, what: &str) {
+    testkit::eventually(20, what, || async {
+        r.count("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+            .await
+            >= 1
+    })
+    .await;
+}
+
+/// Opens a session as the node of `creds`, its messages those `keep` is
+/// sent.
+async fn open_session(
+    gw: &Running,
+    creds: &daemon::Credentials,
+    keep: tokio::sync::mpsc::Receiver<node::proto::NodeMessage>,
+) -> Result<tonic::Response<tonic::Streaming<node::proto::GatewayMessage>>, tonic::Status> {
+    let ch = node_channel(gw, &creds.ca_pem, &creds.cert_pem, &creds.key_pem)
+        .await
+        .unwrap();
+    node::proto::session_client::SessionClient::new(ch)
+        .open(receiving(keep))
+        .await
 }
 
 /// A node's first message.
