@@ -29,7 +29,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
 /// How long a gateway may take to answer a Hello, in the time this
-/// process could run ([`ops::patience`]).
+/// process could run ([`ops::process_clock::ProcessClock::patient`]).
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(15);
 /// The most a Hello is waited for in wall time, however starved the
 /// process.
@@ -580,7 +580,11 @@ async fn open(
     };
     // Counted in the time this process could run: a daemon waiting for a
     // core must not take that for a gateway that does not answer.
-    let (inbound, first) = match ops::patience::patient(HELLO_TIMEOUT, HELLO_MOST, opening).await {
+    let (inbound, first) = match config
+        .clock
+        .patient(HELLO_TIMEOUT, HELLO_MOST, opening)
+        .await
+    {
         Err(gave) => {
             tracing::warn!(node = %config.node_id, waited_ms = gave.waited.as_millis() as u64, "no Welcome within {HELLO_TIMEOUT:?}; trying again");
             return Err(End::Lost("no Welcome in time".into()));

@@ -3,9 +3,9 @@
 //! serves it with health and readiness ([`http`]); named background tasks
 //! that are supervised and counted when they restart ([`task`]); and the
 //! serving certificate that a TLS listener swaps for a renewed one while it
-//! runs ([`tls`]); waits for a peer that count only the time the
-//! process could run ([`patience`]), and a clock of that time for hyper's
-//! HTTP/2 keep-alive ([`process_clock`]); and the join protocol a joining node
+//! runs ([`tls`]); a clock of the time the process could run, for hyper's
+//! HTTP/2 keep-alive and for waits on a peer that a busy process must not
+//! take for a silent peer ([`process_clock`]); and the join protocol a joining node
 //! names its token with before its TLS handshake ([`join_alpn`]).
 //!
 //! It depends on no other crate of the workspace, so every crate can report
@@ -14,7 +14,6 @@
 pub mod http;
 pub mod join_alpn;
 pub mod metrics;
-pub mod patience;
 pub mod process_clock;
 pub mod task;
 pub mod tls;

@@ -9,16 +9,19 @@
 //! process takes its own lateness for a dead peer, drops a healthy session
 //! and adds a reconnect to a machine that already has too much to do.
 //!
-//! [`ProcessClock`] counts as [`crate::patience`] does: a ticker task ticks
-//! every [`TICK`], and a tick that wakes late counts one tick, not the
-//! lateness. It is a [`hyper::rt::Timer`] whose `now()` is that count, so
+//! [`ProcessClock`] counts only the time this process could run: a ticker
+//! task ticks every [`TICK`], and a tick that wakes late counts one tick,
+//! not the lateness. It is a [`hyper::rt::Timer`] whose `now()` is that count, so
 //! hyper's whole keep-alive (when it last read, when the next ping is due,
 //! when the answer is late) runs on it. A peer that is silent while this
 //! process runs freely is given up on after `timeout` as before; a starved
 //! process waits longer, and every sleep still ends by the wall clock
 //! `slack` after it would have ended unstarved (every wait has a deadline).
 //!
-//! One clock serves any number of connections: its ticker is one task,
+//! [`ProcessClock::patient`] waits for a peer's answer on the same count
+//! (a daemon's wait for its Welcome).
+//!
+//! One clock serves any number of connections and waits: its ticker is one task,
 //! started on the runtime of the first sleep that waits on it (and again if
 //! that runtime ends), and sleepers are woken from one ordered map.
 
@@ -31,7 +34,8 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 use tokio::time::MissedTickBehavior;
 
-pub use crate::patience::TICK;
+/// How often a clock ticks.
+pub const TICK: Duration = Duration::from_millis(250);
 
 /// The time this process could run since the clock was made, counted in
 /// [`TICK`]s. Clones share the clock.
@@ -95,14 +99,21 @@ impl ProcessClock {
     /// (at least one tick for any `d` above zero), or `d + slack` of wall
     /// time has passed.
     pub fn sleep(&self, d: Duration) -> ProcessSleep {
+        self.sleep_at_most(d, d + self.inner.slack)
+    }
+
+    /// A sleep that ends once `d` of this process's time has been counted,
+    /// or `most` of wall time has passed.
+    fn sleep_at_most(&self, d: Duration, most: Duration) -> ProcessSleep {
         let due = self.ticks() + ticks_for(d);
         ProcessSleep {
             inner: self.inner.clone(),
             due,
             id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
             registered: false,
+            waker: None,
             most: Most {
-                at: Instant::now() + d + self.inner.slack,
+                at: Instant::now() + most,
                 timer: None,
             },
         }
@@ -112,6 +123,42 @@ impl ProcessClock {
     pub fn sleep_until(&self, deadline: Instant) -> ProcessSleep {
         self.sleep(deadline.saturating_duration_since(self.now()))
     }
+
+    /// `f`'s output, or [`GaveUp`] once `limit` of this process's time has
+    /// been counted without it, or `most` of wall time has passed: a wait
+    /// for a peer that a busy process cannot mistake for a silent peer
+    /// (`tokio::time::timeout` would give up on an answer that sits unread
+    /// while the process waits for a core).
+    pub async fn patient<F: Future>(
+        &self,
+        limit: Duration,
+        most: Duration,
+        f: F,
+    ) -> Result<F::Output, GaveUp> {
+        let start = Instant::now();
+        let from = self.ticks();
+        let sleep = self.sleep_at_most(limit, most);
+        tokio::pin!(f, sleep);
+        tokio::select! {
+            // The answer first: one that arrived while this process waited
+            // for a core is taken even when the clock is also due.
+            biased;
+            out = &mut f => Ok(out),
+            () = &mut sleep => Err(GaveUp {
+                counted: ticks_to_duration(self.ticks().saturating_sub(from)),
+                waited: start.elapsed(),
+            }),
+        }
+    }
+}
+
+/// Why [`ProcessClock::patient`] gave up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GaveUp {
+    /// The time counted while this process ran.
+    pub counted: Duration,
+    /// The wall time waited.
+    pub waited: Duration,
 }
 
 impl Inner {
@@ -186,6 +233,8 @@ pub struct ProcessSleep {
     due: u64,
     id: u64,
     registered: bool,
+    /// The waker last registered, to tell whether a poll must register again.
+    waker: Option<Waker>,
     most: Most,
 }
 
@@ -228,6 +277,11 @@ impl Future for ProcessSleep {
             this.forget();
             return Poll::Ready(());
         }
+        // Registered already with a waker that wakes this task: the tick
+        // that makes it due wakes it, so nothing to lock.
+        if this.registered && this.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            return Poll::Pending;
+        }
         this.inner.ensure_ticking();
         {
             let mut sleepers = this.inner.sleepers.lock().expect("sleepers lock");
@@ -240,6 +294,7 @@ impl Future for ProcessSleep {
             }
             sleepers.insert((this.due, this.id), cx.waker().clone());
             this.registered = true;
+            this.waker = Some(cx.waker().clone());
         }
         Poll::Pending
     }
@@ -270,7 +325,80 @@ impl hyper::rt::Timer for ProcessClock {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::patience::hog;
+
+    /// Holds the runtime's only thread a second at a time, as a process
+    /// short of cores is held.
+    async fn hog() {
+        loop {
+            std::thread::sleep(Duration::from_millis(1000));
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_silent_peer_is_given_up_on_after_the_limit_when_the_process_runs_freely() {
+        let clock = ProcessClock::new(Duration::from_secs(30));
+        let t = Instant::now();
+        let r = clock
+            .patient(
+                Duration::from_secs(1),
+                Duration::from_secs(10),
+                std::future::pending::<()>(),
+            )
+            .await;
+        let gave = r.expect_err("nothing answers");
+        assert!(gave.counted >= Duration::from_secs(1), "{gave:?}");
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_process_that_cannot_run_waits_longer_but_not_past_its_most() {
+        // Another task holds the only thread most of the time: the wall
+        // clock runs, the process clock mostly does not.
+        let clock = ProcessClock::new(Duration::from_secs(30));
+        let hog = tokio::spawn(hog());
+        let t = Instant::now();
+        let r = clock
+            .patient(
+                Duration::from_secs(1),
+                Duration::from_secs(6),
+                std::future::pending::<()>(),
+            )
+            .await;
+        let patient_waited = t.elapsed();
+        // A plain timeout of the same limit, as starved, gives up as soon
+        // as the process runs after the limit: what sent nodes into a
+        // reconnect spiral.
+        let t = Instant::now();
+        let plain =
+            tokio::time::timeout(Duration::from_secs(1), std::future::pending::<()>()).await;
+        let plain_waited = t.elapsed();
+        hog.abort();
+        let gave = r.expect_err("nothing answers");
+        assert!(plain.is_err());
+        assert!(
+            gave.waited > Duration::from_secs(2) && patient_waited > plain_waited,
+            "a starved process waits past its limit: {gave:?}, a plain timeout {plain_waited:?}"
+        );
+        assert!(
+            patient_waited < Duration::from_secs(8),
+            "and no more than its most: {patient_waited:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_answer_that_came_while_the_process_waited_is_taken() {
+        let clock = ProcessClock::new(Duration::from_secs(30));
+        let hog = tokio::spawn(hog());
+        // The answer is due after 1.5 s of wall time, past the 1 s limit of
+        // a plain timeout; the starved process still takes it.
+        let answer = tokio::time::sleep(Duration::from_millis(1500));
+        let r = clock
+            .patient(Duration::from_secs(1), Duration::from_secs(10), answer)
+            .await;
+        hog.abort();
+        assert!(r.is_ok(), "{r:?}");
+    }
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_sleep_in_a_free_process_ends_on_time() {
