@@ -872,9 +872,10 @@ impl Flusher {
         }
         let names: Vec<&str> = counts.keys().copied().collect();
         let adds: Vec<i64> = counts.values().copied().collect();
+        let begin = begin_sql(self.config.attempt_timeout);
         let conn = self.connect().await?;
         conn.client
-            .batch_execute("BEGIN; SET LOCAL synchronous_commit TO off")
+            .batch_execute(&begin)
             .await
             .map_err(db_err("begin an append"))?;
         let bumped = match &conn.prepared {
@@ -992,6 +993,23 @@ impl Flusher {
         }
         Ok(Attempt::Committed(outs))
     }
+}
+
+/// An append's opening. Its commit is asynchronous (see
+/// [`COMMIT_AND_FLUSH`]), and the server ends the transaction, releasing
+/// its streams' row locks and the log head, once it has waited for the
+/// client's next statement as long as the client waits for the whole batch
+/// (`idle_in_transaction_session_timeout`): an appender cut off from the
+/// server between two statements (a link gone silent, no reset ever sent)
+/// would otherwise hold the rows of every stream in its batch until the
+/// server's TCP keepalive gave up on it, hours later, and every other
+/// writer of those streams would wait on them.
+fn begin_sql(limit: Duration) -> String {
+    format!(
+        "BEGIN; SET LOCAL synchronous_commit TO off; \
+         SET LOCAL idle_in_transaction_session_timeout = {}",
+        limit.as_millis().max(1)
+    )
 }
 
 /// The append's asynchronous commit followed by the flush barrier, sent as

@@ -2,11 +2,13 @@
 //! `strata` needs: private clusters and databases for tests (`clusters.rs`),
 //! a private PgBouncer (`bouncer.rs`), and the one way a test waits for a
 //! condition (`poll.rs`); standbys made synchronous, cut off and let back
-//! (`standbys.rs`); a headless Chromium driven over WebDriver (`browser.rs`).
+//! (`standbys.rs`); a headless Chromium driven over WebDriver (`browser.rs`);
+//! a TCP proxy whose links can be cut or held silent (`cut.rs`).
 
 mod bouncer;
 pub mod browser;
 mod clusters;
+pub mod cut;
 mod poll;
 pub mod standbys;
 

@@ -754,3 +754,105 @@ async fn a_database_that_stops_answering_fails_appends_in_bounded_time_and_they_
         .await
         .unwrap();
 }
+
+/// An appender cut off from the server inside its transaction (the link
+/// silent, no reset ever sent) leaves its backend idle in the transaction,
+/// holding the row locks of its streams. The server ends that transaction
+/// once it has waited as long as the appender waits for a batch, so the
+/// stream's other writers go on: without it they waited until the server's
+/// TCP keepalive gave up on the link, hours later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_appender_cut_off_inside_its_transaction_does_not_hold_its_streams() {
+    let (cfg, client) = db().await;
+    let direct = appender(&cfg);
+    direct
+        .append("held/1", ExpectedVersion::NoStream, vec![ev(1)])
+        .await
+        .unwrap();
+    // The appender to be cut off reaches the server through a proxy.
+    let host = match &cfg.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(h) => h.clone(),
+        other => panic!("a TCP host, not {other:?}"),
+    };
+    let upstream: std::net::SocketAddr = format!("{host}:{}", cfg.get_ports()[0]).parse().unwrap();
+    let proxy = testkit::cut::Cut::to(upstream).await;
+    let via: tokio_postgres::Config = format!(
+        "postgres://{}@{}/{}",
+        cfg.get_user().unwrap(),
+        proxy.addr,
+        cfg.get_dbname().unwrap()
+    )
+    .parse()
+    .unwrap();
+    let limit = Duration::from_secs(2);
+    let cut_off = Appender::start(
+        via,
+        AppenderConfig {
+            attempt_timeout: limit,
+            ..AppenderConfig::default()
+        },
+    );
+    // Its stream bump waits on the stream's row, locked here ...
+    let mut locker = events::db::connect(&cfg, "locker").await.unwrap();
+    let lock = locker.transaction().await.unwrap();
+    lock.execute(
+        "SELECT 1 FROM strata.streams WHERE stream = 'held/1' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let stuck = tokio::spawn(async move {
+        cut_off
+            .append("held/1", ExpectedVersion::Any, vec![ev(2)])
+            .await
+    });
+    testkit::eventually(
+        20,
+        "the cut-off appender's bump waiting on the row lock",
+        || {
+            let client = &client;
+            async move {
+                client
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity
+                      WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO strata.streams%'",
+                        &[],
+                    )
+                    .await
+                    .unwrap()
+                    .get::<_, i64>(0)
+                    == 1
+            }
+        },
+    )
+    .await;
+    // ... then the link goes silent and the lock is let go: the bump takes
+    // the row, and its answer never reaches the appender.
+    proxy.hold();
+    lock.commit().await.unwrap();
+    let started = std::time::Instant::now();
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        direct.append("held/1", ExpectedVersion::Any, vec![ev(3)]),
+    )
+    .await;
+    assert!(
+        matches!(r, Ok(Ok(_))),
+        "the stream's other writer went on: {r:?} after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        started.elapsed() < limit + Duration::from_secs(5),
+        "within the appender's own limit: {:?}",
+        started.elapsed()
+    );
+    let out = stuck.await.unwrap();
+    assert!(out.is_err(), "the cut-off append did not commit: {out:?}");
+    let versions: Vec<u64> = events::read::stream(&client, "held/1")
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.version)
+        .collect();
+    assert_eq!(versions, [1, 2], "the cut-off event is not in the log");
+}

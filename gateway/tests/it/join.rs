@@ -166,7 +166,7 @@ fn only_the_gateways_own_refusals_end_a_join() {
 async fn a_join_cut_off_in_flight_is_tried_again_not_taken_as_a_refusal() {
     let r = region().await;
     let gw = r.gateway("gw", |_| {}).await;
-    let proxy = cut::Cut::to(gw.addr).await;
+    let proxy = testkit::cut::Cut::to(gw.addr).await;
     let dir = tempfile::tempdir().unwrap();
     let mut c = config(vec![proxy.url()], dir.path(), "n-cut");
     c.token = Some(r.token().await);

@@ -21,7 +21,6 @@ use tokio_postgres::{Client, Config};
 mod api;
 mod authz;
 mod commands;
-mod cut;
 mod join;
 mod limits;
 mod placement;

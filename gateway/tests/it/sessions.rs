@@ -617,7 +617,7 @@ async fn a_gateway_whose_workers_are_all_busy_keeps_its_lease() {
 async fn a_gateway_cut_off_from_the_database_gives_its_sessions_up_within_its_lease() {
     let r = region().await;
     // gw-a reaches PostgreSQL through a link the test can silence.
-    let pg = cut::Cut::to(
+    let pg = testkit::cut::Cut::to(
         format!("127.0.0.1:{}", r.cfg.get_ports()[0])
             .parse()
             .unwrap(),

@@ -1,6 +1,7 @@
 //! A TCP proxy whose connections can be cut (the network failing under a
 //! request that is in flight) or held (a link that goes silent: bytes
-//! sent get no answer, no connection is refused or closed, new ones hang).
+//! sent get no answer, no connection is refused or closed, new ones hang,
+//! and a side that closes is not heard by the other).
 
 use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -15,7 +16,10 @@ pub struct Cut {
     held: watch::Sender<bool>,
 }
 
-/// Copies `from` to `to`, holding what it read while `held` says so.
+/// Copies `from` to `to`, holding what it read while `held` says so. A
+/// side that closes while the link is held is not passed on until the link
+/// is let go: over a silent link the other end hears nothing, not even a
+/// close.
 async fn pump(
     mut from: impl AsyncRead + Unpin,
     mut to: impl AsyncWrite + Unpin,
@@ -24,7 +28,10 @@ async fn pump(
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => {
+                let _ = held.wait_for(|h| !*h).await;
+                return;
+            }
             Ok(n) => n,
         };
         if held.wait_for(|h| !*h).await.is_err() || to.write_all(&buf[..n]).await.is_err() {
