@@ -258,10 +258,16 @@ pub struct Tracked {
     pub outcome: Option<serde_json::Value>,
 }
 
-/// Commands folded from events, by id.
+/// Commands folded from events, by id, and the ids of each node's.
+///
+/// A gateway looks up a node's commands whenever the node's session opens:
+/// by node, not by a scan of every command it tracks, which in a storm
+/// (a fleet re-homing while commands for unreachable nodes pile up) made
+/// each opening cost as much as the whole table, under its lock.
 #[derive(Debug, Default)]
 pub struct Commands {
-    pub by_id: HashMap<String, Tracked>,
+    by_id: HashMap<String, Tracked>,
+    by_node: HashMap<String, std::collections::BTreeSet<String>>,
 }
 
 impl Commands {
@@ -275,15 +281,12 @@ impl Commands {
             if self.by_id.contains_key(id) {
                 return None;
             }
-            self.by_id.insert(
-                id.to_string(),
-                Tracked {
-                    command,
-                    state,
-                    version: e.version,
-                    outcome: None,
-                },
-            );
+            self.insert(Tracked {
+                command,
+                state,
+                version: e.version,
+                outcome: None,
+            });
             return Some(id.to_string());
         }
         let t = self.by_id.get_mut(id)?;
@@ -303,6 +306,69 @@ impl Commands {
 }
 
 impl Commands {
+    /// The command `id`, if tracked.
+    pub fn get(&self, id: &str) -> Option<&Tracked> {
+        self.by_id.get(id)
+    }
+
+    /// Every command tracked.
+    pub fn values(&self) -> impl Iterator<Item = &Tracked> {
+        self.by_id.values()
+    }
+
+    /// How many commands are tracked.
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// The commands of `node` not yet finished, oldest deadline first.
+    pub fn open_for(&self, node: &str) -> Vec<&Tracked> {
+        let mut open: Vec<&Tracked> = self
+            .by_node
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.by_id.get(id))
+            .filter(|t| !t.state.is_terminal())
+            .collect();
+        open.sort_by_key(|t| t.command.deadline_ms);
+        open
+    }
+
+    /// Tracks `t`, unless its command is tracked at the same or a later
+    /// version already. Whether it was taken.
+    pub fn insert(&mut self, t: Tracked) -> bool {
+        if self
+            .by_id
+            .get(&t.command.id)
+            .is_some_and(|known| known.version >= t.version)
+        {
+            return false;
+        }
+        self.by_node
+            .entry(t.command.node.clone())
+            .or_default()
+            .insert(t.command.id.clone());
+        self.by_id.insert(t.command.id.clone(), t);
+        true
+    }
+
+    /// Stops tracking `id`.
+    pub fn remove(&mut self, id: &str) -> Option<Tracked> {
+        let t = self.by_id.remove(id)?;
+        if let Some(ids) = self.by_node.get_mut(&t.command.node) {
+            ids.remove(id);
+            if ids.is_empty() {
+                self.by_node.remove(&t.command.node);
+            }
+        }
+        Some(t)
+    }
+
     /// Records a transition this process wrote itself (at `version`),
     /// before the subscription brings it back. A terminal one carries its
     /// outcome (`payload`) at once: the next event of the stream seen (an
@@ -366,7 +432,7 @@ pub async fn list(
     }
     let mut out: Vec<Tracked> = streams
         .iter()
-        .filter_map(|s| commands.by_id.remove(s.trim_start_matches("command/")))
+        .filter_map(|s| commands.remove(s.trim_start_matches("command/")))
         .collect();
     out.reverse();
     Ok(out)
@@ -438,5 +504,39 @@ mod tests {
         let t = &c.by_id["c1"];
         assert!(t.state.is_terminal());
         assert_eq!(t.outcome.as_ref(), Some(&outcome));
+    }
+
+    #[test]
+    fn a_nodes_open_commands_are_found_by_its_node_and_let_go_once_finished() {
+        let mut c = Commands::default();
+        for (id, node, deadline) in [("a", "n1", 3), ("b", "n2", 1), ("c", "n1", 2)] {
+            let issued = serde_json::json!({"id": id, "node": node, "kind": "diag.nvml", "args": {}, "deadline_ms": deadline, "issued_by": "t"});
+            let mut e = event(1, ISSUED, &issued.to_string());
+            e.stream = command_stream(id);
+            c.apply(&e);
+        }
+        let ids = |c: &Commands, node: &str| -> Vec<String> {
+            c.open_for(node)
+                .iter()
+                .map(|t| t.command.id.clone())
+                .collect()
+        };
+        assert_eq!(ids(&c, "n1"), ["c", "a"], "oldest deadline first");
+        assert_eq!(ids(&c, "n2"), ["b"]);
+        assert!(ids(&c, "n3").is_empty());
+        // Finished: no longer open, then no longer tracked.
+        let mut done = event(2, SUCCEEDED, "{}");
+        done.stream = command_stream("c");
+        c.apply(&done);
+        assert_eq!(ids(&c, "n1"), ["a"]);
+        c.remove("c");
+        c.remove("a");
+        assert!(ids(&c, "n1").is_empty());
+        assert!(!c.by_node.contains_key("n1"), "{:?}", c.by_node);
+        assert_eq!(c.len(), 1);
+        // An older copy (a reload from the table) does not replace a newer one.
+        let mut older = c.get("b").unwrap().clone();
+        older.version = 0;
+        assert!(!c.insert(older));
     }
 }

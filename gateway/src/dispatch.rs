@@ -39,7 +39,7 @@ pub(crate) async fn command_transition(
     for _ in 0..3 {
         let version = {
             let cmds = shared.commands.lock().expect("commands lock");
-            match cmds.by_id.get(id) {
+            match cmds.get(id) {
                 None => {
                     tracing::debug!(%node, command = %id, "a report for a command this gateway does not know (finished, or not yet seen)");
                     return Ok(());
@@ -79,7 +79,6 @@ pub(crate) async fn command_transition(
                         .commands
                         .lock()
                         .expect("commands lock")
-                        .by_id
                         .get(id)
                         .is_none_or(|t| t.version >= actual);
                     if seen {
@@ -149,13 +148,8 @@ async fn resubscribe(shared: &Shared) -> Result<events::Subscription, String> {
         let mut cmds = shared.commands.lock().expect("commands lock");
         for t in open {
             push.push(t.command.clone());
-            match cmds.by_id.get_mut(&t.command.id) {
-                Some(known) if known.version >= t.version => {}
-                Some(known) => *known = t,
-                None => {
-                    cmds.by_id.insert(t.command.id.clone(), t);
-                }
-            }
+            // Taken where it is newer than what the subscription brought.
+            cmds.insert(t);
         }
     }
     let sessions = shared.sessions.lock().expect("sessions lock");
@@ -250,11 +244,11 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                     let changed = cmds.apply(&e);
                     let id = e.stream.trim_start_matches("command/");
                     let push = (changed.is_some() && e.event_type == commands::ISSUED)
-                        .then(|| cmds.by_id.get(id).map(|t| t.command.clone()))
+                        .then(|| cmds.get(id).map(|t| t.command.clone()))
                         .flatten();
                     // Terminal commands are no longer needed here.
-                    if cmds.by_id.get(id).is_some_and(|t| t.state.is_terminal()) {
-                        if let Some(t) = cmds.by_id.remove(id) {
+                    if cmds.get(id).is_some_and(|t| t.state.is_terminal()) {
+                        if let Some(t) = cmds.remove(id) {
                             shared.notify(&format!("c:{id}"), || Waited::Command(t.clone()));
                         }
                     }
@@ -292,7 +286,6 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                     .commands
                     .lock()
                     .expect("commands lock")
-                    .by_id
                     .values()
                     .filter(|t| !t.state.is_terminal() && t.command.deadline_ms + 1000 < now)
                     .map(|t| (t.command.id.clone(), t.version))

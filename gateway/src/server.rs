@@ -116,7 +116,9 @@ pub async fn start(
         let open = commands::open(&client).await?;
         let mut cmds = shared.commands.lock().expect("commands lock");
         for t in open {
-            cmds.by_id.entry(t.command.id.clone()).or_insert(t);
+            if cmds.get(&t.command.id).is_none() {
+                cmds.insert(t);
+            }
         }
         Ok::<_, GatewayError>(sub)
     }

@@ -386,13 +386,10 @@ fn register(shared: &Shared, node: &str, pool: &str, epoch: u64, tx: &Outbox) {
 async fn send_open_commands(shared: &Shared, node: &str, tx: &Outbox) -> bool {
     let pending: Vec<GatewayMessage> = {
         let cmds = shared.commands.lock().expect("commands lock");
-        let mut open: Vec<_> = cmds
-            .by_id
-            .values()
-            .filter(|t| t.command.node == node && !t.state.is_terminal())
-            .collect();
-        open.sort_by_key(|t| t.command.deadline_ms);
-        open.into_iter().map(|t| to_message(&t.command)).collect()
+        cmds.open_for(node)
+            .into_iter()
+            .map(|t| to_message(&t.command))
+            .collect()
     };
     for m in pending {
         if tx.send(Ok(m)).await.is_err() {
