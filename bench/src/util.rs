@@ -40,10 +40,20 @@ fn cluster_serving(tls: Option<schema::cluster::ClusterTls>) -> Result<(Cluster,
     cluster_with(tls, |_| {})
 }
 
-/// The same, also reachable from the region drill's network namespaces
-/// (`10.77.0.0/16`, see `region::net`), with initdb's trust rules.
-pub fn cluster_for_namespaces() -> Result<Cluster> {
+/// The region drill's cluster: reachable from its network namespaces
+/// where `namespaces` (`10.77.0.0/16`, see `region::net`, with initdb's
+/// trust rules), and with `pg_stat_statements` loaded where `statements`.
+pub fn region_cluster(namespaces: bool, statements: bool) -> Result<Cluster> {
     Ok(cluster_with(None, |o| {
+        if statements {
+            o.settings.push((
+                "shared_preload_libraries".into(),
+                "pg_stat_statements".into(),
+            ));
+        }
+        if !namespaces {
+            return;
+        }
         o.settings.push(("listen_addresses".into(), "*".into()));
         o.hba = Some(
             "local all all trust\n\

@@ -15,7 +15,7 @@
 
 use domain::{canonical_type, stored_types};
 use events::db::Sql;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use tokio_postgres::Client;
 
 /// One broken invariant.
@@ -249,69 +249,102 @@ async fn commands(client: &Client, report: &mut Report) -> Result<(), tokio_post
     Ok(())
 }
 
-/// The placements' devices folded in log order.
-struct Placements {
+/// The placements' devices folded in log order; [`Placements::catch_up`]
+/// folds what was appended since it last read, so a caller that looks
+/// again and again (a drill waiting for devices to free) reads each row
+/// once.
+#[derive(Default)]
+pub struct Placements {
     placements: u64,
     /// (pool stream, node, device) -> (reservation, position placed).
     held: HashMap<(String, String, String), (String, i64)>,
     /// (position held, position placed again, what).
     doubles: Vec<(i64, i64, String)>,
+    /// (pool stream, reservation) -> the (node, device) it was placed on.
+    by_reservation: HashMap<(String, String), Vec<(String, String)>>,
+    /// The last position folded.
+    position: i64,
 }
 
-async fn placements(client: &Client) -> Result<Placements, tokio_postgres::Error> {
-    let rows = client
-        .rows(
-            "SELECT position, stream, type, payload::text FROM strata.events
-              WHERE stream LIKE 'pool/%' AND type = ANY($1) ORDER BY position",
-            &[&types(&[
-                "reservation.placed",
-                "reservation.released",
-                "reservation.expired",
-                "reservation.failed",
-                "reservation.preempted",
-            ])],
-        )
-        .await?;
-    let mut f = Placements {
-        placements: 0,
-        held: HashMap::new(),
-        doubles: Vec::new(),
-    };
-    let mut by_reservation: HashMap<(String, String), Vec<(String, String)>> = HashMap::new();
-    for r in &rows {
-        let (position, stream, t, payload): (i64, String, String, String) =
-            (r.get(0), r.get(1), r.get(2), r.get(3));
+impl Placements {
+    /// Folds the placement events appended since the last call.
+    ///
+    /// Positions become visible in order (the log head is held until each
+    /// append commits), so no row at or below the last position folded
+    /// appears later.
+    pub async fn catch_up(&mut self, client: &Client) -> Result<(), tokio_postgres::Error> {
+        let rows = client
+            .rows(
+                "SELECT position, stream, type, payload::text FROM strata.events
+                  WHERE position > $2 AND stream LIKE 'pool/%' AND type = ANY($1)
+                  ORDER BY position",
+                &[
+                    &types(&[
+                        "reservation.placed",
+                        "reservation.released",
+                        "reservation.expired",
+                        "reservation.failed",
+                        "reservation.preempted",
+                    ]),
+                    &self.position,
+                ],
+            )
+            .await?;
+        for r in &rows {
+            self.fold(r.get(0), r.get(1), r.get(2), r.get(3));
+        }
+        Ok(())
+    }
+
+    fn fold(&mut self, position: i64, stream: String, t: String, payload: String) {
+        self.position = self.position.max(position);
         let p: serde_json::Value = serde_json::from_str(&payload).unwrap_or_default();
         let reservation = p["reservation"].as_str().unwrap_or_default().to_string();
         let key = (stream.clone(), reservation.clone());
         if canonical_type(&t) == "reservation.placed" {
-            f.placements += 1;
+            self.placements += 1;
             let mut taken = Vec::new();
             for a in p["allocations"].as_array().into_iter().flatten() {
                 let node = a["node"].as_str().unwrap_or_default().to_string();
                 for d in a["devices"].as_array().into_iter().flatten() {
                     let device = d.as_str().unwrap_or_default().to_string();
                     let slot = (stream.clone(), node.clone(), device.clone());
-                    if let Some((other, at)) = f.held.get(&slot) {
-                        f.doubles.push((*at, position, format!(
+                    if let Some((other, at)) = self.held.get(&slot) {
+                        self.doubles.push((*at, position, format!(
                             "device {device} of node {node} ({stream}) placed for {reservation} while {other} held it"
                         )));
                     } else {
-                        f.held.insert(slot, (reservation.clone(), position));
+                        self.held.insert(slot, (reservation.clone(), position));
                     }
                     taken.push((node.clone(), device));
                 }
             }
-            by_reservation.insert(key, taken);
-        } else if let Some(taken) = by_reservation.remove(&key) {
+            self.by_reservation.insert(key, taken);
+        } else if let Some(taken) = self.by_reservation.remove(&key) {
             for (node, device) in taken {
                 let slot = (stream.clone(), node, device);
-                if f.held.get(&slot).is_some_and(|(r, _)| *r == reservation) {
-                    f.held.remove(&slot);
+                if self.held.get(&slot).is_some_and(|(r, _)| *r == reservation) {
+                    self.held.remove(&slot);
                 }
             }
         }
     }
+
+    /// The reservations holding devices on each node, as folded so far.
+    pub fn live(&self) -> BTreeMap<String, BTreeSet<String>> {
+        let mut live: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for ((_, node, _), (reservation, _)) in &self.held {
+            live.entry(node.clone())
+                .or_default()
+                .insert(reservation.clone());
+        }
+        live
+    }
+}
+
+async fn placements(client: &Client) -> Result<Placements, tokio_postgres::Error> {
+    let mut f = Placements::default();
+    f.catch_up(client).await?;
     Ok(f)
 }
 
@@ -320,14 +353,6 @@ async fn placements(client: &Client) -> Result<Placements, tokio_postgres::Error
 /// the table like [`check`].
 pub async fn live_allocations(
     client: &Client,
-) -> Result<
-    std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
-    tokio_postgres::Error,
-> {
-    let mut live: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
-        Default::default();
-    for ((_, node, _), (reservation, _)) in placements(client).await?.held {
-        live.entry(node).or_default().insert(reservation);
-    }
-    Ok(live)
+) -> Result<BTreeMap<String, BTreeSet<String>>, tokio_postgres::Error> {
+    Ok(placements(client).await?.live())
 }

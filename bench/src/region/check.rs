@@ -59,8 +59,10 @@ pub async fn log(client: &Client, acked: &[String]) -> Result<(i64, Vec<Violatio
 /// waits up to `within` for them to agree before it reports a difference.
 pub async fn bound(client: &Client, fleet: &Fleet, within: Duration) -> Result<Vec<Violation>> {
     let deadline = Instant::now() + within;
+    let mut placements = replay::invariants::Placements::default();
     loop {
-        let live = replay::invariants::live_allocations(client).await?;
+        placements.catch_up(client).await?;
+        let live = placements.live();
         let mut differ = Vec::new();
         for n in &fleet.nodes {
             let on_node = node::allocation::bound_reservations(&n.dir);

@@ -2,6 +2,13 @@
 //! with fake GPUs, in this process, each with its own data folder, its own
 //! one-time join token (bound to its id) for its first start, and its own
 //! mutual-TLS session with one of the gateways.
+//!
+//! The daemons run on a runtime of their own ([`FLEET_THREADS`] threads):
+//! sharing the drill's, ten thousand of them queued every read and append
+//! of the drill's behind their own work, so that a read of the log's
+//! placements took minutes to collect its rows while the region waited.
+//! On threads of their own they still take their share of the cores, as
+//! machines of their own would not.
 
 use anyhow::Result;
 use node::daemon::{self, DaemonConfig, DaemonError, DaemonStats};
@@ -26,6 +33,9 @@ pub struct Node {
     token: Option<String>,
 }
 
+/// Threads of the fleet's runtime.
+pub const FLEET_THREADS: usize = 2;
+
 /// A running daemon: its stop, and its task.
 type Daemon = (watch::Sender<bool>, JoinHandle<Result<(), DaemonError>>);
 
@@ -42,6 +52,18 @@ pub struct Fleet {
     pub refusals: Vec<String>,
     /// Why each daemon that ended by itself did, as it happened.
     pub why: Arc<std::sync::Mutex<Vec<String>>>,
+    /// The runtime the daemons run on (`None` once shut down).
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        // Dropped inside the drill's runtime: a runtime may not wait for
+        // its threads there.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 impl Fleet {
@@ -81,6 +103,13 @@ impl Fleet {
             return_home: Duration::from_secs(30),
             refusals: Vec::new(),
             why: Arc::default(),
+            runtime: Some(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(FLEET_THREADS)
+                    .thread_name("fleet")
+                    .enable_all()
+                    .build()?,
+            ),
         })
     }
 
@@ -114,7 +143,8 @@ impl Fleet {
             }
             let (tx, rx) = watch::channel(false);
             let (stats, why, id) = (self.stats.clone(), self.why.clone(), n.id.clone());
-            let task = tokio::spawn(async move {
+            let runtime = self.runtime.as_ref().expect("the fleet's runtime runs");
+            let task = runtime.spawn(async move {
                 let r = daemon::run(c, stats, rx).await;
                 if let Err(e) = &r {
                     why.lock().expect("why lock").push(format!("{id}: {e}"));

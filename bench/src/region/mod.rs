@@ -53,6 +53,11 @@ pub struct Args {
     /// Run the placers, binders, sinks, maintenance and audit in two processes (`--roles placer,binder,sinks,audit,maintenance` and `--roles placer,binder`) instead of seven: five replication slots instead of eight (maintenance and audit hold none)
     #[arg(long)]
     shared_processes: bool,
+    /// Load `pg_stat_statements` and report the steady phase's statements
+    /// by the server time they took (`statements` in the steady phase's
+    /// figures); off by default, since tracking costs the server a little
+    #[arg(long)]
+    statements: bool,
     /// The faults to inject after the steady phase, comma-separated, in
     /// this order: power_cycle, gateway_kill, rack_power_loss, placer_kill,
     /// binder_kill, sinks_kill, postgres_crash, walsenders_terminated,
@@ -137,6 +142,8 @@ pub struct Options {
     /// The roles other than the gateways in two processes (one slot each)
     /// instead of seven.
     pub shared: bool,
+    /// Report the steady phase's statements (`pg_stat_statements`).
+    pub statements: bool,
     /// The faults to inject (of [`FAULTS`]), in that order.
     pub faults: Vec<&'static str>,
     /// How long a network fault is held before it is healed.
@@ -173,6 +180,7 @@ impl Options {
             },
             patience: Duration::from_secs(180),
             shared: false,
+            statements: false,
             faults: FAULTS.to_vec(),
             partition: Duration::from_secs(30),
             node_lost_after: Duration::from_secs(30),
@@ -193,6 +201,7 @@ pub async fn run(args: Args) -> Result<()> {
     let mut o = Options::sized(strata, nodes);
     o.pools = args.pools.max(1);
     o.shared = args.shared_processes;
+    o.statements = args.statements;
     o.faults = parse_faults(&args.faults)?;
     let partial = o.faults.len() < FAULTS.len();
     o.steady = Duration::from_secs(if args.quick { 20 } else { args.steady_seconds });
@@ -432,11 +441,9 @@ pub async fn start(o: &Options) -> Result<Region> {
         .prefix("strata-region-")
         .tempdir()?;
     eprintln!("starting a private PostgreSQL (fsync on) ...");
-    let cluster = if o.network() {
-        tokio::task::spawn_blocking(util::cluster_for_namespaces).await??
-    } else {
-        tokio::task::spawn_blocking(util::cluster).await??
-    };
+    let (namespaces, statements) = (o.network(), o.statements);
+    let cluster =
+        tokio::task::spawn_blocking(move || util::region_cluster(namespaces, statements)).await??;
     let cfg = util::database(&cluster, "region").await?;
     let standby_port = if o.faults.contains(&"standby_promoted") {
         Some(procs::free_port()?)

@@ -241,7 +241,9 @@ pub async fn rack_power_loss(r: &mut Region, o: &Options) -> Result<serde_json::
     // frees the victims' GPUs is the lost-node bound, not their owners.
     let pins = pin_every_node(r).await?;
     let pinned_by = Instant::now() + Duration::from_secs(30);
-    while busy(&r.client().await?, &nodes).await? < nodes.len() && Instant::now() < pinned_by {
+    let mut placements = replay::invariants::Placements::default();
+    let c = r.client().await?;
+    while busy(&c, &mut placements, &nodes).await? < nodes.len() && Instant::now() < pinned_by {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let t = SystemTime::now();
@@ -253,24 +255,37 @@ pub async fn rack_power_loss(r: &mut Region, o: &Options) -> Result<serde_json::
         .context("the victim gateway is a role of the region")?;
     tokio::join!(role.kill(), fleet.stop_these(&which));
     let c = r.client().await?;
-    let booked_at_cut = busy(&c, &nodes).await?;
+    let booked_at_cut = busy(&c, &mut placements, &nodes).await?;
     let mut freed = None;
     let mut marked = None;
     while cut.elapsed() < o.patience + o.node_lost_after {
         if marked.is_none() && marked_lost(r, &nodes, t).await? as usize == nodes.len() {
             marked = Some(round(cut.elapsed().as_secs_f64(), 1));
         }
-        if busy(&r.client().await?, &nodes).await? == 0 {
+        if busy(&c, &mut placements, &nodes).await? == 0 {
             freed = Some(round(cut.elapsed().as_secs_f64(), 1));
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     // The pins go (the probe needs room), then the rack comes back.
-    for id in &pins {
-        domain::requests::release(&r.appender, id, "drill", None)
-            .await
-            .with_context(|| format!("release pin {id}"))?;
+    {
+        use futures_util::{StreamExt, TryStreamExt};
+        let releases: Vec<_> = pins
+            .iter()
+            .map(|id| {
+                let (appender, id) = (r.appender.clone(), id.clone());
+                async move {
+                    domain::requests::release(&appender, &id, "drill", None)
+                        .await
+                        .with_context(|| format!("release pin {id}"))
+                }
+            })
+            .collect();
+        futures_util::stream::iter(releases)
+            .buffer_unordered(PINS_AT_ONCE)
+            .try_collect::<Vec<_>>()
+            .await?;
     }
     let recovery = probe(r, o, &r.pools[0].clone(), cut).await?;
     r.restart(&victim).await?;
@@ -291,9 +306,15 @@ pub async fn rack_power_loss(r: &mut Region, o: &Options) -> Result<serde_json::
     }))
 }
 
-/// How many of `nodes` the log still has live allocations on.
-async fn busy(c: &tokio_postgres::Client, nodes: &[String]) -> Result<usize> {
-    let live = replay::invariants::live_allocations(c).await?;
+/// How many of `nodes` the log still has live allocations on, folding
+/// into `placements` what was appended since it last looked.
+async fn busy(
+    c: &tokio_postgres::Client,
+    placements: &mut replay::invariants::Placements,
+    nodes: &[String],
+) -> Result<usize> {
+    placements.catch_up(c).await?;
+    let live = placements.live();
     Ok(nodes
         .iter()
         .filter(|n| live.get(*n).is_some_and(|s| !s.is_empty()))
@@ -303,32 +324,50 @@ async fn busy(c: &tokio_postgres::Client, nodes: &[String]) -> Result<usize> {
 /// As many whole-node reservations without an end as each pool has nodes,
 /// so every node that frees is taken; their ids.
 async fn pin_every_node(r: &Region) -> Result<Vec<String>> {
-    let mut ids = Vec::new();
-    for n in &r.fleet.nodes {
-        let id = format!("pin-{:016x}", fastrand::u64(..));
-        let request = domain::Request {
-            reservation: id.clone(),
-            pool: n.pool.clone(),
-            class: super::fleet::CLASS.into(),
-            gpus: 8,
-            shape: domain::Shape::Node,
-            priority: 0,
-            ttl_ms: None,
-            replace_on_failure: false,
-            replaces: None,
-            topology: None,
-            requeue_on_preemption: false,
-            start_ms: None,
-            queue: None,
-        };
-        r.appender
-            .append(
-                &domain::reservation_stream(&id),
-                events::ExpectedVersion::NoStream,
-                vec![domain::Fact::ReservationRequested(request).to_event()],
-            )
-            .await?;
-        ids.push(id);
-    }
-    Ok(ids)
+    use futures_util::{StreamExt, TryStreamExt};
+    let pins: Vec<_> = r
+        .fleet
+        .nodes
+        .iter()
+        .map(|n| {
+            let (appender, id) = (
+                r.appender.clone(),
+                format!("pin-{:016x}", fastrand::u64(..)),
+            );
+            let request = domain::Request {
+                reservation: id.clone(),
+                pool: n.pool.clone(),
+                class: super::fleet::CLASS.into(),
+                gpus: 8,
+                shape: domain::Shape::Node,
+                priority: 0,
+                ttl_ms: None,
+                replace_on_failure: false,
+                replaces: None,
+                topology: None,
+                requeue_on_preemption: false,
+                start_ms: None,
+                queue: None,
+            };
+            async move {
+                appender
+                    .append(
+                        &domain::reservation_stream(&id),
+                        events::ExpectedVersion::NoStream,
+                        vec![domain::Fact::ReservationRequested(request).to_event()],
+                    )
+                    .await?;
+                anyhow::Ok(id)
+            }
+        })
+        .collect();
+    // Many at once: one by one, each waiting for its commit on a busy
+    // region, 10,000 pins took hours.
+    futures_util::stream::iter(pins)
+        .buffer_unordered(PINS_AT_ONCE)
+        .try_collect()
+        .await
 }
+
+/// Pins appended or released at once.
+const PINS_AT_ONCE: usize = 256;

@@ -242,6 +242,13 @@ async fn sample(r: &Region, c: &tokio_postgres::Client) -> Result<Sample> {
 /// and what the log recorded in the window.
 pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<serde_json::Value> {
     let c = r.client().await?;
+    if o.statements {
+        c.batch_execute(
+            "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset()",
+        )
+        .await
+        .context("reset pg_stat_statements")?;
+    }
     load.stats.measuring.store(true, Ordering::Relaxed);
     let (t_a, first) = (SystemTime::now(), sample(r, &c).await?);
     let mut samples = vec![];
@@ -252,6 +259,16 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
     }
     let t_b = SystemTime::now();
     load.stats.measuring.store(false, Ordering::Relaxed);
+    // Read at the window's end, before the drill's own reads below.
+    let statements = if o.statements {
+        top_statements(
+            &c,
+            (t_b.duration_since(t_a).unwrap_or_default()).as_secs_f64(),
+        )
+        .await?
+    } else {
+        serde_json::Value::Null
+    };
     let last = samples.last().unwrap_or(&first);
     let secs = (last.at - first.at).as_secs_f64().max(1e-9);
     let mut roles = serde_json::Map::new();
@@ -332,6 +349,7 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
         "postgres_cpu_share": round((last.pg_cpu.total - first.pg_cpu.total) / secs, 3),
         "postgres_walsenders_cpu_share": round((last.pg_cpu.walsenders - first.pg_cpu.walsenders) / secs, 3),
         "postgres_cpu_by_client": pg_by_client,
+        "statements": statements,
         "roles": roles,
         "events_per_s": events_per_s,
         "event_mix_per_s": mix,
@@ -351,6 +369,37 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
         "not_offered": load.stats.not_offered.load(Ordering::Relaxed),
         "appends_given_up": load.stats.gave_up.load(Ordering::Relaxed),
     }))
+}
+
+/// The statements of the window that took the most server time
+/// (`pg_stat_statements`, reset at the window's start): calls per second,
+/// mean milliseconds, and the share of a core their execution took (time
+/// spent waiting, for a lock or a WAL flush, counts too: it is time, not
+/// CPU); largest first.
+async fn top_statements(c: &tokio_postgres::Client, secs: f64) -> Result<serde_json::Value> {
+    let rows = c
+        .query(
+            "SELECT regexp_replace(query, '\\s+', ' ', 'g'), calls,
+                    total_exec_time + total_plan_time, rows
+               FROM pg_stat_statements ORDER BY 3 DESC LIMIT 16",
+            &[],
+        )
+        .await
+        .context("read pg_stat_statements")?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let (query, calls, ms, n): (String, i64, f64, i64) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            serde_json::json!({
+                "query": query.chars().take(160).collect::<String>(),
+                "calls_per_s": round(calls as f64 / secs, 1),
+                "mean_ms": round(ms / (calls.max(1) as f64), 3),
+                "time_share": round(ms / 1000.0 / secs, 3),
+                "rows_per_call": round(n as f64 / (calls.max(1) as f64), 1),
+            })
+        })
+        .collect())
 }
 
 /// PostgreSQL's CPU in the window by what it served: each live backend's
@@ -468,6 +517,9 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
                     let delivered = r.hook.has(p as u64);
                     if delivered {
                         let took = round(since.elapsed().as_secs_f64(), 2);
+                        if took > SLOW_PROBE_S {
+                            tell_slow(r, &id, since).await;
+                        }
                         let _ = domain::requests::release(&r.appender, &id, "probe", None).await;
                         return Ok(Some(took));
                     }
@@ -480,6 +532,73 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
         }
     }
     Ok(None)
+}
+
+/// A recovery slower than this (the drill's target) tells where its probe
+/// spent the time.
+const SLOW_PROBE_S: f64 = 10.0;
+
+/// A probe that went the whole way, but slowly, on standard error: each
+/// event of its stream and of its bind commands, at seconds since the fault
+/// (`since`), so a slow recovery says which step held it.
+async fn tell_slow(r: &Region, id: &str, since: Instant) {
+    let fault = unix(SystemTime::now()) - since.elapsed().as_secs_f64();
+    let Ok(c) = events::db::connect(&r.cfg, "region-probe").await else {
+        return;
+    };
+    let stream = domain::reservation_stream(id);
+    let own = c
+        .query(
+            "SELECT payload FROM strata.events WHERE stream = $1",
+            &[&stream],
+        )
+        .await
+        .unwrap_or_default();
+    let mut nodes = Vec::new();
+    for row in &own {
+        nodes_in(&row.get::<_, serde_json::Value>(0), &mut nodes);
+    }
+    let mut streams: Vec<String> = nodes
+        .iter()
+        .map(|n| domain::commands::command_stream(&format!("bind:{id}:{n}")))
+        .collect();
+    streams.push(stream);
+    let rows = c
+        .query(
+            "SELECT type, extract(epoch FROM recorded_at)::float8 FROM strata.events
+              WHERE stream = ANY($1) ORDER BY position",
+            &[&streams],
+        )
+        .await
+        .unwrap_or_default();
+    let steps: Vec<String> = rows
+        .iter()
+        .map(|row| {
+            let at: f64 = row.get(1);
+            format!("{} {:.1} s", row.get::<_, String>(0), at - fault)
+        })
+        .collect();
+    eprintln!("probe {id}, after the fault: {}", steps.join(", "));
+}
+
+/// Every string under a key `node` in `v`, added to `out` once.
+fn nodes_in(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, x) in m {
+                match x {
+                    serde_json::Value::String(n) if k == "node" => {
+                        if !out.contains(n) {
+                            out.push(n.clone());
+                        }
+                    }
+                    _ => nodes_in(x, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|x| nodes_in(x, out)),
+        _ => {}
+    }
 }
 
 /// A probe that did not go the whole way in time, on standard error: every
