@@ -539,7 +539,8 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
 const SLOW_PROBE_S: f64 = 10.0;
 
 /// A probe that went the whole way, but slowly, on standard error: each
-/// event of its stream and of its bind commands, at seconds since the fault
+/// event of its stream, of its pool about it and of its bind commands, at
+/// seconds since the fault
 /// (`since`), so a slow recovery says which step held it.
 async fn tell_slow(r: &Region, id: &str, since: Instant) {
     let fault = unix(SystemTime::now()) - since.elapsed().as_secs_f64();
@@ -547,27 +548,29 @@ async fn tell_slow(r: &Region, id: &str, since: Instant) {
         return;
     };
     let stream = domain::reservation_stream(id);
+    // Its pool's word on it (placed, on which nodes) and its own stream.
     let own = c
         .query(
-            "SELECT payload FROM strata.events WHERE stream = $1",
-            &[&stream],
+            "SELECT position, payload FROM strata.events
+              WHERE stream = $1 OR (stream LIKE 'pool/%' AND payload->>'reservation' = $2)",
+            &[&stream, &id],
         )
         .await
         .unwrap_or_default();
     let mut nodes = Vec::new();
     for row in &own {
-        nodes_in(&row.get::<_, serde_json::Value>(0), &mut nodes);
+        nodes_in(&row.get::<_, serde_json::Value>(1), &mut nodes);
     }
-    let mut streams: Vec<String> = nodes
+    let positions: Vec<i64> = own.iter().map(|row| row.get(0)).collect();
+    let binds: Vec<String> = nodes
         .iter()
         .map(|n| domain::commands::command_stream(&format!("bind:{id}:{n}")))
         .collect();
-    streams.push(stream);
     let rows = c
         .query(
             "SELECT type, extract(epoch FROM recorded_at)::float8 FROM strata.events
-              WHERE stream = ANY($1) ORDER BY position",
-            &[&streams],
+              WHERE stream = ANY($1) OR position = ANY($2) ORDER BY position",
+            &[&binds, &positions],
         )
         .await
         .unwrap_or_default();
