@@ -1,7 +1,8 @@
 //! Commands from the log to the sessions holding their nodes: the
 //! dispatcher follows command events (and reservation outcomes, for API
-//! callers waiting on them), pushes new commands to the node's session,
-//! ends revoked nodes' sessions and expires overdue commands.
+//! callers waiting on them), pushes new commands to the node's session and
+//! ends revoked nodes' sessions. Overdue commands are expired apart
+//! (`expiry.rs`), so that expiring never holds up delivering.
 
 use crate::proto::{gateway_message, GatewayMessage};
 use crate::state::{Shared, Waited};
@@ -165,136 +166,143 @@ async fn resubscribe(shared: &Shared) -> Result<events::Subscription, String> {
 
 /// Follows the subscription until it fails; the failure.
 async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String {
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
-        tokio::select! {
-            e = sub.next() => {
-                let e = match e {
-                    Ok(e) => e,
-                    Err(err) => {
-                        tracing::error!(error = %err, "the gateway's command subscription failed");
-                        return format!("follow commands: {err}");
-                    }
-                };
-                sub.ack(e.position);
-                if e.event_type == crate::catalog::NODE_REVOKED {
-                    // A revoked node's live session ends now, not at its
-                    // next reconnect.
-                    if let Some(node) = e.stream.strip_prefix("node/") {
-                        let gone = shared.sessions.lock().expect("sessions lock").remove(node);
-                        if let Some(s) = gone {
-                            shared.stats.refused_identity.fetch_add(1, Ordering::Relaxed);
-                            let _ = s.tx.try_send(Err(Status::permission_denied(format!(
-                                "the certificate of node {node} is revoked"
-                            ))));
-                            tracing::info!(%node, "ended the session of a revoked node");
-                        }
-                    }
-                    continue;
-                }
-                // Only reservation facts are parsed: a node's inventory, the
-                // bulk of a pool's stream, never answers a waiting client.
-                if e.stream.starts_with("pool/")
-                    && domain::canonical_type(&e.event_type).starts_with("reservation.")
-                {
-                    let fact = Fact::parse(&e.event_type, &e.payload, &e.metadata).ok().flatten();
-                    // Placed, or how it ended: the states a waiting client hears.
-                    let state = fact.as_ref().and_then(|f| match f {
-                        Fact::ReservationPlaced { .. } => Some("placed"),
-                        Fact::ReservationPromised { .. } => Some("promised"),
-                        f => f.outcome(),
-                    });
-                    if let (Some(state), Some(fact)) = (state, fact) {
-                        if let Some(id) = fact.reservation() {
-                            let (reason, allocations) = match &fact {
-                                Fact::ReservationPlaced { allocations, .. } => (String::new(), allocations.clone()),
-                                Fact::ReservationPromised { allocations, start_ms, .. } => (
-                                    format!(
-                                        "promised from {}",
-                                        humantime::format_rfc3339_seconds(
-                                            std::time::UNIX_EPOCH
-                                                + std::time::Duration::from_millis(start_ms.unwrap_or_default())
-                                        )
-                                    ),
-                                    allocations.clone(),
-                                ),
-                                Fact::ReservationRejected { reason, .. } => (reason.clone(), Vec::new()),
-                                Fact::ReservationFailed { reason, replaced_by, .. } => {
-                                    (Fact::failure_reason(reason, replaced_by.as_deref()), Vec::new())
-                                }
-                                Fact::ReservationPreempted { by, reason, replaced_by, .. } => {
-                                    (Fact::failure_reason(&format!("{reason}, by {by}"), replaced_by.as_deref()), Vec::new())
-                                }
-                                _ => (String::new(), Vec::new()),
-                            };
-                            shared.notify(&format!("r:{id}"), || Waited::Reservation {
-                                state: state.to_string(),
-                                reason: reason.clone(),
-                                allocations: allocations.clone(),
-                            });
-                        }
-                    }
-                    continue;
-                }
-                if !e.stream.starts_with("command/") {
-                    continue;
-                }
-                let push = {
-                    let mut cmds = shared.commands.lock().expect("commands lock");
-                    let changed = cmds.apply(&e);
-                    let id = e.stream.trim_start_matches("command/");
-                    let push = (changed.is_some() && e.event_type == commands::ISSUED)
-                        .then(|| cmds.get(id).map(|t| t.command.clone()))
-                        .flatten();
-                    // Terminal commands are no longer needed here.
-                    if cmds.get(id).is_some_and(|t| t.state.is_terminal()) {
-                        if let Some(t) = cmds.remove(id) {
-                            shared.notify(&format!("c:{id}"), || Waited::Command(t.clone()));
-                        }
-                    }
-                    push
-                };
-                if let Some(c) = push {
-                    let tx = shared
-                        .sessions
-                        .lock()
-                        .expect("sessions lock")
-                        .get(&c.node)
-                        .filter(|s| !s.closed)
-                        .map(|s| s.tx.clone());
-                    if let Some(tx) = tx {
-                        if tx.try_send(Ok(to_message(&c))).is_ok() {
-                            shared.stats.commands_dispatched.fetch_add(1, Ordering::Relaxed);
-                            crate::metrics::command_dispatch_seconds().observe(
-                                std::time::SystemTime::now()
-                                    .duration_since(e.recorded_at)
-                                    .unwrap_or_default()
-                                    .as_secs_f64(),
-                            );
-                        } else {
-                            shared.stats.command_drops.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(node = %c.node, command = %c.id, "the session's queue is full; the command is sent again when the node reconnects");
-                        }
-                    }
+        let e = sub.next().await;
+        let e = match e {
+            Ok(e) => e,
+            Err(err) => {
+                tracing::error!(error = %err, "the gateway's command subscription failed");
+                return format!("follow commands: {err}");
+            }
+        };
+        sub.ack(e.position);
+        if e.event_type == crate::catalog::NODE_REVOKED {
+            // A revoked node's live session ends now, not at its
+            // next reconnect.
+            if let Some(node) = e.stream.strip_prefix("node/") {
+                let gone = shared.sessions.lock().expect("sessions lock").remove(node);
+                if let Some(s) = gone {
+                    shared
+                        .stats
+                        .refused_identity
+                        .fetch_add(1, Ordering::Relaxed);
+                    let _ = s.tx.try_send(Err(Status::permission_denied(format!(
+                        "the certificate of node {node} is revoked"
+                    ))));
+                    tracing::info!(%node, "ended the session of a revoked node");
                 }
             }
-            _ = tick.tick() => {
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64);
-                let overdue: Vec<(String, u64)> = shared
-                    .commands
-                    .lock()
-                    .expect("commands lock")
-                    .values()
-                    .filter(|t| !t.state.is_terminal() && t.command.deadline_ms + 1000 < now)
-                    .map(|t| (t.command.id.clone(), t.version))
-                    .collect();
-                for (id, version) in overdue {
-                    let payload = serde_json::json!({ "id": id, "gateway": shared.config.id });
-                    if commands::transition(&shared.appender, &id, version, commands::EXPIRED, &payload).await.is_ok() {
-                        shared.stats.commands_finished.fetch_add(1, Ordering::Relaxed);
-                    }
+            continue;
+        }
+        // Only reservation facts are parsed: a node's inventory, the
+        // bulk of a pool's stream, never answers a waiting client.
+        if e.stream.starts_with("pool/")
+            && domain::canonical_type(&e.event_type).starts_with("reservation.")
+        {
+            let fact = Fact::parse(&e.event_type, &e.payload, &e.metadata)
+                .ok()
+                .flatten();
+            // Placed, or how it ended: the states a waiting client hears.
+            let state = fact.as_ref().and_then(|f| match f {
+                Fact::ReservationPlaced { .. } => Some("placed"),
+                Fact::ReservationPromised { .. } => Some("promised"),
+                f => f.outcome(),
+            });
+            if let (Some(state), Some(fact)) = (state, fact) {
+                if let Some(id) = fact.reservation() {
+                    let (reason, allocations) = match &fact {
+                        Fact::ReservationPlaced { allocations, .. } => {
+                            (String::new(), allocations.clone())
+                        }
+                        Fact::ReservationPromised {
+                            allocations,
+                            start_ms,
+                            ..
+                        } => (
+                            format!(
+                                "promised from {}",
+                                humantime::format_rfc3339_seconds(
+                                    std::time::UNIX_EPOCH
+                                        + std::time::Duration::from_millis(
+                                            start_ms.unwrap_or_default()
+                                        )
+                                )
+                            ),
+                            allocations.clone(),
+                        ),
+                        Fact::ReservationRejected { reason, .. } => (reason.clone(), Vec::new()),
+                        Fact::ReservationFailed {
+                            reason,
+                            replaced_by,
+                            ..
+                        } => (
+                            Fact::failure_reason(reason, replaced_by.as_deref()),
+                            Vec::new(),
+                        ),
+                        Fact::ReservationPreempted {
+                            by,
+                            reason,
+                            replaced_by,
+                            ..
+                        } => (
+                            Fact::failure_reason(
+                                &format!("{reason}, by {by}"),
+                                replaced_by.as_deref(),
+                            ),
+                            Vec::new(),
+                        ),
+                        _ => (String::new(), Vec::new()),
+                    };
+                    shared.notify(&format!("r:{id}"), || Waited::Reservation {
+                        state: state.to_string(),
+                        reason: reason.clone(),
+                        allocations: allocations.clone(),
+                    });
+                }
+            }
+            continue;
+        }
+        if !e.stream.starts_with("command/") {
+            continue;
+        }
+        let push = {
+            let mut cmds = shared.commands.lock().expect("commands lock");
+            let changed = cmds.apply(&e);
+            let id = e.stream.trim_start_matches("command/");
+            let push = (changed.is_some() && e.event_type == commands::ISSUED)
+                .then(|| cmds.get(id).map(|t| t.command.clone()))
+                .flatten();
+            // Terminal commands are no longer needed here.
+            if cmds.get(id).is_some_and(|t| t.state.is_terminal()) {
+                if let Some(t) = cmds.remove(id) {
+                    shared.notify(&format!("c:{id}"), || Waited::Command(t.clone()));
+                }
+            }
+            push
+        };
+        if let Some(c) = push {
+            let tx = shared
+                .sessions
+                .lock()
+                .expect("sessions lock")
+                .get(&c.node)
+                .filter(|s| !s.closed)
+                .map(|s| s.tx.clone());
+            if let Some(tx) = tx {
+                if tx.try_send(Ok(to_message(&c))).is_ok() {
+                    shared
+                        .stats
+                        .commands_dispatched
+                        .fetch_add(1, Ordering::Relaxed);
+                    crate::metrics::command_dispatch_seconds().observe(
+                        std::time::SystemTime::now()
+                            .duration_since(e.recorded_at)
+                            .unwrap_or_default()
+                            .as_secs_f64(),
+                    );
+                } else {
+                    shared.stats.command_drops.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(node = %c.node, command = %c.id, "the session's queue is full; the command is sent again when the node reconnects");
                 }
             }
         }

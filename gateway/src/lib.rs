@@ -10,6 +10,7 @@ mod damping;
 pub mod dcgm_level;
 mod deadline;
 mod dispatch;
+mod expiry;
 pub mod grants;
 mod handshakes;
 pub mod identity;

@@ -129,6 +129,7 @@ pub async fn start(
         orphans.abort();
     })?;
     let dispatcher = ops::task::spawn("gateway-commands", dispatcher(shared.clone(), sub));
+    let expirer = ops::task::spawn("gateway-expiry", crate::expiry::expirer(shared.clone()));
     let max = shared.config.max_message_bytes;
     let join = join_server::JoinServer::new(JoinService {
         shared: shared.clone(),
@@ -197,6 +198,7 @@ pub async fn start(
         sweeper.abort();
         orphans.abort();
         dispatcher.abort();
+        expirer.abort();
         renewer.abort();
         // End the sessions' streams so the server can finish.
         shared.sessions.lock().expect("sessions lock").clear();

@@ -209,3 +209,69 @@ async fn a_command_a_synchronous_standby_lacks_is_not_loaded_as_open() {
         ["lagging"]
     );
 }
+
+/// Expiring overdue commands never holds up delivering new ones. Expiry
+/// was the dispatcher's own work, one append after another in the loop
+/// that pushes new commands to sessions: with thousands due at once (a
+/// storm's binds to unreachable nodes), a fresh command waited for all of
+/// them, fell due in its turn, and a 10,000-node region stopped
+/// delivering commands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_expiring_thousands_of_overdue_commands_still_delivers_a_new_one_at_once() {
+    let r = region().await;
+    let a = r.gateway("gw-a", |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let c = joining(&r, &a, dir.path(), "n1").await;
+    let n = start(c);
+    testkit::eventually(20, "the session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // Overdue commands for a node that is away.
+    const DUE: usize = 5_000;
+    let past = now_ms() - 10_000;
+    let issues =
+        (0..DUE).map(|i| {
+            let appender = r.appender.clone();
+            async move {
+                domain::commands::issue(&appender, &diag(&format!("late-{i}"), "n9", past)).await
+            }
+        });
+    for r in futures_util::future::join_all(issues).await {
+        r.unwrap();
+    }
+    let expired = || async {
+        r.client
+            .query_one(
+                "SELECT count(*) FROM strata.events WHERE type = 'command.expired'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    testkit::eventually(30, "the gateway begins to expire them", || async {
+        expired().await > 0
+    })
+    .await;
+    // A new command for the node that is here, while they expire.
+    let issued = std::time::Instant::now();
+    domain::commands::issue(&r.appender, &diag("fresh", "n1", now_ms() + 60_000))
+        .await
+        .unwrap();
+    testkit::eventually(30, "the fresh command is acknowledged", || async {
+        states(&r, "fresh").await.len() >= 2
+    })
+    .await;
+    let took = issued.elapsed();
+    let done_by_then = expired().await;
+    assert!(
+        took < Duration::from_secs(2),
+        "acknowledged {took:?} after it was issued ({done_by_then} of {DUE} expired by then)"
+    );
+    testkit::eventually(60, "every overdue command expires, once", || async {
+        expired().await == DUE as i64
+    })
+    .await;
+    n.stop().await.unwrap();
+}
