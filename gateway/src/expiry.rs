@@ -18,6 +18,7 @@
 
 use crate::state::Shared;
 use domain::commands;
+use events::AppendError;
 use futures_util::StreamExt;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -43,36 +44,40 @@ pub(crate) async fn expirer(shared: Arc<Shared>) {
     loop {
         tick.tick().await;
         let due = due(&shared, &mut tried);
-        let results: Vec<(String, u64, bool)> = futures_util::stream::iter(due)
+        let results: Vec<(String, u64, Result<u64, AppendError>)> = futures_util::stream::iter(due)
             .map(|(id, version)| {
                 let shared = shared.clone();
                 async move {
                     let payload = serde_json::json!({ "id": id, "gateway": shared.config.id });
-                    let ok = commands::transition(
+                    let r = commands::transition(
                         &shared.appender,
                         &id,
                         version,
                         commands::EXPIRED,
                         &payload,
                     )
-                    .await
-                    .is_ok();
-                    (id, version, ok)
+                    .await;
+                    (id, version, r)
                 }
             })
             .buffer_unordered(AT_ONCE)
             .collect()
             .await;
-        for (id, version, ok) in results {
-            if ok {
-                shared
-                    .stats
-                    .commands_finished
-                    .fetch_add(1, Ordering::Relaxed);
+        for (id, version, r) in results {
+            match r {
+                Ok(_) => {
+                    shared
+                        .stats
+                        .commands_finished
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                // Another writer moved the command, which the subscription
+                // brings; the same attempt again would only conflict again.
+                Err(AppendError::VersionConflict { .. }) => {}
+                // Not written (the database away, say): tried again at the
+                // next look.
+                Err(_) => continue,
             }
-            // Tried at this version, whatever came of it: a conflict means
-            // another writer moved the command, which the subscription
-            // brings; the same attempt again would only conflict again.
             tried.insert(id, version);
         }
     }

@@ -254,7 +254,6 @@ pub async fn rack_power_loss(r: &mut Region, o: &Options) -> Result<serde_json::
         .find(|x| x.name == victim)
         .context("the victim gateway is a role of the region")?;
     tokio::join!(role.kill(), fleet.stop_these(&which));
-    let c = r.client().await?;
     let booked_at_cut = busy(&c, &mut placements, &nodes).await?;
     let mut freed = None;
     let mut marked = None;

@@ -557,10 +557,20 @@ async fn tell_slow(r: &Region, id: &str, since: Instant) {
         )
         .await
         .unwrap_or_default();
-    let mut nodes = Vec::new();
-    for row in &own {
-        nodes_in(&row.get::<_, serde_json::Value>(1), &mut nodes);
-    }
+    // Its nodes, from its placement's allocations.
+    let mut nodes: Vec<String> = own
+        .iter()
+        .flat_map(|row| {
+            let p: serde_json::Value = row.get(1);
+            p["allocations"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|a| a["node"].as_str().map(String::from))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    nodes.dedup();
     let positions: Vec<i64> = own.iter().map(|row| row.get(0)).collect();
     let binds: Vec<String> = nodes
         .iter()
@@ -582,26 +592,6 @@ async fn tell_slow(r: &Region, id: &str, since: Instant) {
         })
         .collect();
     eprintln!("probe {id}, after the fault: {}", steps.join(", "));
-}
-
-/// Every string under a key `node` in `v`, added to `out` once.
-fn nodes_in(v: &serde_json::Value, out: &mut Vec<String>) {
-    match v {
-        serde_json::Value::Object(m) => {
-            for (k, x) in m {
-                match x {
-                    serde_json::Value::String(n) if k == "node" => {
-                        if !out.contains(n) {
-                            out.push(n.clone());
-                        }
-                    }
-                    _ => nodes_in(x, out),
-                }
-            }
-        }
-        serde_json::Value::Array(a) => a.iter().for_each(|x| nodes_in(x, out)),
-        _ => {}
-    }
 }
 
 /// A probe that did not go the whole way in time, on standard error: every
