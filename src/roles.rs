@@ -129,6 +129,9 @@ pub(crate) struct ServeArgs {
     /// gateway: the gateway's lease (renewed every third of it); once it lapses (the process died, froze or lost the database) the other gateways mark its nodes lost
     #[arg(long, default_value = "6s", value_parser = humantime::parse_duration)]
     pub gateway_lease_ttl: std::time::Duration,
+    /// gateway: how long a node's ack of a command is held for the command's outcome; an outcome within it is written alone, and `command.acked` only for a command still running after it
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub ack_hold: std::time::Duration,
     /// maintenance: how often closed months are sealed and the open month checkpointed
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub seal_every: std::time::Duration,

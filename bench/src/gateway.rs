@@ -5,7 +5,9 @@
 //! and certificate each, 10 s heartbeats) connect to one gateway process;
 //! then 100 commands/s go to random nodes. Reports the ramp time, dispatch
 //! latency (`command.issued` committed to the node receiving it), ack latency
-//! (committed to `command.acked` seen by a subscription), drops, and the
+//! (committed to the first of `command.acked` and the outcome seen by a
+//! subscription: an outcome that follows at once is written without an
+//! ack), drops, and the
 //! gateway process's RSS and CPU over time. Baseline in the same run: the
 //! log's own commit-to-subscription lag for the same `command.issued`
 //! events, the floor under any dispatch.
@@ -442,7 +444,7 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
     );
 
     // Commands at a fixed rate to random nodes; a subscription watches the
-    // log for the issued (baseline) and acked events.
+    // log for the issued (baseline) and acked (or finished) events.
     let mut rc = ReaderConfig::new("bench_gateway_watch");
     rc.temporary = true;
     let reader = Reader::start(cfg.clone(), rc);
@@ -458,7 +460,7 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
             };
             let map = match domain::canonical_type(&e.event_type) {
                 commands::ISSUED => &l2,
-                commands::ACKED => &a2,
+                commands::ACKED | commands::SUCCEEDED | commands::FAILED => &a2,
                 _ => continue,
             };
             map.lock()

@@ -683,7 +683,7 @@ async fn on_event(
             let cmd = e.stream.trim_start_matches("command/");
             if let Some((res, node, n)) = state.binds.remove(cmd) {
                 if e.event_type == commands::SUCCEEDED {
-                    bound(state, index, appender, stats, &res, &node).await;
+                    bound(state, index, appender, stats, &res, &node);
                 } else {
                     let detail = serde_json::from_str::<serde_json::Value>(&e.payload)
                         .ok()
@@ -754,7 +754,7 @@ async fn resume_binds(
             .filter_map(|i| last.get(&attempt_id(&res, &node, i)).map(|l| (i, l)))
             .collect();
         if attempts.iter().any(|(_, (t, _))| t == commands::SUCCEEDED) {
-            bound(state, index, appender, stats, &res, &node).await;
+            bound(state, index, appender, stats, &res, &node);
             continue;
         }
         match attempts.last() {
@@ -835,12 +835,17 @@ async fn release_ended(
     Ok(())
 }
 
-/// A node bound its part; when all have, the reservation is active.
-async fn bound(
+/// A node bound its part; when all have, the reservation is active. The
+/// activation is appended in the background, as commands are issued: the
+/// binder goes on reading the log meanwhile, so the activations and
+/// commands of many reservations share a transaction instead of each
+/// waiting for the last to commit. Its fence is the version seen, not the
+/// moment: a release that lands first makes it conflict.
+fn bound(
     state: &mut State,
     index: &Index,
     appender: &Appender,
-    stats: &BinderStats,
+    stats: &Arc<BinderStats>,
     reservation: &str,
     node: &str,
 ) {
@@ -873,19 +878,25 @@ async fn bound(
         events::trace::follow(&span, &tp);
     }
     let event = span.in_scope(|| events::trace::traced(fact.to_event()));
+    let (appender, stats, reservation) = (appender.clone(), stats.clone(), reservation.to_string());
     use tracing::Instrument as _;
-    match appender
-        .append(&reservation_stream(reservation), expected, vec![event])
-        .instrument(span)
-        .await
-    {
-        Ok(_) => {
-            stats.activated.fetch_add(1, Ordering::Relaxed);
+    ops::task::spawn(
+        "binder-activate",
+        async move {
+            match appender
+                .append(&reservation_stream(&reservation), expected, vec![event])
+                .await
+            {
+                Ok(_) => {
+                    stats.activated.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(AppendError::VersionConflict { .. }) => tracing::info!(
+                    %reservation,
+                    "the reservation changed since this binder saw it (another binder activated it, or it is being released); not marking it active"
+                ),
+                Err(e) => tracing::warn!(%reservation, error = %e, "could not mark the reservation active"),
+            }
         }
-        Err(AppendError::VersionConflict { .. }) => tracing::info!(
-            %reservation,
-            "the reservation changed since this binder saw it (another binder activated it, or it is being released); not marking it active"
-        ),
-        Err(e) => tracing::warn!(%reservation, error = %e, "could not mark the reservation active"),
-    }
+        .instrument(span),
+    );
 }

@@ -3,7 +3,7 @@
 //! | version | event | written by |
 //! | --- | --- | --- |
 //! | 1 | `command.issued` (node, kind, args, deadline) | whoever issues it |
-//! | 2 | `command.acked` | the gateway holding the node's session |
+//! | 2 | `command.acked`, only if the outcome did not follow within the gateway's ack hold | the gateway holding the node's session |
 //! | 2 or 3 | `command.succeeded`, `command.failed`, `command.expired` | that gateway (results), any gateway (expiry) |
 //!
 //! Every transition is appended with the exact version it follows, so a
@@ -42,7 +42,7 @@ pub const EVENTS: &[EventSpec] = &[
         event_type: ACKED,
         stream: "command/<id>",
         written_by: "the gateway holding the node's session",
-        about: "The node received the command.",
+        about: "The node received the command, and its outcome did not follow within the gateway's ack hold (5 s by default): an outcome that comes sooner is written alone, and says as much.",
         fields: &[
             req("id", Ty::String, "The command's id."),
             req("node", Ty::String, "The node."),
@@ -60,6 +60,7 @@ pub const EVENTS: &[EventSpec] = &[
             req("node", Ty::String, "The node."),
             req("detail", Ty::String, "The node's words."),
             req("output", Ty::Any, "What the command returned (JSON; null without)."),
+            opt("gateway", Ty::String, "The gateway that heard the outcome."),
         ],
         formerly: &[],
     },
@@ -73,6 +74,7 @@ pub const EVENTS: &[EventSpec] = &[
             req("node", Ty::String, "The node."),
             req("detail", Ty::String, "Why."),
             req("output", Ty::Any, "What the command returned (JSON; null without)."),
+            opt("gateway", Ty::String, "The gateway that heard the outcome."),
         ],
         formerly: &[],
     },

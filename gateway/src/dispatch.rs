@@ -46,14 +46,7 @@ pub(crate) async fn command_transition(
                     return Ok(());
                 }
                 Some(t) if t.command.node != node => {
-                    shared
-                        .stats
-                        .refused_identity
-                        .fetch_add(1, Ordering::Relaxed);
-                    return Err(Status::permission_denied(format!(
-                        "command {id} is for node {}, not {node}",
-                        t.command.node
-                    )));
+                    return Err(not_its_command(shared, node, id, t));
                 }
                 Some(t) if t.state.is_terminal() || t.state == target => return Ok(()),
                 Some(t) => t.version,
@@ -96,6 +89,24 @@ pub(crate) async fn command_transition(
         }
     }
     Err(Status::unavailable("the command's state kept moving"))
+}
+
+/// The refusal of a node's report on command `id`, tracked as `t`, that
+/// another node runs.
+pub(crate) fn not_its_command(
+    shared: &Shared,
+    node: &str,
+    id: &str,
+    t: &commands::Tracked,
+) -> Status {
+    shared
+        .stats
+        .refused_identity
+        .fetch_add(1, Ordering::Relaxed);
+    Status::permission_denied(format!(
+        "command {id} is for node {}, not {node}",
+        t.command.node
+    ))
 }
 
 /// Follows command events: tracks their state, pushes new ones to the node's

@@ -1,5 +1,6 @@
 //! The gateway: joins, mutual-TLS node sessions, node events into the log.
 
+mod acks;
 mod admission;
 mod api;
 mod bucket;
@@ -13,6 +14,7 @@ mod dispatch;
 mod expiry;
 pub mod grants;
 mod handshakes;
+mod held_acks;
 pub mod identity;
 pub mod inventory;
 mod join;

@@ -130,6 +130,7 @@ pub async fn start(
     })?;
     let dispatcher = ops::task::spawn("gateway-commands", dispatcher(shared.clone(), sub));
     let expirer = ops::task::spawn("gateway-expiry", crate::expiry::expirer(shared.clone()));
+    let acks = ops::task::spawn("gateway-acks", crate::acks::writer(shared.clone()));
     let max = shared.config.max_message_bytes;
     let join = join_server::JoinServer::new(JoinService {
         shared: shared.clone(),
@@ -199,6 +200,7 @@ pub async fn start(
         orphans.abort();
         dispatcher.abort();
         expirer.abort();
+        acks.abort();
         renewer.abort();
         // End the sessions' streams so the server can finish.
         shared.sessions.lock().expect("sessions lock").clear();
@@ -271,6 +273,7 @@ fn new_shared(
         config,
         reader: reader.clone(),
         commands: Mutex::new(Commands::default()),
+        acks: Default::default(),
         waiters: Mutex::new(HashMap::new()),
         revoked: Default::default(),
         pools: tokio::sync::Mutex::new(projections::Index::new()),

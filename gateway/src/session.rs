@@ -607,12 +607,7 @@ pub(crate) async fn handle(
         node_message::Body::Status(s) => status(shared, node, epoch, s).await?,
         node_message::Body::Inventory(section) => inventory(shared, node, pool, section).await?,
         node_message::Body::Health(h) => health(shared, node, pool, epoch, h).await?,
-        node_message::Body::Ack(a) => {
-            let payload = serde_json::json!({
-                "id": a.command_id, "node": node, "gateway": shared.config.id,
-            });
-            command_transition(shared, node, &a.command_id, commands::ACKED, payload).await?;
-        }
+        node_message::Body::Ack(a) => crate::acks::acked(shared, node, &a.command_id)?,
         node_message::Body::Result(r) => {
             let output: serde_json::Value =
                 serde_json::from_str(&r.output_json).unwrap_or(serde_json::Value::Null);
@@ -623,7 +618,9 @@ pub(crate) async fn handle(
             };
             let payload = serde_json::json!({
                 "id": r.command_id, "node": node, "detail": r.detail, "output": output,
+                "gateway": shared.config.id,
             });
+            shared.acks.settle(&r.command_id);
             command_transition(shared, node, &r.command_id, t, payload).await?;
         }
     }

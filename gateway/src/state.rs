@@ -91,6 +91,10 @@ pub struct GatewayConfig {
     /// The gateway's lease (`gateway/<id>`): renewed every third of it;
     /// once it lapses, other gateways mark this one's nodes lost.
     pub lease_ttl: Duration,
+    /// How long a node's ack of a command is held for its outcome: an
+    /// outcome within it is written alone, and `command.acked` only for a
+    /// command still open after it (see the acks module).
+    pub ack_hold: Duration,
 }
 
 impl GatewayConfig {
@@ -121,6 +125,7 @@ impl GatewayConfig {
             max_subscriptions_per_caller: 16,
             node_messages_per_second: 20.0,
             lease_ttl: Duration::from_secs(6),
+            ack_hold: Duration::from_secs(5),
         }
     }
 }
@@ -318,6 +323,8 @@ pub(crate) struct Shared {
     pub(crate) writes: mpsc::Sender<Write>,
     /// Commands not yet terminal, as the log says.
     pub(crate) commands: Mutex<Commands>,
+    /// Nodes' acks held for their commands' outcomes.
+    pub(crate) acks: crate::held_acks::HeldAcks,
     /// API callers waiting for a reservation's (`r:<id>`) or a command's
     /// (`c:<id>`) outcome.
     pub(crate) waiters: Mutex<HashMap<String, Vec<oneshot::Sender<Waited>>>>,

@@ -796,8 +796,11 @@ impl Runner {
         CurrentSession(self)
     }
 
-    /// Acks a command and runs it (in the background) unless it ran before
-    /// or is running now.
+    /// Acks a command and, in the background, runs it unless it ran before
+    /// or is running now. Nothing here waits on the disk: the command's
+    /// record is written durably (an fsync) before it runs and after, and a
+    /// disk that takes its time must not hold up the session's heartbeats,
+    /// nor, where many daemons share a runtime, every other session.
     async fn handle(
         &self,
         config: &DaemonConfig,
@@ -811,31 +814,50 @@ impl Runner {
             })),
         })
         .await?;
-        if self.running.lock().expect("runner lock").contains(&c.id) {
+        if !self
+            .running
+            .lock()
+            .expect("runner lock")
+            .insert(c.id.clone())
+        {
             return Ok(());
         }
-        let decision = self.executor.lock().expect("runner lock").begin(&c.id);
-        let outcome = match decision {
-            Err(e) => Outcome {
+        let (me, config, stats) = (self.clone(), config.clone(), stats.clone());
+        tokio::spawn(async move { me.run(&config, &stats, c).await });
+        Ok(())
+    }
+
+    /// Records the command as started, runs it, records its result, and
+    /// sends the result to the current session; a command recorded before
+    /// is not run, its recorded result is sent again.
+    async fn run(&self, config: &DaemonConfig, stats: &DaemonStats, c: crate::proto::Command) {
+        let executor = self.executor.clone();
+        let id = c.id.clone();
+        let decision =
+            tokio::task::spawn_blocking(move || executor.lock().expect("runner lock").begin(&id))
+                .await;
+        let known = match decision {
+            Ok(Ok(Decision::Run)) => None,
+            Ok(Ok(Decision::Known(o))) => Some(o),
+            Ok(Err(e)) => Some(Outcome {
                 ok: false,
                 detail: format!("could not record the command before running it: {e}"),
                 output: serde_json::Value::Null,
-            },
-            Ok(Decision::Known(o)) => o,
-            Ok(Decision::Run) => {
-                self.running
-                    .lock()
-                    .expect("runner lock")
-                    .insert(c.id.clone());
-                let (me, config, stats) = (self.clone(), config.clone(), stats.clone());
-                tokio::spawn(async move { me.run(&config, &stats, c).await });
-                return Ok(());
-            }
+            }),
+            Err(e) => Some(Outcome {
+                ok: false,
+                detail: format!("could not record the command before running it: {e}"),
+                output: serde_json::Value::Null,
+            }),
         };
-        tx.send(result_message(c.id, outcome)).await
-    }
-
-    async fn run(&self, config: &DaemonConfig, stats: &DaemonStats, c: crate::proto::Command) {
+        if let Some(o) = known {
+            self.running.lock().expect("runner lock").remove(&c.id);
+            let out = self.out.lock().expect("runner lock").clone();
+            if let Some(out) = out {
+                let _ = out.send(result_message(c.id, o)).await;
+            }
+            return;
+        }
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as i64);
@@ -864,8 +886,19 @@ impl Runner {
         if let Some(hook) = &config.on_finished {
             hook(&c.id);
         }
-        if let Err(e) = self.executor.lock().expect("runner lock").finish(&c.id, &o) {
-            tracing::error!(command = %c.id, error = %e, "could not record a command's result");
+        let (executor, id, outcome) = (self.executor.clone(), c.id.clone(), o.clone());
+        let finished = tokio::task::spawn_blocking(move || {
+            executor.lock().expect("runner lock").finish(&id, &outcome)
+        })
+        .await;
+        match finished {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::error!(command = %c.id, error = %e, "could not record a command's result")
+            }
+            Err(e) => {
+                tracing::error!(command = %c.id, error = %e, "could not record a command's result")
+            }
         }
         self.running.lock().expect("runner lock").remove(&c.id);
         let out = self.out.lock().expect("runner lock").clone();

@@ -67,9 +67,13 @@ pub async fn ensure_joined_at(
     config: &DaemonConfig,
     attempt: usize,
 ) -> Result<Credentials, DaemonError> {
-    let dir = &config.data_dir;
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    if let Some(c) = load(dir)? {
+    let dir = config.data_dir.clone();
+    let known = on_disk(&dir, |dir| {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        load(dir)
+    })
+    .await?;
+    if let Some(c) = known {
         return Ok(c);
     }
     let (Some(token), Some(ca_pem)) = (&config.token, &config.ca_pem) else {
@@ -78,18 +82,22 @@ pub async fn ensure_joined_at(
     // The key is kept until the join is answered, so a retry after a lost
     // answer asks with the same key and is answered with the same
     // certificate (the token is spent by then).
-    let join_key = dir.join("join.key");
-    let key = match std::fs::read_to_string(&join_key)
-        .ok()
-        .and_then(|pem| rcgen::KeyPair::from_pem(&pem).ok())
-    {
-        Some(k) => k,
-        None => {
-            let k = rcgen::KeyPair::generate().map_err(|e| DaemonError::Other(e.to_string()))?;
-            write_private(&join_key, k.serialize_pem().as_bytes())?;
-            k
+    let key = on_disk(&dir, |dir| {
+        let join_key = dir.join("join.key");
+        match std::fs::read_to_string(&join_key)
+            .ok()
+            .and_then(|pem| rcgen::KeyPair::from_pem(&pem).ok())
+        {
+            Some(k) => Ok(k),
+            None => {
+                let k =
+                    rcgen::KeyPair::generate().map_err(|e| DaemonError::Other(e.to_string()))?;
+                write_private(&join_key, k.serialize_pem().as_bytes())?;
+                Ok(k)
+            }
         }
-    };
+    })
+    .await?;
     let csr = csr_for(&key)?;
     if config.gateways.is_empty() {
         return Err(DaemonError::Other("no gateway given".into()));
@@ -116,14 +124,33 @@ pub async fn ensure_joined_at(
         .map_err(|_| DaemonError::Unreachable(format!("join: no answer within {JOIN_TIMEOUT:?}")))?
         .map_err(join_failure)?
         .into_inner();
-    write_private(&dir.join("node.key"), key.serialize_pem().as_bytes())?;
-    std::fs::write(dir.join("ca.pem"), &resp.ca_pem).map_err(io(dir))?;
-    std::fs::write(dir.join("pool"), &resp.pool).map_err(io(dir))?;
-    // The certificate last: its presence means "joined".
-    std::fs::write(dir.join("node.pem"), &resp.certificate_pem).map_err(io(dir))?;
-    let _ = std::fs::remove_file(&join_key);
-    tracing::info!(node = %config.node_id, pool = %resp.pool, "joined the region");
-    load(dir)?.ok_or(DaemonError::NeedsJoin)
+    let key_pem = key.serialize_pem();
+    let credentials = on_disk(&dir, move |dir| {
+        write_private(&dir.join("node.key"), key_pem.as_bytes())?;
+        std::fs::write(dir.join("ca.pem"), &resp.ca_pem).map_err(io(dir))?;
+        std::fs::write(dir.join("pool"), &resp.pool).map_err(io(dir))?;
+        // The certificate last: its presence means "joined".
+        std::fs::write(dir.join("node.pem"), &resp.certificate_pem).map_err(io(dir))?;
+        let _ = std::fs::remove_file(dir.join("join.key"));
+        load(dir)?.ok_or(DaemonError::NeedsJoin)
+    })
+    .await?;
+    tracing::info!(node = %config.node_id, pool = %credentials.pool, "joined the region");
+    Ok(credentials)
+}
+
+/// Runs `f` on the data dir `dir` on tokio's blocking threads: its writes
+/// are synced to the disk, and a disk that takes its time must not hold up
+/// the runtime (where a fleet of daemons shares one, every other session).
+async fn on_disk<T, F>(dir: &Path, f: F) -> Result<T, DaemonError>
+where
+    T: Send + 'static,
+    F: FnOnce(&Path) -> Result<T, DaemonError> + Send + 'static,
+{
+    let dir = dir.to_path_buf();
+    tokio::task::spawn_blocking(move || f(&dir))
+        .await
+        .map_err(|e| DaemonError::Other(format!("a write to the data dir stopped: {e}")))?
 }
 
 /// Longest wait for the answer to a join. A join asked again with the same

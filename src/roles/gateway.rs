@@ -39,6 +39,7 @@ pub(crate) async fn start(
     gc.serving_validity = args.serving_validity;
     gc.heartbeat = args.heartbeat;
     gc.lease_ttl = args.gateway_lease_ttl;
+    gc.ack_hold = args.ack_hold;
     let appender = Appender::start(cfg.clone(), AppenderConfig::default());
     let g = gateway::server::start(cfg.clone(), reader, appender, gc)
         .await

@@ -31,6 +31,8 @@ pub(crate) fn gateway(url: &str, id: &str, port: u16, ca: &str, log: &std::path:
             id,
             "--heartbeat",
             "1s",
+            "--ack-hold",
+            "500ms",
             "--slot",
             &slot(id),
         ],

@@ -277,6 +277,7 @@ pub struct Region {
     pub js: Option<async_nats::jetstream::Context>,
     nats: Option<tokio::process::Child>,
     _dir: tempfile::TempDir,
+    _nodes_dir: tempfile::TempDir,
 }
 
 /// The webhook sink's filter, and the NATS sink's.
@@ -642,9 +643,9 @@ pub async fn start(o: &Options) -> Result<Region> {
         roles.len(),
         o.nodes
     );
+    let nodes_dir = nodes_dir()?;
     let mut fleet =
-        fleet::Fleet::provision(&client, o.nodes, &pools, &dir.path().join("nodes"), ca_pem)
-            .await?;
+        fleet::Fleet::provision(&client, o.nodes, &pools, nodes_dir.path(), ca_pem).await?;
     fleet.set_gateways(
         roles
             .iter()
@@ -664,8 +665,29 @@ pub async fn start(o: &Options) -> Result<Region> {
         js,
         nats,
         _dir: dir,
+        _nodes_dir: nodes_dir,
     })
 }
+
+/// Where the simulated nodes keep their data dirs (certificates, command
+/// logs, bindings and CDI specs, each write synced): on tmpfs where there
+/// is one. A real node syncs to a disk of its own; 10,000 nodes syncing
+/// (six times for each command) on the disk PostgreSQL commits to would
+/// measure that disk, not the region.
+fn nodes_dir() -> Result<tempfile::TempDir> {
+    let shm = std::path::Path::new(FLEET_TMPFS);
+    let b = tempfile::Builder::new()
+        .prefix("strata-region-nodes-")
+        .clone();
+    Ok(if shm.is_dir() {
+        b.tempdir_in(shm)?
+    } else {
+        b.tempdir()?
+    })
+}
+
+/// The tmpfs the simulated nodes' data dirs go to, where it exists.
+const FLEET_TMPFS: &str = "/dev/shm";
 
 /// Runs the whole drill and returns its result (one JSON object).
 pub async fn drill(o: Options) -> Result<serde_json::Value> {
@@ -824,6 +846,11 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
             "3 gateways, 2 placers, 2 binders, sinks, maintenance, audit: each `strata serve --roles <one>`; the simulated daemons and the load generator in the bench process; PostgreSQL and nats-server; all on the same cores"
         },
         "shared_processes": o.shared,
+        "nodes_data": if std::path::Path::new(FLEET_TMPFS).is_dir() {
+            "the simulated nodes' data dirs on tmpfs (a real node syncs to a disk of its own)"
+        } else {
+            "the simulated nodes' data dirs on the disk PostgreSQL commits to"
+        },
         "faults": o.faults,
         "offered": {
             "placements_per_s": o.rates.placements,
