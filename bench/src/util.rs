@@ -281,3 +281,20 @@ pub async fn after_bulk_load(
     db.batch_execute("VACUUM ANALYZE strata.events").await?;
     Ok(())
 }
+
+/// Seconds since the Unix epoch of `t`, as the log's `recorded_at` is read.
+pub fn unix(t: std::time::SystemTime) -> f64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The p-th percentile (0..=1) of a sample, to two digits; none of an
+/// empty one.
+pub fn pct(v: &mut [f64], p: f64) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    Some(round(v[i], 2))
+}

@@ -131,6 +131,16 @@ pub struct AppenderConfig {
     /// appends in flight. Larger batches cost less per event; the wait ends
     /// early as soon as the share is there or the other flusher is done.
     pub batch_linger: Duration,
+    /// While appends come closer together than this, the first of a batch
+    /// waits this long after its arrival for more to share its
+    /// transaction, whether or not another flusher is committing; an append
+    /// after a longer quiet goes at once. Zero (the default) never waits
+    /// past `batch_linger`'s rule. For a role whose appends are many and
+    /// independent (the binder's commands and activations, a gateway's
+    /// command outcomes), a few milliseconds turn many transactions of one
+    /// event each into a few larger ones: the database's work per event is
+    /// less, and each transaction wakes every replication slot's decoder.
+    pub group_delay: Duration,
     /// Longest wait for one batch's transaction (connecting included). A
     /// database that does not answer in time (stopped, unreachable without
     /// a reset) has its connection dropped and the batch's callers are
@@ -149,6 +159,7 @@ impl std::fmt::Debug for AppenderConfig {
             .field("connections", &self.connections)
             .field("queue_capacity", &self.queue_capacity)
             .field("batch_linger", &self.batch_linger)
+            .field("group_delay", &self.group_delay)
             .field("attempt_timeout", &self.attempt_timeout)
             .finish()
     }
@@ -163,6 +174,7 @@ impl Default for AppenderConfig {
             connections: 2,
             queue_capacity: 16_384,
             batch_linger: Duration::from_millis(1),
+            group_delay: Duration::ZERO,
             attempt_timeout: Duration::from_secs(30),
             clock: None,
         }
@@ -173,6 +185,8 @@ struct Request {
     appends: Vec<StreamAppend>,
     events: usize,
     started: Instant,
+    /// It came within the group delay of the append before it.
+    dense: bool,
     reply: oneshot::Sender<Result<Vec<Appended>, AppendError>>,
     _counted: InFlight,
 }
@@ -183,7 +197,20 @@ struct Request {
 struct Pace {
     in_flight: AtomicUsize,
     busy: AtomicUsize,
+    /// When the last append arrived, in nanoseconds since `epoch`.
+    last_arrival: std::sync::atomic::AtomicU64,
+    epoch: Instant,
     finished: tokio::sync::watch::Sender<u64>,
+}
+
+impl Pace {
+    /// Notes an append arriving at `at`; whether it came within `delay` of
+    /// the one before it (never, with no delay).
+    fn arrived(&self, at: Instant, delay: Duration) -> bool {
+        let now = at.saturating_duration_since(self.epoch).as_nanos() as u64 + 1;
+        let last = self.last_arrival.swap(now, Relaxed);
+        !delay.is_zero() && last != 0 && now.saturating_sub(last) < delay.as_nanos() as u64
+    }
 }
 
 /// Marks a flusher busy committing a batch; when dropped, the flusher is
@@ -243,6 +270,8 @@ impl Appender {
         let pace = Arc::new(Pace {
             in_flight: Default::default(),
             busy: Default::default(),
+            last_arrival: Default::default(),
+            epoch: Instant::now(),
             finished: tokio::sync::watch::channel(0).0,
         });
         for _ in 0..config.connections.max(1) {
@@ -282,10 +311,12 @@ impl Appender {
         let events = validate(&appends, &self.config)?;
         let span = tracing::info_span!("append", streams = appends.len(), events);
         let (reply, rx) = oneshot::channel();
+        let started = Instant::now();
         let req = Request {
             appends,
             events,
-            started: Instant::now(),
+            started,
+            dense: self.pace.arrived(started, self.config.group_delay),
             reply,
             _counted: InFlight::count(self.pace.clone(), events),
         };
@@ -677,6 +708,10 @@ impl Flusher {
         let max = self.config.max_batch_events;
         let share = self.config.connections.max(1);
         let mut n = first.events;
+        // Appends coming close together: the first waits for company.
+        let group = first
+            .dense
+            .then(|| tokio::time::Instant::from_std(first.started + self.config.group_delay));
         let mut batch = vec![first];
         let linger = tokio::time::sleep(self.config.batch_linger);
         tokio::pin!(linger);
@@ -690,12 +725,15 @@ impl Flusher {
                     Err(_) => break,
                 }
             }
+            let grouping = group.is_some_and(|g| tokio::time::Instant::now() < g);
             if n >= max
-                || self.pace.busy.load(Relaxed) == 0
-                || n * share >= self.pace.in_flight.load(Relaxed)
+                || (!grouping
+                    && (self.pace.busy.load(Relaxed) == 0
+                        || n * share >= self.pace.in_flight.load(Relaxed)))
             {
                 break;
             }
+            let grouped = tokio::time::sleep_until(group.unwrap_or_else(tokio::time::Instant::now));
             tokio::select! {
                 r = rx.recv() => match r {
                     Some(r) => {
@@ -704,8 +742,9 @@ impl Flusher {
                     }
                     None => break,
                 },
-                _ = finished.changed() => {}
-                _ = &mut linger => break,
+                _ = finished.changed(), if !grouping => {}
+                _ = &mut linger, if !grouping => break,
+                _ = grouped, if grouping => {}
             }
         }
         // Busy before the queue is released: the next flusher to look sees

@@ -54,8 +54,21 @@ fn crash_point(point: &str) {
     }
 }
 
-/// Bind and release of the same reservation never interleave.
-static BINDINGS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// The lock under which a node's binds, releases and reconciling run, so
+/// that they never interleave: one per allocations folder, shared by every
+/// [`Bindings`] of that folder in the process. One lock for the whole
+/// process made the simulated nodes of a fleet in one process (the region
+/// bench's 10,000) wait on each other's disk writes.
+fn lock_of(dir: &Path) -> Arc<Mutex<()>> {
+    static LOCKS: std::sync::LazyLock<Mutex<std::collections::HashMap<PathBuf, Arc<Mutex<()>>>>> =
+        std::sync::LazyLock::new(Default::default);
+    LOCKS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(dir.to_path_buf())
+        .or_default()
+        .clone()
+}
 
 /// How long a release's tombstone is kept.
 const TOMBSTONE_AGE: std::time::Duration = std::time::Duration::from_secs(2 * 24 * 3600);
@@ -104,6 +117,8 @@ pub struct Bindings {
     /// The node's last acceptance check, if binds are held to it: while it
     /// fails the node, or a device, no new bind of them lands.
     acceptance: Option<Arc<Mutex<Report>>>,
+    /// This node's bindings' lock ([`lock_of`]).
+    lock: Arc<Mutex<()>>,
 }
 
 fn fail(detail: String) -> Outcome {
@@ -139,8 +154,10 @@ impl Bindings {
     /// The bindings of the node whose data dir is `data_dir`, with their
     /// specs in `cdi_dir`.
     pub fn new(data_dir: &Path, cdi_dir: &Path) -> Bindings {
+        let dir = data_dir.join("allocations");
         Bindings {
-            dir: data_dir.join("allocations"),
+            lock: lock_of(&dir),
+            dir,
             cdi_dir: cdi_dir.to_path_buf(),
             acceptance: None,
         }
@@ -224,7 +241,7 @@ impl Bindings {
             devices: bound,
             cdi_device: cdi::qualified_name(reservation),
         };
-        let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
+        let _held = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         // A bind of a reservation bound here already is answered as before.
         if let Some(acceptance) = self
             .acceptance
@@ -301,7 +318,7 @@ impl Bindings {
     /// Runs `f` on every binding while no bind or release runs (a change of
     /// the GPUs themselves, which must find nothing bound to them).
     pub(crate) fn holding<R>(&self, f: impl FnOnce(&[Binding]) -> R) -> std::io::Result<R> {
-        let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
+        let _held = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         Ok(f(&self.all()?))
     }
 
@@ -352,7 +369,7 @@ impl Bindings {
             Ok(r) => r,
             Err(o) => return o,
         };
-        let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
+        let _held = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         let marked = std::fs::create_dir_all(&self.dir)
             .and_then(|_| std::fs::write(self.tombstone(reservation), b""));
         if let Err(e) = marked {
@@ -379,7 +396,7 @@ impl Bindings {
             Ok(r) => r,
             Err(o) => return o,
         };
-        let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
+        let _held = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         if !self.binding_path(reservation).exists() {
             return done(
                 format!("reservation {reservation} is not bound here"),
@@ -434,7 +451,7 @@ impl Bindings {
     /// says (device nodes of bindings older than specs are taken from
     /// `backend`'s inventory).
     pub fn reconcile(&self, backend: &dyn GpuBackend) -> std::io::Result<Reconciled> {
-        let _held = BINDINGS.lock().unwrap_or_else(|e| e.into_inner());
+        let _held = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = Reconciled::default();
         for r in bound_in(&self.dir) {
             if self.tombstone(&r).exists() {
@@ -505,6 +522,54 @@ mod tests {
     fn spec_of(b: &Bindings, reservation: &str) -> Option<cdi::Spec> {
         let text = std::fs::read(cdi::spec_path(&b.cdi_dir, reservation)).ok()?;
         Some(serde_json::from_slice(&text).unwrap())
+    }
+
+    /// Two nodes' bindings in one process do not wait on each other: a
+    /// bind whose disk write blocks (its temporary file is a named pipe
+    /// nobody reads yet) holds up no other node's bind. Its own node's next
+    /// bind waits, as it must.
+    #[test]
+    fn a_node_whose_disk_blocks_holds_up_no_other_nodes_bind() {
+        let (slow_dir, slow, gpus) = setup();
+        let (_dir, other, _) = setup();
+        std::fs::create_dir_all(&slow.dir).unwrap();
+        let pipe = slow.dir.join(".r1.tmp");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&pipe)
+            .status()
+            .unwrap();
+        assert!(made.success(), "mkfifo");
+        let held = slow.lock.clone();
+        let blocked = std::thread::spawn(move || {
+            let gpus = FakeGpus::parse("8xH100-80GB", "n").unwrap();
+            slow.bind(&gpus, &json!({"reservation": "r1", "devices": ["gpu0"]}))
+        });
+        // Once the first bind holds its node's lock (waiting on its disk),
+        // the other node binds.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while held.try_lock().is_ok() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the first bind never took its lock"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let out = other.bind(&gpus, &json!({"reservation": "r2", "devices": ["gpu1"]}));
+            let _ = tx.send(out);
+        });
+        let out = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the other node's bind waited on the first node's disk");
+        assert!(out.ok, "{out:?}");
+        // The disk answers: the pipe is read, and the first bind fails
+        // cleanly (a pipe cannot be synced), leaving nothing bound.
+        let read = std::fs::read(&pipe).unwrap();
+        assert!(!read.is_empty());
+        let first = blocked.join().unwrap();
+        assert!(!first.ok, "{first:?}");
+        assert!(!slow_dir.path().join("allocations/r1.json").exists());
     }
 
     #[test]

@@ -5,6 +5,13 @@ use anyhow::{Context, Result};
 use events::db::Database;
 use events::{Appender, AppenderConfig, Reader};
 use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// While a gateway's appends come thick (command outcomes from many
+/// sessions), each waits up to this for others to share its transaction
+/// (`AppenderConfig::group_delay`); short, since a client's request through
+/// the API waits on its append.
+const GROUP_DELAY: Duration = Duration::from_millis(2);
 
 /// Starts a gateway on `--listen`, named `--gateway-id` (the holder name
 /// when not given).
@@ -40,7 +47,13 @@ pub(crate) async fn start(
     gc.heartbeat = args.heartbeat;
     gc.lease_ttl = args.gateway_lease_ttl;
     gc.ack_hold = args.ack_hold;
-    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let appender = Appender::start(
+        cfg.clone(),
+        AppenderConfig {
+            group_delay: GROUP_DELAY,
+            ..AppenderConfig::default()
+        },
+    );
     let g = gateway::server::start(cfg.clone(), reader, appender, gc)
         .await
         .context("start the gateway")?;

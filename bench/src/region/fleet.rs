@@ -13,9 +13,10 @@
 use anyhow::Result;
 use node::daemon::{self, DaemonConfig, DaemonError, DaemonStats};
 use node::gpu::FakeGpus;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -54,6 +55,16 @@ pub struct Fleet {
     pub why: Arc<std::sync::Mutex<Vec<String>>>,
     /// The runtime the daemons run on (`None` once shut down).
     runtime: Option<tokio::runtime::Runtime>,
+    /// When each bind command reached its node and when the node had run
+    /// it, on the wall clock (to set beside the log's `recorded_at`).
+    pub binds: Arc<std::sync::Mutex<HashMap<String, NodeTimes>>>,
+}
+
+/// When a command reached its node, and when the node had run it.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeTimes {
+    pub received: SystemTime,
+    pub finished: Option<SystemTime>,
 }
 
 impl Drop for Fleet {
@@ -103,6 +114,7 @@ impl Fleet {
             return_home: Duration::from_secs(30),
             refusals: Vec::new(),
             why: Arc::default(),
+            binds: Arc::default(),
             runtime: Some(
                 tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(FLEET_THREADS)
@@ -137,6 +149,24 @@ impl Fleet {
                 DaemonConfig::new(self.gateways.clone(), n.dir.clone(), &n.id, n.gpus.clone());
             c.health_poll = Duration::from_secs(1);
             c.return_home = self.return_home;
+            let (arrived, ran) = (self.binds.clone(), self.binds.clone());
+            c.on_command = Some(Arc::new(move |id: &str| {
+                if id.starts_with("bind:") {
+                    arrived
+                        .lock()
+                        .expect("binds lock")
+                        .entry(id.to_string())
+                        .or_insert(NodeTimes {
+                            received: SystemTime::now(),
+                            finished: None,
+                        });
+                }
+            }));
+            c.on_finished = Some(Arc::new(move |id: &str| {
+                if let Some(t) = ran.lock().expect("binds lock").get_mut(id) {
+                    t.finished.get_or_insert_with(SystemTime::now);
+                }
+            }));
             if !n.dir.join("node.pem").exists() {
                 c.token = n.token.clone();
                 c.ca_pem = Some(self.ca_pem.clone());

@@ -21,6 +21,7 @@ pub mod net;
 pub mod partitions;
 pub mod procs;
 pub mod scenarios;
+pub mod steps;
 
 use crate::util;
 use anyhow::{bail, Context, Result};

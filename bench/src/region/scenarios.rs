@@ -15,22 +15,9 @@ use domain::{Fact, Request, Shape};
 use events::ExpectedVersion;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
-pub(super) fn unix(t: SystemTime) -> f64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// The p-th percentile (0..=1) of a sample.
-fn pct(v: &mut [f64], p: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    Some(round(v[i], 2))
-}
+pub(super) use crate::util::{pct, unix};
 
 pub(super) fn spread(v: &mut [f64]) -> serde_json::Value {
     serde_json::json!({
@@ -341,6 +328,8 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
             )
         })
         .collect();
+    let binds = r.fleet.binds.lock().expect("binds lock").clone();
+    let steps = super::steps::of_window(&c, window, &binds).await?;
     let pg_by_client = postgres_cpu_by_client(&c, &first, last, secs).await?;
     let max_lag = samples.iter().map(|s| s.slot_lag).max().unwrap_or(0);
     let max_conns = samples.iter().map(|s| s.connections).max().unwrap_or(0);
@@ -366,6 +355,7 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
         "requested_to_active_p50_s": pct(&mut to_active, 0.5),
         "requested_to_active_p99_s": pct(&mut to_active, 0.99),
         "activated_in_window": to_active.len(),
+        "requested_to_active_steps": steps,
         "not_offered": load.stats.not_offered.load(Ordering::Relaxed),
         "appends_given_up": load.stats.gave_up.load(Ordering::Relaxed),
     }))
@@ -584,13 +574,26 @@ async fn tell_slow(r: &Region, id: &str, since: Instant) {
         )
         .await
         .unwrap_or_default();
-    let steps: Vec<String> = rows
+    let mut steps: Vec<String> = rows
         .iter()
         .map(|row| {
             let at: f64 = row.get(1);
             format!("{} {:.1} s", row.get::<_, String>(0), at - fault)
         })
         .collect();
+    // Its binds as their nodes saw them.
+    let binds = r.fleet.binds.lock().expect("binds lock").clone();
+    for n in &nodes {
+        if let Some(t) = binds.get(&format!("bind:{id}:{n}")) {
+            steps.push(format!(
+                "{n} received its bind {:.1} s",
+                unix(t.received) - fault
+            ));
+            if let Some(f) = t.finished {
+                steps.push(format!("{n} ran it {:.1} s", unix(f) - fault));
+            }
+        }
+    }
     eprintln!("probe {id}, after the fault: {}", steps.join(", "));
 }
 
