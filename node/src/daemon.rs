@@ -829,77 +829,63 @@ impl Runner {
 
     /// Records the command as started, runs it, records its result, and
     /// sends the result to the current session; a command recorded before
-    /// is not run, its recorded result is sent again.
-    async fn run(&self, config: &DaemonConfig, stats: &DaemonStats, c: crate::proto::Command) {
-        let executor = self.executor.clone();
-        let id = c.id.clone();
-        let decision =
-            tokio::task::spawn_blocking(move || executor.lock().expect("runner lock").begin(&id))
-                .await;
-        let known = match decision {
-            Ok(Ok(Decision::Run)) => None,
-            Ok(Ok(Decision::Known(o))) => Some(o),
-            Ok(Err(e)) => Some(Outcome {
+    /// is not run, its recorded result is sent again. The records and the
+    /// command itself run in one trip to tokio's blocking threads: on a
+    /// machine short of cores each trip waits its turn for one.
+    async fn run(&self, config: &DaemonConfig, stats: &Arc<DaemonStats>, c: crate::proto::Command) {
+        let (executor, bindings) = (self.executor.clone(), self.bindings.clone());
+        let (backend, hook, stats) = (
+            config.backend.clone(),
+            config.on_finished.clone(),
+            stats.clone(),
+        );
+        let (id, kind, args_json, deadline) = (
+            c.id.clone(),
+            c.kind.clone(),
+            c.args_json.clone(),
+            c.deadline_unix_ms,
+        );
+        let o = tokio::task::spawn_blocking(move || {
+            let failed = |detail: String| Outcome {
                 ok: false,
-                detail: format!("could not record the command before running it: {e}"),
+                detail,
                 output: serde_json::Value::Null,
-            }),
-            Err(e) => Some(Outcome {
-                ok: false,
-                detail: format!("could not record the command before running it: {e}"),
-                output: serde_json::Value::Null,
-            }),
-        };
-        if let Some(o) = known {
-            self.running.lock().expect("runner lock").remove(&c.id);
-            let out = self.out.lock().expect("runner lock").clone();
-            if let Some(out) = out {
-                let _ = out.send(result_message(c.id, o)).await;
+            };
+            let decision = executor.lock().expect("runner lock").begin(&id);
+            match decision {
+                Ok(Decision::Run) => {}
+                Ok(Decision::Known(o)) => return o,
+                Err(e) => {
+                    return failed(format!(
+                        "could not record the command before running it: {e}"
+                    ))
+                }
             }
-            return;
-        }
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64);
-        let o = if c.deadline_unix_ms > 0 && now > c.deadline_unix_ms {
-            Outcome {
-                ok: false,
-                detail: "its deadline passed before it arrived; not run".into(),
-                output: serde_json::Value::Null,
-            }
-        } else {
-            let args: serde_json::Value =
-                serde_json::from_str(&c.args_json).unwrap_or(serde_json::Value::Null);
-            stats.commands_run.fetch_add(1, Ordering::Relaxed);
-            let bindings = self.bindings.clone();
-            let (backend, kind) = (config.backend.clone(), c.kind.clone());
-            tokio::task::spawn_blocking(move || {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as i64);
+            let o = if deadline > 0 && now > deadline {
+                failed("its deadline passed before it arrived; not run".into())
+            } else {
+                let args: serde_json::Value =
+                    serde_json::from_str(&args_json).unwrap_or(serde_json::Value::Null);
+                stats.commands_run.fetch_add(1, Ordering::Relaxed);
                 Executor::run(&bindings, backend.as_ref(), &kind, &args)
-            })
-            .await
-            .unwrap_or_else(|e| Outcome {
-                ok: false,
-                detail: format!("the command panicked: {e}"),
-                output: serde_json::Value::Null,
-            })
-        };
-        if let Some(hook) = &config.on_finished {
-            hook(&c.id);
-        }
-        let (executor, id, outcome) = (self.executor.clone(), c.id.clone(), o.clone());
-        let finished = tokio::task::spawn_blocking(move || {
-            executor.lock().expect("runner lock").finish(&id, &outcome)
+            };
+            if let Some(hook) = &hook {
+                hook(&id);
+            }
+            if let Err(e) = executor.lock().expect("runner lock").finish(&id, &o) {
+                tracing::error!(command = %id, error = %e, "could not record a command's result");
+            }
+            o
         })
-        .await;
-        match finished {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::error!(command = %c.id, error = %e, "could not record a command's result")
-            }
-            Err(e) => {
-                tracing::error!(command = %c.id, error = %e, "could not record a command's result")
-            }
-        }
+        .await
+        .unwrap_or_else(|e| Outcome {
+            ok: false,
+            detail: format!("the command panicked: {e}"),
+            output: serde_json::Value::Null,
+        });
         self.running.lock().expect("runner lock").remove(&c.id);
         let out = self.out.lock().expect("runner lock").clone();
         if let Some(out) = out {

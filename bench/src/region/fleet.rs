@@ -147,7 +147,9 @@ impl Fleet {
             let n = &self.nodes[i];
             let mut c =
                 DaemonConfig::new(self.gateways.clone(), n.dir.clone(), &n.id, n.gpus.clone());
-            c.health_poll = Duration::from_secs(1);
+            // Health is polled at the daemon's default: a drift the load
+            // injects wakes its daemon at once, as a real backend's event
+            // does, and 10,000 polls a second were the fleet's own load.
             c.return_home = self.return_home;
             let (arrived, ran) = (self.binds.clone(), self.binds.clone());
             c.on_command = Some(Arc::new(move |id: &str| {
