@@ -26,6 +26,13 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
+/// Most writes in one batch. A batch's insert holds the log head until it
+/// commits, and every other append in the region (placers, binders, the
+/// other gateways, this gateway's command outcomes) waits for it: while a
+/// fleet reconnects, batches of thousands of session openings held a bind's
+/// outcome back for seconds at a time.
+const MAX_WRITES: usize = 512;
+
 impl Shared {
     /// Queues a write and waits for its outcome.
     pub(crate) async fn write(&self, w: Write) -> Result<u64, AppendError> {
@@ -113,7 +120,7 @@ pub(crate) async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Write>) {
         if todo.is_empty() {
             let Some(first) = rx.recv().await else { return };
             let mut batch = vec![first];
-            while batch.len() < 4096 {
+            while batch.len() < MAX_WRITES {
                 match rx.try_recv() {
                     Ok(w) => batch.push(w),
                     Err(_) => break,
