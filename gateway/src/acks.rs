@@ -32,18 +32,9 @@ const AT_ONCE: usize = 64;
 /// ignored if the gateway does not know it or it is past `acked`, held
 /// otherwise.
 pub(crate) fn acked(shared: &Shared, node: &str, id: &str) -> Result<(), Status> {
-    {
-        let cmds = shared.commands.lock().expect("commands lock");
-        match cmds.get(id) {
-            None => return Ok(()),
-            Some(t) if t.command.node != node => {
-                return Err(crate::dispatch::not_its_command(shared, node, id, t));
-            }
-            Some(t) if t.state != CommandState::Issued => return Ok(()),
-            Some(_) => {}
-        }
+    if let Some((CommandState::Issued, _)) = crate::dispatch::reported(shared, node, id)? {
+        shared.acks.hold(id, node, Instant::now());
     }
-    shared.acks.hold(id, node, Instant::now());
     Ok(())
 }
 

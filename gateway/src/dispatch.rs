@@ -38,19 +38,10 @@ pub(crate) async fn command_transition(
 ) -> Result<(), Status> {
     let target = CommandState::from_event_type(event_type).expect("a command event");
     for _ in 0..3 {
-        let version = {
-            let cmds = shared.commands.lock().expect("commands lock");
-            match cmds.get(id) {
-                None => {
-                    tracing::debug!(%node, command = %id, "a report for a command this gateway does not know (finished, or not yet seen)");
-                    return Ok(());
-                }
-                Some(t) if t.command.node != node => {
-                    return Err(not_its_command(shared, node, id, t));
-                }
-                Some(t) if t.state.is_terminal() || t.state == target => return Ok(()),
-                Some(t) => t.version,
-            }
+        let version = match reported(shared, node, id)? {
+            None => return Ok(()),
+            Some((state, _)) if state.is_terminal() || state == target => return Ok(()),
+            Some((_, version)) => version,
         };
         match commands::transition(&shared.appender, id, version, event_type, &payload).await {
             Ok(v) => {
@@ -91,22 +82,32 @@ pub(crate) async fn command_transition(
     Err(Status::unavailable("the command's state kept moving"))
 }
 
-/// The refusal of a node's report on command `id`, tracked as `t`, that
-/// another node runs.
-pub(crate) fn not_its_command(
+/// The state and version of command `id` as this gateway knows it, for a
+/// report from `node`: none if the gateway does not know the command
+/// (finished, or not yet seen), refused if another node runs it.
+pub(crate) fn reported(
     shared: &Shared,
     node: &str,
     id: &str,
-    t: &commands::Tracked,
-) -> Status {
-    shared
-        .stats
-        .refused_identity
-        .fetch_add(1, Ordering::Relaxed);
-    Status::permission_denied(format!(
-        "command {id} is for node {}, not {node}",
-        t.command.node
-    ))
+) -> Result<Option<(CommandState, u64)>, Status> {
+    let cmds = shared.commands.lock().expect("commands lock");
+    match cmds.get(id) {
+        None => {
+            tracing::debug!(%node, command = %id, "a report for a command this gateway does not know (finished, or not yet seen)");
+            Ok(None)
+        }
+        Some(t) if t.command.node != node => {
+            shared
+                .stats
+                .refused_identity
+                .fetch_add(1, Ordering::Relaxed);
+            Err(Status::permission_denied(format!(
+                "command {id} is for node {}, not {node}",
+                t.command.node
+            )))
+        }
+        Some(t) => Ok(Some((t.state, t.version))),
+    }
 }
 
 /// Follows command events: tracks their state, pushes new ones to the node's

@@ -27,15 +27,15 @@ impl HeldAcks {
 
     /// Takes the acks held `hold` or longer by `now`: (id, node).
     pub(crate) fn due(&self, now: Instant, hold: Duration) -> Vec<(String, String)> {
-        let mut held = self.0.lock().expect("acks lock");
-        let due: Vec<String> = held
-            .iter()
-            .filter(|(_, (_, at))| now.saturating_duration_since(*at) >= hold)
-            .map(|(id, _)| id.clone())
-            .collect();
-        due.into_iter()
-            .filter_map(|id| held.remove(&id).map(|(node, _)| (id, node)))
-            .collect()
+        let mut due = Vec::new();
+        self.0.lock().expect("acks lock").retain(|id, (node, at)| {
+            let keep = now.saturating_duration_since(*at) < hold;
+            if !keep {
+                due.push((id.clone(), std::mem::take(node)));
+            }
+            keep
+        });
+        due
     }
 
     /// How many acks are held.

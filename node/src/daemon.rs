@@ -846,17 +846,12 @@ impl Runner {
             c.deadline_unix_ms,
         );
         let o = tokio::task::spawn_blocking(move || {
-            let failed = |detail: String| Outcome {
-                ok: false,
-                detail,
-                output: serde_json::Value::Null,
-            };
             let decision = executor.lock().expect("runner lock").begin(&id);
             match decision {
                 Ok(Decision::Run) => {}
                 Ok(Decision::Known(o)) => return o,
                 Err(e) => {
-                    return failed(format!(
+                    return Outcome::failed(format!(
                         "could not record the command before running it: {e}"
                     ))
                 }
@@ -865,7 +860,7 @@ impl Runner {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as i64);
             let o = if deadline > 0 && now > deadline {
-                failed("its deadline passed before it arrived; not run".into())
+                Outcome::failed("its deadline passed before it arrived; not run")
             } else {
                 let args: serde_json::Value =
                     serde_json::from_str(&args_json).unwrap_or(serde_json::Value::Null);
@@ -881,11 +876,7 @@ impl Runner {
             o
         })
         .await
-        .unwrap_or_else(|e| Outcome {
-            ok: false,
-            detail: format!("the command panicked: {e}"),
-            output: serde_json::Value::Null,
-        });
+        .unwrap_or_else(|e| Outcome::failed(format!("the command panicked: {e}")));
         self.running.lock().expect("runner lock").remove(&c.id);
         let out = self.out.lock().expect("runner lock").clone();
         if let Some(out) = out {
