@@ -17,6 +17,11 @@
 //! harmless conflict. Started, it first catches up on the log and re-issues
 //! what a previous binder may not have.
 //!
+//! Commands and activations are appended in the background and tried again
+//! while the database answers with a transient error (for up to
+//! [`COMMAND_DEADLINE`]); each has a fence, so a try that did land makes its
+//! retry a harmless conflict.
+//!
 //! Supervised: whatever fails, the binder lets go of its lease, waits a
 //! backoff and starts again from the log.
 
@@ -264,32 +269,49 @@ fn release_deadline() -> u64 {
 fn issue(appender: &Appender, command: Command, counter: Arc<BinderStats>, release: bool) {
     let appender = appender.clone();
     ops::task::spawn("binder-issue", async move {
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        let give_up = Instant::now() + COMMAND_DEADLINE;
-        loop {
-            match commands::issue(&appender, &command).await {
-                Ok(()) => {
-                    let c = if release {
-                        &counter.releases_issued
-                    } else {
-                        &counter.binds_issued
-                    };
-                    c.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-                Err(AppendError::VersionConflict { .. }) => return,
-                Err(e) if e.kind() == ErrorKind::Transient && Instant::now() < give_up => {
-                    let delay = backoff.next_delay();
-                    tracing::warn!(command = %command.id, error = %e, delay_ms = delay.as_millis() as u64, "could not issue a command; retrying");
-                    tokio::time::sleep(delay).await;
-                }
-                Err(e) => {
-                    tracing::error!(command = %command.id, error = %e, "could not issue a command; giving up");
-                    return;
-                }
+        match retried("issue a command", &command.id, || {
+            commands::issue(&appender, &command)
+        })
+        .await
+        {
+            Ok(()) => {
+                let c = if release {
+                    &counter.releases_issued
+                } else {
+                    &counter.binds_issued
+                };
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(AppendError::VersionConflict { .. }) => {}
+            Err(e) => {
+                tracing::error!(command = %command.id, error = %e, "could not issue a command; giving up");
             }
         }
     });
+}
+
+/// Runs `append` until it lands, is refused for good, or a transient error
+/// outlasts [`COMMAND_DEADLINE`]; between tries, a backoff of 0.1 s up to
+/// 5 s. An append whose outcome was unknown and which did land is answered
+/// by its retry with a version conflict: every append retried here has a
+/// fence.
+async fn retried<F, Fut>(what: &str, id: &str, mut append: F) -> Result<(), AppendError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), AppendError>>,
+{
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    let give_up = Instant::now() + COMMAND_DEADLINE;
+    loop {
+        match append().await {
+            Err(e) if e.kind() == ErrorKind::Transient && Instant::now() < give_up => {
+                let delay = backoff.next_delay();
+                tracing::warn!(%id, error = %e, delay_ms = delay.as_millis() as u64, "could not {what}; retrying");
+                tokio::time::sleep(delay).await;
+            }
+            done => return done,
+        }
+    }
 }
 
 /// Attempts at binding one reservation on one node before it is given up.
@@ -883,10 +905,14 @@ fn bound(
     ops::task::spawn(
         "binder-activate",
         async move {
-            match appender
-                .append(&reservation_stream(&reservation), expected, vec![event])
-                .await
-            {
+            let stream = reservation_stream(&reservation);
+            let activated = retried("mark the reservation active", &reservation, || async {
+                appender
+                    .append(&stream, expected, vec![event.clone()])
+                    .await
+                    .map(|_| ())
+            });
+            match activated.await {
                 Ok(_) => {
                     stats.activated.fetch_add(1, Ordering::Relaxed);
                 }
@@ -894,7 +920,7 @@ fn bound(
                     %reservation,
                     "the reservation changed since this binder saw it (another binder activated it, or it is being released); not marking it active"
                 ),
-                Err(e) => tracing::warn!(%reservation, error = %e, "could not mark the reservation active"),
+                Err(e) => tracing::error!(%reservation, error = %e, "could not mark the reservation active; giving up until the binder starts again"),
             }
         }
         .instrument(span),

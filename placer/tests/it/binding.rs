@@ -1,7 +1,8 @@
 //! The binder beside the placer: a node's binds answered (or not), a
 //! crash restart of PostgreSQL under both, releases sent to nodes by a
-//! binder started after them, binds tried again or refused, and
-//! activations that never land after a reservation's end.
+//! binder started after them, binds tried again or refused, activations
+//! that never land after a reservation's end, and activations the database
+//! refuses for a moment tried again.
 
 use super::*;
 
@@ -512,4 +513,67 @@ async fn reserve_then_release_races_never_activate_after_the_end() {
     eprintln!("400 reserve-then-release cycles: {activated} activated before their end, 0 after");
     let report = check::check(&client, |_| {}).await.unwrap();
     assert_eq!((report.live, report.booked_devices), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_activation_the_database_refuses_for_a_moment_is_tried_again() {
+    // Every node bound the reservation, and the database turns the
+    // activation away with a retryable error (a serialization failure)
+    // twice: the binder tries again, at the same fence, until it lands,
+    // with no restart of its own.
+    let (cfg, client) = db().await;
+    client
+        .batch_execute(
+            "CREATE SEQUENCE refused_activations;
+             CREATE FUNCTION refuse_activations() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF NEW.type = 'reservation.activated' AND nextval('refused_activations') <= 2 THEN
+                 RAISE EXCEPTION 'activation refused for a moment' USING ERRCODE = '40001';
+               END IF;
+               RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse_activations BEFORE INSERT ON strata.events
+               FOR EACH ROW EXECUTE FUNCTION refuse_activations();",
+        )
+        .await
+        .unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "refused", 2).await;
+    let reader = reader(&cfg);
+    let placer = Placer::start(
+        cfg.clone(),
+        reader.clone(),
+        appender.clone(),
+        PlacerConfig::new("refused"),
+    );
+    let node = answer_binds(reader.clone(), appender.clone());
+    let binder = binder::Binder::start(cfg.clone(), reader.clone(), appender.clone());
+    domain::requests::reserve(
+        &client,
+        &appender,
+        &request("r1", "refused", 8, Shape::Node),
+        None,
+    )
+    .await
+    .unwrap();
+    until_on(&cfg, "reservation/r1", "reservation.activated", 30).await;
+    let refused: i64 = client
+        .query_one("SELECT last_value FROM refused_activations", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(refused, 3, "two refusals, then the activation that landed");
+    assert_eq!(
+        binder
+            .stats
+            .restarts
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "the binder restarted instead of trying the activation again"
+    );
+    let report = check::check(&client, |_| {}).await.unwrap();
+    assert_eq!((report.live, report.booked_devices), (1, 8));
+    node.abort();
+    binder.stop().await.unwrap();
+    placer.stop().await.unwrap();
 }
