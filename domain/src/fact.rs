@@ -295,7 +295,7 @@ facts! {
 
     NodeAcceptanceReported = "node.acceptance_reported" {
         stream: "pool/<pool>",
-        written_by: "the gateway, from the node's daemon (with its `gpus` inventory, in the same transaction as `node.joined`; again when a re-check's result changes)",
+        written_by: "the gateway, from the node's daemon (with its `gpus` inventory, in the same transaction as `node.joined`; again, alone, when a re-check's result changes or a GPU's condition cleared)",
         about: "The node's acceptance check: every GPU answers, no uncorrected ECC error, no page pending retirement, and `dcgmi diag` where DCGM is installed. A node (or GPU) whose last check failed takes no placement until one passes. A node that never reported one (seeded, or an older daemon) is accepted.",
         fields: [
             NODE,

@@ -1,6 +1,7 @@
 //! A node's inventory sections as facts of its pool: `gpus` (its devices,
 //! `node.joined`, and its acceptance check, `node.acceptance_reported`,
-//! written together) and `topology` (its rack, block and rail group,
+//! written together), `acceptance` (a re-check's result alone, sent during
+//! a session) and `topology` (its rack, block and rail group,
 //! `node.topology_set`). Pure: the session writes what this returns.
 //!
 //! A section travels only when its hash is new to the region (the Hello
@@ -13,6 +14,10 @@ use domain::{valid_name, Tier};
 use domain::{DeviceSpec, Fact};
 use tonic::Status;
 
+/// The section of a re-check's result: never offered in a Hello, so no
+/// hash of it is kept.
+pub const ACCEPTANCE: &str = "acceptance";
+
 /// The facts that section `section` of node `node` reports, or why the
 /// section is refused.
 pub fn section_facts(node: &str, section: InventorySection) -> Result<Vec<Fact>, Status> {
@@ -23,9 +28,17 @@ pub fn section_facts(node: &str, section: InventorySection) -> Result<Vec<Fact>,
                 .chain(acceptance)
                 .collect())
         }
+        // A re-check's result alone: not a join (a node that left stays
+        // out), and its devices are the ones the log has.
+        ACCEPTANCE => match acceptance(node, &section.acceptance_json)? {
+            Some(fact) => Ok(vec![fact]),
+            None => Err(Status::invalid_argument(
+                "an acceptance section carries the check's result (acceptance_json)",
+            )),
+        },
         "topology" => Ok(vec![topology(node, section)?]),
         other => Err(Status::invalid_argument(format!(
-            "unknown inventory section {other:?}: gpus or topology"
+            "unknown inventory section {other:?}: gpus, acceptance or topology"
         ))),
     }
 }
@@ -182,6 +195,21 @@ mod tests {
         assert!(
             matches!(&facts[1], Fact::NodeAcceptanceReported { passed: false, failed_devices, .. } if failed_devices == &["GPU-1".to_string()])
         );
+        // A re-check's result alone is the check alone: no join.
+        let mut recheck = labels(&[]);
+        recheck.name = ACCEPTANCE.into();
+        recheck.acceptance_json = gpus.acceptance_json.clone();
+        let facts = section_facts("n1", recheck.clone()).unwrap();
+        assert!(
+            matches!(
+                &facts[..],
+                [Fact::NodeAcceptanceReported { passed: false, .. }]
+            ),
+            "{facts:?}"
+        );
+        recheck.acceptance_json.clear();
+        let err = section_facts("n1", recheck).unwrap_err();
+        assert!(err.message().contains("acceptance_json"), "{err}");
         gpus.acceptance_json = "{".into();
         let err = section_facts("n1", gpus).unwrap_err();
         assert!(err.message().contains("acceptance_json"), "{err}");

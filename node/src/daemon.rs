@@ -129,6 +129,20 @@ fn inventory_section(
     })
 }
 
+/// The `acceptance` section: a re-check's result alone. The devices it was
+/// run on are those of the `gpus` section the session opened with (a
+/// change of them is sent as a `gpus` section), and a node that left its
+/// pool is not brought back by a check it ran meanwhile.
+fn acceptance_section(acceptance: &crate::acceptance::Report) -> InventorySection {
+    InventorySection {
+        name: "acceptance".into(),
+        hash: digest(&acceptance.summary()),
+        devices: Vec::new(),
+        labels: HashMap::new(),
+        acceptance_json: serde_json::to_string(acceptance).unwrap_or_default(),
+    }
+}
+
 /// The `topology` section: the node's labels, when it has any.
 fn topology_section(labels: &BTreeMap<String, String>) -> Option<InventorySection> {
     if labels.is_empty() {
@@ -657,7 +671,7 @@ fn status(state: &str, detail: String) -> NodeMessage {
     }
 }
 
-/// A re-check's result: kept, and sent with the `gpus` section when it
+/// A re-check's result: kept, and sent (the `acceptance` section) when it
 /// changed or was `forced` (a check after a GPU's condition cleared).
 async fn rechecked_report(
     config: &DaemonConfig,
@@ -676,10 +690,8 @@ async fn rechecked_report(
         return Ok(());
     }
     tracing::info!(node = %config.node_id, passed = report.passed, reason = %report.reason, forced, "reporting the acceptance check's result");
-    let section = inventory_section(config.backend.as_ref(), &report)
-        .map_err(|e| End::Lost(e.to_string()))?;
     let m = NodeMessage {
-        body: Some(node_message::Body::Inventory(section)),
+        body: Some(node_message::Body::Inventory(acceptance_section(&report))),
     };
     tx.send(m)
         .await

@@ -5,10 +5,18 @@
 //! operator's clear brings the GPU back, a flood of faults across the
 //! pool stops at the circuit breaker, and a node failing its acceptance
 //! check (on a re-check, or when its daemon starts again) takes no work
-//! until one passes.
+//! until one passes, and a re-check brings back no node that left.
 
 use super::ok;
 use super::one_node::region;
+
+/// The node's acceptance checks in the log, oldest first.
+fn acceptance_reports(r: &super::one_node::Region) -> Vec<serde_json::Value> {
+    r.pool_events(&["node.acceptance_reported"])
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect()
+}
 
 /// The GPU index of `id`'s first device (`GPU-fake-n1-3` is 3).
 fn gpu_of(r: &super::one_node::Region, id: &str) -> String {
@@ -275,12 +283,7 @@ fn a_flood_of_faults_across_the_pool_stops_at_the_circuit_breaker() {
 #[test]
 fn a_node_failing_its_acceptance_check_never_gets_a_placement() {
     let r = region();
-    let acceptance = || {
-        r.pool_events(&["node.acceptance_reported"])
-            .into_iter()
-            .map(|(_, p)| p)
-            .collect::<Vec<_>>()
-    };
+    let acceptance = || acceptance_reports(&r);
     let mut daemon = r.node_with(&[], &["--recheck-every", "1s"]);
     r.wait_for_gpus();
     r.wait_until(30, "the first check is reported", || {
@@ -342,6 +345,47 @@ fn a_node_failing_its_acceptance_check_never_gets_a_placement() {
     });
     assert_eq!(placed(), before);
     drop(daemon);
+}
+
+#[test]
+fn a_recheck_reports_the_check_alone_and_brings_back_no_node_that_left() {
+    // A re-check's result is the check, not a join: a node an operator took
+    // out of its pool stays out while its daemon goes on checking, and the
+    // log is not told again of devices it already has.
+    let r = region();
+    let acceptance = || acceptance_reports(&r);
+    let joined = || r.pool_events(&["node.joined"]).len();
+    let _daemon = r.node_with(&[], &["--recheck-every", "1s"]);
+    r.wait_for_gpus();
+    r.wait_until(30, "the first check is reported", || {
+        !acceptance().is_empty()
+    });
+    assert_eq!(joined(), 1);
+    ok(&[
+        "nodes",
+        "leave",
+        "n1",
+        "--reason",
+        "decommissioned",
+        "--database-url",
+        &r.url,
+    ]);
+    r.wait_until(30, "the node is out of its pool", || {
+        r.node_shown()["state"] == "left (decommissioned)"
+    });
+    for (diag, passed) in [
+        (&["--diag", "fail"][..], false),
+        (&["--diag", "pass"], true),
+    ] {
+        r.fault(diag);
+        r.wait_until(30, "the re-check is reported", || {
+            acceptance().last().is_some_and(|a| a["passed"] == passed)
+        });
+    }
+    assert_eq!(joined(), 1, "a re-check's result was written as a join");
+    let shown = r.node_shown();
+    assert_eq!(shown["state"], "left (decommissioned)", "{shown}");
+    assert_eq!(shown["schedulable"], false, "{shown}");
 }
 
 /// A stand-in `dcgmi` in a folder of its own: it records its arguments in
