@@ -43,8 +43,13 @@ fn cluster_serving(tls: Option<schema::cluster::ClusterTls>) -> Result<(Cluster,
 /// The region drill's cluster: reachable from its network namespaces
 /// where `namespaces` (`10.77.0.0/16`, see `region::net`, with initdb's
 /// trust rules), and with `pg_stat_statements` loaded where `statements`.
-pub fn region_cluster(namespaces: bool, statements: bool) -> Result<Cluster> {
+pub fn region_cluster(
+    namespaces: bool,
+    statements: bool,
+    settings: Vec<(String, String)>,
+) -> Result<Cluster> {
     Ok(cluster_with(None, |o| {
+        o.settings.extend(settings);
         if statements {
             o.settings.push((
                 "shared_preload_libraries".into(),

@@ -290,6 +290,23 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
     let node_events_per_s = count("SELECT count(*) FROM strata.events WHERE (type LIKE 'node.%' OR type LIKE 'health.%') AND recorded_at >= to_timestamp($1) AND recorded_at < to_timestamp($2)").await?;
     let placed_per_s = count("SELECT count(*) FROM strata.events WHERE type = 'reservation.placed' AND recorded_at >= to_timestamp($1) AND recorded_at < to_timestamp($2)").await?;
     let commands_per_s = count("SELECT count(*) FROM strata.events WHERE type = 'command.issued' AND recorded_at >= to_timestamp($1) AND recorded_at < to_timestamp($2)").await?;
+    // Sessions that ended or lost contact while nothing failed: each a
+    // count over the window, not a rate.
+    let mut sessions_lost = serde_json::Map::new();
+    for t in [
+        "node.disconnected",
+        "node.contact_lost",
+        "node.marked_unreachable",
+    ] {
+        let n: i64 = c
+            .query_one(
+                "SELECT count(*) FROM strata.events WHERE type = $3 AND recorded_at >= to_timestamp($1) AND recorded_at < to_timestamp($2)",
+                &[&window[0], &window[1], &t],
+            )
+            .await?
+            .get(0);
+        sessions_lost.insert(t.into(), n.into());
+    }
     let mut to_active: Vec<f64> = c
         .query(
             "SELECT extract(epoch FROM a.recorded_at - q.recorded_at)::float8
@@ -356,6 +373,7 @@ pub async fn steady(r: &mut Region, load: &super::Load, o: &Options) -> Result<s
         "requested_to_active_p99_s": pct(&mut to_active, 0.99),
         "activated_in_window": to_active.len(),
         "requested_to_active_steps": steps,
+        "sessions_lost_in_window": sessions_lost,
         "not_offered": load.stats.not_offered.load(Ordering::Relaxed),
         "appends_given_up": load.stats.gave_up.load(Ordering::Relaxed),
     }))
