@@ -14,8 +14,9 @@
 //! raced the reservation's end (`reservation.ended` moves that stream's
 //! version in the same transaction as the terminal fact) conflicts instead
 //! of activating twice or after the end. Issuing a command twice is a
-//! harmless conflict. Started, it first catches up on the log and re-issues
-//! what a previous binder may not have.
+//! harmless conflict. Started, it folds the log into its index and follows
+//! it, standing by while another binder holds the lease; once it holds it,
+//! it re-issues what a previous binder may not have.
 //!
 //! Commands and activations are appended in the background and tried again
 //! while the database answers with a transient error (for up to
@@ -60,6 +61,11 @@ pub struct BinderStats {
     pub bind_retries: AtomicU64,
     /// Times the binder failed and started again.
     pub restarts: AtomicU64,
+    /// Events applied to the index while another binder held the lease.
+    pub standby_events: AtomicU64,
+    /// Times the binder folded the whole log into a new index (at its
+    /// start, and after the log was cut by a takeover).
+    pub folds: AtomicU64,
 }
 
 /// The binders' counters on `/metrics`.
@@ -105,6 +111,20 @@ static FIELDS: &[ops::metrics::Field<BinderStats>] = &[
         Counter,
         "Times the binder failed and started again.",
         restarts
+    ),
+    ops::stat_field!(
+        BinderStats,
+        "strata_binder_standby_events_total",
+        Counter,
+        "Events a standby binder applied to its index while another held the lease.",
+        standby_events
+    ),
+    ops::stat_field!(
+        BinderStats,
+        "strata_binder_folds_total",
+        Counter,
+        "Times the binder folded the whole log into a new index: at its start, and after a takeover cut the log.",
+        folds
     ),
 ];
 
@@ -454,14 +474,23 @@ async fn run(
 ) -> Result<(), BinderError> {
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     // Supervised: whatever fails (the database restarting, the lease lost, a
-    // read cut short), the binder lets go, waits and starts again from the
-    // log. It ends only when told to stop.
+    // read cut short), the binder lets go, waits and starts again from where
+    // its index is. It ends only when told to stop.
+    let mut kept: Option<Kept> = None;
     loop {
         let began = Instant::now();
-        let error = match attempt(&db, &reader, &appender, &stats, &mut stop, &holder).await {
+        let error = match attempt(
+            &db, &reader, &appender, &stats, &mut stop, &holder, &mut kept,
+        )
+        .await
+        {
             Ok(()) => return Ok(()),
             Err(e) => e,
         };
+        if matches!(error, BinderError::Apply(_)) {
+            // An event the index could not take: it may hold part of it.
+            kept = None;
+        }
         if began.elapsed() > Duration::from_secs(30) {
             backoff.reset();
         }
@@ -488,21 +517,45 @@ async fn attempt(
     stats: &Arc<BinderStats>,
     stop: &mut oneshot::Receiver<()>,
     holder: &str,
+    kept: &mut Option<Kept>,
 ) -> Result<(), BinderError> {
     let client = events::db::connect(db, "binder-lease").await?;
+    // The index is made (or kept from the last attempt) before the lease is
+    // asked for, and kept current while another binder holds it: a takeover
+    // or a restart after a failure starts from where the index is instead
+    // of folding the whole log first (tens of seconds at a region's size,
+    // while nothing is bound).
+    let work = events::db::connect(db, "binder").await?;
+    let resumed = Kept::resume(&work, kept.take(), stats).await?;
+    let index = &mut kept.insert(resumed).index;
+    let mut sub = reader
+        .subscribe_ephemeral_as("binder", Start::After(events::Position(index.position())))
+        .await?;
     let lease = loop {
         if let Some(l) = Lease::acquire(&client, LEASE, holder, LEASE_TTL).await? {
             break l;
         }
-        tokio::select! {
-            _ = &mut *stop => return Ok(()),
-            _ = tokio::time::sleep(LEASE_TTL / 3) => {}
+        let retry = tokio::time::sleep(LEASE_TTL / 3);
+        tokio::pin!(retry);
+        loop {
+            tokio::select! {
+                _ = &mut *stop => return Ok(()),
+                _ = &mut retry => break,
+                e = sub.next() => {
+                    let e = e?;
+                    sub.ack(e.position);
+                    if let Some(v) = index.apply(&e)? {
+                        tracing::warn!(violation = %v, "the log breaks an invariant");
+                    }
+                    stats.standby_events.fetch_add(1, Ordering::Relaxed);
+                }
+            }
         }
     };
-    tracing::info!(%holder, epoch = lease.epoch, "binder lease taken");
+    tracing::info!(%holder, epoch = lease.epoch, position = index.position(), "binder lease taken");
     let mut keeper = LeaseKeeper::start(db.clone(), lease.clone())
         .map_err(|e| BinderError::Keeper(format!("start its thread: {e}")))?;
-    let result = held(db, reader, appender, stats, stop, &mut keeper).await;
+    let result = held(&work, sub, index, appender, stats, stop, &mut keeper).await;
     // Renewals end before the lease is given back.
     drop(keeper);
     if result.is_ok() {
@@ -511,24 +564,56 @@ async fn attempt(
     result
 }
 
+/// The binder's index, kept across its attempts.
+struct Kept {
+    index: Index,
+    /// The ranges of positions takeovers had cut from the log when the
+    /// index was made (`strata.log_epochs`).
+    cuts: Vec<(u64, u64)>,
+}
+
+impl Kept {
+    /// The index of the last attempt, unless a takeover since cut from the
+    /// log positions it holds (a standby promoted without events the index
+    /// has); else the log folded anew.
+    async fn resume(
+        client: &tokio_postgres::Client,
+        kept: Option<Kept>,
+        stats: &BinderStats,
+    ) -> Result<Kept, BinderError> {
+        // Read before the fold: a takeover during it is seen next time.
+        let cuts = projector::lost_ranges(client).await?;
+        if let Some(k) = kept {
+            let held = k.index.position();
+            let cut = cuts.iter().any(|c| c.0 < held && !k.cuts.contains(c));
+            if !cut {
+                return Ok(Kept { cuts, ..k });
+            }
+            tracing::warn!(
+                position = held,
+                "a takeover cut from the log positions the binder's index holds; folding the log again"
+            );
+        }
+        let index = projector::build(client, Index::new()).await?;
+        stats.folds.fetch_add(1, Ordering::Relaxed);
+        Ok(Kept { index, cuts })
+    }
+}
+
 /// Works while holding the lease; returns when stopped or the lease is lost.
 async fn held(
-    db: &events::db::Database,
-    reader: &Reader,
+    client: &tokio_postgres::Client,
+    mut sub: events::Subscription,
+    index: &mut Index,
     appender: &Appender,
     stats: &Arc<BinderStats>,
     stop: &mut oneshot::Receiver<()>,
     keeper: &mut LeaseKeeper,
 ) -> Result<(), BinderError> {
-    let (reader, appender, stats) = (reader.clone(), appender.clone(), stats.clone());
-    let client = events::db::connect(db, "binder").await?;
-    let mut index = projector::build(&client, Index::new()).await?;
-    let mut sub = reader
-        .subscribe_ephemeral_as("binder", Start::After(events::Position(index.position())))
-        .await?;
-    let (mut state, placed) = resumed(&client, &index).await?;
-    resume_binds(&client, &mut state, &index, &placed, &appender, &stats).await?;
-    release_ended(&client, &index, &appender, &stats).await?;
+    let (appender, stats) = (appender.clone(), stats.clone());
+    let (mut state, placed) = resumed(client, index).await?;
+    resume_binds(client, &mut state, index, &placed, &appender, &stats).await?;
+    release_ended(client, index, &appender, &stats).await?;
     tracing::info!(
         position = index.position(),
         placed = placed.len(),
@@ -544,7 +629,7 @@ async fn held(
             e = sub.next() => e?,
         };
         sub.ack(e.position);
-        on_event(&mut state, &mut index, &e, &appender, &stats).await?;
+        on_event(&mut state, index, &e, &appender, &stats).await?;
     }
 }
 

@@ -1,8 +1,9 @@
 //! The binder beside the placer: a node's binds answered (or not), a
 //! crash restart of PostgreSQL under both, releases sent to nodes by a
 //! binder started after them, binds tried again or refused, activations
-//! that never land after a reservation's end, and activations the database
-//! refuses for a moment tried again.
+//! that never land after a reservation's end, activations the database
+//! refuses for a moment tried again, and a standby binder that follows the
+//! log before it takes over.
 
 use super::*;
 
@@ -233,6 +234,18 @@ async fn placer_and_binder_survive_a_postgres_crash_restart() {
     until_on(&cfg, "reservation/later", "reservation.activated", 30).await;
     let report = check::check(&client, |_| {}).await.unwrap();
     assert_eq!((report.live, report.booked_devices), (2, 16));
+    // The binder went on from the index it had: it read the whole log once,
+    // at its start, not again after the restart.
+    let stat = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        stat(&binder.stats.restarts) > 0,
+        "the binder never restarted"
+    );
+    assert_eq!(
+        stat(&binder.stats.folds),
+        1,
+        "the binder folded the whole log again"
+    );
     node.abort();
     binder.stop().await.unwrap();
     placer.stop().await.unwrap();
@@ -575,5 +588,93 @@ async fn an_activation_the_database_refuses_for_a_moment_is_tried_again() {
     assert_eq!((report.live, report.booked_devices), (1, 8));
     node.abort();
     binder.stop().await.unwrap();
+    placer.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_binder_follows_the_log_and_takes_over_from_where_it_is() {
+    // A second binder stands by while the first binds: it folds the log and
+    // follows it before it holds the lease, so a takeover starts from the
+    // present instead of reading the whole log first.
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "standby", 4).await;
+    let reader_a = reader(&cfg);
+    let placer = Placer::start(
+        cfg.clone(),
+        reader_a.clone(),
+        appender.clone(),
+        PlacerConfig::new("standby"),
+    );
+    let node = answer_binds(reader_a.clone(), appender.clone());
+    let a = binder::Binder::start_as(
+        cfg.clone(),
+        reader_a.clone(),
+        appender.clone(),
+        "binder-a".into(),
+    );
+    let reserve = |id: String| {
+        let (client, appender) = (&client, &appender);
+        async move {
+            domain::requests::reserve(
+                client,
+                appender,
+                &request(&id, "standby", 8, Shape::Node),
+                None,
+            )
+            .await
+            .unwrap();
+        }
+    };
+    reserve("s1".into()).await;
+    until_on(&cfg, "reservation/s1", "reservation.activated", 30).await;
+    let b = binder::Binder::start_as(
+        cfg.clone(),
+        reader(&cfg),
+        appender.clone(),
+        "binder-b".into(),
+    );
+    // Reservations come and go until the standby has followed one of them
+    // (it may fold the first ones into its index before it follows).
+    let standby = || {
+        b.stats
+            .standby_events
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    for i in 0.. {
+        assert!(
+            i < 20,
+            "the standby binder applied no event while the other held the lease"
+        );
+        let id = format!("s2-{i}");
+        reserve(id.clone()).await;
+        let stream = format!("reservation/{id}");
+        until_on(&cfg, &stream, "reservation.activated", 30).await;
+        domain::requests::release(&appender, &id, "done", None)
+            .await
+            .unwrap();
+        until_on(&cfg, &stream, "reservation.ended", 30).await;
+        if standby() > 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        b.stats.activated.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "the standby activated a reservation without the lease"
+    );
+    // The first binder stops (its lease is given back): the standby takes
+    // over and binds the next reservation.
+    a.stop().await.unwrap();
+    reserve("s3".into()).await;
+    until_on(&cfg, "reservation/s3", "reservation.activated", 30).await;
+    assert_eq!(
+        b.stats.activated.load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    let report = check::check(&client, |_| {}).await.unwrap();
+    assert_eq!((report.live, report.booked_devices), (2, 16));
+    node.abort();
+    b.stop().await.unwrap();
     placer.stop().await.unwrap();
 }
