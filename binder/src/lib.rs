@@ -526,8 +526,8 @@ async fn attempt(
     // of folding the whole log first (tens of seconds at a region's size,
     // while nothing is bound).
     let work = events::db::connect(db, "binder").await?;
-    let resumed = Kept::resume(&work, kept.take(), stats).await?;
-    let index = &mut kept.insert(resumed).index;
+    let made = Kept::resume(&work, kept.take(), stats).await?;
+    let index = &mut kept.insert(made).index;
     let mut sub = reader
         .subscribe_ephemeral_as("binder", Start::After(events::Position(index.position())))
         .await?;
@@ -610,10 +610,9 @@ async fn held(
     stop: &mut oneshot::Receiver<()>,
     keeper: &mut LeaseKeeper,
 ) -> Result<(), BinderError> {
-    let (appender, stats) = (appender.clone(), stats.clone());
     let (mut state, placed) = resumed(client, index).await?;
-    resume_binds(client, &mut state, index, &placed, &appender, &stats).await?;
-    release_ended(client, index, &appender, &stats).await?;
+    resume_binds(client, &mut state, index, &placed, appender, stats).await?;
+    release_ended(client, index, appender, stats).await?;
     tracing::info!(
         position = index.position(),
         placed = placed.len(),
@@ -629,7 +628,7 @@ async fn held(
             e = sub.next() => e?,
         };
         sub.ack(e.position);
-        on_event(&mut state, index, &e, &appender, &stats).await?;
+        on_event(&mut state, index, &e, appender, stats).await?;
     }
 }
 
