@@ -79,6 +79,10 @@ pub struct Args {
     /// result lists them): `--pg-setting commit_delay=200`, say
     #[arg(long = "pg-setting", value_parser = parse_setting)]
     pg_settings: Vec<(String, String)>,
+    /// Keep the region's folder (each role's log, PostgreSQL's data and
+    /// log) after the run instead of removing it; its path is printed
+    #[arg(long)]
+    keep: bool,
 }
 
 fn parse_setting(s: &str) -> Result<(String, String), String> {
@@ -164,6 +168,8 @@ pub struct Options {
     pub statements: bool,
     /// Settings of the private PostgreSQL beyond the drill's own.
     pub pg_settings: Vec<(String, String)>,
+    /// Keep the region's folder after the run.
+    pub keep: bool,
     /// The faults to inject (of [`FAULTS`]), in that order.
     pub faults: Vec<&'static str>,
     /// How long a network fault is held before it is healed.
@@ -202,6 +208,7 @@ impl Options {
             shared: false,
             statements: false,
             pg_settings: Vec::new(),
+            keep: false,
             faults: FAULTS.to_vec(),
             partition: Duration::from_secs(30),
             node_lost_after: Duration::from_secs(30),
@@ -224,6 +231,7 @@ pub async fn run(args: Args) -> Result<()> {
     o.shared = args.shared_processes;
     o.statements = args.statements;
     o.pg_settings = args.pg_settings;
+    o.keep = args.keep;
     o.faults = parse_faults(&args.faults)?;
     if !(args.load > 0.0 && args.load.is_finite()) {
         anyhow::bail!(
@@ -474,9 +482,13 @@ async fn nats(dir: &std::path::Path) -> Result<Option<(tokio::process::Child, St
 /// Starts the region: PostgreSQL, the CA, pools, sinks, every role, and the
 /// fleet's tokens (the nodes are not started).
 pub async fn start(o: &Options) -> Result<Region> {
-    let dir = tempfile::Builder::new()
+    let mut dir = tempfile::Builder::new()
         .prefix("strata-region-")
         .tempdir()?;
+    if o.keep {
+        dir.disable_cleanup(true);
+        eprintln!("the region's folder (kept): {}", dir.path().display());
+    }
     eprintln!("starting a private PostgreSQL (fsync on) ...");
     let (namespaces, statements, settings) = (o.network(), o.statements, o.pg_settings.clone());
     let cluster =

@@ -643,8 +643,47 @@ async fn tell_stuck(r: &Region, id: &str) {
                 payload.chars().take(300).collect::<String>()
             );
         }
+        tell_readers(&c).await;
     }
     procs::tell_warnings(&r.roles, 10);
+}
+
+/// Where each process's replication reader stands against the log and the
+/// WAL: whether a walsender streams its slot, how far behind the server's
+/// WAL its slot's restart and confirmed points are, and the last position
+/// it acknowledged against the log's head.
+async fn tell_readers(c: &tokio_postgres::Client) {
+    let rows = c
+        .query(
+            "SELECT r.slot_name, r.owner, r.acked_position,
+                    (SELECT max(position) FROM strata.events) AS head,
+                    s.active, st.state,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::float8 / 1048576,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::float8 / 1048576,
+                    extract(epoch FROM now() - r.seen_at)::float8
+               FROM strata.replication_readers r
+               LEFT JOIN pg_replication_slots s USING (slot_name)
+               LEFT JOIN pg_stat_replication st ON st.pid = s.active_pid
+              ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap_or_default();
+    eprintln!("  readers (slot, owner, acked position / log head, walsender state, MiB behind: restart, confirmed; seen s ago):");
+    for row in rows {
+        eprintln!(
+            "    {} {} {:?}/{:?} active={:?} {:?} {:.1?} {:.1?} {:.1?}",
+            row.get::<_, String>(0),
+            row.get::<_, String>(1),
+            row.get::<_, Option<i64>>(2),
+            row.get::<_, Option<i64>>(3),
+            row.get::<_, Option<bool>>(4),
+            row.get::<_, Option<String>>(5),
+            row.get::<_, Option<f64>>(6),
+            row.get::<_, Option<f64>>(7),
+            row.get::<_, Option<f64>>(8),
+        );
+    }
 }
 
 /// Every node loses power for `o.outage` and comes back.
@@ -907,16 +946,85 @@ pub async fn standby_promoted(r: &mut Region, o: &Options) -> Result<serde_json:
 
 pub async fn walsenders(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
     let c = r.client().await?;
-    let at = Instant::now();
-    let n: i64 = c
-        .query_one(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_replication) t",
+    // How much WAL each walsender must decode again before it streams
+    // anything new: from its slot's restart point.
+    let mut behind = serde_json::Map::new();
+    for row in c
+        .query(
+            "SELECT slot_name::text,
+                    round(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) / 1048576.0, 1)::float8,
+                    round(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) / 1048576.0, 1)::float8
+               FROM pg_replication_slots WHERE slot_type = 'logical' ORDER BY 1",
             &[],
         )
         .await?
-        .get(0);
-    let recovery = probe(r, o, &r.pools[0].clone(), at).await?;
-    Ok(serde_json::json!({ "terminated": n, "recovery_s": recovery }))
+    {
+        let (slot, restart, confirmed): (String, Option<f64>, Option<f64>) =
+            (row.get(0), row.get(1), row.get(2));
+        behind.insert(
+            slot,
+            serde_json::json!({ "restart_mib": restart, "confirmed_mib": confirmed }),
+        );
+    }
+    let at = Instant::now();
+    let row = c
+        .query_one(
+            "SELECT (SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_replication) t),
+                    pg_current_wal_lsn()::text",
+            &[],
+        )
+        .await?;
+    let (n, lsn): (i64, String) = (row.get(0), row.get(1));
+    let pool = r.pools[0].clone();
+    let (recovery, back) = tokio::join!(
+        probe(r, o, &pool, at),
+        readers_back(&c, &lsn, at, o.patience)
+    );
+    Ok(serde_json::json!({
+        "terminated": n,
+        "wal_behind_before": behind,
+        "recovery_s": recovery?,
+        "readers_back_s": back?,
+    }))
+}
+
+/// For each slot, seconds from `at` until its reader acknowledged the WAL
+/// position `lsn` (the server's when the walsenders were terminated): the
+/// moment that reader streams live again. Null for a slot not back within
+/// `patience`.
+async fn readers_back(
+    c: &tokio_postgres::Client,
+    lsn: &str,
+    at: Instant,
+    patience: Duration,
+) -> Result<serde_json::Value> {
+    let mut back = serde_json::Map::new();
+    loop {
+        let rows = c
+            .query(
+                "SELECT slot_name::text, confirmed_flush_lsn >= $1::text::pg_lsn
+                   FROM pg_replication_slots WHERE slot_type = 'logical' ORDER BY 1",
+                &[&lsn],
+            )
+            .await?;
+        let mut all = true;
+        for row in rows {
+            let (slot, done): (String, Option<bool>) = (row.get(0), row.get(1));
+            if done == Some(true) {
+                let seen = back.entry(slot).or_insert(serde_json::Value::Null);
+                if seen.is_null() {
+                    *seen = round(at.elapsed().as_secs_f64(), 2).into();
+                }
+            } else {
+                all = false;
+                back.entry(slot).or_insert(serde_json::Value::Null);
+            }
+        }
+        if all || at.elapsed() > patience {
+            return Ok(back.into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The replication slot of the placer holding the first pool is dropped
