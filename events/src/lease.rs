@@ -78,7 +78,7 @@ impl Lease {
                  ON CONFLICT (name) DO UPDATE
                     SET holder = $2, epoch = l.epoch + 1, expires_at = now() + $3::text::interval,
                         acquired_at = now(), renewed_at = now()
-                  WHERE l.expires_at <= now() OR l.holder = $2
+                  WHERE strata.lease_until(l.expires_at, l.renewed_at) <= now() OR l.holder = $2
                  RETURNING epoch",
                 &[&name, &holder, &interval(ttl)],
             )
@@ -97,7 +97,8 @@ impl Lease {
         let n = client
             .exec(
                 "UPDATE strata.leases SET expires_at = now() + $4::text::interval, renewed_at = now()
-                  WHERE name = $1 AND holder = $2 AND epoch = $3 AND expires_at > now()",
+                  WHERE name = $1 AND holder = $2 AND epoch = $3
+                    AND strata.lease_until(expires_at, renewed_at) > now()",
                 &[&self.name, &self.holder, &self.epoch, &interval(self.ttl)],
             )
             .await
@@ -113,7 +114,7 @@ impl Lease {
     pub async fn release(self, client: &Client) -> Result<(), LeaseError> {
         client
             .exec(
-                "UPDATE strata.leases SET expires_at = now() WHERE name = $1 AND holder = $2 AND epoch = $3",
+                "UPDATE strata.leases SET expires_at = now(), renewed_at = now() WHERE name = $1 AND holder = $2 AND epoch = $3",
                 &[&self.name, &self.holder, &self.epoch],
             )
             .await
@@ -127,7 +128,8 @@ impl Lease {
         let held = tx
             .opt(
                 "SELECT 1 FROM strata.leases
-                  WHERE name = $1 AND holder = $2 AND epoch = $3 AND expires_at > now()
+                  WHERE name = $1 AND holder = $2 AND epoch = $3
+                    AND strata.lease_until(expires_at, renewed_at) > now()
                   FOR SHARE",
                 &[&self.name, &self.holder, &self.epoch],
             )

@@ -64,6 +64,31 @@ pub enum ErrorKind {
     Definite,
 }
 
+/// Whether the server itself said it is down: it is starting up, shutting
+/// down or recovering from a crash (SQLSTATE 57P01, 57P02, 57P03), or its
+/// host refused the connection (nothing listens on the port). Such an
+/// outage is the same for every client, unlike silence, which may be this
+/// client's link alone.
+pub fn server_down(err: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    if let Some(code) = err.code() {
+        return [
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::CRASH_SHUTDOWN,
+            SqlState::CANNOT_CONNECT_NOW,
+        ]
+        .contains(code);
+    }
+    let mut source = std::error::Error::source(err);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return io.kind() == std::io::ErrorKind::ConnectionRefused;
+        }
+        source = e.source();
+    }
+    false
+}
+
 /// Classifies a Postgres error by SQLSTATE class.
 pub fn classify_pg(err: &tokio_postgres::Error) -> ErrorKind {
     if err.is_closed() {

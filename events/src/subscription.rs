@@ -223,7 +223,7 @@ impl Reader {
             Ok(None) => {
                 let row = client
                     .opt(
-                        "SELECT holder, greatest(extract(epoch FROM expires_at - now()), 0)::float8
+                        "SELECT holder, greatest(extract(epoch FROM strata.lease_until(expires_at, renewed_at) - now()), 0)::float8
                            FROM strata.leases WHERE name = $1",
                         &[&lease_name],
                     )
@@ -481,7 +481,8 @@ async fn store_cursor(
             "UPDATE strata.subscriptions SET position = greatest(position, $2), updated_at = now(), seen_at = now()
               WHERE name = $1
                 AND EXISTS (SELECT 1 FROM strata.leases
-                             WHERE name = $3 AND holder = $4 AND epoch = $5 AND expires_at > now())",
+                             WHERE name = $3 AND holder = $4 AND epoch = $5
+                               AND strata.lease_until(expires_at, renewed_at) > now())",
             &[&name, &(acked as i64), &lease.name, &lease.holder, &lease.epoch],
         )
         .await

@@ -17,6 +17,18 @@
 //! TTL (cut off from the database), ends every session it holds (its nodes
 //! move to another gateway, or come back once it holds a lease again),
 //! refuses new ones meanwhile, and takes a new epoch.
+//!
+//! Unless the database itself says it is down (restarting, recovering from
+//! a crash, nothing listening): that outage is the same for every gateway,
+//! no other could take the nodes over, and ending every session of every
+//! gateway at once only made the whole fleet reconnect when the database
+//! came back. Time the server is away does not count against a lease
+//! (`strata.lease_until`: a lease that ran out meanwhile is held until a
+//! TTL after the server is back), so the gateway keeps its sessions,
+//! refuses new ones, and renews the same lease once the database answers;
+//! for at most [`DOWN_RIDE`] TTLs past the lease's end, and never while the
+//! database is silent rather than down (which may be this gateway's link
+//! alone).
 
 use crate::state::Shared;
 use domain::{pool_stream, Fact};
@@ -85,12 +97,17 @@ pub(crate) async fn acquire(shared: &Shared, db: &SharedClient) -> Result<Lease,
     }
 }
 
+/// How many TTLs past its lease's end a gateway keeps its sessions while
+/// the database says it is down.
+pub(crate) const DOWN_RIDE: u32 = 10;
+
 /// Renews the lease every third of its TTL, each renewal given until the
 /// lease's end on this process's clock.
 /// When it is found lost, or when no renewal has succeeded for a whole TTL
 /// on this process's clock (the database unreachable: a renewal that hangs
 /// proves nothing), ends every session this gateway holds, refuses new
-/// ones until it holds the lease again, and takes a new epoch.
+/// ones until it holds the lease again, and takes a new epoch; while the
+/// database says it is down, it keeps them instead (see the module's doc).
 ///
 /// The lease is held locally until the start of the last renewal that
 /// succeeded plus the TTL: the database's expiry is counted from a moment
@@ -101,40 +118,55 @@ async fn keep(shared: Arc<Shared>, mut lease: Lease, asked: Instant) {
     let ttl = shared.config.lease_ttl;
     let every = ttl / 3;
     let mut held_until = asked + ttl;
+    // Past the lease's end with the database down: sessions kept, new ones
+    // refused.
+    let mut riding = false;
     loop {
         tokio::time::sleep(every).await;
         let started = Instant::now();
         // A slow renewal that commits before the lease ends counts: the
-        // wait ends only where the lease does.
-        let renewed = tokio::time::timeout_at(held_until, async {
-            match db.get().await {
-                Ok(c) => lease.renew(&c).await.map_err(|e| match e {
-                    LeaseError::Lost { .. } => Renewal::Lost,
-                    e => Renewal::Failed(e.to_string()),
-                }),
-                Err(e) => Err(Renewal::Failed(format!("no database connection: {e}"))),
-            }
-        })
-        .await
-        .unwrap_or_else(|_| {
-            Err(Renewal::Failed(
-                "no answer from the database before the lease's end".to_string(),
-            ))
-        });
+        // wait ends only where the lease does (past it, after a third of
+        // the TTL).
+        let renewed = tokio::time::timeout_at(held_until.max(started + every), renew(&db, &lease))
+            .await
+            .unwrap_or_else(|_| {
+                Err(Renewal::Failed {
+                    why: "no answer from the database before the lease's end".to_string(),
+                    down: false,
+                })
+            });
         let why = match renewed {
             Ok(()) => {
+                if std::mem::take(&mut riding) {
+                    shared.lease_epoch.store(lease.epoch, Ordering::Relaxed);
+                    tracing::info!(epoch = lease.epoch, "the database is back and the gateway's lease held over its outage: the sessions carry on");
+                }
                 held_until = started + ttl;
                 continue;
             }
-            Err(Renewal::Failed(e)) if Instant::now() < held_until => {
-                tracing::warn!(error = %e, "cannot renew the gateway's lease; retrying");
+            Err(Renewal::Failed { why, .. }) if Instant::now() < held_until => {
+                tracing::warn!(error = %why, "cannot renew the gateway's lease; retrying");
                 continue;
             }
-            Err(Renewal::Failed(e)) => format!(
-                "the gateway's lease lapsed on its own clock: no renewal succeeded for its whole TTL ({e}; frozen, or cut off from the database)"
+            Err(Renewal::Failed { why, down: true })
+                if Instant::now() < held_until + ttl * DOWN_RIDE =>
+            {
+                if !std::mem::replace(&mut riding, true) {
+                    shared
+                        .stats
+                        .database_outages_ridden
+                        .fetch_add(1, Ordering::Relaxed);
+                    shared.lease_epoch.store(0, Ordering::Relaxed);
+                    tracing::warn!(error = %why, "the database is down: keeping this gateway's sessions and refusing new ones until it is back and the lease renewed");
+                }
+                continue;
+            }
+            Err(Renewal::Failed { why, .. }) => format!(
+                "the gateway's lease lapsed on its own clock: no renewal succeeded for its whole TTL ({why}; frozen, or cut off from the database)"
             ),
             Err(Renewal::Lost) => "the gateway's lease lapsed (frozen, or cut off from the database)".to_string(),
         };
+        riding = false;
         shared.stats.lease_lost.fetch_add(1, Ordering::Relaxed);
         shared.lease_epoch.store(0, Ordering::Relaxed);
         tracing::error!(
@@ -150,10 +182,30 @@ async fn keep(shared: Arc<Shared>, mut lease: Lease, asked: Instant) {
     }
 }
 
+/// One renewal of `lease` through `db`.
+async fn renew(db: &SharedClient, lease: &Lease) -> Result<(), Renewal> {
+    let c = db.get().await.map_err(|e| Renewal::Failed {
+        down: events::server_down(&e),
+        why: format!("no database connection: {e}"),
+    })?;
+    lease.renew(&c).await.map_err(|e| match e {
+        LeaseError::Lost { .. } => Renewal::Lost,
+        LeaseError::Database { ref source, .. } => Renewal::Failed {
+            down: events::server_down(source),
+            why: e.to_string(),
+        },
+    })
+}
+
 /// Why a renewal did not succeed.
 enum Renewal {
     Lost,
-    Failed(String),
+    /// Not answered, or answered with an error; `down` when the database
+    /// said it is down (see [`events::server_down`]).
+    Failed {
+        why: String,
+        down: bool,
+    },
 }
 
 /// Takes the lease again, as often as it takes; with when the attempt
@@ -193,7 +245,8 @@ async fn orphans(client: &tokio_postgres::Client, limit: i64) -> Result<Vec<Orph
                JOIN strata.streams st ON st.stream = 'node/' || s.node
                LEFT JOIN strata.leases l ON l.name = 'gateway/' || s.gateway
               WHERE s.in_contact
-                AND (l.name IS NULL OR l.expires_at <= now() OR l.epoch <> s.gateway_epoch)
+                AND (l.name IS NULL OR l.epoch <> s.gateway_epoch
+                     OR strata.lease_until(l.expires_at, l.renewed_at) <= now())
               LIMIT $1",
             &[&limit],
         )

@@ -131,6 +131,14 @@ static GATEWAY: &[Field<GatewayStats>] = &[
     ),
     ops::stat_field!(
         GatewayStats,
+        "strata_gateway_database_outages_ridden_total",
+        Counter,
+        "Times this gateway's lease ran past its end while the database said it was down (restarting, recovering) and the gateway kept its sessions, refusing new ones, until the database was back.",
+        &[],
+        database_outages_ridden
+    ),
+    ops::stat_field!(
+        GatewayStats,
         "strata_gateway_lapsed_nodes_marked_total",
         Counter,
         "Nodes of gateways whose lease lapsed that this gateway marked lost (node.session_expired).",

@@ -197,6 +197,9 @@ pub struct GatewayStats {
     pub refused_messages: AtomicU64,
     /// Times this gateway found its own lease lapsed.
     pub lease_lost: AtomicU64,
+    /// Times this gateway's lease ran past its end while the database said
+    /// it was down, and the gateway kept its sessions (see `liveness`).
+    pub database_outages_ridden: AtomicU64,
     /// Nodes of lapsed gateways this gateway marked lost.
     pub orphans_marked: AtomicU64,
 }

@@ -76,7 +76,8 @@ pub(crate) async fn list(
         .rows(
             "SELECT substr(s.name, length($1) + 1), s.position,
                     EXISTS (SELECT 1 FROM strata.leases l
-                             WHERE l.name = 'subscription/' || s.name AND l.expires_at > now())
+                             WHERE l.name = 'subscription/' || s.name
+                               AND strata.lease_until(l.expires_at, l.renewed_at) > now())
                FROM strata.subscriptions s WHERE left(s.name, length($1)) = $1 ORDER BY s.name",
             &[&p],
         )
@@ -100,7 +101,8 @@ pub(crate) async fn delete(
             "WITH gone AS (
                 DELETE FROM strata.subscriptions s WHERE s.name = $1
                    AND NOT EXISTS (SELECT 1 FROM strata.leases l
-                                    WHERE l.name = 'subscription/' || s.name AND l.expires_at > now())
+                                    WHERE l.name = 'subscription/' || s.name
+                                      AND strata.lease_until(l.expires_at, l.renewed_at) > now())
                 RETURNING 1)
              SELECT (SELECT count(*) FROM gone),
                     (SELECT count(*) FROM strata.subscriptions WHERE name = $1)",

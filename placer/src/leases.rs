@@ -147,7 +147,7 @@ async fn keep(
         }
         let _ = c
             .exec(
-                "UPDATE strata.leases SET expires_at = now() WHERE name = $1",
+                "UPDATE strata.leases SET expires_at = now(), renewed_at = now() WHERE name = $1",
                 &[&member],
             )
             .await;
@@ -202,7 +202,8 @@ async fn upkeep(
     }
     let live: i64 = client
         .one(
-            "SELECT count(*) FROM strata.leases WHERE name LIKE 'placer/%' AND expires_at > now()",
+            "SELECT count(*) FROM strata.leases WHERE name LIKE 'placer/%'
+                AND strata.lease_until(expires_at, renewed_at) > now()",
             &[],
         )
         .await
@@ -213,7 +214,8 @@ async fn upkeep(
         let names: Vec<String> = wanted.iter().map(|p| format!("pool/{p}")).collect();
         let taken: BTreeSet<String> = client
             .rows(
-                "SELECT name FROM strata.leases WHERE name = ANY($1) AND expires_at > now() AND holder <> $2",
+                "SELECT name FROM strata.leases WHERE name = ANY($1) AND holder <> $2
+                   AND strata.lease_until(expires_at, renewed_at) > now()",
                 &[&names, &config.holder],
             )
             .await

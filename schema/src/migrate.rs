@@ -210,6 +210,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0023_console.sql"),
         change: Change::Expand,
     },
+    Migration {
+        version: 24,
+        name: "lease_restarts",
+        sql: include_str!("../migrations/0024_lease_restarts.sql"),
+        change: Change::Expand,
+    },
 ];
 
 /// The advisory lock key that serializes migrators (an arbitrary constant).

@@ -447,7 +447,7 @@ async fn worker_holds(
 ) -> Result<bool, SinkError> {
     Ok(client
         .opt(
-            "SELECT 1 FROM strata.leases WHERE name = $1 AND expires_at > now()",
+            "SELECT 1 FROM strata.leases WHERE name = $1 AND strata.lease_until(expires_at, renewed_at) > now()",
             &[&format!("subscription/sink.{name}")],
         )
         .await?

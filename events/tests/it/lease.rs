@@ -135,3 +135,91 @@ async fn shown(c: &tokio_postgres::Client) -> String {
         .unwrap()
         .get::<_, String>(0)
 }
+
+/// No holder can renew while the server is down, so that time does not
+/// count: a lease that ran out during an outage is held until a TTL after
+/// the server is back, for its holder to renew at the same epoch. A lease
+/// released before the outage gets no such grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_ran_out_while_the_server_was_down_is_still_its_holders() {
+    let cluster = testkit::temp_cluster(&[]).unwrap();
+    let url = testkit::migrated_database(&cluster).await;
+    let cfg: tokio_postgres::Config = url.parse().unwrap();
+    let ttl = Duration::from_secs(2);
+    let client = events::db::connect(&cfg, "lease-a").await.unwrap();
+    let a = Lease::acquire(&client, "gateway/gw-a", "gw-a", ttl)
+        .await
+        .unwrap()
+        .expect("free lease");
+    let gone = Lease::acquire(&client, "pool/p", "placer-a", ttl)
+        .await
+        .unwrap()
+        .expect("free lease");
+    gone.release(&client).await.unwrap();
+    Lease::acquire(&client, "binder", "binder-a", ttl)
+        .await
+        .unwrap()
+        .expect("free lease");
+    drop(client);
+
+    // The server goes down and stays down longer than the TTL.
+    let mut cluster = cluster;
+    tokio::task::block_in_place(|| cluster.stop());
+    let down = std::time::Instant::now();
+    let client = loop {
+        // Refused while it is down: that is what a holder sees.
+        let err = events::db::connect(&cfg, "lease-a").await.unwrap_err();
+        assert!(events::server_down(&err), "{err}");
+        if down.elapsed() > ttl * 2 {
+            tokio::task::block_in_place(|| cluster.restart()).unwrap();
+            break events::db::connect(&cfg, "lease-a").await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // Past its expiry on the database's clock, yet no one else takes it ...
+    let expired: bool = client
+        .query_one(
+            "SELECT expires_at < now() FROM strata.leases WHERE name = 'gateway/gw-a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(expired, "the outage was longer than the lease");
+    assert!(
+        Lease::acquire(&client, "gateway/gw-a", "gw-b", ttl)
+            .await
+            .unwrap()
+            .is_none(),
+        "taken over right after the restart"
+    );
+    // ... its holder's writes are fenced in, and it renews at the same epoch.
+    let mut c = events::db::connect(&cfg, "writer").await.unwrap();
+    let tx = c.transaction().await.unwrap();
+    a.fence(&tx).await.unwrap();
+    tx.commit().await.unwrap();
+    a.renew(&client).await.unwrap();
+    // The released one was free at once.
+    let next = Lease::acquire(&client, "pool/p", "placer-b", ttl)
+        .await
+        .unwrap()
+        .expect("a lease released before the outage is free after it");
+    assert_eq!(next.epoch, 2);
+    // A holder that does not come back loses it a TTL after the restart.
+    let back = std::time::Instant::now();
+    let taken = loop {
+        if let Some(l) = Lease::acquire(&client, "binder", "binder-b", ttl)
+            .await
+            .unwrap()
+        {
+            break l;
+        }
+        assert!(
+            back.elapsed() < ttl * 3,
+            "still held {:?} after the restart",
+            back.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(taken.epoch, 2);
+}

@@ -740,6 +740,115 @@ async fn node_events_sent_while_postgres_is_down_are_written_once_it_is_back() {
     gw.stop().await.unwrap();
 }
 
+/// PostgreSQL crashes and stays down longer than the gateways' leases: no
+/// gateway could renew, and none could take another's nodes over, so no
+/// session ends. Each gateway keeps its sessions (refusing new ones), the
+/// database does not count its own outage against their leases, and both
+/// renew at the same epochs when it is back: no node is marked lost, none
+/// reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_outlive_a_postgres_crash_longer_than_the_gateway_leases() {
+    let mut cluster = testkit::temp_cluster_with(true, &[]).unwrap();
+    let r = region_on(&cluster).await;
+    let ttl = Duration::from_secs(2);
+    let gw_a = r.gateway("gw-a", |c| c.lease_ttl = ttl).await;
+    let gw_b = r.gateway("gw-b", |c| c.lease_ttl = ttl).await;
+    let dir = tempfile::tempdir().unwrap();
+    let a = start(joining(&r, &gw_a, &dir.path().join("n1"), "n1").await);
+    let b = start(joining(&r, &gw_b, &dir.path().join("n2"), "n2").await);
+    testkit::eventually(20, "both sessions open", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE type = 'node.session_opened'")
+            .await
+            == 2
+    })
+    .await;
+    let epochs = "SELECT string_agg(name || ':' || epoch, ',' ORDER BY name) FROM strata.leases WHERE name LIKE 'gateway/%'";
+    let before: String = r.client.query_one(epochs, &[]).await.unwrap().get(0);
+
+    tokio::task::block_in_place(|| cluster.crash());
+    // Down until both gateways are past their leases' end and say so.
+    let past_lease = |gw: &Running| {
+        gw.stats.database_outages_ridden.load(Ordering::Relaxed)
+            + gw.stats.lease_lost.load(Ordering::Relaxed)
+            >= 1
+    };
+    testkit::eventually(30, "both gateways are past their leases' end", || async {
+        past_lease(&gw_a) && past_lease(&gw_b)
+    })
+    .await;
+    assert_eq!(gw_a.stats.sessions.load(Ordering::Relaxed), 1);
+    assert_eq!(gw_b.stats.sessions.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        gw_a.stats.database_outages_ridden.load(Ordering::Relaxed),
+        1
+    );
+    tokio::task::block_in_place(|| cluster.restart()).unwrap();
+    let client = events::db::connect(&r.cfg, "test-after").await.unwrap();
+    // Both renew the leases they had; each sweep looks for lapsed gateways'
+    // nodes several times meanwhile.
+    testkit::eventually(
+        30,
+        "both leases renewed twice past the restart's grace",
+        || async {
+            client
+                .query_one(
+                    "SELECT count(*) FROM strata.leases WHERE name LIKE 'gateway/%'
+                    AND renewed_at > pg_postmaster_start_time() + $1::float8 * interval '2 second'",
+                    &[&ttl.as_secs_f64()],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                == 2
+        },
+    )
+    .await;
+    let after: String = client.query_one(epochs, &[]).await.unwrap().get(0);
+    assert_eq!(after, before, "a gateway took a new epoch");
+    let row = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE type IN ('node.session_expired', 'node.disconnected', 'node.marked_unreachable')),
+                    count(*) FILTER (WHERE type = 'node.session_opened')
+               FROM strata.events",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (lost, opened): (i64, i64) = (row.get(0), row.get(1));
+    assert_eq!(
+        (lost, opened),
+        (0, 2),
+        "a session ended, or a node was marked lost"
+    );
+    for (gw, n) in [(&gw_a, &a), (&gw_b, &b)] {
+        assert_eq!(gw.stats.lease_lost.load(Ordering::Relaxed), 0);
+        assert_eq!(gw.stats.sessions.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            n.stats.connects.load(Ordering::Relaxed),
+            1,
+            "the node reconnected"
+        );
+    }
+    // And the gateways take new sessions again.
+    let mut n3 = config(vec![url(&gw_a)], &dir.path().join("n3"), "n3");
+    n3.token = Some(
+        identity::create_token(&client, "p", Duration::from_secs(600), "*")
+            .await
+            .unwrap(),
+    );
+    n3.ca_pem = Some(r.ca_pem());
+    let c = start(n3);
+    testkit::eventually(30, "a new node's session opens", || async {
+        c.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    for n in [a, b, c] {
+        n.stop().await.unwrap();
+    }
+    gw_a.stop().await.unwrap();
+    gw_b.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flapping_node_writes_a_handful_of_health_events_and_placements_keep_flowing() {
     use node::gpu::{GpuBackend, HealthChange};
