@@ -858,3 +858,124 @@ async fn requests_that_can_preempt_nothing_are_not_planned_again_until_capacity_
     );
     placer.stop().await.unwrap();
 }
+
+/// Two placers under load, and PostgreSQL down for longer than their pool
+/// leases: every lease runs out on the placers' clocks, their commits fail
+/// meanwhile, and once the server is back every pool is held and placed
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_placers_place_every_pool_again_after_an_outage_longer_than_their_leases() {
+    let mut cluster = testkit::temp_cluster_with(true, &[]).unwrap();
+    let url = testkit::migrated_database(&cluster).await;
+    let cfg: Config = url.parse().unwrap();
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    let pools = ["oa", "ob", "oc", "od"];
+    for p in pools {
+        pool(&appender, p, 8).await;
+    }
+    let ttl = Duration::from_secs(2);
+    let placers: Vec<Placer> = ["outage-1", "outage-2"]
+        .into_iter()
+        .map(|h| {
+            let mut pc = PlacerConfig::new(h);
+            pc.lease_ttl = ttl;
+            Placer::start(cfg.clone(), reader(&cfg), appender.clone(), pc)
+        })
+        .collect();
+    let held = || {
+        placers
+            .iter()
+            .map(|p| p.stats().pools_held.load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
+    let t = std::time::Instant::now();
+    while held() < 4 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the pools were never all held"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Requests keep coming, each for a few seconds, through the outage.
+    let load = {
+        let (cfg, appender) = (cfg.clone(), appender.clone());
+        tokio::spawn(async move {
+            for i in 0u64.. {
+                if let Ok(client) = events::db::connect(&cfg, "load").await {
+                    let mut r = request(&format!("load-{i}"), pools[i as usize % 4], 1, Shape::Any);
+                    r.ttl_ms = Some(3_000);
+                    let _ = domain::requests::reserve(&client, &appender, &r, None).await;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    until_placed(&cfg, "load-40", Duration::from_secs(30)).await;
+
+    tokio::task::block_in_place(|| cluster.crash());
+    let down = std::time::Instant::now();
+    while held() > 0 {
+        assert!(
+            down.elapsed() < Duration::from_secs(30),
+            "a placer held a pool through the outage"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::task::block_in_place(|| cluster.restart()).unwrap();
+    let back = std::time::Instant::now();
+    for p in pools {
+        let id = format!("after-{p}");
+        loop {
+            if let Ok(client) = events::db::connect(&cfg, "test").await {
+                if domain::requests::reserve(
+                    &client,
+                    &appender,
+                    &request(&id, p, 1, Shape::Any),
+                    None,
+                )
+                .await
+                .is_ok()
+                {
+                    break;
+                }
+            }
+            assert!(
+                back.elapsed() < Duration::from_secs(30),
+                "no reservation after the restart"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    for p in pools {
+        until_placed(&cfg, &format!("after-{p}"), Duration::from_secs(30)).await;
+    }
+    eprintln!(
+        "every pool placed again {:?} after the restart",
+        back.elapsed()
+    );
+    load.abort();
+    for p in placers {
+        p.stop().await.unwrap();
+    }
+}
+
+/// Waits until reservation `id` is placed (on its pool's stream).
+async fn until_placed(cfg: &Config, id: &str, limit: Duration) {
+    let t = std::time::Instant::now();
+    loop {
+        if let Ok(client) = events::db::connect(cfg, "test-placed").await {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM strata.events WHERE type = 'reservation.placed' AND payload->>'reservation' = $1",
+                    &[&id],
+                )
+                .await
+                .map_or(0, |r| r.get(0));
+            if n > 0 {
+                return;
+            }
+        }
+        assert!(t.elapsed() < limit, "{id} not placed within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
