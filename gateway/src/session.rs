@@ -230,12 +230,14 @@ pub(crate) async fn session(
                 break;
             }
         };
+        hearing(&shared, &node, epoch, true);
         if let Some(node_message::Body::Renew(r)) = &msg.body {
             let reply = Box::pin(renewal_reply(
                 &shared, &node, &pool, &presented, &r.csr_pem, renewed,
             ))
             .await;
             renewed |= reply.0;
+            hearing(&shared, &node, epoch, false);
             if tx.send(Ok(reply.1)).await.is_err() {
                 break;
             }
@@ -259,12 +261,31 @@ pub(crate) async fn session(
                 .await;
             break;
         }
-        if let Err(status) = Box::pin(handle(&shared, &node, &pool, epoch, msg)).await {
+        let handled = Box::pin(handle(&shared, &node, &pool, epoch, msg)).await;
+        hearing(&shared, &node, epoch, false);
+        if let Err(status) = handled {
             let _ = tx.send(Err(status)).await;
             break;
         }
     }
     closed(&shared, &node, &pool, epoch, node_went).await;
+}
+
+/// The node was just heard (a message read from it), and the session's
+/// loop now handles that message (`handling`) or reads again: either way
+/// the node's silence counts from now, and not while the loop is not
+/// reading. Before, a result that waited on a backed-up writer kept the
+/// loop from reading the node's heartbeats, and the sweeper marked a live
+/// node unreachable (hundreds of them while a killed gateway's nodes
+/// re-homed in the 10,000-node drill).
+fn hearing(shared: &Shared, node: &str, epoch: u64, handling: bool) {
+    let mut sessions = shared.sessions.lock().expect("sessions lock");
+    if let Some(s) = sessions.get_mut(node) {
+        if s.epoch == epoch {
+            s.heard = crate::state::Heard::now(&shared.clock);
+            s.handling = handling;
+        }
+    }
 }
 
 /// A session ended: forgotten once the sweeper is done with it, and, when
@@ -368,6 +389,7 @@ fn register(shared: &Shared, node: &str, pool: &str, epoch: u64, tx: &Outbox) {
             epoch,
             version: epoch,
             heard: crate::state::Heard::now(&shared.clock),
+            handling: false,
             reachable: true,
             status: None,
             closed: false,
@@ -836,7 +858,7 @@ pub(crate) async fn sweeper(shared: Arc<Shared>) {
             let now = Instant::now();
             let mut sessions = shared.sessions.lock().expect("sessions lock");
             sessions.retain(|node, s| {
-                if s.reachable && s.heard.older_than(limit, &shared.clock) {
+                if s.reachable && s.heard.silent(limit, &shared.clock, s.handling) {
                     s.reachable = false;
                     lost.push((node.clone(), s.pool.clone(), s.epoch, s.version));
                 }

@@ -211,8 +211,13 @@ pub(crate) struct SessionEntry {
     pub(crate) epoch: u64,
     /// The node stream's version after this session's last write.
     pub(crate) version: u64,
-    /// When the last heartbeat was read.
+    /// When the node was last heard: a message read from it, or the
+    /// session's loop done handling one and reading again.
     pub(crate) heard: Heard,
+    /// The session's loop is handling a message (waiting on a write, say)
+    /// and not reading the node's stream: its silence meanwhile is this
+    /// gateway's, and does not count against the node.
+    pub(crate) handling: bool,
     pub(crate) reachable: bool,
     pub(crate) status: Option<(String, String)>,
     /// When the session's stream ended (the entry stays until the node is
@@ -243,6 +248,23 @@ impl Heard {
         Heard {
             wall: Instant::now(),
             counted: clock.now(),
+        }
+    }
+
+    /// Whether a node unheard since this counts as silent for `limit`:
+    /// `older_than`, or, while the gateway is handling one of its messages
+    /// rather than listening, only past `limit` and [`HEARD_SLACK`] of wall
+    /// time (the gateway's own wait does not count, up to a bound).
+    pub(crate) fn silent(
+        &self,
+        limit: std::time::Duration,
+        clock: &ops::process_clock::ProcessClock,
+        handling: bool,
+    ) -> bool {
+        if handling {
+            self.wall.elapsed() > limit + HEARD_SLACK
+        } else {
+            self.older_than(limit, clock)
         }
     }
 

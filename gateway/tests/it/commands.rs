@@ -450,3 +450,66 @@ async fn a_gateway_expiring_thousands_of_overdue_commands_still_delivers_a_new_o
     .await;
     n.stop().await.unwrap();
 }
+
+/// A node whose command result waits on the database (the command's stream
+/// locked here, as a backed-up writer or a slow commit would hold it) keeps
+/// sending heartbeats; the gateway, busy with the result, is not reading
+/// them, and must not take its own deafness for the node's silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_not_marked_unreachable_while_its_gateway_waits_on_the_database() {
+    let r = region().await;
+    // Heartbeats every second: unreachable after three seconds unheard.
+    let gw = r
+        .gateway("gw-wait", |c| c.ack_hold = Duration::from_secs(60))
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = joining(&r, &gw, dir.path(), "n-wait").await;
+    c.backend = Arc::new({
+        let mut f = FakeGpus::parse("8xH100-80GB", "n-wait").unwrap();
+        f.diag_delay = Duration::from_millis(1500);
+        f
+    });
+    let n = start(c);
+    testkit::eventually(20, "the session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    domain::commands::issue(&r.appender, &diag("waits", "n-wait", now_ms() + 60_000))
+        .await
+        .unwrap();
+    // While the diagnostics run, the command's stream is locked: recording
+    // the result waits until the lock is let go.
+    let mut locker = events::db::connect(&r.cfg, "locker").await.unwrap();
+    let tx = locker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM strata.streams WHERE stream = 'command/waits' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    testkit::eventually(20, "the node ran the command", || async {
+        n.stats.commands_run.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // Held for five heartbeats past the result.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    tx.commit().await.unwrap();
+    testkit::eventually(20, "the result is recorded", || async {
+        states(&r, "waits").await.last().map(String::as_str) == Some("command.succeeded")
+    })
+    .await;
+    let marked = r
+        .count("SELECT count(*) FROM strata.events WHERE stream = 'node/n-wait' AND type = 'node.marked_unreachable'")
+        .await;
+    assert_eq!(
+        marked, 0,
+        "the node was marked unreachable while its gateway was not listening"
+    );
+    assert_eq!(
+        n.stats.connects.load(Ordering::Relaxed),
+        1,
+        "the session ended"
+    );
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
