@@ -240,13 +240,15 @@ struct Orphan {
 async fn orphans(client: &tokio_postgres::Client, limit: i64) -> Result<Vec<Orphan>, String> {
     let rows = client
         .rows(
-            "SELECT s.node, s.pool, s.gateway, s.gateway_epoch, st.version
+            "WITH live AS (
+                 -- Judged once per gateway, not once per node.
+                 SELECT name, epoch FROM strata.leases
+                  WHERE name LIKE 'gateway/%' AND strata.lease_until(expires_at, renewed_at) > now())
+             SELECT s.node, s.pool, s.gateway, s.gateway_epoch, st.version
                FROM strata.node_sessions s
                JOIN strata.streams st ON st.stream = 'node/' || s.node
-               LEFT JOIN strata.leases l ON l.name = 'gateway/' || s.gateway
-              WHERE s.in_contact
-                AND (l.name IS NULL OR l.epoch <> s.gateway_epoch
-                     OR strata.lease_until(l.expires_at, l.renewed_at) <= now())
+               LEFT JOIN live l ON l.name = 'gateway/' || s.gateway
+              WHERE s.in_contact AND (l.name IS NULL OR l.epoch <> s.gateway_epoch)
               LIMIT $1",
             &[&limit],
         )
