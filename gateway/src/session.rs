@@ -655,10 +655,9 @@ async fn heartbeat(shared: &Arc<Shared>, node: &str, pool: &str, epoch: u64) -> 
     let became_reachable = {
         let mut sessions = shared.sessions.lock().expect("sessions lock");
         match sessions.get_mut(node) {
-            Some(s) if s.epoch == epoch => {
-                s.heard = crate::state::Heard::now(&shared.clock);
-                !std::mem::replace(&mut s.reachable, true)
-            }
+            // Heard already: the session's loop records every message
+            // it reads (`hearing`).
+            Some(s) if s.epoch == epoch => !std::mem::replace(&mut s.reachable, true),
             _ => {
                 return Err(Status::aborted(
                     "a newer session for this node replaced this one",
