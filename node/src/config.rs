@@ -43,6 +43,9 @@ pub struct DaemonConfig {
     /// Called with a command's id once it has run, before its result is
     /// sent (measurements: a bind's CDI spec is in place by then).
     pub on_finished: Option<CommandHook>,
+    /// Called with a command's id once its result is on the session's way
+    /// out (measurements: what is left of its trip is the gateway's).
+    pub on_sent: Option<CommandHook>,
     /// While away from its home gateway, how often (on average; each wait
     /// is uniform in half to one and a half times this) the daemon checks
     /// whether home is back. Zero: never move back.
@@ -100,6 +103,7 @@ impl DaemonConfig {
             backoff_cap: Duration::from_secs(30),
             on_command: None,
             on_finished: None,
+            on_sent: None,
             return_home: Duration::from_secs(30),
             topology: BTreeMap::new(),
             dcgm_level: 0,

@@ -78,6 +78,10 @@ pub struct DaemonStats {
     pub commands_run: AtomicU64,
     /// Sessions ended to move back to the home gateway.
     pub returned_home: AtomicU64,
+    /// Connections that could not be made (refused, timed out, TLS).
+    pub connect_failures: AtomicU64,
+    /// Hellos given up on: no Welcome within the daemon's patience.
+    pub welcomes_given_up: AtomicU64,
 }
 
 /// Increments and returns the daemon's generation (one per start).
@@ -331,7 +335,10 @@ pub async fn run(
                 )
                 .await
             }
-            Err(e) => End::Lost(format!("connect: {e}")),
+            Err(e) => {
+                stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+                End::Lost(format!("connect: {e}"))
+            }
         };
         if opened {
             // A session was open: start the backoff over.
@@ -429,10 +436,11 @@ async fn session(
     if let Some(t) = &topology {
         section_hashes.insert(t.name.clone(), t.hash.clone());
     }
-    let (tx, mut inbound, welcome) = match open(config, channel, generation, section_hashes).await {
-        Ok(x) => x,
-        Err(end) => return end,
-    };
+    let (tx, mut inbound, welcome) =
+        match open(config, stats, channel, generation, section_hashes).await {
+            Ok(x) => x,
+            Err(end) => return end,
+        };
     stats.sessions.fetch_add(1, Ordering::Relaxed);
     stats.epoch.store(welcome.epoch, Ordering::Relaxed);
     *opened = true;
@@ -560,6 +568,7 @@ async fn session(
 /// Welcome.
 async fn open(
     config: &DaemonConfig,
+    stats: &DaemonStats,
     channel: Channel,
     generation: u64,
     section_hashes: HashMap<String, String>,
@@ -600,6 +609,7 @@ async fn open(
         .await
     {
         Err(gave) => {
+            stats.welcomes_given_up.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(node = %config.node_id, waited_ms = gave.waited.as_millis() as u64, "no Welcome within {HELLO_TIMEOUT:?}; trying again");
             return Err(End::Lost("no Welcome in time".into()));
         }
@@ -908,7 +918,12 @@ impl Runner {
                     }
                 }
             }
-            let _ = out.send(result_message(c.id, o)).await;
+            let id = c.id.clone();
+            if out.send(result_message(c.id, o)).await.is_ok() {
+                if let Some(hook) = &config.on_sent {
+                    hook(&id);
+                }
+            }
         }
     }
 }

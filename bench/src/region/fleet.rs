@@ -10,6 +10,7 @@
 //! On threads of their own they still take their share of the cores, as
 //! machines of their own would not.
 
+use super::lag::Lag;
 use anyhow::Result;
 use node::daemon::{self, DaemonConfig, DaemonError, DaemonStats};
 use node::gpu::FakeGpus;
@@ -58,6 +59,8 @@ pub struct Fleet {
     /// When each bind command reached its node and when the node had run
     /// it, on the wall clock (to set beside the log's `recorded_at`).
     pub binds: Arc<std::sync::Mutex<HashMap<String, NodeTimes>>>,
+    /// How late the daemons' runtime runs what is due.
+    pub lag: Arc<Lag>,
 }
 
 /// When a command reached its node, and when the node had run it.
@@ -65,6 +68,8 @@ pub struct Fleet {
 pub struct NodeTimes {
     pub received: SystemTime,
     pub finished: Option<SystemTime>,
+    /// When its result was on the session's way out.
+    pub sent: Option<SystemTime>,
 }
 
 impl Drop for Fleet {
@@ -105,6 +110,12 @@ impl Fleet {
                 eprintln!("  {} of {n} join tokens issued", i + 1);
             }
         }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(FLEET_THREADS)
+            .thread_name("fleet")
+            .enable_all()
+            .build()?;
+        let lag = Lag::start(runtime.handle());
         Ok(Fleet {
             nodes,
             stats: Arc::default(),
@@ -115,13 +126,8 @@ impl Fleet {
             refusals: Vec::new(),
             why: Arc::default(),
             binds: Arc::default(),
-            runtime: Some(
-                tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(FLEET_THREADS)
-                    .thread_name("fleet")
-                    .enable_all()
-                    .build()?,
-            ),
+            runtime: Some(runtime),
+            lag,
         })
     }
 
@@ -161,12 +167,19 @@ impl Fleet {
                         .or_insert(NodeTimes {
                             received: SystemTime::now(),
                             finished: None,
+                            sent: None,
                         });
                 }
             }));
             c.on_finished = Some(Arc::new(move |id: &str| {
                 if let Some(t) = ran.lock().expect("binds lock").get_mut(id) {
                     t.finished.get_or_insert_with(SystemTime::now);
+                }
+            }));
+            let sent = self.binds.clone();
+            c.on_sent = Some(Arc::new(move |id: &str| {
+                if let Some(t) = sent.lock().expect("binds lock").get_mut(id) {
+                    t.sent.get_or_insert_with(SystemTime::now);
                 }
             }));
             if !n.dir.join("node.pem").exists() {

@@ -16,6 +16,7 @@
 
 pub mod check;
 pub mod fleet;
+pub mod lag;
 pub mod load;
 pub mod net;
 pub mod partitions;

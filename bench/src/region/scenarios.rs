@@ -169,6 +169,7 @@ pub async fn cold_start(r: &mut Region, o: &Options) -> Result<serde_json::Value
         "pushbacks": r.fleet.stats.pushbacks.load(Ordering::Relaxed),
         "pushback_wait_s": r.fleet.stats.pushback_wait_ms.load(Ordering::Relaxed) as f64 / 1000.0,
         "daemons_refused": r.fleet.ended(),
+        "fleet_runtime_lag": r.fleet.lag.since(started),
         "refusals": r.fleet.why.lock().expect("why lock").iter().take(5).cloned().collect::<Vec<_>>(),
     }))
 }
@@ -610,6 +611,9 @@ async fn tell_slow(r: &Region, id: &str, since: Instant) {
             if let Some(f) = t.finished {
                 steps.push(format!("{n} ran it {:.1} s", unix(f) - fault));
             }
+            if let Some(s) = t.sent {
+                steps.push(format!("{n} sent its result {:.1} s", unix(s) - fault));
+            }
         }
     }
     eprintln!("probe {id}, after the fault: {}", steps.join(", "));
@@ -688,6 +692,7 @@ async fn tell_readers(c: &tokio_postgres::Client) {
 
 /// Every node loses power for `o.outage` and comes back.
 pub async fn power_cycle(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let tries = Tries::of(&r.fleet.stats);
     r.fleet.stop().await;
     tokio::time::sleep(o.outage).await;
     let mut opened = Seen::from_head(r, "node.session_opened").await?;
@@ -713,7 +718,41 @@ pub async fn power_cycle(r: &mut Region, o: &Options) -> Result<serde_json::Valu
         "reconnected": spread(&mut reconnected),
         "all_reconnected": reconnected.len() == n,
         "recovery_s": recovery,
+        "daemons": tries.since(&r.fleet.stats),
+        "fleet_runtime_lag": r.fleet.lag.since(back),
     }))
+}
+
+/// The fleet's daemons' tries at a session, counted from a moment on.
+struct Tries([u64; 5]);
+
+impl Tries {
+    fn of(s: &node::daemon::DaemonStats) -> Tries {
+        Tries(
+            [
+                &s.connects,
+                &s.connect_failures,
+                &s.welcomes_given_up,
+                &s.pushbacks,
+                &s.sessions,
+            ]
+            .map(|c| c.load(Ordering::Relaxed)),
+        )
+    }
+
+    /// What the daemons tried since `self`: connections made and failed,
+    /// Hellos given up on, pushbacks obeyed, sessions opened.
+    fn since(&self, s: &node::daemon::DaemonStats) -> serde_json::Value {
+        let now = Tries::of(s).0;
+        let d: Vec<u64> = (0..5).map(|i| now[i].saturating_sub(self.0[i])).collect();
+        serde_json::json!({
+            "connections": d[0],
+            "connect_failures": d[1],
+            "welcomes_given_up": d[2],
+            "pushbacks": d[3],
+            "sessions": d[4],
+        })
+    }
 }
 
 /// SIGKILL of the gateway holding the most sessions; its nodes re-home to
