@@ -91,6 +91,7 @@ impl Fleet {
         pools: &[String],
         dir: &Path,
         ca_pem: String,
+        nice: i32,
     ) -> Result<Fleet> {
         let mut nodes = Vec::with_capacity(n);
         for i in 0..n {
@@ -113,6 +114,7 @@ impl Fleet {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(FLEET_THREADS)
             .thread_name("fleet")
+            .on_thread_start(move || renice_this_thread(nice))
             .enable_all()
             .build()?;
         let lag = Lag::start(runtime.handle());
@@ -242,5 +244,18 @@ impl Fleet {
             .flatten()
             .filter(|(_, t)| t.is_finished())
             .count()
+    }
+}
+
+/// Sets the calling thread's nice value (Linux: a thread's own); a refusal
+/// (no privilege) is said once per thread and the thread runs as it is.
+fn renice_this_thread(nice: i32) {
+    if nice == 0 {
+        return;
+    }
+    let tid = rustix::thread::gettid();
+    let r = rustix::process::setpriority_process(Some(tid), nice);
+    if let Err(e) = r {
+        eprintln!("the fleet's thread keeps its priority: nice {nice}: {e}");
     }
 }

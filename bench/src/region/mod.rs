@@ -84,6 +84,13 @@ pub struct Args {
     /// log) after the run instead of removing it; its path is printed
     #[arg(long)]
     keep: bool,
+    /// The nice value of the simulated daemons' threads (-20 to 19; below
+    /// 0 needs root): -5 runs them ahead of the region's processes when the
+    /// cores are short, as nodes with machines of their own would be. 0
+    /// (the default) shares the cores evenly; the result's
+    /// `fleet_runtime_lag` says how late the daemons ran either way
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+    fleet_nice: i32,
 }
 
 fn parse_setting(s: &str) -> Result<(String, String), String> {
@@ -177,6 +184,8 @@ pub struct Options {
     pub partition: Duration,
     /// The placers' `--node-lost-after`.
     pub node_lost_after: Duration,
+    /// The nice value of the simulated daemons' threads.
+    pub fleet_nice: i32,
 }
 
 impl Options {
@@ -213,6 +222,7 @@ impl Options {
             faults: FAULTS.to_vec(),
             partition: Duration::from_secs(30),
             node_lost_after: Duration::from_secs(30),
+            fleet_nice: 0,
         }
     }
 }
@@ -233,6 +243,13 @@ pub async fn run(args: Args) -> Result<()> {
     o.statements = args.statements;
     o.pg_settings = args.pg_settings;
     o.keep = args.keep;
+    if !(-20..=19).contains(&args.fleet_nice) {
+        anyhow::bail!(
+            "--fleet-nice must be from -20 to 19, not {}",
+            args.fleet_nice
+        );
+    }
+    o.fleet_nice = args.fleet_nice;
     o.faults = parse_faults(&args.faults)?;
     if !(args.load > 0.0 && args.load.is_finite()) {
         anyhow::bail!(
@@ -694,8 +711,15 @@ pub async fn start(o: &Options) -> Result<Region> {
         o.nodes
     );
     let nodes_dir = nodes_dir()?;
-    let mut fleet =
-        fleet::Fleet::provision(&client, o.nodes, &pools, nodes_dir.path(), ca_pem).await?;
+    let mut fleet = fleet::Fleet::provision(
+        &client,
+        o.nodes,
+        &pools,
+        nodes_dir.path(),
+        ca_pem,
+        o.fleet_nice,
+    )
+    .await?;
     fleet.set_gateways(
         roles
             .iter()
@@ -896,6 +920,7 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
             "3 gateways, 2 placers, 2 binders, sinks, maintenance, audit: each `strata serve --roles <one>`; the simulated daemons and the load generator in the bench process; PostgreSQL and nats-server; all on the same cores"
         },
         "shared_processes": o.shared,
+        "fleet_nice": o.fleet_nice,
         "postgres_settings": o.pg_settings.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>(),
         "nodes_data": if std::path::Path::new(FLEET_TMPFS).is_dir() {
             "the simulated nodes' data dirs on tmpfs (a real node syncs to a disk of its own)"
