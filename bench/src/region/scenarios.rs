@@ -724,34 +724,33 @@ pub async fn power_cycle(r: &mut Region, o: &Options) -> Result<serde_json::Valu
 }
 
 /// The fleet's daemons' tries at a session, counted from a moment on.
-struct Tries([u64; 5]);
+struct Tries([(&'static str, u64); 5]);
 
 impl Tries {
+    /// Connections made and failed, Hellos given up on, pushbacks obeyed,
+    /// sessions opened: each by the name it is reported under.
     fn of(s: &node::daemon::DaemonStats) -> Tries {
         Tries(
             [
-                &s.connects,
-                &s.connect_failures,
-                &s.welcomes_given_up,
-                &s.pushbacks,
-                &s.sessions,
+                ("connections", &s.connects),
+                ("connect_failures", &s.connect_failures),
+                ("welcomes_given_up", &s.welcomes_given_up),
+                ("pushbacks", &s.pushbacks),
+                ("sessions", &s.sessions),
             ]
-            .map(|c| c.load(Ordering::Relaxed)),
+            .map(|(name, c)| (name, c.load(Ordering::Relaxed))),
         )
     }
 
-    /// What the daemons tried since `self`: connections made and failed,
-    /// Hellos given up on, pushbacks obeyed, sessions opened.
+    /// What the daemons tried since `self`.
     fn since(&self, s: &node::daemon::DaemonStats) -> serde_json::Value {
         let now = Tries::of(s).0;
-        let d: Vec<u64> = (0..5).map(|i| now[i].saturating_sub(self.0[i])).collect();
-        serde_json::json!({
-            "connections": d[0],
-            "connect_failures": d[1],
-            "welcomes_given_up": d[2],
-            "pushbacks": d[3],
-            "sessions": d[4],
-        })
+        self.0
+            .iter()
+            .zip(now)
+            .map(|((name, then), (_, now))| (name.to_string(), now.saturating_sub(*then).into()))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
     }
 }
 
