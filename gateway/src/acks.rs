@@ -64,8 +64,8 @@ pub(crate) async fn writer(shared: Arc<Shared>) {
                         shared,
                         &node,
                         &id,
-                        commands::ACKED,
-                        payload,
+                        (commands::ACKED, payload),
+                        Duration::ZERO,
                     )
                     .await
                     {

@@ -8,7 +8,7 @@ use crate::proto::{gateway_message, GatewayMessage};
 use crate::state::{Shared, Waited};
 use domain::commands::{self, CommandState};
 use domain::Fact;
-use events::AppendError;
+use events::{AppendError, ErrorKind};
 use ops::task::Backoff;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -26,18 +26,31 @@ pub(crate) fn to_message(c: &commands::Command) -> GatewayMessage {
     }
 }
 
+/// How long a command's next state is tried again after the database
+/// failed to record it (restarting, a connection lost), before the
+/// session that reported it is ended (its node sends the result again on
+/// its next session).
+pub(crate) const RECORD_PATIENCE: Duration = Duration::from_secs(60);
+
 /// Moves a command of `node` to its next state, at the version the gateway
 /// knows; a command of another node is refused, one that is already
-/// terminal (a result sent again after a reconnect) is left alone.
+/// terminal (a result sent again after a reconnect) is left alone. A
+/// database that fails to record it is tried again, with backoff, for up
+/// to `patience` ([`RECORD_PATIENCE`] for a node's result: a restarting
+/// database does not end the session of every node that reports a result
+/// meanwhile).
 pub(crate) async fn command_transition(
     shared: &Shared,
     node: &str,
     id: &str,
-    event_type: &str,
-    payload: serde_json::Value,
+    (event_type, payload): (&str, serde_json::Value),
+    patience: Duration,
 ) -> Result<(), Status> {
     let target = CommandState::from_event_type(event_type).expect("a command event");
-    for _ in 0..3 {
+    let give_up = Instant::now() + patience;
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+    let mut conflicts = 0;
+    loop {
         let version = match reported(shared, node, id)? {
             None => return Ok(()),
             Some((state, _)) if state.is_terminal() || state == target => return Ok(()),
@@ -56,8 +69,13 @@ pub(crate) async fn command_transition(
                 return Ok(());
             }
             Err(AppendError::VersionConflict { actual, .. }) => {
-                // Another write landed first (an expiry, another gateway):
-                // wait for the subscription to catch up, then look again.
+                conflicts += 1;
+                if conflicts == 3 {
+                    return Err(Status::unavailable("the command's state kept moving"));
+                }
+                // Another write landed first (an expiry, another gateway,
+                // this one's own write whose outcome was not known): wait
+                // for the subscription to catch up, then look again.
                 let deadline = Instant::now() + Duration::from_secs(2);
                 while Instant::now() < deadline {
                     let seen = shared
@@ -72,6 +90,12 @@ pub(crate) async fn command_transition(
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
             }
+            Err(e) if e.kind() == ErrorKind::Transient && Instant::now() < give_up => {
+                shared.stats.write_retries.fetch_add(1, Ordering::Relaxed);
+                let delay = backoff.next_delay();
+                tracing::warn!(%node, command = %id, error = %e, delay_ms = delay.as_millis() as u64, "could not record a command's state; trying again");
+                tokio::time::sleep(delay).await;
+            }
             Err(e) => {
                 return Err(Status::unavailable(format!(
                     "record the command's state: {e}"
@@ -79,7 +103,6 @@ pub(crate) async fn command_transition(
             }
         }
     }
-    Err(Status::unavailable("the command's state kept moving"))
 }
 
 /// The state and version of command `id` as this gateway knows it, for a
@@ -306,12 +329,13 @@ async fn follow(shared: &Arc<Shared>, sub: &mut events::Subscription) -> String 
                         .stats
                         .commands_dispatched
                         .fetch_add(1, Ordering::Relaxed);
-                    crate::metrics::command_dispatch_seconds().observe(
-                        std::time::SystemTime::now()
-                            .duration_since(e.recorded_at)
-                            .unwrap_or_default()
-                            .as_secs_f64(),
-                    );
+                    let took = std::time::SystemTime::now()
+                        .duration_since(e.recorded_at)
+                        .unwrap_or_default();
+                    crate::metrics::command_dispatch_seconds().observe(took.as_secs_f64());
+                    if took >= Duration::from_secs(1) {
+                        tracing::warn!(node = %c.node, command = %c.id, took_ms = took.as_millis() as u64, "a command was sent to its node's session {:.1} s after it was recorded", took.as_secs_f64());
+                    }
                 } else {
                     shared.stats.command_drops.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(node = %c.node, command = %c.id, "the session's queue is full; the command is sent again when the node reconnects");

@@ -1,7 +1,7 @@
 //! The gateway's metrics on `/metrics`: its counters summed over the
 //! gateways of the process ([`ops::metrics::Instances`]), every RPC by
 //! service, method and status code ([`RpcLayer`]), and how long commands
-//! take from the log to a node's session.
+//! take from the log to a node's session and from its result to the log.
 
 use crate::listener::ListenerStats;
 use crate::state::GatewayStats;
@@ -189,7 +189,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         GatewayStats,
         "strata_gateway_write_retries_total",
         Counter,
-        "Batches of node events written again after a transient failure.",
+        "Writes tried again after a transient failure: batches of node events, command results.",
         &[],
         write_retries
     ),
@@ -372,6 +372,19 @@ pub(crate) fn command_dispatch_seconds() -> &'static Histogram {
         ops::metrics::histogram(
             "strata_gateway_command_dispatch_seconds",
             "Time from a command's event being recorded to its sending on the node's session.",
+            ops::metrics::SECONDS_BUCKETS,
+        )
+    })
+}
+
+/// Time from a node's result being read off its session to its outcome
+/// recorded in the log.
+pub(crate) fn command_result_seconds() -> &'static Histogram {
+    static H: OnceLock<Histogram> = OnceLock::new();
+    H.get_or_init(|| {
+        ops::metrics::histogram(
+            "strata_gateway_command_result_seconds",
+            "Time from a node's command result being read off its session to the command's outcome recorded in the log.",
             ops::metrics::SECONDS_BUCKETS,
         )
     })

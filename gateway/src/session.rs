@@ -643,10 +643,29 @@ pub(crate) async fn handle(
                 "gateway": shared.config.id,
             });
             shared.acks.settle(&r.command_id);
-            command_transition(shared, node, &r.command_id, t, payload).await?;
+            let read = Instant::now();
+            command_transition(
+                shared,
+                node,
+                &r.command_id,
+                (t, payload),
+                crate::dispatch::RECORD_PATIENCE,
+            )
+            .await?;
+            recorded_result(node, &r.command_id, read.elapsed());
         }
     }
     Ok(())
+}
+
+/// A node's result was recorded `took` after its session read it:
+/// measured, and warned about when it took a second or more (with the
+/// command, so a slow command's trip can be followed through the logs).
+fn recorded_result(node: &str, command: &str, took: Duration) {
+    crate::metrics::command_result_seconds().observe(took.as_secs_f64());
+    if took >= Duration::from_secs(1) {
+        tracing::warn!(%node, %command, took_ms = took.as_millis() as u64, "a command's result was recorded {:.1} s after its node's session read it", took.as_secs_f64());
+    }
 }
 
 /// A heartbeat: the session is alive, and its node reachable again if it

@@ -182,7 +182,8 @@ pub struct GatewayStats {
     pub events_written: AtomicU64,
     pub fenced: AtomicU64,
     pub write_errors: AtomicU64,
-    /// Batches written again after a transient failure.
+    /// Writes tried again after a transient failure: batches of node
+    /// events, command results.
     pub write_retries: AtomicU64,
     pub transitions: AtomicU64,
     /// Health reports not written: repeats, and clears of a flapping

@@ -455,6 +455,28 @@ async fn a_gateway_expiring_thousands_of_overdue_commands_still_delivers_a_new_o
 /// locked here, as a backed-up writer or a slow commit would hold it) keeps
 /// sending heartbeats; the gateway, busy with the result, is not reading
 /// them, and must not take its own deafness for the node's silence.
+/// A node on `gw` whose diagnostics take `delay`, once its session is open.
+async fn slow_diagnostics(
+    r: &Region,
+    gw: &Running,
+    dir: &std::path::Path,
+    node: &str,
+    delay: Duration,
+) -> Node {
+    let mut c = joining(r, gw, dir, node).await;
+    c.backend = Arc::new({
+        let mut f = FakeGpus::parse("8xH100-80GB", node).unwrap();
+        f.diag_delay = delay;
+        f
+    });
+    let n = start(c);
+    testkit::eventually(20, "the session opens", || async {
+        n.stats.connected.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    n
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_is_not_marked_unreachable_while_its_gateway_waits_on_the_database() {
     let r = region().await;
@@ -463,17 +485,7 @@ async fn a_node_is_not_marked_unreachable_while_its_gateway_waits_on_the_databas
         .gateway("gw-wait", |c| c.ack_hold = Duration::from_secs(60))
         .await;
     let dir = tempfile::tempdir().unwrap();
-    let mut c = joining(&r, &gw, dir.path(), "n-wait").await;
-    c.backend = Arc::new({
-        let mut f = FakeGpus::parse("8xH100-80GB", "n-wait").unwrap();
-        f.diag_delay = Duration::from_millis(1500);
-        f
-    });
-    let n = start(c);
-    testkit::eventually(20, "the session opens", || async {
-        n.stats.connected.load(Ordering::Relaxed) == 1
-    })
-    .await;
+    let n = slow_diagnostics(&r, &gw, dir.path(), "n-wait", Duration::from_millis(1500)).await;
     domain::commands::issue(&r.appender, &diag("waits", "n-wait", now_ms() + 60_000))
         .await
         .unwrap();
@@ -509,6 +521,68 @@ async fn a_node_is_not_marked_unreachable_while_its_gateway_waits_on_the_databas
         n.stats.connects.load(Ordering::Relaxed),
         1,
         "the session ended"
+    );
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
+}
+
+/// A result the database failed to record (the connection recording it
+/// was ended) is recorded once the database answers again, on the same
+/// session: a restarting database does not end the session of every node
+/// that reports a result meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_the_database_failed_to_record_is_recorded_on_the_same_session() {
+    let r = region().await;
+    let gw = r
+        .gateway("gw-fail", |c| c.ack_hold = Duration::from_secs(60))
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let n = slow_diagnostics(&r, &gw, dir.path(), "n-fail", Duration::from_secs(5)).await;
+    domain::commands::issue(&r.appender, &diag("fails", "n-fail", now_ms() + 60_000))
+        .await
+        .unwrap();
+    // The command's stream is locked while the diagnostics run (locked
+    // once they started: a transaction open before the gateway's
+    // replication slot is consistent would hold its dispatch back):
+    // recording the result waits for the lock, and its connection is
+    // ended there.
+    testkit::eventually(20, "the node runs the command", || async {
+        n.stats.commands_run.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    let mut locker = events::db::connect(&r.cfg, "locker").await.unwrap();
+    let tx = locker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM strata.streams WHERE stream = 'command/fails' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        states(&r, "fails").await.last().map(String::as_str),
+        Some("command.issued"),
+        "the result was recorded before the lock"
+    );
+    testkit::eventually(20, "the result's write is ended while it waits", || async {
+        r.count(
+            "SELECT count(*) FILTER (WHERE ended) FROM (
+               SELECT pg_terminate_backend(pid) AS ended FROM pg_stat_activity
+                WHERE wait_event_type = 'Lock' AND datname = current_database()
+                  AND pid <> pg_backend_pid()) t",
+        )
+        .await
+            > 0
+    })
+    .await;
+    tx.commit().await.unwrap();
+    testkit::eventually(20, "the result is recorded", || async {
+        states(&r, "fails").await.last().map(String::as_str) == Some("command.succeeded")
+    })
+    .await;
+    assert_eq!(
+        n.stats.connects.load(Ordering::Relaxed),
+        1,
+        "the session ended over the failed write"
     );
     n.stop().await.unwrap();
     gw.stop().await.unwrap();
