@@ -5,7 +5,8 @@
 //! serving certificate that a TLS listener swaps for a renewed one while it
 //! runs ([`tls`]); a clock of the time the process could run, for hyper's
 //! HTTP/2 keep-alive and for waits on a peer that a busy process must not
-//! take for a silent peer ([`process_clock`]); and the join protocol a joining node
+//! take for a silent peer ([`process_clock`]); how late the process's runtime
+//! runs what is due ([`runtime_lag`]); and the join protocol a joining node
 //! names its token with before its TLS handshake ([`join_alpn`]).
 //!
 //! It depends on no other crate of the workspace, so every crate can report
@@ -15,5 +16,6 @@ pub mod http;
 pub mod join_alpn;
 pub mod metrics;
 pub mod process_clock;
+pub mod runtime_lag;
 pub mod task;
 pub mod tls;

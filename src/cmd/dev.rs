@@ -355,6 +355,7 @@ async fn metrics_and_banner(args: &DevArgs, url: &str, applied: &[i32]) {
     if let Ok(l) = listener {
         ops::task::spawn("metrics", ops::http::serve(l));
     }
+    ops::runtime_lag::watch();
 }
 
 /// Stops the audit endpoint and the console, those that started.

@@ -1,6 +1,7 @@
 //! `strata serve`: migrate, register the process, start the roles of
 //! `--roles` (a typed list, see `roles`) with the process's replication
-//! reader when one follows the log, serve `/metrics`, and stop on a signal.
+//! reader when one follows the log, serve `/metrics` (with how late the
+//! runtime runs, `ops::runtime_lag`), and stop on a signal.
 
 use crate::cli::config;
 use crate::cli::connect_long;
@@ -41,6 +42,7 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<ExitCode> {
         tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
         ops::task::spawn("metrics", ops::http::serve(l));
     }
+    ops::runtime_lag::watch();
     // Not ready until every role has started.
     let started = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     {

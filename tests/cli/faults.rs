@@ -242,6 +242,8 @@ fn a_flood_of_faults_across_the_pool_stops_at_the_circuit_breaker() {
     r.wait_until(30, "the withheld count is on /metrics", || {
         metric(&r.metrics, "strata_placer_quarantine_withheld_total") == 6.0
     });
+    // The process's runtime is watched (sampled every 100 ms).
+    assert!(metric(&r.metrics, "strata_runtime_lag_seconds_count") > 0.0);
     // The one reservation on the quarantined GPUs ends; the six withheld
     // GPUs take work again.
     r.wait_until(30, "busy ends", || r.phase("busy") == "ended");

@@ -1,6 +1,5 @@
-//! How late the simulated fleet's runtime runs a task that is due: a
-//! sampler on the fleet's runtime sleeps to a deadline every
-//! [`EVERY`] and records how long after it it ran. Ten thousand daemons
+//! How late the simulated fleet's runtime runs a task that is due
+//! ([`ops::runtime_lag::sample`], every 100 ms), kept to be reported. Ten thousand daemons
 //! share two threads and the machine's two cores with the region; while
 //! they reconnect all at once, a daemon's message can wait its turn on
 //! those threads for seconds, which a node with a machine of its own would
@@ -9,9 +8,6 @@
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// How often the sampler wakes.
-const EVERY: Duration = Duration::from_millis(100);
 
 /// Samples kept (an hour of them).
 const KEEP: usize = 36_000;
@@ -27,17 +23,7 @@ impl Lag {
     pub fn start(runtime: &tokio::runtime::Handle) -> Arc<Lag> {
         let lag = Arc::new(Lag::default());
         let l = lag.clone();
-        runtime.spawn(async move {
-            let mut due = Instant::now() + EVERY;
-            loop {
-                tokio::time::sleep_until(due.into()).await;
-                let now = Instant::now();
-                l.record(now, now.saturating_duration_since(due));
-                // A late wake is not made up for: the next is due a whole
-                // period after this one ran.
-                due = now + EVERY;
-            }
-        });
+        ops::runtime_lag::sample(runtime, move |at, late| l.record(at, late));
         lag
     }
 

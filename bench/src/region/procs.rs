@@ -5,7 +5,7 @@
 
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 use tokio::process::{Child, Command};
 
 /// One `strata serve` process.
@@ -191,6 +191,29 @@ pub fn tell_warnings(roles: &[Role], n: usize) {
             eprintln!("    {line}");
         }
     }
+}
+
+/// The lines each role logged at or after `since` (by their timestamps)
+/// that contain `needle`, as (role, line).
+pub fn said_since(roles: &[Role], since: SystemTime, needle: &str) -> Vec<(String, String)> {
+    let mut said = Vec::new();
+    for role in roles {
+        let Ok(text) = std::fs::read_to_string(&role.log) else {
+            continue;
+        };
+        said.extend(
+            text.lines()
+                .filter(|l| l.contains(needle))
+                .filter(|l| {
+                    l.split_whitespace()
+                        .next()
+                        .and_then(|t| humantime::parse_rfc3339(t).ok())
+                        .is_some_and(|at| at >= since)
+                })
+                .map(|l| (role.name.clone(), l.to_string())),
+        );
+    }
+    said
 }
 
 fn signal(pid: u32, sig: &str) {

@@ -526,6 +526,7 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
                     let delivered = r.hook.has(p as u64);
                     if delivered {
                         let took = round(since.elapsed().as_secs_f64(), 2);
+                        *r.probe_on_node_s.lock().expect("probe lock") = on_node(r, &id);
                         if took > SLOW_PROBE_S {
                             tell_slow(r, &id, since).await;
                         }
@@ -541,6 +542,19 @@ pub async fn probe(r: &Region, o: &Options, pool: &str, since: Instant) -> Resul
         }
     }
     Ok(None)
+}
+
+/// The longest any node of probe `id` took from receiving its bind to
+/// sending the result, in seconds; `None` if a node's times are not known.
+fn on_node(r: &Region, id: &str) -> Option<f64> {
+    let prefix = format!("bind:{id}:");
+    let binds = r.fleet.binds.lock().expect("binds lock");
+    let mut worst: Option<f64> = None;
+    for (_, t) in binds.iter().filter(|(k, _)| k.starts_with(&prefix)) {
+        let took = t.sent?.duration_since(t.received).unwrap_or_default();
+        worst = Some(worst.unwrap_or(0.0).max(took.as_secs_f64()));
+    }
+    worst.map(|w| round(w, 2))
 }
 
 /// A recovery slower than this (the drill's target) tells where its probe
@@ -617,6 +631,26 @@ async fn tell_slow(r: &Region, id: &str, since: Instant) {
         }
     }
     eprintln!("probe {id}, after the fault: {}", steps.join(", "));
+    // What the roles said of its binds (a result recorded a second or more
+    // after its session read it), and how late each role's runtime ran.
+    let at = SystemTime::now() - since.elapsed();
+    for (role, line) in procs::said_since(&r.roles, at, &format!("command=bind:{id}:")) {
+        eprintln!("  {role}: {line}");
+    }
+    let mut worst: BTreeMap<String, u64> = Default::default();
+    for (role, line) in procs::said_since(&r.roles, at, "late_ms=") {
+        let late = line
+            .split("late_ms=")
+            .nth(1)
+            .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let w = worst.entry(role).or_default();
+        *w = (*w).max(late);
+    }
+    if !worst.is_empty() {
+        eprintln!("  runtimes late by a second or more since the fault (worst, ms): {worst:?}");
+    }
 }
 
 /// A probe that did not go the whole way in time, on standard error: every
