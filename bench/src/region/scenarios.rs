@@ -730,6 +730,13 @@ pub async fn power_cycle(r: &mut Region, o: &Options) -> Result<serde_json::Valu
     r.fleet.stop().await;
     tokio::time::sleep(o.outage).await;
     let mut opened = Seen::from_head(r, "node.session_opened").await?;
+    let c = r.client().await?;
+    if o.statements {
+        c.batch_execute("SELECT pg_stat_statements_reset()")
+            .await
+            .context("reset pg_stat_statements")?;
+    }
+    let before = sample(r, &c).await?;
     let t = SystemTime::now();
     let back = Instant::now();
     r.fleet.start(o.return_home);
@@ -741,6 +748,12 @@ pub async fn power_cycle(r: &mut Region, o: &Options) -> Result<serde_json::Valu
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let after = sample(r, &c).await?;
+    let mut storm = storm_cpu(&c, &before, &after).await?;
+    if o.statements {
+        let secs = (after.at - before.at).as_secs_f64();
+        storm["statements"] = top_statements(&c, secs).await?;
     }
     let mut reconnected: Vec<f64> = first_after(r, "node.session_opened", t)
         .await?
@@ -754,6 +767,33 @@ pub async fn power_cycle(r: &mut Region, o: &Options) -> Result<serde_json::Valu
         "recovery_s": recovery,
         "daemons": tries.since(&r.fleet.stats),
         "fleet_runtime_lag": r.fleet.lag.since(back),
+        "reconnection_cpu": storm,
+    }))
+}
+
+/// Where the CPU went between two samples (the fleet's reconnection), in
+/// cores busy on average: PostgreSQL (its walsenders apart, and by client),
+/// each role, and the bench's process (the simulated daemons and the load).
+async fn storm_cpu(
+    c: &tokio_postgres::Client,
+    first: &Sample,
+    last: &Sample,
+) -> Result<serde_json::Value> {
+    let secs = (last.at - first.at).as_secs_f64().max(1e-9);
+    let share = |a: f64, b: f64| round((b - a) / secs, 3);
+    let roles: serde_json::Map<String, serde_json::Value> = first
+        .roles
+        .iter()
+        .zip(&last.roles)
+        .map(|((name, a, _), (_, b, _))| (name.clone(), share(*a, *b).into()))
+        .collect();
+    Ok(serde_json::json!({
+        "seconds": round(secs, 1),
+        "postgres": share(first.pg_cpu.total, last.pg_cpu.total),
+        "postgres_walsenders": share(first.pg_cpu.walsenders, last.pg_cpu.walsenders),
+        "postgres_by_client": postgres_cpu_by_client(c, first, last, secs).await?,
+        "roles": roles,
+        "nodes_and_load_generator": share(first.own.0, last.own.0),
     }))
 }
 
