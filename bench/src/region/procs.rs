@@ -193,9 +193,9 @@ pub fn tell_warnings(roles: &[Role], n: usize) {
     }
 }
 
-/// The lines each role logged at or after `since` (by their timestamps)
-/// that contain `needle`, as (role, line).
-pub fn said_since(roles: &[Role], since: SystemTime, needle: &str) -> Vec<(String, String)> {
+/// The lines each role logged at or after `since` (by their timestamps),
+/// as (role, line).
+pub fn said_since(roles: &[Role], since: SystemTime) -> Vec<(String, String)> {
     let mut said = Vec::new();
     for role in roles {
         let Ok(text) = std::fs::read_to_string(&role.log) else {
@@ -203,7 +203,6 @@ pub fn said_since(roles: &[Role], since: SystemTime, needle: &str) -> Vec<(Strin
         };
         said.extend(
             text.lines()
-                .filter(|l| l.contains(needle))
                 .filter(|l| {
                     l.split_whitespace()
                         .next()

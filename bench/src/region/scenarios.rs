@@ -633,19 +633,21 @@ async fn tell_slow(r: &Region, id: &str, since: Instant) {
     eprintln!("probe {id}, after the fault: {}", steps.join(", "));
     // What the roles said of its binds (a result recorded a second or more
     // after its session read it), and how late each role's runtime ran.
-    let at = SystemTime::now() - since.elapsed();
-    for (role, line) in procs::said_since(&r.roles, at, &format!("command=bind:{id}:")) {
+    // Each role's log is read once for both.
+    let said = procs::said_since(&r.roles, SystemTime::now() - since.elapsed());
+    let bind = format!("command=bind:{id}:");
+    for (role, line) in said.iter().filter(|(_, l)| l.contains(&bind)) {
         eprintln!("  {role}: {line}");
     }
     let mut worst: BTreeMap<String, u64> = Default::default();
-    for (role, line) in procs::said_since(&r.roles, at, "late_ms=") {
+    for (role, line) in said.iter().filter(|(_, l)| l.contains("late_ms=")) {
         let late = line
             .split("late_ms=")
             .nth(1)
             .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next())
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        let w = worst.entry(role).or_default();
+        let w = worst.entry(role.clone()).or_default();
         *w = (*w).max(late);
     }
     if !worst.is_empty() {
