@@ -417,14 +417,18 @@ pub async fn run(args: Args) -> Result<()> {
         })
         .collect();
     let before = stats.view();
+    let head1 = events::read::head(&client).await?;
     let (secs1, offered1) = flood(&appender, &seen, ones, args.clients).await?;
+    let events1 = events::read::head(&client).await?.0 - head1.0;
     let after = stats.view();
     let rate1 = n1 as f64 / secs1;
     let batches1 = after.batches - before.batches;
     eprintln!(
-        "1-GPU: {n1} placed in {secs1:.2} s = {rate1:.0} placements/s (offered in {offered1:.2} s; {batches1} batches, {} conflicts)",
+        "1-GPU: {n1} placed in {secs1:.2} s = {rate1:.0} placements/s (offered in {offered1:.2} s; {batches1} batches, {} conflicts; {events1} events appended)",
         after.conflicts - before.conflicts
     );
+    // Events per placement in the 1-GPU phase: a request and its placement.
+    let per_placement1 = events1 as f64 / n1.max(1) as f64;
 
     // 3. Throughput, the mix, on about 30% of the GPUs.
     let n3 = (gpus * 3 / 10 / 4).min(if args.quick { 3_000 } else { u64::MAX });
@@ -619,10 +623,12 @@ pub async fn run(args: Args) -> Result<()> {
     let placements_ratio = rate1 / raw_multirow;
     if let Some(t) = &tenants {
         eprintln!(
-            "tenants against the 1-GPU phase: placements/s {:.2}, requests decided/s {:.2}, GPUs placed/s {:.2}",
+            "tenants against the 1-GPU phase: placements/s {:.2}, requests decided/s {:.2}, GPUs placed/s {:.2}, events/s {:.2} ({:.2} events per placement against {per_placement1:.2})",
             t.placements_per_s / rate1,
             t.requests as f64 / t.decided_s / rate1,
-            t.placed_gpus as f64 / t.decided_s / rate1
+            t.placed_gpus as f64 / t.decided_s / rate1,
+            t.events as f64 / t.decided_s / (events1 as f64 / secs1),
+            t.events as f64 / t.placed.max(1) as f64
         );
     }
     let tenant_json = |t: &tenants::Tenants| {
@@ -648,6 +654,16 @@ pub async fn run(args: Args) -> Result<()> {
             "decided_ratio_vs_1gpu": round(t.requests as f64 / t.decided_s / rate1, 3),
             "gpus_placed_per_s": round(t.placed_gpus as f64 / t.decided_s, 0),
             "gpus_placed_ratio_vs_1gpu": round(t.placed_gpus as f64 / t.decided_s / rate1, 3),
+            // What the log took: a multi-tenant placement comes with more
+            // events than a 1-GPU one (waits, preemptions, the requests
+            // they requeue). At the 1-GPU phase's cost per event the
+            // placements ratio would be the ratio of events per placement;
+            // the events ratio is how fast each event went against it.
+            "events": t.events,
+            "events_per_placement": round(t.events as f64 / t.placed.max(1) as f64, 3),
+            "events_per_placement_1gpu": round(per_placement1, 3),
+            "placements_ratio_at_1gpu_cost_per_event": round(per_placement1 / (t.events as f64 / t.placed.max(1) as f64), 3),
+            "events_ratio_vs_1gpu": round(t.events as f64 / t.decided_s / (events1 as f64 / secs1), 3),
             "high_priority_requests": t.high,
             "preempted": t.preempted,
             "preemptions_per_s": round(t.preemptions_per_s, 1),

@@ -12,7 +12,7 @@ pub use crate::fit::{never_fits, place_one};
 use domain::{Allocation, Request, Shape};
 use projections::budget::Verdict;
 use projections::index::Index;
-use projections::quota;
+use projections::quota::{self, NotPreemptible};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 
@@ -517,45 +517,7 @@ fn victims(
     if index.pool(pool)?.preemption_off {
         return None;
     }
-    // Its queue's, or in a pool without queues the pool's (queue "").
-    let mine = request.queue.as_deref().unwrap_or("");
-    let q = index.queues(pool)?;
-    let queues = &index.pool(pool)?.queues;
-    let class = request.class.as_str();
-    let nominal = |s: &domain::QueueSpec| s.quota(class).map_or(0, |x| x.nominal) as u64;
-    let held = |queue: &str| quota::held(index, pool, queue, class, batch);
-    let mut candidates: Vec<String> = Vec::new();
-    // First what other queues of its cohort borrowed, when its own queue
-    // may take it back (within its nominal quota with the request).
-    let spec = queues.get(mine);
-    let cohort = spec.and_then(|s| s.cohort.as_deref());
-    let within =
-        spec.is_some_and(|s| cohort.is_some() && held(mine) + request.gpus as u64 <= nominal(s));
-    if within {
-        for other in queues.values() {
-            if other.queue == mine
-                || other.cohort.as_deref() != cohort
-                || held(&other.queue) <= nominal(other)
-            {
-                continue;
-            }
-            if let Some(set) = q.live.get(&(class.to_string(), other.queue.clone())) {
-                candidates.extend(set.iter().take(MAX_CANDIDATES).map(|k| k.2.clone()));
-            }
-        }
-    }
-    // Then its own queue's of lower priority.
-    if let Some(set) = q.live.get(&(class.to_string(), mine.to_string())) {
-        candidates.extend(
-            set.range(..(request.priority, Reverse(u64::MAX), String::new()))
-                .take(MAX_CANDIDATES)
-                .map(|k| k.2.clone()),
-        );
-    }
-    if candidates.is_empty() {
-        return None;
-    }
-    candidates.truncate(MAX_CANDIDATES);
+    let candidates = candidates(index, pool, request, batch)?;
     // What fits without the chosen (their GPUs freed), and what may still
     // be preempted with them chosen (counted as being preempted).
     let (mut sim, mut picked) = (batch.clone(), batch.clone());
@@ -564,6 +526,11 @@ fn victims(
         quota::admit(index, pool, request, sim).is_ok() && place_one(index, pool, request).is_some()
     };
     let mut fit = false;
+    // Queues whose reservations were refused as a reclaim in this search:
+    // what the lender keeps only falls as more of it is chosen, and what
+    // the request's queue keeps falls only when one of its own is, so the
+    // rest of theirs are refused too until then.
+    let mut refused: Vec<String> = Vec::new();
     for v in candidates {
         if chosen.len() >= MAX_VICTIMS {
             break;
@@ -574,9 +541,21 @@ fn victims(
         if r.preempted_by.is_some() || v == request.reservation || batch.preempts(&v) {
             continue;
         }
-        let Ok(kind) = quota::may_preempt(index, pool, request, r, &picked) else {
+        let theirs = r.request.queue.as_deref();
+        if theirs.is_some_and(|q| refused.iter().any(|x| x == q)) {
             continue;
+        }
+        let kind = match quota::may_preempt(index, pool, request, r, &picked) {
+            Ok(kind) => kind,
+            Err(NotPreemptible::BorrowsNothing { .. } | NotPreemptible::OverOwnQuota { .. }) => {
+                refused.extend(theirs.map(str::to_string));
+                continue;
+            }
+            Err(_) => continue,
         };
+        if theirs == request.queue.as_deref() {
+            refused.clear();
+        }
         let (allocs, queue, gpus) = (
             r.allocations.clone(),
             r.request.queue.clone(),
@@ -656,6 +635,60 @@ fn victims(
         out.push((v.clone(), kind));
     }
     Some(out)
+}
+
+/// The live reservations [`victims`] weighs for `request`, at most
+/// [`MAX_CANDIDATES`], in order: first what other queues of its cohort
+/// borrowed, when its own queue may take it back (within its nominal quota
+/// with the request), then its own queue's of lower priority. `None` when
+/// there are none.
+fn candidates(
+    index: &Index,
+    pool: &str,
+    request: &Request,
+    batch: &quota::Batch,
+) -> Option<Vec<String>> {
+    // Its queue's, or in a pool without queues the pool's (queue "").
+    let mine = request.queue.as_deref().unwrap_or("");
+    let q = index.queues(pool)?;
+    let queues = &index.pool(pool)?.queues;
+    let class = request.class.as_str();
+    let nominal = |s: &domain::QueueSpec| s.quota(class).map_or(0, |x| x.nominal) as u64;
+    let held = |queue: &str| quota::held(index, pool, queue, class, batch);
+    let mut candidates: Vec<String> = Vec::new();
+    let spec = queues.get(mine);
+    let cohort = spec.and_then(|s| s.cohort.as_deref());
+    let within =
+        spec.is_some_and(|s| cohort.is_some() && held(mine) + request.gpus as u64 <= nominal(s));
+    if within {
+        for other in queues.values() {
+            // One that keeps no more than its nominal quota, less what is
+            // already being preempted of it, lends nothing back: every
+            // reservation of it would be refused.
+            if other.queue == mine
+                || other.cohort.as_deref() != cohort
+                || quota::kept(index, pool, &other.queue, class, batch) <= nominal(other)
+            {
+                continue;
+            }
+            if let Some(set) = q.live.get(&(class.to_string(), other.queue.clone())) {
+                candidates.extend(set.iter().take(MAX_CANDIDATES).map(|k| k.2.clone()));
+            }
+        }
+    }
+    // Then its own queue's of lower priority.
+    if let Some(set) = q.live.get(&(class.to_string(), mine.to_string())) {
+        candidates.extend(
+            set.range(..(request.priority, Reverse(u64::MAX), String::new()))
+                .take(MAX_CANDIDATES)
+                .map(|k| k.2.clone()),
+        );
+    }
+    if candidates.is_empty() {
+        return None;
+    }
+    candidates.truncate(MAX_CANDIDATES);
+    Some(candidates)
 }
 
 #[cfg(test)]
@@ -1693,6 +1726,52 @@ pub(crate) mod tests {
             })
             .expect("a violation");
         assert!(v.message.contains("borrows nothing to take back"), "{v}");
+    }
+
+    #[test]
+    fn a_lender_being_preempted_back_to_its_quota_does_not_hide_the_requests_own_queue() {
+        // 640 GPUs: a is given 8 and b 632, in one cohort. b holds 120 in
+        // 15 reservations of priority 0; a borrows 512 more than its 8, in
+        // 520 reservations of one GPU.
+        let mut w = World::new(80);
+        w.queue("a", Some("c"), 1, 8, None);
+        w.queue("b", Some("c"), 1, 632, None);
+        for i in 0..15 {
+            w.request_in(Some("b"), &format!("low{i:02}"), 8, Shape::Any, 0);
+        }
+        w.run();
+        for i in 0..520 {
+            w.request_in(Some("a"), &format!("a{i:03}"), 1, Shape::Any, 0);
+        }
+        w.run();
+        assert_eq!((w.used("a"), w.used("b")), (520, 120));
+        // b takes back all that a borrowed: 512 of a's reservations are
+        // being preempted, and a lends nothing more.
+        for i in 0..64 {
+            w.request_in(Some("b"), &format!("r{i:02}"), 8, Shape::Any, 0);
+        }
+        let plan = w.run();
+        assert_eq!(plan.preempting.len(), 512, "{:?}", plan.queued);
+        assert!(plan
+            .preempting
+            .iter()
+            .all(|(v, _, why)| v.starts_with('a') && why == "reclaim"));
+        // A request of b of higher priority preempts one of b's own of
+        // lower priority. a's 520 reservations, none of which may be
+        // preempted for it, are not weighed in their place.
+        w.request_in(Some("b"), "hi", 8, Shape::Any, 1);
+        let plan = w.run();
+        let mine: Vec<_> = plan
+            .preempting
+            .iter()
+            .filter(|(_, by, _)| by == "hi")
+            .collect();
+        assert_eq!(mine.len(), 1, "{plan:?}");
+        assert!(
+            mine[0].0.starts_with("low") && mine[0].2 == "priority",
+            "{mine:?}"
+        );
+        assert_eq!(w.index.state().violations, 0);
     }
 
     #[test]

@@ -192,6 +192,15 @@ pub fn admit(index: &Index, pool: &str, request: &Request, batch: &Batch) -> Res
 /// GPUs of `class` held by `queue`'s reservations that are being
 /// preempted (`reservation.preemption_scheduled` in the index, and those the batch
 /// chose).
+/// GPUs of `class` that `queue` holds with the batch's, less those being
+/// preempted: what a reclaim weighs, for the queue lending and for the
+/// queue taking back ([`may_preempt`]). Choosing more of `queue`'s
+/// reservations for preemption only lowers it.
+pub fn kept(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
+    held(index, pool, queue, class, batch)
+        .saturating_sub(being_preempted(index, pool, queue, class, batch))
+}
+
 fn being_preempted(index: &Index, pool: &str, queue: &str, class: &str, batch: &Batch) -> u64 {
     let marked = index.queues(pool).map_or(0, |q| q.preempting(queue, class));
     (marked + batch.preempting.get(queue, class))
@@ -257,9 +266,7 @@ pub fn may_preempt<'a>(
     }
     let class = by.class.as_str();
     let nominal = |s: &QueueSpec| s.quota(class).map_or(0, |q| q.nominal) as u64;
-    let raw = |q: &str| held(index, pool, q, class, batch);
-    let theirs =
-        raw(&vs.queue).saturating_sub(being_preempted(index, pool, &vs.queue, class, batch));
+    let theirs = kept(index, pool, &vs.queue, class, batch);
     if theirs <= nominal(vs) {
         return Err(No::BorrowsNothing {
             queue: &vs.queue,
@@ -268,7 +275,7 @@ pub fn may_preempt<'a>(
             class,
         });
     }
-    let mine = raw(&bs.queue).saturating_sub(being_preempted(index, pool, &bs.queue, class, batch));
+    let mine = kept(index, pool, &bs.queue, class, batch);
     if mine + by.gpus as u64 > nominal(bs) {
         return Err(No::OverOwnQuota {
             queue: &bs.queue,

@@ -36,6 +36,9 @@ pub struct Tenants {
     /// GPUs (devices) those placements took.
     pub placed_gpus: u64,
     pub placements_per_s: f64,
+    /// Events the log took from the first request to the last decision
+    /// (requests, placements, waits, preemptions and what they requeue).
+    pub events: u64,
     pub high: u64,
     pub preempted: u64,
     pub preemptions_per_s: f64,
@@ -118,14 +121,17 @@ pub async fn run(
     // priority preempt both.
     let phase = Instant::now();
     let preempted_before = seen.preempted.load(Ordering::Relaxed);
+    let head = events::read::head(client).await?;
     let (decided_s, _) = flood(appender, seen, requests, clients).await?;
+    let events = events::read::head(client).await?.0 - head.0;
     let placed = seen.placed.load(Ordering::Relaxed) - placed_before;
     let placed_gpus = seen.placed_devices.load(Ordering::Relaxed) - devices_before;
     // Placements per second: until the last placement of the flood was seen.
     let placements_per_s = placed as f64 / decided_s;
     eprintln!(
-        "{pool}: {n} requests for {requested_gpus} GPUs ({}% of {gpus}) decided in {decided_s:.2} s; {placed} placed = {placements_per_s:.0} placements/s",
-        requested_gpus * 100 / gpus
+        "{pool}: {n} requests for {requested_gpus} GPUs ({}% of {gpus}) decided in {decided_s:.2} s; {placed} placed = {placements_per_s:.0} placements/s; {events} events appended, {:.2} per placement",
+        requested_gpus * 100 / gpus,
+        events as f64 / placed.max(1) as f64
     );
     // Requests of high priority, one GPU each, round robin over the queues,
     // one at a time: each gets a GPU by preemption (in its own queue, or
@@ -190,6 +196,7 @@ pub async fn run(
         placed,
         placed_gpus,
         placements_per_s,
+        events,
         high,
         preempted,
         preemptions_per_s: preempted as f64 / secs,
