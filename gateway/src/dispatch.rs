@@ -93,7 +93,14 @@ pub(crate) async fn command_transition(
             Err(e) if e.kind() == ErrorKind::Transient && Instant::now() < give_up => {
                 shared.stats.write_retries.fetch_add(1, Ordering::Relaxed);
                 let delay = backoff.next_delay();
-                tracing::warn!(%node, command = %id, error = %e, delay_ms = delay.as_millis() as u64, "could not record a command's state; trying again");
+                match shared.record_retries.now() {
+                    Some(held) => {
+                        tracing::warn!(%node, command = %id, error = %e, delay_ms = delay.as_millis() as u64, also_retried = held, "could not record a command's state; trying again ({held} more tries since the last warning)")
+                    }
+                    None => {
+                        tracing::debug!(%node, command = %id, error = %e, delay_ms = delay.as_millis() as u64, "could not record a command's state; trying again")
+                    }
+                }
                 tokio::time::sleep(delay).await;
             }
             Err(e) => {

@@ -282,5 +282,6 @@ fn new_shared(
         reports: Semaphore::new(crate::usage::AT_ONCE),
         stopping: tokio::sync::watch::Sender::new(false),
         clock: ops::process_clock::ProcessClock::new(crate::state::HEARD_SLACK),
+        record_retries: ops::warn_every::WarnEvery::new(Duration::from_secs(1)),
     })
 }

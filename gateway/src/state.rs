@@ -373,6 +373,9 @@ pub(crate) struct Shared {
     pub(crate) stopping: tokio::sync::watch::Sender<bool>,
     /// The time this gateway could run, which heartbeats are timed on.
     pub(crate) clock: ops::process_clock::ProcessClock,
+    /// Writes of a command's state tried again: warned about at most once
+    /// a second (a database outage retries every result in flight).
+    pub(crate) record_retries: ops::warn_every::WarnEvery,
 }
 
 /// What an API caller waited for.

@@ -6,8 +6,10 @@
 //! runs ([`tls`]); a clock of the time the process could run, for hyper's
 //! HTTP/2 keep-alive and for waits on a peer that a busy process must not
 //! take for a silent peer ([`process_clock`]); how late the process's runtime
-//! runs what is due ([`runtime_lag`]); and the join protocol a joining node
-//! names its token with before its TLS handshake ([`join_alpn`]).
+//! runs what is due ([`runtime_lag`]); a warning allowed once a period,
+//! the rest counted into the next ([`warn_every`]); and the join protocol a
+//! joining node names its token with before its TLS handshake
+//! ([`join_alpn`]).
 //!
 //! It depends on no other crate of the workspace, so every crate can report
 //! through it.
@@ -19,3 +21,4 @@ pub mod process_clock;
 pub mod runtime_lag;
 pub mod task;
 pub mod tls;
+pub mod warn_every;

@@ -56,7 +56,7 @@ fn histogram() -> &'static prometheus::Histogram {
 /// Call once per process.
 pub fn watch() {
     let h = histogram().clone();
-    let mut warned: Option<Instant> = None;
+    let warn = crate::warn_every::WarnEvery::new(WARN_EVERY);
     let mut worst = Duration::ZERO;
     sample(&tokio::runtime::Handle::current(), move |at, late| {
         h.observe(late.as_secs_f64());
@@ -64,13 +64,12 @@ pub fn watch() {
             return;
         }
         worst = worst.max(late);
-        if warned.is_none_or(|w| at.duration_since(w) >= WARN_EVERY) {
+        if warn.at(at).is_some() {
             tracing::warn!(
                 late_ms = worst.as_millis() as u64,
                 "this process ran what was due {:.1} s late: its threads were all busy or it waited for a core",
                 worst.as_secs_f64()
             );
-            warned = Some(at);
             worst = Duration::ZERO;
         }
     });
