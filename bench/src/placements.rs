@@ -482,9 +482,24 @@ pub async fn run(args: Args) -> Result<()> {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        let held_s = t.elapsed().as_secs_f64();
+        // Each phase starts with the placer's index caught up with the log,
+        // as the 1-GPU phase does: the pools' nodes and labels (tens of
+        // thousands of events) would otherwise still be folded into the
+        // first phase's time.
+        let head = events::read::head(&client).await?.0;
+        while stats.view().position < head {
+            if t.elapsed() > Duration::from_secs(120) || placer.is_finished() {
+                bail!(
+                    "the placer did not catch up with the tenants' pools: {:?}",
+                    stats.view()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let tenant_gpus = tenant_nodes as u64 * 8;
         eprintln!(
-            "tenants: two pools of {tenant_nodes} nodes in racks of {}, {tenant_gpus} GPUs, {} queues in {} cohorts, ready in {:.1} s",
+            "tenants: two pools of {tenant_nodes} nodes in racks of {}, {tenant_gpus} GPUs, {} queues in {} cohorts, held in {held_s:.1} s, the placer caught up with them in {:.1} s",
             tenants::NODES_PER_RACK,
             tenants::QUEUES,
             tenants::COHORTS,
