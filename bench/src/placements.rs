@@ -202,6 +202,28 @@ async fn flood(
     Ok(((done - t0).as_secs_f64(), offered_secs))
 }
 
+/// Waits until the placer's counters satisfy `done`, for at most 120 s
+/// from `since`; fails, saying it did not `what`, when it runs out or the
+/// placer stops.
+async fn until_placer(
+    placer: &Placer,
+    since: Instant,
+    what: &str,
+    done: impl Fn(&placer::StatsView) -> bool,
+) -> Result<()> {
+    let stats = placer.stats();
+    loop {
+        let v = stats.view();
+        if done(&v) {
+            return Ok(());
+        }
+        if since.elapsed() > Duration::from_secs(120) || placer.is_finished() {
+            bail!("the placer did not {what}: {v:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Offers 1-GPU requests at a fixed rate; returns each request's latency
 /// from its commit and from its send to its placement seen.
 async fn paced(
@@ -429,6 +451,7 @@ pub async fn run(args: Args) -> Result<()> {
     );
     // Events per placement in the 1-GPU phase: a request and its placement.
     let per_placement1 = events1 as f64 / n1.max(1) as f64;
+    let events_per_s1 = events1 as f64 / secs1;
 
     // 3. Throughput, the mix, on about 30% of the GPUs.
     let n3 = (gpus * 3 / 10 / 4).min(if args.quick { 3_000 } else { u64::MAX });
@@ -473,30 +496,20 @@ pub async fn run(args: Args) -> Result<()> {
         for pool in [tenants::POOL, tenants::REMEMBERING] {
             tenants::prepare(&appender, &client, pool, tenant_nodes).await?;
         }
-        while stats.view().pools_held < held + 2 {
-            if t.elapsed() > Duration::from_secs(120) || placer.is_finished() {
-                bail!(
-                    "the placer did not take the tenants' pools: {:?}",
-                    stats.view()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        until_placer(&placer, t, "take the tenants' pools", |v| {
+            v.pools_held >= held + 2
+        })
+        .await?;
         let held_s = t.elapsed().as_secs_f64();
         // Each phase starts with the placer's index caught up with the log,
         // as the 1-GPU phase does: the pools' nodes and labels (tens of
         // thousands of events) would otherwise still be folded into the
         // first phase's time.
         let head = events::read::head(&client).await?.0;
-        while stats.view().position < head {
-            if t.elapsed() > Duration::from_secs(120) || placer.is_finished() {
-                bail!(
-                    "the placer did not catch up with the tenants' pools: {:?}",
-                    stats.view()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        until_placer(&placer, t, "catch up with the tenants' pools", |v| {
+            v.position >= head
+        })
+        .await?;
         let tenant_gpus = tenant_nodes as u64 * 8;
         eprintln!(
             "tenants: two pools of {tenant_nodes} nodes in racks of {}, {tenant_gpus} GPUs, {} queues in {} cohorts, held in {held_s:.1} s, the placer caught up with them in {:.1} s",
@@ -543,15 +556,10 @@ pub async fn run(args: Args) -> Result<()> {
             domain::pools::join_nodes(&appender, pool, fleet, |_| {}).await?;
         }
         let t = Instant::now();
-        while stats.view().pools_held < held + 3 {
-            if t.elapsed() > Duration::from_secs(120) || placer.is_finished() {
-                bail!(
-                    "the placer did not take the backfill pools: {:?}",
-                    stats.view()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        until_placer(&placer, t, "take the backfill pools", |v| {
+            v.pools_held >= held + 3
+        })
+        .await?;
         let rounds = backfill::run(&appender, &seen, backfill_nodes, args.clients).await?;
         let ahead = backfill::ahead(&appender, &seen, ahead_nodes, args.clients).await?;
         Some((rounds, ahead))
@@ -571,12 +579,10 @@ pub async fn run(args: Args) -> Result<()> {
                 .await?;
         }
         let t = Instant::now();
-        while stats.view().pools_held < held + 2 {
-            if t.elapsed() > Duration::from_secs(120) || placer.is_finished() {
-                bail!("the placer did not take the MIG pools: {:?}", stats.view());
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        until_placer(&placer, t, "take the MIG pools", |v| {
+            v.pools_held >= held + 2
+        })
+        .await?;
         // A quarter of the plain pool per round at most.
         let per_round = (u64::from(mig_nodes) * 2).min(if args.quick { 2_000 } else { 20_000 });
         let rounds = if args.quick { 2 } else { 3 };
@@ -642,8 +648,8 @@ pub async fn run(args: Args) -> Result<()> {
             t.placements_per_s / rate1,
             t.requests as f64 / t.decided_s / rate1,
             t.placed_gpus as f64 / t.decided_s / rate1,
-            t.events as f64 / t.decided_s / (events1 as f64 / secs1),
-            t.events as f64 / t.placed.max(1) as f64
+            t.events_per_s() / events_per_s1,
+            t.events_per_placement()
         );
     }
     let tenant_json = |t: &tenants::Tenants| {
@@ -675,10 +681,10 @@ pub async fn run(args: Args) -> Result<()> {
             // placements ratio would be the ratio of events per placement;
             // the events ratio is how fast each event went against it.
             "events": t.events,
-            "events_per_placement": round(t.events as f64 / t.placed.max(1) as f64, 3),
+            "events_per_placement": round(t.events_per_placement(), 3),
             "events_per_placement_1gpu": round(per_placement1, 3),
-            "placements_ratio_at_1gpu_cost_per_event": round(per_placement1 / (t.events as f64 / t.placed.max(1) as f64), 3),
-            "events_ratio_vs_1gpu": round(t.events as f64 / t.decided_s / (events1 as f64 / secs1), 3),
+            "placements_ratio_at_1gpu_cost_per_event": round(per_placement1 / t.events_per_placement(), 3),
+            "events_ratio_vs_1gpu": round(t.events_per_s() / events_per_s1, 3),
             "high_priority_requests": t.high,
             "preempted": t.preempted,
             "preemptions_per_s": round(t.preemptions_per_s, 1),

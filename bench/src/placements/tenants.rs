@@ -51,6 +51,18 @@ pub struct Tenants {
     pub spread: f64,
 }
 
+impl Tenants {
+    /// Events the log took per placement in the phase.
+    pub fn events_per_placement(&self) -> f64 {
+        self.events as f64 / self.placed.max(1) as f64
+    }
+
+    /// Events per second in the phase.
+    pub fn events_per_s(&self) -> f64 {
+        self.events as f64 / self.decided_s
+    }
+}
+
 /// The queues of the pool (see [`domain::demand::queues`]).
 pub fn specs(gpus: u64) -> Vec<QueueSpec> {
     domain::demand::queues(CLASS, gpus)
