@@ -22,6 +22,21 @@ pub(crate) fn pushback(reason: &str, base_ms: u32) -> Status {
     s
 }
 
+/// A pushback for a gateway that is only busy for the moment (new sessions
+/// come faster than it welcomes them, or its writes are behind): it asks the
+/// node to come back here, over the connection it already has
+/// (`retry-here`), instead of making a new TLS handshake here or elsewhere.
+/// Pushbacks that mean "go elsewhere" (no lease, full, stopping) do not
+/// carry it.
+pub(crate) fn pushback_here(reason: &str, base_ms: u32) -> Status {
+    let mut s = pushback(reason, base_ms);
+    s.metadata_mut().insert(
+        "retry-here",
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    s
+}
+
 impl Shared {
     pub(crate) fn admit(&self) -> Result<OwnedSemaphorePermit, Status> {
         if self.lease_epoch.load(Ordering::Relaxed) == 0 {
@@ -40,11 +55,11 @@ impl Shared {
             .take(rate, rate.max(1.0))
         {
             self.stats.refused_rate.fetch_add(1, Ordering::Relaxed);
-            return Err(pushback("too many new sessions per second", 1000));
+            return Err(pushback_here("too many new sessions per second", 1000));
         }
         if self.stats.writes_queued.load(Ordering::Relaxed) > self.config.max_queued_writes {
             self.stats.refused_behind.fetch_add(1, Ordering::Relaxed);
-            return Err(pushback("this gateway's writes are behind", 2000));
+            return Err(pushback_here("this gateway's writes are behind", 2000));
         }
         let permit = self.streams.clone().try_acquire_owned().map_err(|_| {
             self.stats.refused_full.fetch_add(1, Ordering::Relaxed);
@@ -61,7 +76,7 @@ impl Shared {
             self.stats.refused_pending.fetch_add(1, Ordering::Relaxed);
             // Come back when those waiting now have been welcomed.
             let wait = crate::welcome_rate::WAIT.as_millis() as u32;
-            return Err(pushback("too many sessions opening at once", wait));
+            return Err(pushback_here("too many sessions opening at once", wait));
         }
         Ok(permit)
     }

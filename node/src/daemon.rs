@@ -62,7 +62,11 @@ pub use crate::identity::{ensure_joined, Credentials};
 pub struct DaemonStats {
     /// Certificates renewed over a session.
     pub renewals: AtomicU64,
+    /// Connections made (TCP, TLS, HTTP/2).
     pub connects: AtomicU64,
+    /// Sessions opened again over the connection a pushback left open
+    /// (`retry-here`), with no new handshake.
+    pub connections_reused: AtomicU64,
     pub sessions: AtomicU64,
     pub pushbacks: AtomicU64,
     /// Milliseconds waited because a gateway said so.
@@ -176,8 +180,10 @@ fn digest(canonical: &str) -> String {
 enum End {
     /// Stopped on purpose.
     Shutdown,
-    /// The gateway said when to come back.
-    Pushback(Duration),
+    /// The gateway said when to come back, and whether to come back to it
+    /// over the same connection (`retry-here`: it is only busy for the
+    /// moment) or to go anywhere.
+    Pushback { wait: Duration, here: bool },
     /// The gateway refused this node for good (revoked, unknown).
     Refused(String),
     /// Anything else: reconnect with backoff.
@@ -200,8 +206,9 @@ fn retry_after(status: &tonic::Status) -> Option<Duration> {
 }
 
 fn classify(status: tonic::Status) -> End {
-    if let Some(d) = retry_after(&status) {
-        return End::Pushback(d);
+    if let Some(wait) = retry_after(&status) {
+        let here = status.metadata().get("retry-here").is_some();
+        return End::Pushback { wait, here };
     }
     match status.code() {
         tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => {
@@ -305,6 +312,7 @@ pub async fn run(
     let home_addr = authority(&config.gateways[home]);
     let mut at = home;
     let mut failures = 0u32;
+    let mut kept: Kept = None;
     loop {
         if *shutdown.borrow() {
             return Ok(());
@@ -321,24 +329,24 @@ pub async fn run(
             n => (tried + 1 + fastrand::usize(..n - 1)) % n,
         };
         let mut opened = false;
-        let end = match link.connect().await {
+        let end = match connection(link, tried, &mut kept, &stats).await {
             Ok(channel) => {
-                stats.connects.fetch_add(1, Ordering::Relaxed);
-                session(
+                let end = session(
                     &config,
                     &stats,
-                    channel,
+                    channel.clone(),
                     generation,
                     (&runner, &conditions, &acceptance, &dcgm),
                     (&mut shutdown, away.as_deref()),
                     &mut opened,
                 )
-                .await
+                .await;
+                if matches!(end, End::Pushback { here: true, .. }) {
+                    kept = Some((tried, channel));
+                }
+                end
             }
-            Err(e) => {
-                stats.connect_failures.fetch_add(1, Ordering::Relaxed);
-                End::Lost(format!("connect: {e}"))
-            }
+            Err(e) => End::Lost(format!("connect: {e}")),
         };
         if opened {
             // A session was open: start the backoff over.
@@ -347,13 +355,17 @@ pub async fn run(
         let wait = match end {
             End::Shutdown => return Ok(()),
             End::Refused(why) => return Err(DaemonError::Refused(why)),
-            End::Pushback(d) => {
+            End::Pushback { wait, here } => {
                 stats.pushbacks.fetch_add(1, Ordering::Relaxed);
                 stats
                     .pushback_wait_ms
-                    .fetch_add(d.as_millis() as u64, Ordering::Relaxed);
-                tracing::info!(node = %config.node_id, wait_ms = d.as_millis() as u64, "gateway pushback; waiting");
-                d
+                    .fetch_add(wait.as_millis() as u64, Ordering::Relaxed);
+                tracing::info!(node = %config.node_id, wait_ms = wait.as_millis() as u64, here, "gateway pushback; waiting");
+                if here {
+                    // Only busy: back to it, over the same connection.
+                    at = tried;
+                }
+                wait
             }
             End::Renewed => {
                 let creds =
@@ -378,6 +390,39 @@ pub async fn run(
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
             _ = shutdown.changed() => {}
+        }
+    }
+}
+
+/// The connection a `retry-here` pushback left open, and to which gateway
+/// (its index in the links).
+type Kept = Option<(usize, Channel)>;
+
+/// A connection to gateway `at` through `link`: the one a pushback left
+/// open to it when it is still open (no new TCP, TLS and HTTP/2
+/// handshakes: a fleet pushed back through a cold start would otherwise
+/// make one for every pushback), else a new one. A kept connection to
+/// another gateway is closed.
+async fn connection(
+    link: &Link,
+    at: usize,
+    kept: &mut Kept,
+    stats: &DaemonStats,
+) -> Result<Channel, String> {
+    if let Some((to, channel)) = kept.take() {
+        if to == at && !channel.is_closed() {
+            stats.connections_reused.fetch_add(1, Ordering::Relaxed);
+            return Ok(channel);
+        }
+    }
+    match link.connect().await {
+        Ok(channel) => {
+            stats.connects.fetch_add(1, Ordering::Relaxed);
+            Ok(channel)
+        }
+        Err(e) => {
+            stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+            Err(e)
         }
     }
 }
@@ -525,7 +570,10 @@ async fn session(
             m = inbound.message() => match m {
                 Ok(Some(msg)) => match msg.body {
                     Some(gateway_message::Body::Pushback(p)) => {
-                        return End::Pushback(Duration::from_millis(p.retry_after_ms.into()));
+                        return End::Pushback {
+                            wait: Duration::from_millis(p.retry_after_ms.into()),
+                            here: false,
+                        };
                     }
                     Some(gateway_message::Body::Renewed(r)) => match renewing.take() {
                         Some(key) if r.error.is_empty() => {
@@ -620,9 +668,10 @@ async fn open(
         Ok(Some(m)) => match m.body {
             Some(gateway_message::Body::Welcome(w)) => w,
             Some(gateway_message::Body::Pushback(p)) => {
-                return Err(End::Pushback(Duration::from_millis(
-                    p.retry_after_ms.into(),
-                )))
+                return Err(End::Pushback {
+                    wait: Duration::from_millis(p.retry_after_ms.into()),
+                    here: false,
+                })
             }
             _ => return Err(End::Lost("the gateway did not start with Welcome".into())),
         },

@@ -58,6 +58,12 @@ impl Channel {
     pub fn origin(&self) -> http::Uri {
         self.origin.clone()
     }
+
+    /// Whether the connection has ended (closed by either side, or its
+    /// keep-alive went unanswered).
+    pub fn is_closed(&self) -> bool {
+        self.send.is_closed()
+    }
 }
 
 impl Link {

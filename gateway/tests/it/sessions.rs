@@ -332,6 +332,57 @@ async fn admission_refusals_carry_pushback_and_daemons_wait() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_pushed_back_for_a_moment_comes_back_over_the_same_connection() {
+    let r = region().await;
+    // One new session a second: of three nodes starting at once, two are
+    // pushed back ("too many new sessions per second"), some more than once.
+    let gw = r
+        .gateway("gw-a", |c| {
+            c.handshakes_per_second = 1.0;
+        })
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut configs = Vec::new();
+    for i in 0..3 {
+        let mut c = config(vec![url(&gw)], dir.path(), &format!("n{i}"));
+        c.token = Some(r.token().await);
+        c.ca_pem = Some(r.ca_pem());
+        daemon::ensure_joined(&c).await.unwrap();
+        configs.push(c);
+    }
+    let handshakes = gw.listener.handshakes.load(Ordering::Relaxed);
+    let nodes: Vec<_> = configs.into_iter().map(start).collect();
+    testkit::eventually(30, "every session open", || async {
+        nodes
+            .iter()
+            .all(|n| n.stats.connected.load(Ordering::Relaxed) == 1)
+    })
+    .await;
+    let sum = |f: fn(&DaemonStats) -> &std::sync::atomic::AtomicU64| {
+        nodes
+            .iter()
+            .map(|n| f(&n.stats).load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
+    let pushbacks = sum(|s| &s.pushbacks);
+    assert!(pushbacks >= 2, "{pushbacks} pushbacks");
+    assert_eq!(gw.stats.refused_rate.load(Ordering::Relaxed), pushbacks);
+    // One connection each: every retry went over the connection the
+    // pushback left open, with no new TLS handshake.
+    assert_eq!(sum(|s| &s.connects), 3);
+    assert_eq!(sum(|s| &s.connections_reused), pushbacks);
+    assert_eq!(
+        gw.listener.handshakes.load(Ordering::Relaxed) - handshakes,
+        3,
+        "TLS handshakes at the gateway"
+    );
+    for n in nodes {
+        n.stop().await.unwrap();
+    }
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heartbeats_become_transitions_and_a_newer_session_fences_the_older() {
     let r = region().await;
     let a = r.gateway("gw-a", |_| {}).await;
@@ -815,10 +866,23 @@ async fn sessions_outlive_a_postgres_crash_longer_than_the_gateway_leases() {
         .await
         .unwrap();
     let (lost, opened): (i64, i64) = (row.get(0), row.get(1));
+    let sessions: String = client
+        .query_one(
+            "SELECT string_agg(stream || ' ' || type || ' ' || recorded_at::text, '; ' ORDER BY position)
+               FROM strata.events WHERE type LIKE 'node.session%' OR type IN ('node.disconnected', 'node.marked_unreachable')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(
         (lost, opened),
         (0, 2),
-        "a session ended, or a node was marked lost"
+        "a session ended, or a node was marked lost: {sessions}; n1 {:?}; n2 {:?}; gw-a {:?}; gw-b {:?}",
+        a.stats,
+        b.stats,
+        gw_a.stats,
+        gw_b.stats
     );
     for (gw, n) in [(&gw_a, &a), (&gw_b, &b)] {
         assert_eq!(gw.stats.lease_lost.load(Ordering::Relaxed), 0);
