@@ -800,16 +800,18 @@ async fn storm_cpu(
 }
 
 /// The fleet's daemons' tries at a session, counted from a moment on.
-struct Tries([(&'static str, u64); 5]);
+struct Tries([(&'static str, u64); 6]);
 
 impl Tries {
-    /// Connections made and failed, Hellos given up on, pushbacks obeyed,
-    /// sessions opened: each by the name it is reported under.
+    /// Connections made, failed and kept for another try after a pushback,
+    /// Hellos given up on, pushbacks obeyed, sessions opened: each by the
+    /// name it is reported under.
     fn of(s: &node::daemon::DaemonStats) -> Tries {
         Tries(
             [
                 ("connections", &s.connects),
                 ("connect_failures", &s.connect_failures),
+                ("connections_reused", &s.connections_reused),
                 ("welcomes_given_up", &s.welcomes_given_up),
                 ("pushbacks", &s.pushbacks),
                 ("sessions", &s.sessions),
@@ -841,6 +843,7 @@ pub async fn gateway_kill(r: &mut Region, o: &Options) -> Result<serde_json::Val
         .unwrap_or_default();
     let (_, ran_twice_before) = super::check::commands_run_twice(&r.fleet);
     let t = SystemTime::now();
+    let tries = Tries::of(&r.fleet.stats);
     let killed = Instant::now();
     r.role(&victim).kill().await;
     let victims: HashSet<&String> = nodes.iter().collect();
@@ -872,6 +875,7 @@ pub async fn gateway_kill(r: &mut Region, o: &Options) -> Result<serde_json::Val
         .map(|n| opened.get(n).map_or(0.0, |x| (x - unix(t)).max(0.0)))
         .collect();
     let after_kill = sessions_by_gateway(r).await?;
+    let rehoming = tries.since(&r.fleet.stats);
     // It comes back; where are the sessions a while later?
     r.restart(&victim).await?;
     // Its nodes return over the daemons' return-home window: until nine in
@@ -909,6 +913,7 @@ pub async fn gateway_kill(r: &mut Region, o: &Options) -> Result<serde_json::Val
         "commands_run_twice": ran_twice_after.saturating_sub(ran_twice_before.len() as u64),
         "sessions_before": counts(&before),
         "sessions_after_kill": counts(&after_kill),
+        "daemons_until_rehomed": rehoming,
         "sessions_after_restart": counts(&after_restart),
         "spread_back_s": spread_back,
         "return_home_s": o.return_home.as_secs_f64(),
