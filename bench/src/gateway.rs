@@ -437,15 +437,13 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
     }
     let ramp_s = t0.elapsed().as_secs_f64();
     let ramp_cpu = gw.cpu_s() - cpu0;
-    let ramp = [&stats.connects, &stats.connections_reused, &stats.pushbacks]
-        .map(|c| c.load(Ordering::Relaxed));
+    // The daemons' side: connections made and reused after a pushback,
+    // pushbacks, sessions.
+    let ramp_daemons = util::Tries::all(&stats);
     eprintln!(
-        "ramp: {} sessions in {ramp_s:.1} s (gateway CPU {ramp_cpu:.1} s), RSS {:.0} MiB; {} connections made, {} sessions opened again over the connection a pushback left open, {} pushbacks",
+        "ramp: {} sessions in {ramp_s:.1} s (gateway CPU {ramp_cpu:.1} s), RSS {:.0} MiB; daemons {ramp_daemons}",
         args.sessions,
         gw.rss_mib(),
-        ramp[0],
-        ramp[1],
-        ramp[2]
     );
 
     // Commands at a fixed rate to random nodes; a subscription watches the
@@ -623,13 +621,6 @@ pub async fn run_gateway(args: GatewayArgs) -> Result<()> {
     watcher.abort();
     gw.stop().await;
     let kib_per_session = (rss_end - rss_idle) * 1024.0 / f64::from(args.sessions);
-    // The daemons' side of the ramp: connections made, sessions opened
-    // again over the connection a pushback left open, pushbacks.
-    let ramp_daemons = serde_json::json!({
-        "connections": ramp[0],
-        "connections_reused": ramp[1],
-        "pushbacks": ramp[2],
-    });
     let flood = serde_json::json!({
         "connections": 10_000,
         "tls_idle": 2_000,

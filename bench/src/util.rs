@@ -1,5 +1,6 @@
 //! Shared pieces of the scenarios: the private cluster, the machine
-//! description, percentiles and writing results.
+//! description, percentiles, writing results, and the fleet's tries at a
+//! session.
 
 use anyhow::{Context, Result};
 use schema::{Cluster, ClusterOptions};
@@ -302,4 +303,42 @@ pub fn pct(v: &mut [f64], p: f64) -> Option<f64> {
     v.sort_by(f64::total_cmp);
     let i = ((v.len() as f64 - 1.0) * p).round() as usize;
     Some(round(v[i], 2))
+}
+
+/// The fleet's daemons' tries at a session, counted from a moment on.
+pub(crate) struct Tries([(&'static str, u64); 6]);
+
+impl Tries {
+    /// Connections made, failed and kept for another try after a pushback,
+    /// Hellos given up on, pushbacks obeyed, sessions opened: each by the
+    /// name it is reported under.
+    pub(crate) fn of(s: &node::daemon::DaemonStats) -> Tries {
+        Tries(
+            [
+                ("connections", &s.connects),
+                ("connect_failures", &s.connect_failures),
+                ("connections_reused", &s.connections_reused),
+                ("welcomes_given_up", &s.welcomes_given_up),
+                ("pushbacks", &s.pushbacks),
+                ("sessions", &s.sessions),
+            ]
+            .map(|(name, c)| (name, c.load(std::sync::atomic::Ordering::Relaxed))),
+        )
+    }
+
+    /// What the daemons tried since `self`.
+    pub(crate) fn since(&self, s: &node::daemon::DaemonStats) -> serde_json::Value {
+        let now = Tries::of(s).0;
+        self.0
+            .iter()
+            .zip(now)
+            .map(|((name, then), (_, now))| (name.to_string(), now.saturating_sub(*then).into()))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    }
+
+    /// What the daemons tried since they started.
+    pub(crate) fn all(s: &node::daemon::DaemonStats) -> serde_json::Value {
+        Tries(Tries::of(s).0.map(|(name, _)| (name, 0))).since(s)
+    }
 }

@@ -728,7 +728,7 @@ async fn tell_readers(c: &tokio_postgres::Client) {
 
 /// Every node loses power for `o.outage` and comes back.
 pub async fn power_cycle(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
-    let tries = Tries::of(&r.fleet.stats);
+    let tries = crate::util::Tries::of(&r.fleet.stats);
     r.fleet.stop().await;
     tokio::time::sleep(o.outage).await;
     let mut opened = Seen::from_head(r, "node.session_opened").await?;
@@ -799,39 +799,6 @@ async fn storm_cpu(
     }))
 }
 
-/// The fleet's daemons' tries at a session, counted from a moment on.
-struct Tries([(&'static str, u64); 6]);
-
-impl Tries {
-    /// Connections made, failed and kept for another try after a pushback,
-    /// Hellos given up on, pushbacks obeyed, sessions opened: each by the
-    /// name it is reported under.
-    fn of(s: &node::daemon::DaemonStats) -> Tries {
-        Tries(
-            [
-                ("connections", &s.connects),
-                ("connect_failures", &s.connect_failures),
-                ("connections_reused", &s.connections_reused),
-                ("welcomes_given_up", &s.welcomes_given_up),
-                ("pushbacks", &s.pushbacks),
-                ("sessions", &s.sessions),
-            ]
-            .map(|(name, c)| (name, c.load(Ordering::Relaxed))),
-        )
-    }
-
-    /// What the daemons tried since `self`.
-    fn since(&self, s: &node::daemon::DaemonStats) -> serde_json::Value {
-        let now = Tries::of(s).0;
-        self.0
-            .iter()
-            .zip(now)
-            .map(|((name, then), (_, now))| (name.to_string(), now.saturating_sub(*then).into()))
-            .collect::<serde_json::Map<_, _>>()
-            .into()
-    }
-}
-
 /// SIGKILL of the gateway holding the most sessions; its nodes re-home to
 /// the others; then it restarts.
 pub async fn gateway_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
@@ -843,7 +810,7 @@ pub async fn gateway_kill(r: &mut Region, o: &Options) -> Result<serde_json::Val
         .unwrap_or_default();
     let (_, ran_twice_before) = super::check::commands_run_twice(&r.fleet);
     let t = SystemTime::now();
-    let tries = Tries::of(&r.fleet.stats);
+    let tries = crate::util::Tries::of(&r.fleet.stats);
     let killed = Instant::now();
     r.role(&victim).kill().await;
     let victims: HashSet<&String> = nodes.iter().collect();
