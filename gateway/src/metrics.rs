@@ -51,6 +51,14 @@ static GATEWAY: &[Field<GatewayStats>] = &[
     ),
     ops::stat_field!(
         GatewayStats,
+        "strata_gateway_writes_in_flight",
+        Gauge,
+        "Writes the gateway's writer has taken and not yet answered (being written, retried, or asked after).",
+        &[],
+        writes_in_flight
+    ),
+    ops::stat_field!(
+        GatewayStats,
         "strata_gateway_refused_total",
         Counter,
         REFUSED,

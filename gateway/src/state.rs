@@ -162,6 +162,9 @@ pub struct GatewayStats {
     pub hellos_abandoned: AtomicU64,
     /// Writes queued for the writer and not yet taken by it.
     pub writes_queued: AtomicU64,
+    /// Writes the writer has taken and not yet answered: the batch being
+    /// written (or retried, or asked after), and those split from it.
+    pub writes_in_flight: AtomicU64,
     /// Sessions refused: more new ones per second than allowed.
     pub refused_rate: AtomicU64,
     /// Sessions refused: the gateway held its maximum.

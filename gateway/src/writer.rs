@@ -6,7 +6,8 @@
 //!  writer: batch --append_batch--> ok: versions to the sessions, answers
 //!                               \-> version conflict: that stream's writers are fenced, the rest retried
 //!                               \-> transient error: the same batch again, after backoff
-//!                               \-> outcome unknown: the table says whether it committed
+//!                               \-> outcome unknown: the table says whether it committed;
+//!                                   asked again, never written again, while the database cannot say
 //!                               \-> a definite error: each write alone, so one bad write fails alone
 //! ```
 //!
@@ -118,25 +119,36 @@ pub(crate) async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Write>) {
     // Batches still to write: normally one; after a definite error, each
     // write of the failed batch alone.
     let mut todo: VecDeque<Vec<Write>> = VecDeque::new();
+    // What was sent of the batch at the front of `todo` when its outcome
+    // was left unknown and the database could not yet say: it is asked
+    // again before that batch is written again.
+    let mut in_doubt: Option<Vec<StreamAppend>> = None;
     loop {
+        let taken: usize = todo.iter().map(Vec::len).sum();
+        shared
+            .stats
+            .writes_in_flight
+            .store(taken as u64, Ordering::Relaxed);
         if todo.is_empty() {
-            let Some(first) = rx.recv().await else { return };
-            let mut batch = vec![first];
-            while batch.len() < MAX_WRITES {
-                match rx.try_recv() {
-                    Ok(w) => batch.push(w),
-                    Err(_) => break,
-                }
-            }
-            shared
-                .stats
-                .writes_queued
-                .fetch_sub(batch.len() as u64, Ordering::Relaxed);
+            let Some(batch) = take(&shared, &mut rx).await else {
+                return;
+            };
             todo.push_back(batch);
         }
         let Some(mut batch) = todo.pop_front() else {
             continue;
         };
+        if let Some(sent) = in_doubt.take() {
+            batch = match settle(&shared, &mut backoff, batch, sent).await {
+                Doubt::Answered => continue,
+                Doubt::WriteAgain(batch) => batch,
+                Doubt::AskAgain(batch, sent) => {
+                    in_doubt = Some(sent);
+                    todo.push_front(batch);
+                    continue;
+                }
+            };
+        }
         fence_superseded(&shared, &mut batch);
         drop_abandoned(&mut batch);
         if batch.is_empty() {
@@ -146,10 +158,13 @@ pub(crate) async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Write>) {
         let attempt = match shared.appender.append_batch(appends.clone()).await {
             Ok(done) => Attempt::Committed(done),
             Err(e @ AppendError::VersionConflict { .. }) => Attempt::Conflict(e),
-            Err(AppendError::OutcomeUnknown(why)) => match committed(&shared, &appends).await {
-                Some(done) => Attempt::Committed(done),
-                None => Attempt::Failed(AppendError::OutcomeUnknown(why)),
-            },
+            Err(AppendError::OutcomeUnknown(why)) => {
+                // The table says whether it committed, before anything else.
+                tracing::info!(reason = %why, writes = batch.len(), "a batch of node events may or may not have committed; asking the table");
+                in_doubt = Some(appends);
+                todo.push_front(batch);
+                continue;
+            }
             Err(e) => Attempt::Failed(e),
         };
         match attempt {
@@ -309,39 +324,130 @@ fn appends_of(shared: &Shared, batch: &[Write]) -> Vec<StreamAppend> {
     order.iter().filter_map(|s| by_stream.remove(s)).collect()
 }
 
+/// The next batch: the first write queued (waited for) and whatever else
+/// is queued now, up to [`MAX_WRITES`]; `None` once no session can queue
+/// any more.
+async fn take(shared: &Shared, rx: &mut mpsc::Receiver<Write>) -> Option<Vec<Write>> {
+    let first = rx.recv().await?;
+    let mut batch = vec![first];
+    while batch.len() < MAX_WRITES {
+        match rx.try_recv() {
+            Ok(w) => batch.push(w),
+            Err(_) => break,
+        }
+    }
+    shared
+        .stats
+        .writes_queued
+        .fetch_sub(batch.len() as u64, Ordering::Relaxed);
+    shared
+        .stats
+        .writes_in_flight
+        .store(batch.len() as u64, Ordering::Relaxed);
+    Some(batch)
+}
+
+/// What became of a batch whose commit was in doubt.
+enum Doubt {
+    /// It had committed, and its writes are answered.
+    Answered,
+    /// It had not: written again.
+    WriteAgain(Vec<Write>),
+    /// The database did not say: asked after again (with what was sent).
+    AskAgain(Vec<Write>, Vec<StreamAppend>),
+}
+
+/// A batch whose commit is in doubt (`sent`, as it was sent), settled by
+/// the table; while the database does not answer, given back after a
+/// backoff to be asked after again, never written again meanwhile. Written
+/// again then, a batch that had committed would meet its own versions and
+/// be taken for a newer session's writes: live sessions ended.
+async fn settle(
+    shared: &Shared,
+    backoff: &mut Backoff,
+    batch: Vec<Write>,
+    sent: Vec<StreamAppend>,
+) -> Doubt {
+    match committed(shared, &sent).await {
+        Settled::Committed(done) => {
+            backoff.reset();
+            committed_batch(shared, batch, &sent, &done);
+            Doubt::Answered
+        }
+        Settled::WriteAgain => Doubt::WriteAgain(batch),
+        Settled::AskAgain(why) => {
+            let delay = backoff.next_delay();
+            shared.stats.write_retries.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(reason = %why, writes = batch.len(), delay_ms = delay.as_millis() as u64, "whether a batch of node events committed is not known yet; asking again");
+            tokio::time::sleep(delay).await;
+            Doubt::AskAgain(batch, sent)
+        }
+    }
+}
+
+/// What the table says of a batch whose outcome was unknown.
+enum Settled {
+    /// It committed: the streams' versions as they are now.
+    Committed(Vec<Appended>),
+    /// It did not, or the table cannot tell (no stream it expected at an
+    /// exact version): written again. Facts written without an exact
+    /// expectation are ones the index applies idempotently (inventory,
+    /// health, contact).
+    WriteAgain,
+    /// The database did not answer: asked again later, never written
+    /// again meanwhile.
+    AskAgain(String),
+}
+
+/// How long the table is given to say whether a batch committed.
+const ASK_PATIENCE: Duration = Duration::from_secs(5);
+
 /// After an append whose outcome is unknown (the connection broke while it
 /// committed): whether it committed, from the streams' versions in the
 /// table. A batch commits whole, so one stream it expected at an exact
-/// version tells: past it by the batch's events, committed; still at it,
-/// not. `None` when the table cannot tell (no exact expectation, or the
-/// database is not answering yet): the batch is then written again, and
-/// its facts are ones the index applies idempotently (inventory, health,
-/// contact).
-async fn committed(shared: &Shared, appends: &[StreamAppend]) -> Option<Vec<Appended>> {
-    let (probe, expected) = appends.iter().find_map(|a| match a.expected {
+/// version tells: past it by the batch's events, committed; anywhere else
+/// (still at it, or moved by another writer), not.
+async fn committed(shared: &Shared, appends: &[StreamAppend]) -> Settled {
+    let Some((probe, expected)) = appends.iter().find_map(|a| match a.expected {
         ExpectedVersion::Exact(v) => Some((a, v)),
         _ => None,
-    })?;
-    let client = shared.db.get().await.ok()?;
+    }) else {
+        return Settled::WriteAgain;
+    };
     let names: Vec<&str> = appends.iter().map(|a| a.stream.as_str()).collect();
-    let versions: HashMap<String, u64> = client
-        .rows(
-            "SELECT stream, version FROM strata.streams WHERE stream = ANY($1)",
-            &[&names],
-        )
-        .await
-        .ok()?
+    let asked = tokio::time::timeout(ASK_PATIENCE, async {
+        let client = shared.db.get().await.map_err(|e| e.to_string())?;
+        let rows = client
+            .rows(
+                "SELECT stream, version FROM strata.streams WHERE stream = ANY($1)",
+                &[&names],
+            )
+            .await;
+        rows.map_err(|e| e.to_string())
+    })
+    .await;
+    let rows = match asked {
+        Ok(Ok(rows)) => rows,
+        Ok(Err(e)) => return Settled::AskAgain(e),
+        Err(_) => {
+            // A connection that stopped answering: the next ask connects
+            // afresh.
+            shared.db.reset().await;
+            return Settled::AskAgain(format!("no answer within {ASK_PATIENCE:?}"));
+        }
+    };
+    let versions: HashMap<String, u64> = rows
         .iter()
         .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1) as u64))
         .collect();
     let now = versions.get(&probe.stream).copied().unwrap_or(0);
     if now != expected + probe.events.len() as u64 {
-        return None;
+        return Settled::WriteAgain;
     }
     tracing::info!(stream = %probe.stream, version = now, "a batch whose commit was in doubt had committed");
     // Positions are not known here; nothing downstream of the writer reads
     // them.
-    Some(
+    Settled::Committed(
         appends
             .iter()
             .map(|a| Appended {

@@ -1,7 +1,8 @@
 //! A TCP proxy whose connections can be cut (the network failing under a
 //! request that is in flight) or held (a link that goes silent: bytes
 //! sent get no answer, no connection is refused or closed, new ones hang,
-//! and a side that closes is not heard by the other).
+//! and a side that closes is not heard by the other), or taken down (every
+//! connection dropped and new ones refused, as a server that died).
 
 use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -11,8 +12,9 @@ use tokio::task::JoinHandle;
 
 pub struct Cut {
     pub addr: std::net::SocketAddr,
+    upstream: std::net::SocketAddr,
     conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    accept: JoinHandle<()>,
+    accept: Mutex<JoinHandle<()>>,
     held: watch::Sender<bool>,
 }
 
@@ -40,40 +42,76 @@ async fn pump(
     }
 }
 
+/// Accepts connections on `listener` and forwards each to `upstream`.
+fn accepting(
+    listener: TcpListener,
+    upstream: std::net::SocketAddr,
+    open: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    hold: watch::Receiver<bool>,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Ok((down, _)) = listener.accept().await {
+            let hold = hold.clone();
+            let task = tokio::spawn(async move {
+                let mut h = hold.clone();
+                if h.wait_for(|h| !*h).await.is_err() {
+                    return;
+                }
+                if let Ok(up) = TcpStream::connect(upstream).await {
+                    let (dr, dw) = down.into_split();
+                    let (ur, uw) = up.into_split();
+                    tokio::select! {
+                        _ = pump(dr, uw, hold.clone()) => {}
+                        _ = pump(ur, dw, hold) => {}
+                    }
+                }
+            });
+            open.lock().unwrap().push(task);
+        }
+    })
+}
+
 impl Cut {
     /// Forwards every connection made to [`Cut::addr`] to `upstream`.
     pub async fn to(upstream: std::net::SocketAddr) -> Cut {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let (held, hold) = watch::channel(false);
-        let open = conns.clone();
-        let accept = tokio::spawn(async move {
-            while let Ok((down, _)) = listener.accept().await {
-                let hold = hold.clone();
-                let task = tokio::spawn(async move {
-                    let mut h = hold.clone();
-                    if h.wait_for(|h| !*h).await.is_err() {
-                        return;
-                    }
-                    if let Ok(up) = TcpStream::connect(upstream).await {
-                        let (dr, dw) = down.into_split();
-                        let (ur, uw) = up.into_split();
-                        tokio::select! {
-                            _ = pump(dr, uw, hold.clone()) => {}
-                            _ = pump(ur, dw, hold) => {}
-                        }
-                    }
-                });
-                open.lock().unwrap().push(task);
-            }
-        });
+        let (held, _) = watch::channel(false);
+        let accept = accepting(listener, upstream, conns.clone(), held.subscribe());
         Cut {
             addr,
+            upstream,
             conns,
-            accept,
+            accept: Mutex::new(accept),
             held,
         }
+    }
+
+    /// Drops every connection and refuses new ones (the port closed), as a
+    /// server that died, until [`Cut::up`]; returns once the connections
+    /// are closed.
+    pub async fn down(&self) {
+        let accept = std::mem::replace(&mut *self.accept.lock().unwrap(), tokio::spawn(async {}));
+        accept.abort();
+        let _ = accept.await;
+        let open: Vec<_> = std::mem::take(&mut *self.conns.lock().unwrap());
+        for t in open {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+
+    /// Takes connections again, on the same address, after [`Cut::down`].
+    pub async fn up(&self) {
+        let listener = TcpListener::bind(self.addr).await.unwrap();
+        let accept = accepting(
+            listener,
+            self.upstream,
+            self.conns.clone(),
+            self.held.subscribe(),
+        );
+        *self.accept.lock().unwrap() = accept;
     }
 
     /// Holds every byte, both ways, on every connection (open and new)
@@ -104,7 +142,7 @@ impl Cut {
 
 impl Drop for Cut {
     fn drop(&mut self) {
-        self.accept.abort();
+        self.accept.lock().unwrap().abort();
         self.cut();
     }
 }

@@ -363,7 +363,12 @@ async fn a_command_a_synchronous_standby_lacks_is_not_loaded_as_open() {
             .map(|t| t.command.id.clone())
             .collect::<Vec<_>>())
     );
-    assert!(!issuing.is_finished(), "the issue waits for the standby");
+    if issuing.is_finished() {
+        panic!(
+            "the issue did not wait for the standby: {:?}",
+            issuing.await.unwrap()
+        );
+    }
     // The standby receives again: the issue is acknowledged and the
     // command is loaded.
     testkit::standbys::receive_again(&on_standby, &conninfo).await;

@@ -668,20 +668,7 @@ async fn a_gateway_whose_workers_are_all_busy_keeps_its_lease() {
 async fn a_gateway_cut_off_from_the_database_gives_its_sessions_up_within_its_lease() {
     let r = region().await;
     // gw-a reaches PostgreSQL through a link the test can silence.
-    let pg = testkit::cut::Cut::to(
-        format!("127.0.0.1:{}", r.cfg.get_ports()[0])
-            .parse()
-            .unwrap(),
-    )
-    .await;
-    let cfg: tokio_postgres::Config = format!(
-        "postgres://{}@{}/{}",
-        r.cfg.get_user().unwrap(),
-        pg.addr,
-        r.cfg.get_dbname().unwrap()
-    )
-    .parse()
-    .unwrap();
+    let (pg, cfg) = r.link_to_postgres().await;
     let ttl = Duration::from_secs(3);
     let mut c = GatewayConfig::new("gw-a", "127.0.0.1:0".parse().unwrap(), r.ca_dir.path());
     c.heartbeat = Duration::from_secs(1);
@@ -918,6 +905,134 @@ async fn sessions_outlive_a_postgres_crash_longer_than_the_gateway_leases() {
     }
     gw_a.stop().await.unwrap();
     gw_b.stop().await.unwrap();
+}
+
+/// A session's write commits as PostgreSQL crashes, before its answer
+/// reaches the gateway, and the database is down when the gateway asks
+/// whether it committed. Written again once the database is back, the
+/// write would find its own commit and take it for a newer session's,
+/// ending a live session. The gateway asks again instead until the
+/// database can tell: the session stays, and the write is in the log once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_committed_as_postgres_crashed_does_not_end_its_session() {
+    use node::gpu::{GpuBackend, HealthChange};
+    let mut cluster = testkit::temp_cluster_with(true, &[]).unwrap();
+    let r = region_on(&cluster).await;
+    // Commits, once a synchronous standby is asked for below, wait for it
+    // only on the gateway writer's connections (of their own name): the
+    // rest of the database, the gateway's lease included, commits as
+    // before.
+    for sql in [
+        "ALTER SYSTEM SET synchronous_commit = 'local'",
+        "SELECT pg_reload_conf()",
+    ] {
+        r.client.batch_execute(sql).await.unwrap();
+    }
+    let mut writer = r.cfg.clone();
+    writer.application_name("gateway-writer");
+    // Everything else of the gateway reaches PostgreSQL through a link
+    // that can go down first, so the gateway cannot ask whether its write
+    // committed before the database is back.
+    let (pg, rest) = r.link_to_postgres().await;
+    let mut c = GatewayConfig::new("gw-a", "127.0.0.1:0".parse().unwrap(), r.ca_dir.path());
+    c.heartbeat = Duration::from_secs(1);
+    let appender = Appender::start(writer, AppenderConfig::default());
+    let gw = server::start(rest, r.reader(), appender, c).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (n, fake) = joined_with_fake_gpus(&r, &gw, dir.path()).await;
+    // Everything the session opened with is written and answered.
+    testkit::eventually(20, "the session's first writes are answered", || async {
+        r.count("SELECT count(*) FROM strata.events WHERE stream = 'node/n1' AND type = 'node.status_reported'")
+            .await
+            == 1
+            && gw.stats.writes_queued.load(Ordering::Relaxed) == 0
+            && gw.stats.writes_in_flight.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    // The writer's commits wait for a standby that does not exist: a
+    // commit is durable here and its answer never comes. Reset in the
+    // configuration file (not reloaded), so the database comes back
+    // without it.
+    for sql in [
+        "ALTER SYSTEM SET synchronous_standby_names = 'nobody'",
+        "SELECT pg_reload_conf()",
+    ] {
+        r.client.batch_execute(sql).await.unwrap();
+    }
+    // Read again by the server (and signalled to every connection, which
+    // applies it before its next statement) once a new one sees it.
+    testkit::eventually(20, "the server reloaded its settings", || async {
+        let c = events::db::connect(&r.cfg, "test-settings").await.unwrap();
+        let v: String = c
+            .query_one("SHOW synchronous_standby_names", &[])
+            .await
+            .unwrap()
+            .get(0);
+        v == "nobody"
+    })
+    .await;
+    // A fault makes the node degraded: the gateway writes that status,
+    // fenced by the session.
+    let gpu = fake.inventory().unwrap()[0].id.clone();
+    fake.inject(HealthChange {
+        device: Some(gpu),
+        condition: "XID-79".into(),
+        detail: "fell off the bus".into(),
+        cleared: false,
+    });
+    testkit::eventually(20, "the gateway's write is committed, unanswered", || async {
+        r.count("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'gateway-writer' AND wait_event = 'SyncRep'")
+            .await
+            >= 1
+    })
+    .await;
+    r.client
+        .batch_execute("ALTER SYSTEM RESET ALL")
+        .await
+        .unwrap();
+    // The database dies with the answer unsent: the gateway's other
+    // connections first, then the writer's.
+    pg.down().await;
+    tokio::task::block_in_place(|| cluster.crash());
+    testkit::eventually(20, "the gateway is asking whether it committed", || async {
+        gw.stats.write_retries.load(Ordering::Relaxed) >= 2
+    })
+    .await;
+    tokio::task::block_in_place(|| cluster.restart()).unwrap();
+    pg.up().await;
+    let client = events::db::connect(&r.cfg, "test-after").await.unwrap();
+    let count = |sql: &'static str| {
+        let client = &client;
+        async move { client.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    let status = "SELECT count(*) FROM strata.events WHERE stream = 'node/n1'
+                    AND type = 'node.status_reported' AND payload->>'state' = 'degraded'";
+    let fault =
+        "SELECT count(*) FROM strata.events WHERE stream = 'pool/p' AND type = 'health.raised'";
+    // Committed before the crash, and recovered with the database.
+    assert_eq!(count(status).await, 1, "the status was not committed");
+    testkit::eventually(30, "the writer is done with it", || async {
+        count(fault).await >= 1
+            && gw.stats.writes_queued.load(Ordering::Relaxed) == 0
+            && gw.stats.writes_in_flight.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    assert_eq!(
+        (
+            gw.stats.fenced.load(Ordering::Relaxed),
+            n.stats.connects.load(Ordering::Relaxed),
+            count("SELECT count(*) FROM strata.events WHERE type = 'node.session_opened'").await,
+        ),
+        (0, 1, 1),
+        "the gateway took its own commit for a newer session's (fenced, the node's connections, sessions opened): gw {:?}; n1 {:?}",
+        gw.stats,
+        n.stats
+    );
+    assert_eq!(count(status).await, 1, "the status written twice");
+    assert_eq!(count(fault).await, 1, "the fault written twice");
+    assert_eq!(gw.stats.sessions.load(Ordering::Relaxed), 1);
+    n.stop().await.unwrap();
+    gw.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
