@@ -197,7 +197,7 @@ static GATEWAY: &[Field<GatewayStats>] = &[
         GatewayStats,
         "strata_gateway_write_retries_total",
         Counter,
-        "Writes tried again after a transient failure: batches of node events, command results.",
+        "Writes tried again after a transient failure (batches of node events, command results), and asks again whether a batch whose commit is in doubt committed.",
         &[],
         write_retries
     ),

@@ -186,7 +186,8 @@ pub struct GatewayStats {
     pub fenced: AtomicU64,
     pub write_errors: AtomicU64,
     /// Writes tried again after a transient failure: batches of node
-    /// events, command results.
+    /// events, command results; and asks, again, whether a batch whose
+    /// commit is in doubt committed.
     pub write_retries: AtomicU64,
     pub transitions: AtomicU64,
     /// Health reports not written: repeats, and clears of a flapping
