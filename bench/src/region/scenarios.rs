@@ -684,8 +684,61 @@ async fn tell_stuck(r: &Region, id: &str) {
             );
         }
         tell_readers(&c).await;
+        tell_leases(&c).await;
     }
     procs::tell_warnings(&r.roles, 10);
+}
+
+/// Who holds each lease (a pool's placer, the binder, each gateway, each
+/// named subscription), since when, and how long ago each pool last had a
+/// placement among the log's last 100,000 events: whether a stuck probe's
+/// pool had a placer, and whether that placer placed anything.
+async fn tell_leases(c: &tokio_postgres::Client) {
+    let rows = c
+        .query(
+            "SELECT name, holder, epoch,
+                    extract(epoch FROM now() - acquired_at)::float8,
+                    extract(epoch FROM now() - renewed_at)::float8,
+                    extract(epoch FROM expires_at - now())::float8
+               FROM strata.leases ORDER BY name",
+            &[],
+        )
+        .await
+        .unwrap_or_default();
+    eprintln!("  leases (name, holder, epoch; taken, renewed s ago; s left):");
+    for row in rows {
+        eprintln!(
+            "    {} {} {} {:.1} {:.1} {:.1}",
+            row.get::<_, String>(0),
+            row.get::<_, String>(1),
+            row.get::<_, i64>(2),
+            row.get::<_, f64>(3),
+            row.get::<_, f64>(4),
+            row.get::<_, f64>(5),
+        );
+    }
+    let rows = c
+        .query(
+            "SELECT stream, count(*), extract(epoch FROM now() - max(recorded_at))::float8
+               FROM strata.events
+              WHERE position > (SELECT max(position) FROM strata.events) - 100000
+                AND type = 'reservation.placed'
+              GROUP BY 1 ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap_or_default();
+    eprintln!(
+        "  placements among the log's last 100,000 events (pool stream, count, the last s ago):"
+    );
+    for row in rows {
+        eprintln!(
+            "    {} {} {:.1}",
+            row.get::<_, String>(0),
+            row.get::<_, i64>(1),
+            row.get::<_, f64>(2),
+        );
+    }
 }
 
 /// Where each process's replication reader stands against the log and the
