@@ -369,13 +369,13 @@ async fn settle(
     sent: Vec<StreamAppend>,
 ) -> Doubt {
     match committed(shared, &sent).await {
-        Settled::Committed(done) => {
+        Ok(Some(done)) => {
             backoff.reset();
             committed_batch(shared, batch, &sent, &done);
             Doubt::Answered
         }
-        Settled::WriteAgain => Doubt::WriteAgain(batch),
-        Settled::AskAgain(why) => {
+        Ok(None) => Doubt::WriteAgain(batch),
+        Err(why) => {
             let delay = backoff.next_delay();
             shared.stats.write_retries.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(reason = %why, writes = batch.len(), delay_ms = delay.as_millis() as u64, "whether a batch of node events committed is not known yet; asking again");
@@ -385,34 +385,28 @@ async fn settle(
     }
 }
 
-/// What the table says of a batch whose outcome was unknown.
-enum Settled {
-    /// It committed: the streams' versions as they are now.
-    Committed(Vec<Appended>),
-    /// It did not, or the table cannot tell (no stream it expected at an
-    /// exact version): written again. Facts written without an exact
-    /// expectation are ones the index applies idempotently (inventory,
-    /// health, contact).
-    WriteAgain,
-    /// The database did not answer: asked again later, never written
-    /// again meanwhile.
-    AskAgain(String),
-}
-
 /// How long the table is given to say whether a batch committed.
 const ASK_PATIENCE: Duration = Duration::from_secs(5);
 
 /// After an append whose outcome is unknown (the connection broke while it
 /// committed): whether it committed, from the streams' versions in the
 /// table. A batch commits whole, so one stream it expected at an exact
-/// version tells: past it by the batch's events, committed; anywhere else
-/// (still at it, or moved by another writer), not.
-async fn committed(shared: &Shared, appends: &[StreamAppend]) -> Settled {
+/// version tells: past it by the batch's events, committed (the streams'
+/// versions as they are now); anywhere else (still at it, or moved by
+/// another writer), not (`None`). `None` too when no stream was expected at
+/// an exact version: the table cannot tell, and the batch is written again;
+/// facts written without an exact expectation are ones the index applies
+/// idempotently (inventory, health, contact). An error when the database
+/// did not answer: asked again later, never written again meanwhile.
+async fn committed(
+    shared: &Shared,
+    appends: &[StreamAppend],
+) -> Result<Option<Vec<Appended>>, String> {
     let Some((probe, expected)) = appends.iter().find_map(|a| match a.expected {
         ExpectedVersion::Exact(v) => Some((a, v)),
         _ => None,
     }) else {
-        return Settled::WriteAgain;
+        return Ok(None);
     };
     let names: Vec<&str> = appends.iter().map(|a| a.stream.as_str()).collect();
     let asked = tokio::time::timeout(ASK_PATIENCE, async {
@@ -427,13 +421,12 @@ async fn committed(shared: &Shared, appends: &[StreamAppend]) -> Settled {
     })
     .await;
     let rows = match asked {
-        Ok(Ok(rows)) => rows,
-        Ok(Err(e)) => return Settled::AskAgain(e),
+        Ok(rows) => rows?,
         Err(_) => {
             // A connection that stopped answering: the next ask connects
             // afresh.
             shared.db.reset().await;
-            return Settled::AskAgain(format!("no answer within {ASK_PATIENCE:?}"));
+            return Err(format!("no answer within {ASK_PATIENCE:?}"));
         }
     };
     let versions: HashMap<String, u64> = rows
@@ -442,12 +435,12 @@ async fn committed(shared: &Shared, appends: &[StreamAppend]) -> Settled {
         .collect();
     let now = versions.get(&probe.stream).copied().unwrap_or(0);
     if now != expected + probe.events.len() as u64 {
-        return Settled::WriteAgain;
+        return Ok(None);
     }
     tracing::info!(stream = %probe.stream, version = now, "a batch whose commit was in doubt had committed");
     // Positions are not known here; nothing downstream of the writer reads
     // them.
-    Settled::Committed(
+    Ok(Some(
         appends
             .iter()
             .map(|a| Appended {
@@ -457,7 +450,7 @@ async fn committed(shared: &Shared, appends: &[StreamAppend]) -> Settled {
                 last_position: events::Position(0),
             })
             .collect(),
-    )
+    ))
 }
 
 /// A committed batch: the sessions learn their streams' new versions, and

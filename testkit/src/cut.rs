@@ -14,7 +14,8 @@ pub struct Cut {
     pub addr: std::net::SocketAddr,
     upstream: std::net::SocketAddr,
     conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    accept: Mutex<JoinHandle<()>>,
+    /// The accepting task; none while the link is down.
+    accept: Mutex<Option<JoinHandle<()>>>,
     held: watch::Sender<bool>,
 }
 
@@ -83,7 +84,7 @@ impl Cut {
             addr,
             upstream,
             conns,
-            accept: Mutex::new(accept),
+            accept: Mutex::new(Some(accept)),
             held,
         }
     }
@@ -92,9 +93,11 @@ impl Cut {
     /// server that died, until [`Cut::up`]; returns once the connections
     /// are closed.
     pub async fn down(&self) {
-        let accept = std::mem::replace(&mut *self.accept.lock().unwrap(), tokio::spawn(async {}));
-        accept.abort();
-        let _ = accept.await;
+        let accept = self.accept.lock().unwrap().take();
+        if let Some(accept) = accept {
+            accept.abort();
+            let _ = accept.await;
+        }
         let open: Vec<_> = std::mem::take(&mut *self.conns.lock().unwrap());
         for t in open {
             t.abort();
@@ -111,7 +114,7 @@ impl Cut {
             self.conns.clone(),
             self.held.subscribe(),
         );
-        *self.accept.lock().unwrap() = accept;
+        *self.accept.lock().unwrap() = Some(accept);
     }
 
     /// Holds every byte, both ways, on every connection (open and new)
@@ -142,7 +145,9 @@ impl Cut {
 
 impl Drop for Cut {
     fn drop(&mut self) {
-        self.accept.lock().unwrap().abort();
+        if let Some(accept) = self.accept.lock().unwrap().take() {
+            accept.abort();
+        }
         self.cut();
     }
 }
