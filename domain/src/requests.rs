@@ -116,6 +116,19 @@ pub async fn owner(
     Ok(row.map(|r| r.get(0)))
 }
 
+/// Whether reservation `id`'s stream has any event in the log (what a view
+/// that has not caught up yet tells apart from a name nobody used).
+pub async fn recorded(client: &tokio_postgres::Client, id: &str) -> Result<bool, RequestError> {
+    let row = client
+        .one(
+            "SELECT EXISTS (SELECT 1 FROM strata.events WHERE stream = $1)",
+            &[&reservation_stream(id)],
+        )
+        .await
+        .map_err(RequestError::Database)?;
+    Ok(row.get(0))
+}
+
 /// How reservation `id` ended (`released`, `expired`, `rejected` or
 /// `failed`, from its `reservation.ended`); `None` while it lives, or when
 /// there is no such reservation.

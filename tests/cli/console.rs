@@ -21,6 +21,27 @@ impl Drop for Killed {
     }
 }
 
+/// A PostgreSQL backend stopped (SIGSTOP) until this is dropped (SIGCONT).
+struct Held(String);
+impl Held {
+    fn stop(pid: String) -> Held {
+        let held = Held(pid);
+        assert!(held.signal("-STOP"), "kill -STOP {}", held.0);
+        held
+    }
+    fn signal(&self, sig: &str) -> bool {
+        std::process::Command::new("kill")
+            .args([sig, &self.0])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+}
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.signal("-CONT");
+    }
+}
+
 /// `query` from inside the browser's runtime (it runs one of its own).
 fn q(url: &str, sql: &str) -> Vec<Vec<String>> {
     let (url, sql) = (url.to_string(), sql.to_string());
@@ -362,10 +383,21 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
         assert_eq!(b.run(A11Y, vec![]).await, serde_json::json!([]), "accessibility of the pool page");
         b.screenshot(&shots().join("pool.png")).await;
 
-        // Alice reserves 8 GPUs: it waits, and the page says why.
+        // Alice reserves 8 GPUs while the process's replication stream is
+        // held (its walsender stopped): the page says the request is in
+        // the log and not yet seen here, then, the stream resumed, that it
+        // waits, and why.
+        let walsender = q(
+            &url,
+            &format!("SELECT pid::text FROM pg_stat_replication WHERE application_name = 'strata-reader-{slot}'"),
+        );
+        assert_eq!(walsender.len(), 1, "one walsender for the serve process: {walsender:?}");
+        let held = Held::stop(walsender[0][0].clone());
         let gpus = b.find("input[name=gpus]").await.expect("the GPUs field");
         b.clear_and_type(&gpus, "8").await;
         b.click(&b.find("#reserve").await.expect("a reserve button")).await;
+        b.wait_text("the request is recorded, not yet seen", 30, |t| t.contains("not caught up")).await;
+        drop(held);
         b.wait_text("the reservation waits", 30, |t| t.contains("Why it waits")).await;
         let here = b.url().await;
         let id = here.rsplit('/').next().unwrap().to_string();

@@ -2,7 +2,9 @@
 //! its place in its queue, what the signed-in operator may do with it, and
 //! its timeline: every event that names it, from the request to the end,
 //! with who acted and the trace id. A reservation that ended is known from
-//! its own stream (and its timeline from the events that name it).
+//! its own stream (and its timeline from the events that name it); one
+//! the log has but this console has not folded yet is said to be so, and
+//! its page turns live when the console catches up.
 
 use crate::auth::Who;
 use crate::form;
@@ -95,6 +97,18 @@ pub async fn page(shared: &Shared, who: &Who, id: &str) -> Result<Page, Failure>
                         page.body,
                         r#"<dl class="facts"><div><dt>State</dt><dd class="phase ended">{}</dd></div></dl>"#,
                         esc(&outcome)
+                    );
+                }
+                // In the log but not yet folded here (this console is
+                // behind, or folding again after a restart): said so, and
+                // the page follows its stream until the request arrives.
+                None if domain::requests::recorded(&client, id)
+                    .await
+                    .map_err(Failure::unavailable)? =>
+                {
+                    let _ = write!(
+                        page.body,
+                        r#"<dl class="facts"><div><dt>State</dt><dd class="phase requested">requested</dd></div></dl><p class="note" role="status">Recorded in the log; this console has not caught up with it yet. The page updates when it does.</p>"#
                     );
                 }
                 None => return Err(Failure::not_found(format!("no reservation {id:?}"))),
