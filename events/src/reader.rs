@@ -406,6 +406,7 @@ async fn session(
     let mut heartbeat = tokio::time::interval(cfg.heartbeat_interval);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut maintenance = tokio::time::interval(Duration::from_secs(100));
+    let mut round: Option<StatusRound<'_>> = None;
     loop {
         tokio::select! {
             frame = conn.recv() => {
@@ -438,11 +439,24 @@ async fn session(
                     deliver(inner, &mut state, attached, txn);
                 }
             }
-            _ = status.tick() => {
-                gate.refresh(&client).await?;
+            // A status round's statements run beside the stream: a server
+            // slow to answer them does not stop frames being received.
+            _ = status.tick(), if round.is_none() => {
                 let idle = !asm.in_transaction() && gate.is_empty();
                 let ack = compute_ack(inner, &mut state, attached, idle);
-                report(inner, &client, &mut conn, &mut state, ack).await?;
+                let record = (ack > state.recorded).then_some((ack, state.acked_pos));
+                round = Some(Box::pin(status_round(inner, &client, record, ack)));
+            }
+            done = async { round.as_mut().expect("a round in flight").await }, if round.is_some() => {
+                round = None;
+                let (standbys, ack) = done?;
+                gate.apply(&client, standbys).await?;
+                // A keepalive's reply may have recorded and sent a later
+                // one meanwhile: the slot is never moved back.
+                state.recorded = state.recorded.max(ack);
+                let ack = state.recorded;
+                tracing::trace!(slot = %cfg.slot, ack = %ack, "standby status");
+                conn.send_status(state.received.max(ack), ack, false).await?;
                 let m = metrics::global();
                 m.replication_lag_bytes.set(state.server_end.0.saturating_sub(ack.0) as f64);
             }
@@ -490,6 +504,54 @@ async fn session(
     }
 }
 
+/// A status round in flight: what [`status_round`] read and the LSN to
+/// acknowledge once it is recorded.
+type StatusRound<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<((bool, bool), Lsn), SessionError>> + Send + 'a>,
+>;
+
+/// The statements of one status round: whether synchronous standbys are
+/// named, and `record` (an LSN to acknowledge and its position) written as
+/// the reader's acknowledged LSN. The caller tells the server `ack` once
+/// this returned: the slot is never ahead of the record.
+async fn status_round(
+    inner: &Inner,
+    client: &Client,
+    record: Option<(Lsn, u64)>,
+    ack: Lsn,
+) -> Result<((bool, bool), Lsn), SessionError> {
+    let cfg = &inner.config;
+    let standbys = crate::standby_gate::read(client, &cfg.slot, cfg.query_timeout).await?;
+    if let Some((lsn, position)) = record {
+        record_ack(inner, client, lsn, position).await?;
+    }
+    Ok((standbys, ack))
+}
+
+/// Writes `ack` (and its position) as this reader's acknowledged LSN; never
+/// moves the record back (a keepalive's reply may have recorded a later
+/// one while a status round's was in flight).
+async fn record_ack(
+    inner: &Inner,
+    client: &Client,
+    ack: Lsn,
+    position: u64,
+) -> Result<(), SessionError> {
+    bounded(
+        inner.config.query_timeout,
+        "record the acknowledged LSN",
+        client.exec(
+            "UPDATE strata.replication_readers
+                SET acked_lsn = greatest(acked_lsn, $2::text::pg_lsn),
+                    acked_position = greatest(acked_position, $3), seen_at = now()
+              WHERE slot_name = $1",
+            &[&inner.config.slot, &ack.to_string(), &(position as i64)],
+        ),
+    )
+    .await?;
+    Ok(())
+}
+
 /// Records `ack` as this reader's acknowledged LSN, then tells the server.
 /// Recording first means the slot can never be legitimately ahead of the
 /// record, so a slot found ahead at start-up is a real anomaly.
@@ -501,15 +563,7 @@ async fn report(
     ack: Lsn,
 ) -> Result<(), SessionError> {
     if ack > state.recorded {
-        bounded(
-            inner.config.query_timeout,
-            "record the acknowledged LSN",
-            client.exec(
-                "UPDATE strata.replication_readers SET acked_lsn = $2::text::pg_lsn, acked_position = $3, seen_at = now() WHERE slot_name = $1",
-                &[&inner.config.slot, &ack.to_string(), &(state.acked_pos as i64)],
-            ),
-        )
-        .await?;
+        record_ack(inner, client, ack, state.acked_pos).await?;
         state.recorded = ack;
     }
     tracing::trace!(slot = %inner.config.slot, ack = %ack, "standby status");

@@ -49,6 +49,22 @@ const STANDBYS_SQL: &str = "SELECT current_setting('synchronous_standby_names') 
                     JOIN pg_replication_slots s ON s.active_pid = r.pid
                    WHERE s.slot_name = $1), false)";
 
+/// Whether the server names synchronous standbys now, and whether slot
+/// `slot`'s own walsender is one of them (for [`StandbyGate::apply`]).
+pub(crate) async fn read(
+    client: &Client,
+    slot: &str,
+    limit: Duration,
+) -> Result<(bool, bool), SessionError> {
+    let row = bounded(
+        limit,
+        "read whether synchronous standbys are named",
+        client.one(STANDBYS_SQL, &[&slot]),
+    )
+    .await?;
+    Ok((row.get(0), row.get(1)))
+}
+
 pub(crate) struct StandbyGate {
     db: Database,
     slot: String,
@@ -82,13 +98,17 @@ impl StandbyGate {
 
     /// Reads whether the server names synchronous standbys now.
     pub(crate) async fn refresh(&mut self, client: &Client) -> Result<(), SessionError> {
-        let row = bounded(
-            self.limit,
-            "read whether synchronous standbys are named",
-            client.one(STANDBYS_SQL, &[&self.slot]),
-        )
-        .await?;
-        let (named, itself): (bool, bool) = (row.get(0), row.get(1));
+        let found = read(client, &self.slot, self.limit).await?;
+        self.apply(client, found).await
+    }
+
+    /// Takes what [`read`] found: says so when it changed, and records it
+    /// (a statement only then, and once a session).
+    pub(crate) async fn apply(
+        &mut self,
+        client: &Client,
+        (named, itself): (bool, bool),
+    ) -> Result<(), SessionError> {
         if itself && !self.itself {
             tracing::error!(slot = %self.slot, "this reader's replication connection is itself a synchronous standby (synchronous_standby_names matches it): it cannot wait for the standbys, and delivers what a takeover may lose; name the physical standbys in synchronous_standby_names instead");
         }

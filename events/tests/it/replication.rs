@@ -457,3 +457,78 @@ async fn a_reader_started_while_its_database_is_silent_gives_up_in_time_and_star
         .unwrap();
     assert_eq!(take(&mut sub, 1).await.len(), 1);
 }
+
+/// A reader whose database answers every statement late (its connections,
+/// the replication one included, over a link that delivers each byte
+/// 150 ms after it was sent) keeps receiving the stream: its status rounds
+/// (whether standbys are named, the acknowledged LSN recorded) run beside
+/// the stream, not in its way. Run in its way, each round held the
+/// stream for two round trips, every status interval, and the reader took
+/// in about one message a round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_keeps_streaming_when_its_database_answers_late() {
+    let (cfg, client) = db().await;
+    let (link, far) = testkit::cut::Cut::to_postgres(&cfg).await;
+    link.slow(Duration::from_millis(150));
+    let mut rc = reader_config();
+    rc.temporary = true;
+    let slot = rc.slot.clone();
+    let reader = Reader::start(far, rc);
+    let mut sub = reader.subscribe_ephemeral(Start::Now).await.unwrap();
+    let a = appender(&cfg);
+    // Streaming and attached before the transactions come: each arrives
+    // through the stream, not from the table.
+    a.append("late-first", ExpectedVersion::NoStream, vec![ev(0)])
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(30), sub.next())
+        .await
+        .expect("the first event in time")
+        .unwrap();
+    assert_eq!(first.stream, "late-first");
+    assert!(sub.is_live(), "attached to the stream");
+    const N: u64 = 300;
+    for n in 0..N {
+        a.append(&format!("late-{n}"), ExpectedVersion::NoStream, vec![ev(n)])
+            .await
+            .unwrap();
+    }
+    let t = std::time::Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut got = Vec::new();
+        while got.len() < N as usize {
+            let e = sub.next().await.unwrap();
+            if e.stream.starts_with("late-") && e.stream != "late-first" {
+                got.push(e.position.0);
+            }
+        }
+        got
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "the reader did not deliver {N} one-event transactions within 30 s over the slow link"
+        )
+    });
+    eprintln!(
+        "{N} transactions delivered over the slow link in {:?}",
+        t.elapsed()
+    );
+    assert!(got.windows(2).all(|w| w[0] < w[1]), "in order");
+    // And the acknowledged LSN is recorded, never behind what the slot
+    // was told.
+    sub.ack(events::Position(*got.last().unwrap()));
+    sub.flush_acks().await.unwrap();
+    testkit::eventually(30, "the acknowledged LSN is recorded", || async {
+        let row = client
+            .query_one(
+                "SELECT r.acked_lsn >= s.confirmed_flush_lsn, r.acked_position
+                   FROM strata.replication_readers r JOIN pg_replication_slots s USING (slot_name)
+                  WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await;
+        matches!(row, Ok(r) if r.get::<_, bool>(0) && r.get::<_, Option<i64>>(1).is_some_and(|p| p as u64 >= *got.last().unwrap()))
+    })
+    .await;
+}

@@ -101,17 +101,7 @@ impl Region {
     /// A link to the region's PostgreSQL that the test can silence or take
     /// down, and how to connect through it.
     async fn link_to_postgres(&self) -> (testkit::cut::Cut, Config) {
-        let port = self.cfg.get_ports()[0];
-        let pg = testkit::cut::Cut::to(format!("127.0.0.1:{port}").parse().unwrap()).await;
-        let cfg: Config = format!(
-            "postgres://{}@{}/{}",
-            self.cfg.get_user().unwrap(),
-            pg.addr,
-            self.cfg.get_dbname().unwrap()
-        )
-        .parse()
-        .unwrap();
-        (pg, cfg)
+        testkit::cut::Cut::to_postgres(&self.cfg).await
     }
 }
 
