@@ -13,6 +13,7 @@ mod fit;
 mod leases;
 pub mod plan;
 mod promise;
+mod rebase;
 mod service;
 mod stats;
 

@@ -16,12 +16,15 @@
 //! (or one with a stale index) both commit against the pool stream's version,
 //! so one of them gets a version conflict, waits for its index to reach the
 //! winner's version and plans again against it. The lease only keeps that
-//! from happening in the normal case, and spreads pools over placers.
+//! from happening in the normal case, and spreads pools over placers. A
+//! conflict caused only by reports about nodes the batch does not name is
+//! committed again on top of them instead (`rebase`).
 
 use crate::leases::{Holdings, Keeper, KeeperConfig};
 use crate::plan::{self, Plan};
 use crate::stats::{placers, Stats};
 use domain::{pool_stream, replacement_id, reservation_stream, Fact, Request};
+use events::db::SharedClient;
 use events::lease::LeaseError;
 use events::{AppendError, Appended, Appender, ExpectedVersion, Reader, StreamAppend};
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -200,6 +203,15 @@ struct Committed {
     result: Result<Appended, AppendError>,
 }
 
+/// Where batches are committed: the appender, a connection for reading what
+/// moved a pool's stream under a batch, and the counters.
+#[derive(Clone)]
+struct Out {
+    appender: Appender,
+    reads: Arc<SharedClient>,
+    stats: Arc<Stats>,
+}
+
 type CommitFuture = Pin<Box<dyn Future<Output = Committed> + Send>>;
 
 fn now_ms() -> u64 {
@@ -218,6 +230,11 @@ async fn run(
 ) -> Result<(), PlacerError> {
     // Leases go through a connection of their own, made again whenever it
     // closed (the database restarted), so upkeep resumes by itself.
+    let out = Out {
+        appender,
+        reads: Arc::new(SharedClient::new(db.clone())),
+        stats: stats.clone(),
+    };
     let keeper = Keeper::start(
         db,
         KeeperConfig {
@@ -294,7 +311,7 @@ async fn run(
         plan_ready(
             &mut proj.index,
             &mut work,
-            &appender,
+            &out,
             &mut commits,
             &config,
             &mut traces,
@@ -444,7 +461,7 @@ fn remember_trace(traces: &mut HashMap<String, String>, e: &events::Event) {
 fn plan_ready(
     index: &mut Index,
     work: &mut HashMap<String, PoolWork>,
-    appender: &Appender,
+    out: &Out,
     commits: &mut FuturesUnordered<CommitFuture>,
     config: &PlacerConfig,
     traces: &mut HashMap<String, String>,
@@ -587,29 +604,29 @@ fn plan_ready(
             retried_queued_at,
             result: Err(AppendError::Closed),
         };
-        commits.push(commit(appender.clone(), appends, batch, outcome));
+        commits.push(commit(out.clone(), appends, batch, outcome));
     }
 }
 
 /// Commits a batch's appends; `outcome` gets the result.
 fn commit(
-    appender: Appender,
+    out: Out,
     appends: Vec<StreamAppend>,
     batch: tracing::Span,
     mut outcome: Committed,
 ) -> CommitFuture {
     use tracing::Instrument as _;
     Box::pin(async move {
-        outcome.result = appender
-            .append_batch(appends)
-            .instrument(batch)
-            .await
-            .and_then(|mut out| {
-                // The pool's stream is the batch's first.
-                (!out.is_empty())
-                    .then(|| out.swap_remove(0))
-                    .ok_or(AppendError::Closed)
-            });
+        outcome.result =
+            crate::rebase::commit(&out.appender, &out.reads, appends, &out.stats.rebased)
+                .instrument(batch)
+                .await
+                .and_then(|mut out| {
+                    // The pool's stream is the batch's first.
+                    (!out.is_empty())
+                        .then(|| out.swap_remove(0))
+                        .ok_or(AppendError::Closed)
+                });
         outcome
     })
 }

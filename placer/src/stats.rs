@@ -32,6 +32,9 @@ pub struct Stats {
     pub restored: AtomicU64,
     /// Batches refused because the pool stream moved (replanned).
     pub conflicts: AtomicU64,
+    /// Commits made again on top of reports about other nodes that had
+    /// moved the pool stream (not replanned; `rebase.rs`).
+    pub rebased: AtomicU64,
     /// Batches that failed otherwise (retried).
     pub errors: AtomicU64,
     pub pools_held: AtomicU64,
@@ -60,6 +63,7 @@ pub struct StatsView {
     pub quarantine_withheld: u64,
     pub restored: u64,
     pub conflicts: u64,
+    pub rebased: u64,
     pub errors: u64,
     pub pools_held: u64,
     pub position: u64,
@@ -86,6 +90,7 @@ impl Stats {
             quarantine_withheld: l(&self.quarantine_withheld),
             restored: l(&self.restored),
             conflicts: l(&self.conflicts),
+            rebased: l(&self.rebased),
             errors: l(&self.errors),
             pools_held: l(&self.pools_held),
             position: l(&self.position),
@@ -204,6 +209,13 @@ static FIELDS: &[Field<Stats>] = &[
         Counter,
         "Batches refused by the pool version fence and replanned.",
         conflicts
+    ),
+    ops::stat_field!(
+        Stats,
+        "strata_placer_rebased_total",
+        Counter,
+        "Commits made again on top of reports about nodes the batch does not name, which had moved the pool stream: not replanned.",
+        rebased
     ),
     ops::stat_field!(
         Stats,

@@ -979,3 +979,124 @@ async fn until_placed(cfg: &Config, id: &str, limit: Duration) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Reports about other nodes arriving on a pool's stream more often than
+/// the placer's view of the log lags, as a region's gateways write them to
+/// a loaded region, do not keep a backlog from being placed: a batch that
+/// met only reports about nodes it does not name is committed on top of
+/// them. Planned again instead, each plan would wait for the view to reach
+/// the version that refused it, and meet newer reports again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_is_placed_while_other_nodes_report_into_its_pool_without_pause() {
+    let (cfg, client) = db().await;
+    let appender = Appender::start(cfg.clone(), AppenderConfig::default());
+    pool(&appender, "chatty", 300).await;
+    // Ten cordoned nodes whose contact comes and goes: nothing is placed
+    // on them, so no batch names them.
+    let fleet = domain::pools::uniform_fleet("chatty-flap", 10, C, 8, 4);
+    domain::pools::join_nodes(&appender, "chatty", fleet, |_| {})
+        .await
+        .unwrap();
+    let nodes: Vec<String> = domain::pools::uniform_fleet("chatty-flap", 10, C, 8, 4)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    for n in &nodes {
+        let e = Fact::NodeCordoned {
+            node: n.clone(),
+            reason: "flapping".into(),
+        }
+        .to_event();
+        appender
+            .append(
+                &pool_stream("chatty"),
+                ExpectedVersion::StreamExists,
+                vec![e],
+            )
+            .await
+            .unwrap();
+    }
+    // A backlog of 2,000 one-GPU requests (two full batches and more)
+    // before the placer starts.
+    const N: usize = 2000;
+    const REPORT_GAP_MS: u64 = 20;
+    for chunk in (0..N).collect::<Vec<_>>().chunks(200) {
+        let appends = chunk
+            .iter()
+            .map(|i| {
+                let id = format!("b{i}");
+                events::StreamAppend {
+                    stream: domain::reservation_stream(&id),
+                    expected: ExpectedVersion::NoStream,
+                    events: vec![
+                        Fact::ReservationRequested(request(&id, "chatty", 1, Shape::Any))
+                            .to_event(),
+                    ],
+                }
+            })
+            .collect();
+        appender.append_batch(appends).await.unwrap();
+    }
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Two writers, each appending one report at a time about a flapping
+    // node, in turn.
+    let reporters: Vec<_> = (0..2)
+        .map(|w| {
+            let (appender, stop, nodes) = (appender.clone(), stop.clone(), nodes.clone());
+            tokio::spawn(async move {
+                let mut written = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let node = nodes[(w * 3 + written as usize) % nodes.len()].clone();
+                    let fact = match written % 2 {
+                        0 => Fact::NodeContactLost { node },
+                        _ => Fact::NodeContactRestored { node },
+                    };
+                    appender
+                        .append(
+                            &pool_stream("chatty"),
+                            ExpectedVersion::StreamExists,
+                            vec![fact.to_event()],
+                        )
+                        .await
+                        .unwrap();
+                    written += 1;
+                    tokio::time::sleep(Duration::from_millis(REPORT_GAP_MS)).await;
+                }
+                written
+            })
+        })
+        .collect();
+    // The placer's replication stream comes over a link that delivers
+    // every byte 150 ms late: its view of the pool trails the table by
+    // that at least, as a busy placer's does.
+    let (link, far) = testkit::cut::Cut::to_postgres(&cfg).await;
+    link.slow(Duration::from_millis(150));
+    let mut pc = PlacerConfig::new("chatty");
+    pc.pools = Some(["chatty".to_string()].into());
+    let placer = Placer::start(cfg.clone(), reader(&far), appender.clone(), pc);
+    let stats = placer.stats();
+    let t = std::time::Instant::now();
+    let mut placed = 0;
+    while placed < N as i64 && t.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        placed = count_on(&cfg, "pool/chatty", "reservation.placed")
+            .await
+            .unwrap_or(0);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut written = 0;
+    for r in reporters {
+        written += r.await.unwrap();
+    }
+    let v = stats.view();
+    eprintln!(
+        "{placed} of {N} placed in {:?} with {written} reports written beside; {v:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        placed, N as i64,
+        "the backlog was not placed within 30 s: {v:?}"
+    );
+    check::check(&client, |_| {}).await.unwrap();
+    placer.stop().await.unwrap();
+}
