@@ -228,13 +228,15 @@ async fn run(
     stats: Arc<Stats>,
     mut stop: oneshot::Receiver<()>,
 ) -> Result<(), PlacerError> {
-    // Leases go through a connection of their own, made again whenever it
-    // closed (the database restarted), so upkeep resumes by itself.
+    // What moved a pool's stream under a batch is read through a
+    // connection of its own (`rebase`).
     let out = Out {
         appender,
         reads: Arc::new(SharedClient::new(db.clone())),
         stats: stats.clone(),
     };
+    // Leases go through a connection of their own, made again whenever it
+    // closed (the database restarted), so upkeep resumes by itself.
     let keeper = Keeper::start(
         db,
         KeeperConfig {
