@@ -444,8 +444,8 @@ async fn session(
             _ = status.tick(), if round.is_none() => {
                 let idle = !asm.in_transaction() && gate.is_empty();
                 let ack = compute_ack(inner, &mut state, attached, idle);
-                let record = (ack > state.recorded).then_some((ack, state.acked_pos));
-                round = Some(Box::pin(status_round(inner, &client, record, ack)));
+                let record = (ack > state.recorded).then_some(state.acked_pos);
+                round = Some(Box::pin(status_round(inner, &client, ack, record)));
             }
             done = async { round.as_mut().expect("a round in flight").await }, if round.is_some() => {
                 round = None;
@@ -511,19 +511,19 @@ type StatusRound<'a> = std::pin::Pin<
 >;
 
 /// The statements of one status round: whether synchronous standbys are
-/// named, and `record` (an LSN to acknowledge and its position) written as
-/// the reader's acknowledged LSN. The caller tells the server `ack` once
-/// this returned: the slot is never ahead of the record.
+/// named, and, with `record` (its position), `ack` written as the reader's
+/// acknowledged LSN. The caller tells the server `ack` once this returned:
+/// the slot is never ahead of the record.
 async fn status_round(
     inner: &Inner,
     client: &Client,
-    record: Option<(Lsn, u64)>,
     ack: Lsn,
+    record: Option<u64>,
 ) -> Result<((bool, bool), Lsn), SessionError> {
     let cfg = &inner.config;
     let standbys = crate::standby_gate::read(client, &cfg.slot, cfg.query_timeout).await?;
-    if let Some((lsn, position)) = record {
-        record_ack(inner, client, lsn, position).await?;
+    if let Some(position) = record {
+        record_ack(inner, client, ack, position).await?;
     }
     Ok((standbys, ack))
 }

@@ -29,7 +29,7 @@ use std::collections::BTreeSet;
 
 /// Facts about one node, written by gateways and operators, that commute
 /// with a batch that does not name their node.
-pub const NODE_FACTS: [&str; 13] = [
+pub(crate) const NODE_FACTS: [&str; 13] = [
     "node.joined",
     "node.inventory_reported",
     "node.left",
@@ -178,6 +178,13 @@ mod tests {
             stream: "pool/p".into(),
             expected: ExpectedVersion::Exact(3),
             events: facts.iter().map(Fact::to_event).collect(),
+        }
+    }
+
+    #[test]
+    fn every_node_fact_is_a_type_the_log_knows() {
+        for t in NODE_FACTS {
+            assert!(domain::FACT_TYPES.contains(&t), "{t} is no fact's type");
         }
     }
 
