@@ -41,6 +41,20 @@ pub(crate) struct ServeArgs {
     /// Name of this process's replication slot (default strata_<host>; give each process on a host its own). `{host}` stands for the host's name, so one file serves every host: strata_{host}_gateway
     #[arg(long, env = "STRATA_SLOT")]
     pub slot: Option<String>,
+    /// Serve this process's decoded log to the host's other processes over a Unix socket here (readable by this user only), so that the host costs PostgreSQL one walsender instead of one per process. The process follows the log even if none of its roles does; the others name the same path with --log-from
+    #[arg(
+        long,
+        env = "STRATA_LOG_SHARE",
+        value_name = "SOCKET",
+        conflicts_with = "log_from"
+    )]
+    pub log_share: Option<PathBuf>,
+    /// Follow the log through the share another process of this host serves at this socket (--log-share) instead of a replication slot of its own. A share that sends nothing for --log-share-silence counts as gone; the process connects again with backoff, and its subscriptions read what they missed from the table
+    #[arg(long, env = "STRATA_LOG_FROM", value_name = "SOCKET")]
+    pub log_from: Option<PathBuf>,
+    /// With --log-from: how long the share may stay silent (it sends a keepalive every second) before it counts as gone
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub log_share_silence: std::time::Duration,
     /// placer: most reservations planned in one batch
     #[arg(long, default_value_t = 1024)]
     pub max_batch: usize,

@@ -31,6 +31,7 @@ pub mod read;
 mod reader;
 pub mod replication;
 mod session_error;
+pub mod share;
 pub mod slots;
 mod standby_gate;
 mod subscription;

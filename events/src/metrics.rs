@@ -25,6 +25,8 @@ pub struct Metrics {
     pub replication_transactions: IntCounter,
     pub replication_lag_bytes: Gauge,
     pub replication_lag_seconds: Gauge,
+    /// Processes following this one's log share now.
+    pub log_share_followers: Gauge,
 }
 
 /// The process-wide metrics of the log.
@@ -61,11 +63,11 @@ pub fn global() -> &'static Metrics {
             ),
             replication_events: counter(
                 "strata_replication_events_total",
-                "Events decoded from the replication stream.",
+                "Events received from the replication stream (or a log share).",
             ),
             replication_transactions: counter(
                 "strata_replication_transactions_total",
-                "Transactions decoded from the replication stream.",
+                "Transactions received from the replication stream (or a log share).",
             ),
             replication_lag_bytes: gauge(
                 "strata_replication_lag_bytes",
@@ -74,6 +76,10 @@ pub fn global() -> &'static Metrics {
             replication_lag_seconds: gauge(
                 "strata_replication_lag_seconds",
                 "Age of the newest transaction received, at receipt.",
+            ),
+            log_share_followers: gauge(
+                "strata_log_share_followers",
+                "Processes following the log through this process's share now.",
             ),
         };
         crate::lag::register();

@@ -70,6 +70,13 @@ pub struct ReaderConfig {
     /// time (stopped, unreachable without a reset) ends the session: its
     /// connections are dropped and the reader connects again with backoff.
     pub query_timeout: Duration,
+    /// Follow the log through the share at this socket (another process's
+    /// reader on this host, `share::serve`) instead of a slot of its own.
+    pub share_from: Option<std::path::PathBuf>,
+    /// With `share_from`: how long the share may send nothing (it sends a
+    /// keepalive every second) before it counts as gone and the reader
+    /// connects again.
+    pub share_silence: Duration,
 }
 
 impl ReaderConfig {
@@ -85,6 +92,8 @@ impl ReaderConfig {
             subscriber_buffer: 4096,
             owner: "strata".into(),
             subscription_lease_ttl: Duration::from_secs(15),
+            share_from: None,
+            share_silence: Duration::from_secs(5),
         }
     }
 }
@@ -103,7 +112,7 @@ pub(crate) enum Live {
 
 /// Sends to every attached subscription without blocking; one that is full
 /// or gone is detached (it goes back to reading the table).
-fn broadcast(attached: &mut Vec<Attached>, msg: Live) {
+pub(crate) fn broadcast(attached: &mut Vec<Attached>, msg: Live) {
     attached.retain(|a| match a.tx.try_send(msg.clone()) {
         Ok(()) => true,
         Err(mpsc::error::TrySendError::Full(_)) => {
@@ -120,7 +129,7 @@ pub(crate) struct Attached {
     pub durable: Arc<AtomicU64>,
 }
 
-enum Cmd {
+pub(crate) enum Cmd {
     Attach(Attached),
 }
 
@@ -270,9 +279,15 @@ async fn run(
     let mut backoff = Duration::from_millis(100);
     loop {
         let started = Instant::now();
-        let result = tokio::select! {
-            r = session(&inner, &mut cmd, &mut attached) => r,
-            _ = &mut stop => Ok(()),
+        let result = match inner.config.share_from.clone() {
+            None => tokio::select! {
+                r = session(&inner, &mut cmd, &mut attached) => r,
+                _ = &mut stop => Ok(()),
+            },
+            Some(path) => tokio::select! {
+                r = crate::share::follow(&inner, &path, inner.config.share_silence, &mut cmd, &mut attached) => r.map_err(SessionError::from),
+                _ = &mut stop => Ok(()),
+            },
         };
         inner.streaming.store(false, Ordering::Relaxed);
         match result {

@@ -16,6 +16,8 @@ pub(crate) enum SessionError {
         #[source]
         source: tokio_postgres::Error,
     },
+    #[error(transparent)]
+    Share(#[from] crate::share::FollowError),
     #[error("{context}: no answer from the database within {limit:?}")]
     Timeout {
         context: &'static str,
@@ -29,6 +31,8 @@ impl SessionError {
             SessionError::Replication(e) => e.kind(),
             SessionError::Sql { source, .. } => crate::classify_pg(source),
             SessionError::Timeout { .. } => ErrorKind::Transient,
+            // The sharer restarts, or another takes its socket.
+            SessionError::Share(_) => ErrorKind::Transient,
         }
     }
 

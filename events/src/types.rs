@@ -178,7 +178,7 @@ impl Event {
 }
 
 /// One committed transaction as read from the replication stream.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Txn {
     pub xid: u32,
     /// The LSN of the commit record.

@@ -67,11 +67,30 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<ExitCode> {
     let mut rc = ReaderConfig::new(slot);
     rc.owner = "strata serve".into();
     rc.subscription_lease_ttl = args.subscription_lease_ttl;
-    let reader = args
-        .roles
-        .iter()
-        .any(|r| r.follows_log())
+    rc.share_from = args.log_from.clone();
+    rc.share_silence = args.log_share_silence;
+    let share = match &args.log_share {
+        Some(path) => Some(
+            events::share::bind(path)
+                .await
+                .with_context(|| format!("--log-share {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let reader = (share.is_some() || args.roles.iter().any(|r| r.follows_log()))
         .then(|| Reader::start(cfg.clone(), rc));
+    // The share ends only if its socket fails; the process then stops, so
+    // that whoever runs it starts it again (its followers reconnect).
+    let mut sharing = match (share, &reader) {
+        (Some(listener), Some(r)) => {
+            tracing::info!(socket = %args.log_share.as_deref().unwrap_or_else(|| std::path::Path::new("")).display(), "sharing the decoded log with this host's processes");
+            Some(ops::task::spawn(
+                "log-share",
+                events::share::serve(r.clone(), listener, events::share::ShareConfig::default()),
+            ))
+        }
+        _ => None,
+    };
     let follower = reader.clone();
     let roles = Running::start(&args, &cfg, reader).await?;
     if let Some(r) = follower {
@@ -95,6 +114,17 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<ExitCode> {
         tokio::select! {
             r = &mut ctrl_c => { r.context("wait for Ctrl-C")?; break; }
             _ = term.recv() => break,
+            r = async { sharing.as_mut().expect("sharing").await }, if sharing.is_some() => {
+                let why = match r {
+                    Ok(Ok(())) => "ended".to_string(),
+                    Ok(Err(e)) => e.to_string(),
+                    Err(e) => e.to_string(),
+                };
+                tracing::error!(error = %why, "the log share's socket failed; stopping");
+                me.stop().await;
+                roles.stop().await?;
+                return Ok(ExitCode::FAILURE);
+            }
             _ = report.tick() => {
                 if roles.one_stopped() {
                     break;

@@ -6,6 +6,7 @@ mod lease;
 mod metrics;
 mod pooler;
 mod replication;
+mod share;
 mod subscription;
 mod tls;
 
