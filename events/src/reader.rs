@@ -23,6 +23,12 @@
 //! recorded as the slot's base: everything after it arrives through the slot.
 //! An invalidated slot (its WAL removed) is reported loudly, dropped and made
 //! again; subscriptions then fill the difference from the table, by position.
+//!
+//! A reader given a share (`ReaderConfig::share_from`, see `share`) takes
+//! its transactions from another process's reader on the host instead
+//! (`share_session`); once the share has sent nothing for its silence, it
+//! decodes the log itself through a temporary slot until the share answers
+//! again. Its subscriptions see the same `Head` and `Txn` either way.
 
 use crate::assemble::Assembler;
 use crate::db::Database;
@@ -112,7 +118,7 @@ pub(crate) enum Live {
 
 /// Sends to every attached subscription without blocking; one that is full
 /// or gone is detached (it goes back to reading the table).
-pub(crate) fn broadcast(attached: &mut Vec<Attached>, msg: Live) {
+fn broadcast(attached: &mut Vec<Attached>, msg: Live) {
     attached.retain(|a| match a.tx.try_send(msg.clone()) {
         Ok(()) => true,
         Err(mpsc::error::TrySendError::Full(_)) => {
@@ -129,7 +135,7 @@ pub(crate) struct Attached {
     pub durable: Arc<AtomicU64>,
 }
 
-pub(crate) enum Cmd {
+enum Cmd {
     Attach(Attached),
 }
 
@@ -277,6 +283,8 @@ async fn run(
 ) {
     let mut attached: Vec<Attached> = Vec::new();
     let mut backoff = Duration::from_millis(100);
+    // With a share: when a frame last came from it (or the reader started).
+    let mut share_seen = Instant::now();
     loop {
         let started = Instant::now();
         let result = match inner.config.share_from.clone() {
@@ -284,10 +292,27 @@ async fn run(
                 r = session(&inner, &mut cmd, &mut attached) => r,
                 _ = &mut stop => Ok(()),
             },
-            Some(path) => tokio::select! {
-                r = crate::share::follow(&inner, &path, inner.config.share_silence, &mut cmd, &mut attached) => r.map_err(SessionError::from),
+            Some(path) if share_seen.elapsed() < inner.config.share_silence => tokio::select! {
+                r = share_session(&inner, &path, &mut share_seen, &mut cmd, &mut attached) => r,
                 _ = &mut stop => Ok(()),
             },
+            // The share has not streamed for a whole silence: the reader
+            // decodes the log itself, through a temporary slot, until the
+            // share answers again.
+            Some(path) => {
+                tracing::warn!(share = %path.display(), slot = %inner.config.slot, silence = ?inner.config.share_silence,
+                    "the log share has not streamed for its silence: following the log through a temporary slot of this process until it answers again");
+                tokio::select! {
+                    r = session(&inner, &mut cmd, &mut attached) => r,
+                    () = crate::share::answers(&path) => {
+                        tracing::info!(share = %path.display(), "the log share answers again: leaving the temporary slot to follow it");
+                        inner.streaming.store(false, Ordering::Relaxed);
+                        share_seen = Instant::now();
+                        continue;
+                    }
+                    _ = &mut stop => Ok(()),
+                }
+            }
         };
         inner.streaming.store(false, Ordering::Relaxed);
         match result {
@@ -322,6 +347,58 @@ async fn run(
             }
         }
     }
+}
+
+/// Follows the share at `path` (`ReaderConfig::share_from`) until it fails
+/// or the reader stops (`Ok`): its transactions go to the subscriptions as
+/// a slot's would. `heard` is set at every frame after the greeting.
+async fn share_session(
+    inner: &Inner,
+    path: &std::path::Path,
+    heard: &mut Instant,
+    cmd: &mut mpsc::UnboundedReceiver<Cmd>,
+    attached: &mut Vec<Attached>,
+) -> Result<(), SessionError> {
+    use crate::share::wire::Frame;
+    let mut share = crate::share::Follow::connect(path, inner.config.share_silence).await?;
+    inner.sessions.fetch_add(1, Ordering::Relaxed);
+    inner.streaming.store(true, Ordering::Relaxed);
+    tracing::info!(share = %share.path(), "following the log through the share");
+    loop {
+        tokio::select! {
+            f = share.next() => {
+                let f = f?;
+                *heard = Instant::now();
+                match f {
+                    Frame::Head(p) => {
+                        inner.head.fetch_max(p.0, Ordering::Relaxed);
+                        broadcast(attached, Live::Head(p));
+                    }
+                    Frame::Txn(txn) => {
+                        if received(inner, &txn).is_some() {
+                            broadcast(attached, Live::Txn(txn));
+                        }
+                    }
+                    Frame::Keepalive(_) | Frame::Hello { .. } => {}
+                }
+            }
+            c = cmd.recv() => match c {
+                Some(Cmd::Attach(a)) => attach(inner, attached, a),
+                None => return Ok(()),
+            },
+        }
+    }
+}
+
+/// A subscription joins the live stream: told the head first.
+fn attach(inner: &Inner, attached: &mut Vec<Attached>, a: Attached) {
+    tracing::debug!(subscription = %a.name, "subscription attached to the live stream");
+    let mut one = vec![a];
+    broadcast(
+        &mut one,
+        Live::Head(Position(inner.head.load(Ordering::Relaxed))),
+    );
+    attached.append(&mut one);
 }
 
 struct SlotState {
@@ -507,12 +584,7 @@ async fn session(
                 }
             }
             c = cmd.recv() => match c {
-                Some(Cmd::Attach(a)) => {
-                    tracing::debug!(subscription = %a.name, "subscription attached to the live stream");
-                    let mut one = vec![a];
-                    broadcast(&mut one, Live::Head(Position(inner.head.load(Ordering::Relaxed))));
-                    attached.append(&mut one);
-                }
+                Some(Cmd::Attach(a)) => attach(inner, attached, a),
                 None => return Ok(()),
             },
         }
@@ -615,7 +687,7 @@ async fn prepare_slot(
     let recorded_pos: Option<i64> = record.as_ref().and_then(|r| r.get(1));
     let mut covered = Covered::Unknown;
     let mut create = row.is_none();
-    if create && record.is_some() {
+    if create && record.is_some() && cfg.share_from.is_none() {
         // The reader streamed from this slot before, and the server does
         // not have it: a standby promoted since (slots are not replicated),
         // or the slot was dropped.
@@ -663,7 +735,10 @@ async fn prepare_slot(
         .to_string();
     let pid = std::process::id() as i32;
     if create {
-        let slot = conn.create_slot(&cfg.slot, cfg.temporary, true).await?;
+        // A share's follower decodes the log itself only while its share
+        // is gone: its slot goes with that session.
+        let temporary = cfg.temporary || cfg.share_from.is_some();
+        let slot = conn.create_slot(&cfg.slot, temporary, true).await?;
         let snapshot = slot.snapshot.clone().unwrap_or_default();
         // The last position the exported snapshot sees: everything after it
         // arrives through the slot.
@@ -740,20 +815,27 @@ async fn base_position(db: &Database, snapshot: &str) -> Result<Position, Sessio
     Ok(Position(base as u64))
 }
 
-fn deliver(inner: &Inner, state: &mut SlotState, attached: &mut Vec<Attached>, txn: Txn) {
+/// Counts a transaction received and, when it holds events, moves the
+/// reader's head to its last: the position to hand on, if any.
+fn received(inner: &Inner, txn: &Txn) -> Option<Position> {
     let m = metrics::global();
     m.replication_transactions.inc();
-    if let Some(last) = txn.last_position() {
-        m.replication_events.inc_by(txn.events.len() as u64);
-        inner
-            .head_at_ms
-            .store(crate::lag::millis(txn.commit_time), Ordering::Relaxed);
-        let lag = SystemTime::now()
-            .duration_since(txn.commit_time)
-            .unwrap_or_default();
-        m.replication_lag_seconds.set(lag.as_secs_f64());
+    let last = txn.last_position()?;
+    m.replication_events.inc_by(txn.events.len() as u64);
+    inner
+        .head_at_ms
+        .store(crate::lag::millis(txn.commit_time), Ordering::Relaxed);
+    let lag = SystemTime::now()
+        .duration_since(txn.commit_time)
+        .unwrap_or_default();
+    m.replication_lag_seconds.set(lag.as_secs_f64());
+    inner.head.fetch_max(last.0, Ordering::Relaxed);
+    Some(last)
+}
+
+fn deliver(inner: &Inner, state: &mut SlotState, attached: &mut Vec<Attached>, txn: Txn) {
+    if let Some(last) = received(inner, &txn) {
         state.delivered = state.delivered.max(last.0);
-        inner.head.fetch_max(last.0, Ordering::Relaxed);
         let end = txn.end_lsn;
         let txn = Arc::new(txn);
         broadcast(attached, Live::Txn(txn));

@@ -11,6 +11,11 @@
 //!                                  follower's Reader (`ReaderConfig::share_from`) --> its subscriptions
 //! ```
 //!
+//! A follower that hears nothing from its share for its silence (the sharer
+//! died, froze, or is not started yet) decodes the log itself through a
+//! temporary slot, and leaves it as soon as a share answers at the socket
+//! again: a host's followers never wait on a sharer for longer than that.
+//!
 //! Nothing a follower's subscriptions promise rests on the share: they keep
 //! their durable cursors in the table and fill any gap from it by position,
 //! exactly as when a replication session restarts. The sharer's reader gates
@@ -20,5 +25,5 @@ mod follow;
 pub mod serve;
 pub mod wire;
 
-pub(crate) use follow::{session as follow, FollowError};
+pub(crate) use follow::{answers, Follow, FollowError};
 pub use serve::{bind, serve, ShareConfig};

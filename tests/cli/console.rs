@@ -9,7 +9,7 @@
 //! `STRATA_UPDATE_SCREENSHOTS=1`.
 
 use super::gateway::{ca_pool_and_token, free_port, query};
-use super::{database, ok, spawn};
+use super::{database, ok, spawn, Held};
 use std::path::{Path, PathBuf};
 use testkit::browser::Browser;
 
@@ -18,27 +18,6 @@ impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-/// A PostgreSQL backend stopped (SIGSTOP) until this is dropped (SIGCONT).
-struct Held(String);
-impl Held {
-    fn stop(pid: String) -> Held {
-        let held = Held(pid);
-        assert!(held.signal("-STOP"), "kill -STOP {}", held.0);
-        held
-    }
-    fn signal(&self, sig: &str) -> bool {
-        std::process::Command::new("kill")
-            .args([sig, &self.0])
-            .status()
-            .is_ok_and(|s| s.success())
-    }
-}
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.signal("-CONT");
     }
 }
 

@@ -18,6 +18,7 @@ mod placement;
 mod pooler;
 mod queues;
 mod region;
+mod share;
 mod sinks;
 mod structure;
 mod topology;
@@ -50,6 +51,28 @@ fn ok(args: &[&str]) -> String {
 
 /// A long-running `strata` process (e.g. `serve`) at `RUST_LOG=info`, its
 /// stderr in `log`.
+/// A process (a PostgreSQL backend, a `strata` process) stopped with
+/// SIGSTOP until this is dropped (SIGCONT).
+pub(crate) struct Held(String);
+impl Held {
+    pub(crate) fn stop(pid: String) -> Held {
+        let held = Held(pid);
+        assert!(held.signal("-STOP"), "kill -STOP {}", held.0);
+        held
+    }
+    fn signal(&self, sig: &str) -> bool {
+        std::process::Command::new("kill")
+            .args([sig, &self.0])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+}
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.signal("-CONT");
+    }
+}
+
 fn spawn(args: &[&str], log: &std::path::Path) -> std::process::Child {
     Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(args)

@@ -1,29 +1,24 @@
-//! The following side of a log share: a reader whose transactions come from
-//! another process's reader on the same host (over its Unix socket) instead
-//! of a replication slot of its own. To the subscriptions attached to it, it
-//! is the same reader: `Head` when a session starts or one attaches, then
-//! every transaction in commit order.
+//! The following side of a log share: a session with the sharer's socket
+//! ([`Follow`]: the greeting checked, then frames, each of which must
+//! begin within the follower's silence), and [`answers`], which tells a
+//! follower decoding the log itself when a share is back. The reader
+//! (`reader::share_session`) hands the frames to its subscriptions as it
+//! would a slot's transactions.
 //!
 //! ```text
-//!  sharer's socket --frames--> session: Hello checked, then
-//!      Head(p)  -> broadcast (a subscription fills from the table up to p)
-//!      Txn      -> head = its last position, broadcast
-//!      Keepalive-> nothing but a sign of life
-//!  no frame within `silence` (the sharer died, froze or dropped us) ends
-//!  the session; the reader connects again with backoff
+//!  sharer's socket --frames--> Follow: Hello checked, then
+//!      Head(p), Txn, Keepalive (a sign of life) to the reader
+//!  no frame within `silence` (the sharer died, froze or dropped us) is an
+//!  error: the reader connects again, or decodes the log itself
 //! ```
 
 use super::wire::{body_len, decode, Frame, WireError, VERSION};
-use crate::reader::{broadcast, Attached, Cmd, Inner, Live};
-use crate::types::Position;
-use futures_util::StreamExt;
+use futures_util::{Stream, StreamExt};
 use std::io;
 use std::path::Path;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::UnixStream;
-use tokio::sync::mpsc;
 
 /// Why a session with a sharer ended.
 #[derive(Debug, thiserror::Error)]
@@ -46,82 +41,68 @@ pub(crate) enum FollowError {
     Version { path: String, version: u32 },
 }
 
-/// Follows the share at `path` until it fails or the reader stops (`Ok`).
-pub(crate) async fn session(
-    inner: &Inner,
-    path: &Path,
-    silence: Duration,
-    cmd: &mut mpsc::UnboundedReceiver<Cmd>,
-    attached: &mut Vec<Attached>,
-) -> Result<(), FollowError> {
-    let shown = path.display().to_string();
-    let io_err = |source| FollowError::Io {
-        path: shown.clone(),
-        source,
-    };
-    let sock = match tokio::time::timeout(silence, UnixStream::connect(path)).await {
-        Ok(r) => r.map_err(io_err)?,
-        Err(_) => return Err(io_err(io::Error::from(io::ErrorKind::TimedOut))),
-    };
-    let rd = BufReader::with_capacity(256 << 10, sock);
-    // A stream of frames keeps a read in flight across the select below
-    // (a bare read would lose the bytes it took when cancelled).
-    let frames =
-        futures_util::stream::unfold((rd, shown.clone()), move |(mut rd, path)| async move {
-            let f = frame(&mut rd, silence, &path).await;
-            Some((f, (rd, path)))
-        });
-    let mut frames = std::pin::pin!(frames);
-    match frames.next().await.expect("endless")? {
-        Frame::Hello { version } if version == VERSION => {}
-        Frame::Hello { version } => {
-            return Err(FollowError::Version {
-                path: shown,
+/// A session with a share: its frames after the greeting.
+pub(crate) struct Follow {
+    frames: std::pin::Pin<Box<dyn Stream<Item = Result<Frame, FollowError>> + Send>>,
+    path: String,
+}
+
+impl Follow {
+    /// Connects to the share at `path` and checks its greeting, each
+    /// within `silence`; every later frame must begin within it too.
+    pub(crate) async fn connect(path: &Path, silence: Duration) -> Result<Follow, FollowError> {
+        let shown = path.display().to_string();
+        let sock = match tokio::time::timeout(silence, UnixStream::connect(path)).await {
+            Ok(r) => r.map_err(|source| FollowError::Io {
+                path: shown.clone(),
+                source,
+            })?,
+            Err(_) => {
+                return Err(FollowError::Io {
+                    path: shown,
+                    source: io::Error::from(io::ErrorKind::TimedOut),
+                })
+            }
+        };
+        let rd = BufReader::with_capacity(256 << 10, sock);
+        // A stream keeps a read in flight when the caller's select drops
+        // `next` (a bare read would lose the bytes it took).
+        let frames =
+            futures_util::stream::unfold((rd, shown.clone()), move |(mut rd, path)| async move {
+                let f = frame(&mut rd, silence, &path).await;
+                Some((f, (rd, path)))
+            });
+        let mut follow = Follow {
+            frames: Box::pin(frames),
+            path: shown,
+        };
+        match follow.frames.next().await.expect("endless")? {
+            Frame::Hello { version } if version == VERSION => Ok(follow),
+            Frame::Hello { version } => Err(FollowError::Version {
+                path: follow.path,
                 version,
-            })
-        }
-        _ => {
-            return Err(FollowError::Wire {
-                path: shown,
-                source: WireError::Magic,
-            })
+            }),
+            _ => Err(follow.wire(WireError::Magic)),
         }
     }
-    inner.sessions.fetch_add(1, Ordering::Relaxed);
-    inner.streaming.store(true, Ordering::Relaxed);
-    tracing::info!(share = %shown, "following the log through the share");
-    let m = crate::metrics::global();
-    loop {
-        tokio::select! {
-            f = frames.next() => match f.expect("endless")? {
-                Frame::Head(p) => {
-                    inner.head.fetch_max(p.0, Ordering::Relaxed);
-                    broadcast(attached, Live::Head(p));
-                }
-                Frame::Txn(txn) => {
-                    if let Some(last) = txn.last_position() {
-                        m.replication_transactions.inc();
-                        m.replication_events.inc_by(txn.events.len() as u64);
-                        inner.head_at_ms.store(crate::lag::millis(txn.commit_time), Ordering::Relaxed);
-                        let lag = SystemTime::now().duration_since(txn.commit_time).unwrap_or_default();
-                        m.replication_lag_seconds.set(lag.as_secs_f64());
-                        inner.head.fetch_max(last.0, Ordering::Relaxed);
-                        broadcast(attached, Live::Txn(txn));
-                    }
-                }
-                Frame::Keepalive(_) => {}
-                Frame::Hello { .. } => {
-                    return Err(FollowError::Wire { path: shown, source: WireError::Tag(0) })
-                }
-            },
-            c = cmd.recv() => match c {
-                Some(Cmd::Attach(a)) => {
-                    let mut one = vec![a];
-                    broadcast(&mut one, Live::Head(Position(inner.head.load(Ordering::Relaxed))));
-                    attached.append(&mut one);
-                }
-                None => return Ok(()),
-            },
+
+    /// The share's socket, for messages.
+    pub(crate) fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The next frame (a greeting again is refused). Cancel-safe.
+    pub(crate) async fn next(&mut self) -> Result<Frame, FollowError> {
+        match self.frames.next().await.expect("endless")? {
+            Frame::Hello { .. } => Err(self.wire(WireError::Tag(0))),
+            f => Ok(f),
+        }
+    }
+
+    fn wire(&self, source: WireError) -> FollowError {
+        FollowError::Wire {
+            path: self.path.clone(),
+            source,
         }
     }
 }
@@ -159,4 +140,24 @@ async fn frame(
         path: path.to_string(),
         source,
     })
+}
+
+/// Returns once a share answers at `path`: its greeting, then a frame (a
+/// live share sends its head or a keepalive at once), each within a second;
+/// tried every second.
+pub(crate) async fn answers(path: &Path) {
+    let limit = Duration::from_secs(1);
+    loop {
+        tokio::time::sleep(limit).await;
+        let sock = match tokio::time::timeout(limit, UnixStream::connect(path)).await {
+            Ok(Ok(s)) => s,
+            _ => continue,
+        };
+        let mut rd = BufReader::new(sock);
+        if let Ok(Frame::Hello { version: VERSION }) = frame(&mut rd, limit, "").await {
+            if frame(&mut rd, limit, "").await.is_ok() {
+                return;
+            }
+        }
+    }
 }

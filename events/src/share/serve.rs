@@ -66,24 +66,44 @@ pub async fn bind(path: &Path) -> io::Result<UnixListener> {
 }
 
 /// Serves `reader`'s stream to every follower that connects, until the
-/// listener fails.
+/// listener fails; the followers' feeds end with it (dropped, say).
 pub async fn serve(reader: Reader, listener: UnixListener, config: ShareConfig) -> io::Result<()> {
+    let mut feeds = tokio::task::JoinSet::new();
     let mut n = 0u64;
     loop {
-        let (sock, _) = listener.accept().await?;
+        let sock = tokio::select! {
+            accepted = listener.accept() => accepted?.0,
+            // Reaps the feeds that ended.
+            Some(_) = feeds.join_next(), if !feeds.is_empty() => continue,
+        };
         n += 1;
         let (reader, config) = (reader.clone(), config.clone());
-        ops::task::spawn("log-share-feed", async move {
-            let followers = &crate::metrics::global().log_share_followers;
-            followers.inc();
+        feeds.spawn(async move {
+            let _counted = Counted::new();
             match feed(&reader, sock, n, &config).await {
-                Ok(()) => tracing::info!(follower = n, "log share follower left"),
+                Ok(()) => tracing::debug!(follower = n, "log share follower left"),
                 Err(e) => {
                     tracing::warn!(follower = n, error = %e, "log share follower disconnected")
                 }
             }
-            followers.dec();
         });
+    }
+}
+
+/// One follower in `strata_log_share_followers`, for as long as its feed
+/// lives (ended or dropped).
+struct Counted;
+
+impl Counted {
+    fn new() -> Counted {
+        crate::metrics::global().log_share_followers.inc();
+        Counted
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        crate::metrics::global().log_share_followers.dec();
     }
 }
 

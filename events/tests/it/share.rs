@@ -1,6 +1,7 @@
 //! The log share: a follower's subscriptions fed by another reader's
 //! stream over a Unix socket, with no slot of its own; a share gone silent
-//! is left within its deadline and what was missed is read from the table.
+//! or away is left within its deadline for a temporary slot of the
+//! follower's own, and left for the share again once it answers.
 
 use crate::{appender, db, ev, reader, reader_config, table_positions, take};
 use events::share::{bind, serve, ShareConfig};
@@ -102,11 +103,12 @@ async fn a_follower_delivers_the_committed_sequence_without_a_slot_of_its_own() 
 }
 
 #[tokio::test]
-async fn a_silent_share_is_left_within_its_deadline_and_what_it_missed_comes_from_the_table() {
+async fn a_silent_share_is_left_within_its_deadline_for_a_slot_of_the_followers_own() {
     let (cfg, client) = db().await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("log.sock");
-    // A share that greets and then says nothing more, as a frozen process.
+    // A share that greets and then says nothing more, as a sharer whose
+    // process froze after it accepted.
     let frozen = tokio::net::UnixListener::bind(&path).unwrap();
     let accepted = Arc::new(AtomicU32::new(0));
     let held = {
@@ -130,7 +132,7 @@ async fn a_silent_share_is_left_within_its_deadline_and_what_it_missed_comes_fro
             }
         })
     };
-    let (f, _) = follower(&cfg, &path);
+    let (f, slot) = follower(&cfg, &path);
     let mut sub = f.subscribe("across", Start::Beginning).await.unwrap();
     testkit::eventually(10, "the follower greeted", || async { f.streaming() }).await;
     let greeted = Instant::now();
@@ -140,24 +142,36 @@ async fn a_silent_share_is_left_within_its_deadline_and_what_it_missed_comes_fro
             .await
             .unwrap();
     }
-    // Left after its 2 s of silence, and tried again.
-    testkit::eventually(10, "the silent share left", || async { !f.streaming() }).await;
-    let left = greeted.elapsed();
-    assert!(
-        left >= Duration::from_millis(1900) && left < Duration::from_secs(4),
-        "left after {left:?} (silence allowed: 2 s)"
-    );
-    testkit::eventually(15, "a second try", || async {
-        accepted.load(Ordering::SeqCst) >= 2
+    // Left after its 2 s of silence, for a temporary slot of its own, which
+    // delivers what the share did not.
+    testkit::eventually(15, "the follower's own walsender streams", || async {
+        walsenders_named(&client, &slot).await == (1, 1)
     })
     .await;
+    let left = greeted.elapsed();
+    assert_eq!(take(&mut sub, 50).await, (1..=50).collect::<Vec<_>>());
+    assert!(
+        left >= Duration::from_millis(1900) && left < Duration::from_secs(8),
+        "own slot after {left:?} (silence allowed: 2 s)"
+    );
+    // Greeting alone does not bring the follower back: it is still on its
+    // own slot after the share was tried again.
+    let tries = accepted.load(Ordering::SeqCst);
+    testkit::eventually(15, "the share tried again", || async {
+        accepted.load(Ordering::SeqCst) >= tries + 2
+    })
+    .await;
+    assert_eq!(walsenders_named(&client, &slot).await, (1, 1));
     held.abort();
     let _ = held.await;
-    // A real sharer takes the socket over: what was committed while the
-    // share was silent is read from the table, the rest arrives live.
+    // A real sharer takes the socket over: the follower goes back to it,
+    // and what was committed meanwhile reaches it in order.
     let sharer = reader(&cfg);
     let served = tokio::spawn(serve(sharer, bind(&path).await.unwrap(), share_config()));
-    assert_eq!(take(&mut sub, 50).await, (1..=50).collect::<Vec<_>>());
+    testkit::eventually(15, "the follower's slot gone", || async {
+        walsenders_named(&client, &slot).await == (0, 0)
+    })
+    .await;
     for i in 0..50 {
         a.append("live", ExpectedVersion::Any, vec![ev(i)])
             .await
@@ -166,5 +180,74 @@ async fn a_silent_share_is_left_within_its_deadline_and_what_it_missed_comes_fro
     assert_eq!(take(&mut sub, 50).await, (51..=100).collect::<Vec<_>>());
     assert_eq!(table_positions(&client).await.len(), 100);
     assert!(sub.is_live(), "the subscription follows the new share");
+    served.abort();
+}
+
+#[tokio::test]
+async fn a_follower_decodes_the_log_itself_while_its_share_is_gone_and_goes_back_to_it() {
+    let (cfg, client) = db().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log.sock");
+    let sharer = reader(&cfg);
+    let served = tokio::spawn(serve(
+        sharer.clone(),
+        bind(&path).await.unwrap(),
+        share_config(),
+    ));
+    let (f, slot) = follower(&cfg, &path);
+    let mut sub = f.subscribe("through", Start::Beginning).await.unwrap();
+    let a = appender(&cfg);
+    let write = |from: u64, n: u64| {
+        let a = a.clone();
+        async move {
+            for i in from..from + n {
+                a.append("s", ExpectedVersion::Any, vec![ev(i)])
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    write(0, 20).await;
+    assert_eq!(take(&mut sub, 20).await, (1..=20).collect::<Vec<_>>());
+    assert_eq!(walsenders_named(&client, &slot).await, (0, 0));
+
+    // The share goes away (its feeds with it): after 2 s of silence the
+    // follower streams through a temporary slot of its own.
+    served.abort();
+    let _ = served.await;
+    let gone = Instant::now();
+    testkit::eventually(15, "the follower's own walsender streams", || async {
+        walsenders_named(&client, &slot).await == (1, 1)
+    })
+    .await;
+    let own = gone.elapsed();
+    write(20, 20).await;
+    assert_eq!(take(&mut sub, 20).await, (21..=40).collect::<Vec<_>>());
+    let temporary: bool = client
+        .query_one(
+            "SELECT temporary FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(temporary, "the follower's own slot is temporary");
+
+    // A share answers again: the follower leaves its slot, which goes.
+    let served = tokio::spawn(serve(sharer, bind(&path).await.unwrap(), share_config()));
+    testkit::eventually(15, "the follower's slot gone", || async {
+        walsenders_named(&client, &slot).await == (0, 0)
+    })
+    .await;
+    testkit::eventually(15, "the follower streams from the share", || async {
+        f.streaming()
+    })
+    .await;
+    write(40, 20).await;
+    assert_eq!(take(&mut sub, 20).await, (41..=60).collect::<Vec<_>>());
+    assert!(
+        own < Duration::from_secs(8),
+        "streaming through its own slot {own:?} after the share went (silence: 2 s)"
+    );
     served.abort();
 }
