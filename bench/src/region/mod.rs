@@ -55,6 +55,9 @@ pub struct Args {
     /// Run the placers, binders, sinks, maintenance and audit in two processes (`--roles placer,binder,sinks,audit,maintenance` and `--roles placer,binder`) instead of seven: five replication slots instead of eight (maintenance and audit hold none)
     #[arg(long)]
     shared_processes: bool,
+    /// The process that runs maintenance shares its decoded log (`--log-share`) and every other process follows it (`--log-from`): one walsender for the region instead of one per process
+    #[arg(long)]
+    log_share: bool,
     /// Load `pg_stat_statements` and report the steady phase's statements
     /// by the server time they took (`statements` in the steady phase's
     /// figures); off by default, since tracking costs the server a little
@@ -62,7 +65,7 @@ pub struct Args {
     statements: bool,
     /// The faults to inject after the steady phase, comma-separated, in
     /// this order: power_cycle, gateway_kill, rack_power_loss, placer_kill,
-    /// binder_kill, sinks_kill, postgres_crash, walsenders_terminated,
+    /// binder_kill, sinks_kill, maintenance_kill, postgres_crash, walsenders_terminated,
     /// slot_dropped, gateway_cut_from_postgres, rack_cut_from_gateway,
     /// placer_cut_from_postgres, lossy_links, standby_promoted (the four
     /// network faults need root: `ip netns`, `iptables`, `tc`);
@@ -101,13 +104,14 @@ fn parse_setting(s: &str) -> Result<(String, String), String> {
 }
 
 /// Every fault the drill knows, in the order it injects them.
-pub const FAULTS: [&str; 14] = [
+pub const FAULTS: [&str; 15] = [
     "power_cycle",
     "gateway_kill",
     "rack_power_loss",
     "placer_kill",
     "binder_kill",
     "sinks_kill",
+    "maintenance_kill",
     "postgres_crash",
     "walsenders_terminated",
     "slot_dropped",
@@ -172,6 +176,8 @@ pub struct Options {
     /// The roles other than the gateways in two processes (one slot each)
     /// instead of seven.
     pub shared: bool,
+    /// One process shares the decoded log, the others follow it.
+    pub log_share: bool,
     /// Report the steady phase's statements (`pg_stat_statements`).
     pub statements: bool,
     /// Settings of the private PostgreSQL beyond the drill's own.
@@ -216,6 +222,7 @@ impl Options {
             },
             patience: Duration::from_secs(180),
             shared: false,
+            log_share: false,
             statements: false,
             pg_settings: Vec::new(),
             keep: false,
@@ -240,6 +247,7 @@ pub async fn run(args: Args) -> Result<()> {
     let mut o = Options::sized(strata, nodes);
     o.pools = args.pools.max(1);
     o.shared = args.shared_processes;
+    o.log_share = args.log_share;
     o.statements = args.statements;
     o.pg_settings = args.pg_settings;
     o.keep = args.keep;
@@ -277,6 +285,11 @@ pub async fn run(args: Args) -> Result<()> {
         },
         if args.shared_processes { "-shared" } else { "" },
     );
+    let name = if args.log_share {
+        format!("{name}-log-share")
+    } else {
+        name
+    };
     let name = if args.load == 1.0 {
         name
     } else {
@@ -613,6 +626,7 @@ pub async fn start(o: &Options) -> Result<Region> {
     let ca_arg = ca.display().to_string();
     let mut roles = Vec::new();
     let lost_after = format!("{}s", o.node_lost_after.as_secs());
+    let share_sock = dir.path().join("log.sock").display().to_string();
     let role = |name: &str, args: &[&str]| {
         let mut a: Vec<String> = vec![
             "--slot".into(),
@@ -626,6 +640,10 @@ pub async fn start(o: &Options) -> Result<Region> {
         let mut r = Role::new(name, a, dir.path());
         if r.runs("placer") {
             r.args_push(&["--node-lost-after", &lost_after]);
+        }
+        if o.log_share {
+            let flag = if r.runs("maintenance") { "--log-share" } else { "--log-from" };
+            r.args_push(&[flag, &share_sock]);
         }
         r
     };
@@ -802,6 +820,9 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
         ("placer_kill", |r, o| Box::pin(scenarios::placer_kill(r, o))),
         ("binder_kill", |r, o| Box::pin(scenarios::binder_kill(r, o))),
         ("sinks_kill", |r, o| Box::pin(scenarios::sinks_kill(r, o))),
+        ("maintenance_kill", |r, o| {
+            Box::pin(scenarios::maintenance_kill(r, o))
+        }),
         ("postgres_crash", |r, o| {
             Box::pin(scenarios::postgres_crash(r, o))
         }),
@@ -943,6 +964,7 @@ pub async fn drill(o: Options) -> Result<serde_json::Value> {
             "3 gateways, 2 placers, 2 binders, sinks, maintenance, audit: each `strata serve --roles <one>`; the simulated daemons and the load generator in the bench process; PostgreSQL and nats-server; all on the same cores"
         },
         "shared_processes": o.shared,
+        "log_share": o.log_share,
         "fleet_nice": o.fleet_nice,
         "postgres_settings": o.pg_settings.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>(),
         "nodes_data": if std::path::Path::new(FLEET_TMPFS).is_dir() {

@@ -984,7 +984,22 @@ pub async fn binder_kill(r: &mut Region, o: &Options) -> Result<serde_json::Valu
 /// SIGKILL of the sinks process; it is started again a second later (as a
 /// supervisor would).
 pub async fn sinks_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
-    let name = r.running("sinks");
+    kill_and_restart(r, o, "sinks").await
+}
+
+/// SIGKILL of the process that runs maintenance (with `--log-share`, the
+/// one every other process follows the log through); it is started again
+/// a second later.
+pub async fn maintenance_kill(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
+    let mut out = kill_and_restart(r, o, "maintenance").await?;
+    out["shared_the_log"] = o.log_share.into();
+    Ok(out)
+}
+
+/// SIGKILL of the process running `role`, started again a second later (as
+/// a supervisor would); then a probe reservation.
+async fn kill_and_restart(r: &mut Region, o: &Options, role: &str) -> Result<serde_json::Value> {
+    let name = r.running(role);
     let killed = Instant::now();
     r.role(&name).kill().await;
     tokio::time::sleep(Duration::from_secs(1)).await;
