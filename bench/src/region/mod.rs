@@ -642,7 +642,11 @@ pub async fn start(o: &Options) -> Result<Region> {
             r.args_push(&["--node-lost-after", &lost_after]);
         }
         if o.log_share {
-            let flag = if r.runs("maintenance") { "--log-share" } else { "--log-from" };
+            let flag = if r.runs("maintenance") {
+                "--log-share"
+            } else {
+                "--log-from"
+            };
             r.args_push(&[flag, &share_sock]);
         }
         r

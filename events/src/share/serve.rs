@@ -45,8 +45,11 @@ impl Default for ShareConfig {
 }
 
 /// Binds the share's socket at `path`, readable and writable by this user
-/// only (a follower reads every event). A socket file left by a process
-/// that died is replaced; one that a live sharer answers on is not.
+/// only (a follower reads every event): it is made under a name of its own
+/// beside `path`, given its mode, and only then renamed to `path`, so that
+/// no one can connect to it before. A socket file left by a process that
+/// died (nothing listens on it) is replaced; one that a live sharer answers
+/// on, or that this user cannot try, is not.
 pub async fn bind(path: &Path) -> io::Result<UnixListener> {
     if path.exists() {
         match UnixStream::connect(path).await {
@@ -56,12 +59,23 @@ pub async fn bind(path: &Path) -> io::Result<UnixListener> {
                     format!("another process shares the log at {}", path.display()),
                 ))
             }
-            Err(_) => std::fs::remove_file(path)?,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("{} exists and could not be tried: {e}", path.display()),
+                ))
+            }
         }
     }
-    let listener = UnixListener::bind(path)?;
+    let mut making = path.as_os_str().to_owned();
+    making.push(format!(".{}.new", std::process::id()));
+    let making = std::path::PathBuf::from(making);
+    let _ = std::fs::remove_file(&making);
+    let listener = UnixListener::bind(&making)?;
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::set_permissions(&making, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::rename(&making, path)?;
     Ok(listener)
 }
 

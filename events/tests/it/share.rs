@@ -54,6 +54,10 @@ async fn a_follower_delivers_the_committed_sequence_without_a_slot_of_its_own() 
     let sharer = reader(&cfg);
     let listener = bind(&path).await.unwrap();
     let served = tokio::spawn(serve(sharer.clone(), listener, share_config()));
+    // Only this user may connect: a follower reads every event.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the share's socket mode is {mode:o}");
     // A second sharer on a socket that a live one answers on is refused.
     let err = bind(&path).await.unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
