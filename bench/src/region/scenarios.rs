@@ -1183,12 +1183,17 @@ async fn readers_back(
 
 /// The replication slot of the placer holding the first pool is dropped
 /// while in use (its walsender terminated first, as `pg_drop_replication_slot`
-/// refuses an active slot).
+/// refuses an active slot); with `--log-share`, the slot of the process
+/// every other one follows.
 pub async fn slot_drop(r: &mut Region, o: &Options) -> Result<serde_json::Value> {
-    let lease = format!("pool/{}", r.pools[0]);
-    let name = holder(r, &lease)
-        .await?
-        .unwrap_or_else(|| "placer-1".into());
+    let name = if o.log_share {
+        r.running("maintenance")
+    } else {
+        let lease = format!("pool/{}", r.pools[0]);
+        holder(r, &lease)
+            .await?
+            .unwrap_or_else(|| "placer-1".into())
+    };
     let slot = format!("region_{}", name.replace('-', "_"));
     let c = r.client().await?;
     let at = Instant::now();
