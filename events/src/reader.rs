@@ -499,6 +499,8 @@ async fn session(
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut maintenance = tokio::time::interval(Duration::from_secs(100));
     let mut round: Option<StatusRound<'_>> = None;
+    let mut beat: Option<Upkeep<'_>> = None;
+    let mut partitions: Option<Upkeep<'_>> = None;
     loop {
         tokio::select! {
             frame = conn.recv() => {
@@ -552,36 +554,21 @@ async fn session(
                 let m = metrics::global();
                 m.replication_lag_bytes.set(state.server_end.0.saturating_sub(ack.0) as f64);
             }
-            _ = heartbeat.tick() => {
-                bounded(
-                    cfg.query_timeout,
-                    "record the reader heartbeat",
-                    client.exec(
-                        "UPDATE strata.replication_readers SET seen_at = now() WHERE slot_name = $1",
-                        &[&cfg.slot],
-                    ),
-                )
-                .await?;
+            // The reader's own upkeep runs beside the stream too: a row or
+            // a partition lock that makes it wait holds no frame back.
+            _ = heartbeat.tick(), if beat.is_none() => {
+                beat = Some(Box::pin(record_heartbeat(inner, &client)));
             }
-            _ = maintenance.tick() => {
-                // Every process that reads the log also keeps months ahead created.
-                // Bounded like every statement here: a server that stops
-                // answering mid-call must not hold the session.
-                match tokio::time::timeout(
-                    cfg.query_timeout,
-                    schema::partitions::ensure(&client, schema::partitions::DEFAULT_MONTHS_AHEAD, SystemTime::now()),
-                )
-                .await
-                {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => tracing::warn!(error = %e, "partition maintenance failed"),
-                    Err(_) => {
-                        return Err(SessionError::Timeout {
-                            context: "keep partitions ahead",
-                            limit: cfg.query_timeout,
-                        })
-                    }
-                }
+            done = async { beat.as_mut().expect("a heartbeat in flight").await }, if beat.is_some() => {
+                beat = None;
+                done?;
+            }
+            _ = maintenance.tick(), if partitions.is_none() => {
+                partitions = Some(Box::pin(keep_partitions_ahead(inner, &client)));
+            }
+            done = async { partitions.as_mut().expect("partition upkeep in flight").await }, if partitions.is_some() => {
+                partitions = None;
+                done?;
             }
             c = cmd.recv() => match c {
                 Some(Cmd::Attach(a)) => attach(inner, attached, a),
@@ -596,6 +583,51 @@ async fn session(
 type StatusRound<'a> = std::pin::Pin<
     Box<dyn std::future::Future<Output = Result<((bool, bool), Lsn), SessionError>> + Send + 'a>,
 >;
+
+/// A piece of the reader's upkeep in flight beside the stream.
+type Upkeep<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), SessionError>> + Send + 'a>>;
+
+/// Records that the reader is alive (`strata slots list` shows it).
+async fn record_heartbeat(inner: &Inner, client: &Client) -> Result<(), SessionError> {
+    bounded(
+        inner.config.query_timeout,
+        "record the reader heartbeat",
+        client.exec(
+            "UPDATE strata.replication_readers SET seen_at = now() WHERE slot_name = $1",
+            &[&inner.config.slot],
+        ),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Every process that reads the log also keeps months ahead created. A
+/// failure is only warned about (the next try is in 100 s); a server that
+/// does not answer within the reader's `query_timeout` ends the session.
+async fn keep_partitions_ahead(inner: &Inner, client: &Client) -> Result<(), SessionError> {
+    let limit = inner.config.query_timeout;
+    match tokio::time::timeout(
+        limit,
+        schema::partitions::ensure(
+            client,
+            schema::partitions::DEFAULT_MONTHS_AHEAD,
+            SystemTime::now(),
+        ),
+    )
+    .await
+    {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "partition maintenance failed");
+            Ok(())
+        }
+        Err(_) => Err(SessionError::Timeout {
+            context: "keep partitions ahead",
+            limit,
+        }),
+    }
+}
 
 /// The statements of one status round: whether synchronous standbys are
 /// named, and, with `record` (its position), `ack` written as the reader's

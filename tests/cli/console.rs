@@ -461,6 +461,9 @@ fn the_console_signs_in_shows_every_page_live_and_refuses_what_a_role_may_not() 
 
         // Signed out, the cookie opens nothing.
         b.click(&b.find("header button").await.expect("a sign-out button")).await;
+        // The click only starts the form's POST: a navigation before its
+        // answer (the sign-in page) would cancel it.
+        b.wait_text("signed out", 20, |t| t.contains("Sign in") && !t.contains("Sign out")).await;
         b.goto(&format!("{base}/")).await;
         let t = b.page_text().await;
         assert!(t.contains("Sign in") && !t.contains("Pools"), "{t}");

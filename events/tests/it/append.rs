@@ -865,18 +865,7 @@ async fn an_appender_cut_off_inside_its_transaction_does_not_hold_its_streams() 
         "the cut-off appender's bump waiting on the row lock",
         || {
             let client = &client;
-            async move {
-                client
-                    .query_one(
-                        "SELECT count(*) FROM pg_stat_activity
-                      WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO strata.streams%'",
-                        &[],
-                    )
-                    .await
-                    .unwrap()
-                    .get::<_, i64>(0)
-                    == 1
-            }
+            async move { crate::waiting_on_a_lock(client, "%INSERT INTO strata.streams%").await == 1 }
         },
     )
     .await;

@@ -72,3 +72,15 @@ pub async fn take(sub: &mut events::Subscription, n: usize) -> Vec<u64> {
     }
     out
 }
+
+/// Backends waiting on a lock whose statement is `LIKE pattern`.
+pub async fn waiting_on_a_lock(client: &Client, pattern: &str) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+            &[&pattern],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}

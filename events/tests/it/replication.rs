@@ -470,23 +470,8 @@ async fn a_reader_keeps_streaming_when_its_database_answers_late() {
     let (cfg, client) = db().await;
     let (link, far) = testkit::cut::Cut::to_postgres(&cfg).await;
     link.slow(Duration::from_millis(150));
-    let mut rc = reader_config();
-    rc.temporary = true;
-    let slot = rc.slot.clone();
-    let reader = Reader::start(far, rc);
-    let mut sub = reader.subscribe_ephemeral(Start::Now).await.unwrap();
     let a = appender(&cfg);
-    // Streaming and attached before the transactions come: each arrives
-    // through the stream, not from the table.
-    a.append("late-first", ExpectedVersion::NoStream, vec![ev(0)])
-        .await
-        .unwrap();
-    let first = tokio::time::timeout(Duration::from_secs(30), sub.next())
-        .await
-        .expect("the first event in time")
-        .unwrap();
-    assert_eq!(first.stream, "late-first");
-    assert!(sub.is_live(), "attached to the stream");
+    let (_reader, mut sub, slot) = attached_to_the_stream(far, &a, "late-first").await;
     const N: u64 = 300;
     for n in 0..N {
         a.append(&format!("late-{n}"), ExpectedVersion::NoStream, vec![ev(n)])
@@ -531,4 +516,79 @@ async fn a_reader_keeps_streaming_when_its_database_answers_late() {
         matches!(row, Ok(r) if r.get::<_, bool>(0) && r.get::<_, Option<i64>>(1).is_some_and(|p| p as u64 >= *got.last().unwrap()))
     })
     .await;
+}
+
+#[tokio::test]
+async fn a_reader_keeps_streaming_while_its_own_record_is_locked() {
+    let (cfg, client) = db().await;
+    let a = appender(&cfg);
+    let (_reader, mut sub, slot) = attached_to_the_stream(cfg.clone(), &a, "locked-first").await;
+    // Another session holds the reader's row: its heartbeat (every 500 ms)
+    // waits on the lock, as it would behind any long writer of that table.
+    let locker = events::db::connect(&cfg, "locker").await.unwrap();
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM strata.replication_readers WHERE slot_name = '{slot}' FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    testkit::eventually(10, "the reader's heartbeat waits on the lock", || async {
+        crate::waiting_on_a_lock(&client, "UPDATE strata.replication_readers SET seen_at%").await
+            > 0
+    })
+    .await;
+    const N: usize = 100;
+    for n in 0..N {
+        a.append(
+            &format!("locked-{n}"),
+            ExpectedVersion::NoStream,
+            vec![ev(n as u64)],
+        )
+        .await
+        .unwrap();
+    }
+    let t = std::time::Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut got = 0;
+        while got < N {
+            if sub.next().await.unwrap().stream.starts_with("locked-") {
+                got += 1;
+            }
+        }
+    })
+    .await;
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        got.is_ok(),
+        "the reader did not deliver {N} transactions within 10 s while its heartbeat waited on a lock"
+    );
+    eprintln!(
+        "{N} transactions delivered while the record was locked, in {:?}",
+        t.elapsed()
+    );
+}
+
+/// A reader on a temporary slot of its own and a subscription attached to
+/// its live stream, checked with one event on `first`: what is appended
+/// next arrives through the stream, not from the table.
+async fn attached_to_the_stream(
+    db: tokio_postgres::Config,
+    a: &events::Appender,
+    first: &str,
+) -> (Reader, events::Subscription, String) {
+    let mut rc = reader_config();
+    rc.temporary = true;
+    let slot = rc.slot.clone();
+    let reader = Reader::start(db, rc);
+    let mut sub = reader.subscribe_ephemeral(Start::Now).await.unwrap();
+    a.append(first, ExpectedVersion::NoStream, vec![ev(0)])
+        .await
+        .unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(30), sub.next())
+        .await
+        .expect("the first event in time")
+        .unwrap();
+    assert_eq!(e.stream, first);
+    assert!(sub.is_live(), "attached to the stream");
+    (reader, sub, slot)
 }
