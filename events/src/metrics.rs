@@ -27,6 +27,9 @@ pub struct Metrics {
     pub replication_lag_seconds: Gauge,
     /// Processes following this one's log share now.
     pub log_share_followers: Gauge,
+    /// 1 while this process, told to follow a share, decodes the log
+    /// itself through a temporary slot because the share is silent.
+    pub log_share_fallback: Gauge,
 }
 
 /// The process-wide metrics of the log.
@@ -80,6 +83,10 @@ pub fn global() -> &'static Metrics {
             log_share_followers: gauge(
                 "strata_log_share_followers",
                 "Processes following the log through this process's share now.",
+            ),
+            log_share_fallback: gauge(
+                "strata_log_share_fallback",
+                "1 while this process, told to follow a log share (--log-from), decodes the log itself through a temporary slot because the share is silent.",
             ),
         };
         crate::lag::register();

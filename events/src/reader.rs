@@ -302,6 +302,7 @@ async fn run(
             Some(path) => {
                 tracing::warn!(share = %path.display(), slot = %inner.config.slot, silence = ?inner.config.share_silence,
                     "the log share has not streamed for its silence: following the log through a temporary slot of this process until it answers again");
+                metrics::global().log_share_fallback.set(1.0);
                 tokio::select! {
                     r = session(&inner, &mut cmd, &mut attached) => r,
                     () = crate::share::answers(&path) => {
@@ -361,6 +362,7 @@ async fn share_session(
 ) -> Result<(), SessionError> {
     use crate::share::wire::Frame;
     let mut share = crate::share::Follow::connect(path, inner.config.share_silence).await?;
+    metrics::global().log_share_fallback.set(0.0);
     inner.sessions.fetch_add(1, Ordering::Relaxed);
     inner.streaming.store(true, Ordering::Relaxed);
     tracing::info!(share = %share.path(), "following the log through the share");

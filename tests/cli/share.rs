@@ -4,8 +4,9 @@
 //! places through a temporary slot of its own, and goes back to the share
 //! once it answers again. Outcomes are read from the tables.
 
+use super::gateway::free_port;
 use super::placement::{check_json, rt};
-use super::{database, ok, reserve_args, seeded_pool, spawn, Held};
+use super::{database, http_get, ok, reserve_args, seeded_pool, spawn, Held};
 use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -72,11 +73,20 @@ fn a_placer_following_a_share_places_through_its_own_slot_while_the_sharer_is_st
         || streams(&rt, &client, "host_share"),
         || logs("sharer"),
     );
+    let metrics = format!("127.0.0.1:{}", free_port());
+    // Whether the follower says it decodes the log itself.
+    let fallback = || {
+        let (code, text) = http_get(&metrics, "/metrics");
+        assert_eq!(code, 200, "{text}");
+        text.lines().any(|l| l == "strata_log_share_fallback 1")
+    };
     let mut b = spawn(
         &[
             "serve",
             "--roles",
             "placer",
+            "--metrics-listen",
+            &metrics,
             "--log-from",
             &sock.display().to_string(),
             "--log-share-silence",
@@ -97,6 +107,7 @@ fn a_placer_following_a_share_places_through_its_own_slot_while_the_sharer_is_st
         !streams(&rt, &client, "host_placer"),
         "the follower has no walsender"
     );
+    assert!(!fallback(), "the follower follows its share");
 
     // Stopped: the follower hears nothing for 2 s and decodes the log itself.
     let held = Held::stop(a.id().to_string());
@@ -105,12 +116,19 @@ fn a_placer_following_a_share_places_through_its_own_slot_while_the_sharer_is_st
         streams(&rt, &client, "host_placer"),
         "the follower streams its own slot"
     );
+    assert!(fallback(), "the follower says it decodes the log itself");
     drop(held);
     wait_until(
         30,
         "the follower back on the share",
         || !streams(&rt, &client, "host_placer"),
         || logs("back"),
+    );
+    wait_until(
+        30,
+        "the follower no longer says it decodes the log itself",
+        || !fallback(),
+        || logs("metric"),
     );
     let back = placed(&url, "r3");
 
