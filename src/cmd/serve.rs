@@ -70,11 +70,12 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<ExitCode> {
     rc.share_from = args.log_from.clone();
     rc.share_silence = args.log_share_silence;
     let share = match &args.log_share {
-        Some(path) => Some(
+        Some(path) => Some((
+            path,
             events::share::bind(path)
                 .await
                 .with_context(|| format!("--log-share {}", path.display()))?,
-        ),
+        )),
         None => None,
     };
     let reader = (share.is_some() || args.roles.iter().any(|r| r.follows_log()))
@@ -82,8 +83,8 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<ExitCode> {
     // The share ends only if its socket fails; the process then stops, so
     // that whoever runs it starts it again (its followers reconnect).
     let mut sharing = match (share, &reader) {
-        (Some(listener), Some(r)) => {
-            tracing::info!(socket = %args.log_share.as_deref().unwrap_or_else(|| std::path::Path::new("")).display(), "sharing the decoded log with this host's processes");
+        (Some((path, listener)), Some(r)) => {
+            tracing::info!(socket = %path.display(), "sharing the decoded log with this host's processes");
             Some(ops::task::spawn(
                 "log-share",
                 events::share::serve(r.clone(), listener, events::share::ShareConfig::default()),
@@ -110,6 +111,7 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<ExitCode> {
     tokio::pin!(ctrl_c);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("listen for SIGTERM")?;
+    let mut code = ExitCode::SUCCESS;
     loop {
         tokio::select! {
             r = &mut ctrl_c => { r.context("wait for Ctrl-C")?; break; }
@@ -121,9 +123,8 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<ExitCode> {
                     Err(e) => e.to_string(),
                 };
                 tracing::error!(error = %why, "the log share's socket failed; stopping");
-                me.stop().await;
-                roles.stop().await?;
-                return Ok(ExitCode::FAILURE);
+                code = ExitCode::FAILURE;
+                break;
             }
             _ = report.tick() => {
                 if roles.one_stopped() {
@@ -136,7 +137,7 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<ExitCode> {
     tracing::info!("stopping");
     me.stop().await;
     roles.stop().await?;
-    Ok(ExitCode::SUCCESS)
+    Ok(code)
 }
 
 /// This process's row in `strata.processes`, refreshed while it runs: a

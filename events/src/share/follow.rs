@@ -149,13 +149,8 @@ pub(crate) async fn answers(path: &Path) {
     let limit = Duration::from_secs(1);
     loop {
         tokio::time::sleep(limit).await;
-        let sock = match tokio::time::timeout(limit, UnixStream::connect(path)).await {
-            Ok(Ok(s)) => s,
-            _ => continue,
-        };
-        let mut rd = BufReader::new(sock);
-        if let Ok(Frame::Hello { version: VERSION }) = frame(&mut rd, limit, "").await {
-            if frame(&mut rd, limit, "").await.is_ok() {
+        if let Ok(mut share) = Follow::connect(path, limit).await {
+            if share.next().await.is_ok() {
                 return;
             }
         }

@@ -19,7 +19,7 @@ use super::wire::{encode, Frame, VERSION};
 use crate::reader::{Live, Reader};
 use std::io;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -87,8 +87,13 @@ pub async fn serve(reader: Reader, listener: UnixListener, config: ShareConfig) 
     loop {
         let sock = tokio::select! {
             accepted = listener.accept() => accepted?.0,
-            // Reaps the feeds that ended.
-            Some(_) = feeds.join_next(), if !feeds.is_empty() => continue,
+            // Reaps the feeds that ended; one that panicked is said.
+            Some(done) = feeds.join_next(), if !feeds.is_empty() => {
+                if let Err(e) = done {
+                    tracing::error!(error = %e, "a log share feed failed; its follower connects again");
+                }
+                continue;
+            }
         };
         n += 1;
         let (reader, config) = (reader.clone(), config.clone());
@@ -152,8 +157,7 @@ async fn feed(reader: &Reader, sock: UnixStream, n: u64, config: &ShareConfig) -
                 keepalive.reset();
             }
             _ = keepalive.tick() => {
-                let head = crate::types::Position(reader.inner.head.load(Ordering::Relaxed));
-                encode(&Frame::Keepalive(head), &mut buf);
+                encode(&Frame::Keepalive(reader.head()), &mut buf);
             }
             // A follower sends nothing: a read ends only when it left.
             r = rd.read(&mut probe) => {

@@ -26,6 +26,15 @@ fn follower(cfg: &tokio_postgres::Config, path: &std::path::Path) -> (Reader, St
     (Reader::start(cfg.clone(), rc), slot)
 }
 
+/// Appends `n` events to `stream`, one transaction each (`ev(from)` on).
+async fn append_singles(a: &events::Appender, stream: &str, from: u64, n: u64) {
+    for i in from..from + n {
+        a.append(stream, ExpectedVersion::Any, vec![ev(i)])
+            .await
+            .unwrap();
+    }
+}
+
 async fn walsenders_named(client: &tokio_postgres::Client, slot: &str) -> (i64, i64) {
     let senders: i64 = client
         .query_one(
@@ -141,11 +150,7 @@ async fn a_silent_share_is_left_within_its_deadline_for_a_slot_of_the_followers_
     testkit::eventually(10, "the follower greeted", || async { f.streaming() }).await;
     let greeted = Instant::now();
     let a = appender(&cfg);
-    for i in 0..50 {
-        a.append("missed", ExpectedVersion::Any, vec![ev(i)])
-            .await
-            .unwrap();
-    }
+    append_singles(&a, "missed", 0, 50).await;
     // Left after its 2 s of silence, for a temporary slot of its own, which
     // delivers what the share did not.
     testkit::eventually(15, "the follower's own walsender streams", || async {
@@ -176,11 +181,7 @@ async fn a_silent_share_is_left_within_its_deadline_for_a_slot_of_the_followers_
         walsenders_named(&client, &slot).await == (0, 0)
     })
     .await;
-    for i in 0..50 {
-        a.append("live", ExpectedVersion::Any, vec![ev(i)])
-            .await
-            .unwrap();
-    }
+    append_singles(&a, "live", 0, 50).await;
     assert_eq!(take(&mut sub, 50).await, (51..=100).collect::<Vec<_>>());
     assert_eq!(table_positions(&client).await.len(), 100);
     assert!(sub.is_live(), "the subscription follows the new share");
@@ -201,17 +202,7 @@ async fn a_follower_decodes_the_log_itself_while_its_share_is_gone_and_goes_back
     let (f, slot) = follower(&cfg, &path);
     let mut sub = f.subscribe("through", Start::Beginning).await.unwrap();
     let a = appender(&cfg);
-    let write = |from: u64, n: u64| {
-        let a = a.clone();
-        async move {
-            for i in from..from + n {
-                a.append("s", ExpectedVersion::Any, vec![ev(i)])
-                    .await
-                    .unwrap();
-            }
-        }
-    };
-    write(0, 20).await;
+    append_singles(&a, "s", 0, 20).await;
     assert_eq!(take(&mut sub, 20).await, (1..=20).collect::<Vec<_>>());
     assert_eq!(walsenders_named(&client, &slot).await, (0, 0));
 
@@ -225,7 +216,7 @@ async fn a_follower_decodes_the_log_itself_while_its_share_is_gone_and_goes_back
     })
     .await;
     let own = gone.elapsed();
-    write(20, 20).await;
+    append_singles(&a, "s", 20, 20).await;
     assert_eq!(take(&mut sub, 20).await, (21..=40).collect::<Vec<_>>());
     let temporary: bool = client
         .query_one(
@@ -247,7 +238,7 @@ async fn a_follower_decodes_the_log_itself_while_its_share_is_gone_and_goes_back
         f.streaming()
     })
     .await;
-    write(40, 20).await;
+    append_singles(&a, "s", 40, 20).await;
     assert_eq!(take(&mut sub, 20).await, (41..=60).collect::<Vec<_>>());
     assert!(
         own < Duration::from_secs(8),
