@@ -8,8 +8,9 @@
 //! snapshot it already took (so `SET transaction_read_only = off` is refused),
 //! and that it rolls back afterwards. An auditor's own `BEGIN` keeps that
 //! transaction open until their `COMMIT` or `ROLLBACK`, so several statements
-//! see one snapshot. Once out of it, every setting is reset to the
-//! session's defaults, so an auditor cannot switch off the statement or idle
+//! see one snapshot. Once out of it, every setting is back at the
+//! session's defaults (a rollback undoes every `SET` made in the
+//! transaction), so an auditor cannot switch off the statement or idle
 //! timeouts for later statements.
 
 use bytes::{Bytes, BytesMut};
@@ -83,15 +84,32 @@ pub struct Backend {
     limits: String,
     /// NOTICE and WARNING messages of the last statement, for the auditor.
     notices: Vec<ErrorInfo>,
+    /// Statements described on this connection, by text and parameter
+    /// types: a client that parses the same statement again (every
+    /// extended-protocol client without named statements, for every
+    /// execution) is answered without a round trip. The statement itself
+    /// is parsed again by PostgreSQL when it runs, and its rows are sent
+    /// with the description PostgreSQL gives then.
+    described: std::collections::HashMap<(String, Vec<u32>), Described>,
 }
 
 /// The endpoint's own transaction around every auditor statement: read-only,
 /// its snapshot taken by the `SELECT 1`, so it cannot be made writable.
 const OPEN: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1";
 // After every statement outside an auditor's transaction, and when theirs
-// ends: the transaction rolled back, and every setting back to the session's
-// defaults (the endpoint's startup options), whatever the auditor SET.
-const CLOSE: &str = "ROLLBACK; RESET ALL";
+// ends: the transaction rolled back. Every setting the auditor SET in it
+// (`SET`, `SET SESSION`, `set_config(.., false)`) goes back with the
+// rollback, so the session is at its defaults again.
+const CLOSE: &str = "ROLLBACK";
+// When a statement ended the transaction some other way than by the
+// endpoint's rollback (nothing the endpoint runs should, but if one did, a
+// setting made before it would have been committed): the rollback, and
+// every setting back to the session's defaults (the endpoint's startup
+// options).
+const RESET: &str = "ROLLBACK; RESET ALL";
+
+/// Most statement descriptions a session keeps (see [`Backend::describe`]).
+const DESCRIBED_KEPT: usize = 64;
 
 /// How often (ms) an auditor's PostgreSQL process checks, while a
 /// statement runs, that the endpoint is still connected: one whose endpoint
@@ -173,6 +191,7 @@ impl Backend {
             max_result_bytes,
             limits: limits.reassert(),
             notices: Vec::new(),
+            described: std::collections::HashMap::new(),
         })
     }
 
@@ -192,8 +211,30 @@ impl Backend {
         std::mem::take(&mut self.notices)
     }
 
-    /// Parses `sql` (one statement) and describes its parameters and columns.
+    /// Parses `sql` (one statement) and describes its parameters and
+    /// columns; a statement this connection described before is answered
+    /// from memory. Only statements PostgreSQL accepted are kept, so an
+    /// error is always PostgreSQL's own, at the time.
     pub async fn describe(
+        &mut self,
+        sql: &str,
+        param_types: &[u32],
+    ) -> Result<Result<Described, Box<ErrorInfo>>, BackendError> {
+        let key = (sql.to_string(), param_types.to_vec());
+        if let Some(d) = self.described.get(&key) {
+            return Ok(Ok(d.clone()));
+        }
+        let described = self.describe_anew(sql, param_types).await?;
+        if let Ok(d) = &described {
+            if self.described.len() >= DESCRIBED_KEPT {
+                self.described.clear();
+            }
+            self.described.insert(key, d.clone());
+        }
+        Ok(described)
+    }
+
+    async fn describe_anew(
         &mut self,
         sql: &str,
         param_types: &[u32],
@@ -223,8 +264,9 @@ impl Backend {
         })
     }
 
-    /// Ends the auditor's transaction, if one is open, with a rollback, and
-    /// resets the session (the endpoint ending it: at its maximum age).
+    /// Ends the auditor's transaction, if one is open, with a rollback,
+    /// which undoes its settings too (the endpoint ending it: at its
+    /// maximum age).
     pub async fn abandon(&mut self) -> Result<(), BackendError> {
         if self.in_client_tx {
             self.in_client_tx = false;
@@ -237,7 +279,7 @@ impl Backend {
     /// the endpoint's read-only transaction. The endpoint's own statements
     /// travel in the same round trip: the transaction opened before it, the
     /// limits set again after it, and (for a statement on its own) the
-    /// rollback and reset after that.
+    /// rollback after that.
     pub async fn execute(
         &mut self,
         sql: &str,
@@ -257,7 +299,7 @@ impl Backend {
         let begins = opens && control == Control::Begin;
         let ends = matches!(control, Control::End { .. });
         // After this statement the transaction is over (or never was the
-        // auditor's): roll back and reset in the same round trip.
+        // auditor's): roll back in the same round trip.
         let closes = (opens && !begins) || (!opens && ends);
         let buf = self.conn.write_buf();
         if opens {
@@ -312,6 +354,10 @@ impl Backend {
         let (outcome, bytes, status) = self.read_results(begins).await?;
         if closes {
             self.read_own(CLOSE).await?;
+            if status == b'I' && !ends {
+                // The statement ended the endpoint's transaction itself.
+                self.simple(RESET).await?;
+            }
         }
         let mut outcome = outcome.unwrap_or(Outcome::Empty);
         if bytes > self.max_result_bytes {
@@ -343,7 +389,7 @@ impl Backend {
                 self.in_client_tx = false;
                 if !closes {
                     // The transaction ended some other way: reset as well.
-                    self.simple(CLOSE).await?;
+                    self.simple(RESET).await?;
                 }
             }
             TxChange::None => {}

@@ -913,14 +913,22 @@ impl Flusher {
         let adds: Vec<i64> = counts.values().copied().collect();
         let begin = begin_sql(self.config.attempt_timeout);
         let conn = self.connect().await?;
-        conn.client
-            .batch_execute(&begin)
-            .await
-            .map_err(db_err("begin an append"))?;
-        let bumped = match &conn.prepared {
-            Some((bump, _)) => conn.client.query(bump, &[&names, &adds]).await,
-            None => conn.client.rows(BUMP_SQL, &[&names, &adds]).await,
+        // The opening and the bump go out together, in one round trip. The
+        // bump cannot run outside the transaction: only a failure of the
+        // connection stops BEGIN, and then nothing after it runs either; a
+        // failed SET LOCAL leaves the transaction aborted, and the bump
+        // fails with it.
+        let bump = async {
+            match &conn.prepared {
+                Some((bump, _)) => conn.client.query(bump, &[&names, &adds]).await,
+                None => conn.client.rows(BUMP_SQL, &[&names, &adds]).await,
+            }
         };
+        let (begun, bumped) = tokio::join!(conn.client.batch_execute(&begin), bump);
+        if let Err(e) = begun {
+            let _ = conn.client.batch_execute("ROLLBACK").await;
+            return Err(db_err("begin an append")(e));
+        }
         let rows = match bumped {
             Ok(rows) => rows,
             Err(e) => {

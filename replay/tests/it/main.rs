@@ -260,6 +260,62 @@ async fn extended_protocol_reads_the_audit_set_and_is_recorded() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_parsed_again_is_described_from_memory_and_runs_recorded_each_time() {
+    let env = env().await;
+    let a = env.auditor("alice", "correct horse").await;
+    // What the auditor's PostgreSQL process was last sent.
+    let last = || async {
+        env.db
+            .query_one(
+                "SELECT query FROM pg_stat_activity
+                  WHERE datname = current_database() AND application_name = 'strata-audit'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, String>(0)
+    };
+    let sql = "SELECT count(*) FROM strata.events WHERE stream = $1";
+    let first = a.prepare(sql).await.unwrap();
+    assert_eq!(last().await, sql, "described by PostgreSQL the first time");
+    let n: i64 = a.query_one(&first, &[&"pool/a"]).await.unwrap().get(0);
+    assert_eq!(n, 5);
+    let after_run = last().await;
+    let again = a.prepare(sql).await.unwrap();
+    assert_eq!(
+        last().await,
+        after_run,
+        "a statement this session described before is not sent to PostgreSQL to be described again"
+    );
+    assert_eq!(again.params(), first.params());
+    assert_eq!(again.columns().len(), 1);
+    assert_eq!(again.columns()[0].type_(), first.columns()[0].type_());
+    let n: i64 = a.query_one(&again, &[&"pool/a"]).await.unwrap().get(0);
+    assert_eq!(n, 5);
+    // Each run is recorded.
+    let runs: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM strata.events
+              WHERE stream = 'auditor/alice' AND payload->>'sql' = $1",
+            &[&sql],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(runs, 2);
+    // A statement PostgreSQL refuses is refused each time: only accepted
+    // ones are remembered.
+    for _ in 0..2 {
+        let e = a
+            .prepare("SELECT no_such_column FROM strata.events")
+            .await
+            .unwrap_err();
+        assert_eq!(code(&e), "42703", "{e:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_ddl_side_effects_and_other_relations_are_refused() {
     let env = env().await;
     let a = env.auditor("alice", "correct horse").await;
@@ -608,6 +664,24 @@ async fn an_auditor_cannot_switch_off_the_session_limits() {
     assert_eq!(
         show(a.simple_query("SHOW statement_timeout").await.unwrap()),
         timeout
+    );
+    // Nor does any other setting, made alone or in a transaction of the
+    // auditor's that they commit: the endpoint rolls back either, and the
+    // rollback undoes the SET.
+    a.batch_execute("SET TimeZone = 'Asia/Tokyo'")
+        .await
+        .unwrap();
+    assert_eq!(show(a.simple_query("SHOW TimeZone").await.unwrap()), "UTC");
+    a.batch_execute("BEGIN; SET search_path = public; SELECT set_config('DateStyle', 'SQL, DMY', false); COMMIT")
+        .await
+        .unwrap();
+    assert_eq!(
+        show(a.simple_query("SHOW search_path").await.unwrap()),
+        "audit,strata,pg_catalog"
+    );
+    assert_eq!(
+        show(a.simple_query("SHOW DateStyle").await.unwrap()),
+        "ISO, MDY"
     );
     // Still a working session.
     assert_eq!(pool_a(&a).await, 5);
